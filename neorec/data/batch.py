@@ -1,0 +1,29 @@
+"""What a reader yields: dense features, categorical ids and labels of one batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from neorec.sparse import SparseBatch
+
+
+@dataclass
+class Batch:
+    dense: torch.Tensor  # [B, num_dense] float32
+    sparse: SparseBatch  # feature-major keyed jagged ids
+    labels: torch.Tensor  # [B] float32 in {0, 1}
+
+    def __len__(self) -> int:
+        return self.labels.numel()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(
+            self.dense.to(device, non_blocking=non_blocking),
+            self.sparse.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> Batch:
+        return Batch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory())

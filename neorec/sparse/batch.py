@@ -1,0 +1,259 @@
+"""The keyed jagged batch of categorical ids that flows from the reader to the embedding lookup.
+
+Layout is feature-major: `values` holds all ids of feature 0 for samples 0..B-1, then feature 1, and
+so on; `lengths[f * B + b]` is the number of ids of feature f in sample b. One-hot features have all
+lengths 1, multi-hot features any length >= 0 (an empty bag pools to zeros). Optional `weights` give
+one float per id (weighted features). Offsets are derived from lengths when first needed and cached.
+
+Everything that crosses a process boundary is this structure or a plain tensor, so it must stay cheap
+to move between devices and to split and concatenate by feature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from neorec.errors import DataError
+
+
+def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """[n] lengths -> [n + 1] offsets starting at 0 (int64)."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, dim=0, out=offsets[1:])
+    return offsets
+
+
+class SparseBatch:
+    """Categorical ids of a batch for several features, in one flat tensor per field."""
+
+    __slots__ = ("keys", "values", "lengths", "weights", "_offsets", "_length_per_key")
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> None:
+        self.keys = list(keys)
+        self.values = values
+        self.lengths = lengths
+        self.weights = weights
+        self._offsets: torch.Tensor | None = None
+        self._length_per_key: list[int] | None = None
+        if len(self.keys) == 0:
+            if lengths.numel() != 0:
+                raise DataError("SparseBatch has no features but non-empty lengths")
+        elif lengths.numel() % len(self.keys) != 0:
+            raise DataError(
+                f"SparseBatch lengths has {lengths.numel()} entries, not a multiple of the "
+                f"{len(self.keys)} features {self.keys}: every feature needs one length per sample"
+            )
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_features(
+        cls,
+        features: Mapping[str, tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> SparseBatch:
+        """Build from {feature: (values, lengths[, weights])}; all features need the same batch size."""
+        keys = list(features)
+        sizes = {k: v[1].numel() for k, v in features.items()}
+        if len(set(sizes.values())) > 1:
+            raise DataError(f"features have different batch sizes: {sizes}")
+        has_w = [len(v) == 3 and v[2] is not None for v in features.values()]
+        values = torch.cat([features[k][0].to(torch.int64) for k in keys]) if keys else torch.empty(0, dtype=torch.int64)
+        lengths = torch.cat([features[k][1].to(torch.int64) for k in keys]) if keys else torch.empty(0, dtype=torch.int64)
+        weights = None
+        if any(has_w):
+            weights = torch.cat(
+                [
+                    features[k][2].to(torch.float32) if has_w[i] else torch.ones(features[k][0].numel())
+                    for i, k in enumerate(keys)
+                ]
+            )
+        return cls(keys, values, lengths, weights)
+
+    @classmethod
+    def from_dense_ids(cls, keys: Sequence[str], ids: torch.Tensor) -> SparseBatch:
+        """One-hot features from a [B, F] id matrix (column f is feature keys[f])."""
+        if ids.dim() != 2 or ids.shape[1] != len(keys):
+            raise DataError(f"expected ids of shape [B, {len(keys)}], got {tuple(ids.shape)}")
+        values = ids.t().contiguous().reshape(-1).to(torch.int64)
+        lengths = torch.ones(values.numel(), dtype=torch.int64, device=ids.device)
+        return cls(keys, values, lengths)
+
+    # ---- derived views -------------------------------------------------------------------------
+    @property
+    def num_features(self) -> int:
+        return len(self.keys)
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.numel() // len(self.keys) if self.keys else 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def offsets(self) -> torch.Tensor:
+        """[F * B + 1] offsets of each bag into `values` (cached)."""
+        if self._offsets is None:
+            self._offsets = lengths_to_offsets(self.lengths)
+        return self._offsets
+
+    def length_per_key(self) -> list[int]:
+        """Number of ids of each feature (cached; one host sync the first time)."""
+        if self._length_per_key is None:
+            if not self.keys:
+                self._length_per_key = []
+            else:
+                self._length_per_key = self.lengths.view(len(self.keys), -1).sum(1).tolist()
+        return self._length_per_key
+
+    def offset_per_key(self) -> list[int]:
+        out = [0]
+        for n in self.length_per_key():
+            out.append(out[-1] + n)
+        return out
+
+    def feature(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(values, lengths, weights) of one feature; views, no copy."""
+        f = self._index(key)
+        b = self.batch_size
+        start, end = self.offset_per_key()[f], self.offset_per_key()[f + 1]
+        w = self.weights[start:end] if self.weights is not None else None
+        return self.values[start:end], self.lengths[f * b : (f + 1) * b], w
+
+    def _index(self, key: str) -> int:
+        try:
+            return self.keys.index(key)
+        except ValueError:
+            raise DataError(f"feature {key!r} is not in this batch; it has {self.keys}") from None
+
+    # ---- checks -------------------------------------------------------------------------------
+    def validate(self, num_rows: Mapping[str, int] | None = None) -> None:
+        """Raise DataError naming the feature if ids, lengths or weights are inconsistent.
+
+        num_rows maps each feature to the number of rows of the table it looks up; ids must lie in
+        [0, rows). Costs a few reductions, so call it at the edges (readers, tests), not every step.
+        """
+        if self.values.dtype != torch.int64:
+            raise DataError(f"ids must be int64, got {self.values.dtype}")
+        if self.lengths.dim() != 1 or self.values.dim() != 1:
+            raise DataError("values and lengths must be 1-D tensors")
+        if self.keys and (self.lengths < 0).any():
+            f = int((self.lengths < 0).nonzero()[0, 0]) // self.batch_size
+            raise DataError(f"feature {self.keys[f]!r}: negative length")
+        total = int(self.lengths.sum()) if self.lengths.numel() else 0
+        if total != self.values.numel():
+            raise DataError(
+                f"lengths sum to {total} but there are {self.values.numel()} ids "
+                f"(features {self.keys}, batch size {self.batch_size})"
+            )
+        if self.weights is not None and self.weights.numel() != self.values.numel():
+            raise DataError(f"{self.weights.numel()} weights for {self.values.numel()} ids")
+        if len(set(self.keys)) != len(self.keys):
+            raise DataError(f"duplicate feature names in {self.keys}")
+        bounds = self.offset_per_key()
+        for f, key in enumerate(self.keys):
+            ids = self.values[bounds[f] : bounds[f + 1]]
+            if ids.numel() == 0:
+                continue
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0:
+                raise DataError(f"feature {key!r}: negative id {lo}")
+            if num_rows is not None:
+                if key not in num_rows:
+                    raise DataError(f"feature {key!r} has no table; tables cover {sorted(num_rows)}")
+                if hi >= num_rows[key]:
+                    raise DataError(f"feature {key!r}: id {hi} >= table rows {num_rows[key]}")
+
+    # ---- reshaping -----------------------------------------------------------------------------
+    def select(self, keys: Sequence[str]) -> SparseBatch:
+        """A new batch with only `keys`, in that order (copies the selected ids)."""
+        idx = [self._index(k) for k in keys]
+        b = self.batch_size
+        bounds = self.offset_per_key()
+        values = [self.values[bounds[i] : bounds[i + 1]] for i in idx]
+        lengths = [self.lengths[i * b : (i + 1) * b] for i in idx]
+        weights = None
+        if self.weights is not None:
+            weights = _cat([self.weights[bounds[i] : bounds[i + 1]] for i in idx], self.weights)
+        out = SparseBatch(keys, _cat(values, self.values), _cat(lengths, self.lengths), weights)
+        out._length_per_key = [self.length_per_key()[i] for i in idx]
+        return out
+
+    def permute(self, order: Sequence[int]) -> SparseBatch:
+        """Reorder features: result feature j is this batch's feature order[j]."""
+        return self.select([self.keys[i] for i in order])
+
+    def split(self, groups: Sequence[Sequence[str]]) -> list[SparseBatch]:
+        """One batch per group of feature names (e.g. one per rank that owns those tables)."""
+        return [self.select(g) for g in groups]
+
+    @staticmethod
+    def concat(batches: Sequence[SparseBatch]) -> SparseBatch:
+        """Concatenate batches of the same batch size along the feature axis."""
+        if not batches:
+            return SparseBatch([], torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+        sizes = {b.batch_size for b in batches if b.keys}
+        if len(sizes) > 1:
+            raise DataError(f"cannot concatenate batches of different batch sizes {sorted(sizes)}")
+        keys = [k for b in batches for k in b.keys]
+        if len(set(keys)) != len(keys):
+            raise DataError(f"cannot concatenate batches with repeated features: {keys}")
+        weights = None
+        if any(b.weights is not None for b in batches):
+            weights = torch.cat(
+                [b.weights if b.weights is not None else torch.ones(b.values.numel(), device=b.device) for b in batches]
+            )
+        return SparseBatch(
+            keys, torch.cat([b.values for b in batches]), torch.cat([b.lengths for b in batches]), weights
+        )
+
+    # ---- devices -------------------------------------------------------------------------------
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseBatch:
+        out = SparseBatch(
+            self.keys,
+            self.values.to(device, non_blocking=non_blocking),
+            self.lengths.to(device, non_blocking=non_blocking),
+            self.weights.to(device, non_blocking=non_blocking) if self.weights is not None else None,
+        )
+        out._length_per_key = self._length_per_key
+        return out
+
+    def pin_memory(self) -> SparseBatch:
+        out = SparseBatch(
+            self.keys,
+            self.values.pin_memory(),
+            self.lengths.pin_memory(),
+            self.weights.pin_memory() if self.weights is not None else None,
+        )
+        out._length_per_key = self._length_per_key
+        return out
+
+    def __repr__(self) -> str:
+        w = ", weighted" if self.weights is not None else ""
+        return f"SparseBatch(features={self.keys}, batch_size={self.batch_size}, ids={self.values.numel()}{w})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SparseBatch):
+            return NotImplemented
+        same_w = (self.weights is None) == (other.weights is None) and (
+            self.weights is None or torch.equal(self.weights, other.weights)
+        )
+        return (
+            self.keys == other.keys
+            and torch.equal(self.values, other.values)
+            and torch.equal(self.lengths, other.lengths)
+            and same_w
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts) if parts else like.new_empty(0)
