@@ -1,0 +1,76 @@
+"""Reference embedding collection: one nn.EmbeddingBag per table with sparse gradients.
+
+This is the facebookresearch/dlrm way. It stays as the baseline for tests and benchmarks; training
+uses the fused table-batched engine by default.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.init import init_rows
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.errors import ConfigError
+from neorec.sparse import SparseBatch
+
+
+class ReferenceEmbeddingCollection(EmbeddingCollection):
+    def __init__(
+        self, tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig, seed: int = 0
+    ) -> None:
+        super().__init__(tables, optimizer)
+        for t in tables:
+            if t.dtype != "fp32":
+                raise ConfigError(f"table {t.name!r}: the reference engine stores fp32 only, got {t.dtype!r}")
+        self.bags = nn.ModuleDict(
+            {
+                t.name: nn.EmbeddingBag.from_pretrained(
+                    init_rows(t, seed), freeze=False, mode=t.pooling, sparse=True, include_last_offset=True
+                )
+                for t in tables
+            }
+        )
+        self._table_of = {f: t.name for t in tables for f in t.features}
+
+    def forward(self, sparse: SparseBatch) -> torch.Tensor:
+        b = sparse.batch_size
+        offsets = sparse.offsets()
+        bounds = sparse.offset_per_key()
+        pooled = []
+        for f in self.feature_names:
+            i = sparse.keys.index(f)
+            values = sparse.values[bounds[i] : bounds[i + 1]]
+            off = offsets[i * b : (i + 1) * b + 1] - bounds[i]
+            w = sparse.weights[bounds[i] : bounds[i + 1]] if sparse.weights is not None else None
+            pooled.append(self.bags[self._table_of[f]](values, off, per_sample_weights=w))
+        return torch.cat(pooled, dim=1)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        configs = {t.name: t.optimizer or self.optimizer_config for t in self.tables}
+        names = {c.name for c in configs.values()}
+        if len(names) > 1:
+            raise ConfigError(f"the reference engine needs one embedding optimizer for all tables, got {sorted(names)}")
+        name = names.pop()
+        groups = []
+        for t in self.tables:
+            c = configs[t.name]
+            if c.weight_decay:
+                raise ConfigError(f"table {t.name!r}: the reference engine has no weight decay for sparse gradients")
+            group: dict = {"params": [self.bags[t.name].weight], "lr": c.lr}
+            if name == "adagrad":
+                group.update(eps=c.eps, initial_accumulator_value=c.initial_accumulator)
+            elif name == "adam":
+                group.update(eps=c.eps, betas=(c.beta1, c.beta2))
+            groups.append(group)
+        if name == "sgd":
+            return torch.optim.SGD(groups, lr=self.optimizer_config.lr)
+        if name == "adagrad":
+            return torch.optim.Adagrad(groups, lr=self.optimizer_config.lr)
+        if name == "adam":
+            return torch.optim.SparseAdam(groups, lr=self.optimizer_config.lr)
+        raise ConfigError(f"the reference engine has no {name!r} optimizer; use embedding.engine: fused")
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        return {name: bag.weight.detach() for name, bag in self.bags.items()}

@@ -1,0 +1,62 @@
+"""Embedding table and embedding optimizer settings (validated; shared by every embedding engine)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EmbeddingOptimizerConfig(BaseModel):
+    """Optimizer applied to embedding rows (fused into the backward pass by the fused engine)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["sgd", "adagrad", "rowwise_adagrad", "adam"] = Field("sgd", description="update rule")
+    lr: float = Field(0.1, gt=0, description="learning rate (scaled by the trainer's schedule)")
+    eps: float = Field(1e-8, gt=0, description="added to the denominator of adagrad/adam")
+    weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient of touched rows")
+    beta1: float = Field(0.9, ge=0, lt=1, description="adam first-moment decay")
+    beta2: float = Field(0.999, ge=0, lt=1, description="adam second-moment decay")
+    initial_accumulator: float = Field(0.0, ge=0, description="starting value of adagrad state")
+
+
+class TableConfig(BaseModel):
+    """One embedding table; several features may look it up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="table name, unique in the model")
+    rows: int = Field(gt=0, description="number of rows (ids lie in [0, rows))")
+    dim: int = Field(gt=0, description="embedding dimension")
+    features: list[str] = Field(min_length=1, description="features that look up this table")
+    pooling: Literal["sum", "mean"] = Field("sum", description="how the ids of one bag are combined")
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="storage type of the weights")
+    optimizer: EmbeddingOptimizerConfig | None = Field(None, description="per-table optimizer override")
+
+    @model_validator(mode="after")
+    def _unique_features(self) -> TableConfig:
+        if len(set(self.features)) != len(self.features):
+            raise ValueError(f"table {self.name!r} lists a feature twice: {self.features}")
+        return self
+
+
+def feature_order(tables: list[TableConfig]) -> list[str]:
+    """The order in which pooled features come out of an embedding collection: table by table."""
+    return [f for t in tables for f in t.features]
+
+
+def check_tables(tables: list[TableConfig]) -> None:
+    """Unique table names, and each feature served by exactly one table."""
+    from neorec.errors import ConfigError
+
+    names = [t.name for t in tables]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ConfigError(f"duplicate table names: {sorted(dup)}")
+    seen: dict[str, str] = {}
+    for t in tables:
+        for f in t.features:
+            if f in seen:
+                raise ConfigError(f"feature {f!r} is looked up by both table {seen[f]!r} and table {t.name!r}")
+            seen[f] = t.name
