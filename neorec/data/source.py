@@ -26,6 +26,7 @@ class FeatureSpec:
 class SourceInfo:
     num_dense: int
     features: list[FeatureSpec]
+    num_train_samples: int | None = None  # samples per training epoch, when known up front
     notes: dict[str, object] = field(default_factory=dict)  # e.g. the teacher's AUC ceiling
 
     @property

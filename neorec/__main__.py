@@ -1,0 +1,5 @@
+import sys
+
+from neorec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""`neorec` command line: a thin layer over the library (neorec.train, neorec.data, neorec.config)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from neorec.errors import NeorecError
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=None, help="YAML file or shipped config name (default: 'default')")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.max_steps=100 (repeatable)",
+    )  # fmt: skip
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from neorec.config.load import load_config
+    from neorec.train.trainer import Trainer, summary_table
+
+    cfg = load_config(args.config or "default", args.overrides)
+    trainer = Trainer(cfg, Path(args.output_dir) if args.output_dir else None)
+    if trainer.source.info.notes.get("skipped_lines"):
+        print(f"skipped {trainer.source.info.notes['skipped_lines']} malformed lines", file=sys.stderr)
+    result = trainer.fit()
+    print(summary_table(result))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from neorec.config.load import load_config
+    from neorec.train.trainer import Trainer, evaluate
+
+    run = Path(args.run_dir)
+    cfg_path = run / "config.yaml"
+    if not cfg_path.is_file() or not (run / "model.pt").is_file():
+        raise NeorecError(f"{run}: not a finished run folder (needs config.yaml and model.pt from `neorec train`)")
+    cfg = load_config(str(cfg_path), args.overrides)
+    trainer = Trainer(cfg, run)
+    state = torch.load(run / "model.pt", weights_only=True)
+    trainer.model.load_state_dict(state)
+    metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size)
+    width = max(len(k) for k in metrics)
+    for k, v in metrics.items():
+        print(f"{k.ljust(width)} | {v:.6g}" if isinstance(v, float) else f"{k.ljust(width)} | {v}")
+    return 0
+
+
+def cmd_data_generate(args: argparse.Namespace) -> int:
+    from neorec.config.load import load_config
+    from neorec.data.synthetic import SyntheticSource, spec_from_config, write_shards
+
+    cfg = load_config(args.config or "default", args.overrides)
+    source = SyntheticSource(spec_from_config(cfg.data.synthetic, cfg.seed), cache=False)
+    paths = write_shards(source, Path(args.out))
+    print(f"wrote {len(paths)} shard files to {args.out} (teacher AUC on eval: {source.teacher_auc():.4f})")
+    return 0
+
+
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    from neorec.data.inspect import inspect_source
+
+    print(inspect_source(args.config or "default", args.overrides, args.batches))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="neorec", description="Train deep learning recommendation models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model (default: synthetic Criteo-like data on CPU)")
+    _add_config_args(p)
+    p.add_argument("--output-dir", default=None, help="where logs, plots and the model go (default: from config)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate a finished run on its held-out data")
+    p.add_argument("run_dir", help="the folder `neorec train` wrote")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_eval)
+
+    data = sub.add_parser("data", help="generate or inspect data").add_subparsers(dest="data_command", required=True)
+    p = data.add_parser("generate", help="write the synthetic data set of a config to .npz shards")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=cmd_data_generate)
+    p = data.add_parser("inspect", help="summarise the data a config reads (features, sizes, id statistics)")
+    _add_config_args(p)
+    p.add_argument("--batches", type=int, default=4, help="training batches to sample for statistics")
+    p.set_defaults(func=cmd_data_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except NeorecError as e:
+        print(f"neorec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

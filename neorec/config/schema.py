@@ -1,0 +1,189 @@
+"""The run configuration: every field typed, bounded and documented; checked before any work starts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from neorec.embedding.tables import EmbeddingOptimizerConfig
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---- data ----------------------------------------------------------------------------------------
+class SyntheticConfig(Strict):
+    """Synthetic Criteo-like data with a hidden teacher model (neorec.data.synthetic)."""
+
+    preset: Literal["custom", "criteo_kaggle", "mlperf"] = Field(
+        "custom", description="table sizes: custom (`rows`), the Criteo Kaggle cardinalities, or MLPerf's Criteo 1TB"
+    )
+    rows: int | list[int] = Field(10000, description="custom preset: rows of every table, or one entry per table")
+    num_sparse: int = Field(26, gt=0, description="custom preset: number of categorical features")
+    num_dense: int = Field(13, ge=0, description="number of dense features")
+    max_rows: int | None = Field(None, gt=0, description="cap every table at this many rows")
+    row_scale: float = Field(1.0, gt=0, le=1, description="multiply every table size by this (>= 1 row)")
+    zipf_alpha: float = Field(1.05, gt=0, description="power-law exponent of id popularity")
+    multi_hot: Literal["none", "mlperf"] | list[int] = Field(
+        "none", description="one-hot, MLPerf DCNv2 bag sizes, or a mean bag size per feature"
+    )
+    variable_bags: bool = Field(False, description="bag sizes ~ Poisson(mean), so empty bags occur")
+    weighted: bool = Field(False, description="ids carry weights in (0, 1]")
+    latent_dim: int = Field(8, gt=0, description="teacher: latent vector size per id")
+    num_pairs: int = Field(26, ge=0, description="teacher: feature pairs whose latent dot products matter")
+    logit_scale: float = Field(2.0, gt=0, description="teacher: std of the logit (larger = easier task)")
+    base_ctr: float = Field(0.25, gt=0, lt=1, description="teacher: mean click rate")
+    train_samples: int = Field(1_000_000, gt=0, description="training samples per epoch")
+    eval_samples: int = Field(100_000, gt=0, description="held-out samples")
+
+    @model_validator(mode="after")
+    def _lengths(self) -> SyntheticConfig:
+        if isinstance(self.rows, list) and self.preset == "custom" and len(self.rows) != self.num_sparse:
+            raise ValueError(f"rows has {len(self.rows)} entries but num_sparse is {self.num_sparse}")
+        if isinstance(self.multi_hot, list) and len(self.multi_hot) != self.num_tables:
+            raise ValueError(f"multi_hot has {len(self.multi_hot)} entries for {self.num_tables} features")
+        if isinstance(self.rows, list) and any(r <= 0 for r in self.rows):
+            raise ValueError("every entry of rows must be > 0")
+        if isinstance(self.rows, int) and self.rows <= 0:
+            raise ValueError("rows must be > 0")
+        return self
+
+    @property
+    def num_tables(self) -> int:
+        return 26 if self.preset != "custom" else self.num_sparse
+
+
+class CriteoConfig(Strict):
+    """Raw Criteo TSV files (label, I1..I13, C1..C26), plain or .gz."""
+
+    train_paths: list[str] = Field(min_length=1, description="training TSV files")
+    eval_paths: list[str] | None = Field(None, description="held-out TSV files; default: every eval_every-th line")
+    table_rows: int | list[int] = Field(100_000, description="rows per table (one value, or 26)")
+    hashing: Literal["modulo", "hash"] = Field("modulo", description="how a hex id maps into its table")
+    bad_lines: Literal["fail", "skip"] = Field("fail", description="malformed lines: stop with file:line, or skip and count")
+    eval_every: int = Field(10, ge=2, description="without eval_paths, hold out lines whose number is a multiple of this")
+
+
+class MovieLensConfig(Strict):
+    """MovieLens latest-small: label = rating >= 4."""
+
+    root: str = Field("../shared/data/ml-latest-small", description="folder with ratings.csv and movies.csv")
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="share of ratings held out (seeded split)")
+
+
+class DataConfig(Strict):
+    source: Literal["synthetic", "criteo_tsv", "movielens"] = Field("synthetic", description="where batches come from")
+    batch_size: int = Field(2048, gt=0, description="training samples per step (global)")
+    eval_batch_size: int = Field(16384, gt=0, description="samples per evaluation batch")
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic data settings")
+    criteo: CriteoConfig | None = Field(None, description="Criteo TSV settings (source: criteo_tsv)")
+    movielens: MovieLensConfig = Field(default_factory=MovieLensConfig, description="MovieLens settings")
+
+    @model_validator(mode="after")
+    def _source_settings(self) -> DataConfig:
+        if self.source == "criteo_tsv" and self.criteo is None:
+            raise ValueError("source criteo_tsv needs a data.criteo section with train_paths")
+        return self
+
+
+# ---- model ---------------------------------------------------------------------------------------
+class ModelConfig(Strict):
+    arch: Literal["dlrm", "dcnv2"] = Field("dlrm", description="dot-interaction DLRM or DCNv2 cross network")
+    bottom_mlp: list[int] = Field([512, 256, 64, 16], min_length=1, description="bottom MLP layer sizes")
+    top_mlp: list[int] = Field([512, 256], description="top MLP hidden sizes (a final 1-unit layer is added)")
+    self_interaction: bool = Field(False, description="dlrm: include each vector's dot with itself")
+    cross_layers: int = Field(3, gt=0, description="dcnv2: number of cross layers")
+    low_rank: int | None = Field(None, gt=0, description="dcnv2: rank of the cross weights (None = full)")
+
+    @model_validator(mode="after")
+    def _positive(self) -> ModelConfig:
+        if any(s <= 0 for s in self.bottom_mlp + self.top_mlp):
+            raise ValueError("layer sizes must be > 0")
+        return self
+
+
+class TableOverride(Strict):
+    """Per-table settings that differ from the `embedding` defaults."""
+
+    dim: int | None = Field(None, gt=0, description="embedding dimension")
+    pooling: Literal["sum", "mean"] | None = Field(None, description="bag pooling")
+    dtype: Literal["fp32", "fp16", "bf16"] | None = Field(None, description="weight storage type")
+    optimizer: EmbeddingOptimizerConfig | None = Field(None, description="optimizer for this table")
+
+
+class EmbeddingConfig(Strict):
+    engine: Literal["fused", "reference"] = Field("fused", description="fused table-batched engine, or per-table nn.EmbeddingBag")
+    dim: int = Field(16, gt=0, description="default embedding dimension")
+    pooling: Literal["sum", "mean"] = Field("sum", description="default bag pooling")
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="default weight storage type")
+    stochastic_rounding: bool = Field(False, description="fp16/bf16 weights: round updates stochastically (seeded)")
+    optimizer: EmbeddingOptimizerConfig = Field(
+        default_factory=lambda: EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05),
+        description="default optimizer of the embedding rows",
+    )
+    tables: dict[str, TableOverride] = Field(default_factory=dict, description="overrides by feature/table name")
+
+
+# ---- training ------------------------------------------------------------------------------------
+class DenseOptimizerConfig(Strict):
+    name: Literal["adam", "adagrad", "sgd"] = Field("adam", description="optimizer of the MLPs")
+    lr: float = Field(1e-3, gt=0, description="learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="L2 penalty")
+    eps: float = Field(1e-8, gt=0, description="adam/adagrad epsilon")
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd momentum")
+
+
+class ScheduleConfig(Strict):
+    """Learning-rate multiplier over steps, applied to dense and embedding optimizers alike."""
+
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0")
+    decay: Literal["none", "linear", "cosine"] = Field("none", description="decay after decay_start")
+    decay_start: int = Field(0, ge=0, description="step where decay begins")
+    min_ratio: float = Field(0.0, ge=0, le=1, description="the multiplier never drops below this")
+
+
+class TrainConfig(Strict):
+    epochs: int = Field(1, gt=0, description="passes over the training data")
+    max_steps: int | None = Field(None, gt=0, description="stop after this many steps (None: all epochs)")
+    eval_every: int | None = Field(None, gt=0, description="evaluate every N steps (None: after each epoch)")
+    eval_max_batches: int | None = Field(None, gt=0, description="cap on mid-training evaluation batches")
+    log_every: int = Field(50, gt=0, description="write a metrics line every N steps")
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads (None: torch's default)")
+    progress: bool = Field(True, description="show a tqdm progress bar")
+    dense_optimizer: DenseOptimizerConfig = Field(default_factory=DenseOptimizerConfig, description="MLP optimizer")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="learning-rate schedule")
+
+
+class LoggingConfig(Strict):
+    tensorboard: bool = Field(True, description="write TensorBoard events when tensorboard is installed")
+    plot: bool = Field(True, description="write curves.png at the end")
+
+
+class RunConfig(Strict):
+    name: str = Field("default", min_length=1, description="run name, used in the output folder")
+    seed: int = Field(0, ge=0, description="seed of everything: data, init, shuffling")
+    output_dir: str = Field("runs/{name}", description="where logs, plots and the model go ({name} is replaced)")
+    data: DataConfig = Field(default_factory=DataConfig, description="data source and batching")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="network architecture")
+    embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig, description="embedding tables")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="training loop")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="logs and plots")
+
+    @model_validator(mode="after")
+    def _dlrm_dims(self) -> RunConfig:
+        if self.model.arch == "dlrm":
+            dims = {self.embedding.dim} | {o.dim for o in self.embedding.tables.values() if o.dim is not None}
+            if len(dims) > 1:
+                raise ValueError(f"model.arch dlrm needs one embedding dim for all tables, got {sorted(dims)}")
+            if self.model.bottom_mlp[-1] != self.embedding.dim:
+                raise ValueError(
+                    f"model.bottom_mlp must end in embedding.dim ({self.embedding.dim}) for dlrm's dot "
+                    f"interaction, got {self.model.bottom_mlp}"
+                )
+        return self
+
+    @property
+    def resolved_output_dir(self) -> str:
+        return self.output_dir.replace("{name}", self.name)

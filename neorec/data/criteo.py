@@ -1,0 +1,369 @@
+"""Streaming reader for raw Criteo TSV files (plain or .gz), with the preprocessing of facebookresearch/dlrm.
+
+A line is `label \\t I1..I13 \\t C1..C26`: 40 tab-separated fields, no header, an empty field is a
+missing value. The file is read in chunks of lines; each chunk is split per line in Python and then
+validated and converted with numpy over the whole chunk, so the whole file is never in memory.
+
+Preprocessing (as dlrm's `getCriteoAdData` + `--max-ind-range`):
+- dense: missing -> 0, negative -> 0, then log(1 + x), float32, in the order I1..I13;
+- categorical: the hex hash is read as an unsigned integer; a missing value is read as 0 (the hash
+  "00000000", as dlrm does), so it shares an id with that hash; then the integer is reduced into the
+  feature's table with `hashing`:
+    "modulo": id = value % rows (dlrm's choice; missing -> id 0),
+    "hash":   id = splitmix64(value) % rows, which spreads values that share low bits across the table.
+  `splitmix64` is the finaliser of Steele et al.'s SplitMix64 on uint64 (constants below), fixed so
+  that ids are stable across runs, machines and versions.
+
+Bad lines (wrong field count, label not 0/1, non-integer dense value, categorical value with non-hex
+characters or more than 8 digits) raise a DataError naming `path:line` under `bad_lines="fail"`, or are
+skipped and counted per reason under `bad_lines="skip"`. Blank lines at the end of a file are ignored.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+import torch
+
+from neorec.data.batch import Batch
+from neorec.data.source import FeatureSpec, SourceInfo
+from neorec.errors import ConfigError, DataError
+from neorec.sparse import SparseBatch
+
+NUM_DENSE = 13
+NUM_CATEGORICAL = 26
+NUM_FIELDS = 1 + NUM_DENSE + NUM_CATEGORICAL
+DENSE_NAMES = [f"I{i}" for i in range(1, NUM_DENSE + 1)]
+CATEGORICAL_NAMES = [f"C{i}" for i in range(1, NUM_CATEGORICAL + 1)]
+HASHINGS = ("modulo", "hash")
+BAD_LINE_POLICIES = ("fail", "skip")
+MAX_DENSE_DIGITS = 18  # keeps every accepted dense value inside int64
+MAX_HEX_DIGITS = 8
+
+# ASCII byte -> hex digit value, 255 for anything that is not a hex digit.
+_HEX_LUT = np.full(256, 255, dtype=np.uint8)
+for _c in b"0123456789abcdef":
+    _HEX_LUT[_c] = int(chr(_c), 16)
+for _c in b"ABCDEF":
+    _HEX_LUT[_c] = int(chr(_c), 16)
+
+_HEX_SHIFTS = np.arange(4 * (MAX_HEX_DIGITS - 1), -1, -4, dtype=np.uint64)
+
+PathLike = str | Path
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser on uint64 (wrapping arithmetic): a fixed, well-mixed integer hash."""
+    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def map_categorical(raw: np.ndarray, table_rows: np.ndarray, hashing: str) -> np.ndarray:
+    """Raw hash values [B, 26] (uint64) -> int64 ids in [0, table_rows[f]) for each column f."""
+    rows = table_rows.astype(np.uint64)
+    if hashing == "modulo":
+        return (raw % rows).astype(np.int64)
+    if hashing == "hash":
+        return (splitmix64(raw) % rows).astype(np.int64)
+    raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
+
+
+def _byte_matrix(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fixed-width bytes cells [n] -> (bytes [n, width] uint8, lengths [n], in-string mask [n, width])."""
+    flat = np.ascontiguousarray(cells).reshape(-1)
+    width = flat.dtype.itemsize
+    u = flat.view(np.uint8).reshape(-1, width)
+    length = np.char.str_len(flat)
+    inside = np.arange(width) < length[:, None]
+    return u, length, inside
+
+
+def parse_dense(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Decimal integer cells (bytes) -> (int64 values, valid mask), same shape; empty -> 0, valid."""
+    u, length, inside = _byte_matrix(cells)
+    digit = (u >= ord("0")) & (u <= ord("9"))
+    sign = (u[:, 0] == ord("-")) | (u[:, 0] == ord("+"))
+    char_ok = np.where(inside, digit, True)
+    char_ok[:, 0] |= sign
+    num_digits = length - sign
+    valid = char_ok.all(1) & ((length == 0) | ((num_digits >= 1) & (num_digits <= MAX_DENSE_DIGITS)))
+    flat = cells.reshape(-1)
+    values = np.zeros(flat.shape, dtype=np.int64)
+    present = valid & (length > 0)
+    values[present] = flat[present].astype(np.int64)
+    return values.reshape(cells.shape), valid.reshape(cells.shape)
+
+
+def parse_hex(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Hex cells (bytes, at most 8 digits) -> (uint64 values, valid mask), same shape; empty -> 0."""
+    flat = np.ascontiguousarray(cells).reshape(-1)
+    length = np.char.str_len(flat)
+    if flat.dtype.itemsize != MAX_HEX_DIGITS:
+        flat = flat.astype(f"S{MAX_HEX_DIGITS}")  # longer cells are invalid anyway (length check)
+    u = flat.view(np.uint8).reshape(-1, MAX_HEX_DIGITS)
+    nibble = _HEX_LUT[u]
+    inside = np.arange(MAX_HEX_DIGITS) < length[:, None]
+    valid = (length <= MAX_HEX_DIGITS) & ((nibble != 255) | ~inside).all(1)
+    # Read the cell as if left-aligned in 8 digits, then shift out the padding of shorter cells.
+    left = (np.where(inside, nibble, 0).astype(np.uint64) << _HEX_SHIFTS).sum(1, dtype=np.uint64)
+    values = left >> (4 * (MAX_HEX_DIGITS - np.minimum(length, MAX_HEX_DIGITS))).astype(np.uint64)
+    return np.where(valid, values, 0).reshape(cells.shape), valid.reshape(cells.shape)
+
+
+def _open(path: Path) -> IO[bytes]:
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+class CriteoTSVReader:
+    """One pass over Criteo TSV files, yielding preprocessed Batches; counts the lines it skipped.
+
+    `keep_line(line_number)` (1-based, per file) selects the lines of this pass before they are
+    parsed, e.g. to hold out every 10th line for evaluation.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[PathLike],
+        table_rows: int | Sequence[int],
+        hashing: str = "modulo",
+        bad_lines: str = "fail",
+        keep_line: Callable[[int], bool] | None = None,
+        chunk_lines: int = 16384,
+    ) -> None:
+        self.paths = [Path(p) for p in paths]
+        self.table_rows = resolve_table_rows(table_rows)
+        if hashing not in HASHINGS:
+            raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
+        if bad_lines not in BAD_LINE_POLICIES:
+            raise ConfigError(f"bad_lines must be one of {BAD_LINE_POLICIES}, got {bad_lines!r}")
+        if chunk_lines < 1:
+            raise ConfigError(f"chunk_lines must be >= 1, got {chunk_lines}")
+        self.hashing = hashing
+        self.bad_lines = bad_lines
+        self.keep_line = keep_line
+        self.chunk_lines = chunk_lines
+        self.skipped: Counter[str] = Counter()  # reason -> lines skipped so far in this pass
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def batches(self, batch_size: int) -> Iterator[Batch]:
+        """Batches of `batch_size` samples across file boundaries; the last one may be smaller."""
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        num_pending = 0
+        for chunk in self.chunks():
+            pending.append(chunk)
+            num_pending += len(chunk[0])
+            if num_pending < batch_size:
+                continue
+            labels, dense, ids = (np.concatenate(parts) for parts in zip(*pending, strict=True))
+            full = num_pending - num_pending % batch_size
+            for start in range(0, full, batch_size):
+                end = start + batch_size
+                yield _to_batch(labels[start:end], dense[start:end], ids[start:end])
+            pending = [(labels[full:], dense[full:], ids[full:])]
+            num_pending -= full
+        if num_pending:
+            labels, dense, ids = (np.concatenate(parts) for parts in zip(*pending, strict=True))
+            yield _to_batch(labels, dense, ids)
+
+    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(labels [n] f32, dense [n, 13] f32, ids [n, 26] int64) per chunk of kept, valid lines."""
+        for path in self.paths:
+            lines = self._numbered_lines(path)
+            while chunk := list(itertools.islice(lines, self.chunk_lines)):
+                parsed = self._parse_chunk(path, chunk)
+                if len(parsed[0]):
+                    yield parsed
+
+    def _numbered_lines(self, path: Path) -> Iterator[tuple[int, bytes]]:
+        """(1-based line number, line) of the kept lines; blank lines count only if more lines follow."""
+        blank: list[tuple[int, bytes]] = []
+        keep = self.keep_line
+        number = 0
+        with _open(path) as f:
+            try:
+                for number, line in enumerate(f, start=1):
+                    if keep is not None and not keep(number):
+                        continue
+                    if not line.strip():
+                        blank.append((number, line))
+                        continue
+                    if blank:
+                        yield from blank
+                        blank.clear()
+                    yield number, line
+            except (OSError, EOFError) as e:  # truncated or corrupt gzip
+                raise DataError(f"{path}: cannot read after line {number}: {e}") from e
+
+    def _parse_chunk(
+        self, path: Path, chunk: list[tuple[int, bytes]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        bad: list[tuple[int, str, str]] = []  # (line number, reason, message)
+        rows: list[list[bytes]] = []
+        numbers: list[int] = []
+        for number, line in chunk:
+            fields = line.rstrip(b"\r\n").split(b"\t")
+            if len(fields) != NUM_FIELDS:
+                msg = (
+                    f"{path}:{number}: expected {NUM_FIELDS} tab-separated fields "
+                    f"(label, I1..I13, C1..C26), got {len(fields)}"
+                )
+                bad.append((number, "field_count", msg))
+                continue
+            rows.append(fields)
+            numbers.append(number)
+
+        if rows:
+            cells = np.array(rows, dtype=np.bytes_)
+            label_ok = (cells[:, 0] == b"0") | (cells[:, 0] == b"1")
+            dense_raw, dense_ok = parse_dense(cells[:, 1 : 1 + NUM_DENSE])
+            cat_raw, cat_ok = parse_hex(cells[:, 1 + NUM_DENSE :])
+            ok = label_ok & dense_ok.all(1) & cat_ok.all(1)
+            for i in np.flatnonzero(~ok):
+                bad.append(_describe(path, numbers[i], cells[i], label_ok[i], dense_ok[i], cat_ok[i]))
+        else:
+            ok = np.zeros(0, dtype=bool)
+
+        if bad:
+            if self.bad_lines == "fail":
+                raise DataError(min(bad)[2] + "; pass bad_lines='skip' to skip and count such lines")
+            self.skipped.update(reason for _, reason, _ in bad)
+        if not ok.any():
+            empty = np.zeros(0, dtype=np.float32)
+            return empty, np.zeros((0, NUM_DENSE), np.float32), np.zeros((0, NUM_CATEGORICAL), np.int64)
+
+        labels = (cells[ok, 0] == b"1").astype(np.float32)
+        dense = np.log1p(np.maximum(dense_raw[ok], 0).astype(np.float64)).astype(np.float32)
+        ids = map_categorical(cat_raw[ok], self.table_rows, self.hashing)
+        return labels, dense, ids
+
+
+def _describe(
+    path: Path, number: int, cells: np.ndarray, label_ok: bool, dense_ok: np.ndarray, cat_ok: np.ndarray
+) -> tuple[int, str, str]:
+    """The first problem of one line, as (line number, reason, message)."""
+    where = f"{path}:{number}"
+    if not label_ok:
+        return number, "label", f"{where}: label {cells[0].decode(errors='replace')!r} is not 0 or 1"
+    if not dense_ok.all():
+        j = int(np.flatnonzero(~dense_ok)[0])
+        value = cells[1 + j].decode(errors="replace")
+        msg = f"{where}: dense feature {DENSE_NAMES[j]} = {value!r} is not an integer (or empty)"
+        return number, "dense", msg
+    j = int(np.flatnonzero(~cat_ok)[0])
+    value = cells[1 + NUM_DENSE + j].decode(errors="replace")
+    msg = f"{where}: categorical feature {CATEGORICAL_NAMES[j]} = {value!r} is not a hex hash of at most 8 digits (or empty)"
+    return number, "categorical", msg
+
+
+def _to_batch(labels: np.ndarray, dense: np.ndarray, ids: np.ndarray) -> Batch:
+    sparse = SparseBatch.from_dense_ids(CATEGORICAL_NAMES, torch.from_numpy(ids))
+    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
+
+
+def resolve_table_rows(table_rows: int | Sequence[int]) -> np.ndarray:
+    """One int for all 26 features, or 26 ints -> int64 array [26]; every entry must be >= 1."""
+    if isinstance(table_rows, int):
+        rows = [table_rows] * NUM_CATEGORICAL
+    else:
+        rows = [int(r) for r in table_rows]
+        if len(rows) != NUM_CATEGORICAL:
+            raise ConfigError(
+                f"table_rows needs one int or {NUM_CATEGORICAL} ints (C1..C26), got {len(rows)}"
+            )
+    if min(rows) < 1:
+        raise ConfigError(f"table_rows must all be >= 1, got {rows}")
+    return np.asarray(rows, dtype=np.int64)
+
+
+class CriteoTSVSource:
+    """DataSource over raw Criteo TSV files, read as a stream on every pass.
+
+    Held-out set: the lines of `eval_paths` when given; otherwise every line whose 1-based line
+    number within its file is a multiple of `eval_every` (10 -> lines 10, 20, ...) is held out for
+    evaluation and never used for training. Files are read in the given order on every epoch (no
+    shuffling: shuffle when preprocessing), so `epoch` does not change the batches.
+
+    `skipped` holds, per split ("train", "eval"), the bad lines skipped per reason during the latest
+    pass over that split (only with bad_lines="skip"; with "fail" the first bad line raises).
+    """
+
+    def __init__(
+        self,
+        train_paths: PathLike | Sequence[PathLike],
+        eval_paths: PathLike | Sequence[PathLike] | None = None,
+        *,
+        table_rows: int | Sequence[int],
+        hashing: str = "modulo",
+        bad_lines: str = "fail",
+        eval_every: int = 10,
+        chunk_lines: int = 16384,
+    ) -> None:
+        self.train_paths = _as_paths(train_paths)
+        self.eval_paths = _as_paths(eval_paths) if eval_paths is not None else None
+        if not self.train_paths:
+            raise ConfigError("train_paths is empty: give at least one Criteo TSV file")
+        if self.eval_paths is None and eval_every < 2:
+            raise ConfigError(f"eval_every must be >= 2 when no eval_paths are given, got {eval_every}")
+        for path in self.train_paths + (self.eval_paths or []):
+            if not path.is_file():
+                raise DataError(f"{path}: no such file")
+        self.table_rows = resolve_table_rows(table_rows)
+        self.hashing = hashing
+        self.bad_lines = bad_lines
+        self.eval_every = eval_every
+        self.chunk_lines = chunk_lines
+        self.skipped: dict[str, Counter[str]] = {"train": Counter(), "eval": Counter()}
+        self._reader("train", [], None)  # checks hashing, bad_lines and chunk_lines now
+        self.info = SourceInfo(
+            num_dense=NUM_DENSE,
+            features=[
+                FeatureSpec(n, int(r)) for n, r in zip(CATEGORICAL_NAMES, self.table_rows, strict=True)
+            ],
+            notes={"dense": DENSE_NAMES, "hashing": hashing},
+        )
+
+    @property
+    def num_skipped(self) -> int:
+        """Bad lines skipped in the latest train and eval passes together."""
+        return sum(sum(c.values()) for c in self.skipped.values())
+
+    def train_batches(self, batch_size: int, epoch: int = 0) -> Iterator[Batch]:
+        every = self.eval_every
+        keep = None if self.eval_paths is not None else (lambda n: n % every != 0)
+        yield from self._reader("train", self.train_paths, keep).batches(batch_size)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        if self.eval_paths is not None:
+            reader = self._reader("eval", self.eval_paths, None)
+        else:
+            every = self.eval_every
+            reader = self._reader("eval", self.train_paths, lambda n: n % every == 0)
+        yield from reader.batches(batch_size)
+
+    def _reader(self, split: str, paths: list[Path], keep: Callable[[int], bool] | None) -> CriteoTSVReader:
+        reader = CriteoTSVReader(
+            paths, self.table_rows.tolist(), self.hashing, self.bad_lines, keep, self.chunk_lines
+        )
+        self.skipped[split] = reader.skipped  # the reader counts into it as the pass goes
+        return reader
+
+
+def _as_paths(paths: PathLike | Sequence[PathLike]) -> list[Path]:
+    if isinstance(paths, str | Path):
+        return [Path(paths)]
+    return [Path(p) for p in paths]

@@ -1,0 +1,228 @@
+"""MovieLens "latest-small" as a CTR source: label = rating >= 4.0, the small real dataset a model must learn.
+
+Reads `ratings.csv` (userId, movieId, rating, timestamp) and `movies.csv` (movieId, title, genres)
+once into tensors (100k rows) and builds batches by slicing, so an epoch costs no parsing.
+
+Features, all ids in [0, num_ids):
+- "user":   userId -> index in sorted order of the userIds that appear in ratings.csv;
+- "movie":  movieId -> index in sorted order of the movieIds of movies.csv (every movie, rated or not);
+- "genres": multi-hot bag of the movie's pipe-separated genres, indices in sorted genre-name order;
+            "(no genres listed)" gives an empty bag;
+- "year":   release year from the title's trailing "(1995)" (or "(2006–2007)" -> 2006), clipped to
+            [1900, 2020] -> 1 + (year - 1900); 0 is the dedicated "unknown year" id.
+Dense features (no label leakage: none is derived from any rating value):
+- release year, (year - 1900) / 120, clipped to [0, 1]; unknown -> the mean over movies with a year;
+- rating time, the timestamp min-max scaled to [0, 1] over all of ratings.csv;
+- movie age when rated, (rating year - release year) / 100, clipped to [0, 1]; unknown year -> 0.
+
+Split: a seeded permutation (numpy Generator(seed)) of all ratings puts round(val_fraction * N)
+of them in the validation set and the rest in training; both are kept in file order. The same
+(root, seed, val_fraction) always gives the same split.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from neorec.data.batch import Batch
+from neorec.data.source import FeatureSpec, SourceInfo
+from neorec.errors import ConfigError, DataError
+from neorec.sparse import SparseBatch
+
+FEATURES = ("user", "movie", "genres", "year")
+DENSE_NAMES = ["release_year", "rating_time", "age_when_rated"]
+NO_GENRES = "(no genres listed)"
+YEAR_MIN, YEAR_MAX = 1900, 2020
+UNKNOWN_YEAR = 0  # year id of titles without a parsable year
+SECONDS_PER_YEAR = 365.2425 * 24 * 3600
+_YEAR_RE = re.compile(r"\((\d{4})(?:\s*[-–]\s*\d{4})?\)\s*$")
+
+
+def parse_year(title: str) -> int | None:
+    """Release year from a MovieLens title such as "Toy Story (1995)"; None when it has none."""
+    m = _YEAR_RE.search(title)
+    return int(m.group(1)) if m else None
+
+
+def split_ratings(n: int, seed: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train rows, validation rows), each sorted: a seeded permutation of n rows puts the first
+    round(val_fraction * n) of it in validation. Depends only on (n, seed, val_fraction)."""
+    num_val = round(val_fraction * n)
+    order = np.random.default_rng(seed).permutation(n)
+    return torch.from_numpy(np.sort(order[num_val:])), torch.from_numpy(np.sort(order[:num_val]))
+
+
+def _read_csv(path: Path, columns: list[str]) -> tuple[list[int], list[list[str]]]:
+    """(line number of each row, one list of strings per column) of a CSV file with a header that
+    holds at least `columns`, in the order of `columns`."""
+    if not path.is_file():
+        raise DataError(
+            f"{path}: no such file; expected the MovieLens latest-small file with header {','.join(columns)}"
+        )
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        missing = [c for c in columns if c not in header]
+        if missing:
+            raise DataError(
+                f"{path}: header {','.join(header) or '(empty)'} lacks {missing}; expected {','.join(columns)}"
+            )
+        where = [header.index(c) for c in columns]
+        lines: list[int] = []
+        rows: list[list[str]] = []
+        for row in reader:
+            if len(row) != len(header):
+                raise DataError(
+                    f"{path}:{reader.line_num}: expected {len(header)} fields ({','.join(header)}), got {len(row)}"
+                )
+            lines.append(reader.line_num)
+            rows.append([row[i] for i in where])
+    return lines, [list(col) for col in zip(*rows, strict=True)] if rows else [[] for _ in columns]
+
+
+def _numbers(path: Path, lines: list[int], column: str, values: list[str], dtype: type) -> np.ndarray:
+    """Parse a column with numpy; on failure name the first bad line."""
+    try:
+        return np.asarray(values).astype(dtype)
+    except ValueError:
+        for line, v in zip(lines, values, strict=True):
+            try:
+                dtype(v)
+            except ValueError:
+                raise DataError(f"{path}:{line}: {column} = {v!r} is not a {np.dtype(dtype).name}") from None
+        raise
+
+
+class MovieLensSource:
+    """DataSource over MovieLens latest-small (see the module docstring for features and split)."""
+
+    def __init__(self, root: str | Path, seed: int = 0, val_fraction: float = 0.1) -> None:
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise DataError(
+                f"{self.root}: no such directory; expected MovieLens latest-small (ratings.csv, movies.csv)"
+            )
+        self.seed = seed
+        self.val_fraction = val_fraction
+        self._load_movies(self.root / "movies.csv")
+        self._load_ratings(self.root / "ratings.csv")
+
+        self.train_index, self.val_index = split_ratings(self.labels.numel(), seed, val_fraction)
+
+        self.info = SourceInfo(
+            num_dense=len(DENSE_NAMES),
+            features=[
+                FeatureSpec("user", len(self.user_ids)),
+                FeatureSpec("movie", len(self.movie_ids)),
+                FeatureSpec("genres", len(self.genre_names), multi_hot=True),
+                FeatureSpec("year", YEAR_MAX - YEAR_MIN + 2),
+            ],
+            num_train_samples=len(self.train_index),
+            notes={"dense": DENSE_NAMES, "num_train": len(self.train_index), "num_val": len(self.val_index)},
+        )
+
+    # ---- loading --------------------------------------------------------------------------------
+    def _load_movies(self, path: Path) -> None:
+        lines, (ids, titles, genre_fields) = _read_csv(path, ["movieId", "title", "genres"])
+        movie_ids = _numbers(path, lines, "movieId", ids, np.int64)
+        if len(movie_ids) == 0:
+            raise DataError(f"{path}: no movies")
+        if len(np.unique(movie_ids)) != len(movie_ids):
+            raise DataError(f"{path}: movieId values are not unique")
+        years = [parse_year(t) for t in titles]
+        genre_lists = [[] if g.strip() in ("", NO_GENRES) else g.strip().split("|") for g in genre_fields]
+
+        order = np.argsort(movie_ids, kind="stable")
+        self.movie_ids = movie_ids[order]  # index -> movieId
+        years = [years[i] for i in order]
+        genre_lists = [genre_lists[i] for i in order]
+        self.genre_names = sorted({g for gs in genre_lists for g in gs})
+        genre_index = {g: i for i, g in enumerate(self.genre_names)}
+
+        # Per movie: genre bag as CSR (offsets into values), year id and release year.
+        lengths = torch.tensor([len(gs) for gs in genre_lists], dtype=torch.int64)
+        self.movie_genre_lengths = lengths
+        self.movie_genre_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        self.movie_genre_values = torch.tensor(
+            [genre_index[g] for gs in genre_lists for g in gs], dtype=torch.int64
+        )
+        known = [y for y in years if y is not None]
+        mean_year = float(np.mean(known)) if known else (YEAR_MIN + YEAR_MAX) / 2
+        self.movie_year_id = torch.tensor(
+            [UNKNOWN_YEAR if y is None else 1 + min(max(y, YEAR_MIN), YEAR_MAX) - YEAR_MIN for y in years]
+        )
+        self.movie_year_known = torch.tensor([y is not None for y in years], dtype=torch.bool)
+        self.movie_year = torch.tensor([mean_year if y is None else y for y in years], dtype=torch.float64)
+
+    def _load_ratings(self, path: Path) -> None:
+        columns = ["userId", "movieId", "rating", "timestamp"]
+        lines, (users, movies, ratings, times) = _read_csv(path, columns)
+        if not lines:
+            raise DataError(f"{path}: no ratings")
+        users = _numbers(path, lines, "userId", users, np.int64)
+        movies = _numbers(path, lines, "movieId", movies, np.int64)
+        ratings = _numbers(path, lines, "rating", ratings, np.float32)
+        times = _numbers(path, lines, "timestamp", times, np.int64)
+
+        movie_idx = np.minimum(np.searchsorted(self.movie_ids, movies), len(self.movie_ids) - 1)
+        unknown = np.flatnonzero(self.movie_ids[movie_idx] != movies)
+        if len(unknown):
+            i = int(unknown[0])
+            raise DataError(f"{path}:{lines[i]}: movieId {movies[i]} is not in movies.csv")
+        self.user_ids, user_idx = np.unique(users, return_inverse=True)
+
+        self.user = torch.from_numpy(user_idx.astype(np.int64))
+        self.movie = torch.from_numpy(movie_idx.astype(np.int64))
+        self.rating = torch.from_numpy(ratings)
+        self.labels = (self.rating >= 4.0).to(torch.float32)
+
+        t = torch.from_numpy(times).to(torch.float64)
+        rating_time = (t - t.min()) / max(float(t.max() - t.min()), 1.0)
+        year = self.movie_year[self.movie]
+        release = ((year - YEAR_MIN) / (YEAR_MAX - YEAR_MIN)).clamp(0, 1)
+        rated_year = 1970 + t / SECONDS_PER_YEAR
+        age = torch.where(self.movie_year_known[self.movie], (rated_year - year) / 100, 0.0).clamp(0, 1)
+        self.dense = torch.stack([release, rating_time, age], dim=1).to(torch.float32)
+
+    # ---- batches --------------------------------------------------------------------------------
+    def train_batches(self, batch_size: int, epoch: int = 0) -> Iterator[Batch]:
+        """The training ratings in an order shuffled by (seed, epoch); the last batch may be smaller."""
+        perm = torch.from_numpy(np.random.default_rng([self.seed, epoch]).permutation(len(self.train_index)))
+        yield from self._batches(self.train_index[perm], batch_size)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        """The validation ratings in file order."""
+        yield from self._batches(self.val_index, batch_size)
+
+    def _batches(self, index: torch.Tensor, batch_size: int) -> Iterator[Batch]:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        for start in range(0, len(index), batch_size):
+            yield self.batch(index[start : start + batch_size])
+
+    def batch(self, rows: torch.Tensor) -> Batch:
+        """The Batch of the given rating rows (indices into ratings.csv order)."""
+        movie = self.movie[rows]
+        ones = torch.ones(len(rows), dtype=torch.int64)
+        # Gather each movie's genre bag: position k of the output belongs to bag b = owner[k].
+        lengths = self.movie_genre_lengths[movie]
+        owner = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        first = torch.cumsum(lengths, 0) - lengths  # output offset of each bag
+        pos = torch.arange(int(lengths.sum())) - first[owner] + self.movie_genre_offsets[movie][owner]
+        sparse = SparseBatch.from_features(
+            {
+                "user": (self.user[rows], ones),
+                "movie": (movie, ones),
+                "genres": (self.movie_genre_values[pos], lengths),
+                "year": (self.movie_year_id[movie], ones),
+            }
+        )
+        return Batch(self.dense[rows], sparse, self.labels[rows])

@@ -1,0 +1,369 @@
+"""Synthetic Criteo-like click data with a hidden teacher model.
+
+What it imitates: 13 dense count features (heavy-tailed, fed as log(1+x) like Criteo) and 26
+categorical features whose ids follow a power law (Zipf) per table, with the popular ids scattered
+over the table by a bijective hash (so "popular" does not mean "small id"). Features can be multi-hot
+with fixed or Poisson bag sizes (the MLPerf DLRM-DCNv2 sizes are a preset).
+
+Labels come from a teacher: a logit made of a dense linear part, a bias per id, dot products between
+the latent vectors of the ids of chosen feature pairs, and dense x id interactions. A model must learn
+the embeddings to do well. The teacher's own AUC on the held-out set (scoring with the true click
+probabilities) is the ceiling a model can reach; it is reported in `info.notes["teacher_auc"]`.
+
+Everything is a pure function of (seed, split, block index): data is made in fixed blocks of
+`BLOCK` samples, so the samples do not depend on the batch size or on how many processes read them.
+Per-id teacher parameters are hashed from (seed, table, id), never stored, so tables of any size cost
+no memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from neorec.data.batch import Batch
+from neorec.data.source import FeatureSpec, SourceInfo
+from neorec.sparse import SparseBatch
+
+BLOCK = 16384
+
+# Cardinalities of the 26 categorical features of the Criteo Kaggle (Display Advertising) data set,
+# as counted by facebookresearch/dlrm's preprocessing.
+CRITEO_KAGGLE_ROWS = [
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]  # fmt: skip
+# Criteo 1TB table sizes used by the MLPerf DLRM-DCNv2 benchmark (40M-capped).
+MLPERF_ROWS = [
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
+    2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+]  # fmt: skip
+# Multi-hot bag sizes of the MLPerf DLRM-DCNv2 benchmark's synthetic multi-hot Criteo.
+MLPERF_MULTI_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_SCATTER = 2654435761  # a prime: id = (rank * _SCATTER + shift) mod rows is a bijection for rows < it
+
+
+@dataclass
+class SyntheticSpec:
+    """Everything that determines the synthetic data (the config's `data.synthetic` section)."""
+
+    rows: list[int]
+    num_dense: int = 13
+    zipf_alpha: float = 1.05
+    bag_sizes: list[int] | None = None  # None: one-hot; else mean ids per sample per feature
+    variable_bags: bool = False  # bag sizes ~ Poisson(mean) (empty bags happen) instead of fixed
+    weighted: bool = False  # ids carry random weights in (0, 1]
+    latent_dim: int = 8
+    num_pairs: int = 26  # feature pairs whose latent dot products enter the logit
+    logit_scale: float = 2.0  # std of the teacher logit: larger -> easier, higher ceiling AUC
+    base_ctr: float = 0.25
+    train_samples: int = 1_000_000
+    eval_samples: int = 100_000
+    seed: int = 0
+
+    @property
+    def num_sparse(self) -> int:
+        return len(self.rows)
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic): a fast, well-mixed integer hash."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _hash_uniform(ids: np.ndarray, key: int, width: int) -> np.ndarray:
+    """[n] ids -> [n, width] values uniform in [-sqrt(3), sqrt(3)) (mean 0, variance 1), fixed per (key, id)."""
+    base = _splitmix(ids.astype(np.uint64) * np.uint64(0x100000001B3) + np.uint64(key & 0xFFFFFFFF) * np.uint64(1 << 32))
+    comp = np.arange(1, width + 1, dtype=np.uint64) * np.uint64(0xD6E8FEB86659FD93)
+    with np.errstate(over="ignore"):
+        h = _splitmix(base[:, None] ^ comp[None, :])
+    u = (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    return ((u * 2.0 - 1.0) * math.sqrt(3.0)).astype(np.float32)
+
+
+def zipf_ranks(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.ndarray:
+    """n popularity ranks in [0, rows) with P(rank r) roughly proportional to (r + 1)^-alpha."""
+    u = rng.random(n)
+    if abs(alpha - 1.0) < 1e-9:
+        x = np.exp(u * math.log(rows + 1.0))
+    else:
+        a = 1.0 - alpha
+        x = ((math.pow(rows + 1.0, a) - 1.0) * u + 1.0) ** (1.0 / a)
+    return np.minimum(x.astype(np.int64) - 1, rows - 1).clip(0)
+
+
+class Teacher:
+    """The hidden click model. Its parameters are a function of the seed alone."""
+
+    def __init__(self, spec: SyntheticSpec) -> None:
+        self.spec = spec
+        rng = np.random.default_rng([spec.seed, 7])
+        t, d, k = spec.num_sparse, spec.num_dense, spec.latent_dim
+        # dense counts: log-normal with per-feature location/scale, standardised by the teacher
+        self.dense_mu = rng.uniform(0.0, 3.0, d)
+        self.dense_sigma = rng.uniform(0.5, 1.5, d)
+        self.w_dense = rng.normal(0.0, 1.0, d) / math.sqrt(max(d, 1))
+        pairs = [(i, j) for i in range(t) for j in range(i + 1, t)]
+        order = rng.permutation(len(pairs))[: spec.num_pairs] if pairs else []
+        self.pairs = [pairs[p] for p in order]
+        self.dense_to_latent = rng.normal(0.0, 1.0, (t, d, k)) / math.sqrt(max(d, 1) * k)
+        self.shift = [int(rng.integers(0, r)) for r in spec.rows]
+        self.key = [int(rng.integers(0, 2**31)) for _ in range(t)]
+        # weights of the three parts, then one scale fitted so the logit has std `logit_scale`
+        self.part_scale = np.array([1.0, 1.0 / math.sqrt(t), 1.0 / math.sqrt(max(len(self.pairs), 1)), 0.5 / math.sqrt(t)])
+        self.scale, self.bias = 1.0, 0.0
+        self._calibrate()
+
+    def scatter(self, table: int, ranks: np.ndarray) -> np.ndarray:
+        rows = self.spec.rows[table]
+        if rows >= _SCATTER:  # pragma: no cover - tables this large never reach the prime
+            return (ranks + self.shift[table]) % rows
+        return (ranks * _SCATTER + self.shift[table]) % rows
+
+    def logits(self, dense_std: np.ndarray, bags: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> np.ndarray:
+        """dense_std [n, d] standardised dense; bags[t] = (ids, lengths [n], weights) -> logits [n]."""
+        n, k = dense_std.shape[0], self.spec.latent_dim
+        bias = np.zeros(n, np.float64)
+        latent = np.zeros((self.spec.num_sparse, n, k), np.float64)
+        for t, (ids, lengths, _) in enumerate(bags):
+            params = _hash_uniform(ids, self.key[t], k + 1).astype(np.float64)
+            if ids.size == n and (lengths == 1).all():
+                pooled = params
+            else:  # mean over the bag: the teacher sees a bag as its average id (empty bag: zeros)
+                seg = np.repeat(np.arange(n), lengths)
+                pooled = np.stack([np.bincount(seg, params[:, c], minlength=n) for c in range(k + 1)], 1)
+                pooled /= np.maximum(lengths, 1)[:, None]
+            bias += pooled[:, 0]
+            latent[t] = pooled[:, 1:]
+        inter = np.zeros(n)
+        for i, j in self.pairs:
+            inter += (latent[i] * latent[j]).sum(1) / math.sqrt(k)
+        t = self.spec.num_sparse  # dense x id: a per-table projection of the dense vector meets the id's latent
+        proj = dense_std @ self.dense_to_latent.transpose(1, 0, 2).reshape(dense_std.shape[1], t * k)
+        cross = (proj.reshape(n, t, k) * latent.transpose(1, 0, 2)).sum((1, 2))
+        parts = np.stack([dense_std @ self.w_dense, bias, inter, cross], 1) * self.part_scale
+        return parts.sum(1) * self.scale + self.bias
+
+    def _calibrate(self) -> None:
+        """Fit the logit's scale (std = logit_scale) and offset (mean CTR = base_ctr) on a fixed sample."""
+        dense, _, bags = _draw(self, np.random.default_rng([self.spec.seed, 99]), 20000)
+        raw = self.logits(dense, bags)  # scale 1, bias 0 here
+        self.scale = self.spec.logit_scale / max(float(raw.std()), 1e-9)
+        z = raw * self.scale
+        lo, hi = -30.0, 30.0  # bisection: mean CTR grows with the offset
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if (1 / (1 + np.exp(-(z + mid)))).mean() < self.spec.base_ctr:
+                lo = mid
+            else:
+                hi = mid
+        self.bias = lo
+
+
+def _draw(teacher: Teacher, rng: np.random.Generator, n: int):
+    """n samples of features: (standardised dense [n, d], raw log1p dense [n, d], bags)."""
+    spec = teacher.spec
+    z = rng.standard_normal((n, spec.num_dense))
+    counts = np.floor(np.exp(teacher.dense_mu + teacher.dense_sigma * z)) - 1.0
+    dense_log = np.log1p(np.maximum(counts, 0.0))
+    # the teacher sees exactly what the model sees (the log counts), only centred and scaled
+    dense_std = (dense_log - teacher.dense_mu) / teacher.dense_sigma
+    bags = []
+    for t, rows in enumerate(spec.rows):
+        if spec.bag_sizes is None:
+            lengths = np.ones(n, np.int64)
+        elif spec.variable_bags:
+            lengths = rng.poisson(spec.bag_sizes[t], n).astype(np.int64)
+        else:
+            lengths = np.full(n, spec.bag_sizes[t], np.int64)
+        ids = teacher.scatter(t, zipf_ranks(rng, int(lengths.sum()), rows, spec.zipf_alpha))
+        w = rng.uniform(0.0, 1.0, ids.size).astype(np.float32) + np.float32(1e-3) if spec.weighted else None
+        bags.append((ids.astype(np.int64), lengths, w))
+    return dense_std, dense_log.astype(np.float32), bags
+
+
+@dataclass
+class Block:
+    """A run of samples held as tensors: the unit the generator makes and caches."""
+
+    dense: torch.Tensor  # [n, d] float32, log(1 + count) like preprocessed Criteo
+    labels: torch.Tensor  # [n] float32
+    probs: torch.Tensor  # [n] float32: the teacher's click probability
+    values: list[torch.Tensor]  # per feature, int64 ids
+    lengths: list[torch.Tensor]  # per feature, [n] int64
+    weights: list[torch.Tensor] | None
+
+    def __len__(self) -> int:
+        return self.labels.numel()
+
+    def take(self, idx: torch.Tensor) -> Block:
+        """Samples `idx` (in that order)."""
+        values, lengths, weights = [], [], [] if self.weights is not None else None
+        for f, (v, ln) in enumerate(zip(self.values, self.lengths, strict=True)):
+            if bool((ln == 1).all()):
+                sel = idx
+            else:  # multi-hot: gather each chosen sample's run of ids
+                offsets = torch.zeros(ln.numel() + 1, dtype=torch.int64)
+                torch.cumsum(ln, 0, out=offsets[1:])
+                new_len = ln[idx]
+                starts = torch.repeat_interleave(offsets[idx], new_len)
+                within = torch.arange(int(new_len.sum())) - torch.repeat_interleave(
+                    torch.cumsum(new_len, 0) - new_len, new_len
+                )
+                sel = starts + within
+            values.append(v[sel])
+            lengths.append(ln[idx])
+            if weights is not None:
+                weights.append(self.weights[f][sel])
+        return Block(self.dense[idx], self.labels[idx], self.probs[idx], values, lengths, weights)
+
+    @staticmethod
+    def cat(blocks: list[Block]) -> Block:
+        if len(blocks) == 1:
+            return blocks[0]
+        nf = len(blocks[0].values)
+        weights = None
+        if blocks[0].weights is not None:
+            weights = [torch.cat([b.weights[f] for b in blocks]) for f in range(nf)]
+        return Block(
+            torch.cat([b.dense for b in blocks]),
+            torch.cat([b.labels for b in blocks]),
+            torch.cat([b.probs for b in blocks]),
+            [torch.cat([b.values[f] for b in blocks]) for f in range(nf)],
+            [torch.cat([b.lengths[f] for b in blocks]) for f in range(nf)],
+            weights,
+        )
+
+    def to_batch(self, keys: list[str]) -> Batch:
+        weights = torch.cat(self.weights) if self.weights is not None else None
+        sparse = SparseBatch(keys, torch.cat(self.values), torch.cat(self.lengths), weights)
+        return Batch(self.dense, sparse, self.labels)
+
+
+_SPLITS = {"train": 1, "eval": 2}
+
+
+class SyntheticSource:
+    """A DataSource of synthetic Criteo-like data (see the module docstring)."""
+
+    def __init__(self, spec: SyntheticSpec, cache: bool = True) -> None:
+        self.spec = spec
+        self.teacher = Teacher(spec)
+        self.cache = cache
+        self._blocks: dict[tuple[str, int], Block] = {}
+        self.keys = [f"C{i + 1}" for i in range(spec.num_sparse)]
+        multi = spec.bag_sizes is not None
+        features = [FeatureSpec(k, r, multi_hot=multi, weighted=spec.weighted) for k, r in zip(self.keys, spec.rows, strict=True)]
+        self.info = SourceInfo(num_dense=spec.num_dense, features=features, num_train_samples=spec.train_samples)
+        self._teacher_auc: float | None = None
+
+    def block(self, split: str, index: int) -> Block:
+        """Block `index` of `split`: a pure function of (seed, split, index)."""
+        key = (split, index)
+        if key in self._blocks:
+            return self._blocks[key]
+        total = self.spec.train_samples if split == "train" else self.spec.eval_samples
+        n = min(BLOCK, total - index * BLOCK)
+        if n <= 0:
+            raise IndexError(f"{split} block {index} is past the end ({total} samples)")
+        rng = np.random.default_rng([self.spec.seed, _SPLITS[split], index])
+        dense_std, dense_log, bags = _draw(self.teacher, rng, n)
+        probs = 1.0 / (1.0 + np.exp(-self.teacher.logits(dense_std, bags)))
+        labels = (rng.random(n) < probs).astype(np.float32)
+        block = Block(
+            torch.from_numpy(dense_log),
+            torch.from_numpy(labels),
+            torch.from_numpy(probs.astype(np.float32)),
+            [torch.from_numpy(ids) for ids, _, _ in bags],
+            [torch.from_numpy(ln) for _, ln, _ in bags],
+            [torch.from_numpy(w) for _, _, w in bags] if self.spec.weighted else None,
+        )
+        if self.cache:
+            self._blocks[key] = block
+        return block
+
+    def num_blocks(self, split: str) -> int:
+        total = self.spec.train_samples if split == "train" else self.spec.eval_samples
+        return (total + BLOCK - 1) // BLOCK
+
+    def _batches(self, split: str, batch_size: int, epoch: int | None) -> Iterator[Batch]:
+        order = list(range(self.num_blocks(split)))
+        gen = None
+        if epoch:  # epoch 0 reads in order: the samples are i.i.d. already
+            gen = torch.Generator().manual_seed(self.spec.seed * 7919 + epoch)
+            order = torch.randperm(len(order), generator=gen).tolist()
+        pending: list[Block] = []
+        have = 0
+        for b in order:
+            block = self.block(split, b)
+            if gen is not None:
+                block = block.take(torch.randperm(len(block), generator=gen))
+            pending.append(block)
+            have += len(block)
+            while have >= batch_size:
+                merged = Block.cat(pending)
+                yield merged.take(torch.arange(batch_size)).to_batch(self.keys)
+                rest = merged.take(torch.arange(batch_size, have))
+                pending, have = ([rest] if len(rest) else []), have - batch_size
+        if have:
+            yield Block.cat(pending).to_batch(self.keys)
+
+    def train_batches(self, batch_size: int, epoch: int = 0) -> Iterator[Batch]:
+        return self._batches("train", batch_size, epoch)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        return self._batches("eval", batch_size, None)
+
+    def teacher_auc(self) -> float:
+        """AUC of the teacher's true probabilities on the held-out set: the ceiling for any model."""
+        if self._teacher_auc is None:
+            from neorec.metrics.auc import auc
+
+            blocks = [self.block("eval", i) for i in range(self.num_blocks("eval"))]
+            self._teacher_auc = auc(torch.cat([b.probs for b in blocks]), torch.cat([b.labels for b in blocks]))
+            self.info.notes["teacher_auc"] = self._teacher_auc
+        return self._teacher_auc
+
+
+def spec_from_config(c, seed: int) -> SyntheticSpec:
+    """SyntheticSpec from the config's `data.synthetic` section (a neorec.config.schema.SyntheticConfig)."""
+    if c.preset == "criteo_kaggle":
+        rows = list(CRITEO_KAGGLE_ROWS)
+    elif c.preset == "mlperf":
+        rows = list(MLPERF_ROWS)
+    else:
+        rows = list(c.rows) if isinstance(c.rows, list) else [c.rows] * c.num_sparse
+    rows = [max(1, int(r * c.row_scale)) for r in rows]
+    if c.max_rows is not None:
+        rows = [min(r, c.max_rows) for r in rows]
+    if c.multi_hot == "none":
+        bags = None
+    elif c.multi_hot == "mlperf":
+        bags = list(MLPERF_MULTI_HOT)
+    else:
+        bags = list(c.multi_hot)
+    return SyntheticSpec(
+        rows=rows,
+        num_dense=c.num_dense,
+        zipf_alpha=c.zipf_alpha,
+        bag_sizes=bags,
+        variable_bags=c.variable_bags,
+        weighted=c.weighted,
+        latent_dim=c.latent_dim,
+        num_pairs=c.num_pairs,
+        logit_scale=c.logit_scale,
+        base_ctr=c.base_ctr,
+        train_samples=c.train_samples,
+        eval_samples=c.eval_samples,
+        seed=seed,
+    )

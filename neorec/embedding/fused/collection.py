@@ -1,0 +1,316 @@
+"""The fused table-batched embedding collection (single process; the sharded collection uses it too).
+
+All tables live in a few flat buffers (see layout.py), behind storage objects (storage.py). Forward
+pools every feature with one `embedding_bag` per group (lookup.py); backward turns d(pooled) into
+one gradient per unique row and applies the update rule (optimizers.py) to those rows and their
+state in place. No gradient of a table is ever stored, so `build_optimizer()` returns an object that
+only carries learning rates and counts steps (param_groups.py).
+
+Precision: weights are stored as TableConfig.dtype; lookups and updates run in fp32 and updated rows
+are rounded back to the storage dtype, to nearest or stochastically (rounding.py). Optimizer state
+is always fp32.
+
+Checkpoints: `state_dict()` holds, per table, `tables.<name>.weight` (in the storage dtype, so a
+round trip is exact), one fp32 tensor per state entry (`momentum1`: adagrad sum [rows, dim] /
+rowwise adagrad sum [rows] / adam first moment; `momentum2`: adam second moment) and
+`tables.<name>.step` (updates applied so far). Keys do not depend on the layout, so a checkpoint
+loads into another grouping, another engine or another sharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.fused.layout import TableGroup, build_layout
+from neorec.embedding.fused.lookup import FusedLookup, GroupBatch, prepare_group
+from neorec.embedding.fused.optimizers import RULES, Hparams, initial_state_value
+from neorec.embedding.fused.param_groups import FusedEmbeddingOptimizer
+from neorec.embedding.fused.rounding import to_storage, uniform_noise
+from neorec.embedding.fused.storage import (
+    RowInit,
+    RowStorage,
+    StorageFactory,
+    TensorStorage,
+    build_tensor_storage,
+)
+from neorec.embedding.init import init_rows, table_seed
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, check_tables
+from neorec.errors import DataError
+from neorec.sparse import SparseBatch
+
+
+@dataclass
+class _GroupConstants:
+    """Small per-group tensors on the engine's device (moved with the module)."""
+
+    row_offsets: torch.Tensor  # [F_g] first global row of each feature's table
+    mean: torch.Tensor | None  # [F_g] mean pooling per feature; None when all sum
+    row_starts: torch.Tensor  # [T_g] first global row of each table
+    table_seeds: torch.Tensor  # [T_g] seed of each table, for stochastic rounding
+
+
+class FusedEmbeddingCollection(EmbeddingCollection):
+    """Table-batched embedding lookups with the optimizer fused into backward."""
+
+    def __init__(
+        self,
+        tables: list[TableConfig],
+        optimizer: EmbeddingOptimizerConfig,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        stochastic_rounding: bool = False,
+        storage_factory: StorageFactory | None = None,
+    ) -> None:
+        """storage_factory builds each row storage (default: a plain tensor on `device`)."""
+        super().__init__(tables, optimizer)
+        check_tables(self.tables)
+        self.seed = seed
+        self.stochastic_rounding = stochastic_rounding
+        self.layout = build_layout(self.tables, optimizer)
+        self.num_updates = 0
+        self._configs = [t.optimizer or optimizer for t in self.tables]
+        self._optimizer: FusedEmbeddingOptimizer | None = None
+        self._feature_cache: dict[tuple, list[tuple[torch.Tensor, list[int]]]] = {}
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        factory = storage_factory or build_tensor_storage
+
+        self.weights: list[RowStorage] = []
+        self.states: list[dict[str, RowStorage]] = []
+        self._constants: list[_GroupConstants] = []
+        for g in self.layout.groups:
+            self.weights.append(factory(g.num_rows, g.dim, g.dtype, device, self._weight_init(g)))
+            self.states.append(
+                {
+                    name: factory(
+                        g.num_rows,
+                        g.dim if per_element else 0,
+                        torch.float32,
+                        device,
+                        self._state_init(g, per_element),
+                    )
+                    for name, per_element in RULES[g.optimizer].state.items()
+                }
+            )
+            self._constants.append(
+                _GroupConstants(
+                    row_offsets=torch.tensor(g.feature_row_offsets, dtype=torch.int64, device=device),
+                    mean=torch.tensor(g.feature_mean, device=device) if any(g.feature_mean) else None,
+                    row_starts=torch.tensor(g.row_starts, dtype=torch.int64, device=device),
+                    table_seeds=torch.tensor(
+                        [table_seed(self.tables[t], seed) for t in g.tables], dtype=torch.int64, device=device
+                    ),
+                )
+            )
+
+    # ---- initial values -----------------------------------------------------------------------
+    def _weight_init(self, g: TableGroup) -> RowInit:
+        """Rows [start, end) of a group from init_rows, so every engine starts from the same values."""
+        return self._per_table_init(g, lambda ti, a, b: init_rows(self.tables[ti], self.seed, a, b))
+
+    def _state_init(self, g: TableGroup, per_element: bool) -> RowInit:
+        def fill(ti: int, a: int, b: int) -> torch.Tensor:
+            value = initial_state_value(g.optimizer, self._configs[ti].initial_accumulator)
+            return torch.full((b - a, g.dim) if per_element else (b - a,), value)
+
+        return self._per_table_init(g, fill)
+
+    def _per_table_init(self, g: TableGroup, rows_of: Callable[[int, int, int], torch.Tensor]) -> RowInit:
+        """init(start, end) over global rows, split at table boundaries: rows_of(table index, a, b)."""
+
+        def init(start: int, end: int) -> torch.Tensor:
+            parts = []
+            for slot, ti in enumerate(g.tables):
+                first = g.row_starts[slot]
+                a, b = max(start, first), min(end, first + self.tables[ti].rows)
+                if a < b:
+                    parts.append(rows_of(ti, a - first, b - first))
+            return torch.cat(parts)
+
+        return init
+
+    # ---- forward --------------------------------------------------------------------------------
+    def forward(self, sparse: SparseBatch) -> torch.Tensor:
+        """[B, output_dim] fp32 pooled vectors in feature_names order; trains the rows on backward."""
+        batches = self._prepare(sparse)
+        anchor = torch.empty(0, device=sparse.values.device, requires_grad=True)
+        return FusedLookup.apply(anchor, self, batches)
+
+    def _prepare(self, sparse: SparseBatch) -> list[GroupBatch]:
+        out = []
+        for c, (features, indices) in zip(self._constants, self._group_features(sparse), strict=True):
+            if len(indices) == sparse.num_features:  # the group has every feature of the batch
+                num_ids = sparse.values.numel()
+            else:  # one host sync per batch (cached on the batch), only with several groups
+                per_key = sparse.length_per_key()
+                num_ids = sum(per_key[i] for i in indices)
+            out.append(prepare_group(sparse, features, c.row_offsets, c.mean, num_ids))
+        return out
+
+    def _group_features(self, sparse: SparseBatch) -> list[tuple[torch.Tensor, list[int]]]:
+        """Per group, the positions of its features in the batch's keys (cached per key order)."""
+        key = (tuple(sparse.keys), sparse.values.device)
+        cached = self._feature_cache.get(key)
+        if cached is None:
+            position = {k: i for i, k in enumerate(sparse.keys)}
+            missing = [f for f in self.feature_names if f not in position]
+            if missing:
+                raise DataError(
+                    f"the batch has no feature(s) {missing}; it has {sparse.keys} and the embedding tables "
+                    f"look up {self.feature_names}"
+                )
+            cached = []
+            for g in self.layout.groups:
+                indices = [position[f] for f in g.features]
+                cached.append(
+                    (torch.tensor(indices, dtype=torch.int64, device=sparse.values.device), indices)
+                )
+            self._feature_cache[key] = cached
+        return cached
+
+    # ---- the fused update (called from FusedLookup.backward) -------------------------------------
+    def apply_update(self, gi: int, rows: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        """Update unique global rows `rows` of group gi with their summed gradients `grads`."""
+        g = self.layout.groups[gi]
+        storage, state_storage = self.weights[gi], self.states[gi]
+        weights = storage.read(rows).to(torch.float32)
+        state = {name: s.read(rows) for name, s in state_storage.items()}
+        weights, state = RULES[g.optimizer].update(weights, grads, state, step, self._hparams(gi, rows))
+        noise = None
+        if self.stochastic_rounding and g.dtype != torch.float32:
+            c = self._constants[gi]
+            table = self._table_of(gi, rows)
+            noise = uniform_noise(c.table_seeds[table], rows - c.row_starts[table], step, g.dim)
+        storage.write(rows, to_storage(weights, g.dtype, noise))
+        for name, s in state_storage.items():
+            s.write(rows, state[name])
+
+    def _table_of(self, gi: int, rows: torch.Tensor) -> torch.Tensor:
+        """Position in the group of the table that holds each global row."""
+        return torch.searchsorted(self._constants[gi].row_starts, rows, right=True) - 1
+
+    def _hparams(self, gi: int, rows: torch.Tensor) -> Hparams:
+        """Floats when the group's tables agree (the usual case), else one value per row."""
+        tables = self.layout.groups[gi].tables
+        lrs = self._optimizer.lrs() if self._optimizer is not None else [c.lr for c in self._configs]
+        values: dict[str, list[float]] = {"lr": [lrs[t] for t in tables]}
+        for f in fields(Hparams):
+            if f.name != "lr":
+                values[f.name] = [float(getattr(self._configs[t], f.name)) for t in tables]
+        out: dict[str, float | torch.Tensor] = {}
+        table = None
+        for name, v in values.items():
+            if all(x == v[0] for x in v):
+                out[name] = float(v[0])
+            else:
+                table = self._table_of(gi, rows) if table is None else table
+                out[name] = torch.tensor(v, dtype=torch.float32, device=rows.device)[table].unsqueeze(1)
+        return Hparams(**out)
+
+    def build_optimizer(self) -> FusedEmbeddingOptimizer:
+        """The object the trainer schedules and steps; the engine reads its learning rates."""
+        self._optimizer = FusedEmbeddingOptimizer(
+            [t.name for t in self.tables], [c.lr for c in self._configs]
+        )
+        return self._optimizer
+
+    # ---- reading and checkpointing --------------------------------------------------------------
+    def _table_range(self, name: str) -> tuple[int, int, int]:
+        gi, slot = self.layout.table_slot[name]
+        start = self.layout.groups[gi].row_starts[slot]
+        return gi, start, start + self.tables[self.layout.groups[gi].tables[slot]].rows
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """Each table's rows in the storage dtype (views of the buffers when storage is plain)."""
+        out = {}
+        for t in self.tables:
+            gi, start, end = self._table_range(t.name)
+            out[t.name] = _read_range(self.weights[gi], start, end, copy=False)
+        return out
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for t in self.tables:
+            gi, start, end = self._table_range(t.name)
+            key = f"{prefix}tables.{t.name}."
+            destination[key + "weight"] = _read_range(self.weights[gi], start, end, copy=True)
+            for name, s in self.states[gi].items():
+                destination[key + name] = _read_range(s, start, end, copy=True)
+            destination[key + "step"] = torch.tensor(self.num_updates, dtype=torch.int64)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        expected: set[str] = set()
+        steps = []
+        for t in self.tables:
+            gi, start, end = self._table_range(t.name)
+            key = f"{prefix}tables.{t.name}."
+            for name, storage in [("weight", self.weights[gi]), *self.states[gi].items()]:
+                expected.add(key + name)
+                if key + name not in state_dict:
+                    missing_keys.append(key + name)
+                    continue
+                value = state_dict[key + name]
+                shape = (end - start, storage.width) if storage.width else (end - start,)
+                if tuple(value.shape) != shape:
+                    error_msgs.append(
+                        f"{key + name}: shape {tuple(value.shape)} in the checkpoint, table needs {shape}"
+                    )
+                    continue
+                _write_range(storage, start, end, value)
+            expected.add(key + "step")
+            if key + "step" in state_dict:
+                steps.append(int(state_dict[key + "step"]))
+        if steps:
+            self.num_updates = max(steps)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> FusedEmbeddingCollection:
+        """Move buffers with the module (.to, .cuda), keeping each one's dtype: storage precision is
+        a per-table setting, not something model.half() should change."""
+        super()._apply(fn, recurse)
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            new = fn(t)
+            return new if new.dtype == t.dtype else new.to(t.dtype)
+
+        for storage in [*self.weights, *(s for st in self.states for s in st.values())]:
+            if isinstance(storage, TensorStorage):
+                storage.tensor = keep(storage.tensor)
+        for c in self._constants:
+            for f in fields(c):
+                value = getattr(c, f.name)
+                if value is not None:
+                    setattr(c, f.name, keep(value))
+        self._feature_cache.clear()
+        return self
+
+
+def _read_range(storage: RowStorage, start: int, end: int, copy: bool) -> torch.Tensor:
+    """Rows [start, end); plain storage slices (a copy only when asked and the slice is partial:
+    torch.save would otherwise write the whole buffer behind a view)."""
+    if isinstance(storage, TensorStorage):
+        rows = storage.tensor[start:end]
+        return rows.clone() if copy and end - start != storage.num_rows else rows
+    return storage.read(torch.arange(start, end))
+
+
+def _write_range(storage: RowStorage, start: int, end: int, value: torch.Tensor) -> None:
+    if isinstance(storage, TensorStorage):
+        storage.tensor[start:end].copy_(value)
+    else:
+        storage.write(torch.arange(start, end), value.to(storage.dtype))

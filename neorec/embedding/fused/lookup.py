@@ -1,0 +1,166 @@
+"""The fused lookup: all pooled lookups of a group of tables in one call, and its backward.
+
+Forward reorders each group's ids from the batch's feature-major layout to sample-major bags
+(bag `b * F + f` is feature f of sample b) and pools them with one `embedding_bag` over the group's
+buffer. Sample-major bags make the pooled [B * F, D] result *be* the [B, F * D] output, so no
+transpose of the output is needed, and the incoming gradient is already one row per bag; permuting
+the ids costs a few int64 gathers instead of a copy of the much larger output.
+
+Backward never forms a per-id gradient nor a table-sized one. The gradient of global row r is
+sum over ids i with row(i) = r of scale(i) * d(pooled)[bag(i)], which is itself a pooled lookup:
+sort the ids by row (stable), cut the sorted list at row changes, and call `embedding_bag` with the
+bag indices as ids, d(pooled) as the "table" and the row segments as the bags. This is exact (each
+unique row's sum is formed once, in id order) and bitwise deterministic: the sort is stable and
+`embedding_bag` sums each bag sequentially in one thread, whatever the thread count or device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from neorec.embedding.fused.storage import RowStorage, TensorStorage
+from neorec.sparse import SparseBatch, lengths_to_offsets
+
+if TYPE_CHECKING:
+    from neorec.embedding.fused.collection import FusedEmbeddingCollection
+
+
+@dataclass
+class GroupBatch:
+    """One group's ids of a batch in sample-major bags, ready to pool."""
+
+    rows: torch.Tensor  # [n] global rows into the group's buffer
+    bags: torch.Tensor  # [n] bag of each id, b * num_features + f
+    offsets: torch.Tensor  # [B * num_features + 1] first id of each bag
+    scales: torch.Tensor | None  # [n] per-id weight times 1/bag length for mean pooling; None = all ones
+    batch_size: int
+    num_features: int
+
+
+def prepare_group(
+    sparse: SparseBatch,
+    features: torch.Tensor,
+    row_offsets: torch.Tensor,
+    mean: torch.Tensor | None,
+    num_ids: int,
+) -> GroupBatch:
+    """Gather one group's ids (features = their indices in sparse.keys) into sample-major bags.
+
+    row_offsets[f] is the first global row of feature f's table; mean[f] marks mean pooling
+    (None when the group has none). num_ids is the group's id count, known on the host, so that
+    no step here waits for the device.
+    """
+    b, nf = sparse.batch_size, features.numel()
+    device = sparse.values.device
+    lengths = sparse.lengths.view(-1, b).index_select(0, features)  # [F, B] feature-major
+    bag_lengths = lengths.t().reshape(-1)  # [B * F] sample-major
+    offsets = lengths_to_offsets(bag_lengths)
+    bags = torch.arange(b * nf, device=device).repeat_interleave(bag_lengths, output_size=num_ids)
+
+    # Where bag (b, f) starts in the batch's values, minus where it starts in ours: an id's source
+    # position is its own position plus its bag's shift.
+    fm_bag = (features.view(1, nf) * b + torch.arange(b, device=device).view(b, 1)).reshape(-1)
+    shift = sparse.offsets().index_select(0, fm_bag) - offsets[:-1]
+    src = shift.index_select(0, bags) + torch.arange(num_ids, device=device)
+    rows = sparse.values.index_select(0, src) + row_offsets.repeat(b).index_select(0, bags)
+
+    scales = None
+    if sparse.weights is not None:
+        scales = sparse.weights.index_select(0, src).to(torch.float32)
+    if mean is not None:
+        inv = torch.where(mean.repeat(b), bag_lengths.clamp(min=1).to(torch.float32).reciprocal(), 1.0)
+        inv = inv.index_select(0, bags)
+        scales = inv if scales is None else scales * inv
+    return GroupBatch(rows, bags, offsets, scales, b, nf)
+
+
+def pool(storage: RowStorage, batch: GroupBatch) -> torch.Tensor:
+    """[B, F * D] fp32 pooled vectors of one group.
+
+    fp32 plain storage: one embedding_bag straight over the buffer. Otherwise the rows are read
+    through the storage and widened to fp32 first, so fp16/bf16 tables accumulate in fp32.
+    """
+    if isinstance(storage, TensorStorage) and storage.dtype == torch.float32:
+        weight, ids = storage.tensor, batch.rows
+    else:
+        weight = storage.read(batch.rows).to(torch.float32)
+        ids = torch.arange(batch.rows.numel(), device=batch.rows.device)
+    pooled = F.embedding_bag(
+        ids, weight, batch.offsets, mode="sum", per_sample_weights=batch.scales, include_last_offset=True
+    )
+    return pooled.view(batch.batch_size, -1)
+
+
+def row_gradients(batch: GroupBatch, grad_bags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique global rows [U] ascending, their summed gradients [U, D]) from d(pooled) per bag."""
+    sorted_rows, order = torch.sort(batch.rows, stable=True)
+    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    scales = batch.scales.index_select(0, order) if batch.scales is not None else None
+    grads = F.embedding_bag(
+        batch.bags.index_select(0, order),
+        grad_bags,
+        lengths_to_offsets(counts),
+        mode="sum",
+        per_sample_weights=scales,
+        include_last_offset=True,
+    )
+    return unique_rows, grads
+
+
+def assemble(
+    pooled: list[torch.Tensor], columns: list[list[tuple[int, int]]], output_dim: int
+) -> torch.Tensor:
+    """Interleave each group's [B, F_g * D_g] output into [B, output_dim] at its runs of columns."""
+    if len(pooled) == 1 and columns[0] == [(0, output_dim)]:
+        return pooled[0]
+    out = pooled[0].new_empty(pooled[0].shape[0], output_dim)
+    for p, runs in zip(pooled, columns, strict=True):
+        local = 0
+        for start, end in runs:
+            out[:, start:end] = p[:, local : local + end - start]
+            local += end - start
+    return out
+
+
+def group_gradient(grad_out: torch.Tensor, runs: list[tuple[int, int]], dim: int) -> torch.Tensor:
+    """d(pooled) of one group as [B * F_g, D]: one row per sample-major bag."""
+    parts = [grad_out[:, start:end] for start, end in runs]
+    grad = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return grad.contiguous().view(-1, dim)
+
+
+class FusedLookup(torch.autograd.Function):
+    """Pooled lookup of every group; backward updates the touched rows in place.
+
+    `anchor` is an empty tensor that requires grad: the tables are not autograd inputs (no table
+    gradient is ever formed), so something must make autograd call backward.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, anchor: torch.Tensor, engine: FusedEmbeddingCollection, batches: list[GroupBatch]
+    ) -> torch.Tensor:
+        ctx.engine, ctx.batches = engine, batches
+        groups = engine.layout.groups
+        pooled = [pool(engine.weights[gi], gb) for gi, gb in enumerate(batches)]
+        return assemble(pooled, [g.output_columns for g in groups], engine.layout.output_dim)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+        engine: FusedEmbeddingCollection = ctx.engine
+        grad_out = grad_out.to(torch.float32)
+        step = engine.num_updates + 1
+        for gi, (group, gb) in enumerate(zip(engine.layout.groups, ctx.batches, strict=True)):
+            if gb.rows.numel() == 0:
+                continue
+            rows, grads = row_gradients(gb, group_gradient(grad_out, group.output_columns, group.dim))
+            engine.apply_update(gi, rows, grads, step)
+        engine.num_updates = step
+        ctx.batches = None  # the ids are not needed again; free them with the graph
+        return None, None, None

@@ -1,0 +1,78 @@
+"""Where the rows of a group of tables live: the only way the fused engine reads or writes them.
+
+The engine asks a storage object for rows by global row index (`read`) and hands back updated rows
+(`write`). Today that is one in-memory tensor (`TensorStorage`); a cache over DRAM/SSD will implement
+the same two methods (plus `prefetch`) so that the engine does not change. The engine takes a fast
+path (one `embedding_bag` straight over `.tensor`) only when a storage is the plain kind.
+
+Optimizer state (adagrad sums, adam moments) is stored the same way, one storage per state tensor,
+so that a cache can keep the state of hot rows next to their weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+# init(start, end) -> fp32 rows [end - start, width]: the initial values of global rows [start, end).
+RowInit = Callable[[int, int], torch.Tensor]
+
+
+@runtime_checkable
+class RowStorage(Protocol):
+    """Rows of one [num_rows, width] tensor of some dtype, addressed by global row index."""
+
+    num_rows: int
+    width: int
+    dtype: torch.dtype
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows), width] in the stored dtype (rows may repeat)."""
+        ...
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite `rows` (unique) with `values`, already in the stored dtype."""
+        ...
+
+
+# factory(num_rows, width, dtype, device, init) -> storage; width 0 means one value per row.
+StorageFactory = Callable[[int, int, torch.dtype, torch.device, RowInit], RowStorage]
+
+
+class TensorStorage:
+    """Rows in one dense tensor on one device (host memory or GPU memory)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.num_rows = tensor.shape[0]
+        self.width = tensor.shape[1] if tensor.dim() == 2 else 0
+        self.dtype = tensor.dtype
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.tensor.index_select(0, rows)
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        # rows are unique, so the copy order cannot change the result.
+        self.tensor.index_copy_(0, rows, values)
+
+    def to(self, device: torch.device | str) -> TensorStorage:
+        self.tensor = self.tensor.to(device)
+        return self
+
+
+def build_tensor_storage(
+    num_rows: int, width: int, dtype: torch.dtype, device: torch.device, init: RowInit
+) -> TensorStorage:
+    """Allocate and fill a plain tensor, converting from fp32 in windows so no fp32 copy is whole."""
+    shape = (num_rows, width) if width else (num_rows,)
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    window = _INIT_WINDOW_ROWS
+    for start in range(0, num_rows, window):
+        end = min(start + window, num_rows)
+        tensor[start:end].copy_(init(start, end).reshape(tensor[start:end].shape))
+    return TensorStorage(tensor)
+
+
+_INIT_WINDOW_ROWS = 1 << 20

@@ -1,0 +1,26 @@
+"""Exact ROC AUC (ties get half credit), computed by sorting: O(n log n), no binning."""
+
+from __future__ import annotations
+
+import torch
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Probability that a random positive scores above a random negative (ties count 1/2).
+
+    Returns nan when only one class is present.
+    """
+    scores = scores.detach().reshape(-1).to(torch.float64)
+    labels = labels.detach().reshape(-1).to(torch.float64)
+    n_pos = float(labels.sum())
+    n_neg = labels.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = torch.argsort(scores, stable=True)
+    s, y = scores[order], labels[order]
+    # average 1-based rank of each group of tied scores (Mann-Whitney U with midranks)
+    _, inverse, counts = torch.unique_consecutive(s, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).to(torch.float64)
+    mid_rank = ends - (counts.to(torch.float64) - 1) / 2
+    rank_sum_pos = float((mid_rank[inverse] * y).sum())
+    return (rank_sum_pos - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)

@@ -1,0 +1,100 @@
+"""Turn a validated RunConfig into the pieces of a run: data source, tables, model, optimizers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from neorec.config.schema import DenseOptimizerConfig, RunConfig
+from neorec.data.source import DataSource, SourceInfo
+from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.tables import TableConfig, check_tables
+from neorec.errors import ConfigError
+
+
+def build_source(cfg: RunConfig) -> DataSource:
+    d = cfg.data
+    if d.source == "synthetic":
+        from neorec.data.synthetic import SyntheticSource, spec_from_config
+
+        return SyntheticSource(spec_from_config(d.synthetic, cfg.seed))
+    if d.source == "criteo_tsv":
+        from neorec.data.criteo import CriteoTSVSource
+
+        c = d.criteo
+        assert c is not None  # checked by the config validator
+        return CriteoTSVSource(
+            train_paths=c.train_paths,
+            eval_paths=c.eval_paths,
+            table_rows=c.table_rows,
+            hashing=c.hashing,
+            bad_lines=c.bad_lines,
+            eval_every=c.eval_every,
+        )
+    if d.source == "movielens":
+        from neorec.data.movielens import MovieLensSource
+
+        return MovieLensSource(d.movielens.root, seed=cfg.seed, val_fraction=d.movielens.val_fraction)
+    raise ConfigError(f"data.source {d.source!r} is not known")  # pragma: no cover - Literal checked
+
+
+def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
+    """One table per feature, named like the feature, with `embedding.tables` overrides applied."""
+    e = cfg.embedding
+    names = set(info.feature_names)
+    unknown = sorted(set(e.tables) - names)
+    if unknown:
+        raise ConfigError(
+            f"embedding.tables names {unknown}, which are not features of this data; features: {info.feature_names}"
+        )
+    tables = []
+    for f in info.features:
+        o = e.tables.get(f.name)
+        tables.append(
+            TableConfig(
+                name=f.name,
+                rows=f.num_ids,
+                dim=(o.dim if o and o.dim else e.dim),
+                features=[f.name],
+                pooling=(o.pooling if o and o.pooling else e.pooling),
+                dtype=(o.dtype if o and o.dtype else e.dtype),
+                optimizer=(o.optimizer if o else None),
+            )
+        )
+    check_tables(tables)
+    return tables
+
+
+def build_embeddings(cfg: RunConfig, tables: list[TableConfig]) -> EmbeddingCollection:
+    e = cfg.embedding
+    if e.engine == "reference":
+        from neorec.embedding.reference import ReferenceEmbeddingCollection
+
+        return ReferenceEmbeddingCollection(tables, e.optimizer, seed=cfg.seed)
+    from neorec.embedding.fused import FusedEmbeddingCollection
+
+    return FusedEmbeddingCollection(tables, e.optimizer, seed=cfg.seed, stochastic_rounding=e.stochastic_rounding)
+
+
+def build_model(cfg: RunConfig, info: SourceInfo, embeddings: EmbeddingCollection) -> nn.Module:
+    from neorec.model.dlrm import DCNv2, DLRM
+
+    m = cfg.model
+    torch.manual_seed(cfg.seed)  # MLP init depends on the seed alone
+    if m.arch == "dlrm":
+        return DLRM(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.self_interaction)
+    return DCNv2(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.cross_layers, m.low_rank)
+
+
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every trainable parameter that is not embedding storage (those have their own optimizer)."""
+    emb = {id(p) for m in model.modules() if isinstance(m, EmbeddingCollection) for p in m.parameters()}
+    return [p for p in model.parameters() if p.requires_grad and id(p) not in emb]
+
+
+def build_dense_optimizer(c: DenseOptimizerConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if c.name == "adam":
+        return torch.optim.Adam(params, lr=c.lr, eps=c.eps, weight_decay=c.weight_decay)
+    if c.name == "adagrad":
+        return torch.optim.Adagrad(params, lr=c.lr, eps=c.eps, weight_decay=c.weight_decay)
+    return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)

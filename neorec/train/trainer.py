@@ -1,0 +1,211 @@
+"""The training loop: fetch batch, forward, loss, backward, step, log. Evaluation on the held-out set."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neorec.config.load import dump_config
+from neorec.config.schema import RunConfig
+from neorec.data.source import DataSource
+from neorec.embedding.collection import EmbeddingCollection
+from neorec.metrics.evaluation import binary_metrics
+from neorec.train.build import (
+    build_dense_optimizer,
+    build_embeddings,
+    build_model,
+    build_source,
+    build_tables,
+    dense_parameters,
+)
+from neorec.train.logger import MetricsLogger, read_metrics
+from neorec.train.schedule import lr_multiplier
+
+
+@dataclass
+class RunResult:
+    steps: int
+    samples: int
+    train_seconds: float
+    losses: list[float] = field(default_factory=list)  # every step's loss, for determinism checks
+    eval: dict[str, float] = field(default_factory=dict)
+    teacher_auc: float | None = None
+    out_dir: Path | None = None
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.train_seconds if self.train_seconds > 0 else float("nan")
+
+
+def embedding_collection(model: nn.Module) -> EmbeddingCollection:
+    return next(m for m in model.modules() if isinstance(m, EmbeddingCollection))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, source: DataSource, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
+    """Metrics of `model` on the source's held-out set."""
+    was_training = model.training
+    model.eval()
+    probs, labels = [], []
+    for i, batch in enumerate(source.eval_batches(batch_size)):
+        if max_batches is not None and i >= max_batches:
+            break
+        probs.append(torch.sigmoid(model(batch)))
+        labels.append(batch.labels)
+    model.train(was_training)
+    if not probs:
+        return {}
+    return binary_metrics(torch.cat(probs), torch.cat(labels))
+
+
+class Trainer:
+    """Owns a run: data, model, both optimizers, schedule, logs and outputs."""
+
+    def __init__(self, cfg: RunConfig, out_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.source = build_source(cfg)
+        self.tables = build_tables(cfg, self.source.info)
+        self.embeddings = build_embeddings(cfg, self.tables)
+        self.model = build_model(cfg, self.source.info, self.embeddings)
+        self.dense_opt = build_dense_optimizer(cfg.train.dense_optimizer, dense_parameters(self.model))
+        self.emb_opt = self.embeddings.build_optimizer()
+        self._base_lrs = [
+            [g["lr"] for g in opt.param_groups] for opt in (self.dense_opt, self.emb_opt)
+        ]
+        self.out_dir = Path(out_dir or cfg.resolved_output_dir)
+
+    def total_steps(self) -> int:
+        t = self.cfg.train
+        if t.max_steps is not None:
+            return t.max_steps
+        n = self.source.info.num_train_samples
+        return t.epochs * math.ceil(n / self.cfg.data.batch_size) if n else 0
+
+    def _set_lr(self, step: int, total: int) -> None:
+        m = lr_multiplier(self.cfg.train.schedule, step, total)
+        for opt, bases in zip((self.dense_opt, self.emb_opt), self._base_lrs, strict=True):
+            for g, base in zip(opt.param_groups, bases, strict=True):
+                g["lr"] = base * m
+
+    def train_step(self, batch) -> torch.Tensor:
+        logits = self.model(batch)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        self.dense_opt.zero_grad(set_to_none=True)
+        self.emb_opt.zero_grad(set_to_none=True)
+        loss.backward()  # the fused engine updates embedding rows here
+        self.dense_opt.step()
+        self.emb_opt.step()
+        return loss.detach()
+
+    def fit(self) -> RunResult:
+        cfg, t = self.cfg, self.cfg.train
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.yaml").write_text(dump_config(cfg))
+        logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard)
+        teacher_auc = self.source.teacher_auc() if hasattr(self.source, "teacher_auc") else None
+        total = self.total_steps()
+        result = RunResult(0, 0, 0.0, teacher_auc=teacher_auc, out_dir=self.out_dir)
+        bar = _progress(total, t.progress)
+        running, window_samples, window_start = None, 0, time.perf_counter()
+        step, done = 0, False
+        start = time.perf_counter()
+        for epoch in range(t.epochs):
+            for batch in self.source.train_batches(cfg.data.batch_size, epoch):
+                self._set_lr(step, total)
+                loss = float(self.train_step(batch))
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss became {loss} at step {step}; lower the learning rates")
+                result.losses.append(loss)
+                running = loss if running is None else 0.98 * running + 0.02 * loss
+                step += 1
+                result.samples += len(batch)
+                window_samples += len(batch)
+                if bar is not None:
+                    bar.update(1)
+                if step % t.log_every == 0:
+                    now = time.perf_counter()
+                    sps = window_samples / (now - window_start)
+                    logger.log("train", step, {"loss": running, "samples_per_s": sps, "epoch": epoch})
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{sps:,.0f}")
+                    window_samples, window_start = 0, now
+                if t.eval_every and step % t.eval_every == 0 and (t.max_steps is None or step < t.max_steps):
+                    self._eval(logger, step, t.eval_max_batches, teacher_auc)
+                if t.max_steps is not None and step >= t.max_steps:
+                    done = True
+                    break
+            if done:
+                break
+            if not t.eval_every and epoch < t.epochs - 1:
+                self._eval(logger, step, t.eval_max_batches, teacher_auc)
+        result.train_seconds = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+        result.steps = step
+        result.eval = self._eval(logger, step, None, teacher_auc)
+        logger.close()
+        self._finish(result)
+        return result
+
+    def _eval(self, logger: MetricsLogger, step: int, max_batches: int | None, teacher_auc: float | None) -> dict:
+        metrics = evaluate(self.model, self.source, self.cfg.data.eval_batch_size, max_batches)
+        if teacher_auc is not None:
+            metrics["teacher_auc"] = teacher_auc
+        logger.log("eval", step, metrics)
+        return metrics
+
+    def _finish(self, result: RunResult) -> None:
+        torch.save(self.model.state_dict(), self.out_dir / "model.pt")
+        summary = {
+            "steps": result.steps,
+            "samples": result.samples,
+            "train_seconds": round(result.train_seconds, 3),
+            "samples_per_s": round(result.samples_per_second, 1),
+            **{f"eval_{k}": v for k, v in result.eval.items()},
+        }
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.cfg.logging.plot:
+            from neorec.metrics.plot import plot_curves
+
+            plot_curves(read_metrics(self.out_dir / "metrics.jsonl"), self.out_dir / "curves.png", self.cfg.name)
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total or None, unit="step", dynamic_ncols=True, mininterval=1.0)
+
+
+def summary_table(result: RunResult) -> str:
+    """The final human-readable summary."""
+    rows = [
+        ("steps", f"{result.steps:,}"),
+        ("samples", f"{result.samples:,}"),
+        ("train time", f"{result.train_seconds:.1f} s"),
+        ("throughput", f"{result.samples_per_second:,.0f} samples/s"),
+    ]
+    e = result.eval
+    for key, label in [("auc", "AUC"), ("ne", "normalized entropy"), ("log_loss", "log loss"),
+                       ("accuracy", "accuracy"), ("calibration", "calibration (pred/obs CTR)")]:  # fmt: skip
+        if key in e and e[key] is not None:
+            rows.append((f"eval {label}", f"{e[key]:.4f}"))
+    if result.teacher_auc is not None:
+        rows.append(("teacher AUC (ceiling)", f"{result.teacher_auc:.4f}"))
+        if "auc" in e:
+            rows.append(("gap to ceiling", f"{result.teacher_auc - e['auc']:.4f}"))
+    if result.out_dir is not None:
+        rows.append(("outputs", str(result.out_dir)))
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    return "\n".join([line] + [f"{k.ljust(width)} | {v}" for k, v in rows] + [line])

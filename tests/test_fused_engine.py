@@ -1,0 +1,293 @@
+"""The fused engine against a float64 reference written plainly here (loops, textbook formulas).
+
+The reference keeps a dense float64 gradient per table and loops over every id, so it shares no
+code or trick with the engine (no sort, no segment sums, no embedding_bag): agreement means the
+engine's grouping, sample-major reordering and fused updates are right.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neorec.embedding.fused import FusedEmbeddingCollection
+from neorec.embedding.init import init_rows
+from neorec.embedding.reference import ReferenceEmbeddingCollection
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.errors import DataError
+from neorec.sparse import SparseBatch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def make_tables(dtype: str = "fp32", overrides: dict[str, EmbeddingOptimizerConfig] | None = None) -> list[TableConfig]:
+    """Mixed dims (8, 3, 16, 8: the two dim-8 tables are not adjacent in the output), mixed pooling,
+    and one table shared by two features."""
+    overrides = overrides or {}
+    specs = [("users", 40, 8, ["user", "friend"], "sum"), ("products", 30, 3, ["item"], "mean")]
+    specs += [("tags", 25, 16, ["tag"], "sum"), ("cats", 20, 8, ["cat"], "mean")]
+    return [
+        TableConfig(name=n, rows=r, dim=d, features=f, pooling=p, dtype=dtype, optimizer=overrides.get(n))
+        for n, r, d, f, p in specs
+    ]
+
+
+def random_batch(
+    tables: list[TableConfig], gen: torch.Generator, batch_size: int = 7, weighted: bool = True
+) -> SparseBatch:
+    """Lengths 0..4 (sample 0 always empty), ids from a third of the rows (many duplicates)."""
+    features = {}
+    for t in tables:
+        for f in t.features:
+            lengths = torch.randint(0, 5, (batch_size,), generator=gen)
+            lengths[0] = 0
+            n = int(lengths.sum())
+            ids = torch.randint(0, max(1, t.rows // 3), (n,), generator=gen)
+            w = torch.rand(n, generator=gen) + 0.5
+            features[f] = (ids, lengths, w) if weighted else (ids, lengths)
+    return SparseBatch.from_features(features)
+
+
+class Float64Reference:
+    """Per-table loops, a dense float64 gradient per table, textbook optimizer formulas."""
+
+    def __init__(self, tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig, seed: int = 0) -> None:
+        self.tables = tables
+        self.configs = {t.name: t.optimizer or optimizer for t in tables}
+        # start from the stored (possibly fp16/bf16-rounded) initial weights
+        self.weights = {t.name: init_rows(t, seed).to(DTYPES[t.dtype]).double() for t in tables}
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        for t in tables:
+            c = self.configs[t.name]
+            if c.name == "adagrad":
+                self.state[t.name] = {"momentum1": torch.full((t.rows, t.dim), c.initial_accumulator).double()}
+            elif c.name == "rowwise_adagrad":
+                self.state[t.name] = {"momentum1": torch.full((t.rows,), c.initial_accumulator).double()}
+            elif c.name == "adam":
+                zeros = torch.zeros(t.rows, t.dim, dtype=torch.float64)
+                self.state[t.name] = {"momentum1": zeros.clone(), "momentum2": zeros.clone()}
+            else:
+                self.state[t.name] = {}
+        self.step = 0
+
+    def _bags(self, sparse: SparseBatch, t: TableConfig, f: str):
+        """Yield (sample, [(id, scale)]) for every bag of feature f."""
+        values, lengths, weights = sparse.feature(f)
+        pos = 0
+        for b in range(sparse.batch_size):
+            n = int(lengths[b])
+            items = []
+            for i in range(pos, pos + n):
+                scale = float(weights[i]) if weights is not None else 1.0
+                if t.pooling == "mean":
+                    scale /= n
+                items.append((int(values[i]), scale))
+            pos += n
+            yield b, items
+
+    def forward(self, sparse: SparseBatch) -> torch.Tensor:
+        cols = []
+        for t in self.tables:
+            for f in t.features:
+                out = torch.zeros(sparse.batch_size, t.dim, dtype=torch.float64)
+                for b, items in self._bags(sparse, t, f):
+                    for row, scale in items:
+                        out[b] += scale * self.weights[t.name][row]
+                cols.append(out)
+        return torch.cat(cols, dim=1)
+
+    def backward_and_update(self, sparse: SparseBatch, grad_out: torch.Tensor, lrs: dict[str, float]) -> None:
+        grad_out = grad_out.double()
+        grads = {t.name: torch.zeros(t.rows, t.dim, dtype=torch.float64) for t in self.tables}
+        touched: dict[str, set[int]] = {t.name: set() for t in self.tables}
+        col = 0
+        for t in self.tables:
+            for f in t.features:
+                for b, items in self._bags(sparse, t, f):
+                    for row, scale in items:
+                        grads[t.name][row] += scale * grad_out[b, col : col + t.dim]
+                        touched[t.name].add(row)
+                col += t.dim
+        self.step += 1
+        for t in self.tables:
+            for row in sorted(touched[t.name]):
+                self._update(t.name, row, grads[t.name][row], lrs[t.name])
+
+    def _update(self, name: str, r: int, g: torch.Tensor, lr: float) -> None:
+        c, w, s, t = self.configs[name], self.weights[name], self.state[name], self.step
+        g = g + c.weight_decay * w[r]
+        if c.name == "sgd":
+            w[r] = w[r] - lr * g
+        elif c.name == "adagrad":
+            s["momentum1"][r] += g * g
+            w[r] = w[r] - lr * g / (s["momentum1"][r].sqrt() + c.eps)
+        elif c.name == "rowwise_adagrad":
+            s["momentum1"][r] += (g * g).mean()
+            w[r] = w[r] - lr * g / (math.sqrt(s["momentum1"][r]) + c.eps)
+        elif c.name == "adam":
+            m, v = s["momentum1"], s["momentum2"]
+            m[r] = c.beta1 * m[r] + (1 - c.beta1) * g
+            v[r] = c.beta2 * v[r] + (1 - c.beta2) * g * g
+            m_hat, v_hat = m[r] / (1 - c.beta1**t), v[r] / (1 - c.beta2**t)
+            w[r] = w[r] - lr * m_hat / (v_hat.sqrt() + c.eps)
+
+
+def train_both(
+    tables: list[TableConfig], opt: EmbeddingOptimizerConfig, steps: int, seed: int, weighted: bool = True
+) -> tuple[FusedEmbeddingCollection, Float64Reference, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Run `steps` fwd/bwd/updates on both, with a decaying lr schedule driven through param_groups."""
+    gen = torch.Generator().manual_seed(seed)
+    engine, ref = FusedEmbeddingCollection(tables, opt), Float64Reference(tables, opt)
+    optimizer = engine.build_optimizer()
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.8**k)
+    outputs = []
+    for _ in range(steps):
+        sparse = random_batch(tables, gen, weighted=weighted)
+        lrs = {g["table"]: g["lr"] for g in optimizer.param_groups}
+        pooled, expected = engine(sparse), ref.forward(sparse)
+        outputs.append((pooled.detach().clone(), expected))
+        grad_out = torch.randn(pooled.shape, generator=gen)
+        pooled.backward(grad_out)
+        ref.backward_and_update(sparse, grad_out, lrs)
+        optimizer.step()
+        schedule.step()
+    return engine, ref, outputs
+
+
+def assert_matches(engine: FusedEmbeddingCollection, ref: Float64Reference, outputs, rtol=1e-5, atol=1e-6) -> None:
+    for pooled, expected in outputs:
+        assert pooled.dtype == torch.float32
+        torch.testing.assert_close(pooled.double(), expected, rtol=rtol, atol=atol)
+    state = engine.state_dict()
+    for t in ref.tables:
+        torch.testing.assert_close(state[f"tables.{t.name}.weight"].double(), ref.weights[t.name], rtol=rtol, atol=atol)
+        assert set(k for k in state if k.startswith(f"tables.{t.name}.")) == {
+            f"tables.{t.name}.{k}" for k in ["weight", "step", *ref.state[t.name]]
+        }
+        for k, v in ref.state[t.name].items():
+            torch.testing.assert_close(state[f"tables.{t.name}.{k}"].double(), v, rtol=rtol, atol=atol)
+        assert int(state[f"tables.{t.name}.step"]) == ref.step
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_matches_float64_reference(name: str, weight_decay: float) -> None:
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, weight_decay=weight_decay, initial_accumulator=0.01)
+    engine, ref, outputs = train_both(make_tables(), opt, steps=5, seed=len(name) + int(weight_decay * 100))
+    assert_matches(engine, ref, outputs)
+
+
+def test_per_table_optimizer_overrides() -> None:
+    """Different rules per table, and two adam tables of one dim with different hyper-parameters
+    (they share a buffer, so their lr/eps/betas/decay become per-row tensors)."""
+    overrides = {
+        "users": EmbeddingOptimizerConfig(name="adam", lr=0.02, beta1=0.8, beta2=0.99),
+        "cats": EmbeddingOptimizerConfig(name="adam", lr=0.05, weight_decay=0.01, eps=1e-6),
+        "tags": EmbeddingOptimizerConfig(name="adagrad", lr=0.1, initial_accumulator=0.1),
+    }
+    tables = make_tables(overrides=overrides)
+    engine, ref, outputs = train_both(tables, EmbeddingOptimizerConfig(name="sgd", lr=0.1), steps=5, seed=3)
+    assert len(engine.layout.groups) == 3  # adam dim 8 (users + cats), sgd dim 3, adagrad dim 16
+    assert_matches(engine, ref, outputs)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    batch_size=st.integers(1, 6),
+    seed=st.integers(0, 2**31 - 1),
+    weighted=st.booleans(),
+    name=st.sampled_from(["sgd", "adagrad", "rowwise_adagrad", "adam"]),
+)
+def test_random_batches_one_step(batch_size: int, seed: int, weighted: bool, name: str) -> None:
+    tables = make_tables()
+    gen = torch.Generator().manual_seed(seed)
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.1)
+    engine, ref = FusedEmbeddingCollection(tables, opt), Float64Reference(tables, opt)
+    sparse = random_batch(tables, gen, batch_size=batch_size, weighted=weighted)
+    pooled = engine(sparse)
+    torch.testing.assert_close(pooled.double(), ref.forward(sparse), rtol=1e-5, atol=1e-6)
+    grad_out = torch.randn(pooled.shape, generator=gen)
+    pooled.backward(grad_out)
+    ref.backward_and_update(sparse, grad_out, {t.name: 0.1 for t in tables})
+    for name_, w in engine.table_weights().items():
+        torch.testing.assert_close(w.double(), ref.weights[name_], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_matches_per_table_embedding_bag_reference(name: str) -> None:
+    """Against nn.EmbeddingBag + sparse grads + torch.optim (unweighted: it cannot weight mean bags)."""
+    tables = make_tables()
+    # initial_accumulator stays 0: the reference sets it per param group, which torch.optim.Adagrad
+    # ignores (it reads only its constructor argument).
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05)
+    fused, ref = FusedEmbeddingCollection(tables, opt), ReferenceEmbeddingCollection(tables, opt)
+    f_opt, r_opt = fused.build_optimizer(), ref.build_optimizer()
+    gen = torch.Generator().manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's sparse-invariant notice
+        for _ in range(4):
+            sparse = random_batch(tables, gen, weighted=False)
+            a, b = fused(sparse), ref(sparse)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            grad = torch.randn(a.shape, generator=gen)
+            a.backward(grad)
+            b.backward(grad)
+            f_opt.step()
+            r_opt.step()
+            r_opt.zero_grad()
+    for t, w in ref.table_weights().items():
+        torch.testing.assert_close(fused.table_weights()[t], w, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_keys_in_any_order_with_extra_features() -> None:
+    tables = make_tables()
+    engine = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig())
+    sparse = random_batch(tables, torch.Generator().manual_seed(5))
+    extra = SparseBatch(["extra"], torch.arange(7), torch.ones(7, dtype=torch.int64), torch.ones(7))
+    shuffled = SparseBatch.concat([extra, sparse.permute([3, 0, 4, 2, 1])])
+    torch.testing.assert_close(engine(shuffled), engine(sparse), rtol=0, atol=0)
+    with pytest.raises(DataError, match="no feature"):
+        engine(sparse.select(["user", "item"]))
+
+
+def test_all_bags_empty() -> None:
+    tables = make_tables()
+    engine = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name="adam"))
+    names = [f for t in tables for f in t.features]
+    sparse = SparseBatch(names, torch.empty(0, dtype=torch.int64), torch.zeros(5 * 3, dtype=torch.int64))
+    before = {k: v.clone() for k, v in engine.table_weights().items()}
+    pooled = engine(sparse)
+    assert pooled.shape == (3, engine.output_dim) and not pooled.any()
+    pooled.sum().backward()
+    for k, v in engine.table_weights().items():
+        assert torch.equal(v, before[k])
+
+
+def test_no_table_gradient_and_no_parameters() -> None:
+    """The tables are not autograd leaves: nothing for a dense optimizer to find, no .grad to fill."""
+    engine = FusedEmbeddingCollection(make_tables(), EmbeddingOptimizerConfig())
+    assert list(engine.parameters()) == []
+    pooled = engine(random_batch(engine.tables, torch.Generator().manual_seed(0)))
+    assert pooled.requires_grad
+    with torch.no_grad():
+        assert not engine(random_batch(engine.tables, torch.Generator().manual_seed(0))).requires_grad
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_low_precision_storage_accumulates_in_fp32(dtype: str) -> None:
+    """Forward of fp16/bf16 rows agrees with float64 to fp32 accuracy (fp16 accumulation would be off
+    by ~1e-3); after updates, weights stay within a few units in the last place of the storage type."""
+    tables = make_tables(dtype)
+    engine, ref, outputs = train_both(tables, EmbeddingOptimizerConfig(name="adagrad", lr=0.02), steps=3, seed=4)
+    for pooled, expected in outputs[:1]:
+        assert pooled.dtype == torch.float32
+        torch.testing.assert_close(pooled.double(), expected, rtol=1e-5, atol=1e-6)
+    tol = {"fp16": (4e-3, 1e-3), "bf16": (3e-2, 4e-3)}[dtype]
+    for name, w in engine.table_weights().items():
+        assert w.dtype == DTYPES[dtype]
+        torch.testing.assert_close(w.double(), ref.weights[name], rtol=tol[0], atol=tol[1])
