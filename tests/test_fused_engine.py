@@ -25,7 +25,9 @@ from neorec.sparse import SparseBatch
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def make_tables(dtype: str = "fp32", overrides: dict[str, EmbeddingOptimizerConfig] | None = None) -> list[TableConfig]:
+def make_tables(
+    dtype: str = "fp32", overrides: dict[str, EmbeddingOptimizerConfig] | None = None
+) -> list[TableConfig]:
     """Mixed dims (8, 3, 16, 8: the two dim-8 tables are not adjacent in the output), mixed pooling,
     and one table shared by two features."""
     overrides = overrides or {}
@@ -65,7 +67,9 @@ class Float64Reference:
         for t in tables:
             c = self.configs[t.name]
             if c.name == "adagrad":
-                self.state[t.name] = {"momentum1": torch.full((t.rows, t.dim), c.initial_accumulator).double()}
+                self.state[t.name] = {
+                    "momentum1": torch.full((t.rows, t.dim), c.initial_accumulator).double()
+                }
             elif c.name == "rowwise_adagrad":
                 self.state[t.name] = {"momentum1": torch.full((t.rows,), c.initial_accumulator).double()}
             elif c.name == "adam":
@@ -159,13 +163,17 @@ def train_both(
     return engine, ref, outputs
 
 
-def assert_matches(engine: FusedEmbeddingCollection, ref: Float64Reference, outputs, rtol=1e-5, atol=1e-6) -> None:
+def assert_matches(
+    engine: FusedEmbeddingCollection, ref: Float64Reference, outputs, rtol=1e-5, atol=1e-6
+) -> None:
     for pooled, expected in outputs:
         assert pooled.dtype == torch.float32
         torch.testing.assert_close(pooled.double(), expected, rtol=rtol, atol=atol)
     state = engine.state_dict()
     for t in ref.tables:
-        torch.testing.assert_close(state[f"tables.{t.name}.weight"].double(), ref.weights[t.name], rtol=rtol, atol=atol)
+        torch.testing.assert_close(
+            state[f"tables.{t.name}.weight"].double(), ref.weights[t.name], rtol=rtol, atol=atol
+        )
         assert set(k for k in state if k.startswith(f"tables.{t.name}.")) == {
             f"tables.{t.name}.{k}" for k in ["weight", "step", *ref.state[t.name]]
         }
@@ -283,7 +291,9 @@ def test_low_precision_storage_accumulates_in_fp32(dtype: str) -> None:
     """Forward of fp16/bf16 rows agrees with float64 to fp32 accuracy (fp16 accumulation would be off
     by ~1e-3); after updates, weights stay within a few units in the last place of the storage type."""
     tables = make_tables(dtype)
-    engine, ref, outputs = train_both(tables, EmbeddingOptimizerConfig(name="adagrad", lr=0.02), steps=3, seed=4)
+    engine, ref, outputs = train_both(
+        tables, EmbeddingOptimizerConfig(name="adagrad", lr=0.02), steps=3, seed=4
+    )
     for pooled, expected in outputs[:1]:
         assert pooled.dtype == torch.float32
         torch.testing.assert_close(pooled.double(), expected, rtol=1e-5, atol=1e-6)

@@ -89,7 +89,8 @@ def _explain(err: dict[str, Any]) -> str:
         return f"missing key '{key}'"
     got = err.get("input")
     got_text = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"key '{key}': {err['msg']}{got_text}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"key '{key}': {msg}{got_text}"
 
 
 def _is_union_tag(part: str) -> bool:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from neorec.data.batch import Batch
+from neorec.data.hashing import splitmix64
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.errors import ConfigError, DataError
 from neorec.sparse import SparseBatch
@@ -56,14 +57,6 @@ for _c in b"ABCDEF":
 _HEX_SHIFTS = np.arange(4 * (MAX_HEX_DIGITS - 1), -1, -4, dtype=np.uint64)
 
 PathLike = str | Path
-
-
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser on uint64 (wrapping arithmetic): a fixed, well-mixed integer hash."""
-    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
 
 
 def map_categorical(raw: np.ndarray, table_rows: np.ndarray, hashing: str) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from neorec.data.batch import Batch
+from neorec.data.hashing import splitmix64
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.sparse import SparseBatch
 
@@ -62,6 +63,7 @@ class SyntheticSpec:
     latent_dim: int = 8
     num_pairs: int = 26  # feature pairs whose latent dot products enter the logit
     logit_scale: float = 2.0  # std of the teacher logit: larger -> easier, higher ceiling AUC
+    part_weights: tuple[float, float, float, float] = (1.0, 1.0, 0.5, 0.3)  # dense, id bias, pairs, dense x id
     base_ctr: float = 0.25
     train_samples: int = 1_000_000
     eval_samples: int = 100_000
@@ -72,21 +74,12 @@ class SyntheticSpec:
         return len(self.rows)
 
 
-def _splitmix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic): a fast, well-mixed integer hash."""
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
 def _hash_uniform(ids: np.ndarray, key: int, width: int) -> np.ndarray:
     """[n] ids -> [n, width] values uniform in [-sqrt(3), sqrt(3)) (mean 0, variance 1), fixed per (key, id)."""
-    base = _splitmix(ids.astype(np.uint64) * np.uint64(0x100000001B3) + np.uint64(key & 0xFFFFFFFF) * np.uint64(1 << 32))
+    base = splitmix64(ids.astype(np.uint64) * np.uint64(0x100000001B3) + np.uint64(key & 0xFFFFFFFF) * np.uint64(1 << 32))
     comp = np.arange(1, width + 1, dtype=np.uint64) * np.uint64(0xD6E8FEB86659FD93)
     with np.errstate(over="ignore"):
-        h = _splitmix(base[:, None] ^ comp[None, :])
+        h = splitmix64(base[:, None] ^ comp[None, :])
     u = (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
     return ((u * 2.0 - 1.0) * math.sqrt(3.0)).astype(np.float32)
 
@@ -119,8 +112,14 @@ class Teacher:
         self.dense_to_latent = rng.normal(0.0, 1.0, (t, d, k)) / math.sqrt(max(d, 1) * k)
         self.shift = [int(rng.integers(0, r)) for r in spec.rows]
         self.key = [int(rng.integers(0, 2**31)) for _ in range(t)]
-        # weights of the three parts, then one scale fitted so the logit has std `logit_scale`
-        self.part_scale = np.array([1.0, 1.0 / math.sqrt(t), 1.0 / math.sqrt(max(len(self.pairs), 1)), 0.5 / math.sqrt(t)])
+        # relative weights of the four parts (dense, id bias, pair interactions, dense x id), each
+        # normalised by its number of terms; then one scale is fitted so the logit has std `logit_scale`.
+        # Interactions weigh less than the per-id effects: learning a factorisation from scratch needs
+        # far more samples than a quick run has, and the ceiling should be reachable by a good model.
+        w = spec.part_weights
+        self.part_scale = np.array(
+            [w[0], w[1] / math.sqrt(t), w[2] / math.sqrt(max(len(self.pairs), 1)), w[3] / math.sqrt(t)]
+        )
         self.scale, self.bias = 1.0, 0.0
         self._calibrate()
 

@@ -77,7 +77,7 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig]) -> EmbeddingColl
 
 
 def build_model(cfg: RunConfig, info: SourceInfo, embeddings: EmbeddingCollection) -> nn.Module:
-    from neorec.model.dlrm import DCNv2, DLRM
+    from neorec.model.dlrm import DLRM, DCNv2
 
     m = cfg.model
     torch.manual_seed(cfg.seed)  # MLP init depends on the seed alone

@@ -162,5 +162,4 @@ class FusedLookup(torch.autograd.Function):
             rows, grads = row_gradients(gb, group_gradient(grad_out, group.output_columns, group.dim))
             engine.apply_update(gi, rows, grads, step)
         engine.num_updates = step
-        ctx.batches = None  # the ids are not needed again; free them with the graph
         return None, None, None

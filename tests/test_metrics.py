@@ -1,0 +1,41 @@
+import math
+
+import numpy as np
+import torch
+
+from neorec.metrics.auc import auc
+from neorec.metrics.evaluation import binary_metrics
+
+
+def brute_auc(s, y):
+    pos = [a for a, b in zip(s, y, strict=True) if b == 1]
+    neg = [a for a, b in zip(s, y, strict=True) if b == 0]
+    total = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
+    return total / (len(pos) * len(neg))
+
+
+def test_auc_matches_pairwise_count_with_ties():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = rng.integers(2, 60)
+        s = rng.integers(0, 5, n).astype(float)  # many ties
+        y = rng.integers(0, 2, n)
+        if y.min() == y.max():
+            continue
+        assert math.isclose(auc(torch.tensor(s), torch.tensor(y)), brute_auc(s, y), rel_tol=1e-12)
+
+
+def test_auc_one_class_is_nan():
+    assert math.isnan(auc(torch.tensor([0.1, 0.2]), torch.tensor([1.0, 1.0])))
+
+
+def test_binary_metrics_values():
+    p = torch.tensor([0.9, 0.2, 0.6, 0.4], dtype=torch.float64)
+    y = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    m = binary_metrics(p, y)
+    ll = -(math.log(0.9) + math.log(0.8) + math.log(0.4) + math.log(0.4)) / 4
+    assert math.isclose(m["log_loss"], ll, rel_tol=1e-9)
+    assert math.isclose(m["ne"], ll / math.log(2), rel_tol=1e-9)  # base rate 0.5 -> entropy log 2
+    assert m["accuracy"] == 0.5
+    assert math.isclose(m["calibration"], 0.525 / 0.5, rel_tol=1e-9)
+    assert m["auc"] == 0.75

@@ -1,0 +1,110 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neorec.errors import DataError
+from neorec.sparse import SparseBatch
+
+
+def make(lengths_by_feature, rows=10, weighted=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    feats = {}
+    for name, lengths in lengths_by_feature.items():
+        ln = torch.tensor(lengths, dtype=torch.int64)
+        v = torch.randint(0, rows, (int(ln.sum()),), generator=g)
+        feats[name] = (v, ln, torch.rand(v.numel(), generator=g)) if weighted else (v, ln)
+    return SparseBatch.from_features(feats)
+
+
+@st.composite
+def batches(draw):
+    b = draw(st.integers(0, 6))
+    names = draw(st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=5, unique=True))
+    lengths = {n: draw(st.lists(st.integers(0, 4), min_size=b, max_size=b)) for n in names}
+    return make(lengths, weighted=draw(st.booleans()), seed=draw(st.integers(0, 100)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.randoms())
+def test_select_permute_concat_roundtrip(sb, rnd):
+    sb.validate()
+    keys = list(sb.keys)
+    rnd.shuffle(keys)
+    perm = sb.select(keys)
+    perm.validate()
+    for k in sb.keys:
+        v1, l1, w1 = sb.feature(k)
+        v2, l2, w2 = perm.feature(k)
+        assert torch.equal(v1, v2) and torch.equal(l1, l2)
+        assert (w1 is None and w2 is None) or torch.equal(w1, w2)
+    cut = rnd.randint(0, len(keys))
+    parts = sb.split([keys[:cut], keys[cut:]])
+    assert SparseBatch.concat(parts).select(sb.keys) == sb
+    assert sb.permute(list(range(sb.num_features))) == sb
+
+
+def test_offsets_and_views():
+    sb = make({"a": [1, 0, 2], "b": [1, 1, 1]})
+    assert sb.batch_size == 3
+    assert sb.offsets().tolist() == [0, 1, 1, 3, 4, 5, 6]
+    assert sb.length_per_key() == [3, 3]
+    v, ln, w = sb.feature("b")
+    assert ln.tolist() == [1, 1, 1] and v.numel() == 3 and w is None
+
+
+def test_from_dense_ids_is_one_hot_feature_major():
+    ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    sb = SparseBatch.from_dense_ids(["x", "y"], ids)
+    assert sb.values.tolist() == [1, 3, 5, 2, 4, 6]
+    assert sb.lengths.tolist() == [1] * 6
+
+
+def test_mixed_weights_concat_fills_ones():
+    a = make({"a": [1, 1]}, weighted=True)
+    b = make({"b": [2, 0]})
+    c = SparseBatch.concat([a, b])
+    assert c.weights is not None and torch.equal(c.weights[2:], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda sb: setattr(sb, "values", sb.values - 100), "feature 'a': negative id"),
+        (lambda sb: setattr(sb, "values", torch.cat([sb.values, sb.values[:1]])), "lengths sum to"),
+        (lambda sb: setattr(sb, "weights", torch.ones(1)), "weights for"),
+        (lambda sb: setattr(sb, "lengths", torch.tensor([1, -1, 2, 1, 1, 1])), "feature 'a': negative length"),
+    ],
+)
+def test_validate_names_the_problem(mutate, message):
+    sb = make({"a": [1, 0, 2], "b": [1, 1, 1]})
+    mutate(sb)
+    with pytest.raises(DataError, match=message):
+        sb.validate({"a": 10, "b": 10})
+
+
+def test_validate_id_out_of_table_names_feature():
+    sb = make({"a": [1, 1], "b": [1, 1]}, rows=5)
+    sb.values[-1] = 7
+    with pytest.raises(DataError, match="feature 'b': id 7 >= table rows 5"):
+        sb.validate({"a": 100, "b": 5})
+
+
+def test_mismatched_batch_sizes_rejected():
+    with pytest.raises(DataError, match="different batch sizes"):
+        SparseBatch.from_features({"a": (torch.tensor([1]), torch.tensor([1])), "b": (torch.tensor([1, 2]), torch.tensor([1, 1]))})
+    with pytest.raises(DataError, match="not a multiple"):
+        SparseBatch(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]))
+    with pytest.raises(DataError, match="different batch sizes"):
+        SparseBatch.concat([make({"a": [1]}), make({"b": [1, 1]})])
+
+
+def test_unknown_feature_named():
+    with pytest.raises(DataError, match="feature 'z' is not in this batch"):
+        make({"a": [1]}).select(["z"])
+
+
+def test_to_device_keeps_data():
+    sb = make({"a": [2, 0], "b": [1, 3]}, weighted=True)
+    moved = sb.to("cpu")
+    assert moved == sb and moved.length_per_key() == sb.length_per_key()
