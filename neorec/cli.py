@@ -53,7 +53,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_data_generate(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
-    from neorec.data.synthetic import SyntheticSource, spec_from_config, write_shards
+    from neorec.data.shards import write_shards
+    from neorec.data.synthetic import SyntheticSource, spec_from_config
 
     cfg = load_config(args.config or "default", args.overrides)
     source = SyntheticSource(spec_from_config(cfg.data.synthetic, cfg.seed), cache=False)

@@ -74,7 +74,10 @@ class MovieLensConfig(Strict):
 
 
 class DataConfig(Strict):
-    source: Literal["synthetic", "criteo_tsv", "movielens"] = Field("synthetic", description="where batches come from")
+    source: Literal["synthetic", "criteo_tsv", "movielens", "shards"] = Field(
+        "synthetic", description="where batches come from"
+    )
+    shards_dir: str | None = Field(None, description="source shards: a folder written by `neorec data generate`")
     batch_size: int = Field(2048, gt=0, description="training samples per step (global)")
     eval_batch_size: int = Field(16384, gt=0, description="samples per evaluation batch")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic data settings")
@@ -85,6 +88,8 @@ class DataConfig(Strict):
     def _source_settings(self) -> DataConfig:
         if self.source == "criteo_tsv" and self.criteo is None:
             raise ValueError("source criteo_tsv needs a data.criteo section with train_paths")
+        if self.source == "shards" and not self.shards_dir:
+            raise ValueError("source shards needs data.shards_dir")
         return self
 
 

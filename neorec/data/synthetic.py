@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from neorec.data.batch import Batch
+from neorec.data.blocks import Block, rebatch
 from neorec.data.hashing import splitmix64
 from neorec.data.source import FeatureSpec, SourceInfo
-from neorec.sparse import SparseBatch
 
 BLOCK = 16384
 
@@ -140,7 +140,7 @@ class Teacher:
                 pooled = params
             else:  # mean over the bag: the teacher sees a bag as its average id (empty bag: zeros)
                 seg = np.repeat(np.arange(n), lengths)
-                pooled = np.stack([np.bincount(seg, params[:, c], minlength=n) for c in range(k + 1)], 1)
+                pooled = np.stack([np.bincount(seg, params[:, c], minlength=n) for c in range(k + 1)], 1).astype(np.float64)
                 pooled /= np.maximum(lengths, 1)[:, None]
             bias += pooled[:, 0]
             latent[t] = pooled[:, 1:]
@@ -191,64 +191,6 @@ def _draw(teacher: Teacher, rng: np.random.Generator, n: int):
     return dense_std, dense_log.astype(np.float32), bags
 
 
-@dataclass
-class Block:
-    """A run of samples held as tensors: the unit the generator makes and caches."""
-
-    dense: torch.Tensor  # [n, d] float32, log(1 + count) like preprocessed Criteo
-    labels: torch.Tensor  # [n] float32
-    probs: torch.Tensor  # [n] float32: the teacher's click probability
-    values: list[torch.Tensor]  # per feature, int64 ids
-    lengths: list[torch.Tensor]  # per feature, [n] int64
-    weights: list[torch.Tensor] | None
-
-    def __len__(self) -> int:
-        return self.labels.numel()
-
-    def take(self, idx: torch.Tensor) -> Block:
-        """Samples `idx` (in that order)."""
-        values, lengths, weights = [], [], [] if self.weights is not None else None
-        for f, (v, ln) in enumerate(zip(self.values, self.lengths, strict=True)):
-            if bool((ln == 1).all()):
-                sel = idx
-            else:  # multi-hot: gather each chosen sample's run of ids
-                offsets = torch.zeros(ln.numel() + 1, dtype=torch.int64)
-                torch.cumsum(ln, 0, out=offsets[1:])
-                new_len = ln[idx]
-                starts = torch.repeat_interleave(offsets[idx], new_len)
-                within = torch.arange(int(new_len.sum())) - torch.repeat_interleave(
-                    torch.cumsum(new_len, 0) - new_len, new_len
-                )
-                sel = starts + within
-            values.append(v[sel])
-            lengths.append(ln[idx])
-            if weights is not None:
-                weights.append(self.weights[f][sel])
-        return Block(self.dense[idx], self.labels[idx], self.probs[idx], values, lengths, weights)
-
-    @staticmethod
-    def cat(blocks: list[Block]) -> Block:
-        if len(blocks) == 1:
-            return blocks[0]
-        nf = len(blocks[0].values)
-        weights = None
-        if blocks[0].weights is not None:
-            weights = [torch.cat([b.weights[f] for b in blocks]) for f in range(nf)]
-        return Block(
-            torch.cat([b.dense for b in blocks]),
-            torch.cat([b.labels for b in blocks]),
-            torch.cat([b.probs for b in blocks]),
-            [torch.cat([b.values[f] for b in blocks]) for f in range(nf)],
-            [torch.cat([b.lengths[f] for b in blocks]) for f in range(nf)],
-            weights,
-        )
-
-    def to_batch(self, keys: list[str]) -> Batch:
-        weights = torch.cat(self.weights) if self.weights is not None else None
-        sparse = SparseBatch(keys, torch.cat(self.values), torch.cat(self.lengths), weights)
-        return Batch(self.dense, sparse, self.labels)
-
-
 _SPLITS = {"train": 1, "eval": 2}
 
 
@@ -295,27 +237,18 @@ class SyntheticSource:
         total = self.spec.train_samples if split == "train" else self.spec.eval_samples
         return (total + BLOCK - 1) // BLOCK
 
-    def _batches(self, split: str, batch_size: int, epoch: int | None) -> Iterator[Batch]:
+    def _blocks_in_order(self, split: str, epoch: int | None) -> Iterator[Block]:
         order = list(range(self.num_blocks(split)))
-        gen = None
-        if epoch:  # epoch 0 reads in order: the samples are i.i.d. already
-            gen = torch.Generator().manual_seed(self.spec.seed * 7919 + epoch)
-            order = torch.randperm(len(order), generator=gen).tolist()
-        pending: list[Block] = []
-        have = 0
-        for b in order:
+        if not epoch:  # epoch 0 reads in order: the samples are i.i.d. already
+            yield from (self.block(split, b) for b in order)
+            return
+        gen = torch.Generator().manual_seed(self.spec.seed * 7919 + epoch)
+        for b in torch.randperm(len(order), generator=gen).tolist():
             block = self.block(split, b)
-            if gen is not None:
-                block = block.take(torch.randperm(len(block), generator=gen))
-            pending.append(block)
-            have += len(block)
-            while have >= batch_size:
-                merged = Block.cat(pending)
-                yield merged.take(torch.arange(batch_size)).to_batch(self.keys)
-                rest = merged.take(torch.arange(batch_size, have))
-                pending, have = ([rest] if len(rest) else []), have - batch_size
-        if have:
-            yield Block.cat(pending).to_batch(self.keys)
+            yield block.take(torch.randperm(len(block), generator=gen))
+
+    def _batches(self, split: str, batch_size: int, epoch: int | None) -> Iterator[Batch]:
+        return rebatch(self._blocks_in_order(split, epoch), batch_size, self.keys)
 
     def train_batches(self, batch_size: int, epoch: int = 0) -> Iterator[Batch]:
         return self._batches("train", batch_size, epoch)

@@ -31,6 +31,10 @@ def build_source(cfg: RunConfig) -> DataSource:
             bad_lines=c.bad_lines,
             eval_every=c.eval_every,
         )
+    if d.source == "shards":
+        from neorec.data.shards import ShardSource
+
+        return ShardSource(d.shards_dir)
     if d.source == "movielens":
         from neorec.data.movielens import MovieLensSource
 

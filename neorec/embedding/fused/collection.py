@@ -72,6 +72,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         self.stochastic_rounding = stochastic_rounding
         self.layout = build_layout(self.tables, optimizer)
         self.num_updates = 0
+        # elements (rows x dim) per chunk of the fused update on CPU; None = no chunking
+        self.update_chunk_elements: int | None = 1 << 18
         self._configs = [t.optimizer or optimizer for t in self.tables]
         self._optimizer: FusedEmbeddingOptimizer | None = None
         self._feature_cache: dict[tuple, list[tuple[torch.Tensor, list[int]]]] = {}
@@ -187,6 +189,12 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         storage.write(rows, to_storage(weights, g.dtype, noise))
         for name, s in state_storage.items():
             s.write(rows, state[name])
+
+    def update_chunk_rows(self, gi: int, device: torch.device) -> int | None:
+        """Rows per update chunk: cache-sized blocks on CPU (see lookup.row_gradients), one on GPU."""
+        if device.type == "cuda" or self.update_chunk_elements is None:
+            return None
+        return max(1, self.update_chunk_elements // self.layout.groups[gi].dim)
 
     def _table_of(self, gi: int, rows: torch.Tensor) -> torch.Tensor:
         """Position in the group of the table that holds each global row."""

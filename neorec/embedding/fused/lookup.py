@@ -16,6 +16,7 @@ unique row's sum is formed once, in id order) and bitwise deterministic: the sor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -96,20 +97,40 @@ def pool(storage: RowStorage, batch: GroupBatch) -> torch.Tensor:
     return pooled.view(batch.batch_size, -1)
 
 
-def row_gradients(batch: GroupBatch, grad_bags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unique global rows [U] ascending, their summed gradients [U, D]) from d(pooled) per bag."""
+def row_gradients(
+    batch: GroupBatch, grad_bags: torch.Tensor, chunk_rows: int | None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield (unique global rows ascending, their summed gradients [rows, D]), chunk_rows at a time.
+
+    Chunking bounds every temporary of the update that follows (gradients, gathered rows and state,
+    the rule's intermediates) to a cache-sized block: on CPU a [U, D] temporary per op would be tens
+    of MB, fetched from DRAM at each of the rule's passes and, on hosts where fresh pages are
+    expensive, page-faulted in anew at every step. Results do not depend on the chunk size: each
+    row's sum and update only ever see that row. None = one chunk (GPUs; no host sync at all).
+    """
     sorted_rows, order = torch.sort(batch.rows, stable=True)
     unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    offsets = lengths_to_offsets(counts)
+    bags = batch.bags.index_select(0, order)
     scales = batch.scales.index_select(0, order) if batch.scales is not None else None
-    grads = F.embedding_bag(
-        batch.bags.index_select(0, order),
-        grad_bags,
-        lengths_to_offsets(counts),
-        mode="sum",
-        per_sample_weights=scales,
-        include_last_offset=True,
-    )
-    return unique_rows, grads
+    num_unique = unique_rows.numel()
+    starts = list(range(0, num_unique, chunk_rows or max(num_unique, 1)))
+    if len(starts) == 1:
+        bounds = [0, batch.rows.numel()]
+    else:  # where each chunk's ids start: one small read, only on the chunked (CPU) path
+        bounds = offsets[torch.tensor([*starts, num_unique], device=offsets.device)].tolist()
+    for k, first in enumerate(starts):
+        last = starts[k + 1] if k + 1 < len(starts) else num_unique
+        lo, hi = bounds[k], bounds[k + 1]
+        grads = F.embedding_bag(
+            bags[lo:hi],
+            grad_bags,
+            offsets[first : last + 1] - lo if lo else offsets[first : last + 1],
+            mode="sum",
+            per_sample_weights=scales[lo:hi] if scales is not None else None,
+            include_last_offset=True,
+        )
+        yield unique_rows[first:last], grads
 
 
 def assemble(
@@ -159,7 +180,8 @@ class FusedLookup(torch.autograd.Function):
         for gi, (group, gb) in enumerate(zip(engine.layout.groups, ctx.batches, strict=True)):
             if gb.rows.numel() == 0:
                 continue
-            rows, grads = row_gradients(gb, group_gradient(grad_out, group.output_columns, group.dim))
-            engine.apply_update(gi, rows, grads, step)
+            grad_bags = group_gradient(grad_out, group.output_columns, group.dim)
+            for rows, grads in row_gradients(gb, grad_bags, engine.update_chunk_rows(gi, grad_out.device)):
+                engine.apply_update(gi, rows, grads, step)
         engine.num_updates = step
         return None, None, None

@@ -1,0 +1,47 @@
+"""`neorec data inspect`: what a config's data looks like (features, table sizes, id statistics)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from neorec.config.load import load_config
+from neorec.train.build import build_source
+
+
+def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> str:
+    cfg = load_config(config, overrides)
+    source = build_source(cfg)
+    info = source.info
+    batches = list(itertools.islice(source.train_batches(cfg.data.batch_size, 0), num_batches))
+    lines = [f"source: {cfg.data.source}   dense features: {info.num_dense}   categorical features: {len(info.features)}"]
+    if info.num_train_samples:
+        lines.append(f"training samples per epoch: {info.num_train_samples:,}")
+    if batches:
+        labels = torch.cat([b.labels for b in batches])
+        dense = torch.cat([b.dense for b in batches])
+        lines.append(f"sampled {len(labels):,} training samples: CTR {float(labels.mean()):.4f}")
+        lines.append("dense mean " + " ".join(f"{x:.2f}" for x in dense.mean(0).tolist()))
+    header = f"{'feature':<10} {'ids (rows)':>12} {'ids/sample':>10} {'distinct':>9} {'top1% share':>11}"
+    lines += ["", header, "-" * len(header)]
+    for f in info.features:
+        if batches:
+            parts = [b.sparse.feature(f.name) for b in batches]
+            values = torch.cat([p[0] for p in parts])
+            per_sample = values.numel() / sum(p[1].numel() for p in parts)
+            _, counts = torch.unique(values, return_counts=True)
+            top = counts.sort(descending=True).values
+            k = max(1, int(0.01 * f.num_ids))
+            share = float(top[:k].sum()) / max(values.numel(), 1)
+            lines.append(f"{f.name:<10} {f.num_ids:>12,} {per_sample:>10.2f} {counts.numel():>9,} {share:>11.3f}")
+        else:
+            lines.append(f"{f.name:<10} {f.num_ids:>12,}")
+    if hasattr(source, "teacher_auc"):
+        auc = source.teacher_auc()
+        if auc is not None:
+            lines += ["", f"teacher AUC on the held-out set (the ceiling): {auc:.4f}"]
+    skipped = getattr(source, "num_skipped", None)
+    if skipped:
+        lines.append(f"malformed lines skipped: {skipped}")
+    return "\n".join(lines)

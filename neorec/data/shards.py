@@ -1,0 +1,102 @@
+"""Generated data on disk: one .npz file per block of samples, plus meta.json describing the features.
+
+`neorec data generate` writes them (from the synthetic generator); `data.source: shards` trains on them.
+Each file holds `dense` [n, d] float32, `labels` [n] float32, and per feature `values_<name>`,
+`lengths_<name>` (and `weights_<name>` when weighted).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from neorec.data.batch import Batch
+from neorec.data.blocks import Block, rebatch
+from neorec.data.source import FeatureSpec, SourceInfo
+from neorec.data.synthetic import SyntheticSource
+from neorec.errors import DataError
+
+
+def write_shards(source: SyntheticSource, out: Path) -> list[Path]:
+    """Write every train and eval block of `source`; files are written under a temporary name, then renamed."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split in ("train", "eval"):
+        for i in range(source.num_blocks(split)):
+            b = source.block(split, i)
+            arrays = {"dense": b.dense.numpy(), "labels": b.labels.numpy()}
+            for f, name in enumerate(source.keys):
+                arrays[f"values_{name}"] = b.values[f].numpy()
+                arrays[f"lengths_{name}"] = b.lengths[f].numpy()
+                if b.weights is not None:
+                    arrays[f"weights_{name}"] = b.weights[f].numpy()
+            path = out / f"{split}-{i:05d}.npz"
+            tmp = path.with_suffix(".tmp.npz")
+            np.savez(tmp, **arrays)
+            tmp.replace(path)
+            paths.append(path)
+    meta = {
+        "num_dense": source.info.num_dense,
+        "features": [vars(f) for f in source.info.features],
+        "num_train_samples": source.spec.train_samples,
+        "teacher_auc": source.teacher_auc(),
+        "train_files": source.num_blocks("train"),
+        "eval_files": source.num_blocks("eval"),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    return paths
+
+
+class ShardSource:
+    """A DataSource over a folder written by `write_shards` (read one file at a time)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        meta_path = self.root / "meta.json"
+        if not meta_path.is_file():
+            raise DataError(f"{meta_path}: missing; is {self.root} a folder written by `neorec data generate`?")
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            features = [FeatureSpec(**f) for f in self.meta["features"]]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DataError(f"{meta_path}: not a valid shard description ({e})") from None
+        self.keys = [f.name for f in features]
+        self.info = SourceInfo(
+            self.meta["num_dense"], features, num_train_samples=self.meta.get("num_train_samples"),
+            notes={"teacher_auc": self.meta.get("teacher_auc")},
+        )  # fmt: skip
+
+    def _read(self, path: Path) -> Block:
+        try:
+            with np.load(path) as z:
+                t = {k: torch.from_numpy(z[k]) for k in z.files}
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: cannot read shard ({e})") from None
+        missing = [k for k in ["dense", "labels"] + [f"values_{n}" for n in self.keys] if k not in t]
+        if missing:
+            raise DataError(f"{path}: shard lacks arrays {missing}")
+        weights = [t[f"weights_{n}"] for n in self.keys] if f"weights_{self.keys[0]}" in t else None
+        return Block(
+            t["dense"], t["labels"], torch.zeros_like(t["labels"]),
+            [t[f"values_{n}"] for n in self.keys], [t[f"lengths_{n}"] for n in self.keys], weights,
+        )  # fmt: skip
+
+    def _batches(self, split: str, batch_size: int, epoch: int) -> Iterator[Batch]:
+        files = [self.root / f"{split}-{i:05d}.npz" for i in range(self.meta[f"{split}_files"])]
+        if epoch:  # a new file order per epoch
+            order = torch.randperm(len(files), generator=torch.Generator().manual_seed(epoch))
+            files = [files[i] for i in order.tolist()]
+        return rebatch((self._read(p) for p in files), batch_size, self.keys)
+
+    def train_batches(self, batch_size: int, epoch: int = 0) -> Iterator[Batch]:
+        return self._batches("train", batch_size, epoch)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        return self._batches("eval", batch_size, 0)
+
+    def teacher_auc(self) -> float | None:
+        return self.meta.get("teacher_auc")
