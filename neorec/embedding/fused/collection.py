@@ -73,7 +73,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         self.layout = build_layout(self.tables, optimizer)
         self.num_updates = 0
         # elements (rows x dim) per chunk of the fused update on CPU; None = no chunking
-        self.update_chunk_elements: int | None = 1 << 18
+        self.update_chunk_elements: int | None = 1 << 17
         self._configs = [t.optimizer or optimizer for t in self.tables]
         self._optimizer: FusedEmbeddingOptimizer | None = None
         self._feature_cache: dict[tuple, list[tuple[torch.Tensor, list[int]]]] = {}
