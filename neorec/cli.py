@@ -23,8 +23,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config or "default", args.overrides)
     trainer = Trainer(cfg, Path(args.output_dir) if args.output_dir else None)
-    if trainer.source.info.notes.get("skipped_lines"):
-        print(f"skipped {trainer.source.info.notes['skipped_lines']} malformed lines", file=sys.stderr)
     result = trainer.fit()
     print(summary_table(result))
     return 0

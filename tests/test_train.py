@@ -80,3 +80,20 @@ def test_cli_rejects_bad_config_before_work(tmp_path):
     assert p.returncode == 2
     assert "train.dense_optimizer.lr" in p.stderr and "model.arch" in p.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_cli_criteo_bad_lines_fail_then_skip(tmp_path):
+    from pathlib import Path
+
+    lines = (Path(__file__).parent / "fixtures" / "criteo_20.tsv").read_text().splitlines()
+    lines[4] = "1\t2\tnot-enough-fields"
+    lines[11] = lines[11].replace("\t", "\tzz", 1)  # a non-numeric dense value
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("\n".join(lines) + "\n")
+    base = ["train", "--set", "data.source=criteo_tsv", "--set", "data.batch_size=4", "--set", "train.progress=false",
+            "--set", "logging.plot=false", "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    p = neorec(*base, "--set", f"data.criteo={{train_paths: [{bad}], table_rows: 100}}", cwd=tmp_path)
+    assert p.returncode == 2 and f"{bad}:5:" in p.stderr
+    p = neorec(*base, "--set", f"data.criteo={{train_paths: [{bad}], table_rows: 100, bad_lines: skip}}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "malformed lines skipped         | 2" in p.stdout

@@ -37,6 +37,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)  # every step's loss, for determinism checks
     eval: dict[str, float] = field(default_factory=dict)
     teacher_auc: float | None = None
+    skipped_lines: int = 0  # malformed input lines skipped under the reader's `skip` policy
     out_dir: Path | None = None
 
     @property
@@ -152,6 +153,7 @@ class Trainer:
             bar.close()
         result.steps = step
         result.eval = self._eval(logger, step, None, teacher_auc)
+        result.skipped_lines = int(getattr(self.source, "num_skipped", 0) or 0)
         logger.close()
         self._finish(result)
         return result
@@ -170,6 +172,7 @@ class Trainer:
             "samples": result.samples,
             "train_seconds": round(result.train_seconds, 3),
             "samples_per_s": round(result.samples_per_second, 1),
+            "skipped_lines": result.skipped_lines,
             **{f"eval_{k}": v for k, v in result.eval.items()},
         }
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -204,6 +207,8 @@ def summary_table(result: RunResult) -> str:
         rows.append(("teacher AUC (ceiling)", f"{result.teacher_auc:.4f}"))
         if "auc" in e:
             rows.append(("gap to ceiling", f"{result.teacher_auc - e['auc']:.4f}"))
+    if result.skipped_lines:
+        rows.append(("malformed lines skipped", f"{result.skipped_lines:,}"))
     if result.out_dir is not None:
         rows.append(("outputs", str(result.out_dir)))
     width = max(len(k) for k, _ in rows)
