@@ -97,3 +97,20 @@ def test_cli_criteo_bad_lines_fail_then_skip(tmp_path):
     p = neorec(*base, "--set", f"data.criteo={{train_paths: [{bad}], table_rows: 100, bad_lines: skip}}", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "malformed lines skipped         | 2" in p.stdout
+
+
+def test_console_script_and_data_commands(tmp_path):
+    import shutil
+
+    exe = shutil.which("neorec")
+    assert exe is not None, "the neorec console script is not installed (pip install -e .)"
+    assert subprocess.run([exe, "--help"], capture_output=True, text=True).returncode == 0
+    sets = [x for kv in TINY for x in ("--set", kv)]
+    g = neorec("data", "generate", *sets, "--out", str(tmp_path / "shards"), cwd=tmp_path)
+    assert g.returncode == 0, g.stderr
+    assert (tmp_path / "shards" / "meta.json").is_file()
+    i = neorec("data", "inspect", *sets, "--batches", "2", cwd=tmp_path)
+    assert i.returncode == 0 and "teacher AUC" in i.stdout and "C4" in i.stdout
+    t = neorec("train", *sets, "--set", "data.source=shards", "--set", f"data.shards_dir={tmp_path / 'shards'}",
+               "--set", "train.max_steps=3", "--output-dir", str(tmp_path / "out"), cwd=tmp_path)  # fmt: skip
+    assert t.returncode == 0, t.stderr
