@@ -157,6 +157,7 @@ class TrainConfig(Strict):
     log_every: int = Field(50, gt=0, description="write a metrics line every N steps")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (None: torch's default)")
     progress: bool = Field(True, description="show a tqdm progress bar")
+    prefetch: int = Field(4, ge=0, description="batches made ahead by a background thread (0: none)")
     dense_optimizer: DenseOptimizerConfig = Field(default_factory=DenseOptimizerConfig, description="MLP optimizer")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="learning-rate schedule")
 

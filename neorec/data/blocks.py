@@ -46,6 +46,21 @@ class Block:
                 weights.append(self.weights[f][sel])
         return Block(self.dense[idx], self.labels[idx], self.probs[idx], values, lengths, weights)
 
+    def slice(self, start: int, end: int) -> Block:
+        """Samples [start, end) without gathering: views of one-hot features, one cumsum for multi-hot."""
+        values, lengths, weights = [], [], [] if self.weights is not None else None
+        for f, (v, ln) in enumerate(zip(self.values, self.lengths, strict=True)):
+            if v.numel() == ln.numel():  # one id per sample: sample i's id is at position i
+                a, b = start, end
+            else:
+                a = int(ln[:start].sum())
+                b = a + int(ln[start:end].sum())
+            values.append(v[a:b])
+            lengths.append(ln[start:end])
+            if weights is not None:
+                weights.append(self.weights[f][a:b])
+        return Block(self.dense[start:end], self.labels[start:end], self.probs[start:end], values, lengths, weights)
+
     @staticmethod
     def cat(blocks: list[Block]) -> Block:
         if len(blocks) == 1:
@@ -70,16 +85,19 @@ class Block:
 
 
 def rebatch(blocks: Iterable[Block], batch_size: int, keys: list[str]) -> Iterator[Batch]:
-    """Batches of exactly `batch_size` samples (the last one may be smaller) from blocks of any size."""
-    pending: list[Block] = []
-    have = 0
+    """Batches of exactly `batch_size` samples (the last one may be smaller) from blocks of any size.
+
+    Batches are cut as contiguous slices (views for one-hot features), so re-batching costs about one
+    copy of the data, not one per batch.
+    """
+    pending: Block | None = None
     for block in blocks:
-        pending.append(block)
-        have += len(block)
-        while have >= batch_size:
-            merged = Block.cat(pending)
-            yield merged.take(torch.arange(batch_size)).to_batch(keys)
-            rest = merged.take(torch.arange(batch_size, have))
-            pending, have = ([rest] if len(rest) else []), have - batch_size
-    if have:
-        yield Block.cat(pending).to_batch(keys)
+        if pending is not None:
+            block = Block.cat([pending, block])
+        pos = 0
+        while len(block) - pos >= batch_size:
+            yield block.slice(pos, pos + batch_size).to_batch(keys)
+            pos += batch_size
+        pending = block.slice(pos, len(block)) if pos < len(block) else None
+    if pending is not None:
+        yield pending.to_batch(keys)

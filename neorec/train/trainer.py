@@ -14,6 +14,7 @@ from torch import nn
 
 from neorec.config.load import dump_config
 from neorec.config.schema import RunConfig
+from neorec.data.prefetch import prefetch
 from neorec.data.source import DataSource
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.metrics.evaluation import binary_metrics
@@ -120,7 +121,7 @@ class Trainer:
         step, done = 0, False
         start = time.perf_counter()
         for epoch in range(t.epochs):
-            for batch in self.source.train_batches(cfg.data.batch_size, epoch):
+            for batch in prefetch(self.source.train_batches(cfg.data.batch_size, epoch), t.prefetch):
                 self._set_lr(step, total)
                 loss = float(self.train_step(batch))
                 if not math.isfinite(loss):
