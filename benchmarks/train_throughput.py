@@ -39,8 +39,8 @@ def make_batches(cfg, n: int):
 def config_for(args, optimizer: str):
     from neorec.config.load import load_config
 
-    emb_opt = "{name: sgd, lr: 0.1}" if optimizer == "sgd" else "{name: adagrad, lr: 0.05}"
-    dense_opt = "{name: sgd, lr: 0.1}" if optimizer == "sgd" else "{name: adagrad, lr: 0.01}"
+    emb_opt = "{name: sgd, lr: 0.05}" if optimizer == "sgd" else "{name: adagrad, lr: 0.05}"
+    dense_opt = "{name: sgd, lr: 0.01}" if optimizer == "sgd" else "{name: adagrad, lr: 0.01}"
     sets = [f"embedding.optimizer={emb_opt}", f"train.dense_optimizer={dense_opt}", "train.progress=false"]
     sets += [f"data.synthetic.train_samples={args.batch_size * (args.steps + args.warmup)}"]
     sets += [f"data.batch_size={args.batch_size}"] + (args.set or [])

@@ -43,8 +43,10 @@ def determinism_tables() -> list[TableConfig]:
     ]  # fmt: skip
 
 
-def run(threads: int, steps: int = 3) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """~40k ids per batch: above torch's grain size, so sort, embedding_bag and the elementwise
+def run(
+    threads: int, steps: int = 3, chunk_elements: int | None = 1 << 17
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """~120k ids per batch (60k in the biggest group): above torch's grain size, so sort, embedding_bag and the elementwise
     updates all take their multi-threaded paths when threads > 1."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -55,7 +57,7 @@ def run(threads: int, steps: int = 3) -> tuple[list[torch.Tensor], dict[str, tor
         )
         outputs = []
         for step in range(steps):
-            pooled = engine(multi_hot(tables, batch_size=1024, max_len=20, seed=step))
+            pooled = engine(multi_hot(tables, batch_size=2048, max_len=30, seed=step))
             outputs.append(pooled.detach().clone())
             pooled.backward(torch.randn(pooled.shape, generator=torch.Generator().manual_seed(100 + step)))
         return outputs, {k: v.clone() for k, v in engine.state_dict().items()}
@@ -63,9 +65,10 @@ def run(threads: int, steps: int = 3) -> tuple[list[torch.Tensor], dict[str, tor
         torch.set_num_threads(before)
 
 
-def test_bitwise_deterministic_across_runs_and_thread_counts() -> None:
+def test_bitwise_deterministic_across_runs_thread_counts_and_chunk_sizes() -> None:
+    """Also independent of how the work is chunked (from ~60 rows per chunk to one chunk)."""
     first, second, single = run(2), run(2), run(1)
-    for other in (second, single):
+    for other in (second, single, run(1, chunk_elements=2000), run(1, chunk_elements=None)):
         for a, b in zip(first[0], other[0], strict=True):
             assert torch.equal(a, b)
         assert first[1].keys() == other[1].keys()

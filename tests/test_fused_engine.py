@@ -142,11 +142,19 @@ class Float64Reference:
 
 
 def train_both(
-    tables: list[TableConfig], opt: EmbeddingOptimizerConfig, steps: int, seed: int, weighted: bool = True
+    tables: list[TableConfig],
+    opt: EmbeddingOptimizerConfig,
+    steps: int,
+    seed: int,
+    weighted: bool = True,
+    chunk_elements: int | None = 1 << 17,
 ) -> tuple[FusedEmbeddingCollection, Float64Reference, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Run `steps` fwd/bwd/updates on both, with a decaying lr schedule driven through param_groups."""
+    """Run `steps` fwd/bwd/updates on both, with a decaying lr schedule driven through param_groups.
+
+    Small chunk_elements split the update (and fp16/bf16 lookups) into blocks of a few rows."""
     gen = torch.Generator().manual_seed(seed)
     engine, ref = FusedEmbeddingCollection(tables, opt), Float64Reference(tables, opt)
+    engine.chunk_elements = chunk_elements
     optimizer = engine.build_optimizer()
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.8**k)
     outputs = []
@@ -199,7 +207,8 @@ def test_per_table_optimizer_overrides() -> None:
         "tags": EmbeddingOptimizerConfig(name="adagrad", lr=0.1, initial_accumulator=0.1),
     }
     tables = make_tables(overrides=overrides)
-    engine, ref, outputs = train_both(tables, EmbeddingOptimizerConfig(name="sgd", lr=0.1), steps=5, seed=3)
+    opt = EmbeddingOptimizerConfig(name="sgd", lr=0.1)
+    engine, ref, outputs = train_both(tables, opt, steps=5, seed=3, chunk_elements=40)
     assert len(engine.layout.groups) == 3  # adam dim 8 (users + cats), sgd dim 3, adagrad dim 16
     assert_matches(engine, ref, outputs)
 
@@ -291,9 +300,8 @@ def test_low_precision_storage_accumulates_in_fp32(dtype: str) -> None:
     """Forward of fp16/bf16 rows agrees with float64 to fp32 accuracy (fp16 accumulation would be off
     by ~1e-3); after updates, weights stay within a few units in the last place of the storage type."""
     tables = make_tables(dtype)
-    engine, ref, outputs = train_both(
-        tables, EmbeddingOptimizerConfig(name="adagrad", lr=0.02), steps=3, seed=4
-    )
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.02)
+    engine, ref, outputs = train_both(tables, opt, steps=3, seed=4, chunk_elements=40)
     for pooled, expected in outputs[:1]:
         assert pooled.dtype == torch.float32
         torch.testing.assert_close(pooled.double(), expected, rtol=1e-5, atol=1e-6)

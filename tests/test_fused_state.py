@@ -147,3 +147,11 @@ def test_module_conversions_keep_the_storage_dtype() -> None:
     dtypes = {name: w.dtype for name, w in engine.table_weights().items()}
     assert dtypes == {"a": torch.float32, "b": torch.float16, "c": torch.float32}
     assert engine(batch(0)).dtype == torch.float32
+
+
+def test_engine_without_tables() -> None:
+    """A rank that holds no shard still answers forward, state_dict and build_optimizer."""
+    engine = FusedEmbeddingCollection([], opt())
+    pooled = engine(batch(0))
+    assert pooled.shape == (6, 0)
+    assert engine.state_dict() == {} and engine.build_optimizer().lrs() == []

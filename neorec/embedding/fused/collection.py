@@ -10,6 +10,11 @@ Precision: weights are stored as TableConfig.dtype; lookups and updates run in f
 are rounded back to the storage dtype, to nearest or stochastically (rounding.py). Optimizer state
 is always fp32.
 
+Speed on CPU: the work after the lookup runs in blocks of `chunk_elements` (rows x dim, default
+2^17) so temporaries stay in cache; results do not depend on the block size. With several intra-op
+threads on a machine whose cores are shared with other busy processes, prefer
+OMP_WAIT_POLICY=PASSIVE (or one thread): spinning OpenMP barriers then dominate every op.
+
 Checkpoints: `state_dict()` holds, per table, `tables.<name>.weight` (in the storage dtype, so a
 round trip is exact), one fp32 tensor per state entry (`momentum1`: adagrad sum [rows, dim] /
 rowwise adagrad sum [rows] / adam first moment; `momentum2`: adam second moment) and
@@ -72,8 +77,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         self.stochastic_rounding = stochastic_rounding
         self.layout = build_layout(self.tables, optimizer)
         self.num_updates = 0
-        # elements (rows x dim) per chunk of the fused update on CPU; None = no chunking
-        self.update_chunk_elements: int | None = 1 << 17
+        # elements (rows x dim) per block of the update and of fp16/bf16 lookups on CPU; None = one block
+        self.chunk_elements: int | None = 1 << 17
         self._configs = [t.optimizer or optimizer for t in self.tables]
         self._optimizer: FusedEmbeddingOptimizer | None = None
         self._feature_cache: dict[tuple, list[tuple[torch.Tensor, list[int]]]] = {}
@@ -137,6 +142,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
     # ---- forward --------------------------------------------------------------------------------
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
         """[B, output_dim] fp32 pooled vectors in feature_names order; trains the rows on backward."""
+        if not self.layout.groups or sparse.batch_size == 0:  # e.g. a rank that holds no shard
+            return torch.zeros(sparse.batch_size, self.output_dim, device=sparse.values.device)
         batches = self._prepare(sparse)
         anchor = torch.empty(0, device=sparse.values.device, requires_grad=True)
         return FusedLookup.apply(anchor, self, batches)
@@ -174,49 +181,63 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         return cached
 
     # ---- the fused update (called from FusedLookup.backward) -------------------------------------
-    def apply_update(self, gi: int, rows: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        """Update unique global rows `rows` of group gi with their summed gradients `grads`."""
+    def apply_update(
+        self,
+        gi: int,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        step: int,
+        hparams: dict[str, float | torch.Tensor],
+    ) -> None:
+        """Update unique global rows `rows` of group gi with their summed gradients `grads`.
+
+        hparams comes from group_hparams, resolved once per backward rather than once per chunk.
+        """
         g = self.layout.groups[gi]
         storage, state_storage = self.weights[gi], self.states[gi]
+        table = None  # which table of the group each row belongs to, when needed
+        per_row: dict[str, float | torch.Tensor] = {}
+        for name, value in hparams.items():
+            if isinstance(value, torch.Tensor):
+                table = self._table_of(gi, rows) if table is None else table
+                value = value.index_select(0, table).unsqueeze(1)
+            per_row[name] = value
         weights = storage.read(rows).to(torch.float32)
         state = {name: s.read(rows) for name, s in state_storage.items()}
-        weights, state = RULES[g.optimizer].update(weights, grads, state, step, self._hparams(gi, rows))
+        weights, state = RULES[g.optimizer].update(weights, grads, state, step, Hparams(**per_row))
         noise = None
         if self.stochastic_rounding and g.dtype != torch.float32:
             c = self._constants[gi]
-            table = self._table_of(gi, rows)
+            table = self._table_of(gi, rows) if table is None else table
             noise = uniform_noise(c.table_seeds[table], rows - c.row_starts[table], step, g.dim)
         storage.write(rows, to_storage(weights, g.dtype, noise))
         for name, s in state_storage.items():
             s.write(rows, state[name])
 
-    def update_chunk_rows(self, gi: int, device: torch.device) -> int | None:
-        """Rows per update chunk: cache-sized blocks on CPU (see lookup.row_gradients), one on GPU."""
-        if device.type == "cuda" or self.update_chunk_elements is None:
-            return None
-        return max(1, self.update_chunk_elements // self.layout.groups[gi].dim)
+    def group_hparams(self, gi: int, device: torch.device) -> dict[str, float | torch.Tensor]:
+        """Current hyper-parameters of group gi: a float where its tables agree (the usual case), else
+        a [T_g] tensor with one value per table. Learning rates come from the trainer's optimizer."""
+        tables = self.layout.groups[gi].tables
+        lrs = self._optimizer.lrs() if self._optimizer is not None else [c.lr for c in self._configs]
+        out: dict[str, float | torch.Tensor] = {}
+        for f in fields(Hparams):
+            values = [float(lrs[t] if f.name == "lr" else getattr(self._configs[t], f.name)) for t in tables]
+            if all(v == values[0] for v in values):
+                out[f.name] = values[0]
+            else:
+                out[f.name] = torch.tensor(values, dtype=torch.float32, device=device)
+        return out
 
     def _table_of(self, gi: int, rows: torch.Tensor) -> torch.Tensor:
         """Position in the group of the table that holds each global row."""
         return torch.searchsorted(self._constants[gi].row_starts, rows, right=True) - 1
 
-    def _hparams(self, gi: int, rows: torch.Tensor) -> Hparams:
-        """Floats when the group's tables agree (the usual case), else one value per row."""
-        tables = self.layout.groups[gi].tables
-        lrs = self._optimizer.lrs() if self._optimizer is not None else [c.lr for c in self._configs]
-        values: dict[str, list[float]] = {"lr": [lrs[t] for t in tables]}
-        for f in fields(Hparams):
-            if f.name != "lr":
-                values[f.name] = [float(getattr(self._configs[t], f.name)) for t in tables]
-        out: dict[str, float | torch.Tensor] = {}
-        table = None
-        for name, v in values.items():
-            if all(x == v[0] for x in v):
-                out[name] = float(v[0])
-            else:
-                table = self._table_of(gi, rows) if table is None else table
-                out[name] = torch.tensor(v, dtype=torch.float32, device=rows.device)[table].unsqueeze(1)
-        return Hparams(**out)
+    def chunk_rows(self, gi: int, device: torch.device) -> int | None:
+        """Rows per block of work on CPU, so temporaries stay cache-sized (see lookup.row_gradients);
+        None (one block, no host syncs) on GPU."""
+        if device.type == "cuda" or self.chunk_elements is None:
+            return None
+        return max(1, self.chunk_elements // self.layout.groups[gi].dim)
 
     def build_optimizer(self) -> FusedEmbeddingOptimizer:
         """The object the trainer schedules and steps; the engine reads its learning rates."""

@@ -40,10 +40,6 @@ class TableGroup:
     output_columns: list[tuple[int, int]] = field(default_factory=list)  # runs of output columns
 
     @property
-    def num_features(self) -> int:
-        return len(self.features)
-
-    @property
     def feature_row_offsets(self) -> list[int]:
         return [self.row_starts[t] for t in self.feature_tables]
 
@@ -55,11 +51,6 @@ class Layout:
     groups: list[TableGroup]
     table_slot: dict[str, tuple[int, int]]
     output_dim: int
-
-    @property
-    def single_block(self) -> bool:
-        """True when one group's pooled output is the whole output, in order (no column copies)."""
-        return len(self.groups) == 1 and self.groups[0].output_columns == [(0, self.output_dim)]
 
 
 def build_layout(tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig) -> Layout:

@@ -12,6 +12,9 @@ sort the ids by row (stable), cut the sorted list at row changes, and call `embe
 bag indices as ids, d(pooled) as the "table" and the row segments as the bags. This is exact (each
 unique row's sum is formed once, in id order) and bitwise deterministic: the sort is stable and
 `embedding_bag` sums each bag sequentially in one thread, whatever the thread count or device.
+
+On CPU the backward (and the lookup of fp16/bf16 or non-plain storage) runs in blocks of about
+`chunk_elements` rows x dim, so every temporary stays cache-sized; see row_gradients.
 """
 
 from __future__ import annotations
@@ -80,20 +83,48 @@ def prepare_group(
     return GroupBatch(rows, bags, offsets, scales, b, nf)
 
 
-def pool(storage: RowStorage, batch: GroupBatch) -> torch.Tensor:
+def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None) -> torch.Tensor:
     """[B, F * D] fp32 pooled vectors of one group.
 
-    fp32 plain storage: one embedding_bag straight over the buffer. Otherwise the rows are read
-    through the storage and widened to fp32 first, so fp16/bf16 tables accumulate in fp32.
+    fp32 plain storage: one embedding_bag straight over the buffer. Otherwise rows are read through
+    the storage and widened to fp32 before pooling, so fp16/bf16 tables accumulate in fp32; this is
+    done about chunk_rows ids at a time (whole bags) so the fp32 copy stays cache-sized.
     """
     if isinstance(storage, TensorStorage) and storage.dtype == torch.float32:
-        weight, ids = storage.tensor, batch.rows
-    else:
-        weight = storage.read(batch.rows).to(torch.float32)
-        ids = torch.arange(batch.rows.numel(), device=batch.rows.device)
-    pooled = F.embedding_bag(
-        ids, weight, batch.offsets, mode="sum", per_sample_weights=batch.scales, include_last_offset=True
-    )
+        pooled = F.embedding_bag(
+            batch.rows,
+            storage.tensor,
+            batch.offsets,
+            mode="sum",
+            per_sample_weights=batch.scales,
+            include_last_offset=True,
+        )
+        return pooled.view(batch.batch_size, -1)
+    num_ids, num_bags = batch.rows.numel(), batch.offsets.numel() - 1
+    if num_ids == 0:
+        return torch.zeros(batch.batch_size, batch.num_features * storage.width, device=batch.rows.device)
+    if chunk_rows is None or num_ids <= chunk_rows:
+        bag_bounds = [0, num_bags]
+    else:  # cut before the bag holding every chunk_rows-th id; one small read
+        cuts = batch.bags[chunk_rows::chunk_rows].tolist()
+        bag_bounds = sorted({0, num_bags, *cuts})
+    id_bounds = batch.offsets[bag_bounds].tolist() if len(bag_bounds) > 2 else [0, num_ids]
+    parts = []
+    for k in range(len(bag_bounds) - 1):
+        lo, hi = id_bounds[k], id_bounds[k + 1]
+        rows = storage.read(batch.rows[lo:hi]).to(torch.float32)
+        offsets = batch.offsets[bag_bounds[k] : bag_bounds[k + 1] + 1]
+        parts.append(
+            F.embedding_bag(
+                torch.arange(hi - lo, device=rows.device),
+                rows,
+                offsets - lo if lo else offsets,
+                mode="sum",
+                per_sample_weights=batch.scales[lo:hi] if batch.scales is not None else None,
+                include_last_offset=True,
+            )
+        )
+    pooled = parts[0] if len(parts) == 1 else torch.cat(parts)
     return pooled.view(batch.batch_size, -1)
 
 
@@ -168,7 +199,10 @@ class FusedLookup(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.engine, ctx.batches = engine, batches
         groups = engine.layout.groups
-        pooled = [pool(engine.weights[gi], gb) for gi, gb in enumerate(batches)]
+        device = batches[0].rows.device if batches else torch.device("cpu")
+        pooled = [
+            pool(engine.weights[gi], gb, engine.chunk_rows(gi, device)) for gi, gb in enumerate(batches)
+        ]
         return assemble(pooled, [g.output_columns for g in groups], engine.layout.output_dim)
 
     @staticmethod
@@ -181,7 +215,8 @@ class FusedLookup(torch.autograd.Function):
             if gb.rows.numel() == 0:
                 continue
             grad_bags = group_gradient(grad_out, group.output_columns, group.dim)
-            for rows, grads in row_gradients(gb, grad_bags, engine.update_chunk_rows(gi, grad_out.device)):
-                engine.apply_update(gi, rows, grads, step)
+            hparams = engine.group_hparams(gi, grad_out.device)
+            for rows, grads in row_gradients(gb, grad_bags, engine.chunk_rows(gi, grad_out.device)):
+                engine.apply_update(gi, rows, grads, step, hparams)
         engine.num_updates = step
         return None, None, None

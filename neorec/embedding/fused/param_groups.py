@@ -27,12 +27,15 @@ class FusedEmbeddingOptimizer(torch.optim.Optimizer):
             {"params": [torch.zeros(0, requires_grad=True)], "lr": lr, "table": name}
             for name, lr in zip(table_names, lrs, strict=True)
         ]
+        # torch.optim refuses an empty list; an engine without tables (a rank with no shard) still
+        # needs an optimizer, so it gets one placeholder group that no table reads.
+        groups = groups or [{"params": [torch.zeros(0, requires_grad=True)], "lr": 0.0, "table": None}]
         super().__init__(groups, defaults={})
         self.num_steps = 0
 
     def lrs(self) -> list[float]:
         """Current learning rate of each table, in table order."""
-        return [float(g["lr"]) for g in self.param_groups]
+        return [float(g["lr"]) for g in self.param_groups if g["table"] is not None]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -3,7 +3,8 @@
 The engine asks a storage object for rows by global row index (`read`) and hands back updated rows
 (`write`). Today that is one in-memory tensor (`TensorStorage`); a cache over DRAM/SSD will implement
 the same two methods (plus `prefetch`) so that the engine does not change. The engine takes a fast
-path (one `embedding_bag` straight over `.tensor`) only when a storage is the plain kind.
+path (one `embedding_bag` straight over `.tensor`, slices for checkpoints) only when a storage is
+the plain kind.
 
 Optimizer state (adagrad sums, adam moments) is stored the same way, one storage per state tensor,
 so that a cache can keep the state of hot rows next to their weights.
@@ -12,7 +13,7 @@ so that a cache can keep the state of hot rows next to their weights.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
@@ -20,7 +21,6 @@ import torch
 RowInit = Callable[[int, int], torch.Tensor]
 
 
-@runtime_checkable
 class RowStorage(Protocol):
     """Rows of one [num_rows, width] tensor of some dtype, addressed by global row index."""
 
@@ -29,7 +29,9 @@ class RowStorage(Protocol):
     dtype: torch.dtype
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        """[len(rows), width] in the stored dtype (rows may repeat)."""
+        """[len(rows), width] (or [len(rows)] when width is 0) in the stored dtype; rows may repeat.
+
+        Returns a new tensor: the update rules modify what they read in place."""
         ...
 
     def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
@@ -56,10 +58,6 @@ class TensorStorage:
     def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         # rows are unique, so the copy order cannot change the result.
         self.tensor.index_copy_(0, rows, values)
-
-    def to(self, device: torch.device | str) -> TensorStorage:
-        self.tensor = self.tensor.to(device)
-        return self
 
 
 def build_tensor_storage(
