@@ -50,8 +50,8 @@ def test_bad_override_syntax_and_unknown_file(tmp_path):
 
 
 def test_unknown_table_override_is_rejected_before_training():
-    from neorec.train.build import build_tables
     from neorec.data.source import FeatureSpec, SourceInfo
+    from neorec.train.build import build_tables
 
     cfg = load_config("default", ["embedding.tables={C99: {dim: 16}}"])
     with pytest.raises(ConfigError, match=r"embedding.tables names \['C99'\]"):

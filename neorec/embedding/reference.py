@@ -24,15 +24,15 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
         for t in tables:
             if t.dtype != "fp32":
                 raise ConfigError(f"table {t.name!r}: the reference engine stores fp32 only, got {t.dtype!r}")
-        self.bags = nn.ModuleDict(
-            {
-                t.name: nn.EmbeddingBag.from_pretrained(
-                    init_rows(t, seed), freeze=False, mode=t.pooling, sparse=True, include_last_offset=True
-                )
-                for t in tables
-            }
+        # a list, not a ModuleDict: table names such as "items" or "keys" would clash with its methods
+        self.bags = nn.ModuleList(
+            nn.EmbeddingBag.from_pretrained(
+                init_rows(t, seed), freeze=False, mode=t.pooling, sparse=True, include_last_offset=True
+            )
+            for t in tables
         )
-        self._table_of = {f: t.name for t in tables for f in t.features}
+        self._index = {t.name: i for i, t in enumerate(tables)}
+        self._table_of = {f: self._index[t.name] for t in tables for f in t.features}
 
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
         b = sparse.batch_size
@@ -58,19 +58,23 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
             c = configs[t.name]
             if c.weight_decay:
                 raise ConfigError(f"table {t.name!r}: the reference engine has no weight decay for sparse gradients")
-            group: dict = {"params": [self.bags[t.name].weight], "lr": c.lr}
+            group: dict = {"params": [self.bags[self._index[t.name]].weight], "lr": c.lr}
             if name == "adagrad":
-                group.update(eps=c.eps, initial_accumulator_value=c.initial_accumulator)
+                group.update(eps=c.eps)
             elif name == "adam":
                 group.update(eps=c.eps, betas=(c.beta1, c.beta2))
             groups.append(group)
         if name == "sgd":
             return torch.optim.SGD(groups, lr=self.optimizer_config.lr)
         if name == "adagrad":
-            return torch.optim.Adagrad(groups, lr=self.optimizer_config.lr)
+            inits = {c.initial_accumulator for c in configs.values()}
+            if len(inits) > 1:
+                raise ConfigError("the reference engine needs one adagrad initial_accumulator for all tables")
+            # torch.optim.Adagrad reads the starting accumulator from its constructor only
+            return torch.optim.Adagrad(groups, lr=self.optimizer_config.lr, initial_accumulator_value=inits.pop())
         if name == "adam":
             return torch.optim.SparseAdam(groups, lr=self.optimizer_config.lr)
         raise ConfigError(f"the reference engine has no {name!r} optimizer; use embedding.engine: fused")
 
     def table_weights(self) -> dict[str, torch.Tensor]:
-        return {name: bag.weight.detach() for name, bag in self.bags.items()}
+        return {t.name: self.bags[i].weight.detach() for i, t in enumerate(self.tables)}
