@@ -3,6 +3,8 @@
 Each (implementation, optimizer) pair runs in its own process so that peak RSS is its own. Batches
 are generated before timing (data generation is not measured); the first `--warmup` steps are not
 timed. Both sides train the same model shape on the same batches with the same optimizers.
+Step times on this small VM vary by +-15% from one process to the next, so every pair runs
+`--repeats` times, plain and neorec interleaved, and the table shows the median (and the range).
 
     python benchmarks/train_throughput.py                      # Kaggle-like config, SGD and AdaGrad
     python benchmarks/train_throughput.py --config mlperf_dcnv2 --optimizers adagrad
@@ -98,6 +100,21 @@ def worker(args) -> dict:
             "peak_rss_mib": peak_rss_mib(), "data_rss_mib": rss_data}  # fmt: skip
 
 
+def run_worker(args, impl: str, opt: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", impl, opt, "--config", args.config, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]  # fmt: skip
+    for s in args.set or []:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        sys.exit(f"{impl}/{opt} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def median_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="criteo_kaggle")
@@ -105,6 +122,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3, help="processes per pair, interleaved; median shown")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--set", action="append", help="config override passed to both sides")
     p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
@@ -116,28 +134,25 @@ def main() -> None:
         return
     rows = []
     for opt in args.optimizers.split(","):
-        res = {}
-        for impl in ("plain", "neorec"):
-            cmd = [sys.executable, __file__, "--worker", impl, opt, "--config", args.config, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]  # fmt: skip
-            for s in args.set or []:
-                cmd += ["--set", s]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if out.returncode != 0:
-                sys.exit(f"{impl}/{opt} failed:\n{out.stderr}")
-            res[impl] = json.loads(out.stdout.strip().splitlines()[-1])
+        runs: dict[str, list[dict]] = {"plain": [], "neorec": []}
+        for _ in range(args.repeats):
+            for impl in ("plain", "neorec"):
+                runs[impl].append(run_worker(args, impl, opt))
+        res = {impl: median_run(r) for impl, r in runs.items()}
         for impl in ("plain", "neorec"):
             r = res[impl]
             speedup = r["samples_per_s"] / res["plain"]["samples_per_s"]
             label = "plain PyTorch DLRM (EmbeddingBag, sparse grads)" if impl == "plain" else "neorec (fused engine)"
-            rows.append([label, opt, round(r["samples_per_s"]), round(r["ms_per_step"], 1),
-                         round(r["peak_rss_mib"]), f"{speedup:.2f}x"])  # fmt: skip
-    header = ["implementation", "optimizer", "samples/s", "ms/step", "peak RSS MiB", "vs plain"]
+            spread = [round(x["samples_per_s"]) for x in runs[impl]]
+            rows.append([label, opt, round(r["samples_per_s"]), f"{min(spread)}-{max(spread)}",
+                         round(r["ms_per_step"], 1), round(r["peak_rss_mib"]), f"{speedup:.2f}x"])  # fmt: skip
+    header = ["implementation", "optimizer", "samples/s (median)", "range", "ms/step", "peak RSS MiB", "vs plain"]
     table = markdown_table(header, rows)
     print(table)
     if not args.no_record:
         notes = (f"config {args.config}, batch {args.batch_size}, {args.steps} timed steps after {args.warmup} warm-up, "
-                 f"{args.threads} threads; each row a separate process (peak RSS includes the pre-generated batches).")  # fmt: skip
+                 f"{args.threads} threads; median of {args.repeats} interleaved processes per row "
+                 f"(peak RSS includes the pre-generated batches).")  # fmt: skip
         append_results(f"Training throughput: {args.config}", table, notes)
 
 
