@@ -14,8 +14,15 @@ RESULTS = Path(__file__).parent / "RESULTS.md"
 
 
 def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident memory of this process so far, in MiB.
+
+    Linux: VmHWM of /proc/self/status, which starts afresh at exec; getrusage's ru_maxrss would carry
+    over the parent's peak into a child started with subprocess."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def machine() -> str:

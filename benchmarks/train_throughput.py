@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table, peak_rss_mib  # noqa: E402
+from neorec.utils.host import MALLOC_ENV  # noqa: E402
 
 
 def make_batches(cfg, n: int):
@@ -105,7 +107,10 @@ def run_worker(args, impl: str, opt: str) -> dict:
            "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]  # fmt: skip
     for s in args.set or []:
         cmd += ["--set", s]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = dict(os.environ)
+    if args.malloc == "keep":
+        env.update(MALLOC_ENV)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         sys.exit(f"{impl}/{opt} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -125,6 +130,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="processes per pair, interleaved; median shown")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--set", action="append", help="config override passed to both sides")
+    p.add_argument("--malloc", choices=["keep", "system"], default="keep",
+                   help="keep: both sides keep freed memory for reuse (neorec/utils/host.py); system: glibc default")  # fmt: skip
     p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "OPTIMIZER"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -151,7 +158,7 @@ def main() -> None:
     print(table)
     if not args.no_record:
         notes = (f"config {args.config}, batch {args.batch_size}, {args.steps} timed steps after {args.warmup} warm-up, "
-                 f"{args.threads} threads; median of {args.repeats} interleaved processes per row "
+                 f"{args.threads} threads, allocator {args.malloc} on both sides; median of {args.repeats} interleaved processes per row "
                  f"(peak RSS includes the pre-generated batches).")  # fmt: skip
         append_results(f"Training throughput: {args.config}", table, notes)
 

@@ -28,6 +28,7 @@ from neorec.train.build import (
 )
 from neorec.train.logger import MetricsLogger, read_metrics
 from neorec.train.schedule import lr_multiplier
+from neorec.utils.host import keep_freed_memory
 
 
 @dataclass
@@ -74,6 +75,8 @@ class Trainer:
         self.cfg = cfg
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
+        if cfg.train.keep_freed_memory:
+            keep_freed_memory()
         self.source = build_source(cfg)
         self.tables = build_tables(cfg, self.source.info)
         self.embeddings = build_embeddings(cfg, self.tables)
