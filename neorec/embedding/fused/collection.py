@@ -69,14 +69,25 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         device: torch.device | str | None = None,
         stochastic_rounding: bool = False,
         storage_factory: StorageFactory | None = None,
+        row_init: Callable[[int, int, int], torch.Tensor] | None = None,
     ) -> None:
-        """storage_factory builds each row storage (default: a plain tensor on `device`)."""
+        """storage_factory builds each row storage (default: a plain tensor on `device`).
+
+        row_init(table index, start, end) gives fp32 initial rows [start, end) of a table (default
+        init_rows); the sharded collection passes the rows of the unsharded table its shard covers.
+        """
         super().__init__(tables, optimizer)
         check_tables(self.tables)
         self.seed = seed
         self.stochastic_rounding = stochastic_rounding
         self.layout = build_layout(self.tables, optimizer)
         self.num_updates = 0
+        # Called with (group, unique rows, their summed gradients) before each update; returns the
+        # rows and gradients to apply. The sharded collection sums a replicated table's gradients
+        # over ranks here. It is called once per group and backward, even with no rows, and needs
+        # chunk_elements = None (one block per group).
+        self.grad_hook: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._row_init = row_init
         # elements (rows x dim) per block of the update and of fp16/bf16 lookups on CPU; None = one block
         self.chunk_elements: int | None = 1 << 17
         self._configs = [t.optimizer or optimizer for t in self.tables]
@@ -116,6 +127,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
     # ---- initial values -----------------------------------------------------------------------
     def _weight_init(self, g: TableGroup) -> RowInit:
         """Rows [start, end) of a group from init_rows, so every engine starts from the same values."""
+        if self._row_init is not None:
+            return self._per_table_init(g, self._row_init)
         return self._per_table_init(g, lambda ti, a, b: init_rows(self.tables[ti], self.seed, a, b))
 
     def _state_init(self, g: TableGroup, per_element: bool) -> RowInit:

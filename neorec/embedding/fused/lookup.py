@@ -145,6 +145,9 @@ def row_gradients(
     bags = batch.bags.index_select(0, order)
     scales = batch.scales.index_select(0, order) if batch.scales is not None else None
     num_unique = unique_rows.numel()
+    if num_unique == 0:  # still one (empty) block, so that a gradient hook runs on every rank
+        yield unique_rows, grad_bags.new_zeros(0, grad_bags.shape[1])
+        return
     starts = list(range(0, num_unique, chunk_rows or max(num_unique, 1)))
     if len(starts) == 1:
         bounds = [0, batch.rows.numel()]
@@ -212,11 +215,15 @@ class FusedLookup(torch.autograd.Function):
         grad_out = grad_out.to(torch.float32)
         step = engine.num_updates + 1
         for gi, (group, gb) in enumerate(zip(engine.layout.groups, ctx.batches, strict=True)):
-            if gb.rows.numel() == 0:
+            hook = engine.grad_hook
+            if gb.rows.numel() == 0 and hook is None:
                 continue
             grad_bags = group_gradient(grad_out, group.output_columns, group.dim)
             hparams = engine.group_hparams(gi, grad_out.device)
             for rows, grads in row_gradients(gb, grad_bags, engine.chunk_rows(gi, grad_out.device)):
-                engine.apply_update(gi, rows, grads, step, hparams)
+                if hook is not None:
+                    rows, grads = hook(gi, rows, grads)
+                if rows.numel():
+                    engine.apply_update(gi, rows, grads, step, hparams)
         engine.num_updates = step
         return None, None, None

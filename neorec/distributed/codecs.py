@@ -1,0 +1,54 @@
+"""Wire formats for float exchanges: fp32, fp16 with a power-of-two scale per row, bf16.
+
+fp16 has the precision but not the range of fp32: pooled embeddings can overflow 65504 and small
+gradients underflow. Each row is therefore multiplied by 2^k so that its largest magnitude lands in
+[2^14, 2^15) before the cast, and k travels with the row in one extra fp16 slot (as an exact small
+integer). Powers of two scale exactly, so the only error is fp16's 11-bit rounding relative to the
+row's largest value. bf16 keeps fp32's range, so it is a plain cast (8-bit mantissa).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neorec.errors import ConfigError
+
+CODECS = ("fp32", "fp16", "bf16")
+
+
+class Codec:
+    def __init__(self, name: str) -> None:
+        if name not in CODECS:
+            raise ConfigError(f"communication precision {name!r}: expected one of {list(CODECS)}")
+        self.name = name
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, D] fp32 -> [N, D'] wire tensor (D' = D + 1 for fp16)."""
+        if self.name == "fp32":
+            return x.contiguous()
+        if self.name == "bf16":
+            return x.to(torch.bfloat16)
+        peak = x.abs().amax(dim=1, keepdim=True) if x.numel() else x.new_zeros(x.shape[0], 1)
+        _, exp = torch.frexp(peak)  # peak = m * 2^exp, m in [0.5, 1); zero rows get exp 0
+        shift = (15 - exp).clamp(-100, 100).to(torch.float32)
+        scaled = torch.ldexp(x, shift)
+        return torch.cat([scaled, shift], dim=1).to(torch.float16)
+
+    def decode(self, wire: torch.Tensor) -> torch.Tensor:
+        """Inverse of encode, back to fp32."""
+        if self.name == "fp32":
+            return wire
+        if self.name == "bf16":
+            return wire.to(torch.float32)
+        wide = wire.to(torch.float32)
+        return torch.ldexp(wide[:, :-1], -wide[:, -1:])
+
+    def wire_width(self, dim: int) -> int:
+        return dim + 1 if self.name == "fp16" else dim
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.name]
+
+    def __repr__(self) -> str:
+        return f"Codec({self.name})"

@@ -1,0 +1,240 @@
+"""Every exchange of the sharded model goes through here: variable-size all-to-all (ids, rows),
+reduce-scatter and all-reduce built on all-to-all, the two-hop (intra-node, then inter-node) variant,
+the float codecs, and a count of the bytes each direction sends to other ranks.
+
+Only `all_to_all_single` is used (plus all_reduce for fp32 dense gradients), so everything works
+on gloo, which has no reduce-scatter, as well as on NCCL. Every call returns a `Pending` whose
+`wait()` gives the result, so a pipeline can start an exchange and collect it later.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from neorec.distributed.codecs import Codec
+from neorec.distributed.topology import Topology
+
+
+class Pending:
+    """A started exchange; wait() finishes it (once) and returns the result."""
+
+    def __init__(self, works: Sequence[Any], finish: Callable[[], Any]) -> None:
+        self._works, self._finish, self._done, self._value = list(works), finish, False, None
+
+    def wait(self) -> Any:
+        if not self._done:
+            for w in self._works:
+                w.wait()
+            self._value, self._done = self._finish(), True
+        return self._value
+
+    @staticmethod
+    def ready(value: Any) -> Pending:
+        return Pending([], lambda: value)
+
+
+class CommStats:
+    """Bytes sent to other ranks, per direction (e.g. 'input_dist', 'fwd', 'bwd', 'dense')."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    def add(self, direction: str, n: int) -> None:
+        self.bytes[direction] += int(n)
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last take, then start again."""
+        out = dict(self.bytes)
+        self.bytes.clear()
+        return out
+
+
+class Group:
+    """A set of ranks that exchange together (the whole world, one node, or one local index)."""
+
+    def __init__(self, ranks: list[int], my_rank: int, pg: Any) -> None:
+        self.ranks, self.pg = ranks, pg
+        self.index = ranks.index(my_rank)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class Comms:
+    def __init__(self, topo: Topology, stats: CommStats | None = None) -> None:
+        self.topo = topo
+        self.stats = stats or CommStats()
+        self.world = Group(list(range(topo.world_size)), topo.rank, None)
+        # Hierarchical groups; new_group is collective, so every rank creates every group, in order.
+        self.node_group, self.cross_group = self.world, Group([topo.rank], topo.rank, None)
+        if topo.world_size > 1 and 1 < topo.local_world_size < topo.world_size:
+            for node in range(topo.num_nodes):
+                ranks = topo.node_ranks(node)
+                pg = dist.new_group(ranks)
+                if node == topo.node:
+                    self.node_group = Group(ranks, topo.rank, pg)
+            for local in range(topo.local_world_size):
+                ranks = [n * topo.local_world_size + local for n in range(topo.num_nodes)]
+                pg = dist.new_group(ranks)
+                if local == topo.local_rank:
+                    self.cross_group = Group(ranks, topo.rank, pg)
+        elif topo.local_world_size == 1 and topo.world_size > 1:
+            self.node_group = Group([topo.rank], topo.rank, None)
+            self.cross_group = self.world
+
+    # ---- the primitive ---------------------------------------------------------------------------
+    def all_to_all(
+        self,
+        send: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        direction: str,
+        group: Group | None = None,
+    ) -> Pending:
+        """Rows send[sum(send_splits[:k]) : ...] go to the group's k-th rank; returns the received rows
+        (from rank 0 of the group first) as one tensor. Counts the bytes sent to other ranks."""
+        group = group or self.world
+        row_bytes = send[:1].numel() * send.element_size() if send.dim() > 1 else send.element_size()
+        if send.dim() > 1 and send.shape[0] == 0:
+            row_bytes = send.shape[1:].numel() * send.element_size()
+        self.stats.add(direction, (sum(send_splits) - send_splits[group.index]) * row_bytes)
+        if group.size == 1:
+            return Pending.ready(send)
+        recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+        work = dist.all_to_all_single(
+            recv, send.contiguous(), recv_splits, send_splits, group=group.pg, async_op=True
+        )
+        return Pending([work], lambda: recv)
+
+    # ---- float rows with a codec ----------------------------------------------------------------
+    def all_to_all_rows(
+        self,
+        rows: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        codec: Codec,
+        direction: str,
+        group: Group | None = None,
+    ) -> Pending:
+        """all_to_all of fp32 rows [N, D] sent in the codec's wire format, decoded to fp32 on arrival."""
+        sent = self.all_to_all(codec.encode(rows), send_splits, recv_splits, direction, group)
+        return Pending([sent], lambda: codec.decode(sent.wait()))
+
+    def reduce_scatter_rows(
+        self, blocks: torch.Tensor, codec: Codec, direction: str, group: Group | None = None
+    ) -> Pending:
+        """blocks [G * n, D]: block k (rows k*n..) is this rank's contribution to group rank k. Returns
+        [n, D], the sum over the group of the blocks for this rank, added in group-rank order (so the
+        result is the same on every backend). Built on all_to_all: gloo has no reduce-scatter."""
+        group = group or self.world
+        n = blocks.shape[0] // group.size
+        got = self.all_to_all_rows(blocks, [n] * group.size, [n] * group.size, codec, direction, group)
+
+        def finish() -> torch.Tensor:
+            parts = got.wait().view(group.size, n, -1)
+            out = parts[0].clone()
+            for k in range(1, group.size):
+                out += parts[k]
+            return out
+
+        return Pending([got], finish)
+
+    def all_reduce_sum(self, flat: torch.Tensor, codec: Codec, direction: str) -> Pending:
+        """Sum of a 1-D fp32 tensor over all ranks. fp32: the backend's all_reduce. fp16/bf16: the
+        codec on the wire but fp32 sums (reduce-scatter of 1/W slices, then all-gather, both as
+        all_to_all), so summing W ranks cannot overflow fp16 and the order is rank order."""
+        world = self.world
+        if world.size == 1:
+            return Pending.ready(flat)
+        if codec.name == "fp32":
+            self.stats.add(direction, 2 * (world.size - 1) * flat.numel() * 4 // world.size)
+            work = dist.all_reduce(flat, async_op=True)
+            return Pending([work], lambda: flat)
+        width = 256  # per-row scale granularity of the fp16 codec
+        per_rank = -(-flat.numel() // (world.size * width)) * width
+        padded = flat.new_zeros(world.size * per_rank)
+        padded[: flat.numel()] = flat
+        mine = self.reduce_scatter_rows(padded.view(-1, width), codec, direction).wait()
+        rows = per_rank // width
+        gathered = self.all_to_all_rows(
+            mine.repeat(world.size, 1), [rows] * world.size, [rows] * world.size, codec, direction
+        ).wait()
+        # Our own slice was summed in fp32 but the others arrive through the codec: round ours the
+        # same way, so every rank ends with identical values.
+        gathered = gathered.view(world.size, rows, width)
+        gathered[world.index] = codec.decode(codec.encode(mine))
+        return Pending.ready(gathered.reshape(-1)[: flat.numel()])
+
+    # ---- blocks of different widths ---------------------------------------------------------------
+    def exchange(
+        self,
+        blocks: list[torch.Tensor],
+        recv_shapes: list[tuple[int, int]],
+        codec: Codec,
+        direction: str,
+        group: Group | None = None,
+    ) -> Pending:
+        """blocks[k] ([rows, width] fp32) goes to the group's k-th rank; the result lists what each
+        group rank sent us, decoded to fp32, shaped recv_shapes[k]. Widths may differ per block
+        (each rank holds different tables): blocks travel flattened in one all_to_all."""
+        wire = [codec.encode(b).reshape(-1) for b in blocks]
+        send = torch.cat(wire) if wire else torch.empty(0)
+        recv_splits = [r * codec.wire_width(c) for r, c in recv_shapes]
+        got = self.all_to_all(send, [w.numel() for w in wire], recv_splits, direction, group)
+
+        def finish() -> list[torch.Tensor]:
+            parts = got.wait().split(recv_splits)
+            return [
+                codec.decode(p.view(r, codec.wire_width(c))) for p, (r, c) in zip(parts, recv_shapes, strict=True)
+            ]
+
+        return Pending([got], finish)
+
+    # ---- two hops: inside the node, then across nodes --------------------------------------------
+    def two_hop(
+        self, rows: torch.Tensor, block: int, combine: str, widths: list[int], codec: Codec, direction: str
+    ) -> list[torch.Tensor]:
+        """For tables that live inside one node (TWRW, TWCW). rows [W * block, d]: rows k*block.. are
+        for world rank k; every rank of this node has the same d. Hop 1 (intra-node): the peer with
+        local index l gets the blocks of the ranks (node k, local l) for every k, and combines what
+        the L peers sent: 'sum' (TWRW partial sums, reduced before the slow link) or 'cat' (TWCW
+        column slices side by side, peer order). Hop 2 (inter-node): the combined block for rank
+        (k, l) goes to it. widths[k] is the combined width of node k's block; returns one
+        [block, widths[k]] tensor per node k."""
+        topo = self.topo
+        L, N = topo.local_world_size, topo.num_nodes
+        d = rows.shape[1]
+        by_local = rows.reshape(N, L, block, d).transpose(0, 1).reshape(L, N * block, d)
+        hop1 = self.exchange(list(by_local), [(N * block, d)] * L, codec, direction, self.node_group).wait()
+        got = torch.stack(hop1)  # [L, N * block, d]
+        if combine == "sum":
+            mixed = got[0].clone()
+            for k in range(1, L):
+                mixed += got[k]
+        else:
+            mixed = got.permute(1, 0, 2).reshape(N * block, L * d)
+        blocks = list(mixed.view(N, block, -1))
+        return self.exchange(blocks, [(block, w) for w in widths], codec, direction, self.cross_group).wait()
+
+    def two_hop_backward(
+        self, grads: list[torch.Tensor], block: int, combine: str, d: int, codec: Codec, direction: str
+    ) -> torch.Tensor:
+        """Gradient of two_hop: grads[k] [block, widths[k]] -> [W * block, d] for this rank's rows."""
+        topo = self.topo
+        L, N = topo.local_world_size, topo.num_nodes
+        width = d if combine == "sum" else L * d
+        back = self.exchange(grads, [(block, width)] * N, codec, direction, self.cross_group).wait()
+        back = torch.stack(back)  # [N, block, width]: the gradient of the block we sent to node k
+        if combine == "sum":  # every peer contributed to the sum: each gets the whole gradient
+            to_peers = [back.reshape(N * block, d)] * L
+        else:  # each peer gets the gradient of its own column slice
+            to_peers = list(back.view(N, block, L, d).permute(2, 0, 1, 3).reshape(L, N * block, d))
+        got = self.exchange(to_peers, [(N * block, d)] * L, codec, direction, self.node_group).wait()
+        # from peer l: the gradient of our rows for ranks (k, l); back to world rank order
+        return torch.stack(got).view(L, N, block, d).transpose(0, 1).reshape(N * L * block, d)

@@ -1,0 +1,94 @@
+"""Output distribution: pooled rows back to the ranks that own the samples, and the reverse for
+gradients. One autograd function does every exchange of a step, in a fixed order, so that all ranks
+issue their collectives in the same order whatever their graphs look like.
+
+Forward, from the local pooled [W * B, local width] (rows of rank s's samples at s*B..):
+- flat shards (tw, cw, rw): one all-to-all; rank s gets [B, flat width of j] from every rank j;
+- twrw: two hops, partial sums added inside the node before crossing nodes;
+- twcw: two hops, column slices joined inside the node before crossing nodes;
+- dp: nothing to send (the replicated tables looked up the local batch).
+Backward sends each gradient block back the way its rows came, with the backward codec, after
+scaling it by 1/W: every rank's loss is a mean over its own B samples, and 1/W makes the update
+the one a single process would make on the global batch of W * B samples (as DDP's averaging
+does for the dense part).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from neorec.distributed.codecs import Codec
+from neorec.distributed.comms import Comms
+from neorec.distributed.layout import ShardLayout
+
+
+class OutputDist(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        anchor: torch.Tensor,
+        local: torch.Tensor,
+        dp: torch.Tensor,
+        layout: ShardLayout,
+        comms: Comms,
+        codecs: tuple[Codec, Codec],
+        batch_size: int,
+    ) -> torch.Tensor:
+        topo, b = comms.topo, batch_size
+        fwd = codecs[0]
+        ctx.layout, ctx.comms, ctx.codecs, ctx.b = layout, comms, codecs, b
+        me = topo.rank
+        fw, rw = layout.flat_width[me], layout.twrw_width[topo.node]
+        flat = local[:, :fw]
+        ctx.widths = (fw, rw, local.shape[1] - fw - rw)
+        blocks = list(flat.reshape(topo.world_size, b, fw))
+        got = comms.exchange(blocks, [(b, w) for w in layout.flat_width], fwd, "fwd").wait()
+        if layout.has_twrw:
+            got += comms.two_hop(local[:, fw : fw + rw], b, "sum", layout.twrw_width, fwd, "fwd")
+        if layout.has_twcw:
+            got += comms.two_hop(local[:, fw + rw :], b, "cat", layout.twcw_width, fwd, "fwd")
+        return torch.cat([*got, dp], dim=1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        layout: ShardLayout = ctx.layout
+        comms: Comms = ctx.comms
+        topo, b, bwd = comms.topo, ctx.b, ctx.codecs[1]
+        grad = grad * (1.0 / topo.world_size)
+        fw, rw, cw = ctx.widths
+        sizes = list(layout.flat_width)
+        if layout.has_twrw:
+            sizes += layout.twrw_width
+        if layout.has_twcw:
+            sizes += layout.twcw_width
+        sizes.append(layout.dp_width)
+        pieces = list(grad.split(sizes, dim=1))
+        grad_dp = pieces.pop()
+        w = topo.world_size
+        back = comms.exchange(pieces[:w], [(b, fw)] * w, bwd, "bwd").wait()
+        parts = [torch.cat(back, dim=0)]
+        k = w
+        if layout.has_twrw:
+            n = topo.num_nodes
+            parts.append(comms.two_hop_backward(pieces[k : k + n], b, "sum", rw, bwd, "bwd"))
+            k += n
+        if layout.has_twcw:
+            n = topo.num_nodes
+            slice_width = cw
+            parts.append(comms.two_hop_backward(pieces[k : k + n], b, "cat", slice_width, bwd, "bwd"))
+        grad_local = torch.cat(parts, dim=1)
+        return None, grad_local, grad_dp, None, None, None, None
+
+
+def assemble(received: torch.Tensor, terms: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> torch.Tensor:
+    """[B, width] output from the received columns: term 0 places every column once, later terms add
+    further row shards' partial sums in shard order (deterministic)."""
+    dst0, src0 = terms[0]
+    perm = torch.empty(width, dtype=torch.int64, device=received.device)
+    perm[dst0] = src0
+    out = received.index_select(1, perm)
+    for dst, src in terms[1:]:
+        out = out.index_add(1, dst, received.index_select(1, src))
+    return out

@@ -1,0 +1,156 @@
+"""A sharding plan is data: for every table, how it is split and where the pieces live.
+
+    {"tables": {"t0": {"kind": "rw", "ranks": [0, 1]}, "t1": {"kind": "twcw", "node": 1}, ...}}
+
+Kinds (see DESIGN.md): tw (whole table on ranks[0]), rw (contiguous row ranges over `ranks`),
+cw (the dim cut into len(ranks) equal column slices, slice i on ranks[i]; a rank may repeat),
+twrw / twcw (the table belongs to `node` and is cut by rows / columns over all of that node's ranks),
+dp (a full replica on every rank, gradients summed over ranks). `shards()` turns a plan into
+explicit row and column ranges; `validate` checks it against the tables and the topology before
+any work starts, naming the table at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neorec.distributed.topology import Topology
+from neorec.embedding.tables import TableConfig
+from neorec.errors import ConfigError
+
+KINDS = ("tw", "rw", "cw", "twrw", "twcw", "dp")
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    rows: tuple[int, int]  # [start, end) of the table's rows
+    cols: tuple[int, int]  # [start, end) of the table's columns
+
+
+@dataclass
+class TablePlan:
+    kind: str
+    ranks: list[int] = field(default_factory=list)
+    node: int | None = None
+
+    def to_dict(self) -> dict:
+        out: dict = {"kind": self.kind}
+        if self.ranks:
+            out["ranks"] = list(self.ranks)
+        if self.node is not None:
+            out["node"] = self.node
+        return out
+
+
+@dataclass
+class ShardingPlan:
+    tables: dict[str, TablePlan]
+
+    # ---- serialisation ----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"tables": {name: p.to_dict() for name, p in self.tables.items()}}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @staticmethod
+    def from_dict(data: dict, source: str = "plan") -> ShardingPlan:
+        if not isinstance(data, dict) or not isinstance(data.get("tables"), dict):
+            raise ConfigError(f"{source}: expected {{'tables': {{name: {{'kind': ..., 'ranks': [...]}}}}}}")
+        tables = {}
+        for name, entry in data["tables"].items():
+            if not isinstance(entry, dict) or entry.get("kind") not in KINDS:
+                raise ConfigError(f"{source}: table {name!r}: 'kind' must be one of {list(KINDS)}, got {entry!r}")
+            unknown = set(entry) - {"kind", "ranks", "node"}
+            if unknown:
+                raise ConfigError(f"{source}: table {name!r}: unknown key(s) {sorted(unknown)}; allowed: kind, ranks, node")
+            ranks = entry.get("ranks", [])
+            if not isinstance(ranks, list) or not all(isinstance(r, int) for r in ranks):
+                raise ConfigError(f"{source}: table {name!r}: 'ranks' must be a list of integers, got {ranks!r}")
+            tables[name] = TablePlan(entry["kind"], list(ranks), entry.get("node"))
+        return ShardingPlan(tables)
+
+    @staticmethod
+    def load(path: str | Path) -> ShardingPlan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"sharding plan {path}: {e}") from e
+        return ShardingPlan.from_dict(data, str(path))
+
+    # ---- meaning ---------------------------------------------------------------------------------------
+    def shards(self, table: TableConfig, topo: Topology) -> list[Shard]:
+        """The table's pieces, in the order their outputs are combined (rank order for row splits)."""
+        p = self.tables[table.name]
+        full_rows, full_cols = (0, table.rows), (0, table.dim)
+        if p.kind == "tw":
+            return [Shard(p.ranks[0], full_rows, full_cols)]
+        if p.kind == "dp":
+            return [Shard(r, full_rows, full_cols) for r in range(topo.world_size)]
+        ranks = topo.node_ranks(p.node) if p.kind in ("twrw", "twcw") else p.ranks  # type: ignore[arg-type]
+        if p.kind in ("rw", "twrw"):
+            bounds = even_splits(table.rows, len(ranks))
+            return [Shard(r, (bounds[i], bounds[i + 1]), full_cols) for i, r in enumerate(ranks)]
+        width = table.dim // len(ranks)
+        return [Shard(r, full_rows, (i * width, (i + 1) * width)) for i, r in enumerate(ranks)]
+
+    def validate(self, tables: list[TableConfig], topo: Topology) -> None:
+        names = {t.name for t in tables}
+        extra = sorted(set(self.tables) - names)
+        if extra:
+            raise ConfigError(f"sharding plan names table(s) {extra} that the model does not have; tables: {sorted(names)}")
+        for t in tables:
+            p = self.tables.get(t.name)
+            if p is None:
+                raise ConfigError(f"sharding plan has no entry for table {t.name!r}")
+            where = f"sharding plan, table {t.name!r} ({p.kind})"
+            bad = [r for r in p.ranks if not 0 <= r < topo.world_size]
+            if bad:
+                raise ConfigError(f"{where}: rank(s) {bad} do not exist; world size is {topo.world_size}")
+            if p.kind in ("tw", "rw", "cw") and not p.ranks:
+                raise ConfigError(f"{where}: needs 'ranks'")
+            if p.kind == "tw" and len(p.ranks) != 1:
+                raise ConfigError(f"{where}: table-wise takes exactly one rank, got {p.ranks}")
+            if p.kind == "rw" and len(set(p.ranks)) != len(p.ranks):
+                raise ConfigError(f"{where}: a rank appears twice in {p.ranks}")
+            if p.kind in ("twrw", "twcw"):
+                if p.node is None or not 0 <= p.node < topo.num_nodes:
+                    raise ConfigError(f"{where}: 'node' must be in [0, {topo.num_nodes}), got {p.node}")
+            elif p.node is not None:
+                raise ConfigError(f"{where}: 'node' only applies to twrw and twcw")
+            if p.kind in ("dp",) and p.ranks:
+                raise ConfigError(f"{where}: data-parallel tables live on every rank; drop 'ranks'")
+            n = topo.local_world_size if p.kind in ("twrw", "twcw") else len(p.ranks)
+            if p.kind in ("rw", "twrw") and n > t.rows:
+                raise ConfigError(f"{where}: {n} row shards but the table has only {t.rows} rows")
+            if p.kind in ("cw", "twcw") and t.dim % n:
+                raise ConfigError(f"{where}: {n} column shards do not divide the dim {t.dim}")
+
+
+def even_splits(total: int, parts: int) -> list[int]:
+    """Boundaries of `parts` contiguous ranges covering [0, total), sizes differing by at most one."""
+    base, extra = divmod(total, parts)
+    out = [0]
+    for i in range(parts):
+        out.append(out[-1] + base + (1 if i < extra else 0))
+    return out
+
+
+def default_plan(tables: list[TableConfig], topo: Topology, ids_per_sample: dict[str, float] | None = None) -> ShardingPlan:
+    """Table-wise, longest-processing-time first: tables by lookup cost (ids per sample x dim,
+    then size) onto the least loaded rank. The planner issue replaces this."""
+    ids = ids_per_sample or {}
+
+    def cost(t: TableConfig) -> float:
+        return sum(ids.get(f, 1.0) for f in t.features) * t.dim
+
+    load = [0.0] * topo.world_size
+    plan = {}
+    for t in sorted(tables, key=lambda t: (-cost(t), -t.rows * t.dim, t.name)):
+        r = min(range(topo.world_size), key=lambda k: (load[k], k))
+        load[r] += cost(t)
+        plan[t.name] = TablePlan("tw", [r])
+    return ShardingPlan({t.name: plan[t.name] for t in tables})

@@ -1,0 +1,186 @@
+"""The sharded embedding collection: the model cannot tell it from the single-process engine.
+
+Per batch (each rank holds B samples of the global batch of W * B):
+    input_dist(sparse)            ids to the ranks that hold their rows       (input_dist.py)
+    lookup(local batch)           this rank's shards, one fused engine call   (fused engine)
+    output_dist(local pooled)     pooled rows back to the samples' ranks      (output_dist.py)
+and in backward the reverse exchange, then the fused update of the owned rows. Replicated (dp)
+tables are looked up locally; their row gradients are summed over ranks inside the fused backward
+(a sparse all-gather of the touched rows, or a dense all-reduce when that is fewer bytes) so that
+every replica applies the same update.
+
+`forward` runs the three stages back to back; `input_dist`, `lookup` and `output` are public so a
+pipeline can start batch i+1's input_dist before batch i's lookup.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from neorec.distributed.codecs import Codec
+from neorec.distributed.comms import Comms, Pending
+from neorec.distributed.input_dist import InputDist
+from neorec.distributed.layout import ShardLayout
+from neorec.distributed.output_dist import OutputDist, assemble
+from neorec.distributed.plan import ShardingPlan
+from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.fused import FusedEmbeddingCollection
+from neorec.embedding.fused.param_groups import FusedEmbeddingOptimizer
+from neorec.embedding.init import init_rows
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.sparse import SparseBatch, lengths_to_offsets
+
+
+class _LearningRates:
+    """What a local engine reads its learning rates from: the global optimizer, per local table."""
+
+    def __init__(self, optimizer: FusedEmbeddingOptimizer, tables: list[int]) -> None:
+        self.optimizer, self.tables = optimizer, tables
+
+    def lrs(self) -> list[float]:
+        lrs = self.optimizer.lrs()
+        return [lrs[t] for t in self.tables]
+
+
+class ShardedEmbeddingCollection(EmbeddingCollection):
+    def __init__(
+        self,
+        tables: list[TableConfig],
+        optimizer: EmbeddingOptimizerConfig,
+        plan: ShardingPlan,
+        comms: Comms,
+        seed: int = 0,
+        forward_precision: str = "fp32",
+        backward_precision: str = "fp32",
+        device: torch.device | str | None = None,
+        stochastic_rounding: bool = False,
+    ) -> None:
+        super().__init__(tables, optimizer)
+        self.comms, self.topo, self.plan = comms, comms.topo, plan
+        self.layout = ShardLayout(self.tables, plan, comms.topo)
+        self.codecs = (Codec(forward_precision), Codec(backward_precision))
+        rank = self.topo.rank
+        units = self.layout.units[rank]
+
+        def shard_rows(ti: int, a: int, b: int) -> torch.Tensor:
+            u = units[ti]
+            r0, (c0, c1) = u.shard.rows[0], u.shard.cols
+            return init_rows(u.table, seed, r0 + a, r0 + b)[:, c0:c1]
+
+        self.local = FusedEmbeddingCollection(
+            self.layout.local_tables(rank), optimizer, seed, device, stochastic_rounding, row_init=shard_rows
+        )
+        dp = self.layout.dp_tables
+        self.replicated = FusedEmbeddingCollection(dp, optimizer, seed, device, stochastic_rounding)
+        self.replicated.chunk_elements = None  # the gradient hook needs a whole group at once
+        self.replicated.grad_hook = self._sum_replica_gradients
+        self.input_dist_ = InputDist(self.layout, comms)
+        self.dp_features = [f for t in dp for f in t.features]
+        terms = self.layout.assembly()
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        self._terms = [(torch.tensor(d, device=dev), torch.tensor(s, device=dev)) for d, s in terms]
+        index = {t.name: i for i, t in enumerate(self.tables)}
+        self._table_index = index
+        self._units = units
+
+    # ---- the three stages ------------------------------------------------------------------------
+    def input_dist(self, sparse: SparseBatch) -> Pending:
+        return self.input_dist_(sparse)
+
+    def lookup(self, local: SparseBatch) -> torch.Tensor:
+        return self.local(local)
+
+    def output(self, pooled_local: torch.Tensor, sparse: SparseBatch) -> torch.Tensor:
+        """output_dist + assembly: [B, output_dim] in feature order."""
+        b = sparse.batch_size
+        if self.dp_features:
+            dp = self.replicated(sparse)
+        else:
+            dp = torch.zeros(b, 0, device=sparse.values.device)
+        anchor = torch.empty(0, device=dp.device, requires_grad=True)
+        received = OutputDist.apply(anchor, pooled_local, dp, self.layout, self.comms, self.codecs, b)
+        return assemble(received, self._terms, self.output_dim)
+
+    def forward(self, sparse: SparseBatch) -> torch.Tensor:
+        local = self.input_dist(sparse).wait()
+        return self.output(self.lookup(local), sparse)
+
+    # ---- replicated tables ----------------------------------------------------------------------
+    def _sum_replica_gradients(self, gi: int, rows: torch.Tensor, grads: torch.Tensor):
+        """Sum a dp group's row gradients over ranks; every rank gets the same rows and sums."""
+        world = self.topo.world_size
+        if world == 1:
+            return rows, grads
+        comms, codec = self.comms, self.codecs[1]
+        count = torch.tensor([rows.numel()], dtype=torch.int64)
+        counts = comms.all_to_all(count.repeat(world), [1] * world, [1] * world, "dp").wait().tolist()
+        group = self.replicated.layout.groups[gi]
+        dim, total_rows = group.dim, group.num_rows
+        wire = codec.wire_width(dim) * torch.empty(0, dtype=codec.wire_dtype).element_size()
+        sparse_bytes = sum(counts) * (wire + 8)
+        dense_bytes = 2 * total_rows * (dim + 1) * 4
+        if sparse_bytes <= dense_bytes:
+            all_rows = comms.all_to_all(rows.repeat(world), [rows.numel()] * world, counts, "dp").wait()
+            got = comms.exchange([grads] * world, [(c, dim) for c in counts], codec, "dp").wait()
+            all_grads = torch.cat(got)
+            order_rows, order = torch.sort(all_rows, stable=True)
+            unique, per_row = torch.unique_consecutive(order_rows, return_counts=True)
+            summed = F.embedding_bag(
+                order, all_grads, lengths_to_offsets(per_row), mode="sum", include_last_offset=True
+            )
+            return unique, summed
+        dense = grads.new_zeros(total_rows, dim + 1)
+        dense[rows, :dim] = grads
+        dense[rows, dim] = 1.0  # touched by this rank
+        summed = comms.all_reduce_sum(dense.view(-1), codec, "dp").wait().view(total_rows, dim + 1)
+        touched = (summed[:, dim] > 0).nonzero().squeeze(1)
+        return touched, summed[touched, :dim].contiguous()
+
+    # ---- optimizer --------------------------------------------------------------------------------
+    def build_optimizer(self) -> FusedEmbeddingOptimizer:
+        configs = [t.optimizer or self.optimizer_config for t in self.tables]
+        opt = FusedEmbeddingOptimizer([t.name for t in self.tables], [c.lr for c in configs])
+        self.local._optimizer = _LearningRates(opt, [self._table_index[u.table.name] for u in self._units])  # type: ignore[assignment]
+        self.replicated._optimizer = _LearningRates(  # type: ignore[assignment]
+            opt, [self._table_index[t.name] for t in self.layout.dp_tables]
+        )
+        return opt
+
+    # ---- whole tables (tests, export of small models) ---------------------------------------------
+    def gather_tables(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Collective: every table's full weight and optimizer state, on every rank. Per-row state
+        of a column-split table is the width-weighted mean of its shards' (see README)."""
+        import torch.distributed as dist
+
+        mine = []
+        local_state = self.local.state_dict()
+        for u in self._units:
+            key = f"tables.{u.table.name}#{u.index}."
+            entry = {k[len(key) :]: v for k, v in local_state.items() if k.startswith(key) and not k.endswith("step")}
+            mine.append((u.table.name, u.shard.rows, u.shard.cols, entry))
+        everything = [mine]
+        if self.topo.world_size > 1:
+            everything = [None] * self.topo.world_size
+            dist.all_gather_object(everything, mine)
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for t in self.tables:
+            if t in self.layout.dp_tables:
+                continue
+            out[t.name] = {}
+        for shards in everything:
+            for name, (r0, r1), (c0, c1), entry in shards:
+                t = self.tables[self._table_index[name]]
+                for k, v in entry.items():
+                    if k not in out[name]:
+                        shape = (t.rows, t.dim) if v.dim() == 2 else (t.rows,)
+                        out[name][k] = torch.zeros(shape, dtype=v.dtype)
+                    if v.dim() == 2:
+                        out[name][k][r0:r1, c0:c1] = v
+                    else:
+                        out[name][k][r0:r1] += v * ((c1 - c0) / t.dim)
+        dp_state = self.replicated.state_dict()
+        for t in self.layout.dp_tables:
+            key = f"tables.{t.name}."
+            out[t.name] = {k[len(key) :]: v for k, v in dp_state.items() if k.startswith(key) and not k.endswith("step")}
+        return out

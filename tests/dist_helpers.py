@@ -1,0 +1,168 @@
+"""Helpers for the multi-process tests: random batches, a small DLRM, and a training run that is
+the same code for one process (the fused engine on the global batch) and for W gloo processes
+(the sharded collection, each rank on its slice of the same global batches)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+
+from neorec.data.batch import Batch
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.sparse import SparseBatch
+
+DIM = 8
+NUM_DENSE = 4
+
+
+def make_tables(pooling_mean: bool = True) -> list[TableConfig]:
+    """Mixed sizes, one table shared by two features, a mean-pooled table, different optimizers."""
+    return [
+        TableConfig(name="t0", rows=37, dim=DIM, features=["f0"]),
+        TableConfig(name="t1", rows=50, dim=DIM, features=["f1", "f1b"]),
+        TableConfig(name="t2", rows=64, dim=DIM, features=["f2"], pooling="mean" if pooling_mean else "sum"),
+        TableConfig(name="t3", rows=29, dim=DIM, features=["f3"]),
+        TableConfig(name="t4", rows=41, dim=DIM, features=["f4"]),
+        TableConfig(name="t5", rows=70, dim=DIM, features=["f5"], pooling="mean" if pooling_mean else "sum"),
+    ]
+
+
+def make_batches(tables: list[TableConfig], steps: int, batch: int, seed: int = 0) -> list[Batch]:
+    """Multi-hot bags of 0-4 ids (empty bags included, duplicates likely), per-id weights."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    rows = {f: t.rows for t in tables for f in t.features}
+    for _ in range(steps):
+        feats = {}
+        for f, n in rows.items():
+            lengths = torch.randint(0, 5, (batch,), generator=g)
+            ids = torch.randint(0, n, (int(lengths.sum()),), generator=g)
+            weights = torch.rand(ids.numel(), generator=g) + 0.5
+            feats[f] = (ids, lengths, weights)
+        sparse = SparseBatch.from_features(feats)
+        dense = torch.randn(batch, NUM_DENSE, generator=g)
+        labels = (torch.rand(batch, generator=g) < 0.4).float()
+        out.append(Batch(dense, sparse, labels))
+    return out
+
+
+def local_slice(batch: Batch, rank: int, world: int) -> Batch:
+    b = len(batch) // world
+    s = batch.sparse
+    keep = torch.zeros(s.batch_size, dtype=torch.bool)
+    keep[rank * b : (rank + 1) * b] = True
+    feats = {}
+    for k in s.keys:
+        ids, lengths, weights = s.feature(k)
+        bag = torch.arange(s.batch_size).repeat_interleave(lengths)
+        m = keep[bag]
+        feats[k] = (ids[m], lengths[rank * b : (rank + 1) * b], weights[m])
+    sl = slice(rank * b, (rank + 1) * b)
+    return Batch(batch.dense[sl], SparseBatch.from_features(feats), batch.labels[sl])
+
+
+def build_model(embeddings):
+    from neorec.model.dlrm import DLRM
+
+    torch.manual_seed(123)
+    return DLRM(NUM_DENSE, embeddings, [8, DIM], [8], self_interaction=False)
+
+
+def train(embeddings, batches, world: int = 1, rank: int = 0, comms=None, dense_precision: str = "fp32"):
+    """SGD on the dense part, the fused optimizer on the rows. Returns (global losses, model)."""
+    from neorec.distributed.dense import DenseGradSync
+
+    model = build_model(embeddings)
+    emb_opt = embeddings.build_optimizer()
+    dense_params = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
+    opt = torch.optim.SGD(dense_params, lr=0.05)
+    sync = DenseGradSync(dense_params, comms, dense_precision) if comms is not None else None
+    losses = []
+    for batch in batches:
+        if world > 1:
+            batch = local_slice(batch, rank, world)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(batch), batch.labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if sync is not None:
+            sync.start().wait()
+        opt.step()
+        emb_opt.step()
+        value = loss.detach().clone()
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(value)
+            value /= world
+        losses.append(float(value))
+    return losses, model
+
+
+def optimizer_config(name: str) -> EmbeddingOptimizerConfig:
+    lr = {"sgd": 0.3, "adagrad": 0.1, "rowwise_adagrad": 0.1, "adam": 0.02}[name]
+    return EmbeddingOptimizerConfig(name=name, lr=lr)
+
+
+def run_rank(rank: int, world: int, local_world: int, init_file: str, fn, args, result_queue) -> None:
+    """Entry point of one spawned process: join the gloo group, run fn(topo, *args), report."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        from neorec.distributed.topology import Topology
+
+        out = fn(Topology(world, rank, local_world), *args)
+        result_queue.put((rank, _plain(out), None))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the parent test
+        result_queue.put((rank, None, traceback.format_exc()))
+
+
+def _plain(x):
+    """Tensors as numpy arrays: a queue would pass tensors through shared memory, which breaks once
+    the sending process exits."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().numpy().copy()
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_plain(v) for v in x)
+    return x
+
+
+def spawn(world: int, fn, args=(), local_world: int | None = None, tmp_path=None, timeout: float = 240.0) -> dict:
+    """Run fn on `world` real processes; returns {rank: result}; raises with a rank's traceback."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init_dir = tmp_path or tempfile.mkdtemp()
+    init_file = os.path.join(str(init_dir), "pg_init")
+    procs = [
+        ctx.Process(target=run_rank, args=(r, world, local_world or world, init_file, fn, args, queue))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, out, err = queue.get(timeout=timeout)
+            if err:
+                errors.append(f"rank {rank}:\n{err}")
+            results[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results
