@@ -8,6 +8,11 @@ Step times on this small VM vary by +-15% from one process to the next, so every
 
     python benchmarks/train_throughput.py                      # Kaggle-like config, SGD and AdaGrad
     python benchmarks/train_throughput.py --config mlperf_dcnv2 --optimizers adagrad
+    python benchmarks/train_throughput.py --nproc 2     # neorec: 1 process x 2 threads vs 2 x 1, per stage
+
+With --nproc N the comparison is neorec against itself: one process with all threads against N
+processes (torchrun, gloo, sharded embeddings, default plan and comms precisions) with threads/N
+each, on the same global batches, with the time of each stage per step (rank 0's view).
 """
 
 from __future__ import annotations
@@ -56,10 +61,14 @@ def worker(args) -> dict:
     cfg = config_for(args, args.optimizer)
     source, batches = make_batches(cfg, args.steps + args.warmup)
     rss_data = peak_rss_mib()
+    trainer = None
     if args.impl == "neorec":
         from neorec.train.trainer import Trainer
 
         trainer = Trainer(cfg, Path("/tmp/neorec-bench"))
+        emb = trainer.embeddings
+        if not hasattr(emb, "comms"):  # one process: the fused engine's own lookup/update timers
+            emb.timings = trainer.timings
 
         def step(batch):
             trainer.train_step(batch)
@@ -93,13 +102,29 @@ def worker(args) -> dict:
         prepared = [(b.dense, *split_sparse(b.sparse), b.labels) for b in batches]
     for item in prepared[: args.warmup]:
         step(item)
+    stages = {}
+    if trainer is not None:
+        stages = getattr(trainer.embeddings, "timings", None) or trainer.timings
+        stages.clear()
+        trainer.timings.clear()
+        if trainer.comms is not None:
+            import torch.distributed as dist
+
+            dist.barrier()
+            trainer.comms.stats.take()
     start = time.perf_counter()
     for item in prepared[args.warmup :]:
         step(item)
     seconds = time.perf_counter() - start
     samples = sum(len(b) for b in batches[args.warmup :])
-    return {"samples_per_s": samples / seconds, "ms_per_step": 1000 * seconds / args.steps,
-            "peak_rss_mib": peak_rss_mib(), "data_rss_mib": rss_data}  # fmt: skip
+    out = {"samples_per_s": samples / seconds, "ms_per_step": 1000 * seconds / args.steps,
+           "peak_rss_mib": peak_rss_mib(), "data_rss_mib": rss_data}  # fmt: skip
+    if trainer is not None:
+        merged = {**stages, **trainer.timings}
+        out["stages_ms"] = {k: 1000 * v / args.steps for k, v in merged.items()}
+        if trainer.comms is not None:
+            out["bytes_per_step"] = {k: v / args.steps for k, v in trainer.comms.stats.take().items()}
+    return out
 
 
 def run_worker(args, impl: str, opt: str) -> dict:
@@ -114,6 +139,64 @@ def run_worker(args, impl: str, opt: str) -> dict:
     if out.returncode != 0:
         sys.exit(f"{impl}/{opt} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+STAGES = ["input_dist", "lookup", "output_dist", "output_dist_bwd", "update", "allreduce"]
+
+
+def run_neorec_procs(args, opt: str, nproc: int, threads: int) -> dict:
+    """neorec on `nproc` processes (torchrun) with `threads` each; rank 0's result."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable]
+        if nproc > 1:
+            cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd += [__file__, "--worker", "neorec", opt, "--config", args.config, "--steps", str(args.steps),
+                "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--threads", str(threads),
+                "--result-file", str(result)]  # fmt: skip
+        for s in args.set or []:
+            cmd += ["--set", s]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if args.malloc == "keep":
+            env.update(MALLOC_ENV)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+        if out.returncode != 0 or not result.exists():
+            sys.exit(f"neorec x{nproc} failed:\n{out.stderr[-4000:]}")
+        return json.loads(result.read_text())
+
+
+def scaling(args) -> None:
+    """1 process x T threads against N processes x T/N threads, with the time per stage."""
+    rows = []
+    for opt in args.optimizers.split(","):
+        runs: dict[int, list[dict]] = {1: [], args.nproc: []}
+        for _ in range(args.repeats):
+            runs[1].append(run_neorec_procs(args, opt, 1, args.threads))
+            runs[args.nproc].append(run_neorec_procs(args, opt, args.nproc, max(1, args.threads // args.nproc)))
+        base = median_run(runs[1])["samples_per_s"]
+        for n, label in [(1, f"1 process x {args.threads} threads"),
+                         (args.nproc, f"{args.nproc} processes x {max(1, args.threads // args.nproc)} threads")]:  # fmt: skip
+            r = median_run(runs[n])
+            st = r.get("stages_ms", {})
+            dense = r["ms_per_step"] - sum(st.get(k, 0.0) for k in STAGES)
+            sent = r.get("bytes_per_step", {})
+            rows.append([label, opt, round(r["samples_per_s"]), f"{r['samples_per_s'] / base:.2f}x",
+                         round(r["ms_per_step"], 1), *[round(st.get(k, 0.0), 1) for k in STAGES], round(dense, 1),
+                         round(sum(sent.values()) / 2**20, 2), round(r["peak_rss_mib"])])  # fmt: skip
+    header = ["setup", "optimizer", "samples/s (median)", "vs 1 process", "ms/step", "input dist", "lookup",
+              "output dist", "output dist bwd", "fused update", "dense all-reduce", "dense fwd/bwd + rest",
+              "MiB sent/step (rank 0)", "peak RSS MiB (rank 0)"]  # fmt: skip
+    table = markdown_table(header, rows)
+    print(table)
+    if not args.no_record:
+        notes = (f"config {args.config}, global batch {args.batch_size}, {args.steps} timed steps after {args.warmup} "
+                 f"warm-up, median of {args.repeats} runs; stage columns are ms per step on rank 0 (input dist = "
+                 "building and waiting for the id exchange; output dist = pooled exchange + assembly; dense "
+                 "fwd/bwd + rest = step time minus the stages). Multi-process runs use torchrun + gloo, the "
+                 "default plan and comms precisions (fp16 forward, bf16 backward, fp32 dense).")  # fmt: skip
+        append_results(f"Scaling: 1 vs {args.nproc} processes, {args.config}", table, notes)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -133,11 +216,20 @@ def main() -> None:
     p.add_argument("--malloc", choices=["keep", "system"], default="keep",
                    help="keep: both sides keep freed memory for reuse (neorec/utils/host.py); system: glibc default")  # fmt: skip
     p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    p.add_argument("--nproc", type=int, default=None, help="compare 1 process with N processes (see above)")
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "OPTIMIZER"), help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         args.impl, args.optimizer = args.worker
-        print(json.dumps(worker(args)))
+        res = worker(args)
+        if args.result_file is None:
+            print(json.dumps(res))
+        elif int(os.environ.get("RANK", "0")) == 0:
+            Path(args.result_file).write_text(json.dumps(res))
+        return
+    if args.nproc:
+        scaling(args)
         return
     rows = []
     for opt in args.optimizers.split(","):

@@ -21,11 +21,41 @@ def cmd_train(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
     from neorec.train.trainer import Trainer, summary_table
 
-    cfg = load_config(args.config or "default", args.overrides)
+    cfg = load_config(args.config or "default", args.overrides)  # validated before any process starts
+    if args.nproc and args.nproc > 1:
+        return launch_torchrun(args.nproc, strip_nproc(sys.argv[1:]))
     trainer = Trainer(cfg, Path(args.output_dir) if args.output_dir else None)
     result = trainer.fit()
-    print(summary_table(result))
+    if trainer.is_main:
+        print(summary_table(result))
+    if trainer.comms is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
+
+
+def strip_nproc(argv: list[str]) -> list[str]:
+    """argv without --nproc N / --nproc=N."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """`neorec train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m neorec train ...`."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "neorec", *argv]  # fmt: skip
+    print("launching:", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -75,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (default: synthetic Criteo-like data on CPU)")
     _add_config_args(p)
     p.add_argument("--output-dir", default=None, help="where logs, plots and the model go (default: from config)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes on this machine: starts torchrun for you (sharded embeddings, gloo on CPU)")  # fmt: skip
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a finished run on its held-out data")

@@ -165,6 +165,22 @@ class TrainConfig(Strict):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="learning-rate schedule")
 
 
+class TableShardingConfig(Strict):
+    kind: Literal["tw", "rw", "cw", "twrw", "twcw", "dp"] = Field(description="how the table is split")
+    ranks: list[int] = Field(default_factory=list, description="tw: [rank]; rw: row-shard ranks; cw: one rank per column slice")
+    node: int | None = Field(None, ge=0, description="twrw/twcw: the node that holds the table")
+
+
+class DistributedConfig(Strict):
+    plan: str | None = Field(None, description="a sharding plan JSON file (see neorec/distributed/plan.py)")
+    sharding: dict[str, TableShardingConfig] = Field(
+        default_factory=dict, description="per-table sharding, over the plan file or the built-in default"
+    )
+    forward_precision: Literal["fp32", "fp16", "bf16"] = Field("fp16", description="pooled embeddings all-to-all")
+    backward_precision: Literal["fp32", "fp16", "bf16"] = Field("bf16", description="embedding gradient all-to-all")
+    dense_precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="dense gradient all-reduce")
+
+
 class LoggingConfig(Strict):
     tensorboard: bool = Field(True, description="write TensorBoard events when tensorboard is installed")
     plot: bool = Field(True, description="write curves.png at the end")
@@ -179,6 +195,9 @@ class RunConfig(Strict):
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig, description="embedding tables")
     train: TrainConfig = Field(default_factory=TrainConfig, description="training loop")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="logs and plots")
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description="multi-process training (torchrun): sharding and comms"
+    )
 
     @model_validator(mode="after")
     def _dlrm_dims(self) -> RunConfig:

@@ -18,6 +18,10 @@ class Batch:
     def __len__(self) -> int:
         return self.labels.numel()
 
+    def slice(self, start: int, end: int) -> Batch:
+        """Samples [start, end)."""
+        return Batch(self.dense[start:end], self.sparse.slice_samples(start, end), self.labels[start:end])
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
             self.dense.to(device, non_blocking=non_blocking),

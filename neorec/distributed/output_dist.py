@@ -15,6 +15,8 @@ does for the dense part).
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -34,10 +36,11 @@ class OutputDist(torch.autograd.Function):
         comms: Comms,
         codecs: tuple[Codec, Codec],
         batch_size: int,
+        timings: dict[str, float],
     ) -> torch.Tensor:
         topo, b = comms.topo, batch_size
         fwd = codecs[0]
-        ctx.layout, ctx.comms, ctx.codecs, ctx.b = layout, comms, codecs, b
+        ctx.layout, ctx.comms, ctx.codecs, ctx.b, ctx.timings = layout, comms, codecs, b, timings
         me = topo.rank
         fw, rw = layout.flat_width[me], layout.twrw_width[topo.node]
         flat = local[:, :fw]
@@ -56,6 +59,7 @@ class OutputDist(torch.autograd.Function):
         layout: ShardLayout = ctx.layout
         comms: Comms = ctx.comms
         topo, b, bwd = comms.topo, ctx.b, ctx.codecs[1]
+        start = time.perf_counter()
         grad = grad * (1.0 / topo.world_size)
         fw, rw, cw = ctx.widths
         sizes = list(layout.flat_width)
@@ -79,7 +83,8 @@ class OutputDist(torch.autograd.Function):
             slice_width = cw
             parts.append(comms.two_hop_backward(pieces[k : k + n], b, "cat", slice_width, bwd, "bwd"))
         grad_local = torch.cat(parts, dim=1)
-        return None, grad_local, grad_dp, None, None, None, None
+        ctx.timings["output_dist_bwd"] += time.perf_counter() - start
+        return None, grad_local, grad_dp, None, None, None, None, None
 
 
 def assemble(received: torch.Tensor, terms: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> torch.Tensor:

@@ -15,6 +15,9 @@ pipeline can start batch i+1's input_dist before batch i's lookup.
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+
 import torch
 import torch.nn.functional as F
 
@@ -83,10 +86,16 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         index = {t.name: i for i, t in enumerate(self.tables)}
         self._table_index = index
         self._units = units
+        # seconds per stage, summed over steps: input_dist, lookup, output_dist, output_dist_bwd, update
+        self.timings: dict[str, float] = defaultdict(float)
+        self.local.timings = self.replicated.timings = self.timings
 
     # ---- the three stages ------------------------------------------------------------------------
     def input_dist(self, sparse: SparseBatch) -> Pending:
-        return self.input_dist_(sparse)
+        start = time.perf_counter()
+        pending = self.input_dist_(sparse)
+        self.timings["input_dist"] += time.perf_counter() - start
+        return pending
 
     def lookup(self, local: SparseBatch) -> torch.Tensor:
         return self.local(local)
@@ -98,12 +107,18 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             dp = self.replicated(sparse)
         else:
             dp = torch.zeros(b, 0, device=sparse.values.device)
+        start = time.perf_counter()
         anchor = torch.empty(0, device=dp.device, requires_grad=True)
-        received = OutputDist.apply(anchor, pooled_local, dp, self.layout, self.comms, self.codecs, b)
-        return assemble(received, self._terms, self.output_dim)
+        received = OutputDist.apply(anchor, pooled_local, dp, self.layout, self.comms, self.codecs, b, self.timings)
+        out = assemble(received, self._terms, self.output_dim)
+        self.timings["output_dist"] += time.perf_counter() - start
+        return out
 
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
-        local = self.input_dist(sparse).wait()
+        pending = self.input_dist(sparse)
+        start = time.perf_counter()
+        local = pending.wait()
+        self.timings["input_dist"] += time.perf_counter() - start
         return self.output(self.lookup(local), sparse)
 
     # ---- replicated tables ----------------------------------------------------------------------

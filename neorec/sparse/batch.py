@@ -186,6 +186,21 @@ class SparseBatch:
         out._length_per_key = [self.length_per_key()[i] for i in idx]
         return out
 
+    def slice_samples(self, start: int, end: int) -> SparseBatch:
+        """Samples [start, end) of every feature (what one rank of a data-parallel group trains on)."""
+        b = self.batch_size
+        if not 0 <= start <= end <= b:
+            raise DataError(f"sample range [{start}, {end}) outside a batch of {b}")
+        offsets = self.offsets().view(-1)
+        firsts = offsets[torch.arange(self.num_features) * b + start].tolist() if self.keys else []
+        lasts = offsets[torch.arange(self.num_features) * b + end].tolist() if self.keys else []
+        values = [self.values[a:z] for a, z in zip(firsts, lasts, strict=True)]
+        lengths = self.lengths.view(self.num_features, b)[:, start:end].reshape(-1)
+        weights = None
+        if self.weights is not None:
+            weights = _cat([self.weights[a:z] for a, z in zip(firsts, lasts, strict=True)], self.weights)
+        return SparseBatch(self.keys, _cat(values, self.values), lengths, weights)
+
     def permute(self, order: Sequence[int]) -> SparseBatch:
         """Reorder features: result feature j is this batch's feature order[j]."""
         return self.select([self.keys[i] for i in order])

@@ -69,8 +69,37 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
     return tables
 
 
-def build_embeddings(cfg: RunConfig, tables: list[TableConfig]) -> EmbeddingCollection:
+def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
+    """The sharding plan: the plan file or the built-in default, then `distributed.sharding` on top;
+    validated against the tables and the topology (errors name the table)."""
+    from neorec.distributed.plan import ShardingPlan, TablePlan, default_plan
+
+    d = cfg.distributed
+    plan = ShardingPlan.load(d.plan) if d.plan else default_plan(tables, topo)
+    names = {t.name for t in tables}
+    unknown = sorted(set(d.sharding) - names)
+    if unknown:
+        raise ConfigError(f"distributed.sharding names {unknown}, which are not tables; tables: {sorted(names)}")
+    for name, entry in d.sharding.items():
+        plan.tables[name] = TablePlan(entry.kind, list(entry.ranks), entry.node)
+    plan.validate(tables, topo)
+    return plan
+
+
+def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> EmbeddingCollection:
+    """The fused engine; over several processes (comms given, world > 1) the sharded collection."""
     e = cfg.embedding
+    if comms is not None and comms.topo.world_size > 1:
+        if e.engine != "fused":
+            raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")
+        from neorec.distributed.sharded import ShardedEmbeddingCollection
+
+        d = cfg.distributed
+        return ShardedEmbeddingCollection(
+            tables, e.optimizer, build_plan(cfg, tables, comms.topo), comms, seed=cfg.seed,
+            forward_precision=d.forward_precision, backward_precision=d.backward_precision,
+            stochastic_rounding=e.stochastic_rounding,
+        )  # fmt: skip
     if e.engine == "reference":
         from neorec.embedding.reference import ReferenceEmbeddingCollection
 

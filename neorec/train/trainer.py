@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,11 @@ from neorec.config.load import dump_config
 from neorec.config.schema import RunConfig
 from neorec.data.prefetch import prefetch
 from neorec.data.source import DataSource
+from neorec.distributed.comms import Comms
+from neorec.distributed.dense import DenseGradSync
+from neorec.distributed.topology import init_distributed
 from neorec.embedding.collection import EmbeddingCollection
+from neorec.errors import ConfigError
 from neorec.metrics.evaluation import binary_metrics
 from neorec.train.build import (
     build_dense_optimizer,
@@ -41,6 +46,7 @@ class RunResult:
     teacher_auc: float | None = None
     skipped_lines: int = 0  # malformed input lines skipped under the reader's `skip` policy
     out_dir: Path | None = None
+    comm_bytes_per_step: dict[str, float] = field(default_factory=dict)  # rank 0's sends, by exchange
 
     @property
     def samples_per_second(self) -> float:
@@ -52,20 +58,69 @@ def embedding_collection(model: nn.Module) -> EmbeddingCollection:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, source: DataSource, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
-    """Metrics of `model` on the source's held-out set."""
+def evaluate(
+    model: nn.Module, source: DataSource, batch_size: int, max_batches: int | None = None, topo=None
+) -> dict[str, float]:
+    """Metrics of `model` on the source's held-out set. Over W processes each rank scores a slice of
+    every batch (the last one padded to a multiple of W) and the scores are gathered, so every rank
+    computes the metrics of the whole set."""
     was_training = model.training
     model.eval()
     probs, labels = [], []
+    world = topo.world_size if topo is not None else 1
     for i, batch in enumerate(source.eval_batches(batch_size)):
         if max_batches is not None and i >= max_batches:
             break
-        probs.append(torch.sigmoid(model(batch)))
+        if world == 1:
+            probs.append(torch.sigmoid(model(batch)))
+        else:
+            probs.append(_distributed_scores(model, batch, topo))
         labels.append(batch.labels)
     model.train(was_training)
     if not probs:
         return {}
     return binary_metrics(torch.cat(probs), torch.cat(labels))
+
+
+def _distributed_scores(model: nn.Module, batch, topo) -> torch.Tensor:
+    import torch.distributed as dist
+
+    n, world = len(batch), topo.world_size
+    b = -(-n // world)
+    if b * world != n:  # pad by repeating the last sample; the padded scores are dropped
+        pad = torch.full((b * world - n,), n - 1, dtype=torch.int64)
+        batch = _take(batch, torch.cat([torch.arange(n), pad]))
+    mine = torch.sigmoid(model(batch.slice(topo.rank * b, (topo.rank + 1) * b)))
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    return torch.cat(parts)[:n]
+
+
+def _take(batch, index: torch.Tensor):
+    from neorec.data.batch import Batch
+    from neorec.sparse import SparseBatch
+
+    s = batch.sparse
+    feats = {}
+    for k in s.keys:
+        ids, lengths, weights = s.feature(k)
+        starts = lengths.cumsum(0) - lengths
+        picked = lengths[index]
+        shift = (starts[index] - (picked.cumsum(0) - picked)).repeat_interleave(picked)
+        pick = torch.arange(int(picked.sum())) + shift
+        part = (ids[pick], lengths[index]) if weights is None else (ids[pick], lengths[index], weights[pick])
+        feats[k] = part
+    return Batch(batch.dense[index], SparseBatch.from_features(feats), batch.labels[index])
+
+
+class _NoLogger:
+    """What ranks other than 0 log to."""
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Trainer:
@@ -77,11 +132,25 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         if cfg.train.keep_freed_memory:
             keep_freed_memory()
+        self.topo = init_distributed(torch.device("cpu"))
+        self.comms = Comms(self.topo) if self.topo.world_size > 1 else None
+        self.is_main = self.topo.rank == 0
+        if self.comms is not None and cfg.data.batch_size % self.topo.world_size:
+            raise ConfigError(
+                f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over "
+                f"{self.topo.world_size} processes"
+            )
         self.source = build_source(cfg)
         self.tables = build_tables(cfg, self.source.info)
-        self.embeddings = build_embeddings(cfg, self.tables)
+        self.embeddings = build_embeddings(cfg, self.tables, self.comms)
         self.model = build_model(cfg, self.source.info, self.embeddings)
-        self.dense_opt = build_dense_optimizer(cfg.train.dense_optimizer, dense_parameters(self.model))
+        dense = dense_parameters(self.model)
+        self.dense_opt = build_dense_optimizer(cfg.train.dense_optimizer, dense)
+        self.dense_sync = None
+        if self.comms is not None:
+            self.dense_sync = DenseGradSync(dense, self.comms, cfg.distributed.dense_precision)
+            self.dense_sync.broadcast_parameters()
+        self.timings: dict[str, float] = defaultdict(float)  # seconds per stage, summed over steps
         self.emb_opt = self.embeddings.build_optimizer()
         self._base_lrs = [
             [g["lr"] for g in opt.param_groups] for opt in (self.dense_opt, self.emb_opt)
@@ -101,25 +170,42 @@ class Trainer:
             for g, base in zip(opt.param_groups, bases, strict=True):
                 g["lr"] = base * m
 
+    def local_batch(self, batch):
+        """This process's slice of a global batch (the whole batch for one process). A last batch
+        that does not divide over the processes loses its remainder."""
+        world = self.topo.world_size
+        if world == 1:
+            return batch
+        b = len(batch) // world
+        return batch.slice(self.topo.rank * b, (self.topo.rank + 1) * b)
+
     def train_step(self, batch) -> torch.Tensor:
+        """One step on a global batch; returns this process's loss."""
+        batch = self.local_batch(batch)
         logits = self.model(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         self.dense_opt.zero_grad(set_to_none=True)
         self.emb_opt.zero_grad(set_to_none=True)
         loss.backward()  # the fused engine updates embedding rows here
+        if self.dense_sync is not None:
+            t0 = time.perf_counter()
+            self.dense_sync.start().wait()
+            self.timings["allreduce"] += time.perf_counter() - t0
         self.dense_opt.step()
         self.emb_opt.step()
         return loss.detach()
 
     def fit(self) -> RunResult:
         cfg, t = self.cfg, self.cfg.train
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.yaml").write_text(dump_config(cfg))
-        logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard)
+        logger: MetricsLogger | _NoLogger = _NoLogger()
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.yaml").write_text(dump_config(cfg))
+            logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard)
         teacher_auc = self.source.teacher_auc() if hasattr(self.source, "teacher_auc") else None
         total = self.total_steps()
         result = RunResult(0, 0, 0.0, teacher_auc=teacher_auc, out_dir=self.out_dir)
-        bar = _progress(total, t.progress)
+        bar = _progress(total, t.progress and self.is_main)
         running, window_samples, window_start = None, 0, time.perf_counter()
         step, done = 0, False
         start = time.perf_counter()
@@ -132,8 +218,9 @@ class Trainer:
                 result.losses.append(loss)
                 running = loss if running is None else 0.98 * running + 0.02 * loss
                 step += 1
-                result.samples += len(batch)
-                window_samples += len(batch)
+                used = len(batch) - len(batch) % self.topo.world_size
+                result.samples += used
+                window_samples += used
                 if bar is not None:
                     bar.update(1)
                 if step % t.log_every == 0:
@@ -153,6 +240,8 @@ class Trainer:
             if not t.eval_every and epoch < t.epochs - 1:
                 self._eval(logger, step, t.eval_max_batches, teacher_auc)
         result.train_seconds = time.perf_counter() - start
+        if self.comms is not None and step:
+            result.comm_bytes_per_step = {k: v / step for k, v in self.comms.stats.take().items()}
         if bar is not None:
             bar.close()
         result.steps = step
@@ -162,21 +251,44 @@ class Trainer:
         self._finish(result)
         return result
 
+    def _single_process_state(self) -> dict | None:
+        """The model's state_dict as one process would have it (so `neorec eval` loads it anywhere).
+        Over several processes the tables are gathered (collective), up to 2 GiB of them; larger
+        sharded models need sharded checkpoints."""
+        if self.comms is None:
+            return self.model.state_dict()
+        emb = self.embeddings
+        table_bytes = sum(t.rows * t.dim * 4 for t in self.tables)
+        if table_bytes > 2 * 2**30:
+            return None
+        state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("embeddings.")}
+        for name, entries in emb.gather_tables().items():  # type: ignore[operator]
+            for key, value in entries.items():
+                state[f"embeddings.tables.{name}.{key}"] = value
+            state[f"embeddings.tables.{name}.step"] = torch.tensor(emb.local.num_updates, dtype=torch.int64)
+        return state
+
     def _eval(self, logger: MetricsLogger, step: int, max_batches: int | None, teacher_auc: float | None) -> dict:
-        metrics = evaluate(self.model, self.source, self.cfg.data.eval_batch_size, max_batches)
+        metrics = evaluate(self.model, self.source, self.cfg.data.eval_batch_size, max_batches, self.topo)
         if teacher_auc is not None:
             metrics["teacher_auc"] = teacher_auc
         logger.log("eval", step, metrics)
         return metrics
 
     def _finish(self, result: RunResult) -> None:
-        torch.save(self.model.state_dict(), self.out_dir / "model.pt")
+        state = self._single_process_state()
+        if not self.is_main:
+            return
+        if state is not None:
+            torch.save(state, self.out_dir / "model.pt")
         summary = {
             "steps": result.steps,
             "samples": result.samples,
             "train_seconds": round(result.train_seconds, 3),
             "samples_per_s": round(result.samples_per_second, 1),
             "skipped_lines": result.skipped_lines,
+            "processes": self.topo.world_size,
+            "comm_bytes_per_step": {k: round(v) for k, v in result.comm_bytes_per_step.items()},
             **{f"eval_{k}": v for k, v in result.eval.items()},
         }
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -211,6 +323,9 @@ def summary_table(result: RunResult) -> str:
         rows.append(("teacher AUC (ceiling)", f"{result.teacher_auc:.4f}"))
         if "auc" in e:
             rows.append(("gap to ceiling", f"{result.teacher_auc - e['auc']:.4f}"))
+    if result.comm_bytes_per_step:
+        sent = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in result.comm_bytes_per_step.items())
+        rows.append(("MiB sent per step (rank 0)", sent))
     if result.skipped_lines:
         rows.append(("malformed lines skipped", f"{result.skipped_lines:,}"))
     if result.out_dir is not None:

@@ -88,6 +88,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         # chunk_elements = None (one block per group).
         self.grad_hook: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._row_init = row_init
+        # seconds spent in lookups ("lookup") and fused backward+updates ("update"), when a dict is set
+        self.timings: dict[str, float] | None = None
         # elements (rows x dim) per block of the update and of fp16/bf16 lookups on CPU; None = one block
         self.chunk_elements: int | None = 1 << 17
         self._configs = [t.optimizer or optimizer for t in self.tables]

@@ -19,6 +19,7 @@ On CPU the backward (and the lookup of fp16/bf16 or non-plain storage) runs in b
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -201,17 +202,22 @@ class FusedLookup(torch.autograd.Function):
         ctx, anchor: torch.Tensor, engine: FusedEmbeddingCollection, batches: list[GroupBatch]
     ) -> torch.Tensor:
         ctx.engine, ctx.batches = engine, batches
+        start = time.perf_counter()
         groups = engine.layout.groups
         device = batches[0].rows.device if batches else torch.device("cpu")
         pooled = [
             pool(engine.weights[gi], gb, engine.chunk_rows(gi, device)) for gi, gb in enumerate(batches)
         ]
-        return assemble(pooled, [g.output_columns for g in groups], engine.layout.output_dim)
+        out = assemble(pooled, [g.output_columns for g in groups], engine.layout.output_dim)
+        if engine.timings is not None:
+            engine.timings["lookup"] += time.perf_counter() - start
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
         engine: FusedEmbeddingCollection = ctx.engine
+        start = time.perf_counter()
         grad_out = grad_out.to(torch.float32)
         step = engine.num_updates + 1
         for gi, (group, gb) in enumerate(zip(engine.layout.groups, ctx.batches, strict=True)):
@@ -226,4 +232,6 @@ class FusedLookup(torch.autograd.Function):
                 if rows.numel():
                     engine.apply_update(gi, rows, grads, step, hparams)
         engine.num_updates = step
+        if engine.timings is not None:
+            engine.timings["update"] += time.perf_counter() - start
         return None, None, None
