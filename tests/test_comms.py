@@ -1,0 +1,140 @@
+"""Codecs, byte counting and the all-to-all based collectives (reduce-scatter, all-reduce, two hops)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_helpers import spawn
+from neorec.config.load import load_config
+from neorec.data.batch import Batch
+from neorec.distributed.codecs import Codec
+from neorec.distributed.comms import Comms
+from neorec.distributed.topology import Topology
+from neorec.errors import ConfigError
+from neorec.sparse import SparseBatch
+
+
+@pytest.mark.parametrize("name,tol", [("fp32", 0.0), ("fp16", 2**-11), ("bf16", 2**-8)])
+def test_codec_round_trip_relative_to_row_peak(name, tol):
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([1e-7, 1e-3, 1.0, 3e4, 1e6, 0.0]).view(-1, 1)
+    x = torch.randn(6, 33, generator=g) * scales
+    y = Codec(name).decode(Codec(name).encode(x))
+    peak = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+    assert torch.isfinite(y).all()
+    assert ((y - x).abs() / peak).max() <= tol
+    assert torch.equal(y[-1], torch.zeros(33))
+
+
+def test_fp16_codec_survives_values_beyond_fp16_range():
+    x = torch.tensor([[7e4, -1e5, 3.0], [1e-9, 2e-9, -5e-9]])
+    plain = x.to(torch.float16).float()
+    assert not torch.isfinite(plain).all() or plain[1].abs().max() == 0  # a plain cast overflows/underflows
+    y = Codec("fp16").decode(Codec("fp16").encode(x))
+    torch.testing.assert_close(y, x, rtol=1e-3, atol=0)
+    assert Codec("fp16").wire_width(33) == 34
+
+
+def test_codec_rejects_unknown_name():
+    with pytest.raises(ConfigError, match="fp8"):
+        Codec("fp8")
+
+
+def test_bytes_counted_exclude_the_local_block():
+    comms = Comms(Topology(1, 0, 1))
+    out = comms.exchange([torch.ones(5, 4)], [(5, 4)], Codec("bf16"), "fwd").wait()
+    assert torch.equal(out[0], torch.ones(5, 4))
+    assert comms.stats.take() == {"fwd": 0}
+
+
+def _collectives(topo: Topology):
+    comms = Comms(topo)
+    r, w = topo.rank, topo.world_size
+    # reduce-scatter: rank r contributes (r + 1) * (k + 1) to rank k's block
+    blocks = torch.cat([torch.full((2, 3), float((r + 1) * (k + 1))) for k in range(w)])
+    rs = comms.reduce_scatter_rows(blocks, Codec("fp32"), "test").wait()
+    # all-reduce in every codec
+    flat = torch.arange(1000, dtype=torch.float32) * (r + 1) / 7
+    sums = {c: comms.all_reduce_sum(flat.clone(), Codec(c), "dense").wait() for c in ("fp32", "fp16", "bf16")}
+    # exchange of blocks of different widths: rank r sends [r + 1, k + 2] filled with 10 r + k to rank k
+    blocks = [torch.full((r + 1, k + 2), float(10 * r + k)) for k in range(w)]
+    got = comms.exchange(blocks, [(s + 1, r + 2) for s in range(w)], Codec("fp32"), "test").wait()
+    sent = comms.stats.take()
+    return rs, sums, got, sent
+
+
+def test_collectives_on_four_gloo_processes(tmp_path):
+    results = spawn(4, _collectives, tmp_path=tmp_path)
+    w = 4
+    expected_flat = torch.arange(1000, dtype=torch.float32) / 7 * sum(r + 1 for r in range(w))
+    for k, (rs, sums, got, sent) in results.items():
+        assert torch.equal(torch.as_tensor(rs), torch.full((2, 3), float(sum((r + 1) * (k + 1) for r in range(w)))))
+        torch.testing.assert_close(torch.as_tensor(sums["fp32"]), expected_flat)
+        torch.testing.assert_close(torch.as_tensor(sums["fp16"]), expected_flat, rtol=2e-3, atol=1e-3)
+        torch.testing.assert_close(torch.as_tensor(sums["bf16"]), expected_flat, rtol=1e-2, atol=1e-2)
+        for s, block in enumerate(got):
+            assert torch.equal(torch.as_tensor(block), torch.full((s + 1, k + 2), float(10 * s + k)))
+        # reduce-scatter sends 3 of its 4 [2, 3] fp32 blocks; the exchange sends rank k's [k+1, j+2] blocks
+        assert sent["test"] == 3 * 2 * 3 * 4 + sum((k + 1) * (j + 2) * 4 for j in range(w) if j != k)
+    # every rank ends with the same dense sums, whatever the codec
+    for c in ("fp32", "fp16", "bf16"):
+        first = torch.as_tensor(results[0][1][c])
+        assert all(torch.equal(torch.as_tensor(results[r][1][c]), first) for r in range(w))
+
+
+def _two_hop(topo: Topology):
+    comms = Comms(topo)
+    b, d, w = 2, 3, topo.world_size
+    rows = torch.stack([torch.full((b, d), float(100 * topo.rank + k)) for k in range(w)]).view(w * b, d)
+    summed = comms.two_hop(rows, b, "sum", [d] * topo.num_nodes, Codec("fp32"), "fwd")
+    joined = comms.two_hop(rows, b, "cat", [d * topo.local_world_size] * topo.num_nodes, Codec("fp32"), "fwd")
+    return summed, joined
+
+
+def test_two_hop_sums_inside_the_node_then_crosses(tmp_path):
+    results = spawn(4, _two_hop, local_world=2, tmp_path=tmp_path)
+    for k, (summed, joined) in results.items():
+        for node in (0, 1):
+            peers = [2 * node, 2 * node + 1]
+            assert torch.equal(torch.as_tensor(summed[node]), torch.full((2, 3), float(sum(100 * p + k for p in peers))))
+            expected = torch.cat([torch.full((2, 3), float(100 * p + k)) for p in peers], dim=1)
+            assert torch.equal(torch.as_tensor(joined[node]), expected)
+
+
+def test_topology_from_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    topo = Topology.from_env()
+    assert (topo.num_nodes, topo.node, topo.local_rank, topo.node_ranks(1)) == (2, 1, 1, [4, 5, 6, 7])
+    with pytest.raises(ConfigError, match="multiple"):
+        Topology(6, 0, 4)
+
+
+def test_distributed_config_is_validated():
+    with pytest.raises(ConfigError, match="kind"):
+        load_config("default", ["distributed.sharding={C1: {kind: diagonal}}"])
+    with pytest.raises(ConfigError, match="forward_precision"):
+        load_config("default", ["distributed.forward_precision=fp8"])
+
+
+def test_slice_samples_matches_per_sample_construction():
+    g = torch.Generator().manual_seed(3)
+    feats = {}
+    for k in ("a", "b", "c"):
+        lengths = torch.randint(0, 4, (9,), generator=g)
+        ids = torch.randint(0, 50, (int(lengths.sum()),), generator=g)
+        feats[k] = (ids, lengths, torch.rand(ids.numel(), generator=g))
+    sparse = SparseBatch.from_features(feats)
+    batch = Batch(torch.randn(9, 2, generator=g), sparse, torch.rand(9, generator=g))
+    part = batch.slice(3, 7)
+    for k in ("a", "b", "c"):
+        ids, lengths, weights = feats[k]
+        start = int(lengths[:3].sum())
+        n = int(lengths[3:7].sum())
+        got = part.sparse.feature(k)
+        assert torch.equal(got[0], ids[start : start + n]) and torch.equal(got[1], lengths[3:7])
+        assert torch.equal(got[2], weights[start : start + n])
+    assert torch.equal(part.dense, batch.dense[3:7]) and len(part) == 4
+    assert batch.slice(0, 0).sparse.values.numel() == 0
