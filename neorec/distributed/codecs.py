@@ -22,17 +22,23 @@ class Codec:
             raise ConfigError(f"communication precision {name!r}: expected one of {list(CODECS)}")
         self.name = name
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, D] fp32 -> [N, D'] wire tensor (D' = D + 1 for fp16)."""
-        if self.name == "fp32":
-            return x.contiguous()
-        if self.name == "bf16":
-            return x.to(torch.bfloat16)
-        peak = x.abs().amax(dim=1, keepdim=True) if x.numel() else x.new_zeros(x.shape[0], 1)
+    def encode(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, D] fp32 -> [N, D'] wire tensor (D' = D + 1 for fp16), written into `out` if given
+        (a view of a send buffer: no extra copy)."""
+        if out is None:
+            out = torch.empty(x.shape[0], self.wire_width(x.shape[1]), dtype=self.wire_dtype, device=x.device)
+        if self.name != "fp16":
+            out.copy_(x)
+            return out
+        if x.numel():  # max |x| per row; two reductions are several times faster than abs().amax()
+            peak = torch.maximum(x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True).neg())
+        else:
+            peak = x.new_zeros(x.shape[0], 1)
         _, exp = torch.frexp(peak)  # peak = m * 2^exp, m in [0.5, 1); zero rows get exp 0
-        shift = (15 - exp).clamp(-100, 100).to(torch.float32)
-        scaled = torch.ldexp(x, shift)
-        return torch.cat([scaled, shift], dim=1).to(torch.float16)
+        shift = (15 - exp).clamp_(-100, 100).to(torch.float32)
+        out[:, :-1] = x * torch.exp2(shift)  # a power of two: exact
+        out[:, -1:] = shift
+        return out
 
     def decode(self, wire: torch.Tensor) -> torch.Tensor:
         """Inverse of encode, back to fp32."""
@@ -40,8 +46,8 @@ class Codec:
             return wire
         if self.name == "bf16":
             return wire.to(torch.float32)
-        wide = wire.to(torch.float32)
-        return torch.ldexp(wide[:, :-1], -wide[:, -1:])
+        scale = torch.exp2(-wire[:, -1:].to(torch.float32))
+        return wire[:, :-1] * scale  # fp16 * fp32 -> fp32
 
     def wire_width(self, dim: int) -> int:
         return dim + 1 if self.name == "fp16" else dim

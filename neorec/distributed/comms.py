@@ -183,10 +183,13 @@ class Comms:
         """blocks[k] ([rows, width] fp32) goes to the group's k-th rank; the result lists what each
         group rank sent us, decoded to fp32, shaped recv_shapes[k]. Widths may differ per block
         (each rank holds different tables): blocks travel flattened in one all_to_all."""
-        wire = [codec.encode(b).reshape(-1) for b in blocks]
-        send = torch.cat(wire) if wire else torch.empty(0)
+        sizes = [b.shape[0] * codec.wire_width(b.shape[1]) for b in blocks]
+        device = blocks[0].device if blocks else None
+        send = torch.empty(sum(sizes), dtype=codec.wire_dtype, device=device)
+        for b, part in zip(blocks, send.split(sizes), strict=True):  # encode straight into the send buffer
+            codec.encode(b, part.view(b.shape[0], -1))
         recv_splits = [r * codec.wire_width(c) for r, c in recv_shapes]
-        got = self.all_to_all(send, [w.numel() for w in wire], recv_splits, direction, group)
+        got = self.all_to_all(send, sizes, recv_splits, direction, group)
 
         def finish() -> list[torch.Tensor]:
             parts = got.wait().split(recv_splits)

@@ -87,13 +87,45 @@ class OutputDist(torch.autograd.Function):
         return None, grad_local, grad_dp, None, None, None, None, None
 
 
-def assemble(received: torch.Tensor, terms: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> torch.Tensor:
-    """[B, width] output from the received columns: term 0 places every column once, later terms add
-    further row shards' partial sums in shard order (deterministic)."""
-    dst0, src0 = terms[0]
-    perm = torch.empty(width, dtype=torch.int64, device=received.device)
-    perm[dst0] = src0
-    out = received.index_select(1, perm)
-    for dst, src in terms[1:]:
-        out = out.index_add(1, dst, received.index_select(1, src))
-    return out
+class AssembleColumns(torch.autograd.Function):
+    """[B, width] output from the received columns: term 0 places every output column once, later
+    terms add further row shards' partial sums in shard order (deterministic). Every received
+    column feeds exactly one output column, so the backward is a single gather."""
+
+    @staticmethod
+    def forward(ctx, received: torch.Tensor, plan: ColumnPlan) -> torch.Tensor:  # type: ignore[override]
+        ctx.plan = plan
+        out = received.index_select(1, plan.first)
+        for dst, src in plan.more:
+            out.index_add_(1, dst, received.index_select(1, src))
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad.index_select(1, ctx.plan.source_of), None
+
+
+class ColumnPlan:
+    """Index tensors for AssembleColumns, built once from ShardLayout.assembly()."""
+
+    def __init__(self, terms: list[tuple[list[int], list[int]]], width: int, received: int, device) -> None:
+        dst0, src0 = terms[0]
+        first = [0] * width
+        for d, s in zip(dst0, src0, strict=True):
+            first[d] = s
+        self.first = torch.tensor(first, dtype=torch.int64, device=device)
+        self.more = [
+            (torch.tensor(d, dtype=torch.int64, device=device), torch.tensor(s, dtype=torch.int64, device=device))
+            for d, s in terms[1:]
+        ]
+        source_of = [0] * received  # the output column each received column feeds
+        for d_list, s_list in terms:
+            for d, s in zip(d_list, s_list, strict=True):
+                source_of[s] = d
+        self.source_of = torch.tensor(source_of, dtype=torch.int64, device=device)
+
+    def to(self, device) -> ColumnPlan:
+        self.first, self.source_of = self.first.to(device), self.source_of.to(device)
+        self.more = [(d.to(device), s.to(device)) for d, s in self.more]
+        return self

@@ -25,7 +25,7 @@ from neorec.distributed.codecs import Codec
 from neorec.distributed.comms import Comms, Pending
 from neorec.distributed.input_dist import InputDist
 from neorec.distributed.layout import ShardLayout
-from neorec.distributed.output_dist import OutputDist, assemble
+from neorec.distributed.output_dist import AssembleColumns, ColumnPlan, OutputDist
 from neorec.distributed.plan import ShardingPlan
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.fused import FusedEmbeddingCollection
@@ -80,9 +80,10 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.replicated.grad_hook = self._sum_replica_gradients
         self.input_dist_ = InputDist(self.layout, comms)
         self.dp_features = [f for t in dp for f in t.features]
-        terms = self.layout.assembly()
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        self._terms = [(torch.tensor(d, device=dev), torch.tensor(s, device=dev)) for d, s in terms]
+        lay = self.layout
+        received = sum(lay.flat_width) + sum(lay.twrw_width) * lay.has_twrw + sum(lay.twcw_width) * lay.has_twcw
+        self._columns = ColumnPlan(lay.assembly(), self.output_dim, received + lay.dp_width, dev)
         index = {t.name: i for i, t in enumerate(self.tables)}
         self._table_index = index
         self._units = units
@@ -110,7 +111,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         start = time.perf_counter()
         anchor = torch.empty(0, device=dp.device, requires_grad=True)
         received = OutputDist.apply(anchor, pooled_local, dp, self.layout, self.comms, self.codecs, b, self.timings)
-        out = assemble(received, self._terms, self.output_dim)
+        out = AssembleColumns.apply(received, self._columns)
         self.timings["output_dist"] += time.perf_counter() - start
         return out
 
@@ -120,6 +121,13 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         local = pending.wait()
         self.timings["input_dist"] += time.perf_counter() - start
         return self.output(self.lookup(local), sparse)
+
+    def _apply(self, fn, recurse: bool = True):  # move the column plan with the module (.to, .cuda)
+        super()._apply(fn, recurse)
+        c = self._columns
+        c.first, c.source_of = fn(c.first), fn(c.source_of)
+        c.more = [(fn(d), fn(s)) for d, s in c.more]
+        return self
 
     # ---- replicated tables ----------------------------------------------------------------------
     def _sum_replica_gradients(self, gi: int, rows: torch.Tensor, grads: torch.Tensor):
