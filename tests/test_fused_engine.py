@@ -40,14 +40,18 @@ def make_tables(
 
 
 def random_batch(
-    tables: list[TableConfig], gen: torch.Generator, batch_size: int = 7, weighted: bool = True
+    tables: list[TableConfig], gen: torch.Generator, batch_size: int = 7, weighted: bool = True,
+    one_hot: bool = False,
 ) -> SparseBatch:
-    """Lengths 0..4 (sample 0 always empty), ids from a third of the rows (many duplicates)."""
+    """Lengths 0..4 (sample 0 always empty), ids from a third of the rows (many duplicates).
+    one_hot: exactly one id per bag (the engine's gather path)."""
     features = {}
     for t in tables:
         for f in t.features:
             lengths = torch.randint(0, 5, (batch_size,), generator=gen)
             lengths[0] = 0
+            if one_hot:
+                lengths = torch.ones(batch_size, dtype=torch.int64)
             n = int(lengths.sum())
             ids = torch.randint(0, max(1, t.rows // 3), (n,), generator=gen)
             w = torch.rand(n, generator=gen) + 0.5
@@ -148,6 +152,7 @@ def train_both(
     seed: int,
     weighted: bool = True,
     chunk_elements: int | None = 1 << 17,
+    one_hot: bool = False,
 ) -> tuple[FusedEmbeddingCollection, Float64Reference, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run `steps` fwd/bwd/updates on both, with a decaying lr schedule driven through param_groups.
 
@@ -159,7 +164,7 @@ def train_both(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.8**k)
     outputs = []
     for _ in range(steps):
-        sparse = random_batch(tables, gen, weighted=weighted)
+        sparse = random_batch(tables, gen, weighted=weighted, one_hot=one_hot)
         lrs = {g["table"]: g["lr"] for g in optimizer.param_groups}
         pooled, expected = engine(sparse), ref.forward(sparse)
         outputs.append((pooled.detach().clone(), expected))
@@ -196,6 +201,16 @@ def test_matches_float64_reference(name: str, weight_decay: float) -> None:
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, weight_decay=weight_decay, initial_accumulator=0.01)
     engine, ref, outputs = train_both(make_tables(), opt, steps=5, seed=len(name) + int(weight_decay * 100))
     assert_matches(engine, ref, outputs)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_one_hot_batches_match_float64_reference(name: str, dtype: str) -> None:
+    """All bags of one id and no weights: the gather forward and (sgd) the one-pass update."""
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
+    engine, ref, outputs = train_both(make_tables(dtype), opt, steps=4, seed=11, weighted=False, one_hot=True)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == "fp32" else {"rtol": 2e-3, "atol": 2e-3}
+    assert_matches(engine, ref, outputs, **tol)
 
 
 def test_per_table_optimizer_overrides() -> None:

@@ -45,6 +45,7 @@ class GroupBatch:
     scales: torch.Tensor | None  # [n] per-id weight times 1/bag length for mean pooling; None = all ones
     batch_size: int
     num_features: int
+    one_hot: bool = False  # every bag holds exactly one id and there are no scales: bag i is id i
 
 
 def prepare_group(
@@ -63,6 +64,13 @@ def prepare_group(
     b, nf = sparse.batch_size, features.numel()
     device = sparse.values.device
     lengths = sparse.lengths.view(-1, b).index_select(0, features)  # [F, B] feature-major
+    if (
+        num_ids == b * nf
+        and sparse.weights is None
+        and device.type == "cpu"  # one host sync to check; GPUs take the general path without it
+        and bool((lengths == 1).all())
+    ):
+        return _one_hot_group(sparse, features, row_offsets, b, nf)
     bag_lengths = lengths.t().reshape(-1)  # [B * F] sample-major
     offsets = lengths_to_offsets(bag_lengths)
     bags = torch.arange(b * nf, device=device).repeat_interleave(bag_lengths, output_size=num_ids)
@@ -84,6 +92,20 @@ def prepare_group(
     return GroupBatch(rows, bags, offsets, scales, b, nf)
 
 
+def _one_hot_group(
+    sparse: SparseBatch, features: torch.Tensor, row_offsets: torch.Tensor, b: int, nf: int
+) -> GroupBatch:
+    """Every bag of the group holds one id (one-hot features, the Criteo case): the id of bag (b, f)
+    is values[f_batch * B + b], so sample-major rows are one transpose of a [F, B] view and pooling
+    is a plain gather. Mean pooling of a one-id bag is that id, so `mean` changes nothing."""
+    starts = sparse.offsets()[:-1].view(-1, b).index_select(0, features)[:, :1]  # [F, 1] first id of each feature
+    rows = sparse.values.index_select(0, (starts + torch.arange(b, device=starts.device)).reshape(-1))
+    rows = (rows.view(nf, b) + row_offsets.view(nf, 1)).t().reshape(-1)
+    bags = torch.arange(b * nf, device=rows.device)
+    offsets = torch.arange(b * nf + 1, device=rows.device)
+    return GroupBatch(rows, bags, offsets, None, b, nf, one_hot=True)
+
+
 def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None) -> torch.Tensor:
     """[B, F * D] fp32 pooled vectors of one group.
 
@@ -91,6 +113,8 @@ def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None) -> torc
     the storage and widened to fp32 before pooling, so fp16/bf16 tables accumulate in fp32; this is
     done about chunk_rows ids at a time (whole bags) so the fp32 copy stays cache-sized.
     """
+    if isinstance(storage, TensorStorage) and storage.dtype == torch.float32 and batch.one_hot:
+        return storage.tensor.index_select(0, batch.rows).view(batch.batch_size, -1)
     if isinstance(storage, TensorStorage) and storage.dtype == torch.float32:
         pooled = F.embedding_bag(
             batch.rows,
