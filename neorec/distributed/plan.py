@@ -7,7 +7,9 @@ cw (the dim cut into len(ranks) equal column slices, slice i on ranks[i]; a rank
 twrw / twcw (the table belongs to `node` and is cut by rows / columns over all of that node's ranks),
 dp (a full replica on every rank, gradients summed over ranks). `shards()` turns a plan into
 explicit row and column ranges; `validate` checks it against the tables and the topology before
-any work starts, naming the table at fault.
+any work starts, naming the table at fault. An optional `tier` says which memory the planner meant
+the table's rows to live in ("device" when absent; "host" = host DRAM next to a GPU); training
+places every shard in device memory until the memory-hierarchy issue adds the other tiers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError
 
 KINDS = ("tw", "rw", "cw", "twrw", "twcw", "dp")
+TIERS = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class TablePlan:
     kind: str
     ranks: list[int] = field(default_factory=list)
     node: int | None = None
+    tier: str | None = None  # memory tier of the rows (None: device)
 
     def to_dict(self) -> dict:
         out: dict = {"kind": self.kind}
@@ -42,6 +46,8 @@ class TablePlan:
             out["ranks"] = list(self.ranks)
         if self.node is not None:
             out["node"] = self.node
+        if self.tier is not None:
+            out["tier"] = self.tier
         return out
 
 
@@ -64,13 +70,17 @@ class ShardingPlan:
         for name, entry in data["tables"].items():
             if not isinstance(entry, dict) or entry.get("kind") not in KINDS:
                 raise ConfigError(f"{source}: table {name!r}: 'kind' must be one of {list(KINDS)}, got {entry!r}")
-            unknown = set(entry) - {"kind", "ranks", "node"}
+            unknown = set(entry) - {"kind", "ranks", "node", "tier"}
             if unknown:
-                raise ConfigError(f"{source}: table {name!r}: unknown key(s) {sorted(unknown)}; allowed: kind, ranks, node")
+                raise ConfigError(
+                    f"{source}: table {name!r}: unknown key(s) {sorted(unknown)}; allowed: kind, ranks, node, tier"
+                )
+            if entry.get("tier", "device") not in TIERS:
+                raise ConfigError(f"{source}: table {name!r}: 'tier' must be one of {list(TIERS)}, got {entry['tier']!r}")
             ranks = entry.get("ranks", [])
             if not isinstance(ranks, list) or not all(isinstance(r, int) for r in ranks):
                 raise ConfigError(f"{source}: table {name!r}: 'ranks' must be a list of integers, got {ranks!r}")
-            tables[name] = TablePlan(entry["kind"], list(ranks), entry.get("node"))
+            tables[name] = TablePlan(entry["kind"], list(ranks), entry.get("node"), entry.get("tier"))
         return ShardingPlan(tables)
 
     @staticmethod

@@ -1,0 +1,190 @@
+"""Measure this machine's speeds for the cost model: `neorec plan --calibrate`.
+
+The benchmarks run in `world_size` processes at once (gloo, one thread each unless told otherwise),
+the way `neorec train --nproc N` runs, so that cores, caches and memory bandwidth are shared as
+they will be in training. Each process measures, and rank 0 writes the mean over ranks:
+- the fused lookup and the fused backward+update (embedding/fused) of one 2^20-row table with
+  Zipf-distributed ids at two dims: the two sizes give the cost per id and per byte of rows;
+- elementwise work on exchange buffers: the fp16 codec and a column gather of a [B, 1664] block;
+- all-to-all between the processes at two message sizes: latency and bytes per second.
+Takes 20-40 s on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from neorec.planner.hardware import CALIBRATION_KEYS, calibration_path
+
+ROWS = 1 << 20
+BATCH = 2048
+FEATURES = 8
+DIMS = (16, 64)
+REPEATS = 5
+
+
+def zipf_ids(rows: int, n: int, alpha: float = 1.05, seed: int = 0) -> np.ndarray:
+    """n ids with Zipf(alpha) popularity, popular ids scattered over the table (as synthetic.py)."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, rows + 1) ** alpha
+    cdf = np.cumsum(weights)
+    ranks = np.searchsorted(cdf, rng.random(n) * cdf[-1])
+    return (ranks * 2654435761 + 12345) % rows
+
+
+def _median_time(fn, repeats: int = REPEATS, sync=None) -> float:
+    fn()  # warm-up: allocations, caches
+    times = []
+    for _ in range(repeats):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def measure_compute(sync=None) -> dict[str, float]:
+    """Per-id and per-byte cost of the fused lookup and update (see module doc)."""
+    from neorec.embedding.fused import FusedEmbeddingCollection
+    from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+    from neorec.sparse import SparseBatch
+
+    keys = [f"f{i}" for i in range(FEATURES)]
+    ids = torch.from_numpy(zipf_ids(ROWS, BATCH * FEATURES))
+    sparse = SparseBatch(keys, ids, torch.ones(BATCH * FEATURES, dtype=torch.int64))
+    n = ids.numel()
+    unique = int(torch.unique(ids).numel())
+    fwd, bwd = {}, {}
+    for dim in DIMS:
+        table = TableConfig(name="t", rows=ROWS, dim=dim, features=keys)
+        emb = FusedEmbeddingCollection([table], EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.01))
+        grad = torch.full((BATCH, FEATURES * dim), 1e-3)
+        fwd[dim] = _median_time(lambda emb=emb: emb(sparse), sync=sync)
+
+        def step(emb=emb, grad=grad) -> None:
+            emb(sparse).backward(grad)
+
+        bwd[dim] = max(_median_time(step, sync=sync) - fwd[dim], 1e-6)
+        del emb
+    lo, hi = DIMS
+    # lookup: t = n * per_id + (n * dim * 4 + pooled bytes) / bandwidth
+    fwd_bytes = {d: n * d * 4 + BATCH * FEATURES * d * 4 for d in DIMS}
+    fwd_per_byte = max((fwd[hi] - fwd[lo]) / (fwd_bytes[hi] - fwd_bytes[lo]), 1e-13)
+    fwd_per_id = max((fwd[lo] - fwd_per_byte * fwd_bytes[lo]) / n, 1e-10)
+    # update: t = n * per_id + (n * dim * 4 + unique * (2 dim * 4 + 2 * 4 + 8 dim)) / bandwidth
+    bwd_bytes = {d: n * d * 4 + unique * (2 * d * 4 + 2 * 4 + 8 * d) for d in DIMS}
+    bwd_per_byte = max((bwd[hi] - bwd[lo]) / (bwd_bytes[hi] - bwd_bytes[lo]), 1e-13)
+    bwd_per_id = max((bwd[lo] - bwd_per_byte * bwd_bytes[lo]) / n, 1e-10)
+    return {
+        "lookup_bandwidth": 1 / fwd_per_byte,
+        "lookup_per_id": fwd_per_id,
+        "update_bandwidth": 1 / bwd_per_byte,
+        "update_per_id": bwd_per_id,
+    }
+
+
+def measure_stream(sync=None) -> dict[str, float]:
+    """Bytes per second of the elementwise work around exchanges (codec, column gather)."""
+    from neorec.distributed.codecs import Codec
+
+    x = torch.randn(BATCH, 26 * 64)
+    codec = Codec("fp16")
+    perm = torch.randperm(x.shape[1])
+
+    def work() -> None:
+        wire = codec.encode(x)
+        codec.decode(wire)
+        x.index_select(1, perm)
+
+    # bytes as cost.py counts them: encode (4 + 2), decode (2 + 4), gather (4 + 4) per element
+    return {"stream_bandwidth": x.numel() * (6 + 6 + 8) / _median_time(work, sync=sync)}
+
+
+def measure_links(world: int, sync=None) -> dict[str, float]:
+    """all_to_all latency and bandwidth (bytes sent + received per second per rank)."""
+    import torch.distributed as dist
+
+    def a2a(numel: int) -> float:
+        send = torch.ones(numel * world)
+        recv = torch.empty_like(send)
+        return _median_time(lambda: dist.all_to_all_single(recv, send), repeats=9, sync=sync)
+
+    small, big = 16, 1 << 21  # floats per peer
+    t_small, t_big = a2a(small), a2a(big)
+    moved = 2 * (world - 1) * big * 4  # sent + received by one rank
+    return {"latency": max(t_small, 1e-6), "link_bandwidth": moved / max(t_big - t_small, 1e-9)}
+
+
+def _rank_main(rank: int, world: int, init_file: str, threads: int, queue) -> None:
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        sync = dist.barrier if world > 1 else None
+        out = measure_compute(sync)
+        out.update(measure_stream(sync))
+        if world > 1:
+            out.update(measure_links(world, sync))
+        queue.put((rank, out, None))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - reported by the parent
+        queue.put((rank, None, repr(e)))
+
+
+def calibrate(
+    world_size: int = 2, threads: int = 1, path: str | Path | None = None, timeout: float = 300
+) -> dict:
+    """Run the benchmarks on `world_size` processes; save and return the mean speeds."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg")
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world_size, init_file, threads, queue))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results, errors = [], []
+        try:
+            for _ in range(world_size):
+                rank, out, err = queue.get(timeout=timeout)
+                if err:
+                    errors.append(f"rank {rank}: {err}")
+                else:
+                    results.append(out)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        raise RuntimeError("calibration failed: " + "; ".join(errors))
+    merged = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+    if world_size == 1:  # no peer to measure links against: assume a memory copy
+        merged.setdefault("latency", 20e-6)
+        merged.setdefault("link_bandwidth", merged["stream_bandwidth"])
+    calibration = {k: merged[k] for k in CALIBRATION_KEYS}
+    calibration["measured"] = {
+        "world_size": world_size,
+        "threads": threads,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    target = Path(path) if path else calibration_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(calibration, indent=2) + "\n")
+    return calibration

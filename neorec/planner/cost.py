@@ -1,0 +1,281 @@
+"""The cost model: seconds per step and bytes of memory, per rank, for a plan on a cluster.
+
+A rank's step has the stages the sharded collection times (sharded.py), in the same units:
+- input_dist: routing its ids (elementwise work over every id it sends or receives) + the id
+  all-to-alls (link bytes / link bandwidth + latency per call);
+- lookup: for each shard it holds, ids x (per-id cost) + rows read / the tier's lookup bandwidth,
+  plus the pooled output written;
+- output_dist: encoding its pooled rows, the all-to-all(s), decoding and assembling its samples;
+- output_dist_bwd: the same for the gradients;
+- update: per id (sort, segment sums) + gradient rows read + touched rows and optimizer state read
+  and written / the tier's update bandwidth; replicated tables add their gradient exchange.
+Link bytes come from exchanges.py (the code's exact counts), split into intra- and inter-node.
+The step time is the sum over the three phases that end in an exchange every rank waits for
+(ids; lookup + pooled rows; gradients + update) of the slowest rank in that phase.
+
+`shard_work` is the per-shard part shared with the partitioner (options.py), so that the costs the
+planner balances are the costs it reports.
+
+Memory per rank and tier: weights + optimizer state of its shards, plus the step's buffers (ids,
+pooled rows and their gradients, wire copies, the backward's sort) and, while the model is built,
+one initialisation window: storage.py fills each buffer of the fused engine (the shards of one dim,
+dtype and optimizer, stacked) 2^20 rows at a time, from fp32 rows made per table (init.py, plus
+its 65536-row chunk) and then concatenated, so two fp32 windows are alive at once. Buffers and that
+window are never alive together, so the peak counts the larger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from neorec.distributed.layout import ROW_SPLIT, ShardLayout
+from neorec.distributed.plan import ShardingPlan
+from neorec.planner.exchanges import Traffic, plan_traffic
+from neorec.planner.hardware import Cluster
+from neorec.planner.workload import TableLoad, Workload, state_bytes_per_row
+
+STAGES = ("input_dist", "lookup", "output_dist", "output_dist_bwd", "update")
+PHASES = (("input_dist",), ("lookup", "output_dist"), ("output_dist_bwd", "update"))
+INIT_WINDOW_ROWS = 1 << 20  # embedding/fused/storage.py _INIT_WINDOW_ROWS
+INIT_CHUNK_ROWS = 65536  # embedding/init.py _CHUNK_ROWS
+BYTES_PER_ID = 64  # step buffers per id looked up: received, regrouped, bag/row indices, the sort
+POOLED_COPIES = 4  # the pooled output, its wire copy, its gradient, the decoded gradient
+
+
+def wire_element_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+@dataclass
+class ShardWork:
+    """What one shard costs the rank that holds it, per step (seconds) and in memory (bytes)."""
+
+    stages: dict[str, float]  # seconds per stage (STAGES) of its compute and elementwise work
+    ids: float  # ids it looks up per step
+    pooled_bytes: float  # fp32 bytes of its pooled output for the batch it serves
+    weights_bytes: int  # weights + optimizer state
+    init_bytes: int  # the fp32 window its initialisation allocates
+
+
+def shard_work(
+    load: TableLoad,
+    rows: tuple[int, int],
+    width: int,
+    kind: str,
+    tier: str,
+    workload: Workload,
+    cluster: Cluster,
+) -> ShardWork:
+    """Cost of a shard (rows x columns of `load`'s table) on the rank that holds it, without link
+    transfers (those depend on the whole plan: exchanges.py)."""
+    t, W = load.table, cluster.world_size
+    batch = workload.batch_size / W if kind == "dp" else workload.batch_size  # samples it looks up
+    share = load.share(*rows) if kind in ROW_SPLIT else 1.0
+    ids = batch * load.ids_per_sample * share
+    num_rows = rows[1] - rows[0]
+    mem = cluster.tier(tier)
+    wb = load.weight_bytes
+    pooled = batch * len(t.features) * width * 4
+    stages = dict.fromkeys(STAGES, 0.0)
+    stages["lookup"] = ids * cluster.lookup_per_id + (ids * width * wb + pooled) / mem.lookup_bandwidth
+    # dp: every replica applies the update of every row touched anywhere in the global batch
+    touched = load.unique(rows[0], rows[1], workload.batch_size * load.ids_per_sample * share)
+    moved = ids * width * 4 + touched * (
+        2 * width * wb + 2 * state_bytes_per_row(load.optimizer, width) + 8 * width
+    )
+    stages["update"] = ids * cluster.update_per_id + moved / mem.update_bandwidth
+    if (
+        kind != "dp"
+    ):  # the shard's side of the exchanges: ids regrouped, pooled rows encoded, gradients decoded
+        fe, be = (
+            wire_element_bytes(workload.forward_precision),
+            wire_element_bytes(workload.backward_precision),
+        )
+        elements = pooled / 4
+        stages["input_dist"] = ids * 8 * 2 / cluster.stream_bandwidth
+        stages["output_dist"] = elements * (4 + fe) / cluster.stream_bandwidth
+        stages["output_dist_bwd"] = elements * (be + 4 + 8) / cluster.stream_bandwidth  # decode, concatenate
+    return ShardWork(
+        stages=stages,
+        ids=ids,
+        pooled_bytes=pooled,
+        weights_bytes=num_rows * load.row_bytes(width),
+        init_bytes=init_window_bytes(num_rows, t.dim, width),
+    )
+
+
+def init_window_bytes(rows: int, dim: int, width: int) -> int:
+    """fp32 bytes alive while `rows` rows (of a table of `dim` columns; `width` of them kept) are
+    initialised: the rows made per table, their concatenation, one chunk of init.py."""
+    window = min(rows, INIT_WINDOW_ROWS)
+    return window * (dim + width) * 4 + min(rows, INIT_CHUNK_ROWS) * dim * 4
+
+
+def owner_work(
+    load: TableLoad, kind: str, num_shards: int, workload: Workload, cluster: Cluster
+) -> dict[str, float]:
+    """Elementwise work a table costs every rank for its own B samples, per stage: routing the ids
+    (each row shard masks all the table's ids), decoding and assembling the pooled rows, scaling
+    and encoding their gradients. A replicated table is only assembled and scaled."""
+    b = workload.batch_size / cluster.world_size
+    ids = b * load.ids_per_sample
+    elements = b * len(load.table.features) * load.table.dim
+    fe, be = wire_element_bytes(workload.forward_precision), wire_element_bytes(workload.backward_precision)
+    speed = cluster.stream_bandwidth
+    out = dict.fromkeys(STAGES, 0.0)
+    if kind == "dp":
+        out["output_dist"] = elements * 8 / speed  # assemble (gather read + write)
+        out["output_dist_bwd"] = elements * 8 / speed  # scale by 1/W
+        return out
+    masks = num_shards if kind in ROW_SPLIT else 0
+    out["input_dist"] = (ids * 8 * 3 + masks * ids * 8 * 2) / speed
+    out["output_dist"] = elements * ((fe + 4) + 8) / speed  # decode, then assemble
+    out["output_dist_bwd"] = elements * (8 + (4 + be)) / speed  # scale by 1/W, then encode
+    return out
+
+
+def collective_calls(kinds: set[str], dp_groups: int, weighted: bool) -> dict[str, int]:
+    """Collective calls per stage and step (each costs the cluster's latency): the id exchange
+    (lengths, ids, weights), the pooled exchange and its gradient (flat, plus two hops per
+    hierarchical kind present), and per group of replicated tables a count, rows and gradients."""
+    two_hop = 2 * (("twrw" in kinds) + ("twcw" in kinds))
+    return {
+        "input_dist": 2 + int(weighted),
+        "output_dist": 1 + two_hop,
+        "output_dist_bwd": 1 + two_hop,
+        "update": 3 * dp_groups,
+    }
+
+
+def latency_seconds(kinds: set[str], dp_groups: int, weighted: bool, cluster: Cluster) -> float:
+    if cluster.world_size == 1:
+        return 0.0
+    return cluster.latency * sum(collective_calls(kinds, dp_groups, weighted).values())
+
+
+@dataclass
+class RankEstimate:
+    rank: int
+    stages: dict[str, float]  # seconds per step
+    memory: dict[str, int]  # bytes at peak, per tier
+    weights: dict[str, int]  # weights + optimizer state, per tier
+    buffers: int  # step buffers (device tier)
+    init: int  # initialisation window
+    link_bytes: dict[str, float] = field(default_factory=dict)  # "intra" / "inter": sent + received
+
+    @property
+    def total(self) -> float:
+        return sum(self.stages.values())
+
+
+@dataclass
+class PlanEstimate:
+    ranks: list[RankEstimate]
+    traffic: Traffic
+
+    @property
+    def max_cost(self) -> float:
+        return max(r.total for r in self.ranks)
+
+    @property
+    def mean_cost(self) -> float:
+        return sum(r.total for r in self.ranks) / len(self.ranks)
+
+    @property
+    def imbalance(self) -> float:
+        return self.max_cost / self.mean_cost if self.mean_cost else 1.0
+
+    @property
+    def step_time(self) -> float:
+        """Sum over the synchronising phases of the slowest rank in each."""
+        return sum(max(sum(r.stages[s] for s in phase) for r in self.ranks) for phase in PHASES)
+
+    def stage_max(self) -> dict[str, float]:
+        return {s: max(r.stages[s] for r in self.ranks) for s in STAGES}
+
+
+def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> PlanEstimate:
+    """Seconds per stage and memory per tier of every rank under `plan`."""
+    topo = cluster.topology()
+    layout = ShardLayout(workload.table_configs, plan, topo)
+    traffic = plan_traffic(plan, workload, topo)
+    W = cluster.world_size
+    owner = dict.fromkeys(STAGES, 0.0)
+    for load in workload.tables:
+        p = plan.tables[load.name]
+        for stage, seconds in owner_work(
+            load, p.kind, len(plan.shards(load.table, topo)), workload, cluster
+        ).items():
+            owner[stage] += seconds
+    links = {d: traffic.link_bytes(d) for d in traffic.matrices}
+    dp_groups = len({(t.dim, t.dtype, workload.by_name[t.name].optimizer) for t in layout.dp_tables})
+    mean_row_split = any(u.kind in ROW_SPLIT and u.table.pooling == "mean" for us in layout.units for u in us)
+    kinds = {p.kind for p in plan.tables.values()}
+    calls = collective_calls(kinds, dp_groups, workload.weighted or mean_row_split)
+    latency = cluster.latency if W > 1 else 0.0
+    ranks = []
+    for r in range(W):
+        stages = dict.fromkeys(STAGES, 0.0)
+        weights: dict[str, int] = {}
+        ids, pooled = 0.0, 0.0
+        works = [(u.table, u.shard.rows, u.width, u.kind) for u in layout.units[r]]
+        works += [(t, (0, t.rows), t.dim, "dp") for t in layout.dp_tables]
+        groups: dict[
+            tuple, list[int]
+        ] = {}  # the fused engine's buffers: rows stacked per (width, dtype, rule)
+        for table, rows, width, kind in works:
+            key = (kind == "dp", width, table.dtype, workload.by_name[table.name].optimizer)
+            groups.setdefault(key, [0, 0])
+            groups[key][0] += rows[1] - rows[0]
+            groups[key][1] = max(groups[key][1], table.dim)
+        init = max((init_window_bytes(n, dim, key[1]) for key, (n, dim) in groups.items()), default=0)
+        for table, rows, width, kind in works:
+            tier = plan.tables[table.name].tier or "device"
+            w = shard_work(workload.by_name[table.name], rows, width, kind, tier, workload, cluster)
+            for stage, seconds in w.stages.items():
+                stages[stage] += seconds
+            ids += w.ids
+            pooled += w.pooled_bytes
+            weights[tier] = weights.get(tier, 0) + w.weights_bytes
+
+        def link(direction: str, r: int = r) -> float:
+            intra, inter = links[direction][0][r], links[direction][1][r]
+            return intra / cluster.intra_node_bandwidth + inter / cluster.inter_node_bandwidth
+
+        for stage, seconds in owner.items():
+            stages[stage] += seconds
+        stages["input_dist"] += link("input_dist") + latency * calls["input_dist"]
+        stages["output_dist"] += link("fwd") + latency * calls["output_dist"]
+        stages["output_dist_bwd"] += link("bwd") + latency * calls["output_dist_bwd"]
+        stages["update"] += link("dp") + latency * calls["update"]
+        buffers = int(ids * BYTES_PER_ID + pooled * POOLED_COPIES + owner_buffer_bytes(workload, cluster))
+        memory = dict(weights)
+        memory["device"] = memory.get("device", 0) + cluster.reserved
+        if len(cluster.tiers) == 1:  # a CPU: the initialisation window is in the same memory
+            memory["device"] += max(buffers, init)
+        else:
+            memory["device"] += buffers
+        ranks.append(
+            RankEstimate(
+                rank=r,
+                stages=stages,
+                memory=memory,
+                weights=weights,
+                buffers=buffers,
+                init=init,
+                link_bytes={
+                    "intra": float(sum(links[d][0][r] for d in links)),
+                    "inter": float(sum(links[d][1][r] for d in links)),
+                },
+            )
+        )
+    return PlanEstimate(ranks, traffic)
+
+
+def owner_buffer_bytes(workload: Workload, cluster: Cluster) -> float:
+    """Buffers for the rank's own B samples: received pooled rows (wire and fp32), the assembled
+    output, its gradient, the encoded gradient."""
+    b = workload.batch_size / cluster.world_size
+    width = sum(len(t.table.features) * t.table.dim for t in workload.tables)
+    fe, be = wire_element_bytes(workload.forward_precision), wire_element_bytes(workload.backward_precision)
+    return b * width * (fe + 4 + 4 + 4 + be)

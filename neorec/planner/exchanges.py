@@ -1,0 +1,135 @@
+"""Bytes every exchange of a step sends, rank to rank, for a plan: the code's arithmetic, restated.
+
+For each direction that CommStats counts ("input_dist", "fwd", "bwd", "dp"), a [W, W] matrix of
+bytes per step from rank i (row) to rank j (column); the diagonal (what a rank keeps) is zero.
+Rank 0's row sum is what a run's summary.json reports as `comm_bytes_per_step` for that direction
+(tests/test_planner.py checks this on real gloo processes). Where the data decides the count (ids
+per bag, ids falling into a row shard, distinct rows of a replicated table), the workload's access
+statistics give the expected value.
+
+Mirrors, line by line:
+- input_dist.py: per destination and (unit, feature) it looks up, int32 lengths of the B local bags,
+  int64 ids (only the shard's rows for row splits), fp32 weights when the batches carry weights or any
+  row-split table is mean-pooled;
+- output_dist.py: one flat all-to-all of [B, flat width of the sender] rows (backward: of the
+  receiver), then comms.two_hop for twrw / twcw (hop 1 to node peers: [N * B, d]; hop 2 across nodes:
+  [B, d] for sums, [B, L * d] for joined column slices) when any node has such tables;
+- codecs.py: fp32 4 bytes, bf16 2, fp16 2 with one extra column per block;
+- sharded.py `_sum_replica_gradients`: per group of replicated tables, a count, then either the
+  touched rows (int64) and their gradients (codec), or a dense all-reduce of [rows, dim + 1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from neorec.distributed.layout import ROW_SPLIT, ShardLayout
+from neorec.distributed.plan import ShardingPlan
+from neorec.distributed.topology import Topology
+from neorec.planner.workload import Workload
+
+DIRECTIONS = ("input_dist", "fwd", "bwd", "dp")
+
+
+def wire_bytes(precision: str, rows: float, width: int) -> float:
+    """Bytes of `rows` rows of `width` columns in a codec's wire format (codecs.py)."""
+    if precision == "fp16":
+        return rows * (width + 1) * 2
+    return rows * width * (2 if precision == "bf16" else 4)
+
+
+@dataclass
+class Traffic:
+    """Bytes per step, per direction, from rank i (row) to rank j (column)."""
+
+    matrices: dict[str, np.ndarray]
+    topo: Topology
+
+    def sent(self, rank: int, direction: str | None = None) -> float:
+        names = [direction] if direction else list(self.matrices)
+        return float(sum(self.matrices[d][rank].sum() for d in names))
+
+    def received(self, rank: int, direction: str | None = None) -> float:
+        names = [direction] if direction else list(self.matrices)
+        return float(sum(self.matrices[d][:, rank].sum() for d in names))
+
+    def link_bytes(self, direction: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank, bytes sent plus received inside its node and across nodes."""
+        m = self.matrices[direction]
+        nodes = np.arange(self.topo.world_size) // self.topo.local_world_size
+        same = nodes[:, None] == nodes[None, :]
+        both = m + m.T
+        return (both * same).sum(axis=1), (both * ~same).sum(axis=1)
+
+
+def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology) -> Traffic:
+    layout = ShardLayout(workload.table_configs, plan, topo)
+    W, L, N = topo.world_size, topo.local_world_size, topo.num_nodes
+    b = workload.batch_size / W
+    mats = {d: np.zeros((W, W)) for d in DIRECTIONS}
+    nodes = np.arange(W) // L
+    peers = nodes[:, None] == nodes[None, :]  # same node
+    cross = (np.arange(W) % L)[:, None] == (np.arange(W) % L)[None, :]  # same local index
+
+    # ---- ids --------------------------------------------------------------------------------------
+    mean_row_split = any(u.kind in ROW_SPLIT and u.table.pooling == "mean" for us in layout.units for u in us)
+    id_bytes = 8 + (4 if workload.weighted or mean_row_split else 0)
+    for dst in range(W):
+        total = 0.0
+        for unit, f in layout.send_features(dst):
+            load = workload.by_name[unit.table.name]
+            share = load.share(*unit.shard.rows) if unit.kind in ROW_SPLIT else 1.0
+            total += b * 4 + b * load.ids_per_feature[f] * share * id_bytes
+        mats["input_dist"][:, dst] += total
+
+    # ---- pooled rows and their gradients -------------------------------------------------------------
+    fp, bp = workload.forward_precision, workload.backward_precision
+    flat = np.array(layout.flat_width)
+    mats["fwd"] += np.array([wire_bytes(fp, b, w) for w in flat])[:, None]
+    mats["bwd"] += np.array([wire_bytes(bp, b, w) for w in flat])[None, :]
+    for combine, has, node_widths in (
+        ("sum", layout.has_twrw, layout.twrw_width),
+        ("cat", layout.has_twcw, layout.twcw_width),
+    ):
+        if not has:
+            continue
+        for src in range(W):
+            mine = node_widths[nodes[src]]
+            d = mine if combine == "sum" else mine // L  # this rank's columns in the two-hop exchange
+            for direction, precision in (("fwd", fp), ("bwd", bp)):
+                hop1 = wire_bytes(precision, N * b, d)
+                mats[direction][src, peers[src]] += hop1
+                for dst in np.nonzero(cross[src] & ~peers[src])[0]:
+                    if direction == "fwd":  # the block combined on this rank, for rank dst
+                        mats[direction][src, dst] += wire_bytes(precision, b, mine if combine == "cat" else d)
+                    else:  # the gradient of the block node(dst) sent us
+                        mats[direction][src, dst] += wire_bytes(precision, b, node_widths[nodes[dst]])
+
+    # ---- replicated tables ------------------------------------------------------------------------
+    if W > 1:
+        groups: dict[tuple, list] = {}
+        for t in layout.dp_tables:
+            load = workload.by_name[t.name]
+            groups.setdefault((t.dim, t.dtype, load.optimizer), []).append(load)
+        for (dim, _, _), loads in groups.items():
+            rows = sum(x.table.rows for x in loads)
+            touched = sum(x.unique(0, x.table.rows, b * x.ids_per_sample, 1 / W) for x in loads)
+            per_peer = 8.0  # the count of touched rows
+            if W * touched * (wire_bytes(bp, 1, dim) + 8) <= 2 * rows * (dim + 1) * 4:
+                per_peer += touched * 8 + wire_bytes(bp, touched, dim)
+            else:
+                per_peer += dense_all_reduce_bytes(bp, rows * (dim + 1), W) / (W - 1)
+            mats["dp"] += per_peer
+    for m in mats.values():
+        np.fill_diagonal(m, 0.0)
+    return Traffic(mats, topo)
+
+
+def dense_all_reduce_bytes(precision: str, numel: int, world: int) -> float:
+    """Bytes one rank sends in Comms.all_reduce_sum of `numel` fp32 values."""
+    if precision == "fp32":
+        return float(2 * (world - 1) * numel * 4 // world)
+    per_rank = -(-numel // (world * 256)) * 256
+    return 2 * (world - 1) * wire_bytes(precision, per_rank // 256, 256)

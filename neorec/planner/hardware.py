@@ -1,0 +1,237 @@
+"""What the planner plans for: ranks, nodes, memory tiers, links, and how fast each does our work.
+
+A `Cluster` is the machine side of the cost model. Every speed is an *effective* rate of the
+operation neorec runs, not a data-sheet peak: `lookup_bandwidth` is the bytes of embedding rows a
+fused lookup reads per second from that tier, `update_bandwidth` the same for the fused
+backward+update, `stream_bandwidth` the rate of the elementwise work on exchange buffers (codecs,
+id routing, column assembly), link bandwidths count bytes sent plus bytes received per rank.
+
+Presets:
+- `this_machine`: the CPU box we run on. Its speeds come from `neorec plan --calibrate`
+  (micro-benchmarks with one process per core, saved as JSON) or, without a calibration file, from
+  the values measured on this project's 2-core VM (CALIBRATED_CPU below). Memory: the host's RAM.
+- `gpu_node("a100" | "h100")`: one 8-GPU node (80 GB per GPU, NVLink inside the node).
+- `paper_cluster`: 16 nodes x 8 A100 80 GB with 200 Gb/s RDMA per GPU and 2 TB of host DRAM per
+  node, the cluster of Mudigere et al. GPU speeds are data-sheet figures times an efficiency we
+  state (GPU_EFFICIENCY); they are estimates, not measurements.
+
+Tiers, fastest first: "device" (memory next to the compute: GPU HBM, or DRAM for a CPU) and "host"
+(host DRAM read by a GPU over PCIe). A cached tier (device memory over host DRAM) and SSD belong to
+the memory-hierarchy issue: they are one more MemoryTier each, with their own capacity and speeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from neorec.distributed.topology import Topology
+from neorec.errors import ConfigError
+
+GB = 10**9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryTier:
+    name: str  # "device" | "host"
+    capacity: int  # bytes per rank
+    lookup_bandwidth: float  # bytes of rows read per second by the fused lookup
+    update_bandwidth: float  # bytes of rows/state/gradients moved per second by the fused backward+update
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    world_size: int
+    ranks_per_node: int
+    tiers: tuple[MemoryTier, ...]
+    intra_node_bandwidth: float  # bytes/s a rank sends + receives to/from ranks of its own node
+    inter_node_bandwidth: float  # bytes/s a rank sends + receives to/from other nodes
+    latency: float  # seconds per collective call
+    stream_bandwidth: float  # bytes/s of elementwise work on exchange buffers
+    lookup_per_id: float  # seconds per id looked up (bag bookkeeping, index arithmetic)
+    update_per_id: float  # seconds per id in backward (sort, segment sums)
+    reserved: int = 0  # device bytes per rank kept for the runtime, the dense model and activations
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise ConfigError(
+                f"cluster {self.name!r}: world size {self.world_size} must be a positive multiple of the "
+                f"ranks per node {self.ranks_per_node}"
+            )
+        if not self.tiers or self.tiers[0].name != "device":
+            raise ConfigError(f"cluster {self.name!r}: the first memory tier must be 'device'")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def topology(self) -> Topology:
+        return Topology(self.world_size, 0, self.ranks_per_node)
+
+    def tier(self, name: str) -> MemoryTier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise ConfigError(
+            f"cluster {self.name!r} has no memory tier {name!r}; tiers: {[t.name for t in self.tiers]}"
+        )
+
+    def with_ranks(self, world_size: int, ranks_per_node: int | None = None) -> Cluster:
+        return replace(self, world_size=world_size, ranks_per_node=ranks_per_node or self.ranks_per_node)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- this machine ---------------------------------------------------------------------------------
+# Measured on this project's 2-core VM with `neorec plan --calibrate` (2 processes x 1 thread, gloo);
+# used when no calibration file exists. Re-measure with `neorec plan --calibrate` on another machine.
+CALIBRATED_CPU = {
+    "lookup_bandwidth": 0.55e9,
+    "update_bandwidth": 0.9e9,
+    "lookup_per_id": 60e-9,
+    "update_per_id": 250e-9,
+    "stream_bandwidth": 1.5e9,
+    "link_bandwidth": 1.0e9,
+    "latency": 150e-6,
+}
+CALIBRATION_KEYS = tuple(CALIBRATED_CPU)
+# Resident memory a training process adds besides its tables and embedding buffers (the dense model
+# and its optimizer, gloo's buffers, the trainer's objects): the growth of a rank holding no table
+# in the Kaggle-like model on this machine (benchmarks/planner_validation.py, RESULTS.md).
+CPU_RUNTIME_BYTES = 64 * 2**20
+
+
+def calibration_path() -> Path:
+    """Where `neorec plan --calibrate` writes and the planner reads this machine's speeds."""
+    env = os.environ.get("NEOREC_CALIBRATION")
+    return Path(env) if env else Path.home() / ".cache" / "neorec" / "calibration.json"
+
+
+def load_calibration(path: str | Path | None = None) -> dict[str, float]:
+    """The saved calibration, or CALIBRATED_CPU when there is none."""
+    p = Path(path) if path else calibration_path()
+    if not p.is_file():
+        if path:
+            raise ConfigError(f"calibration file {p} does not exist; run `neorec plan --calibrate` first")
+        return dict(CALIBRATED_CPU)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"calibration file {p}: {e}") from e
+    missing = [k for k in CALIBRATION_KEYS if not isinstance(data.get(k), int | float) or data[k] <= 0]
+    if missing:
+        raise ConfigError(
+            f"calibration file {p}: missing or non-positive {missing}; rerun `neorec plan --calibrate`"
+        )
+    return {k: float(data[k]) for k in CALIBRATION_KEYS}
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 16 * GIB
+
+
+def this_machine(
+    world_size: int = 1,
+    ranks_per_node: int | None = None,
+    calibration: dict[str, float] | None = None,
+    memory: int | None = None,
+) -> Cluster:
+    """This CPU box with `world_size` processes; each gets an equal share of the RAM (90% of it)."""
+    c = calibration or load_calibration()
+    per_node = ranks_per_node or world_size
+    per_rank = int(0.9 * (memory or host_memory_bytes()) / per_node)
+    dram = MemoryTier("device", per_rank, c["lookup_bandwidth"], c["update_bandwidth"])
+    return Cluster(
+        name="this machine (CPU)",
+        world_size=world_size,
+        ranks_per_node=per_node,
+        tiers=(dram,),
+        intra_node_bandwidth=c["link_bandwidth"],
+        inter_node_bandwidth=c["link_bandwidth"],
+        latency=c["latency"],
+        stream_bandwidth=c["stream_bandwidth"],
+        lookup_per_id=c["lookup_per_id"],
+        update_per_id=c["update_per_id"],
+        reserved=CPU_RUNTIME_BYTES,
+        notes={"speeds": "calibrated (neorec plan --calibrate)"},
+    )
+
+
+# ---- GPUs -----------------------------------------------------------------------------------------
+# Share of the data-sheet rate that neorec's work reaches (random rows of 128-512 bytes, all-to-alls
+# of mid-size messages). Stated assumptions, to be replaced by `--calibrate` on the GPU machine.
+GPU_EFFICIENCY = {"hbm_lookup": 0.6, "hbm_update": 0.35, "pcie": 0.5, "nvlink": 0.7, "rdma": 0.8}
+
+_GPUS = {
+    # HBM bytes/s, NVLink bytes/s (both directions), PCIe bytes/s (one direction), host DRAM per node
+    "a100": {"hbm": 2.039e12, "nvlink": 600e9, "pcie": 32e9, "host": 2 * 10**12},
+    "h100": {"hbm": 3.35e12, "nvlink": 900e9, "pcie": 64e9, "host": 2 * 10**12},
+}
+
+
+def _gpu_cluster(
+    gpu: str,
+    nodes: int,
+    ranks_per_node: int,
+    inter_gbit_per_gpu: float,
+    device_gb: float = 80.0,
+    name: str = "",
+) -> Cluster:
+    if gpu not in _GPUS:
+        raise ConfigError(f"unknown GPU {gpu!r}; known: {sorted(_GPUS)}")
+    g, e = _GPUS[gpu], GPU_EFFICIENCY
+    device = MemoryTier("device", int(device_gb * GB), g["hbm"] * e["hbm_lookup"], g["hbm"] * e["hbm_update"])
+    # host DRAM through UVM: rows cross PCIe once for the lookup, twice (read + write back) for the update
+    host = MemoryTier(
+        "host", int(g["host"] / ranks_per_node), g["pcie"] * e["pcie"], g["pcie"] * e["pcie"] / 2
+    )
+    return Cluster(
+        name=name or f"{nodes} x {ranks_per_node} {gpu.upper()}",
+        world_size=nodes * ranks_per_node,
+        ranks_per_node=ranks_per_node,
+        tiers=(device, host),
+        intra_node_bandwidth=g["nvlink"] * e["nvlink"],
+        inter_node_bandwidth=2 * inter_gbit_per_gpu / 8 * 1e9 * e["rdma"],  # both directions
+        latency=30e-6,
+        stream_bandwidth=g["hbm"] * 0.5,
+        lookup_per_id=2e-12,
+        update_per_id=1e-11,
+        reserved=8 * GB,  # CUDA context, NCCL buffers, dense model and optimizer, activations
+        notes={"speeds": f"data sheet x efficiency {GPU_EFFICIENCY} (estimates, not measured)"},
+    )
+
+
+def gpu_node(gpu: str = "a100") -> Cluster:
+    """One 8-GPU node (DGX-like): 80 GB per GPU, NVLink, 2 TB host DRAM."""
+    return _gpu_cluster(gpu, 1, 8, 200.0, name=f"8 x {gpu.upper()} node")
+
+
+def paper_cluster(gpu: str = "a100") -> Cluster:
+    """16 nodes x 8 GPUs, 80 GB each, 200 Gb/s RDMA per GPU, 2 TB host DRAM per node."""
+    return _gpu_cluster(gpu, 16, 8, 200.0, name=f"16 x 8 {gpu.upper()} 80GB, 200 Gb/s RDMA per GPU")
+
+
+PRESETS = ("this", "a100-node", "h100-node", "paper")
+
+
+def preset(name: str, world_size: int | None = None, ranks_per_node: int | None = None) -> Cluster:
+    """A cluster by name (PRESETS); `world_size` overrides the number of ranks where it makes sense."""
+    if name == "this":
+        return this_machine(world_size or 2, ranks_per_node)
+    if name in ("a100-node", "h100-node"):
+        c = gpu_node(name.split("-")[0])
+    elif name == "paper":
+        c = paper_cluster()
+    else:
+        raise ConfigError(f"unknown cluster preset {name!r}; choose one of {list(PRESETS)}")
+    return c.with_ranks(world_size, ranks_per_node) if world_size else c

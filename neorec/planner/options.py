@@ -1,0 +1,251 @@
+"""The ways one table can be sharded, each with what its pieces cost the ranks that hold them.
+
+An `Option` is (kind, number of shards, memory tier). It splits into pieces that the partitioner
+places: one rank each for tw / rw / cw, the L ranks of one node for twrw / twcw, every rank for dp.
+Costs are additive, so a rank's load is the sum of its pieces plus `everyone` of every option
+(what each rank pays for its own samples: sending ids, receiving pooled rows, sending gradients;
+and for dp the whole table's work). The link part is exchanges.py's arithmetic rearranged so that
+each byte is charged once to sender and once to receiver:
+
+flat shard (tw, rw, cw), X = bytes it exchanges with one peer per step (its ids, pooled rows and
+gradients for that peer's B samples): its rank moves (W - 1) X; every other rank moves X. So each
+rank pays X in `everyone` and the piece adds (W - 2) X (split intra/inter by the node layout).
+
+Compute and elementwise work come from cost.shard_work, the function the cost model uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from neorec.distributed.plan import even_splits
+from neorec.planner.cost import owner_work, shard_work, wire_element_bytes
+from neorec.planner.hardware import Cluster
+from neorec.planner.workload import TableLoad, Workload
+
+ROW_KINDS = ("rw", "twrw")
+
+
+@dataclass
+class Option:
+    table: str
+    kind: str
+    num_shards: int
+    tier: str
+    piece_costs: list[float]  # seconds per step on the rank holding each piece
+    piece_memory: list[dict[str, float]]  # bytes per tier of each piece (weights, state, buffers)
+    everyone: float = 0.0  # seconds per step on every rank
+    everyone_memory: dict[str, float] = field(default_factory=dict)  # bytes per tier on every rank (dp)
+    init_bytes: int = 0  # initialisation window of the largest piece
+    group_key: tuple = ()  # the fused engine groups tables by (dim, dtype, update rule)
+    mean_row_split: bool = False  # a mean-pooled table split by rows: every id then carries a weight
+
+    @property
+    def placement(self) -> str:
+        """ "rank": each piece on its own rank; "node": pieces on the L ranks of one node; "all"."""
+        return {"twrw": "node", "twcw": "node", "dp": "all"}.get(self.kind, "rank")
+
+    def total(self, world_size: int) -> float:
+        return sum(self.piece_costs) + world_size * self.everyone
+
+    @property
+    def max_piece(self) -> float:
+        return max(self.piece_costs, default=0.0)
+
+    def max_piece_memory(self, tier: str) -> float:
+        return max((m.get(tier, 0.0) for m in self.piece_memory), default=0.0) + self.everyone_memory.get(
+            tier, 0.0
+        )
+
+    def memory_total(self, tier: str, world_size: int) -> float:
+        return sum(m.get(tier, 0.0) for m in self.piece_memory) + world_size * self.everyone_memory.get(
+            tier, 0.0
+        )
+
+    @property
+    def label(self) -> str:
+        return self.kind if self.num_shards == 1 or self.kind in ("dp",) else f"{self.kind}x{self.num_shards}"
+
+
+def split_counts(load: TableLoad, cluster: Cluster) -> dict[str, list[int]]:
+    """Numbers of shards worth trying per kind: powers of two (and W) up to W for row splits, divisors
+    of the dim for column splits (slices of at least 4 columns)."""
+    W, dim = cluster.world_size, load.table.dim
+    ks = sorted({k for k in [2**i for i in range(1, 16)] + [W] if 2 <= k <= W})
+    return {
+        "rw": [k for k in ks if k <= load.table.rows],
+        "cw": [k for k in ks if dim % k == 0 and dim // k >= 4],
+    }
+
+
+def table_options(
+    load: TableLoad,
+    workload: Workload,
+    cluster: Cluster,
+    kinds: tuple[str, ...],
+    tiers: tuple[str, ...] | None = None,
+) -> list[Option]:
+    """Every option of `kinds` for the table, in every tier of the cluster."""
+    out = []
+    L, W = cluster.ranks_per_node, cluster.world_size
+    splits = split_counts(load, cluster)
+    for tier in tiers or tuple(t.name for t in cluster.tiers):
+        if "tw" in kinds:
+            out.append(_flat(load, "tw", 1, tier, workload, cluster))
+        for kind in ("rw", "cw"):
+            if kind in kinds:
+                out += [_flat(load, kind, k, tier, workload, cluster) for k in splits[kind]]
+        if W > 1 and "twrw" in kinds and L > 1 and load.table.rows >= L:
+            out.append(_node(load, "twrw", tier, workload, cluster))
+        if W > 1 and "twcw" in kinds and L > 1 and load.table.dim % L == 0:
+            out.append(_node(load, "twcw", tier, workload, cluster))
+        if W > 1 and "dp" in kinds:
+            out.append(_replicated(load, tier, workload, cluster))
+    return out
+
+
+# ---- per kind -------------------------------------------------------------------------------------
+def _shards(load: TableLoad, kind: str, k: int) -> list[tuple[tuple[int, int], int]]:
+    """(row range, width) of each shard."""
+    t = load.table
+    if kind in ROW_KINDS:
+        bounds = even_splits(t.rows, k)
+        return [((bounds[i], bounds[i + 1]), t.dim) for i in range(k)]
+    return [((0, t.rows), t.dim // k)] * k
+
+
+def _piece_works(load: TableLoad, kind: str, k: int, tier: str, workload: Workload, cluster: Cluster):
+    """shard_work of each shard; shards of an even split without an id sample cost the same (up to a
+    row), so one is computed and reused: the 12-trillion-parameter dry run has thousands of them."""
+    shards = _shards(load, kind, k)
+    if load.id_sample is None and len(shards) > 1:
+        one = shard_work(load, shards[0][0], shards[0][1], kind, tier, workload, cluster)
+        return shards, [one] * len(shards)
+    return shards, [shard_work(load, rows, width, kind, tier, workload, cluster) for rows, width in shards]
+
+
+def _buffers(work) -> float:
+    from neorec.planner.cost import BYTES_PER_ID, POOLED_COPIES
+
+    return work.ids * BYTES_PER_ID + work.pooled_bytes * POOLED_COPIES
+
+
+def _link_seconds(intra: float, inter: float, cluster: Cluster) -> float:
+    return intra / cluster.intra_node_bandwidth + inter / cluster.inter_node_bandwidth
+
+
+def _id_bytes(load: TableLoad, workload: Workload, kind: str) -> int:
+    mean_split = kind in ROW_KINDS and load.table.pooling == "mean"
+    return 8 + (4 if workload.weighted or mean_split else 0)
+
+
+def _memory(work, tier: str) -> dict[str, float]:
+    mem = {tier: float(work.weights_bytes)}
+    mem["device"] = mem.get("device", 0.0) + _buffers(work)
+    return mem
+
+
+def _flat(load: TableLoad, kind: str, k: int, tier: str, workload: Workload, cluster: Cluster) -> Option:
+    W, L = cluster.world_size, cluster.ranks_per_node
+    b = workload.batch_size / W
+    F, p = len(load.table.features), load.ids_per_sample
+    wire = wire_element_bytes(workload.forward_precision) + wire_element_bytes(workload.backward_precision)
+    shards, works = _piece_works(load, kind, k, tier, workload, cluster)
+    costs, everyone = [], 0.0
+    intra_share = (L - 1) / (W - 1) if W > 1 else 0.0
+    if load.id_sample is None and k > 1:  # identical pieces (see _piece_works): cost one, count k
+        shards, works = shards[:1], works[:1]
+    for (rows, width), work in zip(shards, works, strict=True):
+        share = load.share(*rows) if kind in ROW_KINDS else 1.0
+        x = b * (F * 4 + p * share * _id_bytes(load, workload, kind)) + b * F * width * wire
+        piece_link = (W - 2) * x if W > 1 else 0.0
+        costs.append(
+            sum(work.stages.values())
+            + _link_seconds(piece_link * intra_share, piece_link * (1 - intra_share), cluster)
+        )
+        everyone += _link_seconds(x * intra_share, x * (1 - intra_share), cluster)
+    if len(costs) < k:
+        costs, works, everyone = costs * k, works * k, everyone * k
+    everyone += sum(owner_work(load, kind, k, workload, cluster).values())
+    return Option(
+        table=load.name,
+        kind=kind,
+        num_shards=k,
+        tier=tier,
+        piece_costs=costs,
+        piece_memory=[_memory(w, tier) for w in works],
+        everyone=everyone,
+        init_bytes=max(w.init_bytes for w in works),
+        group_key=_group_key(load),
+        mean_row_split=kind in ROW_KINDS and load.table.pooling == "mean",
+    )
+
+
+def _group_key(load: TableLoad) -> tuple:
+    return (load.table.dim, load.table.dtype, load.optimizer)
+
+
+def _node(load: TableLoad, kind: str, tier: str, workload: Workload, cluster: Cluster) -> Option:
+    """twrw / twcw: L pieces for the L ranks of one node; pooled rows meet inside the node first."""
+    W, L = cluster.world_size, cluster.ranks_per_node
+    N = W // L
+    b = workload.batch_size / W
+    F, p, D = len(load.table.features), load.ids_per_sample, load.table.dim
+    wire = wire_element_bytes(workload.forward_precision) + wire_element_bytes(workload.backward_precision)
+    shards, works = _piece_works(load, kind, L, tier, workload, cluster)
+    costs, everyone = [], 0.0
+    intra_share = (L - 1) / (W - 1)
+    y = b * F * D * wire  # one rank's pooled rows and gradients for this table, crossing nodes
+    for (rows, width), work in zip(shards, works, strict=True):
+        share = load.share(*rows) if kind == "twrw" else 1.0
+        x = b * (F * 4 + p * share * _id_bytes(load, workload, kind))  # ids, as for a flat shard
+        intra = (W - 2) * x * intra_share + 2 * (L - 1) * N * b * F * width * wire
+        inter = (W - 2) * x * (1 - intra_share) + (N - 1) * y - y
+        costs.append(sum(work.stages.values()) + _link_seconds(intra, inter, cluster))
+        everyone += _link_seconds(x * intra_share, x * (1 - intra_share), cluster)
+    everyone += _link_seconds(0.0, y, cluster) + sum(owner_work(load, kind, L, workload, cluster).values())
+    return Option(
+        table=load.name,
+        kind=kind,
+        num_shards=L,
+        tier=tier,
+        piece_costs=costs,
+        piece_memory=[_memory(w, tier) for w in works],
+        everyone=everyone,
+        init_bytes=max(w.init_bytes for w in works),
+        group_key=_group_key(load),
+        mean_row_split=kind == "twrw" and load.table.pooling == "mean",
+    )
+
+
+def _replicated(load: TableLoad, tier: str, workload: Workload, cluster: Cluster) -> Option:
+    """dp: the whole table on every rank; each rank looks up its own samples, gradients are summed."""
+    from neorec.planner.exchanges import dense_all_reduce_bytes, wire_bytes
+
+    W, L = cluster.world_size, cluster.ranks_per_node
+    t = load.table
+    work = shard_work(load, (0, t.rows), t.dim, "dp", tier, workload, cluster)
+    touched = load.unique(0, t.rows, workload.batch_size / W * load.ids_per_sample, 1 / W)
+    bp = workload.backward_precision
+    if W * touched * (wire_bytes(bp, 1, t.dim) + 8) <= 2 * t.rows * (t.dim + 1) * 4:
+        per_peer = 8 + touched * 8 + wire_bytes(bp, touched, t.dim)
+    else:
+        per_peer = dense_all_reduce_bytes(bp, t.rows * (t.dim + 1), W) / (W - 1)
+    moved = 2 * (W - 1) * per_peer
+    intra_share = (L - 1) / (W - 1)
+    everyone = sum(work.stages.values()) + _link_seconds(
+        moved * intra_share, moved * (1 - intra_share), cluster
+    )
+    everyone += sum(owner_work(load, "dp", W, workload, cluster).values())
+    return Option(
+        table=load.name,
+        kind="dp",
+        num_shards=W,
+        tier=tier,
+        piece_costs=[],
+        piece_memory=[],
+        everyone=everyone,
+        everyone_memory=_memory(work, tier),
+        init_bytes=work.init_bytes,
+        group_key=_group_key(load),
+    )

@@ -1,0 +1,355 @@
+"""The sharding planner: choose every table's sharding and memory tier, then place its pieces.
+
+    options (options.py)   every (kind, number of shards, tier) of every table, with additive costs
+    feasibility            a table none of whose options fits an empty rank stops here, named
+    lower bound (bounds.py)
+    choice                 per table, the cheapest option whose pieces are small enough to balance
+                           ("grain": a fraction of the lower bound) and whose memory fits; device
+                           memory goes to the tables that save the most seconds per byte
+    placement (partition.py)  LPT, then moves and swaps off the most loaded rank
+    refinement             for tables on the most loaded rank, other options are tried while the
+                           maximum load drops (within the time budget)
+Several grains are tried and the plan with the lightest most-loaded rank is kept. The result is a
+ShardingPlan (the same data a hand-written plan file holds) plus the cost model's estimate of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from neorec.distributed.plan import KINDS, ShardingPlan, TablePlan
+from neorec.errors import ConfigError
+from neorec.planner.bounds import LowerBound, lower_bound, lower_hull
+from neorec.planner.cost import PlanEstimate, estimate_plan, latency_seconds, owner_buffer_bytes
+from neorec.planner.hardware import Cluster
+from neorec.planner.options import Option, table_options
+from neorec.planner.partition import Assignment, NodePiece, Piece, PlacementError, partition
+from neorec.planner.workload import Workload
+
+GRAINS = (1.0, 0.5, 0.25)  # largest piece allowed, as a fraction of the lower bound
+DEVICE_FILLS = (0.99, 0.97, 0.93)  # share of device memory the choice step may hand out, tried in turn
+REPAIRS = 60  # pieces that fit nowhere: split their table finer (or move it to host) this often
+
+
+@dataclass
+class PlanResult:
+    plan: ShardingPlan
+    estimate: PlanEstimate  # the cost model's view of the plan (exact exchange bytes)
+    bound: LowerBound | None  # no plan of these options has a lighter most-loaded rank (additive model)
+    choices: dict[str, Option] = field(default_factory=dict)
+    additive_max: float = 0.0  # the most loaded rank in the additive model the partitioner balanced
+    seconds: float = 0.0  # planning time
+    name: str = "planner"
+
+
+def rank_capacity(cluster: Cluster, init_allowance: float = 0.0) -> dict[str, np.ndarray]:
+    """Bytes per rank and tier that shards may use: capacity less the reserve; on a CPU (one tier)
+    also less the initialisation window, which comes on top of the weights while tables are built."""
+    W = cluster.world_size
+    out = {}
+    for t in cluster.tiers:
+        room = t.capacity - (cluster.reserved if t.name == "device" else 0)
+        if t.name == "device" and len(cluster.tiers) == 1:
+            room -= min(init_allowance, room / 2)
+        out[t.name] = np.full(W, float(max(room, 0)))
+    return out
+
+
+def plan_sharding(
+    workload: Workload,
+    cluster: Cluster,
+    kinds: tuple[str, ...] = KINDS,
+    time_budget: float = 40.0,
+) -> PlanResult:
+    """The planner's plan for `workload` on `cluster` (see the module docstring)."""
+    start = time.perf_counter()
+    bad = sorted(set(kinds) - set(KINDS))
+    if bad:
+        raise ConfigError(f"planner: unknown sharding kind(s) {bad}; kinds: {list(KINDS)}")
+    W = cluster.world_size
+    all_options = {t.name: table_options(t, workload, cluster, kinds) for t in workload.tables}
+    init = max(
+        (o.init_bytes for opts in all_options.values() for o in opts if o.kind in ("tw", "dp")), default=0
+    )
+    capacity = rank_capacity(cluster, init)
+    feasible = {}
+    for name, opts in all_options.items():
+        feasible[name] = [o for o in opts if _fits_empty_rank(o, capacity)]
+        if not feasible[name]:
+            raise _fits_nowhere(workload, name, opts, capacity)
+    _check_total_memory(feasible, capacity, W)
+    owner_buffers = owner_buffer_bytes(workload, cluster)
+    device_total = float(capacity["device"].sum()) - W * owner_buffers
+    # every plan pays at least the latencies of the id, pooled-row and gradient exchanges
+    bound = lower_bound(feasible, W, device_total, latency_seconds({"tw"}, 0, workload.weighted, cluster))
+
+    def placer(choice: dict[str, Option], improve_seconds: float = 2.0) -> Assignment:
+        return place(choice, cluster, capacity, owner_buffers, improve_seconds, workload.weighted)
+
+    # candidates: every kind, and without dp (its gradient exchange has a fixed cost per group that
+    # the per-table choice does not see)
+    without_dp = {n: [o for o in opts if o.kind != "dp"] for n, opts in feasible.items()}
+    option_sets = [feasible] + ([without_dp] if all(without_dp.values()) and without_dp != feasible else [])
+    best: tuple[float, dict[str, Option], Assignment] | None = None
+    error: PlacementError | None = None
+    for fill in DEVICE_FILLS:
+        for options, grain in itertools.product(option_sets, GRAINS):
+            choice = choose_options(options, bound.value * grain, capacity, W, fill * device_total)
+            try:
+                choice, assignment = place_with_repairs(choice, feasible, placer, W)
+            except PlacementError as e:
+                error = error or e
+                continue
+            if best is None or assignment.max_load < best[0] - 1e-12:
+                best = (assignment.max_load, choice, assignment)
+        if best is not None:
+            break
+    if best is None:
+        assert error is not None
+        raise error
+    _, choice, assignment = best
+    choice, assignment = refine(choice, assignment, feasible, cluster, placer, start + time_budget)
+    plan = to_plan(choice, assignment, cluster)
+    estimate = estimate_plan(plan, workload, cluster)
+    check_capacity(estimate, cluster)
+    return PlanResult(plan, estimate, bound, choice, assignment.max_load, time.perf_counter() - start)
+
+
+def check_capacity(estimate: PlanEstimate, cluster: Cluster) -> None:
+    """The cost model's memory of every rank and tier against the cluster's capacity."""
+    for r in estimate.ranks:
+        for tier in cluster.tiers:
+            used = r.memory.get(tier.name, 0)
+            if used > tier.capacity:
+                raise PlacementError(
+                    f"infeasible: constraint '{tier.name} memory of rank {r.rank}' broke: the plan needs "
+                    f"{used:,.0f} bytes, the rank has {tier.capacity:,.0f} (shortfall {used - tier.capacity:,.0f} bytes)"
+                )
+
+
+# ---- steps --------------------------------------------------------------------------------------------
+def _fits_empty_rank(o: Option, capacity: dict[str, np.ndarray]) -> bool:
+    return all(o.max_piece_memory(tier) <= capacity.get(tier, np.zeros(1))[0] for tier in {o.tier, "device"})
+
+
+def _fits_nowhere(workload: Workload, name: str, opts: list[Option], capacity) -> ConfigError:
+    t = workload.by_name[name]
+    lines = []
+    for tier in sorted({o.tier for o in opts}):
+        smallest = min((o for o in opts if o.tier == tier), key=lambda o: o.max_piece_memory(tier))
+        need, room = smallest.max_piece_memory(tier), float(capacity[tier][0])
+        lines.append(
+            f"  {tier}: its smallest piece ({smallest.label}) needs {need:,.0f} bytes, a rank has {room:,.0f} "
+            f"(shortfall {need - room:,.0f} bytes)"
+        )
+    size = t.table.rows * t.row_bytes()
+    return PlacementError(
+        f"table {name!r} ({t.table.rows:,} rows x {t.table.dim}, {size:,.0f} bytes with optimizer state) fits "
+        "nowhere:\n" + "\n".join(lines) + "\nways out: 1) more ranks or a cluster with more memory per rank; "
+        "2) fp16 weights (embedding.dtype); 3) rowwise_adagrad or sgd instead of adagrad/adam; 4) fewer rows or a "
+        "smaller dim for this table"
+    )
+
+
+def _check_total_memory(feasible: dict[str, list[Option]], capacity, W: int) -> None:
+    """Even the most compact option of every table must fit in all ranks' memory together."""
+    tiers = list(capacity)
+    need = sum(min(sum(o.memory_total(t, W) for t in tiers) for o in opts) for opts in feasible.values())
+    have = sum(float(c.sum()) for c in capacity.values())
+    if need > have:
+        raise PlacementError(
+            f"infeasible: constraint 'memory of all ranks together' broke: the tables need {need:,.0f} bytes "
+            f"(weights, optimizer state, buffers; every table in its most compact sharding) but the "
+            f"{W} ranks have {have:,.0f} in tiers {tiers} (shortfall {need - have:,.0f} bytes)"
+        )
+
+
+def choose_options(
+    feasible: dict[str, list[Option]],
+    grain_cost: float,
+    capacity: dict[str, np.ndarray],
+    W: int,
+    device_room: float,
+) -> dict[str, Option]:
+    """Per table the cheapest option small enough to balance, then `device_room` bytes of device
+    memory to the tables that save the most per byte (greedy multiple-choice knapsack over each
+    table's cost/memory hull)."""
+    hulls: dict[str, list[tuple[float, float, Option]]] = {}
+    for name, opts in feasible.items():
+        fine = [o for o in opts if o.max_piece <= grain_cost] or [min(opts, key=lambda o: o.max_piece)]
+        by_point = {}
+        for o in fine:
+            key = (o.memory_total("device", W), o.total(W))
+            by_point.setdefault(key, o)
+        hull = lower_hull(list(by_point))
+        hulls[name] = [(m, c, by_point[(m, c)]) for m, c in hull]
+    choice = {name: h[0][2] for name, h in hulls.items()}
+    room = device_room - sum(h[0][0] for h in hulls.values())
+    steps = []
+    for name, h in hulls.items():
+        for k in range(1, len(h)):
+            extra, saved = h[k][0] - h[k - 1][0], h[k - 1][1] - h[k][1]
+            steps.append((saved / max(extra, 1.0), name, k, extra))
+    level = dict.fromkeys(hulls, 0)
+    for _, name, k, extra in sorted(steps, key=lambda s: (-s[0], s[1], s[2])):
+        if level[name] != k - 1 or extra > room:
+            continue
+        level[name] = k
+        choice[name] = hulls[name][k][2]
+        room -= extra
+    return choice
+
+
+def place(
+    choice: dict[str, Option],
+    cluster: Cluster,
+    capacity: dict[str, np.ndarray],
+    owner_buffers: float = 0.0,
+    improve_seconds: float = 2.0,
+    weighted: bool = False,
+) -> Assignment:
+    """Partition the chosen options' pieces over the ranks; `owner_buffers`: device bytes every rank
+    needs for its own samples' pooled rows."""
+    W = cluster.world_size
+    pieces, node_pieces = [], []
+    base = np.full(W, fixed_seconds(choice, cluster, weighted))
+    base_memory = {t: np.zeros(W) for t in capacity}
+    base_memory["device"] += owner_buffers
+    for name, o in choice.items():
+        base += o.everyone
+        for tier, nbytes in o.everyone_memory.items():
+            base_memory[tier] += nbytes
+        if o.placement == "rank":
+            group = name if o.num_shards > 1 else None
+            for i, (cost, mem) in enumerate(zip(o.piece_costs, o.piece_memory, strict=True)):
+                pieces.append(
+                    Piece(f"table {name!r} ({o.label}, {o.tier}) shard {i}", cost, mem, group, name)
+                )
+        elif o.placement == "node":
+            node_pieces.append(
+                NodePiece(f"table {name!r} ({o.label}, {o.tier})", o.piece_costs, o.piece_memory, name)
+            )
+    over = [t for t in capacity if (base_memory[t] > capacity[t]).any()]
+    if over:
+        raise PlacementError(f"replicated (dp) tables alone exceed the {over[0]} memory of a rank")
+    return partition(
+        pieces,
+        W,
+        capacity,
+        base,
+        base_memory,
+        node_pieces,
+        cluster.ranks_per_node,
+        improve_seconds=improve_seconds,
+    )
+
+
+def place_with_repairs(
+    choice: dict[str, Option], feasible: dict[str, list[Option]], placer, world_size: int
+) -> tuple[dict[str, Option], Assignment]:
+    """place(), and when a table's piece fits on no rank, give that table its cheapest option with
+    pieces at most half as large in the same tier (failing that, one in a slower tier) and retry."""
+
+    def piece_bytes(o: Option) -> float:
+        return max(o.max_piece_memory(t) for t in {o.tier, "device"})
+
+    choice = dict(choice)
+    for _ in range(REPAIRS):
+        try:
+            return choice, placer(choice)
+        except PlacementError as e:
+            if e.table is None:
+                raise
+            current = choice[e.table]
+            opts = feasible[e.table]
+            smaller = [
+                o for o in opts if o.tier == current.tier and piece_bytes(o) <= piece_bytes(current) / 2
+            ]
+            slower = [o for o in opts if o.tier not in (current.tier, "device")]
+            if not (smaller or slower):
+                raise
+            choice[e.table] = min(smaller or slower, key=lambda o: o.total(world_size))
+    return choice, placer(choice)
+
+
+def refine(
+    choice: dict[str, Option],
+    assignment: Assignment,
+    feasible: dict[str, list[Option]],
+    cluster: Cluster,
+    placer,
+    deadline: float,
+) -> tuple[dict[str, Option], Assignment]:
+    """Try other options for the tables on the most loaded rank while that lowers the maximum."""
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        top = int(np.argmax(assignment.loads))
+        replicated = [n for n, o in choice.items() if o.placement == "all"]  # they load every rank
+        for name in _tables_on(top, choice, assignment, cluster) + replicated:
+            current = choice[name]
+            for o in sorted(feasible[name], key=lambda o: o.total(cluster.world_size)):
+                if o is current or (
+                    o.max_piece >= current.max_piece and o.placement == current.placement == "rank"
+                ):
+                    continue
+                if time.perf_counter() >= deadline:
+                    return choice, assignment
+                trial = dict(choice)
+                trial[name] = o
+                try:
+                    a = placer(trial, improve_seconds=0.5)
+                except PlacementError:
+                    continue
+                if a.max_load < assignment.max_load * (1 - 1e-9):
+                    choice, assignment, improved = trial, a, True
+                    break
+            if improved:
+                break
+    return choice, assignment
+
+
+def fixed_seconds(choice: dict[str, Option], cluster: Cluster, weighted: bool) -> float:
+    """Collective latencies every rank pays, from the kinds in use (cost.collective_calls)."""
+    dp_groups = {o.group_key for o in choice.values() if o.kind == "dp"}
+    weighted = weighted or any(o.mean_row_split for o in choice.values())
+    return latency_seconds({o.kind for o in choice.values()}, len(dp_groups), weighted, cluster)
+
+
+def _tables_on(rank: int, choice: dict[str, Option], assignment: Assignment, cluster: Cluster) -> list[str]:
+    """Tables with a piece on `rank`, most expensive piece first."""
+    found: dict[str, float] = {}
+    k, n = 0, 0
+    L = cluster.ranks_per_node
+    for name, o in choice.items():
+        if o.placement == "rank":
+            for cost in o.piece_costs:
+                if assignment.ranks[k] == rank:
+                    found[name] = max(found.get(name, 0.0), cost)
+                k += 1
+        elif o.placement == "node":
+            if assignment.nodes[n] == rank // L:
+                found[name] = o.piece_costs[rank % L]
+            n += 1
+    return sorted(found, key=lambda name: -found[name])
+
+
+def to_plan(choice: dict[str, Option], assignment: Assignment, cluster: Cluster) -> ShardingPlan:
+    tables: dict[str, TablePlan] = {}
+    k, n = 0, 0
+    for name, o in choice.items():
+        tier = None if o.tier == "device" else o.tier
+        if o.placement == "rank":
+            ranks = assignment.ranks[k : k + o.num_shards]
+            k += o.num_shards
+            tables[name] = TablePlan(o.kind, [int(r) for r in ranks], None, tier)
+        elif o.placement == "node":
+            tables[name] = TablePlan(o.kind, [], int(assignment.nodes[n]), tier)
+            n += 1
+        else:
+            tables[name] = TablePlan("dp", [], None, tier)
+    return ShardingPlan(tables)

@@ -1,0 +1,144 @@
+"""What `neorec plan` prints and draws: a table per rank, plans side by side, a PNG chart."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from neorec.planner.cost import STAGES
+from neorec.planner.hardware import Cluster
+from neorec.planner.planner import PlanResult
+
+STAGE_LABELS = {"input_dist": "ids", "lookup": "lookup", "output_dist": "out fwd", "output_dist_bwd": "out bwd",
+                "update": "update"}  # fmt: skip
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def rank_table(result: PlanResult, cluster: Cluster, tables) -> str:
+    """One line per rank: shards held, seconds per stage, memory per tier against capacity."""
+    topo = cluster.topology()
+    by_name = {t.name: t for t in tables}
+    counts = [Counter() for _ in range(cluster.world_size)]
+    for name, p in result.plan.tables.items():
+        if p.kind == "dp":
+            for c in counts:
+                c["dp"] += 1
+            continue
+        for s in result.plan.shards(by_name[name], topo):
+            counts[s.rank][p.kind] += 1
+    tiers = [t.name for t in cluster.tiers]
+    header = ["rank", "node", "shards", *(f"{STAGE_LABELS[s]} ms" for s in STAGES), "total ms"]
+    header += [f"{t} GB (of {cluster.tier(t).capacity / 1e9:.1f})" for t in tiers]
+    rows = []
+    for r in result.estimate.ranks:
+        held = " ".join(f"{k}:{n}" for k, n in sorted(counts[r.rank].items())) or "-"
+        rows.append(
+            [str(r.rank), str(topo.node_of(r.rank)), held]
+            + [f"{r.stages[s] * 1e3:.2f}" for s in STAGES]
+            + [f"{r.total * 1e3:.2f}"]
+            + [_gb(r.memory.get(t, 0)) for t in tiers]
+        )
+    return _table(header, rows)
+
+
+def summary(result: PlanResult, cluster: Cluster) -> str:
+    e = result.estimate
+    lines = [
+        f"plan: {result.name}, {cluster.name}, {cluster.world_size} ranks ({cluster.num_nodes} node(s) x "
+        f"{cluster.ranks_per_node}), planned in {result.seconds:.1f} s",
+        f"slowest rank {e.max_cost * 1e3:.3f} ms/step, mean {e.mean_cost * 1e3:.3f} ms, imbalance (max/mean) "
+        f"{e.imbalance:.4f}; step estimate (slowest rank per phase) {e.step_time * 1e3:.3f} ms",
+    ]
+    if result.bound is not None:
+        lines.append(
+            f"lower bound on the slowest rank: {result.bound.describe()}; this plan is "
+            f"{e.max_cost / result.bound.value - 1:+.2%} above it"
+        )
+    kinds = Counter(
+        p.kind + ("" if (p.tier or "device") == "device" else f"@{p.tier}")
+        for p in result.plan.tables.values()
+    )
+    lines.append(
+        "tables per sharding kind (@tier when not device): "
+        + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+    )
+    for tier in cluster.tiers:
+        used = [r.memory.get(tier.name, 0) for r in e.ranks]
+        lines.append(
+            f"{tier.name} memory per rank: max {_gb(max(used))} GB, min {_gb(min(used))} GB of {_gb(tier.capacity)} GB"
+            f" ({'within capacity' if max(used) <= tier.capacity else 'OVER CAPACITY'})"
+        )
+    return "\n".join(lines)
+
+
+def comparison(results: list[PlanResult], cluster: Cluster) -> str:
+    """Plans side by side (the planner's first): slowest rank, imbalance, memory, capacity."""
+    header = ["plan", "slowest rank ms", "mean ms", "max/mean", "vs lower bound", "step ms", "max device GB",
+              "fits in memory", "planning s"]  # fmt: skip
+    bound = next((r.bound for r in results if r.bound is not None), None)
+    rows = []
+    for r in results:
+        e = r.estimate
+        over = [
+            (x.rank, t.name) for x in e.ranks for t in cluster.tiers if x.memory.get(t.name, 0) > t.capacity
+        ]
+        rows.append([
+            r.name, f"{e.max_cost * 1e3:.2f}", f"{e.mean_cost * 1e3:.2f}", f"{e.imbalance:.3f}",
+            f"{e.max_cost / bound.value:.3f}x" if bound else "-", f"{e.step_time * 1e3:.2f}",
+            _gb(max(x.memory.get("device", 0) for x in e.ranks)),
+            "yes" if not over else f"no ({len(over)} rank-tiers over)", f"{r.seconds:.2f}",
+        ])  # fmt: skip
+    return _table(header, rows)
+
+
+def plot(results: list[PlanResult], cluster: Cluster, path: str | Path) -> Path:
+    """Stacked seconds per stage and memory per tier, per rank, one column per plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    fig, axes = plt.subplots(2, n, figsize=(6 * n, 7), squeeze=False)
+    for col, res in enumerate(results):
+        ranks = [r.rank for r in res.estimate.ranks]
+        ax = axes[0][col]
+        bottom = [0.0] * len(ranks)
+        for s in STAGES:
+            values = [r.stages[s] * 1e3 for r in res.estimate.ranks]
+            ax.bar(ranks, values, bottom=bottom, label=STAGE_LABELS[s], width=0.85)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        if res.bound is not None:
+            ax.axhline(res.bound.value * 1e3, color="black", linestyle="--", linewidth=1, label="lower bound")
+        ax.set_title(f"{res.name}: cost per rank (max/mean {res.estimate.imbalance:.3f})")
+        ax.set_ylabel("ms per step")
+        ax.legend(fontsize=8)
+        ax = axes[1][col]
+        bottom = [0.0] * len(ranks)
+        for i, tier in enumerate(cluster.tiers):
+            values = [r.memory.get(tier.name, 0) / 1e9 for r in res.estimate.ranks]
+            ax.bar(ranks, values, bottom=bottom if i == 0 else [0.0] * len(ranks), alpha=0.7 if i else 1.0,
+                   label=f"{tier.name}", width=0.85)  # fmt: skip
+            ax.axhline(
+                tier.capacity / 1e9, color=f"C{i}", linestyle=":", linewidth=1, label=f"{tier.name} capacity"
+            )
+        ax.set_xlabel("rank")
+        ax.set_ylabel("GB")
+        ax.set_title("memory per rank and tier")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

@@ -1,0 +1,147 @@
+"""The planner from a run's config: the default plan of `neorec train`, and `neorec plan`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neorec.config.schema import RunConfig
+from neorec.distributed.plan import KINDS, ShardingPlan
+from neorec.distributed.topology import Topology
+from neorec.embedding.tables import TableConfig
+from neorec.errors import ConfigError
+from neorec.planner.hardware import Cluster, preset, this_machine
+from neorec.planner.planner import PlanResult, plan_sharding
+from neorec.planner.workload import Workload, build_workload, measure_access
+
+SAMPLE_BATCHES = 2  # training batches read to measure ids per sample and the id distribution
+
+
+def workload_for_run(
+    cfg: RunConfig, tables: list[TableConfig], num_batches: int = SAMPLE_BATCHES
+) -> Workload:
+    """The config's tables with access statistics measured on its first training batches."""
+    from neorec.train.build import build_source
+
+    batches = []
+    if num_batches > 0:
+        source = build_source(cfg)
+        for batch in source.train_batches(cfg.data.batch_size, 0):
+            batches.append(batch)
+            if len(batches) == num_batches:
+                break
+    ids, samples, weighted = measure_access(tables, batches) if batches else ({}, {}, False)
+    d = cfg.distributed
+    return build_workload(
+        tables, cfg.embedding.optimizer, cfg.data.batch_size, ids, samples or None,
+        d.forward_precision, d.backward_precision, weighted,
+    )  # fmt: skip
+
+
+def default_plan_for_run(cfg: RunConfig, tables: list[TableConfig], topo: Topology) -> ShardingPlan:
+    """The default plan of a multi-process run: rank 0 plans for this machine (its calibration,
+    access measured on the first training batches) and every rank receives the same plan, so that
+    machines with different calibrations cannot disagree. A planning error stops every rank."""
+    import torch.distributed as dist
+
+    message: dict = {}
+    if topo.rank == 0:
+        try:
+            workload = workload_for_run(cfg, tables)
+            cluster = this_machine(topo.world_size, topo.local_world_size)
+            message = {"plan": plan_sharding(workload, cluster, time_budget=10.0).plan.to_dict()}
+        except ConfigError as e:
+            message = {"error": str(e)}
+    if topo.world_size > 1 and dist.is_initialized():
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    if "error" in message:
+        raise ConfigError(f"sharding planner: {message['error']}")
+    return ShardingPlan.from_dict(message["plan"], "planner")
+
+
+@dataclass
+class PlanOutputs:
+    """What `neorec plan` produced: text to print, files written."""
+
+    text: str
+    files: list[Path] = field(default_factory=list)
+    results: list[PlanResult] = field(default_factory=list)
+
+
+def plan_command(
+    cfg: RunConfig | None,
+    cluster_name: str = "this",
+    world_size: int | None = None,
+    ranks_per_node: int | None = None,
+    model: str = "config",
+    output_dir: str | Path | None = None,
+    baselines: bool = False,
+    batches: int = SAMPLE_BATCHES,
+    kinds: tuple[str, ...] = KINDS,
+    time_budget: float = 25.0,
+    cluster: Cluster | None = None,
+) -> PlanOutputs:
+    """Plan the tables of `cfg` (or the 12-trillion-parameter dry-run model) on a cluster preset;
+    write plan.json, report.txt and plan.png to `output_dir`."""
+    from neorec.planner import report
+    from neorec.planner.baselines import round_robin, size_greedy
+
+    if model == "12t":
+        from neorec.planner.large_model import describe, twelve_trillion_workload
+
+        workload = twelve_trillion_workload()
+        about = f"model: 12-trillion-parameter dry run: {describe(workload)}"
+        cluster = cluster or preset(
+            cluster_name if cluster_name != "this" else "paper", world_size, ranks_per_node
+        )
+    elif model == "config":
+        if cfg is None:
+            raise ConfigError("neorec plan: a config is needed (--config) unless --model 12t")
+        from neorec.train.build import build_source, build_tables
+
+        tables = build_tables(cfg, build_source(cfg).info)
+        workload = workload_for_run(cfg, tables, batches)
+        about = (
+            f"model: config {cfg.name!r}: {len(tables)} tables, "
+            f"{sum(t.rows * t.dim for t in tables):,} parameters, global batch {cfg.data.batch_size:,}"
+        )
+        cluster = cluster or preset(cluster_name, world_size, ranks_per_node)
+    else:
+        raise ConfigError(f"neorec plan: --model must be 'config' or '12t', got {model!r}")
+    result = plan_sharding(workload, cluster, kinds, time_budget)
+    results = [result]
+    if baselines:
+        results += [round_robin(workload, cluster), size_greedy(workload, cluster)]
+    text = "\n\n".join(
+        [
+            about,
+            report.summary(result, cluster),
+            report.rank_table(result, cluster, workload.table_configs),
+            report.comparison(results, cluster),
+        ]
+    )
+    outputs = PlanOutputs(text, results=results)
+    if output_dir is not None:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        result.plan.save(out / "plan.json")
+        (out / "report.txt").write_text(text + "\n")
+        summary = {
+            r.name: {
+                "slowest_rank_s": r.estimate.max_cost,
+                "mean_s": r.estimate.mean_cost,
+                "imbalance": r.estimate.imbalance,
+                "step_s": r.estimate.step_time,
+                "planning_s": r.seconds,
+                "memory_per_rank": [x.memory for x in r.estimate.ranks],
+            }
+            for r in results
+        }
+        summary["lower_bound_s"] = result.bound.value if result.bound else None  # type: ignore[assignment]
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        report.plot(results, cluster, out / "plan.png")
+        outputs.files = [out / "plan.json", out / "report.txt", out / "summary.json", out / "plan.png"]
+    return outputs

@@ -1,0 +1,156 @@
+"""What the planner plans: the tables, how often their rows are read, the batch and the precisions.
+
+`TableLoad` is one table plus its access statistics: ids per sample for each of its features, and
+optionally a sample of the ids themselves (measured from a few training batches). The sample is
+what makes row splits and deduplication realistic: `share(lo, hi)` is the fraction of the table's
+ids that fall in rows [lo, hi) (a row-wise shard's share of the lookups), `unique(lo, hi, part)` the
+expected number of distinct rows touched in that range by `part` of a global batch (what the
+fused update reads and writes). Without a sample, ids are assumed spread evenly over the rows:
+shares are proportional to rows and distinct rows follow the uniform-draw formula, an upper bound
+for skewed (Zipf) data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+
+WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def state_bytes_per_row(optimizer: str, width: int) -> int:
+    """Optimizer state of one row (of `width` columns), fp32: see embedding/fused/optimizers.py."""
+    per_element = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 0, "adam": 2}[optimizer]
+    per_row = 1 if optimizer == "rowwise_adagrad" else 0
+    return 4 * (per_element * width + per_row)
+
+
+@dataclass
+class TableLoad:
+    """One table and how a batch uses it."""
+
+    table: TableConfig
+    optimizer: str  # the update rule (the table's override or the default)
+    ids_per_feature: dict[str, float]  # mean ids per sample, per feature of the table
+    # measured access: per sampled global batch, per feature of the table, its ids in sample order
+    id_sample: list[list[np.ndarray]] | None = None
+    _sorted: list[np.ndarray] = field(default_factory=list, repr=False)
+    _unique_cache: dict[float, list[np.ndarray]] = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.table.name
+
+    @property
+    def ids_per_sample(self) -> float:
+        return sum(self.ids_per_feature.values())
+
+    @property
+    def weight_bytes(self) -> int:
+        return WEIGHT_BYTES[self.table.dtype]
+
+    def row_bytes(self, width: int | None = None) -> int:
+        """Weights plus optimizer state of one row of `width` columns."""
+        w = self.table.dim if width is None else width
+        return w * self.weight_bytes + state_bytes_per_row(self.optimizer, w)
+
+    def share(self, lo: int, hi: int) -> float:
+        """Fraction of the table's ids in rows [lo, hi)."""
+        rows = self.table.rows
+        if lo <= 0 and hi >= rows:
+            return 1.0
+        if not self.id_sample:
+            return (hi - lo) / rows
+        if not self._sorted:
+            self._sorted = [np.sort(np.concatenate(per_feature)) for per_feature in self.id_sample]
+        inside = sum(int(np.searchsorted(s, hi) - np.searchsorted(s, lo)) for s in self._sorted)
+        total = sum(s.size for s in self._sorted)
+        return inside / total if total else (hi - lo) / rows
+
+    def unique(self, lo: int, hi: int, num_ids: float, part: float = 1.0) -> float:
+        """Expected distinct rows in [lo, hi) among the ids of `part` of a global batch; `num_ids`
+        is how many ids that is (used without a sample)."""
+        if self.id_sample:
+            if part not in self._unique_cache:
+                self._unique_cache[part] = [  # the first `part` of the samples of every feature
+                    np.unique(np.concatenate([ids[: int(round(ids.size * part))] for ids in per_feature]))
+                    for per_feature in self.id_sample
+                ]
+            per_batch = [
+                int(np.searchsorted(u, hi) - np.searchsorted(u, lo)) for u in self._unique_cache[part]
+            ]
+            return float(np.mean(per_batch))
+        rows = hi - lo
+        if rows <= 0 or num_ids <= 0:
+            return 0.0
+        return rows * -math.expm1(-num_ids / rows)  # uniform draws: R (1 - (1 - 1/R)^n)
+
+
+@dataclass
+class Workload:
+    """Everything about the model and the data that the cost depends on."""
+
+    tables: list[TableLoad]
+    batch_size: int  # the global batch
+    forward_precision: str = "fp16"  # pooled embeddings on the wire
+    backward_precision: str = "bf16"  # their gradients
+    weighted: bool = False  # batches carry per-id weights
+
+    def __post_init__(self) -> None:
+        self.by_name = {t.name: t for t in self.tables}
+
+    @property
+    def table_configs(self) -> list[TableConfig]:
+        return [t.table for t in self.tables]
+
+
+def build_workload(
+    tables: list[TableConfig],
+    optimizer: EmbeddingOptimizerConfig | str,
+    batch_size: int,
+    ids_per_feature: dict[str, float] | None = None,
+    id_samples: dict[str, list[list[np.ndarray]]] | None = None,
+    forward_precision: str = "fp16",
+    backward_precision: str = "bf16",
+    weighted: bool = False,
+) -> Workload:
+    """Tables with their access statistics (defaults: one id per sample and feature, no sample)."""
+    default = optimizer if isinstance(optimizer, str) else optimizer.name
+    ids = ids_per_feature or {}
+    samples = id_samples or {}
+    loads = [
+        TableLoad(
+            table=t,
+            optimizer=t.optimizer.name if t.optimizer else default,
+            ids_per_feature={f: float(ids.get(f, 1.0)) for f in t.features},
+            id_sample=samples.get(t.name),
+        )
+        for t in tables
+    ]
+    return Workload(loads, batch_size, forward_precision, backward_precision, weighted)
+
+
+def measure_access(
+    tables: list[TableConfig], batches: list
+) -> tuple[dict[str, float], dict[str, list[list[np.ndarray]]], bool]:
+    """From a few global batches: mean ids per sample of every feature, each table's ids per batch,
+    and whether the batches carry per-id weights."""
+    counts: dict[str, float] = {}
+    samples: dict[str, list[list[np.ndarray]]] = {t.name: [] for t in tables}
+    weighted = False
+    for batch in batches:
+        sparse = batch.sparse if hasattr(batch, "sparse") else batch
+        weighted = weighted or sparse.weights is not None
+        for t in tables:
+            parts = []
+            for f in t.features:
+                ids, lengths, _ = sparse.feature(f)
+                counts[f] = counts.get(f, 0.0) + ids.numel() / max(1, lengths.numel())
+                parts.append(ids.numpy())
+            samples[t.name].append(parts)
+    n = max(1, len(batches))
+    return {f: c / n for f, c in counts.items()}, samples, weighted
