@@ -98,6 +98,31 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from neorec.config.load import load_config
+    from neorec.planner.run import plan_command
+
+    if args.calibrate:
+        from neorec.planner.calibrate import calibrate
+
+        values = calibrate(args.nproc or 2, args.threads, args.calibration)
+        print("calibrated:", ", ".join(f"{k} {v:.4g}" for k, v in values.items() if isinstance(v, float)))
+    if args.calibration:
+        import os
+
+        os.environ["NEOREC_CALIBRATION"] = args.calibration
+    cfg = load_config(args.config or "default", args.overrides) if args.model == "config" else None
+    name = args.model if args.model != "config" else (cfg.name if cfg else "plan")
+    out_dir = args.output_dir or f"runs/plan-{name}"
+    result = plan_command(
+        cfg, args.cluster, args.nproc, args.ranks_per_node, args.model, out_dir, args.baselines, args.batches,
+        tuple(k for k in args.kinds.split(",") if k), args.time_budget,
+    )  # fmt: skip
+    print(result.text)
+    print("\nwrote " + ", ".join(str(f) for f in result.files))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neorec", description="Train deep learning recommendation models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the folder `neorec train` wrote")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("plan", help="plan the sharding of the embedding tables: cost and memory per rank, plan file, chart")
+    _add_config_args(p)
+    p.add_argument("--cluster", default="this", choices=["this", "a100-node", "h100-node", "paper"],
+                   help="this machine (calibrated CPU), one 8-GPU node, or 16 x 8 GPUs (default: this)")  # fmt: skip
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on this machine, the preset's otherwise)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the preset's)")
+    p.add_argument("--model", default="config", choices=["config", "12t"],
+                   help="config: the tables of --config; 12t: the 12-trillion-parameter dry run (on --cluster paper)")  # fmt: skip
+    p.add_argument("--output-dir", default=None, help="where plan.json, report.txt, summary.json, plan.png go")
+    p.add_argument("--baselines", action="store_true", help="also score round-robin and size-greedy plans")
+    p.add_argument("--batches", type=int, default=2, help="training batches read for access statistics (0: none)")
+    p.add_argument("--kinds", default="tw,rw,cw,twrw,twcw,dp", help="sharding kinds the planner may use")
+    p.add_argument("--time-budget", type=float, default=25.0, help="seconds the planner may spend improving")
+    p.add_argument("--calibrate", action="store_true", help="first measure this machine's speeds (about 20 s)")
+    p.add_argument("--threads", type=int, default=1, help="--calibrate: threads per process")
+    p.add_argument("--calibration", default=None, help="calibration JSON to write/read (default ~/.cache/neorec/calibration.json)")
+    p.set_defaults(func=cmd_plan)
 
     data = sub.add_parser("data", help="generate or inspect data").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("generate", help="write the synthetic data set of a config to .npz shards")

@@ -70,12 +70,17 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
 
 
 def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
-    """The sharding plan: the plan file or the built-in default, then `distributed.sharding` on top;
-    validated against the tables and the topology (errors name the table)."""
-    from neorec.distributed.plan import ShardingPlan, TablePlan, default_plan
+    """The sharding plan: the plan file or, by default, the planner's (neorec/planner), then
+    `distributed.sharding` on top; validated against the tables and the topology (errors name the table)."""
+    from neorec.distributed.plan import ShardingPlan, TablePlan
 
     d = cfg.distributed
-    plan = ShardingPlan.load(d.plan) if d.plan else default_plan(tables, topo)
+    if d.plan:
+        plan = ShardingPlan.load(d.plan)
+    else:
+        from neorec.planner.run import default_plan_for_run
+
+        plan = default_plan_for_run(cfg, tables, topo)
     names = {t.name for t in tables}
     unknown = sorted(set(d.sharding) - names)
     if unknown:
