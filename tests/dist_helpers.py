@@ -70,9 +70,13 @@ def build_model(embeddings):
     return DLRM(NUM_DENSE, embeddings, [8, DIM], [8], self_interaction=False)
 
 
-def train(embeddings, batches, world: int = 1, rank: int = 0, comms=None, dense_precision: str = "fp32"):
-    """SGD on the dense part, the fused optimizer on the rows. Returns (global losses, model)."""
+def train(
+    embeddings, batches, world: int = 1, rank: int = 0, comms=None, dense_precision: str = "fp32", pipeline=False
+):
+    """SGD on the dense part, the fused optimizer on the rows. Returns (global losses, model).
+    pipeline: start each next batch's id exchange before the current step (neorec.train.pipeline)."""
     from neorec.distributed.dense import DenseGradSync
+    from neorec.train.pipeline import pipelined
 
     model = build_model(embeddings)
     emb_opt = embeddings.build_optimizer()
@@ -80,9 +84,10 @@ def train(embeddings, batches, world: int = 1, rank: int = 0, comms=None, dense_
     opt = torch.optim.SGD(dense_params, lr=0.05)
     sync = DenseGradSync(dense_params, comms, dense_precision) if comms is not None else None
     losses = []
-    for batch in batches:
-        if world > 1:
-            batch = local_slice(batch, rank, world)
+    def cut(batch):
+        return local_slice(batch, rank, world) if world > 1 else batch
+
+    for _, batch in pipelined(batches, cut, embeddings, depth=1 if pipeline else 0):
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(batch), batch.labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -144,6 +149,7 @@ def spawn(world: int, fn, args=(), local_world: int | None = None, tmp_path=None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_dir = tmp_path or tempfile.mkdtemp()
+    os.makedirs(init_dir, exist_ok=True)
     init_file = os.path.join(str(init_dir), "pg_init")
     procs = [
         ctx.Process(target=run_rank, args=(r, world, local_world or world, init_file, fn, args, queue))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_helpers import spawn
+
 from neorec.config.load import load_config
 from neorec.data.batch import Batch
 from neorec.distributed.codecs import Codec

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_helpers import make_batches, make_tables, optimizer_config, spawn, train
+
 from neorec.distributed.comms import Comms
 from neorec.distributed.plan import ShardingPlan, TablePlan, default_plan
 from neorec.distributed.sharded import ShardedEmbeddingCollection
@@ -28,7 +28,9 @@ def single_process(tables, optimizer, batches):
     return losses, {t.name: emb.table_weights()[t.name].clone() for t in tables}, emb
 
 
-def sharded_run(topo: Topology, plan_dict: dict, optimizer_name: str, precisions=("fp32", "fp32", "fp32")):
+def sharded_run(
+    topo: Topology, plan_dict: dict, optimizer_name: str, precisions=("fp32", "fp32", "fp32"), pipeline=False
+):
     tables = make_tables()
     batches = make_batches(tables, STEPS, BATCH)
     comms = Comms(topo)
@@ -36,7 +38,7 @@ def sharded_run(topo: Topology, plan_dict: dict, optimizer_name: str, precisions
         tables, optimizer_config(optimizer_name), ShardingPlan.from_dict(plan_dict), comms, seed=0,
         forward_precision=precisions[0], backward_precision=precisions[1],
     )  # fmt: skip
-    losses, _ = train(emb, batches, topo.world_size, topo.rank, comms, precisions[2])
+    losses, _ = train(emb, batches, topo.world_size, topo.rank, comms, precisions[2], pipeline)
     full = emb.gather_tables()
     return losses, {k: v["weight"] for k, v in full.items()}, {k: v for k, v in full.items()}, comms.stats.take()
 
@@ -123,6 +125,19 @@ def test_two_nodes_of_two_hierarchical(tmp_path):
     check_against_single(results, "adagrad")
     sent = results[0][3]
     assert sent["fwd"] > 0 and sent["bwd"] > 0 and sent["input_dist"] > 0
+
+
+def test_pipelined_training_gives_identical_results(tmp_path):
+    """The pipeline (next batch's id exchange on a background thread) changes timing only."""
+    plan = PLANS_2["mixed"]
+    plain = spawn(2, sharded_run, (plan, "adagrad"), tmp_path=tmp_path / "a")
+    piped = spawn(2, sharded_run, (plan, "adagrad", ("fp16", "bf16", "fp32"), True), tmp_path=tmp_path / "b")
+    again = spawn(2, sharded_run, (plan, "adagrad", ("fp16", "bf16", "fp32"), False), tmp_path=tmp_path / "c")
+    check_against_single(plain, "adagrad")
+    for rank in (0, 1):
+        assert piped[rank][0] == again[rank][0]  # losses, bitwise
+        for name, w in again[rank][1].items():
+            assert (piped[rank][1][name] == w).all()
 
 
 def test_single_process_sharded_equals_fused():

@@ -60,7 +60,7 @@ def test_two_nodes_of_two_processes_match_one_process(tmp_path):
                "-m", "neorec", "train", "--output-dir", str(multi), *_sets([HIERARCHICAL])]  # fmt: skip
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [pr.communicate(timeout=300) for pr in procs]
-    for pr, (out, err) in zip(procs, outs, strict=True):
+    for pr, (_out, err) in zip(procs, outs, strict=True):
         assert pr.returncode == 0, err[-3000:]
     assert "MiB sent per step" in outs[0][0]  # node 0 holds global rank 0, which prints the summary
     a, b = _tables(single), _tables(multi)

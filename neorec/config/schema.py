@@ -158,6 +158,9 @@ class TrainConfig(Strict):
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (None: torch's default)")
     progress: bool = Field(True, description="show a tqdm progress bar")
     prefetch: int = Field(4, ge=0, description="batches made ahead by a background thread (0: none)")
+    pipeline: bool = Field(
+        True, description="multi-process: start the next batch's id exchange while this batch computes"
+    )
     keep_freed_memory: bool = Field(
         True, description="glibc keeps freed memory for reuse instead of page-faulting it in anew (neorec/utils/host.py)"
     )

@@ -9,6 +9,7 @@ on gloo, which has no reduce-scatter, as well as on NCCL. Every call returns a `
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,14 +44,17 @@ class CommStats:
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()  # the pipeline counts from a second thread
 
     def add(self, direction: str, n: int) -> None:
-        self.bytes[direction] += int(n)
+        with self._lock:
+            self.bytes[direction] += int(n)
 
     def take(self) -> dict[str, int]:
         """The counts since the last take, then start again."""
-        out = dict(self.bytes)
-        self.bytes.clear()
+        with self._lock:
+            out = dict(self.bytes)
+            self.bytes.clear()
         return out
 
 
@@ -87,6 +91,11 @@ class Comms:
         elif topo.local_world_size == 1 and topo.world_size > 1:
             self.node_group = Group([topo.rank], topo.rank, None)
             self.cross_group = self.world
+        # The id exchange has its own communicator, so a pipeline can run it on a background thread
+        # for the next batch while this thread exchanges the current batch's embeddings.
+        self.ids = self.world
+        if topo.world_size > 1:
+            self.ids = Group(list(range(topo.world_size)), topo.rank, dist.new_group(list(range(topo.world_size))))
 
     # ---- the primitive ---------------------------------------------------------------------------
     def all_to_all(

@@ -72,7 +72,7 @@ class InputDist:
         send_len = torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int32, device=device)
         n_local = len(self.local_keys)
         got_len = self.comms.all_to_all(
-            send_len, [len(f) * b for f in self.features], [n_local * b] * world, "input_dist"
+            send_len, [len(f) * b for f in self.features], [n_local * b] * world, "input_dist", self.comms.ids
         )
         send_val = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=device)
         send_w = torch.cat(weights) if with_weights and weights else None
@@ -80,11 +80,11 @@ class InputDist:
         def finish() -> SparseBatch:
             recv_len = got_len.wait().view(world, n_local, b).to(torch.int64)
             per_source = recv_len.sum(dim=(1, 2)).tolist()
-            got_val = self.comms.all_to_all(send_val, counts, per_source, "input_dist")
+            got_val = self.comms.all_to_all(send_val, counts, per_source, "input_dist", self.comms.ids)
             got_w = None
             if with_weights:
                 w = send_w if send_w is not None else torch.empty(0, device=device)
-                got_w = self.comms.all_to_all(w, counts, per_source, "input_dist")
+                got_w = self.comms.all_to_all(w, counts, per_source, "input_dist", self.comms.ids)
             return regroup(self.local_keys, recv_len, got_val.wait(), got_w.wait() if got_w else None)
 
         return Pending([got_len], finish)

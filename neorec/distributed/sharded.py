@@ -16,7 +16,8 @@ pipeline can start batch i+1's input_dist before batch i's lookup.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -90,13 +91,12 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         # seconds per stage, summed over steps: input_dist, lookup, output_dist, output_dist_bwd, update
         self.timings: dict[str, float] = defaultdict(float)
         self.local.timings = self.replicated.timings = self.timings
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: deque[tuple[SparseBatch, Future]] = deque()
 
     # ---- the three stages ------------------------------------------------------------------------
     def input_dist(self, sparse: SparseBatch) -> Pending:
-        start = time.perf_counter()
-        pending = self.input_dist_(sparse)
-        self.timings["input_dist"] += time.perf_counter() - start
-        return pending
+        return self.input_dist_(sparse)
 
     def lookup(self, local: SparseBatch) -> torch.Tensor:
         return self.local(local)
@@ -115,10 +115,29 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.timings["output_dist"] += time.perf_counter() - start
         return out
 
+    def prefetch(self, sparse: SparseBatch) -> None:
+        """Start the id exchange of a coming batch on a background thread (on its own communicator);
+        forward(sparse) with this very object then waits for it instead of exchanging. Batches must
+        be prefetched in the order they are trained, by every rank alike."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="neorec-input-dist")
+        self._ahead.append((sparse, self._pool.submit(lambda: self.input_dist_(sparse).wait())))
+
+    def clear_prefetched(self) -> None:
+        """Finish and forget prefetched exchanges that will not be trained (a run that stops early)."""
+        while self._ahead:
+            self._ahead.popleft()[1].result()
+
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
-        pending = self.input_dist(sparse)
         start = time.perf_counter()
-        local = pending.wait()
+        if self._ahead and self._ahead[0][0] is sparse:
+            local = self._ahead.popleft()[1].result()  # "input_dist" is then the time spent waiting
+        else:
+            # Exchanges already started on the background thread go first, on every rank alike, so
+            # that the id communicator sees the same order everywhere (e.g. evaluation mid-training).
+            for _, future in self._ahead:
+                future.result()
+            local = self.input_dist_(sparse).wait()
         self.timings["input_dist"] += time.perf_counter() - start
         return self.output(self.lookup(local), sparse)
 

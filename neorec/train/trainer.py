@@ -32,6 +32,7 @@ from neorec.train.build import (
     dense_parameters,
 )
 from neorec.train.logger import MetricsLogger, read_metrics
+from neorec.train.pipeline import pipelined
 from neorec.train.schedule import lr_multiplier
 from neorec.utils.host import keep_freed_memory
 
@@ -179,9 +180,10 @@ class Trainer:
         b = len(batch) // world
         return batch.slice(self.topo.rank * b, (self.topo.rank + 1) * b)
 
-    def train_step(self, batch) -> torch.Tensor:
-        """One step on a global batch; returns this process's loss."""
-        batch = self.local_batch(batch)
+    def train_step(self, batch, is_local: bool = False) -> torch.Tensor:
+        """One step on a global batch (or on this rank's slice of one); returns this process's loss."""
+        if not is_local:
+            batch = self.local_batch(batch)
         logits = self.model(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         self.dense_opt.zero_grad(set_to_none=True)
@@ -210,9 +212,10 @@ class Trainer:
         step, done = 0, False
         start = time.perf_counter()
         for epoch in range(t.epochs):
-            for batch in prefetch(self.source.train_batches(cfg.data.batch_size, epoch), t.prefetch):
+            batches = prefetch(self.source.train_batches(cfg.data.batch_size, epoch), t.prefetch)
+            for batch, local in pipelined(batches, self.local_batch, self.embeddings, int(t.pipeline)):
                 self._set_lr(step, total)
-                loss = float(self.train_step(batch))
+                loss = float(self.train_step(local, is_local=True))
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss became {loss} at step {step}; lower the learning rates")
                 result.losses.append(loss)
@@ -240,6 +243,8 @@ class Trainer:
             if not t.eval_every and epoch < t.epochs - 1:
                 self._eval(logger, step, t.eval_max_batches, teacher_auc)
         result.train_seconds = time.perf_counter() - start
+        if hasattr(self.embeddings, "clear_prefetched"):
+            self.embeddings.clear_prefetched()
         if self.comms is not None and step:
             result.comm_bytes_per_step = {k: v / step for k, v in self.comms.stats.take().items()}
         if bar is not None:
