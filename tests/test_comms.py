@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_helpers import spawn
 
 from neorec.config.load import load_config
@@ -100,6 +101,44 @@ def test_two_hop_sums_inside_the_node_then_crosses(tmp_path):
             assert torch.equal(torch.as_tensor(summed[node]), torch.full((2, 3), float(sum(100 * p + k for p in peers))))
             expected = torch.cat([torch.full((2, 3), float(100 * p + k)) for p in peers], dim=1)
             assert torch.equal(torch.as_tensor(joined[node]), expected)
+
+
+def _shm_vs_backend(topo: Topology):
+    from neorec.distributed.shm import ShmGroup
+
+    r, w = topo.rank, topo.world_size
+    g = torch.Generator().manual_seed(100 + r)
+    # uneven splits, empty parts, rows of 3 fp16 values, with a 64-byte capacity: many rounds
+    splits = [int(x) for x in torch.randint(0, 30, (w,), generator=g)]
+    splits[(r + 1) % w] = 0
+    send = torch.randn(sum(splits), 3, generator=g).to(torch.float16)
+    recv_splits = torch.empty(w, dtype=torch.int64)
+    dist.all_to_all_single(recv_splits, torch.tensor(splits))
+    recv_splits = recv_splits.tolist()
+    expected = send.new_empty((sum(recv_splits), 3))
+    dist.all_to_all_single(expected, send, recv_splits, splits)
+    results = {}
+    for capacity in (64, 1 << 20):
+        group = ShmGroup(list(range(w)), r, None, capacity=capacity)
+        got = send.new_empty((sum(recv_splits), 3))
+        group.all_to_all(got, send, recv_splits, splits)
+        flat = torch.randn(1001, generator=g)  # 4004 bytes: 63 rounds of 64
+        summed = flat.clone()
+        group.all_reduce(summed)
+        reference = torch.empty(w, 1001)
+        dist.all_gather(list(reference), flat)
+        for _ in range(50):  # back-to-back exchanges: the double buffers must not be overwritten early
+            group.all_to_all(got, send, recv_splits, splits)
+        group.close()
+        results[capacity] = (torch.equal(got, expected), torch.equal(summed, reference.sum(0)))
+    return results
+
+
+def test_shared_memory_collectives_equal_the_backend(tmp_path):
+    for w in (2, 4):
+        results = spawn(w, _shm_vs_backend, tmp_path=tmp_path / str(w))
+        for rank, by_capacity in results.items():
+            assert by_capacity == {64: (True, True), 1 << 20: (True, True)}, (w, rank)
 
 
 def test_topology_from_env(monkeypatch):

@@ -29,11 +29,16 @@ def single_process(tables, optimizer, batches):
 
 
 def sharded_run(
-    topo: Topology, plan_dict: dict, optimizer_name: str, precisions=("fp32", "fp32", "fp32"), pipeline=False
+    topo: Topology,
+    plan_dict: dict,
+    optimizer_name: str,
+    precisions=("fp32", "fp32", "fp32"),
+    pipeline=False,
+    transport="shm",
 ):
     tables = make_tables()
     batches = make_batches(tables, STEPS, BATCH)
-    comms = Comms(topo)
+    comms = Comms(topo, transport=transport)
     emb = ShardedEmbeddingCollection(
         tables, optimizer_config(optimizer_name), ShardingPlan.from_dict(plan_dict), comms, seed=0,
         forward_precision=precisions[0], backward_precision=precisions[1],
@@ -138,6 +143,20 @@ def test_pipelined_training_gives_identical_results(tmp_path):
         assert piped[rank][0] == again[rank][0]  # losses, bitwise
         for name, w in again[rank][1].items():
             assert (piped[rank][1][name] == w).all()
+
+
+def test_shared_memory_and_backend_transports_agree(tmp_path):
+    """Every test above exchanges through shared memory (the default on one machine); the same run
+    through gloo's own collectives matches single-process training, and the two transports give
+    bitwise the same losses (they move the same bytes; all-reduce sums in rank order)."""
+    plan = PLANS_2["mixed"]
+    shm = spawn(2, sharded_run, (plan, "adagrad", ("fp16", "bf16", "fp32"), False, "shm"), tmp_path=tmp_path / "a")
+    gloo = spawn(2, sharded_run, (plan, "adagrad", ("fp16", "bf16", "fp32"), False, "backend"), tmp_path=tmp_path / "b")
+    for rank in (0, 1):
+        torch.testing.assert_close(torch.tensor(shm[rank][0]), torch.tensor(gloo[rank][0]), rtol=1e-6, atol=1e-7)
+        assert shm[rank][3] == gloo[rank][3]  # the same bytes counted
+    plain = spawn(2, sharded_run, (plan, "sgd", ("fp32",) * 3, False, "backend"), tmp_path=tmp_path / "c")
+    check_against_single(plain, "sgd")
 
 
 def test_single_process_sharded_equals_fused():

@@ -182,6 +182,10 @@ class DistributedConfig(Strict):
     forward_precision: Literal["fp32", "fp16", "bf16"] = Field("fp16", description="pooled embeddings all-to-all")
     backward_precision: Literal["fp32", "fp16", "bf16"] = Field("bf16", description="embedding gradient all-to-all")
     dense_precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="dense gradient all-reduce")
+    transport: Literal["shm", "backend"] = Field(
+        "shm",
+        description="between ranks of one machine: shared memory (CPU tensors) or the process group's own (gloo/NCCL)",
+    )
 
 
 class LoggingConfig(Strict):

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from neorec.distributed.codecs import Codec
+from neorec.distributed.shm import ShmGroup
+from neorec.distributed.shm import available as shm_available
 from neorec.distributed.topology import Topology
 
 
@@ -64,6 +66,7 @@ class Group:
     def __init__(self, ranks: list[int], my_rank: int, pg: Any) -> None:
         self.ranks, self.pg = ranks, pg
         self.index = ranks.index(my_rank)
+        self.shm: ShmGroup | None = None  # shared-memory collectives when every rank is on this machine
 
     @property
     def size(self) -> int:
@@ -71,7 +74,11 @@ class Group:
 
 
 class Comms:
-    def __init__(self, topo: Topology, stats: CommStats | None = None) -> None:
+    def __init__(self, topo: Topology, stats: CommStats | None = None, transport: str = "shm") -> None:
+        """transport: 'shm' moves the bytes between ranks of one machine through shared memory
+        (neorec/distributed/shm.py; CPU tensors, x86-64), 'backend' always uses the process group."""
+        if transport not in ("shm", "backend"):
+            raise ValueError(f"transport must be 'shm' or 'backend', got {transport!r}")
         self.topo = topo
         self.stats = stats or CommStats()
         self.world = Group(list(range(topo.world_size)), topo.rank, None)
@@ -96,6 +103,18 @@ class Comms:
         self.ids = self.world
         if topo.world_size > 1:
             self.ids = Group(list(range(topo.world_size)), topo.rank, dist.new_group(list(range(topo.world_size))))
+        if transport == "shm" and shm_available() and topo.world_size > 1:
+            self._attach_shm()
+
+    def _attach_shm(self) -> None:
+        """Shared-memory collectives for the groups that lie inside one machine (collective: every
+        rank attaches the same groups in the same order)."""
+        topo = self.topo
+        if topo.num_nodes == 1:
+            for group in (self.world, self.ids):
+                group.shm = ShmGroup(group.ranks, topo.rank, group.pg)
+        elif self.node_group.size > 1:
+            self.node_group.shm = ShmGroup(self.node_group.ranks, topo.rank, self.node_group.pg)
 
     # ---- the primitive ---------------------------------------------------------------------------
     def all_to_all(
@@ -116,6 +135,9 @@ class Comms:
         if group.size == 1:
             return Pending.ready(send)
         recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+        if group.shm is not None and send.device.type == "cpu":
+            group.shm.all_to_all(recv, send.contiguous(), recv_splits, send_splits)
+            return Pending.ready(recv)
         work = dist.all_to_all_single(
             recv, send.contiguous(), recv_splits, send_splits, group=group.pg, async_op=True
         )
@@ -163,6 +185,9 @@ class Comms:
             return Pending.ready(flat)
         if codec.name == "fp32":
             self.stats.add(direction, 2 * (world.size - 1) * flat.numel() * 4 // world.size)
+            if world.shm is not None and flat.device.type == "cpu":
+                world.shm.all_reduce(flat)
+                return Pending.ready(flat)
             work = dist.all_reduce(flat, async_op=True)
             return Pending([work], lambda: flat)
         width = 256  # per-row scale granularity of the fp16 codec

@@ -134,7 +134,7 @@ class Trainer:
         if cfg.train.keep_freed_memory:
             keep_freed_memory()
         self.topo = init_distributed(torch.device("cpu"))
-        self.comms = Comms(self.topo) if self.topo.world_size > 1 else None
+        self.comms = Comms(self.topo, transport=cfg.distributed.transport) if self.topo.world_size > 1 else None
         self.is_main = self.topo.rank == 0
         if self.comms is not None and cfg.data.batch_size % self.topo.world_size:
             raise ConfigError(
