@@ -9,6 +9,7 @@ Step times on this small VM vary by +-15% from one process to the next, so every
     python benchmarks/train_throughput.py                      # Kaggle-like config, SGD and AdaGrad
     python benchmarks/train_throughput.py --config mlperf_dcnv2 --optimizers adagrad
     python benchmarks/train_throughput.py --nproc 2     # neorec: 1 process x 2 threads vs 2 x 1, per stage
+    python benchmarks/train_throughput.py --nproc 2 --pipeline-compare   # 2 processes, pipeline on/off
 
 With --nproc N the comparison is neorec against itself: one process with all threads against N
 processes (torchrun, gloo, sharded embeddings, default plan and comms precisions) with threads/N
@@ -113,8 +114,16 @@ def worker(args) -> dict:
             dist.barrier()
             trainer.comms.stats.take()
     start = time.perf_counter()
-    for item in prepared[args.warmup :]:
-        step(item)
+    timed = prepared[args.warmup :]
+    if trainer is not None and trainer.comms is not None and cfg.train.pipeline:
+        # as Trainer.fit: the next batch's id exchange starts before this batch's step
+        from neorec.train.pipeline import pipelined
+
+        for _, local in pipelined(timed, trainer.local_batch, trainer.embeddings, 1):
+            trainer.train_step(local, is_local=True)
+    else:
+        for item in timed:
+            step(item)
     seconds = time.perf_counter() - start
     samples = sum(len(b) for b in batches[args.warmup :])
     out = {"samples_per_s": samples / seconds, "ms_per_step": 1000 * seconds / args.steps,
@@ -199,6 +208,39 @@ def scaling(args) -> None:
         append_results(f"Scaling: 1 vs {args.nproc} processes, {args.config}", table, notes)
 
 
+def pipeline_compare(args) -> None:
+    """N processes with and without the pipeline (train.pipeline), interleaved runs."""
+    rows = []
+    threads = max(1, args.threads // args.nproc)
+    base_set = list(args.set or [])
+    for opt in args.optimizers.split(","):
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for _ in range(args.repeats):
+            for on in (False, True):
+                args.set = [*base_set, f"train.pipeline={str(on).lower()}"]
+                runs[on].append(run_neorec_procs(args, opt, args.nproc, threads))
+        args.set = base_set
+        base = median_run(runs[False])["samples_per_s"]
+        for on in (False, True):
+            r = median_run(runs[on])
+            st = r.get("stages_ms", {})
+            rows.append([f"{args.nproc} processes x {threads} threads, " + ("pipelined" if on else "not pipelined"),
+                         opt, round(r["samples_per_s"]), f"{r['samples_per_s'] / base:.2f}x", round(r["ms_per_step"], 1),
+                         round(st.get("input_dist", 0.0), 2), round(r.get("data_wait_ms", 0.0), 2),
+                         " / ".join(str(round(x["samples_per_s"])) for x in runs[on])])  # fmt: skip
+    header = ["setup", "optimizer", "samples/s (median)", "vs not pipelined", "ms/step",
+              "waited on id exchange ms/step", "waited on data ms/step", "samples/s of each run"]  # fmt: skip
+    table = markdown_table(header, rows)
+    print(table)
+    if not args.no_record:
+        notes = (f"config {args.config}, global batch {args.batch_size}, {args.steps} timed steps after {args.warmup} "
+                 f"warm-up, {args.repeats} runs each, interleaved, median shown. Pipelined: batch i+1's id all-to-all "
+                 "runs on a background thread while batch i computes (neorec/train/pipeline.py); 'waited on id "
+                 "exchange' is the time the step blocked on it (rank 0). Batches are made before timing, so the "
+                 "data wait is 0 here; `neorec train` reports it from the prefetch thread.")  # fmt: skip
+        append_results(f"Pipelining: {args.nproc} processes, {args.config}", table, notes)
+
+
 def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
 
@@ -217,6 +259,7 @@ def main() -> None:
                    help="keep: both sides keep freed memory for reuse (neorec/utils/host.py); system: glibc default")  # fmt: skip
     p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     p.add_argument("--nproc", type=int, default=None, help="compare 1 process with N processes (see above)")
+    p.add_argument("--pipeline-compare", action="store_true", help="with --nproc: pipelined vs not pipelined")
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "OPTIMIZER"), help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -227,6 +270,9 @@ def main() -> None:
             print(json.dumps(res))
         elif int(os.environ.get("RANK", "0")) == 0:
             Path(args.result_file).write_text(json.dumps(res))
+        return
+    if args.nproc and args.pipeline_compare:
+        pipeline_compare(args)
         return
     if args.nproc:
         scaling(args)

@@ -4,7 +4,8 @@ The benchmarks run in `world_size` processes at once (gloo, one thread each unle
 the way `neorec train --nproc N` runs, so that cores, caches and memory bandwidth are shared as
 they will be in training. Each process measures, and rank 0 writes the mean over ranks:
 - the fused lookup and the fused backward+update (embedding/fused) of one 2^20-row table with
-  Zipf-distributed ids at two dims: the two sizes give the cost per id and per byte of rows;
+  Zipf-distributed ids at four dims: a least-squares line through time against bytes gives the
+  cost per byte of rows (slope) and per id (intercept / ids);
 - elementwise work on exchange buffers: the fp16 codec and a column gather of a [B, 1664] block;
 - all-to-all between the processes at two message sizes: latency and bytes per second.
 Takes 20-40 s on a 2-core machine.
@@ -24,9 +25,9 @@ from neorec.planner.hardware import CALIBRATION_KEYS, calibration_path
 
 ROWS = 1 << 20
 BATCH = 2048
-FEATURES = 8
-DIMS = (16, 64)
-REPEATS = 5
+FEATURES = 26
+DIMS = (16, 32, 64, 128)
+REPEATS = 7
 
 
 def zipf_ids(rows: int, n: int, alpha: float = 1.05, seed: int = 0) -> np.ndarray:
@@ -73,21 +74,26 @@ def measure_compute(sync=None) -> dict[str, float]:
 
         bwd[dim] = max(_median_time(step, sync=sync) - fwd[dim], 1e-6)
         del emb
-    lo, hi = DIMS
     # lookup: t = n * per_id + (n * dim * 4 + pooled bytes) / bandwidth
     fwd_bytes = {d: n * d * 4 + BATCH * FEATURES * d * 4 for d in DIMS}
-    fwd_per_byte = max((fwd[hi] - fwd[lo]) / (fwd_bytes[hi] - fwd_bytes[lo]), 1e-13)
-    fwd_per_id = max((fwd[lo] - fwd_per_byte * fwd_bytes[lo]) / n, 1e-10)
+    fwd_per_byte, fwd_fixed = _fit(fwd_bytes, fwd)
     # update: t = n * per_id + (n * dim * 4 + unique * (2 dim * 4 + 2 * 4 + 8 dim)) / bandwidth
     bwd_bytes = {d: n * d * 4 + unique * (2 * d * 4 + 2 * 4 + 8 * d) for d in DIMS}
-    bwd_per_byte = max((bwd[hi] - bwd[lo]) / (bwd_bytes[hi] - bwd_bytes[lo]), 1e-13)
-    bwd_per_id = max((bwd[lo] - bwd_per_byte * bwd_bytes[lo]) / n, 1e-10)
+    bwd_per_byte, bwd_fixed = _fit(bwd_bytes, bwd)
+    fwd_per_id, bwd_per_id = max(fwd_fixed / n, 1e-10), max(bwd_fixed / n, 1e-10)
     return {
         "lookup_bandwidth": 1 / fwd_per_byte,
         "lookup_per_id": fwd_per_id,
         "update_bandwidth": 1 / bwd_per_byte,
         "update_per_id": bwd_per_id,
     }
+
+
+def _fit(x: dict[int, float], y: dict[int, float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of y against x, both kept positive."""
+    keys = sorted(x)
+    slope, intercept = np.polyfit([x[k] for k in keys], [y[k] for k in keys], 1)
+    return max(float(slope), 1e-13), max(float(intercept), 0.0)
 
 
 def measure_stream(sync=None) -> dict[str, float]:
@@ -108,18 +114,31 @@ def measure_stream(sync=None) -> dict[str, float]:
 
 
 def measure_links(world: int, sync=None) -> dict[str, float]:
-    """all_to_all latency and bandwidth (bytes sent + received per second per rank)."""
-    import torch.distributed as dist
+    """all_to_all latency and bandwidth (bytes sent + received per second per rank), through the
+    transport training uses (neorec/distributed/comms.py: shared memory between ranks of this
+    machine where available, else the process group)."""
+    from neorec.distributed.comms import Comms
+    from neorec.distributed.topology import Topology
+
+    comms = Comms(Topology.from_env() if "RANK" in os.environ else _topology())
 
     def a2a(numel: int) -> float:
         send = torch.ones(numel * world)
-        recv = torch.empty_like(send)
-        return _median_time(lambda: dist.all_to_all_single(recv, send), repeats=9, sync=sync)
+        splits = [numel] * world
+        return _median_time(lambda: comms.all_to_all(send, splits, splits, "calibrate").wait(), repeats=9, sync=sync)
 
     small, big = 16, 1 << 21  # floats per peer
     t_small, t_big = a2a(small), a2a(big)
     moved = 2 * (world - 1) * big * 4  # sent + received by one rank
     return {"latency": max(t_small, 1e-6), "link_bandwidth": moved / max(t_big - t_small, 1e-9)}
+
+
+def _topology():
+    import torch.distributed as dist
+
+    from neorec.distributed.topology import Topology
+
+    return Topology(dist.get_world_size(), dist.get_rank(), dist.get_world_size())
 
 
 def _rank_main(rank: int, world: int, init_file: str, threads: int, queue) -> None:
