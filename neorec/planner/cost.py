@@ -84,6 +84,11 @@ def shard_work(
         2 * width * wb + 2 * state_bytes_per_row(load.optimizer, width) + 8 * width
     )
     stages["update"] = ids * cluster.update_per_id + moved / mem.update_bandwidth
+    if kind == "dp" and W > 1:
+        # sharded.py _sum_replica_gradients: every rank's unique rows and their gradients gathered,
+        # sorted again and summed (decode + embedding_bag over the gathered rows)
+        gathered = W * load.unique(rows[0], rows[1], ids)
+        stages["update"] += gathered * cluster.update_per_id + gathered * width * 12 / cluster.stream_bandwidth
     if (
         kind != "dp"
     ):  # the shard's side of the exchanges: ids regrouped, pooled rows encoded, gradients decoded
