@@ -4,7 +4,7 @@ The benchmarks run in `world_size` processes at once (gloo, one thread each unle
 the way `neorec train --nproc N` runs, so that cores, caches and memory bandwidth are shared as
 they will be in training. Each process measures, and rank 0 writes the mean over ranks:
 - the fused lookup and the fused backward+update (embedding/fused) of one 2^20-row table with
-  Zipf-distributed ids at four dims: a least-squares line through time against bytes gives the
+  Zipf-distributed ids at dims 4 and 256: the line through the two times against bytes gives the
   cost per byte of rows (slope) and per id (intercept / ids);
 - elementwise work on exchange buffers: the fp16 codec and a column gather of a [B, 1664] block;
 - all-to-all between the processes at two message sizes: latency and bytes per second.
@@ -26,7 +26,7 @@ from neorec.planner.hardware import CALIBRATION_KEYS, calibration_path
 ROWS = 1 << 20
 BATCH = 2048
 FEATURES = 26
-DIMS = (16, 32, 64, 128)
+DIMS = (4, 256)  # almost all per-id cost, then mostly bytes
 REPEATS = 7
 
 
@@ -76,10 +76,10 @@ def measure_compute(sync=None) -> dict[str, float]:
         del emb
     # lookup: t = n * per_id + (n * dim * 4 + pooled bytes) / bandwidth
     fwd_bytes = {d: n * d * 4 + BATCH * FEATURES * d * 4 for d in DIMS}
-    fwd_per_byte, fwd_fixed = _fit(fwd_bytes, fwd)
+    fwd_per_byte, fwd_fixed = _solve(fwd_bytes, fwd)
     # update: t = n * per_id + (n * dim * 4 + unique * (2 dim * 4 + 2 * 4 + 8 dim)) / bandwidth
     bwd_bytes = {d: n * d * 4 + unique * (2 * d * 4 + 2 * 4 + 8 * d) for d in DIMS}
-    bwd_per_byte, bwd_fixed = _fit(bwd_bytes, bwd)
+    bwd_per_byte, bwd_fixed = _solve(bwd_bytes, bwd)
     fwd_per_id, bwd_per_id = max(fwd_fixed / n, 1e-10), max(bwd_fixed / n, 1e-10)
     return {
         "lookup_bandwidth": 1 / fwd_per_byte,
@@ -89,11 +89,34 @@ def measure_compute(sync=None) -> dict[str, float]:
     }
 
 
-def _fit(x: dict[int, float], y: dict[int, float]) -> tuple[float, float]:
-    """Least-squares (slope, intercept) of y against x, both kept positive."""
-    keys = sorted(x)
-    slope, intercept = np.polyfit([x[k] for k in keys], [y[k] for k in keys], 1)
-    return max(float(slope), 1e-13), max(float(intercept), 0.0)
+def measure_op_overhead(sync=None) -> dict[str, float]:
+    """Seconds per small tensor op of the id routing (input_dist.py's per-shard sequence on the ids
+    of one feature for B / 2 samples): the fixed cost the cost model charges per op."""
+    b = BATCH // 2
+    ids = torch.from_numpy(zipf_ids(ROWS, b, seed=1))
+    lengths = torch.ones(b, dtype=torch.int64)
+    bag = torch.arange(b).repeat_interleave(lengths)
+    inner = torch.tensor([ROWS // 2])
+    owner = torch.bucketize(ids, inner, right=True)
+    per_round = 20
+
+    def route() -> None:
+        for _ in range(per_round):
+            sel = (owner == 1).nonzero().squeeze(1)
+            mine = ids.index_select(0, sel) - 7
+            torch.bincount(bag.index_select(0, sel), minlength=b)
+            mine.to(torch.int32)
+
+    return {"op_overhead": _median_time(route, sync=sync) / (per_round * 6)}
+
+
+def _solve(x: dict[int, float], y: dict[int, float]) -> tuple[float, float]:
+    """(per byte, fixed) through the two points: the small dim fixes the per-id part, the large
+    dim the per-byte part (a line through two well-separated points is stable; a least-squares
+    fit over close dims was not, run to run)."""
+    lo, hi = sorted(x)
+    per_byte = max((y[hi] - y[lo]) / (x[hi] - x[lo]), 1e-13)
+    return per_byte, max(y[lo] - per_byte * x[lo], 0.0)
 
 
 def measure_stream(sync=None) -> dict[str, float]:
@@ -144,13 +167,17 @@ def _topology():
 def _rank_main(rank: int, world: int, init_file: str, threads: int, queue) -> None:
     import torch.distributed as dist
 
+    from neorec.utils.host import keep_freed_memory
+
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+    keep_freed_memory()  # as training does (train.keep_freed_memory): no page faults on reused buffers
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         sync = dist.barrier if world > 1 else None
         out = measure_compute(sync)
         out.update(measure_stream(sync))
+        out.update(measure_op_overhead(sync))
         if world > 1:
             out.update(measure_links(world, sync))
         queue.put((rank, out, None))

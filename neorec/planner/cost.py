@@ -134,8 +134,19 @@ def owner_work(
         return out
     masks = num_shards if kind in ROW_SPLIT else 0
     out["input_dist"] = (ids * 8 * 3 + masks * ids * 8 * 2) / speed
-    out["output_dist"] = elements * ((fe + 4) + 8) / speed  # decode, then assemble
-    out["output_dist_bwd"] = elements * (8 + (4 + be)) / speed  # scale by 1/W, then encode
+    # input_dist.py, per feature: the lengths cast for every destination, and on arrival a split
+    # and a copy per piece; row splits also make the bag index and bucketize once (about 6 small
+    # ops) and, per shard, mask, select, rebase and count the ids per bag (about 8)
+    features = len(load.table.features)
+    pieces = num_shards if kind in ("cw", "twcw", *ROW_SPLIT) else 1
+    ops = features * pieces * 3
+    if kind in ROW_SPLIT:
+        ops += features * (6 + 8 * num_shards)
+    out["input_dist"] += ops * cluster.op_overhead
+    # every row shard sends a partial sum: decoded and added (forward), gathered and encoded (backward)
+    received = elements * (num_shards if kind in ROW_SPLIT else 1)
+    out["output_dist"] = received * ((fe + 4) + 8) / speed  # decode, then assemble
+    out["output_dist_bwd"] = elements * 8 / speed + received * (8 + 4 + be) / speed  # scale by 1/W, gather, encode
     return out
 
 

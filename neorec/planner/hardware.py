@@ -54,6 +54,7 @@ class Cluster:
     stream_bandwidth: float  # bytes/s of elementwise work on exchange buffers
     lookup_per_id: float  # seconds per id looked up (bag bookkeeping, index arithmetic)
     update_per_id: float  # seconds per id in backward (sort, segment sums)
+    op_overhead: float = 0.0  # seconds of fixed cost per small tensor op on the host (routing ids)
     reserved: int = 0  # device bytes per rank kept for the runtime, the dense model and activations
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -99,6 +100,7 @@ CALIBRATED_CPU = {
     "stream_bandwidth": 1.5e9,
     "link_bandwidth": 1.0e9,
     "latency": 150e-6,
+    "op_overhead": 12e-6,
 }
 CALIBRATION_KEYS = tuple(CALIBRATED_CPU)
 # Resident memory a training process adds besides its tables and embedding buffers (the dense model
@@ -124,11 +126,11 @@ def load_calibration(path: str | Path | None = None) -> dict[str, float]:
         data = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"calibration file {p}: {e}") from e
-    missing = [k for k in CALIBRATION_KEYS if not isinstance(data.get(k), int | float) or data[k] <= 0]
-    if missing:
-        raise ConfigError(
-            f"calibration file {p}: missing or non-positive {missing}; rerun `neorec plan --calibrate`"
-        )
+    # a file from an older neorec may lack a newer key: that key keeps the built-in value
+    data = {**CALIBRATED_CPU, **data} if isinstance(data, dict) else data
+    bad = [k for k in CALIBRATION_KEYS if not isinstance(data.get(k), int | float) or data[k] <= 0]
+    if bad:
+        raise ConfigError(f"calibration file {p}: non-numeric or non-positive {bad}; rerun `neorec plan --calibrate`")
     return {k: float(data[k]) for k in CALIBRATION_KEYS}
 
 
@@ -162,6 +164,7 @@ def this_machine(
         stream_bandwidth=c["stream_bandwidth"],
         lookup_per_id=c["lookup_per_id"],
         update_per_id=c["update_per_id"],
+        op_overhead=c["op_overhead"],
         reserved=CPU_RUNTIME_BYTES,
         notes={"speeds": "calibrated (neorec plan --calibrate)"},
     )
