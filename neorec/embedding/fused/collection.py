@@ -36,9 +36,11 @@ from neorec.embedding.fused.optimizers import RULES, Hparams, initial_state_valu
 from neorec.embedding.fused.param_groups import FusedEmbeddingOptimizer
 from neorec.embedding.fused.rounding import to_storage, uniform_noise
 from neorec.embedding.fused.storage import (
+    GroupStorageFactory,
     RowInit,
     RowStorage,
     StorageFactory,
+    StorageSpec,
     TensorStorage,
     build_tensor_storage,
 )
@@ -70,8 +72,10 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         stochastic_rounding: bool = False,
         storage_factory: StorageFactory | None = None,
         row_init: Callable[[int, int, int], torch.Tensor] | None = None,
+        group_storage_factory: GroupStorageFactory | None = None,
     ) -> None:
-        """storage_factory builds each row storage (default: a plain tensor on `device`).
+        """storage_factory builds each row storage (default: a plain tensor on `device`);
+        group_storage_factory, when given, builds all storages of a group at once instead (caches).
 
         row_init(table index, start, end) gives fp32 initial rows [start, end) of a table (default
         init_rows); the sharded collection passes the rows of the unsharded table its shard covers.
@@ -102,19 +106,20 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         self.states: list[dict[str, RowStorage]] = []
         self._constants: list[_GroupConstants] = []
         for g in self.layout.groups:
-            self.weights.append(factory(g.num_rows, g.dim, g.dtype, device, self._weight_init(g)))
-            self.states.append(
-                {
-                    name: factory(
-                        g.num_rows,
-                        g.dim if per_element else 0,
-                        torch.float32,
-                        device,
-                        self._state_init(g, per_element),
-                    )
-                    for name, per_element in RULES[g.optimizer].state.items()
-                }
-            )
+            specs = {"weight": StorageSpec(g.num_rows, g.dim, g.dtype, self._weight_init(g))}
+            for name, per_element in RULES[g.optimizer].state.items():
+                width = g.dim if per_element else 0
+                specs[name] = StorageSpec(g.num_rows, width, torch.float32, self._state_init(g, per_element))
+            if group_storage_factory is not None:
+                members = [
+                    (self.tables[ti].name, start, self.tables[ti].rows)
+                    for ti, start in zip(g.tables, g.row_starts, strict=True)
+                ]
+                built = dict(group_storage_factory(members, specs, device))
+            else:
+                built = {n: factory(s.num_rows, s.width, s.dtype, device, s.init) for n, s in specs.items()}
+            self.weights.append(built.pop("weight"))
+            self.states.append({name: built[name] for name in RULES[g.optimizer].state})
             self._constants.append(
                 _GroupConstants(
                     row_offsets=torch.tensor(g.feature_row_offsets, dtype=torch.int64, device=device),
@@ -162,6 +167,23 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         batches = self._prepare(sparse)
         anchor = torch.empty(0, device=sparse.values.device, requires_grad=True)
         return FusedLookup.apply(anchor, self, batches)
+
+    def prefetch(self, sparse: SparseBatch) -> None:
+        """Bring the rows a coming batch will look up into the cached storages, before its step
+        (the training pipeline calls this for batch i+1 before batch i runs). No-op without caches."""
+        if sparse.batch_size == 0 or not any(hasattr(w, "prefetch") for w in self.weights):
+            return
+        for storage, gb in zip(self.weights, self._prepare(sparse), strict=True):
+            if hasattr(storage, "prefetch"):
+                storage.prefetch(gb.rows)
+
+    def cache_stats(self) -> dict[str, dict[str, float]]:
+        """Per cached table: hit rate, rows and bytes moved from/to its backing tier, evictions."""
+        out: dict[str, dict[str, float]] = {}
+        for storage in self.weights:
+            if hasattr(storage, "stats_by_table"):
+                out.update(storage.stats_by_table())
+        return out
 
     def _prepare(self, sparse: SparseBatch) -> list[GroupBatch]:
         out = []
@@ -350,11 +372,15 @@ def _read_range(storage: RowStorage, start: int, end: int, copy: bool) -> torch.
     if isinstance(storage, TensorStorage):
         rows = storage.tensor[start:end]
         return rows.clone() if copy and end - start != storage.num_rows else rows
+    if hasattr(storage, "read_range"):  # e.g. a cached table: streamed from its backing store
+        return storage.read_range(start, end)
     return storage.read(torch.arange(start, end))
 
 
 def _write_range(storage: RowStorage, start: int, end: int, value: torch.Tensor) -> None:
     if isinstance(storage, TensorStorage):
         storage.tensor[start:end].copy_(value)
+    elif hasattr(storage, "write_range"):
+        storage.write_range(start, end, value.to(storage.dtype))
     else:
         storage.write(torch.arange(start, end), value.to(storage.dtype))

@@ -113,8 +113,10 @@ def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None) -> torc
     the storage and widened to fp32 before pooling, so fp16/bf16 tables accumulate in fp32; this is
     done about chunk_rows ids at a time (whole bags) so the fp32 copy stays cache-sized.
     """
-    if isinstance(storage, TensorStorage) and storage.dtype == torch.float32 and batch.one_hot:
-        return storage.tensor.index_select(0, batch.rows).view(batch.batch_size, -1)
+    if storage.dtype == torch.float32 and batch.one_hot:  # a plain gather (through the cache, if any)
+        if isinstance(storage, TensorStorage):
+            return storage.tensor.index_select(0, batch.rows).view(batch.batch_size, -1)
+        return storage.read(batch.rows).view(batch.batch_size, -1)
     if isinstance(storage, TensorStorage) and storage.dtype == torch.float32:
         pooled = F.embedding_bag(
             batch.rows,
@@ -229,6 +231,9 @@ class FusedLookup(torch.autograd.Function):
         start = time.perf_counter()
         groups = engine.layout.groups
         device = batches[0].rows.device if batches else torch.device("cpu")
+        for storage, gb in zip(engine.weights, batches, strict=True):
+            if hasattr(storage, "prefetch"):  # a cache: bring the whole batch in at once, then read
+                storage.prefetch(gb.rows, lookup=True)
         pooled = [
             pool(engine.weights[gi], gb, engine.chunk_rows(gi, device)) for gi, gb in enumerate(batches)
         ]

@@ -7,12 +7,21 @@ path (one `embedding_bag` straight over `.tensor`, slices for checkpoints) only 
 the plain kind.
 
 Optimizer state (adagrad sums, adam moments) is stored the same way, one storage per state tensor,
-so that a cache can keep the state of hot rows next to their weights.
+so that a cache can keep the state of hot rows next to their weights. A `GroupStorageFactory` builds
+all storages of a group in one call (neorec/embedding/cache does, so that a row's weights and state
+are cached and evicted together).
+
+Optional methods the engine uses when a storage has them:
+- `prefetch(rows, lookup=False)`: bring rows into a cache before a step reads them (`lookup=True`
+  when the engine is about to look them up, which counts them for the hit rate);
+- `read_range(start, end)` / `write_range(start, end, values)`: checkpoints, without going through a
+  cache (read_range may return a view of a file, so saving streams the rows rather than copying them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -41,6 +50,23 @@ class RowStorage(Protocol):
 
 # factory(num_rows, width, dtype, device, init) -> storage; width 0 means one value per row.
 StorageFactory = Callable[[int, int, torch.dtype, torch.device, RowInit], RowStorage]
+
+
+@dataclass
+class StorageSpec:
+    """One tensor of a group to build: rows, width (0 = one value per row), dtype, initial values."""
+
+    num_rows: int
+    width: int
+    dtype: torch.dtype
+    init: RowInit
+
+
+# group_factory(tables, specs, device) -> storages. tables: (name, first global row, rows) of each
+# table of the group; specs and the result are keyed "weight", then the optimizer state names.
+GroupStorageFactory = Callable[
+    [list[tuple[str, int, int]], dict[str, StorageSpec], torch.device], dict[str, RowStorage]
+]
 
 
 class TensorStorage:

@@ -1,0 +1,20 @@
+"""Tables larger than fast memory: a RAM row cache (weights and optimizer state) over DRAM or SSD."""
+
+from neorec.embedding.cache.backing import DramBacking, SsdBacking, create_ssd_file
+from neorec.embedding.cache.build import TIERS, CacheSettings, cached_storage_factory
+from neorec.embedding.cache.cache import POLICIES, CachedStorage, RowCache
+from neorec.embedding.cache.stats import CacheStats, summarize
+
+__all__ = [
+    "POLICIES",
+    "TIERS",
+    "CacheSettings",
+    "CacheStats",
+    "CachedStorage",
+    "DramBacking",
+    "RowCache",
+    "SsdBacking",
+    "cached_storage_factory",
+    "create_ssd_file",
+    "summarize",
+]

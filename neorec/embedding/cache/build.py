@@ -1,0 +1,107 @@
+"""Build cached storage for the fused engine: which tables are cached, over which tier, how big.
+
+`cached_storage_factory(...)` returns the GroupStorageFactory the fused engine calls once per group
+of tables (see neorec/embedding/fused/storage.py); a group whose tables are all in tier "memory"
+gets plain tensors, as without a cache. Tiers:
+- memory: a plain tensor in RAM, no cache (the default);
+- dram: every row in a host-memory tensor behind a RAM cache (what a GPU's device-memory cache over
+  host memory is; on a CPU-only machine it is mostly useful for tests);
+- ssd: every row in a file under `directory`, created window by window (never whole in RAM).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from neorec.embedding.cache.backing import DramBacking, SsdBacking, create_ssd_file
+from neorec.embedding.cache.cache import POLICIES, CachedStorage, RowCache
+from neorec.embedding.fused.storage import GroupStorageFactory, RowStorage, StorageSpec, build_tensor_storage
+from neorec.errors import ConfigError
+
+TIERS = ("memory", "dram", "ssd")
+
+
+@dataclass
+class CacheSettings:
+    """How cached tables are stored; see neorec/config/schema.py CacheConfig for each field."""
+
+    policy: str = "lru"
+    fraction: float | None = 0.2  # share of each cached group's rows kept in the cache
+    size_mib: float | None = None  # or: MiB of cache (rows + optimizer state) shared by all groups
+    directory: str | Path | None = None  # where ssd tables' files go
+    release_mib: float = 256.0  # drop resident pages of ssd files after this much traffic
+
+
+def cached_storage_factory(
+    tiers: dict[str, str], settings: CacheSettings, total_cached_rows: int = 0
+) -> GroupStorageFactory:
+    """tiers: table name -> tier (missing = memory). total_cached_rows: rows of all cached tables,
+    to split settings.size_mib between groups in proportion to their rows."""
+    if settings.policy not in POLICIES:
+        raise ConfigError(f"embedding.cache.policy must be one of {POLICIES}, got {settings.policy!r}")
+    for name, tier in tiers.items():
+        if tier not in TIERS:
+            raise ConfigError(f"embedding.tables.{name}.tier must be one of {TIERS}, got {tier!r}")
+    if "ssd" in tiers.values() and settings.directory is None:
+        raise ConfigError("tables with tier ssd need embedding.cache.directory (a folder for their files)")
+
+    def build(
+        tables: list[tuple[str, int, int]], specs: dict[str, StorageSpec], device: torch.device
+    ) -> dict[str, RowStorage]:
+        names = [t[0] for t in tables]
+        group_tiers = {tiers.get(n, "memory") for n in names}
+        if group_tiers == {"memory"}:
+            return {
+                n: build_tensor_storage(s.num_rows, s.width, s.dtype, device, s.init)
+                for n, s in specs.items()
+            }
+        if len(group_tiers) > 1:
+            by_tier = {
+                tier: [n for n in names if tiers.get(n, "memory") == tier] for tier in sorted(group_tiers)
+            }
+            raise ConfigError(
+                f"tables {names} share one buffer (same dim, dtype and optimizer) but have different tiers "
+                f"{by_tier}; give them the same embedding.tables.<name>.tier, or another dtype/optimizer"
+            )
+        if device.type != "cpu":
+            raise ConfigError(
+                f"cached tables {names} (tier {group_tiers.pop()}) run on CPU only, not {device}"
+            )
+        tier = group_tiers.pop()
+        backings = {name: _backing(tier, names[0], name, spec, settings) for name, spec in specs.items()}
+        capacity = _capacity(names, specs, settings, total_cached_rows)
+        cache = RowCache(tables, backings, capacity, settings.policy)
+        return {name: CachedStorage(cache, name) for name in specs}
+
+    return build
+
+
+def _backing(tier: str, table: str, name: str, spec: StorageSpec, settings: CacheSettings):
+    if tier == "dram":
+        return DramBacking(
+            build_tensor_storage(spec.num_rows, spec.width, spec.dtype, torch.device("cpu"), spec.init).tensor
+        )
+    assert settings.directory is not None  # checked when the factory was made
+    path = Path(settings.directory) / f"{table}.{name}.bin"
+    create_ssd_file(path, spec.num_rows, spec.width, spec.dtype, spec.init)
+    return SsdBacking(path, spec.num_rows, spec.width, spec.dtype, int(settings.release_mib * 2**20))
+
+
+def _capacity(
+    names: list[str], specs: dict[str, StorageSpec], settings: CacheSettings, total_rows: int
+) -> int:
+    num_rows = specs["weight"].num_rows
+    if settings.size_mib is None:
+        return max(1, math.ceil((settings.fraction or 0.2) * num_rows))
+    row_bytes = sum(max(s.width, 1) * torch.empty((), dtype=s.dtype).element_size() for s in specs.values())
+    share = num_rows / total_rows if total_rows else 1.0
+    capacity = int(settings.size_mib * 2**20 * share // row_bytes)
+    if capacity < 1:
+        raise ConfigError(
+            f"embedding.cache.size_mib {settings.size_mib} leaves no room for rows of tables {names}"
+        )
+    return capacity

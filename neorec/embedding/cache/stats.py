@@ -1,0 +1,77 @@
+"""What a row cache counts, per table: lookups, misses, evictions, write-backs, bytes per tier.
+
+Definitions (rows are counted once per call, duplicates in a batch count once):
+- lookups: unique rows the engine looked up (one count per row per batch);
+- misses: rows brought from the backing tier into the cache (by a prefetch or a lookup), or read
+  from the backing tier directly when a batch held more unique rows than the cache;
+- hit rate: 1 - misses / lookups, i.e. the share of looked-up rows that cost no transfer;
+- evictions: rows dropped from the cache; writebacks: those of them that were updated, so their
+  weights and optimizer state were written back; write_through: updates written straight to the
+  backing tier because their row was not cached;
+- bytes: rows x (weight + optimizer state bytes per row), from and to the backing tier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FIELDS = ("lookups", "misses", "evictions", "writebacks", "write_through")
+
+
+class CacheStats:
+    """Counters of one cache (one group of tables), kept per table."""
+
+    def __init__(self, tables: list[str], starts: list[int], row_bytes: int, tier: str) -> None:
+        self.tables = tables
+        self.starts = torch.tensor(starts, dtype=torch.int64)
+        self.row_bytes = row_bytes
+        self.tier = tier
+        self.counts = torch.zeros(len(FIELDS), len(tables), dtype=torch.int64)
+
+    def add(self, field: str, rows: torch.Tensor) -> None:
+        """Count global `rows` under `field`, each for the table that holds it."""
+        if rows.numel() == 0:
+            return
+        i = FIELDS.index(field)
+        if len(self.tables) == 1:
+            self.counts[i, 0] += rows.numel()
+            return
+        table = torch.searchsorted(self.starts, rows, right=True) - 1
+        self.counts[i] += torch.bincount(table, minlength=len(self.tables))
+
+    def by_table(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for t, name in enumerate(self.tables):
+            c = {f: int(self.counts[i, t]) for i, f in enumerate(FIELDS)}
+            hit_rate = max(0.0, 1.0 - c["misses"] / c["lookups"]) if c["lookups"] else float("nan")
+            out[name] = {
+                **c,
+                "hit_rate": hit_rate,
+                f"mib_from_{self.tier}": c["misses"] * self.row_bytes / 2**20,
+                f"mib_to_{self.tier}": (c["writebacks"] + c["write_through"]) * self.row_bytes / 2**20,
+            }
+        return out
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+
+def summarize(per_table: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Totals over tables: lookups, misses, hit rate, evictions and MiB moved per tier."""
+    out: dict[str, float] = {}
+    for stats in per_table.values():
+        for k, v in stats.items():
+            if k != "hit_rate":
+                out[k] = out.get(k, 0) + v
+    if out.get("lookups"):
+        out["hit_rate"] = max(0.0, 1.0 - out["misses"] / out["lookups"])
+    return out
+
+
+def log_values(per_table: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Flat values for the training log (cumulative): totals, then `<table>/<stat>` per table."""
+    keep = ("hit_rate", "misses", "evictions")
+    out = {k: v for k, v in summarize(per_table).items() if k in keep or k.startswith("mib_")}
+    for table, stats in per_table.items():
+        out.update({f"{table}/{k}": v for k, v in stats.items() if k in keep or k.startswith("mib_")})
+    return out
