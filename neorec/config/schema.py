@@ -116,6 +116,29 @@ class TableOverride(Strict):
     pooling: Literal["sum", "mean"] | None = Field(None, description="bag pooling")
     dtype: Literal["fp32", "fp16", "bf16"] | None = Field(None, description="weight storage type")
     optimizer: EmbeddingOptimizerConfig | None = Field(None, description="optimizer for this table")
+    tier: Literal["memory", "dram", "ssd"] | None = Field(None, description="where this table's rows live")
+
+
+class CacheConfig(Strict):
+    """The RAM row cache of tables in tier dram or ssd (neorec/embedding/cache)."""
+
+    policy: Literal["lru", "lfu"] = Field("lru", description="which rows the cache evicts first")
+    fraction: float | None = Field(
+        None, gt=0, le=1, description="share of each cached table group's rows kept in RAM (default 0.2)"
+    )
+    size_mib: float | None = Field(
+        None, gt=0, description="or: MiB of cache (rows + optimizer state) shared by all cached tables"
+    )
+    directory: str | None = Field(None, description="folder for the files of ssd tables (created afresh)")
+    release_mib: float = Field(
+        256.0, gt=0, description="ssd: drop the file mapping's resident pages after this many MiB of traffic"
+    )
+
+    @model_validator(mode="after")
+    def _one_size(self) -> CacheConfig:
+        if self.fraction is not None and self.size_mib is not None:
+            raise ValueError("set embedding.cache.fraction or embedding.cache.size_mib, not both")
+        return self
 
 
 class EmbeddingConfig(Strict):
@@ -129,6 +152,18 @@ class EmbeddingConfig(Strict):
         description="default optimizer of the embedding rows",
     )
     tables: dict[str, TableOverride] = Field(default_factory=dict, description="overrides by feature/table name")
+    tier: Literal["memory", "dram", "ssd"] = Field(
+        "memory", description="where rows live: RAM (no cache), or behind a RAM cache in host memory or on disk"
+    )
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="the row cache of dram/ssd tables")
+
+    @model_validator(mode="after")
+    def _cache_directory(self) -> EmbeddingConfig:
+        ssd = [n for n, o in self.tables.items() if o.tier == "ssd"]
+        if (self.tier == "ssd" or ssd) and self.cache.directory is None:
+            which = "embedding.tier is ssd" if self.tier == "ssd" else f"embedding.tables {ssd} have tier ssd"
+            raise ValueError(f"{which}: set embedding.cache.directory to a folder for their files")
+        return self
 
 
 # ---- training ------------------------------------------------------------------------------------

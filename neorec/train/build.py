@@ -94,6 +94,13 @@ def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
 def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> EmbeddingCollection:
     """The fused engine; over several processes (comms given, world > 1) the sharded collection."""
     e = cfg.embedding
+    tiers = {t.name: (e.tables[t.name].tier if t.name in e.tables else None) or e.tier for t in tables}
+    cached = sorted(n for n, tier in tiers.items() if tier != "memory")
+    if cached and (e.engine != "fused" or (comms is not None and comms.topo.world_size > 1)):
+        raise ConfigError(
+            f"embedding.tier: tables {cached} are cached (tier dram/ssd), which only the fused engine in one "
+            "process supports; set their tier to memory"
+        )
     if comms is not None and comms.topo.world_size > 1:
         if e.engine != "fused":
             raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")
@@ -111,7 +118,17 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
         return ReferenceEmbeddingCollection(tables, e.optimizer, seed=cfg.seed)
     from neorec.embedding.fused import FusedEmbeddingCollection
 
-    return FusedEmbeddingCollection(tables, e.optimizer, seed=cfg.seed, stochastic_rounding=e.stochastic_rounding)
+    factory = None
+    if cached:  # a RAM cache over host memory or files (neorec/embedding/cache)
+        from neorec.embedding.cache import CacheSettings, cached_storage_factory
+
+        c = e.cache
+        settings = CacheSettings(c.policy, c.fraction, c.size_mib, c.directory, c.release_mib)
+        total = sum(t.rows for t in tables if t.name in cached)
+        factory = cached_storage_factory(tiers, settings, total)
+    return FusedEmbeddingCollection(
+        tables, e.optimizer, seed=cfg.seed, stochastic_rounding=e.stochastic_rounding, group_storage_factory=factory
+    )
 
 
 def build_model(cfg: RunConfig, info: SourceInfo, embeddings: EmbeddingCollection) -> nn.Module:
