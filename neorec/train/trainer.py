@@ -20,6 +20,7 @@ from neorec.data.source import DataSource
 from neorec.distributed.comms import Comms
 from neorec.distributed.dense import DenseGradSync
 from neorec.distributed.topology import init_distributed
+from neorec.embedding.cache.stats import log_values
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError
 from neorec.metrics.evaluation import binary_metrics
@@ -230,6 +231,8 @@ class Trainer:
                     now = time.perf_counter()
                     sps = window_samples / (now - window_start)
                     logger.log("train", step, {"loss": running, "samples_per_s": sps, "epoch": epoch})
+                    if getattr(self.embeddings, "cache_stats", None) and (cache := self.embeddings.cache_stats()):
+                        logger.log("cache", step, log_values(cache))  # hit rate, MiB per tier, per table
                     if bar is not None:
                         bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{sps:,.0f}")
                     window_samples, window_start = 0, now
