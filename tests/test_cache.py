@@ -1,0 +1,276 @@
+"""The row cache (neorec/embedding/cache): exact training through it, SSD tables, stats, config errors.
+
+Exactness is checked bitwise against the same engine without a cache (which test_fused_engine checks
+against a float64 reference), with the cache far smaller than the rows the batches touch, so that
+rows and their optimizer state are evicted and brought back many times.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_fused_engine import Float64Reference, assert_matches
+
+from neorec.config.load import load_config
+from neorec.embedding.cache import CacheSettings, DramBacking, RowCache, SsdBacking, cached_storage_factory
+from neorec.embedding.fused import FusedEmbeddingCollection
+from neorec.embedding.init import init_rows
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.errors import ConfigError
+from neorec.sparse import SparseBatch
+
+OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad", "adam"]
+
+
+def tables() -> list[TableConfig]:
+    """Two groups (dims 8 and 4); one table shared by two features; mean pooling."""
+    return [
+        TableConfig(name="users", rows=300, dim=8, features=["user", "friend"]),
+        TableConfig(name="items", rows=200, dim=8, features=["item"], pooling="mean"),
+        TableConfig(name="tags", rows=120, dim=4, features=["tag"]),
+    ]
+
+
+def batch(
+    gen: torch.Generator, ts: list[TableConfig], batch_size: int = 16, one_hot: bool = False
+) -> SparseBatch:
+    """Ids over every row, skewed (x^2), 0-4 per bag (weighted) or exactly one."""
+    features = {}
+    for t in ts:
+        for f in t.features:
+            lengths = (
+                torch.ones(batch_size, dtype=torch.int64)
+                if one_hot
+                else torch.randint(0, 5, (batch_size,), generator=gen)
+            )
+            n = int(lengths.sum())
+            ids = (torch.rand(n, generator=gen).square() * t.rows).long()
+            features[f] = (ids, lengths) if one_hot else (ids, lengths, torch.rand(n, generator=gen) + 0.5)
+    return SparseBatch.from_features(features)
+
+
+def cached_engine(
+    ts, opt, tmp_path, policy="lru", tier="ssd", fraction=0.1, seed=0
+) -> FusedEmbeddingCollection:
+    settings = CacheSettings(policy=policy, fraction=fraction, directory=tmp_path / f"tables-{seed}")
+    factory = cached_storage_factory({t.name: tier for t in ts}, settings)
+    return FusedEmbeddingCollection(ts, opt, seed=seed, group_storage_factory=factory)
+
+
+def train_both(a, b, gen, steps, ts, prefetch=False, one_hot=False) -> None:
+    """Same batches and output gradients through both engines; forward outputs must agree bitwise."""
+    batches = [batch(gen, ts, one_hot=one_hot) for _ in range(steps)]
+    for i, sparse in enumerate(batches):
+        if prefetch and i + 1 < len(batches):  # as the pipeline does: the next batch before this step
+            b.prefetch(batches[i + 1])
+        pa, pb = a(sparse), b(sparse)
+        assert torch.equal(pa, pb), f"step {i}: pooled outputs differ"
+        grad = torch.randn(pa.shape, generator=gen)
+        pa.backward(grad)
+        pb.backward(grad)
+
+
+def assert_same_state(a, b) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_cached_training_is_bitwise_uncached_training(tmp_path, name, policy) -> None:
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, weight_decay=0.01, initial_accumulator=0.01)
+    plain, cached = FusedEmbeddingCollection(ts, opt), cached_engine(ts, opt, tmp_path, policy)
+    for engine in (plain, cached):
+        engine.chunk_elements = 64  # several update blocks per batch
+    train_both(plain, cached, torch.Generator().manual_seed(len(name)), 12, ts, prefetch=name != "sgd")
+    assert_same_state(plain, cached)
+    stats = cached.cache_stats()
+    assert set(stats) == {"users", "items", "tags"}
+    # eviction pressure: 10% of rows cached, far fewer than the rows the batches touched
+    assert all(s["evictions"] > 0 and s["writebacks"] > 0 for s in stats.values())
+    assert sum(s["misses"] for s in stats.values()) > sum(t.rows for t in ts) * 0.5
+
+
+@pytest.mark.parametrize("tier", ["dram", "ssd"])
+def test_one_hot_and_tiny_cache_are_exact(tmp_path, tier) -> None:
+    """A cache of 2 rows, smaller than one batch: rows that do not fit go straight to the backing tier."""
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name="adam", lr=0.05)
+    plain, cached = (
+        FusedEmbeddingCollection(ts, opt),
+        cached_engine(ts, opt, tmp_path, tier=tier, fraction=0.005),
+    )
+    gen = torch.Generator().manual_seed(3)
+    train_both(plain, cached, gen, 4, ts, one_hot=True)
+    train_both(plain, cached, gen, 4, ts)
+    assert_same_state(plain, cached)
+    assert any(s["write_through"] > 0 for s in cached.cache_stats().values())
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_cached_training_matches_float64_reference(tmp_path, name) -> None:
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
+    engine, ref = cached_engine(ts, opt, tmp_path, "lfu", fraction=0.05), Float64Reference(ts, opt)
+    gen = torch.Generator().manual_seed(5)
+    outputs = []
+    for _ in range(4):
+        sparse = batch(gen, ts)
+        pooled, expected = engine(sparse), ref.forward(sparse)
+        outputs.append((pooled.detach().clone(), expected))
+        grad = torch.randn(pooled.shape, generator=gen)
+        pooled.backward(grad)
+        ref.backward_and_update(sparse, grad, {t.name: opt.lr for t in ts})
+    assert_matches(engine, ref, outputs)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_checkpoint_restore_is_bitwise(tmp_path, policy) -> None:
+    """Save a cached engine mid-training, restore into a fresh one (other seed, other files) and into
+    a plain one; all three continue bitwise like an uncached run."""
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name="adam", lr=0.05)
+    plain, cached = FusedEmbeddingCollection(ts, opt), cached_engine(ts, opt, tmp_path, policy)
+    gen = torch.Generator().manual_seed(9)
+    train_both(plain, cached, gen, 5, ts)
+    saved = io.BytesIO()
+    torch.save(cached.state_dict(), saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved)
+    restored = cached_engine(ts, opt, tmp_path, policy, seed=1)
+    restored.load_state_dict(checkpoint)
+    plain_restored = FusedEmbeddingCollection(ts, opt, seed=1)
+    plain_restored.load_state_dict(checkpoint)
+    state = gen.get_state()
+    train_both(plain, cached, gen, 5, ts, prefetch=True)
+    for other in (restored, plain_restored):
+        gen.set_state(state)
+        fresh = FusedEmbeddingCollection(ts, opt)
+        fresh.load_state_dict(checkpoint)
+        train_both(fresh, other, gen, 5, ts)
+        assert_same_state(plain, other)
+    assert_same_state(plain, cached)
+
+
+def test_ssd_table_is_created_without_materialising(tmp_path) -> None:
+    """A 512 MiB table (weights) goes to disk window by window; its state_dict entry is a view of the
+    file: resident memory grows by far less than the table."""
+    t = TableConfig(name="big", rows=2_000_000, dim=64, features=["big"])
+    opt = EmbeddingOptimizerConfig(name="sgd", lr=0.1)
+    before = _rss_mib()
+    engine = cached_engine([t], opt, tmp_path, fraction=0.001)
+    backing = engine.weights[0].cache.backings["weight"]
+    assert isinstance(backing, SsdBacking) and isinstance(backing.array, np.memmap)
+    assert backing.path.stat().st_size == t.rows * t.dim * 4
+    weight = engine.state_dict()["tables.big.weight"]
+    assert weight.shape == (t.rows, t.dim)
+    assert torch.equal(weight[123_456:123_460], init_rows(t, 0, 123_456, 123_460))
+    assert _rss_mib() - before < 150, "creating or saving the table loaded it into memory"
+
+
+def test_stats_on_a_hand_checked_sequence() -> None:
+    """Capacity 2, rows of 4 fp32 weights (16 bytes). Lookups [0, 1], [1, 2], [0, 2], [2, 3]."""
+    backing = DramBacking(torch.arange(40, dtype=torch.float32).view(10, 4).clone())
+    lru = RowCache([("t", 0, 10)], {"weight": backing}, capacity=2, policy="lru")
+    for rows in ([0, 1], [1, 2], [0, 2], [2, 3]):
+        lru.prefetch(torch.tensor(rows), lookup=True)
+        lru.write("weight", torch.tensor(rows[:1]), torch.zeros(1, 4))  # update the first row
+    # misses: 0, 1 | 2 (evicts 0, dirty) | 0 (evicts 1, dirty) | 3 (evicts 0, dirty; 2 was used later)
+    s = lru.stats.by_table()["t"]
+    assert (s["lookups"], s["misses"], s["evictions"], s["writebacks"]) == (8, 5, 3, 3)
+    assert s["hit_rate"] == pytest.approx(1 - 5 / 8)
+    assert s["mib_from_dram"] == pytest.approx(5 * 16 / 2**20) and s["mib_to_dram"] == pytest.approx(
+        3 * 16 / 2**20
+    )
+    assert sorted(lru.row_of.tolist()) == [2, 3]
+    # LFU evicts the least used row: 0 (1 use) when 2 comes in, then 2 (1 use; 1 has 3) when 3 comes in
+    lfu = RowCache([("t", 0, 10)], {"weight": DramBacking(torch.zeros(10, 4))}, capacity=2, policy="lfu")
+    for rows in ([0, 1], [1], [1, 2], [3]):
+        lfu.prefetch(torch.tensor(rows), lookup=True)
+    assert sorted(lfu.row_of.tolist()) == [1, 3]
+    lfu.flush()
+    assert lfu.stats.by_table()["t"]["evictions"] == 2
+
+
+def test_values_survive_eviction_and_flush() -> None:
+    backing = DramBacking(torch.zeros(6, 2))
+    cache = RowCache([("t", 0, 6)], {"weight": backing}, capacity=2)
+    cache.prefetch(torch.tensor([4, 5]))
+    cache.write("weight", torch.tensor([4, 5]), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert backing.tensor[4].sum() == 0  # written back only on eviction or flush
+    assert torch.equal(
+        cache.read("weight", torch.tensor([0, 5, 4])), torch.tensor([[0.0, 0], [3, 4], [1, 2]])
+    )
+    cache.flush()
+    assert torch.equal(backing.tensor[4:], torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+
+
+TINY = [
+    "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 1000]", "data.synthetic.num_sparse=4",
+    "data.synthetic.train_samples=2048", "data.synthetic.eval_samples=512", "data.batch_size=256",
+    "train.progress=false", "logging.plot=false", "logging.tensorboard=false", "train.log_every=4",
+]  # fmt: skip
+
+
+def test_trainer_with_ssd_tables_logs_cache_stats_and_matches_memory(tmp_path) -> None:
+    from neorec.train.trainer import Trainer
+
+    ssd = [
+        "embedding.tier=ssd",
+        f"embedding.cache.directory={tmp_path / 'tables'}",
+        "embedding.cache.policy=lfu",
+    ]
+    a = Trainer(load_config("default", TINY), tmp_path / "a").fit()
+    b = Trainer(load_config("default", TINY + ssd + ["embedding.cache.fraction=0.5"]), tmp_path / "b").fit()
+    assert a.losses == b.losses
+    records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    cache = [r for r in records if r["split"] == "cache"]
+    assert cache and 0 <= cache[-1]["hit_rate"] <= 1 and cache[-1]["evictions"] > 0
+    assert "mib_from_ssd" in cache[-1]
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["embedding.tier=ssd"], "embedding.cache.directory"),
+        (["embedding.cache.fraction=0.1", "embedding.cache.size_mib=10"], "embedding.cache.fraction or"),
+        (["embedding.tier=disk"], "embedding.tier"),
+        (["embedding.cache.policy=fifo"], "embedding.cache.policy"),
+        (["embedding.cache.fraction=1.5"], "embedding.cache.fraction"),
+        (["embedding.tables={C1: {tier: tape}}"], "embedding.tables.C1.tier"),
+    ],
+)
+def test_bad_cache_config_names_the_key(sets, message) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config("default", TINY + sets)
+
+
+def test_cache_build_errors_name_tables_and_keys(tmp_path) -> None:
+    from neorec.train.trainer import Trainer
+
+    # C1 and C2 share one buffer (same dim, dtype, optimizer) but not one tier
+    mixed = TINY + [f"embedding.cache.directory={tmp_path}", "embedding.tables={C1: {tier: ssd}}"]
+    with pytest.raises(ConfigError, match=r"different tiers .*'ssd': \['C1'\]"):
+        Trainer(load_config("default", mixed), tmp_path / "x")
+    with pytest.raises(ConfigError, match="only the fused engine"):
+        Trainer(
+            load_config("default", TINY + ["embedding.tier=dram", "embedding.engine=reference"]),
+            tmp_path / "y",
+        )
+    with pytest.raises(ConfigError, match=r"embedding\.cache\.size_mib"):
+        settings = CacheSettings(fraction=None, size_mib=1e-6)
+        factory = cached_storage_factory({"t": "dram"}, settings, total_cached_rows=10)
+        FusedEmbeddingCollection([TableConfig(name="t", rows=10, dim=4, features=["t"])],
+                                 EmbeddingOptimizerConfig(name="sgd", lr=0.1), group_storage_factory=factory)  # fmt: skip
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
