@@ -110,6 +110,8 @@ def plot(results: list[PlanResult], cluster: Cluster, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     n = len(results)
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(2, n, figsize=(6 * n, 7), squeeze=False)
     for col, res in enumerate(results):
         ranks = [r.rank for r in res.estimate.ranks]
@@ -134,6 +136,8 @@ def plot(results: list[PlanResult], cluster: Cluster, path: str | Path) -> Path:
                 tier.capacity / 1e9, color=f"C{i}", linestyle=":", linewidth=1, label=f"{tier.name} capacity"
             )
         ax.set_xlabel("rank")
+        for a in (axes[0][col], ax):  # ranks are whole numbers
+            a.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("GB")
         ax.set_title("memory per rank and tier")
         ax.legend(fontsize=8)
