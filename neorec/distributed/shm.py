@@ -132,11 +132,7 @@ class ShmGroup:
         W, me = self.size, self.index
         src = _bytes(send)
         dst = _bytes(recv)
-        row_bytes = (
-            send[0].numel() * send.element_size() if send.dim() > 1 and send.shape[0] else send.element_size()
-        )
-        if send.dim() > 1 and send.shape[0] == 0:
-            row_bytes = send.shape[1:].numel() * send.element_size()
+        row_bytes = send.shape[1:].numel() * send.element_size()
         send_off = _prefix([s * row_bytes for s in send_splits])
         recv_off = _prefix([s * row_bytes for s in recv_splits])
         total = send_off[-1]
