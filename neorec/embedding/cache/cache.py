@@ -67,10 +67,11 @@ class RowCache:
         unique = torch.unique(rows)
         if lookup:
             self.stats.add("lookups", unique)
-        self._ensure(unique)
+        self._ensure(unique, count_unfit=lookup)
 
-    def _ensure(self, rows: torch.Tensor) -> None:
-        """Bring unique `rows` in (as many as fit next to those of them already resident)."""
+    def _ensure(self, rows: torch.Tensor, count_unfit: bool = False) -> None:
+        """Bring unique `rows` in (as many as fit next to those of them already resident); the rest
+        will be read from the backing store directly, and count as misses when count_unfit."""
         slots = self.slot_of.index_select(0, rows).long()
         hit = slots >= 0
         resident = slots[hit]
@@ -79,6 +80,8 @@ class RowCache:
         self.uses.index_add_(0, resident, torch.ones_like(resident))
         missing = rows[~hit]
         room = self.capacity - resident.numel()
+        if count_unfit and missing.numel() > room:
+            self.stats.add("misses", missing[room:])
         missing = missing[:room]  # beyond the cache: read/written in the backing store directly
         if missing.numel():
             victims = self._victims(missing.numel(), resident)
@@ -144,8 +147,6 @@ class RowCache:
         out[cached] = buffer.index_select(0, slots[cached])
         direct = rows[~cached]
         out[~cached] = self.backings[name].read(direct)
-        if name == next(iter(self.backings)):  # count each row once, not once per tensor
-            self.stats.add("misses", torch.unique(direct))
         return out
 
     def write(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:

@@ -1,10 +1,13 @@
 """What a row cache counts, per table: lookups, misses, evictions, write-backs, bytes per tier.
 
 Definitions (rows are counted once per call, duplicates in a batch count once):
-- lookups: unique rows the engine looked up (one count per row per batch);
-- misses: rows brought from the backing tier into the cache (by a prefetch or a lookup), or read
-  from the backing tier directly when a batch held more unique rows than the cache;
-- hit rate: 1 - misses / lookups, i.e. the share of looked-up rows that cost no transfer;
+- lookups: unique rows of each batch, counted once per batch (at its prefetch, or at its lookup
+  when it was not prefetched);
+- misses: rows brought from the backing tier into the cache (by a prefetch or a lookup), plus the
+  rows of a batch that did not fit in the cache at all (read from the backing tier directly);
+- hit rate: 1 - misses / lookups, the share of looked-up rows that cost no transfer. A cache that
+  cannot hold two batches may evict rows prefetched for the next batch before it runs; they are
+  brought in twice, and the hit rate (clamped at 0) says so;
 - evictions: rows dropped from the cache; writebacks: those of them that were updated, so their
   weights and optimizer state were written back; write_through: updates written straight to the
   backing tier because their row was not cached;

@@ -24,6 +24,7 @@ loads into another grouping, another engine or another sharding.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -131,6 +132,9 @@ class FusedEmbeddingCollection(EmbeddingCollection):
                 )
             )
 
+        self._cached = any(hasattr(w, "prefetch") for w in self.weights)
+        self._prefetched: deque[int] = deque(maxlen=8)  # ids of prefetched batches not yet looked up
+
     # ---- initial values -----------------------------------------------------------------------
     def _weight_init(self, g: TableGroup) -> RowInit:
         """Rows [start, end) of a group from init_rows, so every engine starts from the same values."""
@@ -165,17 +169,25 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         if not self.layout.groups or sparse.batch_size == 0:  # e.g. a rank that holds no shard
             return torch.zeros(sparse.batch_size, self.output_dim, device=sparse.values.device)
         batches = self._prepare(sparse)
+        if self._cached:  # bring the whole batch in at once (one eviction round), then read it
+            counted = id(sparse) in self._prefetched  # its prefetch counted its rows for the hit rate
+            if counted:
+                self._prefetched.remove(id(sparse))
+            for storage, gb in zip(self.weights, batches, strict=True):
+                if hasattr(storage, "prefetch"):
+                    storage.prefetch(gb.rows, lookup=not counted)
         anchor = torch.empty(0, device=sparse.values.device, requires_grad=True)
         return FusedLookup.apply(anchor, self, batches)
 
     def prefetch(self, sparse: SparseBatch) -> None:
         """Bring the rows a coming batch will look up into the cached storages, before its step
         (the training pipeline calls this for batch i+1 before batch i runs). No-op without caches."""
-        if sparse.batch_size == 0 or not any(hasattr(w, "prefetch") for w in self.weights):
+        if sparse.batch_size == 0 or not self._cached:
             return
+        self._prefetched.append(id(sparse))
         for storage, gb in zip(self.weights, self._prepare(sparse), strict=True):
             if hasattr(storage, "prefetch"):
-                storage.prefetch(gb.rows)
+                storage.prefetch(gb.rows, lookup=True)
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
         """Per cached table: hit rate, rows and bytes moved from/to its backing tier, evictions."""

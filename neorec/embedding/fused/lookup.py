@@ -231,9 +231,6 @@ class FusedLookup(torch.autograd.Function):
         start = time.perf_counter()
         groups = engine.layout.groups
         device = batches[0].rows.device if batches else torch.device("cpu")
-        for storage, gb in zip(engine.weights, batches, strict=True):
-            if hasattr(storage, "prefetch"):  # a cache: bring the whole batch in at once, then read
-                storage.prefetch(gb.rows, lookup=True)
         pooled = [
             pool(engine.weights[gi], gb, engine.chunk_rows(gi, device)) for gi, gb in enumerate(batches)
         ]
