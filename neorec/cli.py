@@ -91,6 +91,34 @@ def cmd_data_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_preprocess(args: argparse.Namespace) -> int:
+    from neorec.data.preprocess import preprocess_criteo, preprocess_synthetic
+
+    common = {"workers": args.workers, "progress": not args.no_progress}
+    if args.synthetic:
+        from neorec.config.load import load_config
+        from neorec.data.synthetic import spec_from_config
+
+        if args.inputs:
+            raise NeorecError("--synthetic takes no input files; the data comes from --config/--set")
+        cfg = load_config(args.config or "default", args.overrides)
+        result = preprocess_synthetic(spec_from_config(cfg.data.synthetic, cfg.seed), args.out, **common)
+    else:
+        if not args.inputs:
+            raise NeorecError("give Criteo TSV files to preprocess, or --synthetic")
+        rows = [int(r) for r in args.table_rows.split(",")]
+        result = preprocess_criteo(
+            args.inputs, args.out, eval_paths=args.eval_paths, eval_every=args.eval_every, hashing=args.hashing,
+            table_rows=rows[0] if len(rows) == 1 else rows, vocab_threshold=args.vocab_threshold,
+            bad_lines=args.bad_lines, shard_lines=args.shard_lines, **common,
+        )  # fmt: skip
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items())) or "none"
+    samples = ", ".join(f"{k} {v}" for k, v in sorted(result.num_samples.items()))
+    print(f"{result.out}: {result.num_shards} shards ({result.written} written now); samples: {samples}; "
+          f"bad lines skipped: {skipped}")  # fmt: skip
+    return 0
+
+
 def cmd_data_inspect(args: argparse.Namespace) -> int:
     from neorec.data.inspect import inspect_source
 
@@ -162,6 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=cmd_data_generate)
+    p = data.add_parser("preprocess", help="Criteo TSV files (or synthetic data) -> sharded .npy columns, resumable")
+    p.add_argument("inputs", nargs="*", help="Criteo TSV files, plain or .gz (training data)")
+    p.add_argument("--out", required=True, help="output folder (rerun the same command to resume)")
+    p.add_argument("--eval-paths", nargs="+", default=None, help="held-out TSV files (default: every --eval-every-th line)")
+    p.add_argument("--eval-every", type=int, default=10, help="without --eval-paths, hold out lines whose number is a multiple of this")
+    p.add_argument("--hashing", default="modulo", choices=["modulo", "hash"], help="how a hex value maps into its table")
+    p.add_argument("--table-rows", default="100000", help="rows per table: one number or 26, comma-separated")
+    p.add_argument("--vocab-threshold", type=int, default=None,
+                   help="instead of hashing: ids for values seen at least this often in training lines, 0 for the rest")  # fmt: skip
+    p.add_argument("--bad-lines", default="fail", choices=["fail", "skip"], help="stop with file:line, or skip and count")
+    p.add_argument("--shard-lines", type=int, default=1_000_000, help="input lines per shard")
+    p.add_argument("--workers", type=int, default=1, help="processes that write shards in parallel")
+    p.add_argument("--synthetic", action="store_true", help="preprocess the synthetic data set of --config instead")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_data_preprocess)
     p = data.add_parser("inspect", help="summarise the data a config reads (features, sizes, id statistics)")
     _add_config_args(p)
     p.add_argument("--batches", type=int, default=4, help="training batches to sample for statistics")
