@@ -73,8 +73,17 @@ class MovieLensConfig(Strict):
     val_fraction: float = Field(0.1, gt=0, lt=1, description="share of ratings held out (seeded split)")
 
 
+class PreprocessedConfig(Strict):
+    """Shards written by `neorec data preprocess`, read by neorec/data/sharded_reader.py."""
+
+    path: str = Field(description="the folder `neorec data preprocess --out` wrote")
+    shuffle: bool = Field(True, description="shuffle the shard order and the samples within a window, per epoch")
+    shuffle_window: int = Field(131072, gt=0, description="samples permuted together (the shuffle buffer)")
+    prefetch: int = Field(4, ge=0, description="batches the reader's background threads make ahead")
+
+
 class DataConfig(Strict):
-    source: Literal["synthetic", "criteo_tsv", "movielens", "shards"] = Field(
+    source: Literal["synthetic", "criteo_tsv", "movielens", "shards", "preprocessed"] = Field(
         "synthetic", description="where batches come from"
     )
     shards_dir: str | None = Field(None, description="source shards: a folder written by `neorec data generate`")
@@ -83,6 +92,7 @@ class DataConfig(Strict):
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic data settings")
     criteo: CriteoConfig | None = Field(None, description="Criteo TSV settings (source: criteo_tsv)")
     movielens: MovieLensConfig = Field(default_factory=MovieLensConfig, description="MovieLens settings")
+    preprocessed: PreprocessedConfig | None = Field(None, description="preprocessed shards (source: preprocessed)")
 
     @model_validator(mode="after")
     def _source_settings(self) -> DataConfig:
@@ -90,6 +100,8 @@ class DataConfig(Strict):
             raise ValueError("source criteo_tsv needs a data.criteo section with train_paths")
         if self.source == "shards" and not self.shards_dir:
             raise ValueError("source shards needs data.shards_dir")
+        if self.source == "preprocessed" and self.preprocessed is None:
+            raise ValueError("source preprocessed needs a data.preprocessed section with path")
         return self
 
 

@@ -35,6 +35,22 @@ def build_source(cfg: RunConfig) -> DataSource:
         from neorec.data.shards import ShardSource
 
         return ShardSource(d.shards_dir)
+    if d.source == "preprocessed":
+        from pathlib import Path
+
+        from neorec.data.sharded_reader import PreprocessedSource
+
+        p = d.preprocessed
+        assert p is not None  # checked by the config validator
+        if not (Path(p.path) / "manifest.json").is_file():
+            raise ConfigError(
+                f"data.preprocessed.path: {p.path} has no manifest.json; write it with `neorec data preprocess`"
+            )
+        # The trainer reads the global batch on every rank and keeps its slice, so every rank reads all
+        # samples here; PreprocessedSource(rank=, world_size=) reads one rank's part for a per-rank loop.
+        return PreprocessedSource(
+            p.path, seed=cfg.seed, shuffle=p.shuffle, shuffle_window=p.shuffle_window, prefetch=p.prefetch
+        )
     if d.source == "movielens":
         from neorec.data.movielens import MovieLensSource
 

@@ -1,0 +1,246 @@
+"""A DataSource over a folder of `neorec data preprocess`: per-rank parts, seeded shuffling, background
+prefetch, exact resume.
+
+The samples of one epoch, for one rank, are a pure function of (seed, epoch, rank, world_size,
+shuffle_window) and the manifest:
+1. Shard order: the shards' parts of the split are permuted with a generator seeded by (seed, epoch)
+   (kept in manifest order for eval, or with shuffle off) and laid end to end: N samples.
+2. Rank part: every rank takes n = N // world_size samples, rank r the contiguous range
+   [r * n, (r + 1) * n). All ranks thus yield the same number of samples, so the same number and sizes
+   of batches, known from the manifest alone without any communication: no rank runs out of batches
+   while the others wait in a collective at the end of an epoch, whatever the shard sizes. The
+   N % world_size samples at the very end of the order (of whichever shard comes last that epoch) are
+   left out of that epoch.
+3. Shuffle window: the rank's range is cut into windows of `shuffle_window` samples and each window is
+   permuted with a generator seeded by (seed, epoch, rank, window): a shuffle buffer whose output
+   depends only on the position, which is what makes resuming exact.
+4. Batches: consecutive `batch_size` samples of that stream (the last one may be smaller).
+
+Reading: columns are memory-mapped, so a window reads only its slices of (at most a few) shards. One
+thread reads and permutes the next windows, another cuts them into ready `Batch`es
+(neorec.data.prefetch), so the training step finds batches waiting.
+
+Resume: `state()` tells how many samples of which epoch this reader has handed out; after
+`load_state(state)`, the next `train_batches(batch_size, state["epoch"])` starts right after them (the
+batch size may differ). A trainer that prefetches batches itself should save the samples it consumed,
+not the reader's count: `{**reader.state(), "samples": consumed}`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from neorec.data.batch import Batch
+from neorec.data.blocks import Block, rebatch
+from neorec.data.prefetch import prefetch
+from neorec.data.preprocess import SPLITS, load_manifest, shard_name
+from neorec.data.source import FeatureSpec, SourceInfo
+from neorec.errors import ConfigError, DataError
+
+_OPEN_PARTS = 32  # memory-mapped shard parts kept open (each maps one file per column)
+_LAYOUT_KEYS = ("seed", "rank", "world_size", "shuffle", "shuffle_window")
+
+
+class _Part:
+    """One shard's columns of one split, memory-mapped."""
+
+    def __init__(self, folder: Path, features: list[FeatureSpec], num_dense: int) -> None:
+        self.folder = folder
+        self.dense = self._load("dense")
+        self.labels = self._load("labels")
+        self.ids = [self._load(f"ids_{f.name}") for f in features]
+        self.lengths = [self._load(f"lengths_{f.name}") if f.multi_hot else None for f in features]
+        self.weights = [self._load(f"weights_{f.name}") if f.weighted else None for f in features]
+        n = len(self.labels)
+        if self.dense.shape != (n, num_dense):
+            raise DataError(f"{folder}/dense.npy: shape {self.dense.shape}, expected ({n}, {num_dense})")
+        # start of each sample's ids in a multi-hot column (one cumsum per part, when first opened)
+        self.offsets = [None if ln is None else np.concatenate([[0], np.cumsum(ln, dtype=np.int64)])
+                        for ln in self.lengths]  # fmt: skip
+        for f, (ids, off) in enumerate(zip(self.ids, self.offsets, strict=True)):
+            expected = n if off is None else int(off[-1])
+            if len(ids) != expected:
+                raise DataError(f"{folder}/ids_{features[f].name}.npy: {len(ids)} ids, expected {expected}")
+
+    def _load(self, name: str) -> np.ndarray:
+        path = self.folder / f"{name}.npy"
+        try:
+            return np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: cannot read ({e}); preprocess again into a new folder") from None
+
+    def read(self, start: int, end: int) -> Block:
+        """Samples [start, end) as tensors (copied out of the mapping)."""
+        values, lengths, weights = [], [], []
+        for ids, ln, off, w in zip(self.ids, self.lengths, self.offsets, self.weights, strict=True):
+            a, b = (start, end) if off is None else (int(off[start]), int(off[end]))
+            values.append(torch.from_numpy(ids[a:b].astype(np.int64)))
+            lengths.append(torch.ones(end - start, dtype=torch.int64) if ln is None
+                           else torch.from_numpy(ln[start:end].astype(np.int64)))  # fmt: skip
+            weights.append(torch.ones(b - a) if w is None else torch.from_numpy(np.array(w[a:b], np.float32)))
+        labels = torch.from_numpy(np.array(self.labels[start:end], np.float32))
+        any_weighted = any(w is not None for w in self.weights)
+        return Block(
+            torch.from_numpy(np.array(self.dense[start:end], np.float32)), labels, torch.zeros_like(labels),
+            values, lengths, weights if any_weighted else None,
+        )  # fmt: skip
+
+
+class PreprocessedSource:
+    """DataSource over preprocessed shards; this rank's part only (see the module docstring)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        shuffle_window: int = 1 << 17,
+        prefetch: int = 4,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
+        if shuffle_window < 1:
+            raise ConfigError(f"shuffle_window must be >= 1, got {shuffle_window}")
+        self.root = Path(root)
+        manifest = load_manifest(self.root)
+        if not manifest.get("complete"):
+            raise DataError(
+                f"{self.root / 'manifest.json'}: preprocessing is not finished; rerun the same "
+                "`neorec data preprocess` command to complete it"
+            )
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.shuffle, self.shuffle_window, self.prefetch = shuffle, shuffle_window, prefetch
+        self.num_dense = int(manifest["num_dense"])
+        self.features = [FeatureSpec(**f) for f in manifest["features"]]
+        self.keys = [f.name for f in self.features]
+        # per split: (folder, samples) of every shard holding samples of that split, in manifest order
+        self.parts: dict[str, list[tuple[Path, int]]] = {split: [] for split in SPLITS}
+        for entry in manifest["shards"]:
+            for split, n in entry["samples"].items():
+                if n:
+                    self.parts[split].append((self.root / "shards" / shard_name(entry["index"]) / split, n))
+        notes = dict(manifest.get("notes", {}))
+        notes.update(settings=manifest["settings"], skipped=manifest.get("skipped", {}))
+        self.info = SourceInfo(self.num_dense, self.features, self.num_samples("train"), notes)
+        self._open: OrderedDict[Path, _Part] = OrderedDict()
+        self._lock = threading.Lock()
+        self._epoch, self._position = 0, 0  # what this reader has handed out
+        self._resume: tuple[int, int] | None = None
+
+    # ---- sizes ---------------------------------------------------------------------------------------
+    def num_samples(self, split: str = "train") -> int:
+        """Samples every rank reads per epoch: the split's total // world_size."""
+        return sum(n for _, n in self.parts[split]) // self.world_size
+
+    def num_batches(self, batch_size: int, split: str = "train") -> int:
+        return -(-self.num_samples(split) // batch_size)
+
+    # ---- DataSource ----------------------------------------------------------------------------------
+    def train_batches(self, batch_size: int, epoch: int = 0) -> Iterator[Batch]:
+        start = 0
+        if self._resume is not None and self._resume[0] == epoch:
+            start = self._resume[1]
+            self._resume = None
+        return self._batches("train", batch_size, epoch, start)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        return self._batches("eval", batch_size, None, 0)
+
+    # ---- resume --------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Position after the latest training batch handed out (plus the layout it is valid for)."""
+        return {"epoch": self._epoch, "samples": self._position, "seed": self.seed, "rank": self.rank,
+                "world_size": self.world_size, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window}  # fmt: skip
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Make the next `train_batches(.., state["epoch"])` continue after `state["samples"]` samples."""
+        for key in _LAYOUT_KEYS:
+            if key in state and state[key] != getattr(self, key):
+                raise ConfigError(
+                    f"reader state has {key}={state[key]!r} but this reader has {getattr(self, key)!r}: "
+                    "resuming exactly needs the same seed, ranks and shuffle settings"
+                )
+        epoch, samples = int(state["epoch"]), int(state["samples"])
+        if not 0 <= samples <= self.num_samples("train"):
+            raise DataError(f"reader state: samples {samples} is outside [0, {self.num_samples('train')}]")
+        self._resume = (epoch, samples)
+        self._epoch, self._position = epoch, samples
+
+    # ---- the epoch's order ---------------------------------------------------------------------------
+    def _rank_pieces(self, split: str, epoch: int | None) -> list[tuple[Path, int, int, int]]:
+        """(part folder, part samples, start, end) covering this rank's range, in reading order."""
+        parts = self.parts[split]
+        order = list(range(len(parts)))
+        if epoch is not None and self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(parts)).tolist()
+        n = self.num_samples(split)
+        lo, hi = self.rank * n, (self.rank + 1) * n
+        pieces, pos = [], 0
+        for i in order:
+            folder, size = parts[i]
+            a, b = max(lo, pos), min(hi, pos + size)
+            if a < b:
+                pieces.append((folder, size, a - pos, b - pos))
+            pos += size
+        return pieces
+
+    def _windows(self, split: str, epoch: int | None, start: int) -> Iterator[Block]:
+        """This rank's samples from position `start` on, one (permuted) window at a time."""
+        pieces = self._rank_pieces(split, epoch)
+        window = self.shuffle_window
+        shuffled = epoch is not None and self.shuffle
+        first, pos, w = start // window, 0, 0
+        pending: list[Block] = []
+        for i, (folder, size, a, b) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            while a < b:
+                take = min(b - a, (w + 1) * window - pos)
+                if w >= first:
+                    pending.append(self._part(folder, size).read(a, a + take))
+                a, pos = a + take, pos + take
+                if pos == (w + 1) * window or (last and a == b):
+                    if pending:
+                        block = Block.cat(pending)
+                        if shuffled:
+                            gen = np.random.default_rng([self.seed, epoch, self.rank, w])
+                            block = block.take(torch.from_numpy(gen.permutation(len(block))))
+                        if w == first and start % window:
+                            block = block.slice(start % window, len(block))
+                        yield block
+                    pending, w = [], w + 1
+
+    def _batches(self, split: str, batch_size: int, epoch: int | None, start: int) -> Iterator[Batch]:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        batches = rebatch(prefetch(self._windows(split, epoch, start), 2), batch_size, self.keys)
+        position = start
+        for batch in prefetch(batches, self.prefetch):
+            position += len(batch)
+            if epoch is not None:
+                self._epoch, self._position = epoch, position
+            yield batch
+
+    def _part(self, folder: Path, size: int) -> _Part:
+        with self._lock:
+            part = self._open.get(folder)
+            if part is None:
+                part = _Part(folder, self.features, self.num_dense)
+                if len(part.labels) != size:
+                    raise DataError(
+                        f"{folder}/labels.npy: {len(part.labels)} samples, the manifest says {size}"
+                    )
+                self._open[folder] = part
+                if len(self._open) > _OPEN_PARTS:
+                    self._open.popitem(last=False)
+            self._open.move_to_end(folder)
+            return part
