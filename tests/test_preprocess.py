@@ -1,0 +1,243 @@
+"""`neorec data preprocess`: the same values as the raw readers, vocabularies, resume, bad lines, CLI."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from neorec.cli import main
+from neorec.data.blocks import Block
+from neorec.data.criteo import CATEGORICAL_NAMES, CriteoTSVReader, CriteoTSVSource, parse_hex
+from neorec.data.preprocess import index_lines, load_manifest, preprocess_criteo, preprocess_synthetic
+from neorec.data.synthetic import SyntheticSource, SyntheticSpec
+from neorec.errors import DataError
+
+SAMPLE = Path(__file__).parents[2] / "shared" / "data" / "criteo_sample.tsv"
+FIXTURE = Path(__file__).parent / "fixtures" / "criteo_20.tsv"
+needs_sample = pytest.mark.skipif(not SAMPLE.is_file(), reason=f"shared Criteo sample not found at {SAMPLE}")
+
+
+def read_split(out: Path, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(labels, dense, ids [n, 26]) of a split, shards in manifest order."""
+    manifest = load_manifest(out)
+    parts = []
+    for entry in manifest["shards"]:
+        folder = out / "shards" / f"{entry['index']:05d}" / split
+        if folder.is_dir():
+            ids = np.stack([np.load(folder / f"ids_{n}.npy") for n in CATEGORICAL_NAMES], 1)
+            parts.append((np.load(folder / "labels.npy"), np.load(folder / "dense.npy"), ids))
+    return tuple(np.concatenate(p) for p in zip(*parts, strict=True))
+
+
+def tree_digest(out: Path) -> dict[str, str]:
+    """sha256 of every file under `out`, by relative path."""
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file()
+    }
+
+
+def batches_as_arrays(batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    batches = list(batches)
+    ids = torch.cat([b.sparse.values.view(len(CATEGORICAL_NAMES), -1).t() for b in batches])
+    return (
+        torch.cat([b.labels for b in batches]).numpy(),
+        torch.cat([b.dense for b in batches]).numpy(),
+        ids.numpy(),
+    )
+
+
+@needs_sample
+@pytest.mark.parametrize("hashing", ["modulo", "hash"])
+def test_criteo_sample_equals_the_tsv_reader(tmp_path, hashing):
+    out = tmp_path / "out"
+    result = preprocess_criteo(
+        [SAMPLE], out, hashing=hashing, table_rows=1000, shard_lines=64, progress=False
+    )
+    assert result.complete and result.num_shards == 4 and result.num_samples == {"train": 180, "eval": 20}
+    source = CriteoTSVSource(SAMPLE, table_rows=1000, hashing=hashing)
+    for split, batches in (("train", source.train_batches(50)), ("eval", source.eval_batches(7))):
+        got, want = read_split(out, split), batches_as_arrays(batches)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    folder = out / "shards" / "00000" / "train"
+    assert (
+        np.load(folder / "ids_C1.npy").dtype == np.int32 and np.load(folder / "dense.npy").dtype == np.float32
+    )
+
+
+@needs_sample
+def test_many_files_and_gz_with_eval_files(tmp_path):
+    lines = SAMPLE.read_bytes().splitlines(keepends=True)
+    a, b, ev = tmp_path / "a.tsv", tmp_path / "b.tsv.gz", tmp_path / "ev.tsv"
+    a.write_bytes(b"".join(lines[:70]))
+    with gzip.open(b, "wb") as f:
+        f.write(b"".join(lines[70:170]))
+    ev.write_bytes(b"".join(lines[170:]) + b"\n\n")  # trailing blank lines are ignored
+    out = tmp_path / "out"
+    result = preprocess_criteo([a, b], out, eval_paths=[ev], table_rows=777, shard_lines=32, progress=False)
+    assert result.num_samples == {"train": 170, "eval": 30}
+    assert [s["file"] for s in load_manifest(out)["shards"]].count(str(b)) == 4  # 100 lines / 32
+    want = CriteoTSVReader([SAMPLE], table_rows=777)
+    labels, dense, ids = batches_as_arrays(want.batches(1000))
+    for split, rows in (("train", slice(0, 170)), ("eval", slice(170, 200))):
+        got = read_split(out, split)
+        for g, w in zip(got, (labels[rows], dense[rows], ids[rows]), strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
+@needs_sample
+def test_vocabulary_counts_training_lines_only(tmp_path):
+    out = tmp_path / "out"
+    preprocess_criteo([SAMPLE], out, vocab_threshold=3, shard_lines=80, progress=False)
+    manifest = load_manifest(out)
+    raw_lines = [line.split(b"\t") for line in SAMPLE.read_bytes().splitlines()]
+    train_raw = [r for n, r in enumerate(raw_lines, start=1) if n % 10 != 0]
+    for f, name in enumerate(CATEGORICAL_NAMES):
+        column = parse_hex(np.array([r[14 + f] for r in train_raw], dtype=np.bytes_))[0]
+        counts = Counter(column.tolist())
+        vocab = np.load(out / "vocab" / f"{name}.npy")
+        assert vocab.tolist() == sorted(v for v, c in counts.items() if c >= 3)
+        assert manifest["features"][f]["num_ids"] == len(vocab) + 1
+    # ids: 1 + position in the vocabulary, 0 for rare values; eval lines use the same mapping
+    for split, keep in (("train", lambda n: n % 10 != 0), ("eval", lambda n: n % 10 == 0)):
+        rows = [r for n, r in enumerate(raw_lines, start=1) if keep(n)]
+        ids = read_split(out, split)[2]
+        for f, name in enumerate(CATEGORICAL_NAMES):
+            vocab = np.load(out / "vocab" / f"{name}.npy").tolist()
+            column = parse_hex(np.array([r[14 + f] for r in rows], dtype=np.bytes_))[0].tolist()
+            assert ids[:, f].tolist() == [vocab.index(v) + 1 if v in vocab else 0 for v in column]
+
+
+def small_spec(**kw) -> SyntheticSpec:
+    base = dict(rows=[50, 1000, 7], num_dense=4, train_samples=40000, eval_samples=5000, seed=3)
+    return SyntheticSpec(**{**base, **kw})
+
+
+def test_synthetic_multi_hot_weighted_equals_the_generator(tmp_path):
+    spec = small_spec(bag_sizes=[2, 1, 3], variable_bags=True, weighted=True)
+    result = preprocess_synthetic(spec, tmp_path, blocks_per_shard=2, progress=False)
+    assert result.num_samples == {"train": 40000, "eval": 5000} and result.num_shards == 3
+    source = SyntheticSource(spec, cache=False)
+    want = Block.cat([source.block("train", i) for i in range(source.num_blocks("train"))])
+    folders = [tmp_path / "shards" / s / "train" for s in ("00000", "00001")]
+    np.testing.assert_array_equal(
+        np.concatenate([np.load(f / "dense.npy") for f in folders]), want.dense.numpy()
+    )
+    for f, name in enumerate(source.keys):
+        for prefix, column in (("ids", want.values), ("lengths", want.lengths), ("weights", want.weights)):
+            got = np.concatenate([np.load(d / f"{prefix}_{name}.npy") for d in folders])
+            np.testing.assert_array_equal(got, column[f].numpy())
+    features = load_manifest(tmp_path)["features"]
+    assert [f["num_ids"] for f in features] == [50, 1000, 7] and all(
+        f["multi_hot"] and f["weighted"] for f in features
+    )
+
+
+def test_interrupted_run_resumes_to_identical_bytes(tmp_path):
+    spec = small_spec()
+    full = tmp_path / "full"
+    preprocess_synthetic(spec, full, blocks_per_shard=1, progress=False)
+    part = tmp_path / "part"
+    first = preprocess_synthetic(spec, part, blocks_per_shard=1, progress=False, max_shards=2)
+    assert (first.written, first.complete) == (2, False)
+    assert not load_manifest(part)["complete"]
+    # a worker killed while writing shard 2 leaves a half-written temporary folder behind
+    (part / "shards" / ".tmp-00002" / "train").mkdir(parents=True)
+    (part / "shards" / ".tmp-00002" / "train" / "dense.npy").write_bytes(b"half")
+    done_before = (part / "shards" / "00000").stat().st_mtime_ns
+    second = preprocess_synthetic(spec, part, blocks_per_shard=1, workers=2, progress=False)
+    assert (second.written, second.complete) == (first.num_shards - 2, True)
+    assert (part / "shards" / "00000").stat().st_mtime_ns == done_before  # finished shards are not redone
+    assert tree_digest(part) == tree_digest(full)
+    again = preprocess_synthetic(spec, part, blocks_per_shard=1, progress=False)
+    assert again.written == 0 and tree_digest(part) == tree_digest(full)
+
+
+@needs_sample
+def test_criteo_resume_and_workers_give_identical_bytes(tmp_path):
+    kw = dict(vocab_threshold=2, shard_lines=40, progress=False)
+    preprocess_criteo([SAMPLE], tmp_path / "one", **kw)
+    preprocess_criteo([SAMPLE], tmp_path / "two", max_shards=3, **kw)
+    preprocess_criteo([SAMPLE], tmp_path / "two", workers=2, **kw)
+    assert tree_digest(tmp_path / "one") == tree_digest(tmp_path / "two")
+
+
+def test_resume_with_other_settings_names_them(tmp_path):
+    preprocess_synthetic(small_spec(), tmp_path, progress=False, max_shards=1)
+    with pytest.raises(DataError, match="other settings \\(blocks_per_shard differ\\)"):
+        preprocess_synthetic(small_spec(), tmp_path, blocks_per_shard=2, progress=False)
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="not an unfinished preprocessing run"):
+        preprocess_synthetic(small_spec(), stranger, progress=False)
+
+
+def corrupt(dst: Path, line: int, field: int, value: str) -> Path:
+    lines = FIXTURE.read_text().split("\n")
+    fields = lines[line - 1].split("\t")
+    fields[field] = value
+    lines[line - 1] = "\t".join(fields)
+    dst.write_text("\n".join(lines))
+    return dst
+
+
+def test_bad_line_fails_with_file_and_line(tmp_path):
+    path = corrupt(tmp_path / "bad.tsv", line=13, field=5, value="12a")
+    with pytest.raises(DataError, match=re.escape(f"{path}:13: dense feature I5 = '12a'")):
+        preprocess_criteo([path], tmp_path / "out", shard_lines=6, progress=False)
+    with pytest.raises(DataError, match=re.escape(f"{path}:13: ")):
+        preprocess_criteo([path], tmp_path / "out2", shard_lines=6, workers=2, progress=False)
+
+
+def test_bad_lines_are_skipped_and_counted_per_shard(tmp_path):
+    path = corrupt(tmp_path / "bad.tsv", line=13, field=0, value="7")
+    lines = path.read_text().split("\n")
+    lines[3] += "\textra"
+    path.write_text("\n".join(lines))
+    out = tmp_path / "out"
+    result = preprocess_criteo([path], out, bad_lines="skip", shard_lines=6, eval_every=5, progress=False)
+    assert result.skipped == Counter({"label": 1, "field_count": 1})
+    assert sum(result.num_samples.values()) == 18
+    manifest = load_manifest(out)
+    assert [sum(s["skipped"].values()) for s in manifest["shards"]] == [1, 0, 1, 0]
+    assert manifest["skipped"] == dict(result.skipped)
+
+
+def test_index_lines_offsets_and_trailing_blank_lines(tmp_path):
+    path = tmp_path / "x.tsv"
+    path.write_bytes(b"a\nbb\n\nccc\nd\n \n\n")
+    assert index_lines(path, 2) == (5, [0, 5, 10])
+    path.write_bytes(b"a\nbb")  # no final newline
+    assert index_lines(path, 1) == (2, [0, 2])
+
+
+@needs_sample
+def test_cli_preprocess_then_resume_is_a_no_op(tmp_path, capsys):
+    args = ["data", "preprocess", str(SAMPLE), "--out", str(tmp_path / "o"), "--shard-lines", "100",
+            "--table-rows", "5000", "--no-progress"]  # fmt: skip
+    assert main(args) == 0
+    assert (
+        "2 shards (2 written now); samples: eval 20, train 180; bad lines skipped: none"
+        in capsys.readouterr().out
+    )
+    assert main(args) == 0
+    assert "(0 written now)" in capsys.readouterr().out
+    assert main([*args[:-1], "--hashing", "hash"]) == 2  # other settings into the same folder
+    assert "categorical differ" in capsys.readouterr().err
+
+
+def test_cli_synthetic(tmp_path, capsys):
+    args = ["data", "preprocess", "--synthetic", "--out", str(tmp_path / "s"), "--no-progress",
+            "--set", "data.synthetic.train_samples=20000", "--set", "data.synthetic.eval_samples=1000"]  # fmt: skip
+    assert main(args) == 0
+    assert "samples: eval 1000, train 20000" in capsys.readouterr().out
