@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from neorec.data.batch import Batch
-from neorec.data.blocks import Block, rebatch
+from neorec.data.columns import Columns, cut_batches
 from neorec.data.prefetch import prefetch
 from neorec.data.preprocess import SPLITS, load_manifest, shard_name
 from neorec.data.source import FeatureSpec, SourceInfo
@@ -76,21 +75,15 @@ class _Part:
         except (OSError, ValueError) as e:
             raise DataError(f"{path}: cannot read ({e}); preprocess again into a new folder") from None
 
-    def read(self, start: int, end: int) -> Block:
-        """Samples [start, end) as tensors (copied out of the mapping)."""
+    def read(self, start: int, end: int) -> Columns:
+        """Samples [start, end): views of the mapping (Columns.cat copies them out)."""
         values, lengths, weights = [], [], []
         for ids, ln, off, w in zip(self.ids, self.lengths, self.offsets, self.weights, strict=True):
             a, b = (start, end) if off is None else (int(off[start]), int(off[end]))
-            values.append(torch.from_numpy(ids[a:b].astype(np.int64)))
-            lengths.append(torch.ones(end - start, dtype=torch.int64) if ln is None
-                           else torch.from_numpy(ln[start:end].astype(np.int64)))  # fmt: skip
-            weights.append(torch.ones(b - a) if w is None else torch.from_numpy(np.array(w[a:b], np.float32)))
-        labels = torch.from_numpy(np.array(self.labels[start:end], np.float32))
-        any_weighted = any(w is not None for w in self.weights)
-        return Block(
-            torch.from_numpy(np.array(self.dense[start:end], np.float32)), labels, torch.zeros_like(labels),
-            values, lengths, weights if any_weighted else None,
-        )  # fmt: skip
+            values.append(ids[a:b])
+            lengths.append(None if ln is None else ln[start:end])
+            weights.append(None if w is None else w[a:b])
+        return Columns(self.dense[start:end], self.labels[start:end], values, lengths, weights)
 
 
 class PreprocessedSource:
@@ -194,13 +187,13 @@ class PreprocessedSource:
             pos += size
         return pieces
 
-    def _windows(self, split: str, epoch: int | None, start: int) -> Iterator[Block]:
-        """This rank's samples from position `start` on, one (permuted) window at a time."""
+    def _windows(self, split: str, epoch: int | None, start: int) -> Iterator[tuple[Columns, np.ndarray]]:
+        """(window, order of its samples) for this rank's samples from position `start` on."""
         pieces = self._rank_pieces(split, epoch)
         window = self.shuffle_window
         shuffled = epoch is not None and self.shuffle
         first, pos, w = start // window, 0, 0
-        pending: list[Block] = []
+        pending: list[Columns] = []
         for i, (folder, size, a, b) in enumerate(pieces):
             last = i == len(pieces) - 1
             while a < b:
@@ -210,19 +203,21 @@ class PreprocessedSource:
                 a, pos = a + take, pos + take
                 if pos == (w + 1) * window or (last and a == b):
                     if pending:
-                        block = Block.cat(pending)
+                        block = Columns.cat(pending)
+                        order = np.arange(len(block))
                         if shuffled:
-                            gen = np.random.default_rng([self.seed, epoch, self.rank, w])
-                            block = block.take(torch.from_numpy(gen.permutation(len(block))))
-                        if w == first and start % window:
-                            block = block.slice(start % window, len(block))
-                        yield block
+                            order = np.random.default_rng([self.seed, epoch, self.rank, w]).permutation(
+                                len(block)
+                            )
+                        yield block, order[start - w * window :] if w == first else order
                     pending, w = [], w + 1
 
     def _batches(self, split: str, batch_size: int, epoch: int | None, start: int) -> Iterator[Batch]:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-        batches = rebatch(prefetch(self._windows(split, epoch, start), 2), batch_size, self.keys)
+        # one thread reads and orders windows, another gathers batches; this one only hands them out
+        windows = prefetch(self._windows(split, epoch, start), 1)
+        batches = (cols.to_batch(self.keys) for cols in cut_batches(windows, batch_size))
         position = start
         for batch in prefetch(batches, self.prefetch):
             position += len(batch)
