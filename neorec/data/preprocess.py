@@ -68,8 +68,6 @@ SPLITS = ("train", "eval")
 CHUNK_LINES = 16384
 _RAW_ROWS = 1 << 32  # "modulo 2^32" leaves the parsed hex value (at most 8 digits) unchanged
 _INDEX_BLOCK = 1 << 24
-_BLANK = np.zeros(256, bool)
-_BLANK[list(b" \t\n\r\x0b\x0c")] = True
 
 PathLike = str | Path
 
@@ -261,6 +259,10 @@ def _write_shards(
     out: Path, manifest: dict, workers: int, progress: bool, max_shards: int | None
 ) -> PreprocessResult:
     """Write the shards that are not done yet (grouped into jobs), then complete the manifest."""
+    if manifest["complete"]:
+        result = PreprocessResult(out, len(manifest["shards"]), 0, True, manifest["num_samples"])
+        result.skipped.update(manifest["skipped"])
+        return result
     plan = [ShardPlan(**s) for s in manifest["shards"]]
     todo = [s for s in plan if not (out / "shards" / s.name).is_dir()]
     if max_shards is not None:
@@ -344,17 +346,18 @@ def index_lines(path: PathLike, shard_lines: int) -> tuple[int, list[int]]:
     with _open(path) as f:
         try:
             while block := f.read(_INDEX_BLOCK):
-                u = np.frombuffer(block, np.uint8)
-                nl = np.flatnonzero(u == 10)
+                count = block.count(b"\n")
                 # newline number j * shard_lines ends the line before a shard's first line
-                targets = np.arange(
-                    (num_newlines // shard_lines + 1) * shard_lines, num_newlines + nl.size + 1, shard_lines
+                targets = range(
+                    (num_newlines // shard_lines + 1) * shard_lines, num_newlines + count + 1, shard_lines
                 )
-                offsets += (pos + nl[targets - num_newlines - 1] + 1).tolist()
-                filled = np.flatnonzero(~_BLANK[u])
-                if filled.size:
-                    last_line = num_newlines + int(np.searchsorted(nl, filled[-1])) + 1
-                num_newlines += nl.size
+                if targets:
+                    nl = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
+                    offsets += [pos + int(nl[t - num_newlines - 1]) + 1 for t in targets]
+                filled = len(block.rstrip())  # bytes.rstrip drops what bytes.strip calls blank
+                if filled:
+                    last_line = num_newlines + block.count(b"\n", 0, filled - 1) + 1
+                num_newlines += count
                 pos += len(block)
         except (OSError, EOFError) as e:
             raise DataError(f"{path}: cannot read after byte {pos} of its content: {e}") from e
@@ -404,8 +407,9 @@ def _parsed_chunks(
                 while chunk := list(itertools.islice(numbered, CHUNK_LINES)):
                     if shard.role == "split":
                         assert eval_every is not None
-                        held = [c for c in chunk if c[0] % eval_every == 0]
-                        chunk = [c for c in chunk if c[0] % eval_every != 0]
+                        k = -chunk[0][0] % eval_every  # chunk lines are consecutive: every k-th is held out
+                        held = chunk[k::eval_every]
+                        del chunk[k::eval_every]
                         yield shard, "eval", reader._parse_chunk(path, held)
                     yield shard, "train" if shard.role != "eval" else "eval", reader._parse_chunk(path, chunk)
                 yield shard, None, None
