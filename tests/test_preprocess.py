@@ -5,6 +5,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import re
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -241,3 +244,25 @@ def test_cli_synthetic(tmp_path, capsys):
             "--set", "data.synthetic.train_samples=20000", "--set", "data.synthetic.eval_samples=1000"]  # fmt: skip
     assert main(args) == 0
     assert "samples: eval 1000, train 20000" in capsys.readouterr().out
+
+
+def test_killed_process_resumes_to_identical_bytes(tmp_path):
+    """A real interruption: SIGKILL the CLI once its first shard is renamed, then rerun it."""
+    sets = ["--set", "data.synthetic.train_samples=200000", "--set", "data.synthetic.eval_samples=20000",
+            "--set", "data.synthetic.rows=1000"]  # fmt: skip
+    cmd = [sys.executable, "-m", "neorec", "data", "preprocess", "--synthetic", "--no-progress", *sets]
+    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "killed")], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "killed" / "shards" / "00000").is_dir() and proc.poll() is None:
+        assert time.monotonic() < deadline, "the first shard never appeared"
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert not load_manifest(tmp_path / "killed")["complete"]
+    subprocess.run(
+        [*cmd, "--out", str(tmp_path / "killed")], check=True, timeout=300, stdout=subprocess.DEVNULL
+    )
+    subprocess.run(
+        [*cmd, "--out", str(tmp_path / "fresh")], check=True, timeout=300, stdout=subprocess.DEVNULL
+    )
+    assert tree_digest(tmp_path / "killed") == tree_digest(tmp_path / "fresh")
