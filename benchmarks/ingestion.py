@@ -1,0 +1,164 @@
+"""Data ingestion: preprocessing throughput (MB/s of Criteo TSV) and reader throughput (samples/s).
+
+Preprocessing: a synthetic Criteo-format TSV of `--tsv-mb` MB (random labels, dense counts and 8-digit
+hex values with some empty fields, as in the real files) is preprocessed with `neorec data preprocess`
+(hashing into the Kaggle-like table sizes) with 1 and with `--workers` processes; the raw streaming TSV
+reader (neorec/data/criteo.py) over the same file is shown for reference.
+
+Reader: the Kaggle-like config's synthetic data (neorec/configs/criteo_kaggle.yaml, `--samples`
+training samples) is preprocessed once, then read by PreprocessedSource with the config's batch size
+and shuffling on: one rank, and each rank of 2 (as two ranks of one machine would read, one at a
+time here). The rate is compared with the training consumption rate of the Kaggle-like config
+(`--train-rate`, samples/s measured by benchmarks/train_throughput.py with 2 threads).
+
+    python benchmarks/ingestion.py                       # ~300 MB TSV, 2M samples
+    python benchmarks/ingestion.py --tsv-mb 50 --samples 500000 --no-append
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import append_results, markdown_table, peak_rss_mib  # noqa: E402
+
+
+def write_tsv(path: Path, megabytes: float, seed: int = 0) -> int:
+    """A Criteo-format TSV of about `megabytes` MB; returns its line count."""
+    rng = np.random.default_rng(seed)
+    lines_per_chunk, written, lines = 20000, 0, 0
+    with path.open("w") as f:
+        while written < megabytes * 1e6:
+            n = lines_per_chunk
+            labels = (rng.random(n) < 0.25).astype(int)
+            dense = np.floor(np.exp(rng.normal(1.5, 1.5, (n, 13)))).astype(np.int64) - 1
+            dense_empty = rng.random((n, 13)) < 0.2
+            hexes = rng.integers(0, 1 << 32, (n, 26), dtype=np.uint64)
+            hex_empty = rng.random((n, 26)) < 0.1
+            rows = []
+            for i in range(n):
+                d = ["" if dense_empty[i, j] else str(dense[i, j]) for j in range(13)]
+                c = ["" if hex_empty[i, j] else f"{int(hexes[i, j]):08x}" for j in range(26)]
+                rows.append("\t".join([str(labels[i]), *d, *c]))
+            text = "\n".join(rows) + "\n"
+            f.write(text)
+            written += len(text)
+            lines += n
+    return lines
+
+
+def bench_preprocess(args, tmp: Path) -> tuple[list[list[object]], str]:
+    from neorec.data.criteo import CriteoTSVReader
+    from neorec.data.preprocess import preprocess_criteo
+    from neorec.data.synthetic import CRITEO_KAGGLE_ROWS
+
+    tsv = tmp / "criteo_like.tsv"
+    t0 = time.perf_counter()
+    num_lines = write_tsv(tsv, args.tsv_mb)
+    mb = tsv.stat().st_size / 1e6
+    print(f"wrote {tsv} ({mb:.0f} MB, {num_lines:,} lines) in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows_per_table = [min(r, 1_000_000) for r in CRITEO_KAGGLE_ROWS]
+    rows = []
+    for workers in sorted({1, args.workers}):
+        out = tmp / f"pre-{workers}"
+        t0 = time.perf_counter()
+        result = preprocess_criteo([tsv], out, table_rows=rows_per_table, shard_lines=args.shard_lines,
+                                   workers=workers, progress=False)  # fmt: skip
+        s = time.perf_counter() - t0
+        n = sum(result.num_samples.values())
+        rows.append([f"preprocess, {workers} worker(s)", f"{s:.1f}", f"{mb / s:.1f}", f"{n / s:,.0f}"])
+        print(rows[-1], flush=True)
+        if workers != max({1, args.workers}):
+            shutil.rmtree(out)
+    t0 = time.perf_counter()
+    reader = CriteoTSVReader([tsv], rows_per_table)
+    n = sum(len(b) for b in reader.batches(2048))
+    s = time.perf_counter() - t0
+    rows.append(["raw TSV reader (streaming, reference)", f"{s:.1f}", f"{mb / s:.1f}", f"{n / s:,.0f}"])
+    print(rows[-1], flush=True)
+    out_mb = (
+        sum(p.stat().st_size for p in (tmp / f"pre-{max(1, args.workers)}").rglob("*") if p.is_file()) / 1e6
+    )
+    note = (f"TSV: {mb:.0f} MB, {num_lines:,} lines (synthetic Criteo format), shards of {args.shard_lines:,} "
+            f"lines; output {out_mb:.0f} MB of .npy columns (int32 ids).")  # fmt: skip
+    return rows, note
+
+
+def bench_reader(args, tmp: Path) -> tuple[list[list[object]], str]:
+    from neorec.config.load import load_config
+    from neorec.data.preprocess import preprocess_synthetic
+    from neorec.data.sharded_reader import PreprocessedSource
+    from neorec.data.synthetic import spec_from_config
+
+    cfg = load_config("criteo_kaggle", [f"data.synthetic.train_samples={args.samples}"])
+    out = tmp / "kaggle"
+    t0 = time.perf_counter()
+    preprocess_synthetic(
+        spec_from_config(cfg.data.synthetic, cfg.seed), out, workers=args.workers, progress=False
+    )
+    print(
+        f"preprocessed {args.samples:,} Kaggle-like samples in {time.perf_counter() - t0:.1f} s", flush=True
+    )
+    batch = cfg.data.batch_size
+    rows = []
+    for world_size in (1, 2):
+        rates = []
+        for rank in range(world_size):
+            source = PreprocessedSource(out, rank=rank, world_size=world_size, seed=cfg.seed)
+            for epoch in range(args.epochs):
+                t0 = time.perf_counter()
+                n = sum(len(b) for b in source.train_batches(batch // world_size, epoch + 1))
+                rates.append(n / (time.perf_counter() - t0))
+        rate = float(np.median(rates))
+        label = (
+            "1 rank" if world_size == 1 else f"each of {world_size} ranks (local batch {batch // world_size})"
+        )
+        rows.append([label, f"{rate:,.0f}", f"{rate / args.train_rate:.1f}x"])
+        print(rows[-1], flush=True)
+    note = (f"Reader: {args.samples:,} training samples of the criteo_kaggle config preprocessed (26 int32 id "
+            f"columns, 13 dense), global batch {batch}, shuffled (shard order + windows of 131,072), "
+            f"median of {args.epochs} epoch(s) per rank; ratio against {args.train_rate:,.0f} samples/s, "
+            f"the Kaggle-like training rate with 2 threads; glibc keeps freed memory, as in training.")  # fmt: skip
+    return rows, note
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tsv-mb", type=float, default=300.0, help="size of the generated TSV")
+    p.add_argument("--shard-lines", type=int, default=200_000, help="preprocess: lines per shard")
+    p.add_argument("--samples", type=int, default=2_000_000, help="reader: Kaggle-like training samples")
+    p.add_argument("--epochs", type=int, default=2, help="reader: epochs timed per rank")
+    p.add_argument("--workers", type=int, default=2, help="preprocess: worker processes")
+    p.add_argument("--train-rate", type=float, default=23000.0, help="training samples/s to compare with")
+    p.add_argument("--tmp", default=None, help="scratch folder (default: a new temporary one, removed)")
+    p.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    args = p.parse_args()
+    from neorec.utils.host import keep_freed_memory
+
+    keep_freed_memory()  # as the trainer does (train.keep_freed_memory, default on)
+    tmp = Path(args.tmp or tempfile.mkdtemp(prefix="neorec-ingestion-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        reader_rows, reader_note = bench_reader(args, tmp)
+        pre_rows, pre_note = bench_preprocess(args, tmp)
+    finally:
+        if args.tmp is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    table = markdown_table(["reader", "samples/s", "vs training rate"], reader_rows)
+    table += "\n\n" + markdown_table(["preprocessing", "seconds", "MB/s of TSV", "lines/s"], pre_rows)
+    notes = f"{reader_note}\n{pre_note}\nPeak RSS of the benchmark process: {peak_rss_mib():,.0f} MiB."
+    print(table + "\n\n" + notes)
+    if not args.no_append:
+        append_results("Data ingestion: reader and preprocessing throughput", table, notes)
+
+
+if __name__ == "__main__":
+    main()
