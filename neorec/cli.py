@@ -106,7 +106,11 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
     else:
         if not args.inputs:
             raise NeorecError("give Criteo TSV files to preprocess, or --synthetic")
-        rows = [int(r) for r in args.table_rows.split(",")]
+        try:
+            rows = [int(r) for r in args.table_rows.split(",")]
+        except ValueError:
+            msg = f"--table-rows: expected one integer or 26 comma-separated ones, got {args.table_rows!r}"
+            raise NeorecError(msg) from None
         result = preprocess_criteo(
             args.inputs, args.out, eval_paths=args.eval_paths, eval_every=args.eval_every, hashing=args.hashing,
             table_rows=rows[0] if len(rows) == 1 else rows, vocab_threshold=args.vocab_threshold,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -172,6 +173,13 @@ def test_criteo_resume_and_workers_give_identical_bytes(tmp_path):
     preprocess_criteo([SAMPLE], tmp_path / "two", max_shards=3, **kw)
     preprocess_criteo([SAMPLE], tmp_path / "two", workers=2, **kw)
     assert tree_digest(tmp_path / "one") == tree_digest(tmp_path / "two")
+    # interrupted after the counting pass: the vocabulary is reused, the result is the same
+    shutil.rmtree(tmp_path / "two" / "shards")
+    (tmp_path / "two" / "manifest.json").unlink()
+    counted = (tmp_path / "two" / "vocab").stat().st_mtime_ns
+    preprocess_criteo([SAMPLE], tmp_path / "two", **kw)
+    assert (tmp_path / "two" / "vocab").stat().st_mtime_ns == counted
+    assert tree_digest(tmp_path / "one") == tree_digest(tmp_path / "two")
 
 
 def test_resume_with_other_settings_names_them(tmp_path):
@@ -237,6 +245,8 @@ def test_cli_preprocess_then_resume_is_a_no_op(tmp_path, capsys):
     assert "(0 written now)" in capsys.readouterr().out
     assert main([*args[:-1], "--hashing", "hash"]) == 2  # other settings into the same folder
     assert "categorical differ" in capsys.readouterr().err
+    assert main([*args, "--table-rows", "1,x"]) == 2
+    assert "--table-rows: expected one integer or 26" in capsys.readouterr().err
 
 
 def test_cli_synthetic(tmp_path, capsys):

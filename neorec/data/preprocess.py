@@ -159,7 +159,7 @@ def preprocess_criteo(
         lines = list(_map(_index_job, [(p, shard_lines) for p, _ in roles], workers, progress, "indexing"))
         plan = _criteo_plan(roles, lines, shard_lines)
         if vocab_threshold:
-            if not (out / "vocab").is_dir():
+            if vocab_io.saved_settings(out / "vocab") != settings:  # counted by an interrupted run: reuse
                 _build_vocab(out, settings, plan, vocab_threshold, workers, progress)
             sizes = [v.size + 1 for v in vocab_io.load_vocabs(out / "vocab", CATEGORICAL_NAMES)]
         else:
@@ -444,7 +444,7 @@ def _build_vocab(
         for f, c in enumerate(counts):
             per_feature[f].append(c)
     vocabs = [vocab_io.build_vocab(vocab_io.merge_counts(p), threshold) for p in per_feature]
-    vocab_io.save_vocabs(out / "vocab", CATEGORICAL_NAMES, vocabs)
+    vocab_io.save_vocabs(out / "vocab", CATEGORICAL_NAMES, vocabs, settings)
 
 
 _VOCABS: dict[str, list[np.ndarray]] = {}  # per worker process: loaded once

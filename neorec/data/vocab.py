@@ -11,6 +11,8 @@ vocabulary is the same whatever the number of worker processes.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -55,13 +57,25 @@ def apply_vocab(raw: np.ndarray, vocab: np.ndarray) -> np.ndarray:
     return np.where(found, pos + 1, 0).astype(np.int64)
 
 
-def save_vocabs(folder: Path, names: list[str], vocabs: list[np.ndarray]) -> None:
-    """Write `<name>.npy` per feature into `folder` (created under a temporary name, then renamed)."""
+def save_vocabs(folder: Path, names: list[str], vocabs: list[np.ndarray], settings: dict) -> None:
+    """Write `<name>.npy` per feature and the `settings` they were counted under into `folder`
+    (created under a temporary name, then renamed)."""
     tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # left by an interrupted run
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
     for name, vocab in zip(names, vocabs, strict=True):
         np.save(tmp / f"{name}.npy", np.ascontiguousarray(vocab, dtype=np.uint64))
+    (tmp / "settings.json").write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
+    if folder.exists():
+        shutil.rmtree(folder)
     tmp.replace(folder)
+
+
+def saved_settings(folder: Path) -> dict | None:
+    """The settings a saved vocabulary was counted under, or None when there is none."""
+    path = folder / "settings.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def load_vocabs(folder: Path, names: list[str]) -> list[np.ndarray]:
