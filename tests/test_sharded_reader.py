@@ -145,6 +145,7 @@ def test_config_builds_the_reader_and_names_keys(numbered):
     cfg = load_config(None, ["data.source=preprocessed", f"data.preprocessed.path={numbered}"])
     source = build_source(cfg)
     assert isinstance(source, PreprocessedSource) and source.info.num_train_samples == N
+    assert source.num_skipped == 0
     with pytest.raises(ConfigError, match="data.preprocessed section"):
         load_config(None, ["data.source=preprocessed"])
     with pytest.raises(ConfigError, match="data.preprocessed.path: /no/such has no manifest.json"):

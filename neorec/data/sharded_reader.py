@@ -130,6 +130,11 @@ class PreprocessedSource:
         self._epoch, self._position = 0, 0  # what this reader has handed out
         self._resume: tuple[int, int] | None = None
 
+    @property
+    def num_skipped(self) -> int:
+        """Bad lines skipped when the data was preprocessed (the trainer reports it)."""
+        return sum(self.info.notes["skipped"].values())
+
     # ---- sizes ---------------------------------------------------------------------------------------
     def num_samples(self, split: str = "train") -> int:
         """Samples every rank reads per epoch: the split's total // world_size."""
