@@ -155,3 +155,24 @@ def test_config_builds_the_reader_and_names_keys(numbered):
             None,
             ["data.source=preprocessed", "data.preprocessed.path=x", "data.preprocessed.shuffle_window=0"],
         )
+
+
+def test_training_on_preprocessed_data_equals_training_on_the_generator(tmp_path):
+    from neorec.data.synthetic import spec_from_config
+    from neorec.train.trainer import Trainer
+
+    tiny = ["data.synthetic.rows=[50, 300, 7, 1000]", "data.synthetic.num_sparse=4", "data.synthetic.train_samples=3000",
+            "data.synthetic.eval_samples=1000", "data.batch_size=256", "train.progress=false", "train.threads=1",
+            "logging.plot=false", "logging.tensorboard=false", "model.bottom_mlp=[16]", "model.top_mlp=[16]"]  # fmt: skip
+    cfg = load_config(None, tiny)
+    preprocess_synthetic(spec_from_config(cfg.data.synthetic, cfg.seed), tmp_path / "data", progress=False)
+    direct = Trainer(cfg, tmp_path / "direct").fit()
+    sets = [
+        "data.source=preprocessed",
+        f"data.preprocessed.path={tmp_path / 'data'}",
+        "data.preprocessed.shuffle=false",
+    ]
+    via_shards = Trainer(load_config(None, tiny + sets), tmp_path / "shards").fit()
+    assert via_shards.steps == direct.steps == 12
+    assert via_shards.losses == direct.losses
+    assert via_shards.eval["auc"] == direct.eval["auc"]
