@@ -235,6 +235,23 @@ class DistributedConfig(Strict):
     )
 
 
+class CheckpointConfig(Strict):
+    """Sharded checkpoints during training (neorec/checkpoint); `neorec train --resume` continues."""
+
+    dir: str | None = Field(
+        None, description="folder of the step-XXXXXXXX checkpoints (default: <output_dir>/checkpoints)"
+    )
+    every_steps: int | None = Field(None, gt=0, description="save every N training steps (None: not by steps)")
+    every_minutes: float | None = Field(
+        None, gt=0, description="save when this many minutes passed since the last save"
+    )
+    keep: int = Field(3, gt=0, description="keep the newest K checkpoints, delete older ones")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps is not None or self.every_minutes is not None
+
+
 class LoggingConfig(Strict):
     tensorboard: bool = Field(True, description="write TensorBoard events when tensorboard is installed")
     plot: bool = Field(True, description="write curves.png at the end")
@@ -251,6 +268,9 @@ class RunConfig(Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="logs and plots")
     distributed: DistributedConfig = Field(
         default_factory=DistributedConfig, description="multi-process training (torchrun): sharding and comms"
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="periodic sharded checkpoints and resume"
     )
 
     @model_validator(mode="after")

@@ -1,0 +1,152 @@
+"""Reading a checkpoint into the current model, under the current plan and world size.
+
+Each process assembles only the table parts it holds (pieces.PieceReader reads the overlapping
+row ranges from whichever shard files hold them), so a checkpoint of 2 ranks loads on 4 ranks
+with another plan, or into one process. Nothing is unpickled: shard files are raw bytes described
+by the manifest, and the dense file is read with torch.load(weights_only=True). Every file is
+checked against the manifest's size and crc32 first; a bad one raises CheckpointError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from neorec.checkpoint.files import CheckpointError, check_file, load_tensors
+from neorec.checkpoint.pieces import PieceReader, slots, storages, windows, write_storage
+from neorec.checkpoint.save import DENSE, FORMAT, MANIFEST, VERSION, list_checkpoints
+from neorec.embedding.collection import EmbeddingCollection
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root` (None when there is none)."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a folder of checkpoints (then its newest)."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{path}: no complete checkpoint here (a step-XXXXXXXX folder with {MANIFEST})")
+    return latest
+
+
+def read_manifest(folder: str | Path) -> dict:
+    path = Path(folder) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: not a complete checkpoint (no {MANIFEST})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint file {path} is not a neorec checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint file {path}: format version {manifest.get('version')}, this neorec reads {VERSION}"
+        )
+    return manifest
+
+
+def check_tables(manifest: dict, embeddings: EmbeddingCollection, where: Path) -> None:
+    saved = {t["name"]: t for t in manifest["tables"]}
+    current = {t.name: t for t in embeddings.tables}
+    if set(saved) != set(current):
+        raise CheckpointError(
+            f"checkpoint {where} has tables {sorted(saved)} but the model has {sorted(current)}; "
+            "load it into the model it was trained for"
+        )
+    for name, t in current.items():
+        s = saved[name]
+        if (s["rows"], s["dim"]) != (t.rows, t.dim):
+            raise CheckpointError(
+                f"checkpoint {where}: table {name!r} is {s['rows']} x {s['dim']} there but {t.rows} x {t.dim} in the model"
+            )
+
+
+def load_checkpoint(
+    folder: str | Path,
+    embeddings: EmbeddingCollection,
+    model: nn.Module | None = None,
+    optimizers: dict[str, torch.optim.Optimizer] | None = None,
+    restore_rng: bool = True,
+    verify: bool = True,
+) -> dict:
+    """Load tables (weights and optimizer state), the dense model, the optimizers and the RNG
+    states into the current objects; returns the manifest (its "state" holds the trainer's data
+    position). Not collective: every process reads what it holds. `verify` checks checksums."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    check_tables(manifest, embeddings, folder)
+    reader = PieceReader(folder, manifest, verify)
+    steps = manifest["embedding_steps"]
+    engine_steps: dict[int, int] = {}
+    try:
+        for slot in slots(embeddings):
+            start, stores = storages(slot)
+            num_rows = slot.rows[1] - slot.rows[0]
+            for state, storage in stores.items():
+                for a, b in windows(num_rows, storage):
+                    rows = (slot.rows[0] + a, slot.rows[0] + b)
+                    values = reader.read(slot.table, state, rows, slot.cols, per_row=storage.width == 0)
+                    write_storage(storage, start + a, start + b, values)
+            n = int(steps.get(slot.table, 0))
+            engine_steps[id(slot.engine)] = max(engine_steps.get(id(slot.engine), 0), n)
+            slot.engine.num_updates = engine_steps[id(slot.engine)]
+    finally:
+        reader.close()
+    dense = manifest["dense"]
+    check_file(folder / dense["name"], dense["bytes"], dense["crc32"] if verify else None)
+    saved = load_tensors(folder / dense["name"])
+    if model is not None:
+        load_dense(model, saved["model"], folder / DENSE)
+    for key, opt in (optimizers or {}).items():
+        if key not in saved["optimizers"]:
+            raise CheckpointError(
+                f"checkpoint file {folder / DENSE} has no optimizer {key!r}; it has {sorted(saved['optimizers'])}"
+            )
+        try:
+            opt.load_state_dict(saved["optimizers"][key])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(
+                f"checkpoint file {folder / DENSE}: optimizer {key!r} does not fit: {e}"
+            ) from None
+    if restore_rng:
+        set_rng_state(saved["rng"])
+    return manifest
+
+
+def load_dense(model: nn.Module, state: dict, where: Path) -> None:
+    """The dense part of the model; the embedding collection's keys are the shard files' business."""
+    prefixes = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, EmbeddingCollection) and n)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint file {where}: the dense model does not fit: {e}") from None
+    missing = [k for k in result.missing_keys if not k.startswith(prefixes)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(
+            f"checkpoint file {where}: the dense model does not fit; missing {missing}, unexpected "
+            f"{result.unexpected_keys}"
+        )
+
+
+def set_rng_state(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    n = rng["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    )
+    p = rng["python"]
+    random.setstate((p["version"], tuple(int(w) for w in p["words"].tolist()), p["gauss"]))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])

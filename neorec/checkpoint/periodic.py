@@ -1,0 +1,68 @@
+"""Checkpoints during training: when to save, where, and what to keep after a divergence."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from neorec.checkpoint.load import latest_checkpoint
+from neorec.checkpoint.save import checkpoint_name, save_checkpoint
+from neorec.config.schema import CheckpointConfig
+from neorec.distributed.topology import Topology
+
+
+class PeriodicCheckpoints:
+    """The trainer's checkpoint settings: every N steps and/or every M minutes, keep the last K."""
+
+    def __init__(self, cfg: CheckpointConfig, root: Path, topo: Topology) -> None:
+        self.cfg, self.root, self.topo = cfg, root, topo
+        self.last_step: int | None = None  # step of the newest checkpoint saved or loaded by this run
+        self._last_time = time.monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.enabled
+
+    def due(self, step: int) -> bool:
+        """Whether to save after `step`. With every_minutes over several processes, rank 0's clock
+        decides (one tiny broadcast per step) so that all ranks save together."""
+        c = self.cfg
+        due = c.every_steps is not None and step % c.every_steps == 0
+        if c.every_minutes is not None:
+            late = time.monotonic() - self._last_time >= 60.0 * c.every_minutes
+            if self.topo.world_size > 1:
+                import torch.distributed as dist
+
+                flag = torch.tensor([int(late)])
+                dist.broadcast(flag, 0)
+                late = bool(flag.item())
+            due = due or late
+        return due
+
+    def save(self, step: int, embeddings, model, optimizers: dict, state: dict) -> Path:
+        path = save_checkpoint(self.root, step, embeddings, model, optimizers, state, keep=self.cfg.keep)
+        self.last_step, self._last_time = step, time.monotonic()
+        return path
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.root)
+
+    def set_aside_diverged(self, step: int) -> Path | None:
+        """After a non-finite loss at step `step` + 1: a checkpoint of step `step` holds the weights
+        that gave it, so it is renamed diverged-step-... (resume skips it). Returns the newest
+        checkpoint left (rank 0 renames; every rank returns the same answer)."""
+        newest = self.latest()
+        if newest is not None and newest.name == checkpoint_name(step):
+            if self.topo.rank == 0:
+                os.replace(newest, newest.with_name("diverged-" + newest.name))
+            return self._previous(step)
+        return newest
+
+    def _previous(self, step: int) -> Path | None:
+        from neorec.checkpoint.save import list_checkpoints
+
+        older = [p for p in list_checkpoints(self.root) if int(p.name[5:]) < step]
+        return older[-1] if older else None
