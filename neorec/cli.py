@@ -24,7 +24,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config or "default", args.overrides)  # validated before any process starts
     if args.nproc and args.nproc > 1:
         return launch_torchrun(args.nproc, strip_nproc(sys.argv[1:]))
-    trainer = Trainer(cfg, Path(args.output_dir) if args.output_dir else None)
+    trainer = Trainer(cfg, Path(args.output_dir) if args.output_dir else None, resume=args.resume)
     result = trainer.fit()
     if trainer.is_main:
         print(summary_table(result))
@@ -76,6 +76,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     width = max(len(k) for k in metrics)
     for k, v in metrics.items():
         print(f"{k.ljust(width)} | {v:.6g}" if isinstance(v, float) else f"{k.ljust(width)} | {v}")
+    return 0
+
+
+def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
+    from neorec.checkpoint import describe
+
+    print(describe(args.dir, verify=args.verify))
     return 0
 
 
@@ -164,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None, help="where logs, plots and the model go (default: from config)")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes on this machine: starts torchrun for you (sharded embeddings, gloo on CPU)")  # fmt: skip
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in checkpoint.dir (default <output_dir>/checkpoints)")  # fmt: skip
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a finished run on its held-out data")
@@ -188,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="--calibrate: threads per process")
     p.add_argument("--calibration", default=None, help="calibration JSON to write/read (default ~/.cache/neorec/calibration.json)")
     p.set_defaults(func=cmd_plan)
+
+    ckpt = sub.add_parser("checkpoint", help="sharded training checkpoints").add_subparsers(
+        dest="checkpoint_command", required=True
+    )
+    p = ckpt.add_parser("inspect", help="what a checkpoint holds: step, processes, plan, tables and ranges, files")
+    p.add_argument("dir", help="a step-XXXXXXXX checkpoint folder, or a folder of them (then the newest)")
+    p.add_argument("--verify", action="store_true", help="also check every file's size and checksum")
+    p.set_defaults(func=cmd_checkpoint_inspect)
 
     data = sub.add_parser("data", help="generate or inspect data").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("generate", help="write the synthetic data set of a config to .npz shards")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -13,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from neorec.checkpoint import load_checkpoint
+from neorec.checkpoint.files import CheckpointError
+from neorec.checkpoint.periodic import PeriodicCheckpoints
 from neorec.config.load import dump_config
 from neorec.config.schema import RunConfig
 from neorec.data.prefetch import prefetch
@@ -22,7 +26,7 @@ from neorec.distributed.dense import DenseGradSync
 from neorec.distributed.topology import init_distributed
 from neorec.embedding.cache.stats import log_values
 from neorec.embedding.collection import EmbeddingCollection
-from neorec.errors import ConfigError
+from neorec.errors import ConfigError, NeorecError
 from neorec.metrics.evaluation import binary_metrics
 from neorec.train.build import (
     build_dense_optimizer,
@@ -115,6 +119,10 @@ def _take(batch, index: torch.Tensor):
     return Batch(batch.dense[index], SparseBatch.from_features(feats), batch.labels[index])
 
 
+class TrainingDiverged(NeorecError, FloatingPointError):
+    """The loss became NaN or infinite; the message names the last good checkpoint."""
+
+
 class _NoLogger:
     """What ranks other than 0 log to."""
 
@@ -128,8 +136,10 @@ class _NoLogger:
 class Trainer:
     """Owns a run: data, model, both optimizers, schedule, logs and outputs."""
 
-    def __init__(self, cfg: RunConfig, out_dir: Path | None = None) -> None:
+    def __init__(self, cfg: RunConfig, out_dir: Path | None = None, resume: bool = False) -> None:
+        """resume: fit() continues from the newest complete checkpoint in the checkpoint folder."""
         self.cfg = cfg
+        self.resume = resume
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         if cfg.train.keep_freed_memory:
@@ -158,6 +168,8 @@ class Trainer:
             [g["lr"] for g in opt.param_groups] for opt in (self.dense_opt, self.emb_opt)
         ]
         self.out_dir = Path(out_dir or cfg.resolved_output_dir)
+        root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
+        self.checkpoints = PeriodicCheckpoints(cfg.checkpoint, root, self.topo)
 
     def total_steps(self) -> int:
         t = self.cfg.train
@@ -210,18 +222,28 @@ class Trainer:
         result = RunResult(0, 0, 0.0, teacher_auc=teacher_auc, out_dir=self.out_dir)
         bar = _progress(total, t.progress and self.is_main)
         running, window_samples, window_start = None, 0, time.perf_counter()
-        step, done = 0, False
+        step, first_epoch, in_epoch = self._resume() if self.resume else (0, 0, 0)
+        done = t.max_steps is not None and step >= t.max_steps
+        epoch = first_epoch
         start = time.perf_counter()
-        for epoch in range(t.epochs):
-            batches = prefetch(self.source.train_batches(cfg.data.batch_size, epoch), t.prefetch)
+        for epoch in range(first_epoch, t.epochs):
+            if done:
+                break
+            source_batches = self.source.train_batches(cfg.data.batch_size, epoch)
+            if epoch == first_epoch and in_epoch:  # resume: skip what the checkpoint had trained on
+                source_batches = itertools.islice(source_batches, in_epoch, None)
+            else:
+                in_epoch = 0
+            batches = prefetch(source_batches, t.prefetch)
             for batch, local in pipelined(batches, self.local_batch, self.embeddings, int(t.pipeline)):
                 self._set_lr(step, total)
                 loss = float(self.train_step(local, is_local=True))
                 if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss} at step {step}; lower the learning rates")
+                    raise self._diverged(loss, step)
                 result.losses.append(loss)
                 running = loss if running is None else 0.98 * running + 0.02 * loss
                 step += 1
+                in_epoch += 1
                 used = len(batch) - len(batch) % self.topo.world_size
                 result.samples += used
                 window_samples += used
@@ -238,6 +260,8 @@ class Trainer:
                     window_samples, window_start = 0, now
                 if t.eval_every and step % t.eval_every == 0 and (t.max_steps is None or step < t.max_steps):
                     self._eval(logger, step, t.eval_max_batches, teacher_auc)
+                if self.checkpoints.enabled and self.checkpoints.due(step):
+                    self._save_checkpoint(step, epoch, in_epoch)
                 if t.max_steps is not None and step >= t.max_steps:
                     done = True
                     break
@@ -246,6 +270,8 @@ class Trainer:
             if not t.eval_every and epoch < t.epochs - 1:
                 self._eval(logger, step, t.eval_max_batches, teacher_auc)
         result.train_seconds = time.perf_counter() - start
+        if self.checkpoints.enabled and step and self.checkpoints.last_step != step:
+            self._save_checkpoint(step, epoch, in_epoch)  # the end of training is always resumable
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()
         if self.comms is not None and step:
@@ -258,6 +284,47 @@ class Trainer:
         logger.close()
         self._finish(result)
         return result
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def _save_checkpoint(self, step: int, epoch: int, in_epoch: int) -> None:
+        """Collective: tables (sharded), dense model, both optimizers, RNG and the data position:
+        `in_epoch` batches of epoch `epoch` are trained (the schedule position is the step)."""
+        state = {"epoch": epoch, "batches": in_epoch}
+        state.update(batch_size=self.cfg.data.batch_size, seed=self.cfg.seed)  # must match on resume
+        optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
+        self.checkpoints.save(step, self.embeddings, self.model, optimizers, state)
+
+    def _resume(self) -> tuple[int, int, int]:
+        """(step, epoch, batches of that epoch already trained) of the newest checkpoint, loaded."""
+        path = self.checkpoints.latest()
+        if path is None:
+            if self.is_main:
+                print(f"neorec: no checkpoint in {self.checkpoints.root}; starting from step 0", flush=True)
+            return 0, 0, 0
+        optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
+        manifest = load_checkpoint(path, self.embeddings, self.model, optimizers)
+        state = manifest["state"]
+        for key, now in (("batch_size", self.cfg.data.batch_size), ("seed", self.cfg.seed)):
+            if state.get(key) != now:
+                raise CheckpointError(
+                    f"checkpoint {path} was trained with {key} {state.get(key)}, this run has {now}: resuming exactly "
+                    f"needs the same {'data.batch_size' if key == 'batch_size' else 'seed'}"
+                )
+        self.checkpoints.last_step = manifest["step"]
+        if self.is_main:
+            print(f"neorec: resumed from {path} (step {manifest['step']})", flush=True)
+        return manifest["step"], state["epoch"], state["batches"]
+
+    def _diverged(self, loss: float, step: int) -> TrainingDiverged:
+        msg = f"loss became {loss} at step {step}; lower the learning rates"
+        if self.checkpoints.enabled:
+            kept = self.checkpoints.set_aside_diverged(step)
+            msg += (
+                f". The last good checkpoint is {kept}; `neorec train --resume` continues from it"
+                if kept is not None
+                else ". No checkpoint was saved before it"
+            )
+        return TrainingDiverged(msg)
 
     def _single_process_state(self) -> dict | None:
         """The model's state_dict as one process would have it (so `neorec eval` loads it anywhere).
