@@ -374,3 +374,57 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypat
         trainer.fit()
     root = tmp_path / "run" / "checkpoints"
     assert latest_checkpoint(root).name == "step-00000007" and (root / "diverged-step-00000014").is_dir()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_restarts_a_sigkilled_worker_and_ends_with_identical_weights(tmp_path):
+    """2 processes under torchrun --max-restarts: rank 1 is SIGKILLed after the first checkpoint;
+    torchrun restarts both, `--resume` loads the newest checkpoint, and model.pt equals the
+    uninterrupted run's, bit for bit."""
+    import time
+
+    sets = [x for kv in TINY if kv != "train.max_steps=20" for x in ("--set", kv)]
+    more = ["train.max_steps=120", "checkpoint.every_steps=4", "data.synthetic.train_samples=30000"]
+    sets += [x for kv in more for x in ("--set", kv)]
+    # torchrun's workers share the agent's TCPStore across restarts without a per-attempt prefix, so a
+    # restarted worker can read the dead workers' gloo addresses (torch 2.13); a store per attempt avoids it
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+    def torchrun(out: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+               "-m", "neorec", "train", "--resume", *sets, "--output-dir", str(tmp_path / out)]  # fmt: skip
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    whole = torchrun("whole")
+    assert whole.wait(timeout=300) == 0, whole.stdout.read()
+    run = torchrun("run")
+    ckpts, killed, deadline = tmp_path / "run" / "checkpoints", None, time.monotonic() + 240
+    while killed is None and run.poll() is None and time.monotonic() < deadline:
+        if latest_checkpoint(ckpts) is not None:
+            workers = sorted(_children(run.pid))  # torchrun's agent starts the workers itself
+            if len(workers) == 2:
+                killed = workers[-1]
+                os.kill(killed, signal.SIGKILL)
+        time.sleep(0.02)
+    out = run.communicate(timeout=300)[0]
+    assert killed is not None, out
+    assert run.returncode == 0, out
+    assert "resumed from" in out, out
+    final = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    for key, value in torch.load(tmp_path / "whole" / "model.pt", weights_only=True).items():
+        assert torch.equal(value, final[key]), key
