@@ -428,3 +428,31 @@ def test_torchrun_restarts_a_sigkilled_worker_and_ends_with_identical_weights(tm
     final = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     for key, value in torch.load(tmp_path / "whole" / "model.pt", weights_only=True).items():
         assert torch.equal(value, final[key]), key
+
+
+def test_resume_with_another_batch_size_is_refused(tmp_path):
+    cfg = load_config("default", [*TINY, "train.max_steps=7"])
+    Trainer(cfg, tmp_path / "run").fit()
+    other = load_config("default", [*TINY, "data.batch_size=128"])
+    with pytest.raises(CheckpointError, match=r"batch_size 256, this run has 128.*data\.batch_size"):
+        Trainer(other, tmp_path / "run", resume=True).fit()
+
+
+def test_every_minutes_and_every_steps(tmp_path, monkeypatch):
+    from neorec.checkpoint import periodic
+    from neorec.config.schema import CheckpointConfig
+    from neorec.distributed.topology import Topology
+
+    now = [100.0]
+    monkeypatch.setattr(periodic.time, "monotonic", lambda: now[0])
+    every = periodic.PeriodicCheckpoints(
+        CheckpointConfig(every_minutes=2, every_steps=50), tmp_path, Topology()
+    )
+    assert not every.due(1)
+    now[0] += 119
+    assert not every.due(2) and every.due(50)
+    now[0] += 1
+    assert every.due(3)
+    emb, model, opts = trained_engine(1)
+    every.save(3, emb, model, opts, {})
+    assert not every.due(4) and every.last_step == 3
