@@ -75,25 +75,35 @@ def train(
 ):
     """SGD on the dense part, the fused optimizer on the rows. Returns (global losses, model).
     pipeline: start each next batch's id exchange before the current step (neorec.train.pipeline)."""
-    from neorec.distributed.dense import DenseGradSync
-    from neorec.train.pipeline import pipelined
 
     model = build_model(embeddings)
     emb_opt = embeddings.build_optimizer()
     dense_params = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
     opt = torch.optim.SGD(dense_params, lr=0.05)
+    losses = run_steps(model, embeddings, emb_opt, opt, batches, rank, world, comms, dense_precision, pipeline)
+    return losses, model
+
+
+def run_steps(model, embeddings, emb_opt, dense_opt, batches, rank=0, world=1, comms=None, dense_precision="fp32", pipeline=False):
+    """Train over `batches` (global batches; each rank takes its slice); returns the mean loss over
+    ranks of each step."""
+    from neorec.distributed.dense import DenseGradSync
+    from neorec.train.pipeline import pipelined
+
+    dense_params = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
     sync = DenseGradSync(dense_params, comms, dense_precision) if comms is not None else None
     losses = []
+
     def cut(batch):
         return local_slice(batch, rank, world) if world > 1 else batch
 
     for _, batch in pipelined(batches, cut, embeddings, depth=1 if pipeline else 0):
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(batch), batch.labels)
-        opt.zero_grad(set_to_none=True)
+        dense_opt.zero_grad(set_to_none=True)
         loss.backward()
         if sync is not None:
             sync.start().wait()
-        opt.step()
+        dense_opt.step()
         emb_opt.step()
         value = loss.detach().clone()
         if world > 1:
@@ -102,7 +112,7 @@ def train(
             dist.all_reduce(value)
             value /= world
         losses.append(float(value))
-    return losses, model
+    return losses
 
 
 def optimizer_config(name: str) -> EmbeddingOptimizerConfig:

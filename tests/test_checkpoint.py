@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from dist_helpers import build_model, local_slice, make_batches, make_tables, optimizer_config, spawn
+from dist_helpers import build_model, make_batches, make_tables, optimizer_config, run_steps, spawn
 
 from neorec.checkpoint import (
     CheckpointError,
@@ -67,28 +67,7 @@ def plans_for(optimizer_name: str) -> tuple[dict, dict]:
 
 def continue_training(model, embeddings, emb_opt, dense_opt, batches, rank, world, comms=None):
     """Steps over `batches` (global); returns the mean loss over ranks of each step."""
-    from neorec.distributed.dense import DenseGradSync
-
-    dense = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
-    sync = DenseGradSync(dense, comms, "fp32") if comms is not None else None
-    losses = []
-    for batch in batches:
-        batch = local_slice(batch, rank, world) if world > 1 else batch
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(batch), batch.labels)
-        dense_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if sync is not None:
-            sync.start().wait()
-        dense_opt.step()
-        emb_opt.step()
-        value = loss.detach().clone()
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(value)
-            value /= world
-        losses.append(float(value))
-    return losses
+    return run_steps(model, embeddings, emb_opt, dense_opt, batches, rank, world, comms)
 
 
 def build(topo, plan_dict, optimizer_name, comms_out: list | None = None):
