@@ -255,10 +255,14 @@ def test_bad_cache_config_names_the_key(sets, message) -> None:
 def test_cache_build_errors_name_tables_and_keys(tmp_path) -> None:
     from neorec.train.trainer import Trainer
 
-    # C1 and C2 share one buffer (same dim, dtype, optimizer) but not one tier
+    # C1 would share one buffer with C2 (same dim, dtype, optimizer) but has its own tier: its own group
     mixed = TINY + [f"embedding.cache.directory={tmp_path}", "embedding.tables={C1: {tier: ssd}}"]
-    with pytest.raises(ConfigError, match=r"different tiers .*'ssd': \['C1'\]"):
-        Trainer(load_config("default", mixed), tmp_path / "x")
+    emb = Trainer(load_config("default", mixed), tmp_path / "x").embeddings
+    assert [len(g.tables) for g in emb.layout.groups] == [1, 3] and set(emb.cache_stats()) == {"C1"}
+    with pytest.raises(ConfigError, match=r"different tiers .*'ssd': \['a'\]"):  # the factory's own check
+        factory = cached_storage_factory({"a": "ssd"}, CacheSettings(directory=tmp_path))
+        FusedEmbeddingCollection([TableConfig(name=n, rows=10, dim=4, features=[n]) for n in "ab"],
+                                 EmbeddingOptimizerConfig(name="sgd", lr=0.1), group_storage_factory=factory)  # fmt: skip
     with pytest.raises(ConfigError, match="only the fused engine"):
         Trainer(
             load_config("default", TINY + ["embedding.tier=dram", "embedding.engine=reference"]),

@@ -7,9 +7,14 @@ cw (the dim cut into len(ranks) equal column slices, slice i on ranks[i]; a rank
 twrw / twcw (the table belongs to `node` and is cut by rows / columns over all of that node's ranks),
 dp (a full replica on every rank, gradients summed over ranks). `shards()` turns a plan into
 explicit row and column ranges; `validate` checks it against the tables and the topology before
-any work starts, naming the table at fault. An optional `tier` says which memory the planner meant
-the table's rows to live in ("device" when absent; "host" = host DRAM next to a GPU); training
-places every shard in device memory until the memory-hierarchy issue adds the other tiers.
+any work starts, naming the table at fault. An optional `tier` says which memory the table's rows
+live in (every shard of the table alike):
+- "device" (the default): memory next to the compute (RAM on a CPU);
+- "host": host DRAM read by a GPU (on a CPU, the same RAM as "device");
+- "cached": a row cache in device memory over all rows (and their optimizer state) in host DRAM;
+- "ssd": a row cache in device memory over all rows in files on SSD (embedding.cache.directory).
+Training stores each tier as STORAGE_TIERS says (the tiers of neorec/embedding/cache); the cache's
+size and policy come from embedding.cache.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError
 
 KINDS = ("tw", "rw", "cw", "twrw", "twcw", "dp")
-TIERS = ("device", "host")
+TIERS = ("device", "host", "cached", "ssd")
+# plan tier -> how training stores the rows (neorec/embedding/cache TIERS): a plain tensor, or a
+# row cache over a host-memory tensor ("dram") or over files ("ssd")
+STORAGE_TIERS = {"device": "memory", "host": "memory", "cached": "dram", "ssd": "ssd"}
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ class TablePlan:
     kind: str
     ranks: list[int] = field(default_factory=list)
     node: int | None = None
-    tier: str | None = None  # memory tier of the rows (None: device)
+    tier: str | None = None  # memory tier of the rows (TIERS; None: device)
 
     def to_dict(self) -> dict:
         out: dict = {"kind": self.kind}

@@ -11,6 +11,14 @@ every replica applies the same update.
 
 `forward` runs the three stages back to back; `input_dist`, `lookup` and `output` are public so a
 pipeline can start batch i+1's input_dist before batch i's lookup.
+
+Cached tables (plan tier "cached" or "ssd", or `tiers`): every shard this rank holds gets its own row
+cache and backing store (neorec/embedding/cache), files under `<cache directory>/rank-<rank>/`
+named by table and shard (`<table>#<shard>.<tensor>.bin`). The rows a batch needs are known on a
+rank only after its input distribution: when the pipeline calls `prefetch` for batch i+2 (after
+batch i's step), the local rows of batch i+1, whose ids were exchanged during batch i's step, are
+brought into the caches first; so they come in after batch i's update and before batch i+1's lookup.
+Replicated tables look up the rank's own samples, so their rows are prefetched at once.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +37,15 @@ from neorec.distributed.comms import Comms, Pending
 from neorec.distributed.input_dist import InputDist
 from neorec.distributed.layout import ShardLayout
 from neorec.distributed.output_dist import AssembleColumns, ColumnPlan, OutputDist
-from neorec.distributed.plan import ShardingPlan
+from neorec.distributed.plan import STORAGE_TIERS, ShardingPlan
+from neorec.embedding.cache import TIERS as CACHE_TIERS
+from neorec.embedding.cache import CacheSettings, cached_storage_factory
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.fused import FusedEmbeddingCollection
 from neorec.embedding.fused.param_groups import FusedEmbeddingOptimizer
 from neorec.embedding.init import init_rows
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.errors import ConfigError
 from neorec.sparse import SparseBatch, lengths_to_offsets
 
 
@@ -59,7 +72,12 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         backward_precision: str = "fp32",
         device: torch.device | str | None = None,
         stochastic_rounding: bool = False,
+        tiers: dict[str, str] | None = None,
+        cache: CacheSettings | None = None,
     ) -> None:
+        """tiers: storage tier by table name ("memory", "dram", "ssd"), overriding the plan's tier
+        (plan.STORAGE_TIERS); cache: size, policy and directory of the cached tables' row caches
+        (size_mib is per process here)."""
         super().__init__(tables, optimizer)
         self.comms, self.topo, self.plan = comms, comms.topo, plan
         self.layout = ShardLayout(self.tables, plan, comms.topo)
@@ -72,11 +90,19 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             r0, (c0, c1) = u.shard.rows[0], u.shard.cols
             return init_rows(u.table, seed, r0 + a, r0 + b)[:, c0:c1]
 
-        self.local = FusedEmbeddingCollection(
-            self.layout.local_tables(rank), optimizer, seed, device, stochastic_rounding, row_init=shard_rows
-        )
+        self.tiers = self._storage_tiers(tiers or {})
         dp = self.layout.dp_tables
-        self.replicated = FusedEmbeddingCollection(dp, optimizer, seed, device, stochastic_rounding)
+        local_tiers = {u.local_table().name: self.tiers[u.table.name] for u in units}
+        dp_tiers = {t.name: self.tiers[t.name] for t in dp}
+        factory = self._cache_factory({**local_tiers, **dp_tiers}, cache, units, dp, device)
+        self.local = FusedEmbeddingCollection(
+            self.layout.local_tables(rank), optimizer, seed, device, stochastic_rounding, row_init=shard_rows,
+            group_storage_factory=factory, table_tiers=local_tiers,
+        )  # fmt: skip
+        self.replicated = FusedEmbeddingCollection(
+            dp, optimizer, seed, device, stochastic_rounding, group_storage_factory=factory, table_tiers=dp_tiers
+        )
+        self._local_cached = any(hasattr(w, "prefetch") for w in self.local.weights)
         self.replicated.chunk_elements = None  # the gradient hook needs a whole group at once
         self.replicated.grad_hook = self._sum_replica_gradients
         self.input_dist_ = InputDist(self.layout, comms)
@@ -92,7 +118,49 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.timings: dict[str, float] = defaultdict(float)
         self.local.timings = self.replicated.timings = self.timings
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: deque[tuple[SparseBatch, Future]] = deque()
+        # prefetched batches: (batch, its id exchange, whether its local rows are in the caches yet)
+        self._ahead: deque[list] = deque()
+
+    # ---- cached tables ---------------------------------------------------------------------------
+    def _storage_tiers(self, overrides: dict[str, str]) -> dict[str, str]:
+        """Storage tier of every table: `overrides`, else the plan's tier as training stores it."""
+        unknown = sorted(set(overrides) - {t.name for t in self.tables})
+        if unknown:
+            raise ConfigError(f"cache tiers name table(s) {unknown} that the model does not have")
+        out = {}
+        for t in self.tables:
+            plan_tier = self.plan.tables[t.name].tier or "device"
+            out[t.name] = overrides.get(t.name, STORAGE_TIERS[plan_tier])
+            if out[t.name] not in CACHE_TIERS:
+                raise ConfigError(f"table {t.name!r}: storage tier must be one of {CACHE_TIERS}, got {out[t.name]!r}")
+        return out
+
+    def _cache_factory(self, tiers: dict[str, str], cache: CacheSettings | None, units, dp, device):
+        """The group storage factory of both local engines: plain tensors, or row caches with this
+        rank's files in a folder of its own (a replicated table has the same name on every rank)."""
+        settings = cache or CacheSettings()
+        # checked for every table on every rank alike, so that no rank waits for one that stopped
+        everywhere = sorted(name for name, tier in self.tiers.items() if tier != "memory")
+        if everywhere and device is not None and torch.device(device).type != "cpu":
+            raise ConfigError(f"cached tables {everywhere} run on CPU only, not {device}")
+        ssd = sorted(name for name, tier in self.tiers.items() if tier == "ssd")
+        if ssd and settings.directory is None:
+            raise ConfigError(
+                f"tables {ssd} are in tier ssd: set embedding.cache.directory (a folder for their files)"
+            )
+        cached = {name for name, tier in tiers.items() if tier != "memory"}
+        if not cached:
+            return None
+        if settings.directory is not None:
+            settings = replace(settings, directory=Path(settings.directory) / f"rank-{self.topo.rank:05d}")
+        rows = {u.local_table().name: u.shard.rows[1] - u.shard.rows[0] for u in units}
+        rows.update({t.name: t.rows for t in dp})
+        return cached_storage_factory(tiers, settings, sum(rows[n] for n in cached))
+
+    def cache_stats(self) -> dict[str, dict[str, float]]:
+        """This rank's cached shards (`<table>#<shard>`) and replicated tables: hit rate, rows and
+        bytes moved from/to the backing tier, evictions (see neorec/embedding/cache/stats.py)."""
+        return {**self.local.cache_stats(), **self.replicated.cache_stats()}
 
     # ---- the three stages ------------------------------------------------------------------------
     def input_dist(self, sparse: SparseBatch) -> Pending:
@@ -118,10 +186,14 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     def prefetch(self, sparse: SparseBatch) -> None:
         """Start the id exchange of a coming batch on a background thread (on its own communicator);
         forward(sparse) with this very object then waits for it instead of exchanging. Batches must
-        be prefetched in the order they are trained, by every rank alike."""
+        be prefetched in the order they are trained, by every rank alike. Cached tables: the local
+        rows of batches prefetched before come into the caches first (their ids have arrived, or
+        arrive during the wait), and replicated tables' rows of this batch now (see the module doc)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="neorec-input-dist")
-        self._ahead.append((sparse, self._pool.submit(lambda: self.input_dist_(sparse).wait())))
+        self._prefetch_rows()
+        self._ahead.append([sparse, self._pool.submit(lambda: self.input_dist_(sparse).wait()), False])
+        self.replicated.prefetch(sparse)  # a no-op without cached replicated tables
 
     def clear_prefetched(self) -> None:
         """Finish and forget prefetched exchanges that will not be trained (a run that stops early)."""
@@ -135,11 +207,24 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         else:
             # Exchanges already started on the background thread go first, on every rank alike, so
             # that the id communicator sees the same order everywhere (e.g. evaluation mid-training).
-            for _, future in self._ahead:
+            for _, future, _ in self._ahead:
                 future.result()
             local = self.input_dist_(sparse).wait()
         self.timings["input_dist"] += time.perf_counter() - start
         return self.output(self.lookup(local), sparse)
+
+    def _prefetch_rows(self) -> None:
+        """Bring the local rows of every prefetched batch not yet brought in into the shards' caches
+        (waiting for its ids if need be). No-op without cached shards."""
+        if not self._local_cached:
+            return
+        for entry in self._ahead:
+            if not entry[2]:
+                local = entry[1].result()
+                start = time.perf_counter()
+                self.local.prefetch(local)
+                entry[2] = True
+                self.timings["lookup"] += time.perf_counter() - start  # where the cost model counts misses
 
     def _apply(self, fn, recurse: bool = True):  # move the column plan with the module (.to, .cuda)
         super()._apply(fn, recurse)

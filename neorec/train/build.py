@@ -108,25 +108,33 @@ def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
 
 
 def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> EmbeddingCollection:
-    """The fused engine; over several processes (comms given, world > 1) the sharded collection."""
+    """The fused engine; over several processes (comms given, world > 1) the sharded collection.
+    Cached tables (neorec/embedding/cache) get their tier from `embedding.tables.<name>.tier`, else
+    from the sharding plan (tier cached or ssd), else from `embedding.tier`."""
     e = cfg.embedding
-    tiers = {t.name: (e.tables[t.name].tier if t.name in e.tables else None) or e.tier for t in tables}
+    sharded = comms is not None and comms.topo.world_size > 1
+    plan = build_plan(cfg, tables, comms.topo) if sharded and e.engine == "fused" else None
+    tiers = storage_tiers(cfg, tables, plan)
     cached = sorted(n for n, tier in tiers.items() if tier != "memory")
-    if cached and (e.engine != "fused" or (comms is not None and comms.topo.world_size > 1)):
+    if cached and e.engine != "fused":
         raise ConfigError(
-            f"embedding.tier: tables {cached} are cached (tier dram/ssd), which only the fused engine in one "
-            "process supports; set their tier to memory"
+            f"embedding.tier: tables {cached} are cached (tier dram/ssd), which only the fused engine supports; "
+            "set embedding.engine: fused, or their tier to memory"
         )
-    if comms is not None and comms.topo.world_size > 1:
+    from neorec.embedding.cache import CacheSettings
+
+    c = e.cache
+    settings = CacheSettings(c.policy, c.fraction, c.size_mib, c.directory, c.release_mib)
+    if sharded:
         if e.engine != "fused":
             raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")
         from neorec.distributed.sharded import ShardedEmbeddingCollection
 
         d = cfg.distributed
         return ShardedEmbeddingCollection(
-            tables, e.optimizer, build_plan(cfg, tables, comms.topo), comms, seed=cfg.seed,
+            tables, e.optimizer, plan, comms, seed=cfg.seed,
             forward_precision=d.forward_precision, backward_precision=d.backward_precision,
-            stochastic_rounding=e.stochastic_rounding,
+            stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings,
         )  # fmt: skip
     if e.engine == "reference":
         from neorec.embedding.reference import ReferenceEmbeddingCollection
@@ -136,15 +144,34 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
 
     factory = None
     if cached:  # a RAM cache over host memory or files (neorec/embedding/cache)
-        from neorec.embedding.cache import CacheSettings, cached_storage_factory
+        from neorec.embedding.cache import cached_storage_factory
 
-        c = e.cache
-        settings = CacheSettings(c.policy, c.fraction, c.size_mib, c.directory, c.release_mib)
         total = sum(t.rows for t in tables if t.name in cached)
         factory = cached_storage_factory(tiers, settings, total)
     return FusedEmbeddingCollection(
-        tables, e.optimizer, seed=cfg.seed, stochastic_rounding=e.stochastic_rounding, group_storage_factory=factory
-    )
+        tables, e.optimizer, seed=cfg.seed, stochastic_rounding=e.stochastic_rounding,
+        group_storage_factory=factory, table_tiers=tiers,
+    )  # fmt: skip
+
+
+def storage_tiers(cfg: RunConfig, tables: list[TableConfig], plan=None) -> dict[str, str]:
+    """Where each table's rows live in training (memory, dram or ssd: neorec/embedding/cache): the
+    table's own `tier`, else the plan's cached/ssd tier (distributed.plan.STORAGE_TIERS), else
+    `embedding.tier`. A plan tier of ssd needs embedding.cache.directory; the error names the table."""
+    from neorec.distributed.plan import STORAGE_TIERS
+
+    e = cfg.embedding
+    out = {}
+    for t in tables:
+        own = e.tables[t.name].tier if t.name in e.tables else None
+        planned = STORAGE_TIERS[(plan.tables[t.name].tier or "device")] if plan is not None else "memory"
+        out[t.name] = own or (planned if planned != "memory" else e.tier)
+        if out[t.name] == "ssd" and e.cache.directory is None:
+            raise ConfigError(
+                f"the sharding plan puts table {t.name!r} in tier ssd: set embedding.cache.directory to a folder "
+                f"for its files, or embedding.tables.{t.name}.tier"
+            )
+    return out
 
 
 def build_model(cfg: RunConfig, info: SourceInfo, embeddings: EmbeddingCollection) -> nn.Module:

@@ -74,9 +74,12 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         storage_factory: StorageFactory | None = None,
         row_init: Callable[[int, int, int], torch.Tensor] | None = None,
         group_storage_factory: GroupStorageFactory | None = None,
+        table_tiers: dict[str, str] | None = None,
     ) -> None:
         """storage_factory builds each row storage (default: a plain tensor on `device`);
         group_storage_factory, when given, builds all storages of a group at once instead (caches).
+        table_tiers: storage tier by table name ("memory", "dram", "ssd"; see neorec/embedding/cache):
+        tables of different tiers go to different groups, so that each group has one storage.
 
         row_init(table index, start, end) gives fp32 initial rows [start, end) of a table (default
         init_rows); the sharded collection passes the rows of the unsharded table its shard covers.
@@ -85,7 +88,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         check_tables(self.tables)
         self.seed = seed
         self.stochastic_rounding = stochastic_rounding
-        self.layout = build_layout(self.tables, optimizer)
+        self.layout = build_layout(self.tables, optimizer, table_tiers)
         self.num_updates = 0
         # Called with (group, unique rows, their summed gradients) before each update; returns the
         # rows and gradients to apply. The sharded collection sums a replicated table's gradients

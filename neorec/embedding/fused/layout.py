@@ -1,7 +1,7 @@
 """How the fused engine packs tables into flat buffers and maps features to output columns.
 
-Tables are grouped by (dim, storage dtype, optimizer name); each group's tables are stacked by row in
-one [sum of rows, dim] buffer, and a table's id `i` is global row `row_start + i` of its group. Why
+Tables are grouped by (dim, storage dtype, optimizer name, storage tier); each group's tables are
+stacked by row in one [sum of rows, dim] buffer, and a table's id `i` is global row `row_start + i` of its group. Why
 this layout rather than one 1-D buffer with per-table element offsets:
 - a 2-D buffer per dim is what `torch.nn.functional.embedding_bag` reads, so a whole group (all 26
   tables of a DLRM, usually) is pooled by one vectorised call, on CPU and on GPU, with no C++ of ours;
@@ -10,7 +10,9 @@ this layout rather than one 1-D buffer with per-table element offsets:
 - one optimizer per group keeps the state buffers uniform (adam's two moments, rowwise adagrad's
   one value per row), so each group's update is a single call of one pure rule; hyper-parameters
   that differ between tables of a group become per-row tensors.
-Mixed dims or overrides only add groups; the common case stays one group and one call.
+Mixed dims or overrides only add groups; the common case stays one group and one call. Tables in
+different storage tiers (plain memory, or behind a row cache over DRAM or SSD: neorec/embedding/cache)
+never share a buffer, since a buffer has one storage.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass
 class TableGroup:
-    """Tables that share one buffer: same dim, storage dtype and optimizer rule."""
+    """Tables that share one buffer: same dim, storage dtype, optimizer rule and storage tier."""
 
     dim: int
     dtype: torch.dtype
@@ -53,13 +55,16 @@ class Layout:
     output_dim: int
 
 
-def build_layout(tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig) -> Layout:
-    """Group tables, assign row ranges, and record which output columns each group fills."""
-    by_key: dict[tuple[int, str, str], TableGroup] = {}
+def build_layout(
+    tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig, tiers: dict[str, str] | None = None
+) -> Layout:
+    """Group tables, assign row ranges, and record which output columns each group fills.
+    tiers: storage tier by table name (missing: "memory"); only tables of one tier share a group."""
+    by_key: dict[tuple[int, str, str, str], TableGroup] = {}
     table_slot: dict[str, tuple[int, int]] = {}
     for ti, t in enumerate(tables):
         name = (t.optimizer or optimizer).name
-        key = (t.dim, t.dtype, name)
+        key = (t.dim, t.dtype, name, (tiers or {}).get(t.name, "memory"))
         if key not in by_key:
             by_key[key] = TableGroup(dim=t.dim, dtype=DTYPES[t.dtype], optimizer=name)
         g = by_key[key]
