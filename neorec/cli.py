@@ -79,6 +79,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from neorec.serving.export import export_model, report_text
+
+    report = export_model(
+        args.run_dir, args.out, int8=args.int8, scale_dtype=args.scale_dtype, measure=not args.no_eval,
+        config=args.config,
+    )  # fmt: skip
+    print(report_text(report))
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from neorec.serving.predict import predict_file, result_text
+
+    result = predict_file(args.model, args.out, args.data, args.batch_size, with_labels=args.with_labels)
+    print(result_text(result))
+    return 0
+
+
 def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from neorec.checkpoint import describe
 
@@ -179,6 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the folder `neorec train` wrote")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="write a single-process inference model of a run (optionally int8 tables)")
+    p.add_argument("run_dir", help="a run folder (model.pt, else its newest checkpoint) or a checkpoint folder")
+    p.add_argument("--out", required=True, help="the export file to write")
+    p.add_argument("--int8", action="store_true", help="int8 row-wise quantized tables; reports the AUC change")
+    p.add_argument("--scale-dtype", default="fp32", choices=["fp32", "fp16"], help="--int8: type of each row's scale and bias")
+    p.add_argument("--no-eval", action="store_true", help="do not measure the held-out AUC")
+    p.add_argument("--config", default=None, help="the run's config, for a checkpoint outside its run folder")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("predict", help="score data with an exported model and write the predictions")
+    p.add_argument("model", help="a file written by `neorec export`")
+    p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels)")
+    p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per batch (default: data.eval_batch_size)")
+    p.add_argument("--with-labels", action="store_true", help="write CSV with a header: probability,label")
+    p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("plan", help="plan the sharding of the embedding tables: cost and memory per rank, plan file, chart")
     _add_config_args(p)

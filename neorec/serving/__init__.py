@@ -1,0 +1,21 @@
+"""Inference: export a trained run to one file (fp32 or int8 row-wise tables), load it, score data.
+
+export.py (`neorec export`) -> file_format.py (JSON header + raw tensors, no pickle) -> model.py
+(rebuild the model over embeddings.py's lookups; quantize.py for int8) -> predict.py (`neorec predict`).
+"""
+
+from neorec.serving.export import ExportReport, export_model, load_trained
+from neorec.serving.file_format import ExportError
+from neorec.serving.model import ExportedModel, load_export
+from neorec.serving.predict import PredictResult, predict_file
+
+__all__ = [
+    "ExportError",
+    "ExportReport",
+    "ExportedModel",
+    "PredictResult",
+    "export_model",
+    "load_export",
+    "load_trained",
+    "predict_file",
+]

@@ -1,0 +1,90 @@
+"""The embedding collection of an exported model: pooled lookups only, no optimizer, no gradients.
+
+Each table is either float rows in its training storage dtype (fp32, fp16 or bf16) or int8 row-wise
+codes (quantize.py). Lookups go feature by feature and pool in fp32 with the per-id factors of the
+fused training engine (weight, times 1 / bag length for mean pooling), so an fp32 export scores
+exactly as the trained model does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.errors import NeorecError
+from neorec.serving.quantize import QuantizedRows, bag_scales, pooled_lookup
+from neorec.sparse import SparseBatch, lengths_to_offsets
+
+TableWeights = torch.Tensor | QuantizedRows
+
+
+class InferenceEmbeddings(EmbeddingCollection):
+    """Pooled lookups from fixed tables (float or int8 row-wise), in feature_names order."""
+
+    def __init__(self, tables: list[TableConfig], weights: dict[str, TableWeights]) -> None:
+        super().__init__(tables, EmbeddingOptimizerConfig())
+        self._table_of = {f: i for i, t in enumerate(self.tables) for f in t.features}
+        self._quantized: list[bool] = []
+        # Buffers (not saved in state_dict: the export file holds the tables) so .to(device) moves them.
+        for i, t in enumerate(self.tables):
+            if t.name not in weights:
+                raise NeorecError(f"table {t.name!r} has no weights")
+            w = weights[t.name]
+            shape = (w.num_rows, w.dim) if isinstance(w, QuantizedRows) else tuple(w.shape)
+            if shape != (t.rows, t.dim):
+                raise NeorecError(f"table {t.name!r} is {t.rows} x {t.dim} but its weights are {shape}")
+            if isinstance(w, QuantizedRows):
+                self.register_buffer(f"codes_{i}", w.codes, persistent=False)
+                self.register_buffer(f"scale_{i}", w.scale, persistent=False)
+                self.register_buffer(f"bias_{i}", w.bias, persistent=False)
+            else:
+                self.register_buffer(f"weight_{i}", w, persistent=False)
+            self._quantized.append(isinstance(w, QuantizedRows))
+
+    def table(self, i: int) -> TableWeights:
+        """Table i's weights (QuantizedRows for an int8 table)."""
+        if self._quantized[i]:
+            return QuantizedRows(
+                getattr(self, f"codes_{i}"), getattr(self, f"scale_{i}"), getattr(self, f"bias_{i}")
+            )
+        return getattr(self, f"weight_{i}")
+
+    def table_weights(self) -> dict[str, TableWeights]:
+        return {t.name: self.table(i) for i, t in enumerate(self.tables)}
+
+    @torch.no_grad()
+    def forward(self, sparse: SparseBatch) -> torch.Tensor:
+        """[B, output_dim] fp32 pooled vectors."""
+        out = []
+        for f in self.feature_names:
+            i = self._table_of[f]
+            ids, lengths, weights = sparse.feature(f)
+            out.append(self._pool(self.table(i), ids, lengths, weights, self.tables[i].pooling))
+        if not out:
+            return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
+        return torch.cat(out, dim=1)
+
+    @staticmethod
+    def _pool(
+        table: TableWeights, ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, mode: str
+    ) -> torch.Tensor:
+        offsets = lengths_to_offsets(lengths)
+        if isinstance(table, QuantizedRows):
+            return pooled_lookup(table, ids, offsets, weights, mode)
+        scales = bag_scales(lengths, weights, mode)
+        if scales is None and ids.numel() == lengths.numel() and bool((lengths == 1).all()):
+            return table.index_select(0, ids).to(torch.float32)  # one-hot: a gather, as in training
+        if table.dtype == torch.float32:
+            return F.embedding_bag(
+                ids, table, offsets, mode="sum", per_sample_weights=scales, include_last_offset=True
+            )
+        rows = table.index_select(0, ids).to(torch.float32)  # fp16/bf16 rows are widened, then pooled in fp32
+        return F.embedding_bag(
+            torch.arange(ids.numel(), device=ids.device), rows, offsets, mode="sum",
+            per_sample_weights=scales, include_last_offset=True,
+        )  # fmt: skip
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        raise NeorecError("an exported model is for inference only; train from the run's checkpoints instead")

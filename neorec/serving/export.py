@@ -1,0 +1,256 @@
+"""`neorec export`: a trained run -> one inference file (fp32, or int8 row-wise tables), with the
+held-out AUC of both measured.
+
+The weights come from the run folder's model.pt (what `neorec train` writes) or, when there is none
+(or a checkpoint is given), from a sharded checkpoint loaded into one process by
+neorec.checkpoint.load_checkpoint, under whatever plan and world size it was saved with. Optimizer
+state is left behind. The file is written atomically, by neorec.serving.file_format.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from neorec.checkpoint.load import resolve_checkpoint
+from neorec.checkpoint.save import MANIFEST, list_checkpoints
+from neorec.config.load import dump_config, load_config
+from neorec.config.schema import RunConfig
+from neorec.data.source import DataSource
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.errors import NeorecError
+from neorec.serving.file_format import ExportError, export_size, write_export
+from neorec.serving.model import build_inference_model, file_tensors, info_to_json
+from neorec.serving.quantize import SCALE_DTYPES, QuantizedRows, quantize_rows
+
+
+@dataclass
+class TrainedModel:
+    """A run's weights as one process holds them: float tables and the dense state dict."""
+
+    config: RunConfig
+    source: DataSource
+    tables: list[TableConfig]
+    weights: dict[str, torch.Tensor]  # table name -> rows in the training storage dtype
+    dense: dict[str, torch.Tensor]  # the model's state dict without the embedding collection
+    origin: Path  # model.pt or the checkpoint folder
+
+    def inference_model(self, weights: dict | None = None) -> torch.nn.Module:
+        w = self.weights if weights is None else weights
+        return build_inference_model(self.config, self.source.info, self.tables, w, self.dense, self.origin)
+
+
+@dataclass
+class ExportReport:
+    out: Path
+    num_bytes: int
+    fp32_bytes: int  # the size of the fp32 export of the same run (equal to num_bytes without int8)
+    table_bytes: dict[str, int]  # "fp32" and, with int8, "int8": bytes of all tables
+    eval: dict[str, dict[str, float]] = field(default_factory=dict)  # "fp32"/"int8" -> held-out metrics
+    scale_dtype: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def auc_change(self) -> float | None:
+        if "int8" in self.eval and "fp32" in self.eval:
+            return self.eval["int8"]["auc"] - self.eval["fp32"]["auc"]
+        return None
+
+
+def load_trained(path: str | Path, config: str | Path | None = None) -> TrainedModel:
+    """The weights of a run folder (model.pt, else its newest checkpoint) or of a checkpoint folder
+    (a step-XXXXXXXX folder or a folder of them). `config` replaces the run's config.yaml, and is
+    needed for a checkpoint that does not lie under its run folder."""
+    from neorec.train.build import build_source, build_tables
+
+    path = Path(path)
+    is_run = (path / "config.yaml").is_file()
+    if not is_run and not (path / MANIFEST).is_file() and not list_checkpoints(path):
+        raise ExportError(
+            f"{path}: neither a run folder (config.yaml and model.pt from `neorec train`) nor a checkpoint "
+            "(a step-XXXXXXXX folder, or a folder of them)"
+        )
+    cfg_path = Path(config) if config else _find_config(path)
+    cfg = load_config(str(cfg_path))
+    source = build_source(cfg)
+    tables = build_tables(cfg, source.info)
+    if is_run and (path / "model.pt").is_file():
+        state = _load_state(path / "model.pt")
+        origin = path / "model.pt"
+    else:
+        root = path
+        if is_run:
+            root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else path / "checkpoints"
+        origin = resolve_checkpoint(root)
+        state = _checkpoint_state(origin, cfg, source, tables)
+    weights = {}
+    for i, t in enumerate(tables):
+        # the fused engine's key, then the reference engine's
+        keys = [f"embeddings.tables.{t.name}.weight", f"embeddings.bags.{i}.weight"]
+        w = next((state[k] for k in keys if k in state), None)
+        if w is None:
+            raise ExportError(f"{origin} has no weights for table {t.name!r} (key {keys[0]})")
+        if tuple(w.shape) != (t.rows, t.dim):
+            raise ExportError(
+                f"{origin}: table {t.name!r} is {tuple(w.shape)} there but {t.rows} x {t.dim} under {cfg_path}"
+            )
+        weights[t.name] = w
+    dense = {k: v for k, v in state.items() if not k.startswith("embeddings.")}
+    return TrainedModel(cfg, source, tables, weights, dense, origin)
+
+
+def _find_config(path: Path) -> Path:
+    """config.yaml of the run a folder belongs to: the folder itself or up to three levels above
+    (runs/NAME/checkpoints/step-XXXXXXXX)."""
+    for folder in [path, *list(path.resolve().parents)[:3]]:
+        if (folder / "config.yaml").is_file():
+            return folder / "config.yaml"
+    raise ExportError(
+        f"{path}: no config.yaml here or in the folders above; give the run's config with --config"
+    )
+
+
+def _load_state(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure inside torch becomes one clear message
+        raise ExportError(f"model file {path} cannot be loaded ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict):
+        raise ExportError(f"model file {path} does not hold a state dict")
+    return state
+
+
+def _checkpoint_state(folder: Path, cfg: RunConfig, source: DataSource, tables: list[TableConfig]) -> dict:
+    """A checkpoint's weights in one process: the fused engine without optimizer state, so only the
+    weight pieces are read; its rows start as zeros instead of a random init."""
+    from neorec.checkpoint import load_checkpoint
+    from neorec.embedding.fused import FusedEmbeddingCollection
+    from neorec.train.build import build_model
+
+    bare = [t.model_copy(update={"optimizer": None}) for t in tables]
+    embeddings = FusedEmbeddingCollection(
+        bare, EmbeddingOptimizerConfig(name="sgd"), seed=cfg.seed,
+        row_init=lambda ti, a, b: torch.zeros(b - a, bare[ti].dim),
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(cfg, source.info, embeddings)
+    load_checkpoint(folder, embeddings, model, restore_rng=False)
+    return model.state_dict()
+
+
+def quantize_tables(weights: dict[str, torch.Tensor], scale_dtype: str = "fp32") -> dict[str, QuantizedRows]:
+    if scale_dtype not in SCALE_DTYPES:
+        raise ExportError(f"scale dtype must be one of {sorted(SCALE_DTYPES)}, got {scale_dtype!r}")
+    out = {}
+    for name, w in weights.items():
+        try:
+            out[name] = quantize_rows(w, SCALE_DTYPES[scale_dtype])
+        except (NeorecError, ValueError) as e:
+            raise ExportError(f"table {name!r}: {e}") from None
+    return out
+
+
+def tsv_hashing(cfg: RunConfig) -> str | None:
+    """How raw Criteo TSV values map to this model's ids (for `neorec predict --data`); None when
+    they cannot (a vocabulary was used)."""
+    if cfg.data.source == "criteo_tsv" and cfg.data.criteo is not None:
+        return cfg.data.criteo.hashing
+    if cfg.data.source == "preprocessed" and cfg.data.preprocessed is not None:
+        manifest = Path(cfg.data.preprocessed.path) / "manifest.json"
+        try:
+            return json.loads(manifest.read_text())["settings"]["categorical"].get("hashing")
+        except (OSError, KeyError, TypeError, json.JSONDecodeError):
+            return None
+    return "modulo"  # synthetic C1..C26 ids stand for raw values reduced modulo the table rows
+
+
+def export_model(
+    path: str | Path,
+    out: str | Path,
+    int8: bool = False,
+    scale_dtype: str = "fp32",
+    measure: bool = True,
+    config: str | Path | None = None,
+) -> ExportReport:
+    """Write the inference file of a run to `out`; with `measure`, the held-out metrics of the fp32
+    model and (int8) of the quantized one, as they will score after loading."""
+    from neorec.train.trainer import evaluate
+
+    start = time.perf_counter()
+    trained = load_trained(path, config)
+    cfg = trained.config
+    weights: dict = trained.weights
+    if int8:
+        weights = quantize_tables(trained.weights, scale_dtype)
+    metrics: dict[str, dict[str, float]] = {}
+    if measure:
+        models = {
+            "fp32": trained.inference_model(),
+            **({"int8": trained.inference_model(weights)} if int8 else {}),
+        }
+        for kind, model in models.items():
+            if m := evaluate(model, trained.source, cfg.data.eval_batch_size):  # {} without held-out data
+                metrics[kind] = m
+    header = {
+        "config": dump_config(cfg),
+        "source": info_to_json(trained.source.info),
+        "tables": [t.model_dump(mode="json") for t in trained.tables],
+        "quantization": {"kind": "int8_rowwise", "scale_dtype": scale_dtype} if int8 else None,
+        "tsv_hashing": tsv_hashing(cfg),
+        "eval": metrics,
+        "origin": str(trained.origin),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    tensors = file_tensors(trained.dense, weights)
+    fp32_bytes = 0
+    if int8:  # the size of the file an fp32 export of the same run writes
+        fp32_header = {
+            **header,
+            "quantization": None,
+            "eval": {k: v for k, v in metrics.items() if k == "fp32"},
+        }
+        fp32_bytes = export_size(fp32_header, file_tensors(trained.dense, trained.weights))
+    num_bytes = write_export(out, header, tensors)
+    table_bytes = {"fp32": sum(w.numel() * w.element_size() for w in trained.weights.values())}
+    if int8:
+        table_bytes["int8"] = sum(q.nbytes for q in weights.values())
+    return ExportReport(
+        Path(out), num_bytes, fp32_bytes or num_bytes, table_bytes, metrics,
+        scale_dtype if int8 else None, time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def report_text(r: ExportReport) -> str:
+    """What `neorec export` prints."""
+    mib = 2**20
+    if r.scale_dtype:
+        kind = f"int8 row-wise tables, {r.scale_dtype} scale and bias"
+    else:
+        kind = "fp32 (tables as trained)"
+    rows = [
+        ("export file", f"{r.out} ({kind})"),
+        ("file size", f"{r.num_bytes:,} bytes ({r.num_bytes / mib:.2f} MiB)"),
+    ]
+    if r.scale_dtype:
+        ratio = r.fp32_bytes / r.num_bytes
+        rows.append(
+            (
+                "fp32 export size",
+                f"{r.fp32_bytes:,} bytes ({r.fp32_bytes / mib:.2f} MiB), {ratio:.2f}x this file",
+            )
+        )
+        fp32, int8 = r.table_bytes["fp32"] / mib, r.table_bytes["int8"] / mib
+        rows.append(("tables fp32 / int8", f"{fp32:.2f} MiB / {int8:.2f} MiB"))
+    for kind, m in r.eval.items():
+        rows.append((f"eval AUC {kind}", f"{m['auc']:.6f} (log loss {m['log_loss']:.6f})"))
+    if r.auc_change is not None:
+        rows.append(("AUC change int8 - fp32", f"{r.auc_change:+.2e}"))
+    if r.eval:
+        rows.append(("eval samples", f"{next(iter(r.eval.values()))['num_samples']:,}"))
+    rows.append(("time", f"{r.seconds:.1f} s"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)} | {v}" for k, v in rows)

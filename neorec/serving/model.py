@@ -1,0 +1,117 @@
+"""An inference model and its export file: build one from tables and dense weights, map it to the
+file's named tensors and back.
+
+Tensor names in the file: `dense/<state_dict key>` for the MLPs and interaction layers,
+`tables/<table>/weight` for a float table, `tables/<table>/codes|scale|bias` for an int8 one. The
+header holds what is needed to rebuild the model without the training data: the run's config (YAML),
+the features (names, table rows, dense width) and the tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from neorec.config.load import validate_config
+from neorec.config.schema import RunConfig
+from neorec.data.source import FeatureSpec, SourceInfo
+from neorec.embedding.tables import TableConfig
+from neorec.errors import ConfigError, NeorecError
+from neorec.serving.embeddings import InferenceEmbeddings, TableWeights
+from neorec.serving.file_format import ExportError, read_export
+from neorec.serving.quantize import QuantizedRows
+
+
+@dataclass
+class ExportedModel:
+    """A loaded export file: the model (eval mode, no gradients), its config, features and header."""
+
+    model: nn.Module
+    config: RunConfig
+    info: SourceInfo
+    header: dict
+    path: Path
+
+    @property
+    def quantized(self) -> bool:
+        return self.header.get("quantization") is not None
+
+
+def build_inference_model(
+    cfg: RunConfig,
+    info: SourceInfo,
+    tables: list[TableConfig],
+    weights: dict[str, TableWeights],
+    dense: dict[str, torch.Tensor],
+    where: str | Path,
+) -> nn.Module:
+    """The run's architecture over InferenceEmbeddings, with `dense` loaded; eval mode, frozen."""
+    from neorec.train.build import build_model
+
+    embeddings = InferenceEmbeddings(tables, weights)
+    with torch.random.fork_rng(devices=[]):  # build_model seeds the global RNG for its (overwritten) init
+        model = build_model(cfg, info, embeddings)
+    try:
+        model.load_state_dict(dense, strict=True)
+    except RuntimeError as e:
+        raise ExportError(
+            f"{where}: the dense model does not fit the architecture of its config: {e}"
+        ) from None
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def file_tensors(dense: dict[str, torch.Tensor], weights: dict[str, TableWeights]) -> dict[str, torch.Tensor]:
+    """The named tensors of an export file."""
+    out = {f"dense/{k}": v for k, v in dense.items()}
+    for name, w in weights.items():
+        if isinstance(w, QuantizedRows):
+            out.update(
+                {
+                    f"tables/{name}/codes": w.codes,
+                    f"tables/{name}/scale": w.scale,
+                    f"tables/{name}/bias": w.bias,
+                }
+            )
+        else:
+            out[f"tables/{name}/weight"] = w
+    return out
+
+
+def info_to_json(info: SourceInfo) -> dict:
+    return {"num_dense": info.num_dense, "features": [asdict(f) for f in info.features]}
+
+
+def load_export(path: str | Path) -> ExportedModel:
+    """Read and check an export file and rebuild its model (no pickle: raw bytes and JSON)."""
+    path = Path(path)
+    header, tensors = read_export(path)
+    try:
+        cfg = validate_config(yaml.safe_load(header["config"]), where=f"{path} (config)")
+        s = header["source"]
+        info = SourceInfo(num_dense=int(s["num_dense"]), features=[FeatureSpec(**f) for f in s["features"]])
+        tables = [TableConfig(**t) for t in header["tables"]]
+    except (KeyError, TypeError, ValueError, ConfigError, yaml.YAMLError) as e:
+        raise ExportError(f"export file {path}: the header is malformed ({type(e).__name__}: {e})") from None
+    quantized = header.get("quantization") is not None
+    weights: dict[str, TableWeights] = {}
+    for t in tables:
+        names = ["codes", "scale", "bias"] if quantized else ["weight"]
+        missing = [n for n in names if f"tables/{t.name}/{n}" not in tensors]
+        if missing:
+            raise ExportError(f"export file {path}: table {t.name!r} has no {missing} tensors")
+        parts = [tensors[f"tables/{t.name}/{n}"] for n in names]
+        weights[t.name] = QuantizedRows(*parts) if quantized else parts[0]
+    dense = {k.removeprefix("dense/"): v for k, v in tensors.items() if k.startswith("dense/")}
+    try:
+        model = build_inference_model(cfg, info, tables, weights, dense, f"export file {path}")
+    except ExportError:
+        raise
+    except (NeorecError, RuntimeError, ValueError) as e:  # e.g. table weights that do not match the header
+        raise ExportError(f"export file {path}: the model cannot be rebuilt ({e})") from None
+    return ExportedModel(model, cfg, info, header, path)

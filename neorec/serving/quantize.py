@@ -1,0 +1,165 @@
+"""Int8 row-wise quantization of embedding tables, and the pooled lookup that reads them.
+
+Every row keeps its own scale and bias (the idea of FBGEMM's "fused 8-bit row-wise" tables):
+
+    bias = min(row), scale = (max(row) - min(row)) / 255, code = round((w - bias) / scale) in [0, 255]
+    w ~ scale * code + bias
+
+so each element is off by at most scale / 2, i.e. 1/510 of its row's range, whatever the row's
+magnitude. A row of `dim` fp32 values (4 * dim bytes) becomes dim + 8 bytes (fp32 scale and bias) or
+dim + 4 bytes (fp16). With fp16 scale and bias, bias is rounded down and scale up to fp16, so that
+[bias, bias + 255 * scale] still covers the row and the scale / 2 bound holds for the stored scale.
+
+Lookups gather the codes of the ids, dequantize them and pool in fp32 (sum or mean, optional per-id
+weights, empty bags give zeros), with the same per-id scaling as the fused training engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from neorec.errors import NeorecError
+
+SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+_CHUNK_ROWS = 1 << 16  # rows quantized per block, so temporaries stay small for huge tables
+_CHUNK_IDS = 1 << 16  # ids dequantized per block in a lookup (whole bags)
+
+
+@dataclass
+class QuantizedRows:
+    """An int8 row-wise quantized table: codes [rows, dim] uint8, scale and bias [rows]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.bias))
+
+
+def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> QuantizedRows:
+    """Quantize a [rows, dim] table (any float dtype) row by row; see the module docstring."""
+    if weight.dim() != 2:
+        raise ValueError(f"expected a [rows, dim] table, got shape {tuple(weight.shape)}")
+    if scale_dtype not in SCALE_DTYPES.values():
+        raise ValueError(f"scale_dtype must be float32 or float16, got {scale_dtype}")
+    rows, dim = weight.shape
+    codes = torch.empty(rows, dim, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(rows, dtype=scale_dtype, device=weight.device)
+    bias = torch.empty(rows, dtype=scale_dtype, device=weight.device)
+    for a in range(0, rows, _CHUNK_ROWS):
+        b = min(a + _CHUNK_ROWS, rows)
+        w = weight[a:b].to(torch.float32)
+        if not bool(torch.isfinite(w).all()):
+            raise NeorecError(
+                f"rows {a}..{b - 1} hold NaN or infinite values; such a table cannot be quantized"
+            )
+        lo, hi = w.amin(1), w.amax(1)
+        if scale_dtype == torch.float32:
+            s, z = (hi - lo) / 255.0, lo
+        else:
+            z = _to_half(lo, down=True)
+            s = _to_half((hi - z.to(torch.float32)) / 255.0, down=False)
+            if not bool(torch.isfinite(z).all() and torch.isfinite(s).all()):
+                raise NeorecError(
+                    f"rows {a}..{b - 1} exceed the fp16 range; quantize with fp32 scale and bias"
+                )
+        s32, z32 = s.to(torch.float32), z.to(torch.float32)
+        inv = torch.where(s32 > 0, 1.0 / s32.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+        q = ((w - z32.unsqueeze(1)) * inv.unsqueeze(1)).round_().clamp_(0, 255)
+        codes[a:b] = q.to(torch.uint8)
+        scale[a:b], bias[a:b] = s, z
+    return QuantizedRows(codes, scale, bias)
+
+
+def _to_half(x: torch.Tensor, down: bool) -> torch.Tensor:
+    """fp32 -> fp16 rounded toward -inf (down) or +inf (up), so a bound stays a bound."""
+    h = x.to(torch.float16)
+    wrong = h.to(torch.float32) > x if down else h.to(torch.float32) < x
+    if bool(wrong.any()):
+        toward = torch.full_like(h, float("-inf") if down else float("inf"))
+        h = torch.where(wrong, torch.nextafter(h, toward), h)
+    return h
+
+
+def dequantize_rows(table: QuantizedRows, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 values of `rows` (int64 indices; None = the whole table), [len(rows), dim]."""
+    if rows is None:
+        codes, scale, bias = table.codes, table.scale, table.bias
+    else:
+        codes, scale, bias = table.codes.index_select(0, rows), table.scale[rows], table.bias[rows]
+    s = scale.to(torch.float32).unsqueeze(1)
+    return torch.addcmul(bias.to(torch.float32).unsqueeze(1), codes.to(torch.float32), s)
+
+
+def bag_scales(lengths: torch.Tensor, weights: torch.Tensor | None, mode: str) -> torch.Tensor | None:
+    """Per-id factor of a pooled lookup, as the fused engine computes it: the id's weight (if any)
+    times 1 / bag length for mean pooling. None when every factor is 1 (plain sum)."""
+    if mode not in ("sum", "mean"):
+        raise ValueError(f"pooling mode must be 'sum' or 'mean', got {mode!r}")
+    scales = weights.to(torch.float32) if weights is not None else None
+    if mode == "mean":
+        num_ids = int(lengths.sum())
+        inv = (
+            lengths.clamp(min=1)
+            .to(torch.float32)
+            .reciprocal()
+            .repeat_interleave(lengths, output_size=num_ids)
+        )
+        scales = inv if scales is None else scales * inv
+    return scales
+
+
+def pooled_lookup(
+    table: QuantizedRows,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None = None,
+    mode: str = "sum",
+) -> torch.Tensor:
+    """[num_bags, dim] fp32 pooled vectors of an int8 table.
+
+    ids [n] int64 rows; offsets [num_bags + 1] where each bag starts in ids (the last entry is n);
+    per_sample_weights [n] optional weight per id; mode "sum" or "mean" (of the weighted ids, divided
+    by the bag's id count). Empty bags give zeros. Dequantization and accumulation are fp32.
+    """
+    num_bags, num_ids = offsets.numel() - 1, ids.numel()
+    lengths = offsets[1:] - offsets[:-1]
+    scales = bag_scales(lengths, per_sample_weights, mode)
+    if num_ids == 0:
+        return torch.zeros(num_bags, table.dim, device=ids.device)
+    if scales is None and num_ids == num_bags and bool((lengths == 1).all()):  # one-hot: a gather
+        return dequantize_rows(table, ids)
+    if num_ids <= _CHUNK_IDS:
+        bag_bounds = [0, num_bags]
+    else:  # cut before the bag holding every _CHUNK_IDS-th id, so the fp32 rows stay small
+        cuts = torch.searchsorted(offsets, torch.arange(_CHUNK_IDS, num_ids, _CHUNK_IDS), right=True) - 1
+        bag_bounds = sorted({0, num_bags, *cuts.tolist()})
+    id_bounds = offsets[bag_bounds].tolist()
+    parts = []
+    for k in range(len(bag_bounds) - 1):
+        lo, hi = id_bounds[k], id_bounds[k + 1]
+        rows = dequantize_rows(table, ids[lo:hi])
+        parts.append(
+            F.embedding_bag(
+                torch.arange(hi - lo, device=ids.device),
+                rows,
+                offsets[bag_bounds[k] : bag_bounds[k + 1] + 1] - lo,
+                mode="sum",
+                per_sample_weights=scales[lo:hi] if scales is not None else None,
+                include_last_offset=True,
+            )
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
