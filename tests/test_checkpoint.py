@@ -380,9 +380,8 @@ def test_torchrun_restarts_a_sigkilled_worker_and_ends_with_identical_weights(tm
     sets = [x for kv in TINY if kv != "train.max_steps=20" for x in ("--set", kv)]
     more = ["train.max_steps=120", "checkpoint.every_steps=4", "data.synthetic.train_samples=30000"]
     sets += [x for kv in more for x in ("--set", kv)]
-    # torchrun's workers share the agent's TCPStore across restarts without a per-attempt prefix, so a
-    # restarted worker can read the dead workers' gloo addresses (torch 2.13); a store per attempt avoids it
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # restarts work on torchrun's shared store (topology.py)
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
 
     def torchrun(out: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",

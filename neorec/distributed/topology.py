@@ -64,5 +64,27 @@ def init_distributed(device: torch.device) -> Topology:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, rank=topo.rank, world_size=topo.world_size)
+        store = _restart_store(topo)
+        dist.init_process_group(backend=backend, rank=topo.rank, world_size=topo.world_size, store=store)
     return topo
+
+
+def _restart_store(topo: Topology) -> dist.Store | None:
+    """Under torchrun's agent store, a view of it with a key prefix per restart attempt; else None
+    (init_process_group reads MASTER_ADDR/PORT itself).
+
+    torchrun (torch >= 2.4) hands its workers the rendezvous TCPStore, which outlives a restart, and
+    torch connects to it without a per-attempt prefix: the restarted workers then find the dead
+    workers' gloo addresses under the same keys and fail in connectFullMesh. A prefix per
+    TORCHELASTIC_RESTART_COUNT gives every attempt keys of its own (what
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 achieved with a new store per attempt)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), topo.world_size, is_master=False,
+        timeout=default_pg_timeout,
+    )  # fmt: skip
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"neorec/attempt-{attempt}/", client)
