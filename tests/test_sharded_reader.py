@@ -95,6 +95,22 @@ def test_eval_is_split_over_ranks_too(numbered):
     assert parts[0] + parts[1] == list(range(1000, 1000 + EVAL_LINES - 1))
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_eval_slices_cover_the_whole_held_out_set_in_every_batch(numbered, world_size):
+    """Rank r reads rows [r b, (r + 1) b) of every batch of 4 (b = ceil(n / W)), padded with the
+    batch's last sample: in rank order and cut to n, the batches one process reads."""
+    readers = [PreprocessedSource(numbered, rank=r, world_size=world_size) for r in range(world_size)]
+    per_rank = [list(reader.eval_slices(4)) for reader in readers]
+    want = [sample_numbers([b]) for b in PreprocessedSource(numbered).eval_batches(4)]  # 4, 4, 4, 1 samples
+    assert all(len(slices) == len(want) for slices in per_rank)
+    for i, numbers in enumerate(want):
+        n, b = len(numbers), -(-len(numbers) // world_size)
+        assert {per_rank[r][i][1] for r in range(world_size)} == {n}
+        assert {len(per_rank[r][i][0]) for r in range(world_size)} == {b}
+        joined = [x for r in range(world_size) for x in sample_numbers([per_rank[r][i][0]])]
+        assert joined == numbers + [numbers[-1]] * (b * world_size - n)
+
+
 @pytest.mark.parametrize(("world_size", "stop", "new_batch"), [(1, 3, 8), (2, 2, 5), (4, 1, 3)])
 def test_resume_gives_exactly_the_remaining_samples(numbered, world_size, stop, new_batch):
     kw = dict(world_size=world_size, seed=3, shuffle_window=9)

@@ -84,11 +84,15 @@ class Block:
         return Batch(self.dense, sparse, self.labels)
 
 
-def rebatch(blocks: Iterable[Block], batch_size: int, keys: list[str]) -> Iterator[Batch]:
+def rebatch(
+    blocks: Iterable[Block], batch_size: int, keys: list[str], rank: int = 0, world_size: int = 1
+) -> Iterator[Batch]:
     """Batches of exactly `batch_size` samples (the last one may be smaller) from blocks of any size.
 
     Batches are cut as contiguous slices (views for one-hot features), so re-batching costs about one
-    copy of the data, not one per batch.
+    copy of the data, not one per batch. With `world_size` > 1, only rank `rank`'s slice of every batch
+    is made: samples [rank b, (rank + 1) b) with b = len(batch) // world_size (the remainder of a last
+    batch that does not divide is dropped; a slice of no samples is not yielded).
     """
     pending: Block | None = None
     for block in blocks:
@@ -96,8 +100,15 @@ def rebatch(blocks: Iterable[Block], batch_size: int, keys: list[str]) -> Iterat
             block = Block.cat([pending, block])
         pos = 0
         while len(block) - pos >= batch_size:
-            yield block.slice(pos, pos + batch_size).to_batch(keys)
+            if world_size == 1:
+                yield block.slice(pos, pos + batch_size).to_batch(keys)
+            else:
+                b = batch_size // world_size
+                yield block.slice(pos + rank * b, pos + (rank + 1) * b).to_batch(keys)
             pos += batch_size
         pending = block.slice(pos, len(block)) if pos < len(block) else None
     if pending is not None:
-        yield pending.to_batch(keys)
+        if world_size == 1:
+            yield pending.to_batch(keys)
+        elif (b := len(pending) // world_size) > 0:
+            yield pending.slice(rank * b, (rank + 1) * b).to_batch(keys)

@@ -24,6 +24,12 @@ Resume: `state()` tells how many samples of which epoch this reader has handed o
 `load_state(state)`, the next `train_batches(batch_size, state["epoch"])` starts right after them (the
 batch size may differ). A trainer that prefetches batches itself should save the samples it consumed,
 not the reader's count: `{**reader.state(), "samples": consumed}`.
+
+Training under W processes: the trainer gives rank r the reader of rank r and local batches of
+batch_size / W, so the global batch of a step is the ranks' local batches concatenated in rank order
+(what one process must train on to match a W-process run). Evaluation covers the whole held-out set
+instead (`eval_slices`): every rank reads only its rows of each held-out batch, as one process reads
+the batches, and the ranks' scores gathered in rank order are that batch's scores.
 """
 
 from __future__ import annotations
@@ -154,6 +160,27 @@ class PreprocessedSource:
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
         return self._batches("eval", batch_size, None, 0)
 
+    def eval_slices(self, batch_size: int) -> Iterator[tuple[Batch, int]]:
+        """(this rank's rows of a held-out batch, n) for every batch of `batch_size` of the whole held-out
+        set in manifest order (what one process's `eval_batches` yields): rows [r b, (r + 1) b) of a
+        batch of n samples, b = ceil(n / world_size), rows past n being copies of its last sample. All
+        ranks get the same number of slices of equal sizes; nothing is left out."""
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        return prefetch(self._eval_slices(batch_size), self.prefetch)
+
+    def _eval_slices(self, batch_size: int) -> Iterator[tuple[Batch, int]]:
+        total = sum(n for _, n in self.parts["eval"])
+        for first in range(0, total, batch_size):
+            n = min(batch_size, total - first)
+            b = -(-n // self.world_size)
+            lo, hi = first + min(self.rank * b, n), first + min((self.rank + 1) * b, n)
+            cols = [self._part(f, size).read(a, z) for f, size, a, z in self._pieces("eval", None, lo, hi)]
+            if hi - lo < b:  # pad with the batch's last sample; its scores are dropped after gathering
+                f, size, a, z = self._pieces("eval", None, first + n - 1, first + n)[0]
+                cols.append(self._part(f, size).read(a, z).take(np.zeros(b - (hi - lo), np.int64)))
+            yield Columns.cat(cols).to_batch(self.keys), n
+
     # ---- resume --------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Position after the latest training batch handed out (plus the layout it is valid for)."""
@@ -177,12 +204,15 @@ class PreprocessedSource:
     # ---- the epoch's order ---------------------------------------------------------------------------
     def _rank_pieces(self, split: str, epoch: int | None) -> list[tuple[Path, int, int, int]]:
         """(part folder, part samples, start, end) covering this rank's range, in reading order."""
+        n = self.num_samples(split)
+        return self._pieces(split, epoch, self.rank * n, (self.rank + 1) * n)
+
+    def _pieces(self, split: str, epoch: int | None, lo: int, hi: int) -> list[tuple[Path, int, int, int]]:
+        """(part folder, part samples, start, end) covering samples [lo, hi) of the epoch's order."""
         parts = self.parts[split]
         order = list(range(len(parts)))
         if epoch is not None and self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(parts)).tolist()
-        n = self.num_samples(split)
-        lo, hi = self.rank * n, (self.rank + 1) * n
         pieces, pos = [], 0
         for i in order:
             folder, size = parts[i]

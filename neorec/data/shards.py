@@ -85,15 +85,21 @@ class ShardSource:
             [t[f"values_{n}"] for n in self.keys], [t[f"lengths_{n}"] for n in self.keys], weights,
         )  # fmt: skip
 
-    def _batches(self, split: str, batch_size: int, epoch: int) -> Iterator[Batch]:
+    def _batches(
+        self, split: str, batch_size: int, epoch: int, rank: int = 0, world_size: int = 1
+    ) -> Iterator[Batch]:
         files = [self.root / f"{split}-{i:05d}.npz" for i in range(self.meta[f"{split}_files"])]
         if epoch:  # a new file order per epoch
             order = torch.randperm(len(files), generator=torch.Generator().manual_seed(epoch))
             files = [files[i] for i in order.tolist()]
-        return rebatch((self._read(p) for p in files), batch_size, self.keys)
+        return rebatch((self._read(p) for p in files), batch_size, self.keys, rank, world_size)
 
     def train_batches(self, batch_size: int, epoch: int = 0) -> Iterator[Batch]:
         return self._batches("train", batch_size, epoch)
+
+    def train_slices(self, batch_size: int, epoch: int, rank: int, world_size: int) -> Iterator[Batch]:
+        """Rank `rank`'s slice of every training batch (every rank still reads every file whole)."""
+        return self._batches("train", batch_size, epoch, rank, world_size)
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
         return self._batches("eval", batch_size, 0)

@@ -44,3 +44,12 @@ class DataSource(Protocol):
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
         """The held-out set, the same samples on every call."""
         ...
+
+
+# Optional, used by neorec/data/ranks.py when a source has them:
+#   train_slices(batch_size, epoch, rank, world_size) -> Iterator[Batch]: only rank's slice of every
+#       training batch (synthetic, shards)
+#   rank, world_size (attributes) and eval_slices(batch_size): a reader of one rank's part of the data
+#       (the sharded reader)
+#   state() -> dict and load_state(state): the settings a saved position depends on, and a restart
+#       after state["samples"] samples of epoch state["epoch"] without reading them

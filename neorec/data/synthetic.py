@@ -14,6 +14,16 @@ Everything is a pure function of (seed, split, block index): data is made in fix
 `BLOCK` samples, so the samples do not depend on the batch size or on how many processes read them.
 Per-id teacher parameters are hashed from (seed, table, id), never stored, so tables of any size cost
 no memory.
+
+Under W processes (`train_slices`) each rank makes only its slice of every global batch into a
+`Batch`, but every rank still draws whole blocks: a block's samples come from one sequential random
+stream (normal dense values by rejection sampling, Poisson bag sizes, Zipf ids, then labels), so where
+sample k's draws start depends on how many draws the samples before it used, and making rows [a, b)
+costs making rows [0, b). Drawing per sample would change the data. Blocks are cached, so each one is
+drawn once per process.
+
+Resume: `load_state({"epoch": e, "samples": s})` makes the next `train_batches`/`train_slices` of
+epoch e start after its first s samples without drawing the blocks before them.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from neorec.data.batch import Batch
 from neorec.data.blocks import Block, rebatch
 from neorec.data.hashing import splitmix64
 from neorec.data.source import FeatureSpec, SourceInfo
+from neorec.errors import ConfigError, DataError
 
 BLOCK = 16384
 
@@ -207,6 +218,7 @@ class SyntheticSource:
         features = [FeatureSpec(k, r, multi_hot=multi, weighted=spec.weighted) for k, r in zip(self.keys, spec.rows, strict=True)]
         self.info = SourceInfo(num_dense=spec.num_dense, features=features, num_train_samples=spec.train_samples)
         self._teacher_auc: float | None = None
+        self._resume: tuple[int, int] | None = None  # (epoch, samples) to start the next pass of that epoch at
 
     def block(self, split: str, index: int) -> Block:
         """Block `index` of `split`: a pure function of (seed, split, index)."""
@@ -237,24 +249,64 @@ class SyntheticSource:
         total = self.spec.train_samples if split == "train" else self.spec.eval_samples
         return (total + BLOCK - 1) // BLOCK
 
-    def _blocks_in_order(self, split: str, epoch: int | None) -> Iterator[Block]:
-        order = list(range(self.num_blocks(split)))
-        if not epoch:  # epoch 0 reads in order: the samples are i.i.d. already
-            yield from (self.block(split, b) for b in order)
-            return
-        gen = torch.Generator().manual_seed(self.spec.seed * 7919 + epoch)
-        for b in torch.randperm(len(order), generator=gen).tolist():
-            block = self.block(split, b)
-            yield block.take(torch.randperm(len(block), generator=gen))
+    def _block_size(self, split: str, index: int) -> int:
+        total = self.spec.train_samples if split == "train" else self.spec.eval_samples
+        return min(BLOCK, total - index * BLOCK)
 
-    def _batches(self, split: str, batch_size: int, epoch: int | None) -> Iterator[Batch]:
-        return rebatch(self._blocks_in_order(split, epoch), batch_size, self.keys)
+    def _blocks_in_order(self, split: str, epoch: int | None, start: int = 0) -> Iterator[Block]:
+        """The epoch's samples from sample `start` on; blocks wholly before it are not drawn."""
+        order = list(range(self.num_blocks(split)))
+        gen = None
+        if epoch:  # epoch 0 reads in order: the samples are i.i.d. already
+            gen = torch.Generator().manual_seed(self.spec.seed * 7919 + epoch)
+            order = torch.randperm(len(order), generator=gen).tolist()
+        pos = 0
+        for b in order:
+            n = self._block_size(split, b)
+            # the permutation is drawn for skipped blocks too, so the generator's sequence is unchanged
+            perm = torch.randperm(n, generator=gen) if gen is not None else None
+            skip, pos = max(start - pos, 0), pos + n
+            if skip >= n:
+                continue
+            block = self.block(split, b)
+            if perm is not None:
+                yield block.take(perm[skip:] if skip else perm)
+            else:
+                yield block.slice(skip, n) if skip else block
+
+    def _train_blocks(self, epoch: int) -> Iterator[Block]:
+        start = 0
+        if self._resume is not None and self._resume[0] == epoch:
+            start, self._resume = self._resume[1], None
+        return self._blocks_in_order("train", epoch, start)
 
     def train_batches(self, batch_size: int, epoch: int = 0) -> Iterator[Batch]:
-        return self._batches("train", batch_size, epoch)
+        return rebatch(self._train_blocks(epoch), batch_size, self.keys)
+
+    def train_slices(self, batch_size: int, epoch: int, rank: int, world_size: int) -> Iterator[Batch]:
+        """Rank `rank`'s slice of every training batch of `batch_size` (see `rebatch`)."""
+        return rebatch(self._train_blocks(epoch), batch_size, self.keys, rank, world_size)
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
-        return self._batches("eval", batch_size, None)
+        return rebatch(self._blocks_in_order("eval", None), batch_size, self.keys)
+
+    # ---- resume --------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """What resuming checks besides the position: the data's seed and size."""
+        return {"seed": self.spec.seed, "train_samples": self.spec.train_samples}
+
+    def load_state(self, state: dict) -> None:
+        """Make the next training pass over `state["epoch"]` start after `state["samples"]` samples."""
+        for key, now in self.state().items():
+            if key in state and state[key] != now:
+                raise ConfigError(
+                    f"data position was saved with synthetic {key}={state[key]!r}, this data has {now!r}: "
+                    "resuming exactly needs the same data.synthetic settings and seed"
+                )
+        epoch, samples = int(state["epoch"]), int(state["samples"])
+        if not 0 <= samples <= self.spec.train_samples:
+            raise DataError(f"data position: samples {samples} is outside [0, {self.spec.train_samples}]")
+        self._resume = (epoch, samples)
 
     def teacher_auc(self) -> float:
         """AUC of the teacher's true probabilities on the held-out set: the ceiling for any model."""
