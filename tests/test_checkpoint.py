@@ -6,6 +6,7 @@ the order of float additions. A single-process trainer resume is bitwise."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -300,8 +301,10 @@ TINY = [
 
 
 def test_trainer_resume_gives_bitwise_identical_weights(tmp_path, monkeypatch):
-    """12 batches per epoch; saves at 7 and 14 (epoch 1, batch 2); killed at step 17, resumed."""
-    cfg = load_config("default", TINY)
+    """12 batches per epoch; saves at 7 and 14 (epoch 1, batch 2); killed at step 17, resumed. The
+    resumed run's metrics.jsonl holds the lines up to the checkpoint, then its own (TensorBoard and
+    curves.png keep working)."""
+    cfg = load_config("default", [*TINY, "logging.tensorboard=true", "logging.plot=true"])
     whole = Trainer(cfg, tmp_path / "whole")
     full = whole.fit()
     assert [p.name for p in list_checkpoints(tmp_path / "whole" / "checkpoints")] == [
@@ -331,8 +334,22 @@ def test_trainer_resume_gives_bitwise_identical_weights(tmp_path, monkeypatch):
     final = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     for key, value in torch.load(tmp_path / "whole" / "model.pt", weights_only=True).items():
         assert torch.equal(value, final[key]), key
+    assert _metrics(tmp_path / "run") == _metrics(tmp_path / "whole")  # 5, 10, eval 12, 15, 20, eval 20
+    assert (tmp_path / "run" / "curves.png").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()  # the killed run's step 15 is purged: the resumed run logged it again
+    assert [e.step for e in events.Scalars("train/loss")] == [5, 10, 15, 20]
     again = Trainer(cfg, tmp_path / "run", resume=True).fit()  # finished: nothing left to train
     assert again.losses == []
+    assert _metrics(tmp_path / "run") == _metrics(tmp_path / "whole")
+
+
+def _metrics(run) -> list[dict]:
+    """metrics.jsonl without the fields that depend on time."""
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in x.items() if k not in ("time", "samples_per_s")} for x in lines]
 
 
 def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

@@ -12,7 +12,9 @@ from neorec.embedding.tables import TableConfig, check_tables
 from neorec.errors import ConfigError
 
 
-def build_source(cfg: RunConfig) -> DataSource:
+def build_source(cfg: RunConfig, topo=None) -> DataSource:
+    """The configured source; with `topo` (a Topology), a per-rank reader where the source has one
+    (`preprocessed`: this rank's part of the data only)."""
     d = cfg.data
     if d.source == "synthetic":
         from neorec.data.synthetic import SyntheticSource, spec_from_config
@@ -46,11 +48,11 @@ def build_source(cfg: RunConfig) -> DataSource:
             raise ConfigError(
                 f"data.preprocessed.path: {p.path} has no manifest.json; write it with `neorec data preprocess`"
             )
-        # The trainer reads the global batch on every rank and keeps its slice, so every rank reads all
-        # samples here; PreprocessedSource(rank=, world_size=) reads one rank's part for a per-rank loop.
+        rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
         return PreprocessedSource(
-            p.path, seed=cfg.seed, shuffle=p.shuffle, shuffle_window=p.shuffle_window, prefetch=p.prefetch
-        )
+            p.path, rank=rank, world_size=world, seed=cfg.seed, shuffle=p.shuffle,
+            shuffle_window=p.shuffle_window, prefetch=p.prefetch,
+        )  # fmt: skip
     if d.source == "movielens":
         from neorec.data.movielens import MovieLensSource
 

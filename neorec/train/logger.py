@@ -1,24 +1,43 @@
-"""Where metrics go: one JSON object per line (always), TensorBoard events (when installed)."""
+"""Where metrics go: one JSON object per line (always), TensorBoard events (when installed).
+
+A resumed run continues the same metrics.jsonl: it keeps the lines written up to the checkpoint it
+resumed from (the checkpoint records how many there were) and drops the lines written after it, which
+the resumed run writes again; TensorBoard hides the events after the checkpoint's step (purge_step).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: Path, tensorboard: bool = True) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool = True, resume: dict | None = None) -> None:
+        """resume: {"step": the checkpoint's step, "lines": metrics lines written when it was saved
+        (None: keep the lines of steps up to "step")}; None starts a new file."""
         self.path = out_dir / "metrics.jsonl"
-        self._file = self.path.open("w")
+        self.num_lines = 0  # lines in the file, for the checkpoint
         self._start = time.time()
+        if resume is not None and self.path.is_file():
+            kept = _kept_lines(self.path, resume["step"], resume.get("lines"))
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+            self.num_lines = len(kept)
+            if kept:  # times go on from where the kept lines end
+                self._start -= json.loads(kept[-1]).get("time") or 0.0
+        self._file = self.path.open("a" if resume is not None else "w")
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+                # resumed: TensorBoard hides the events of steps after the checkpoint
+                purge = resume["step"] + 1 if resume is not None else None
+                self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=purge)
             except ImportError:  # tensorboard is optional
                 self._tb = None
 
@@ -27,6 +46,7 @@ class MetricsLogger:
         record.update({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in values.items()})
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        self.num_lines += 1
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
@@ -36,6 +56,23 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _kept_lines(path: Path, step: int, lines: int | None) -> list[str]:
+    """The first `lines` complete lines of `path` (all of them with a step <= `step` when `lines` is
+    None, as in checkpoints that did not record it); a line cut off by a crash is dropped."""
+    out = []
+    for line in path.read_text().splitlines():
+        if lines is not None and len(out) >= lines:
+            break
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if lines is None and record.get("step", 0) > step:
+            break
+        out.append(line)
+    return out
 
 
 def read_metrics(path: Path) -> list[dict]:

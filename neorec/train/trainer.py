@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import time
@@ -20,6 +19,7 @@ from neorec.checkpoint.periodic import PeriodicCheckpoints
 from neorec.config.load import dump_config
 from neorec.config.schema import RunConfig
 from neorec.data.prefetch import prefetch
+from neorec.data.ranks import RankData
 from neorec.data.source import DataSource
 from neorec.distributed.comms import Comms
 from neorec.distributed.dense import DenseGradSync
@@ -67,56 +67,37 @@ def embedding_collection(model: nn.Module) -> EmbeddingCollection:
 def evaluate(
     model: nn.Module, source: DataSource, batch_size: int, max_batches: int | None = None, topo=None
 ) -> dict[str, float]:
-    """Metrics of `model` on the source's held-out set. Over W processes each rank scores a slice of
-    every batch (the last one padded to a multiple of W) and the scores are gathered, so every rank
+    """Metrics of `model` on the source's whole held-out set. Over W processes each rank scores its
+    rows of every batch (neorec/data/ranks.py) and scores and labels are gathered, so every rank
     computes the metrics of the whole set."""
     was_training = model.training
     model.eval()
     probs, labels = [], []
     world = topo.world_size if topo is not None else 1
-    for i, batch in enumerate(source.eval_batches(batch_size)):
+    data = RankData(source, batch_size, topo.rank if topo is not None else 0, world)
+    for i, (batch, n) in enumerate(data.eval_slices(batch_size)):
         if max_batches is not None and i >= max_batches:
             break
+        scores = torch.sigmoid(model(batch))
         if world == 1:
-            probs.append(torch.sigmoid(model(batch)))
+            probs.append(scores)
+            labels.append(batch.labels)
         else:
-            probs.append(_distributed_scores(model, batch, topo))
-        labels.append(batch.labels)
+            probs.append(_gather(scores, world)[:n])
+            labels.append(_gather(batch.labels, world)[:n])
     model.train(was_training)
     if not probs:
         return {}
     return binary_metrics(torch.cat(probs), torch.cat(labels))
 
 
-def _distributed_scores(model: nn.Module, batch, topo) -> torch.Tensor:
+def _gather(mine: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's `mine` (all of one shape), concatenated in rank order."""
     import torch.distributed as dist
 
-    n, world = len(batch), topo.world_size
-    b = -(-n // world)
-    if b * world != n:  # pad by repeating the last sample; the padded scores are dropped
-        pad = torch.full((b * world - n,), n - 1, dtype=torch.int64)
-        batch = _take(batch, torch.cat([torch.arange(n), pad]))
-    mine = torch.sigmoid(model(batch.slice(topo.rank * b, (topo.rank + 1) * b)))
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine)
-    return torch.cat(parts)[:n]
-
-
-def _take(batch, index: torch.Tensor):
-    from neorec.data.batch import Batch
-    from neorec.sparse import SparseBatch
-
-    s = batch.sparse
-    feats = {}
-    for k in s.keys:
-        ids, lengths, weights = s.feature(k)
-        starts = lengths.cumsum(0) - lengths
-        picked = lengths[index]
-        shift = (starts[index] - (picked.cumsum(0) - picked)).repeat_interleave(picked)
-        pick = torch.arange(int(picked.sum())) + shift
-        part = (ids[pick], lengths[index]) if weights is None else (ids[pick], lengths[index], weights[pick])
-        feats[k] = part
-    return Batch(batch.dense[index], SparseBatch.from_features(feats), batch.labels[index])
+    return torch.cat(parts)
 
 
 class TrainingDiverged(NeorecError, FloatingPointError):
@@ -125,6 +106,8 @@ class TrainingDiverged(NeorecError, FloatingPointError):
 
 class _NoLogger:
     """What ranks other than 0 log to."""
+
+    num_lines = 0
 
     def log(self, *args, **kwargs) -> None:
         pass
@@ -152,7 +135,8 @@ class Trainer:
                 f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over "
                 f"{self.topo.world_size} processes"
             )
-        self.source = build_source(cfg)
+        self.source = build_source(cfg, self.topo)  # a per-rank reader where the source has one
+        self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
         self.tables = build_tables(cfg, self.source.info)
         self.embeddings = build_embeddings(cfg, self.tables, self.comms)
         self.model = build_model(cfg, self.source.info, self.embeddings)
@@ -175,8 +159,8 @@ class Trainer:
         t = self.cfg.train
         if t.max_steps is not None:
             return t.max_steps
-        n = self.source.info.num_train_samples
-        return t.epochs * math.ceil(n / self.cfg.data.batch_size) if n else 0
+        per_epoch = self.data.steps_per_epoch()
+        return t.epochs * per_epoch if per_epoch else 0
 
     def _set_lr(self, step: int, total: int) -> None:
         m = lr_multiplier(self.cfg.train.schedule, step, total)
@@ -187,11 +171,7 @@ class Trainer:
     def local_batch(self, batch):
         """This process's slice of a global batch (the whole batch for one process). A last batch
         that does not divide over the processes loses its remainder."""
-        world = self.topo.world_size
-        if world == 1:
-            return batch
-        b = len(batch) // world
-        return batch.slice(self.topo.rank * b, (self.topo.rank + 1) * b)
+        return self.data.local_batch(batch)
 
     def train_step(self, batch, is_local: bool = False) -> torch.Tensor:
         """One step on a global batch (or on this rank's slice of one); returns this process's loss."""
@@ -216,26 +196,28 @@ class Trainer:
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(dump_config(cfg))
-            logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard)
+        step, first_epoch, position = self._resume() if self.resume else (0, 0, None)
+        if self.is_main:  # resumed: metrics.jsonl keeps its lines up to the checkpoint, drops the later ones
+            resumed = {"step": step, "lines": position.get("metrics_lines")} if position is not None else None
+            logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard, resume=resumed)
         teacher_auc = self.source.teacher_auc() if hasattr(self.source, "teacher_auc") else None
         total = self.total_steps()
         result = RunResult(0, 0, 0.0, teacher_auc=teacher_auc, out_dir=self.out_dir)
         bar = _progress(total, t.progress and self.is_main)
-        running, window_samples, window_start = None, 0, time.perf_counter()
-        step, first_epoch, in_epoch = self._resume() if self.resume else (0, 0, 0)
+        if bar is not None and step:
+            bar.update(step)
+        running = position.get("running_loss") if position is not None else None  # the logged loss average
+        window_samples, window_start = 0, time.perf_counter()
         done = t.max_steps is not None and step >= t.max_steps
-        epoch = first_epoch
+        epoch, in_epoch = first_epoch, 0
         start = time.perf_counter()
         for epoch in range(first_epoch, t.epochs):
             if done:
                 break
-            source_batches = self.source.train_batches(cfg.data.batch_size, epoch)
-            if epoch == first_epoch and in_epoch:  # resume: skip what the checkpoint had trained on
-                source_batches = itertools.islice(source_batches, in_epoch, None)
-            else:
-                in_epoch = 0
-            batches = prefetch(source_batches, t.prefetch)
-            for batch, local in pipelined(batches, self.local_batch, self.embeddings, int(t.pipeline)):
+            resume_at = position if epoch == first_epoch else None  # continue after the checkpoint's batches
+            in_epoch = resume_at["batches"] if resume_at is not None else 0
+            batches = prefetch(self.data.train_batches(epoch, resume_at), t.prefetch)  # this rank's batches
+            for _, local in pipelined(batches, _same, self.embeddings, int(t.pipeline)):
                 self._set_lr(step, total)
                 loss = float(self.train_step(local, is_local=True))
                 if not math.isfinite(loss):
@@ -244,7 +226,7 @@ class Trainer:
                 running = loss if running is None else 0.98 * running + 0.02 * loss
                 step += 1
                 in_epoch += 1
-                used = len(batch) - len(batch) % self.topo.world_size
+                used = len(local) * self.topo.world_size  # every rank trains on as many samples
                 result.samples += used
                 window_samples += used
                 if bar is not None:
@@ -261,7 +243,7 @@ class Trainer:
                 if t.eval_every and step % t.eval_every == 0 and (t.max_steps is None or step < t.max_steps):
                     self._eval(logger, step, t.eval_max_batches, teacher_auc)
                 if self.checkpoints.enabled and self.checkpoints.due(step):
-                    self._save_checkpoint(step, epoch, in_epoch)
+                    self._save_checkpoint(step, epoch, in_epoch, logger, running)
                 if t.max_steps is not None and step >= t.max_steps:
                     done = True
                     break
@@ -271,7 +253,8 @@ class Trainer:
                 self._eval(logger, step, t.eval_max_batches, teacher_auc)
         result.train_seconds = time.perf_counter() - start
         if self.checkpoints.enabled and step and self.checkpoints.last_step != step:
-            self._save_checkpoint(step, epoch, in_epoch)  # the end of training is always resumable
+            # the end of training is always resumable
+            self._save_checkpoint(step, epoch, in_epoch, logger, running)
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()
         if self.comms is not None and step:
@@ -286,21 +269,23 @@ class Trainer:
         return result
 
     # ---- checkpoints ---------------------------------------------------------------------------------
-    def _save_checkpoint(self, step: int, epoch: int, in_epoch: int) -> None:
+    def _save_checkpoint(self, step: int, epoch: int, in_epoch: int, logger, running: float | None) -> None:
         """Collective: tables (sharded), dense model, both optimizers, RNG and the data position:
-        `in_epoch` batches of epoch `epoch` are trained (the schedule position is the step)."""
-        state = {"epoch": epoch, "batches": in_epoch}
+        `in_epoch` batches of epoch `epoch` are trained (the schedule position is the step), with the
+        reader's position where it has one. Rank 0's state is the one written."""
+        state = self.data.position(epoch, in_epoch)
         state.update(batch_size=self.cfg.data.batch_size, seed=self.cfg.seed)  # must match on resume
+        state.update(metrics_lines=logger.num_lines, running_loss=running)  # metrics.jsonl goes on seamlessly
         optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
         self.checkpoints.save(step, self.embeddings, self.model, optimizers, state)
 
-    def _resume(self) -> tuple[int, int, int]:
-        """(step, epoch, batches of that epoch already trained) of the newest checkpoint, loaded."""
+    def _resume(self) -> tuple[int, int, dict | None]:
+        """(step, epoch, data position: see RankData.position) of the newest checkpoint, loaded."""
         path = self.checkpoints.latest()
         if path is None:
             if self.is_main:
                 print(f"neorec: no checkpoint in {self.checkpoints.root}; starting from step 0", flush=True)
-            return 0, 0, 0
+            return 0, 0, None
         optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
         manifest = load_checkpoint(path, self.embeddings, self.model, optimizers)
         state = manifest["state"]
@@ -313,7 +298,7 @@ class Trainer:
         self.checkpoints.last_step = manifest["step"]
         if self.is_main:
             print(f"neorec: resumed from {path} (step {manifest['step']})", flush=True)
-        return manifest["step"], state["epoch"], state["batches"]
+        return manifest["step"], state["epoch"], state
 
     def _diverged(self, loss: float, step: int) -> TrainingDiverged:
         msg = f"loss became {loss} at step {step}; lower the learning rates"
@@ -371,6 +356,10 @@ class Trainer:
             from neorec.metrics.plot import plot_curves
 
             plot_curves(read_metrics(self.out_dir / "metrics.jsonl"), self.out_dir / "curves.png", self.cfg.name)
+
+
+def _same(batch):
+    return batch
 
 
 def _progress(total: int, enabled: bool):
