@@ -323,7 +323,8 @@ def test_plan_respects_memory_and_moves_cold_tables_to_host():
     for r in result.estimate.ranks:
         assert r.memory["device"] <= device.capacity and r.memory.get("host", 0) <= host.capacity
     assert all((result.plan.tables[f"hot{i}"].tier or "device") == "device" for i in range(4))
-    assert any(result.plan.tables[f"cold{i}"].tier == "host" for i in range(3))
+    # the cold tables' rows go to host memory: read there over PCIe, or behind a cache in device memory
+    assert any(result.plan.tables[f"cold{i}"].tier in ("host", "cached") for i in range(3))
     result.plan.validate(wl.table_configs, cluster.topology())
 
 
@@ -351,7 +352,7 @@ def test_plan_json_keeps_tier_and_reads_old_files(tmp_path):
     assert data["tables"]["a"]["tier"] == "host" and "tier" not in data["tables"]["b"]
     assert ShardingPlan.load(tmp_path / "p.json").tables["a"].tier == "host"
     with pytest.raises(ConfigError, match="'tier' must be one of"):
-        ShardingPlan.from_dict({"tables": {"a": {"kind": "tw", "ranks": [0], "tier": "ssd"}}})
+        ShardingPlan.from_dict({"tables": {"a": {"kind": "tw", "ranks": [0], "tier": "tape"}}})
 
 
 def test_dry_run_on_a_reduced_large_model_respects_capacity_near_the_bound():

@@ -1,7 +1,8 @@
 """Naive plans to hold the planner against, scored by the same cost model.
 
 Both cut a table into the fewest row-wise shards that fit a rank (table-wise when it fits whole)
-and put a table in device memory while the ranks it lands on have room, else in host memory.
+and put a table in device memory while the ranks it lands on have room, else in host memory, else
+on SSD behind a row cache (the memory tiers in order; the cache's device memory is not counted here).
 - round-robin: tables in model order, shards dealt to ranks in turn;
 - size-greedy: largest tables first, each shard onto the rank with the most free memory
   (balances memory, not time).

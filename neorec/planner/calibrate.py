@@ -7,7 +7,10 @@ they will be in training. Each process measures, and rank 0 writes the mean over
   Zipf-distributed ids at dims 4 and 256: the line through the two times against bytes gives the
   cost per byte of rows (slope) and per id (intercept / ids);
 - elementwise work on exchange buffers: the fp16 codec and a column gather of a [B, 1664] block;
-- all-to-all between the processes at two message sizes: latency and bytes per second.
+- all-to-all between the processes at two message sizes: latency and bytes per second;
+- the SSD tier (`measure_ssd`): random single-row reads and writes of a file that is not in the
+  page cache, as a row cache's misses and write-backs do them (backing.py), in bytes of pages per
+  second.
 Takes 20-40 s on a 2-core machine.
 """
 
@@ -156,6 +159,50 @@ def measure_links(world: int, sync=None) -> dict[str, float]:
     return {"latency": max(t_small, 1e-6), "link_bandwidth": moved / max(t_big - t_small, 1e-9)}
 
 
+SSD_FILE_BYTES = 256 << 20
+SSD_ROWS = 4096  # random rows (one per page) read, then written
+PAGE = 4096
+SSD_RECORD = 512  # bytes of a row written back (dim 64 with AdaGrad)
+
+
+def measure_ssd(directory: str | Path | None = None, threads: int = 16) -> dict[str, float]:
+    """Bytes of 4 KiB pages per second that a row cache's misses (positioned reads of one row per
+    random page) and write-backs (positioned writes of a 512-byte row into a random page, then
+    fsync) move, from `threads` threads as backing.py issues them, on a file that is not in the page
+    cache. The file goes to `directory` (default: the temp dir)."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(0)
+    pages = SSD_FILE_BYTES // PAGE
+    offsets = [int(x) * PAGE for x in rng.choice(pages, size=2 * SSD_ROWS, replace=False)]
+    record = bytes(SSD_RECORD)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        path = Path(tmp) / "ssd.bin"
+        with path.open("wb") as f:
+            chunk = rng.bytes(1 << 20)
+            for _ in range(SSD_FILE_BYTES // len(chunk)):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            reads, writes = offsets[:SSD_ROWS], offsets[SSD_ROWS:]
+            with ThreadPoolExecutor(threads) as pool:
+                start = time.perf_counter()
+                list(pool.map(lambda at: os.pread(fd, SSD_RECORD, at), reads))
+                read = time.perf_counter() - start
+                start = time.perf_counter()
+                list(pool.map(lambda at: os.pwrite(fd, record, at), writes))
+                os.fsync(fd)
+                write = time.perf_counter() - start
+        finally:
+            os.close(fd)
+    moved = SSD_ROWS * PAGE
+    return {"ssd_read_bandwidth": moved / read, "ssd_write_bandwidth": moved / write}
+
+
 def _topology():
     import torch.distributed as dist
 
@@ -180,6 +227,7 @@ def _rank_main(rank: int, world: int, init_file: str, threads: int, queue) -> No
         out.update(measure_op_overhead(sync))
         if world > 1:
             out.update(measure_links(world, sync))
+        out.update(measure_ssd())
         queue.put((rank, out, None))
         dist.barrier()
         dist.destroy_process_group()

@@ -9,6 +9,9 @@ A rank's step has the stages the sharded collection times (sharded.py), in the s
 - output_dist_bwd: the same for the gradients;
 - update: per id (sort, segment sums) + gradient rows read + touched rows and optimizer state read
   and written / the tier's update bandwidth; replicated tables add their gradient exchange.
+A table behind a row cache (plan tier cached or ssd, tiers.py) is read and updated at the speeds of
+the cache's tier, and its lookup adds the cache's misses: rows read from and written back to the
+backing tier (the sharded collection times its cache prefetches as lookup, too).
 Link bytes come from exchanges.py (the code's exact counts), split into intra- and inter-node.
 The step time is the sum over the three phases that end in an exchange every rank waits for
 (ids; lookup + pooled rows; gradients + update) of the slowest rank in that phase.
@@ -16,7 +19,8 @@ The step time is the sum over the three phases that end in an exchange every ran
 `shard_work` is the per-shard part shared with the partitioner (options.py), so that the costs the
 planner balances are the costs it reports.
 
-Memory per rank and tier: weights + optimizer state of its shards, plus the step's buffers (ids,
+Memory per rank and tier: weights + optimizer state of its shards (cached shards: the cache and its
+bookkeeping in device memory, every row in the backing tier; tiers.py), plus the step's buffers (ids,
 pooled rows and their gradients, wire copies, the backward's sort) and, while the model is built,
 one initialisation window: storage.py fills each buffer of the fused engine (the shards of one dim,
 dtype and optimizer, stacked) 2^20 rows at a time, from fp32 rows made per table (init.py, plus
@@ -32,12 +36,15 @@ from neorec.distributed.layout import ROW_SPLIT, ShardLayout
 from neorec.distributed.plan import ShardingPlan
 from neorec.planner.exchanges import Traffic, plan_traffic
 from neorec.planner.hardware import Cluster
+from neorec.planner.tiers import PLACEMENTS, cache_traffic, record_bytes
+from neorec.planner.tiers import memory as tier_memory
 from neorec.planner.workload import TableLoad, Workload, state_bytes_per_row
 
 STAGES = ("input_dist", "lookup", "output_dist", "output_dist_bwd", "update")
 PHASES = (("input_dist",), ("lookup", "output_dist"), ("output_dist_bwd", "update"))
 INIT_WINDOW_ROWS = 1 << 20  # embedding/fused/storage.py _INIT_WINDOW_ROWS
 INIT_CHUNK_ROWS = 65536  # embedding/init.py _CHUNK_ROWS
+SSD_INIT_WINDOW_BYTES = 64 << 20  # embedding/cache/backing.py _WINDOW_BYTES
 BYTES_PER_ID = 64  # step buffers per id looked up: received, regrouped, bag/row indices, the sort
 POOLED_COPIES = 4  # the pooled output, its wire copy, its gradient, the decoded gradient
 
@@ -53,8 +60,10 @@ class ShardWork:
     stages: dict[str, float]  # seconds per stage (STAGES) of its compute and elementwise work
     ids: float  # ids it looks up per step
     pooled_bytes: float  # fp32 bytes of its pooled output for the batch it serves
-    weights_bytes: int  # weights + optimizer state
+    memory: dict[str, int]  # bytes per memory tier: weights + optimizer state (+ a cache: tiers.py)
     init_bytes: int  # the fp32 window its initialisation allocates
+    tier_bytes: float = 0.0  # bytes a cache moves per step from and to its backing tier
+    hit_rate: float | None = None  # the cache's estimated hit rate (None: no cache)
 
 
 def shard_work(
@@ -73,13 +82,17 @@ def shard_work(
     share = load.share(*rows) if kind in ROW_SPLIT else 1.0
     ids = batch * load.ids_per_sample * share
     num_rows = rows[1] - rows[0]
-    mem = cluster.tier(tier)
+    where = PLACEMENTS[tier]
+    mem = cluster.tier(where.cache_in or where.rows_in)  # where rows are read and updated
     wb = load.weight_bytes
     pooled = batch * len(t.features) * width * 4
     stages = dict.fromkeys(STAGES, 0.0)
     stages["lookup"] = ids * cluster.lookup_per_id + (ids * width * wb + pooled) / mem.lookup_bandwidth
     # dp: every replica applies the update of every row touched anywhere in the global batch
     touched = load.unique(rows[0], rows[1], workload.batch_size * load.ids_per_sample * share)
+    cache = cache_traffic(load, tier, rows, width, touched, workload.cache_fraction, cluster)
+    if cache is not None:
+        stages["lookup"] += cache.seconds
     moved = ids * width * 4 + touched * (
         2 * width * wb + 2 * state_bytes_per_row(load.optimizer, width) + 8 * width
     )
@@ -104,16 +117,20 @@ def shard_work(
         stages=stages,
         ids=ids,
         pooled_bytes=pooled,
-        weights_bytes=num_rows * load.row_bytes(width),
-        init_bytes=init_window_bytes(num_rows, t.dim, width),
+        memory=tier_memory(load, tier, num_rows, width, workload.cache_fraction),
+        init_bytes=init_window_bytes(num_rows, t.dim, width, record_bytes(load, width) if tier == "ssd" else 0),
+        tier_bytes=cache.tier_bytes if cache is not None else 0.0,
+        hit_rate=cache.hit_rate if cache is not None else None,
     )
 
 
-def init_window_bytes(rows: int, dim: int, width: int) -> int:
+def init_window_bytes(rows: int, dim: int, width: int, record: int = 0) -> int:
     """fp32 bytes alive while `rows` rows (of a table of `dim` columns; `width` of them kept) are
-    initialised: the rows made per table, their concatenation, one chunk of init.py."""
-    window = min(rows, INIT_WINDOW_ROWS)
-    return window * (dim + width) * 4 + min(rows, INIT_CHUNK_ROWS) * dim * 4
+    initialised: the rows made per table, their concatenation, one chunk of init.py. A table on SSD
+    (`record`: bytes of its rows' records) is written to its file in windows of 64 MiB of records,
+    each packed from the fp32 rows (embedding/cache/backing.py)."""
+    window = min(rows, max(1, SSD_INIT_WINDOW_BYTES // record) if record else INIT_WINDOW_ROWS)
+    return window * ((dim + width) * 4 + record) + min(rows, INIT_CHUNK_ROWS) * dim * 4
 
 
 def owner_work(
@@ -174,10 +191,11 @@ class RankEstimate:
     rank: int
     stages: dict[str, float]  # seconds per step
     memory: dict[str, int]  # bytes at peak, per tier
-    weights: dict[str, int]  # weights + optimizer state, per tier
+    weights: dict[str, int]  # weights + optimizer state, per tier (+ row caches in device memory)
     buffers: int  # step buffers (device tier)
     init: int  # initialisation window
     link_bytes: dict[str, float] = field(default_factory=dict)  # "intra" / "inter": sent + received
+    tier_bytes: dict[str, float] = field(default_factory=dict)  # per backing tier: bytes row caches move
 
     @property
     def total(self) -> float:
@@ -188,6 +206,7 @@ class RankEstimate:
 class PlanEstimate:
     ranks: list[RankEstimate]
     traffic: Traffic
+    hit_rates: dict[str, float] = field(default_factory=dict)  # cached tables: estimated hit rate (shard mean)
 
     @property
     def max_cost(self) -> float:
@@ -230,29 +249,37 @@ def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> P
     calls = collective_calls(kinds, dp_groups, workload.weighted or mean_row_split)
     latency = cluster.latency if W > 1 else 0.0
     ranks = []
+    hits: dict[str, list[float]] = {}
     for r in range(W):
         stages = dict.fromkeys(STAGES, 0.0)
         weights: dict[str, int] = {}
+        tier_bytes: dict[str, float] = {}
         ids, pooled = 0.0, 0.0
         works = [(u.table, u.shard.rows, u.width, u.kind) for u in layout.units[r]]
         works += [(t, (0, t.rows), t.dim, "dp") for t in layout.dp_tables]
-        groups: dict[
-            tuple, list[int]
-        ] = {}  # the fused engine's buffers: rows stacked per (width, dtype, rule)
+        # the fused engine's buffers: rows stacked per (width, dtype, rule, tier); [rows, dim, record]
+        groups: dict[tuple, list[int]] = {}
         for table, rows, width, kind in works:
-            key = (kind == "dp", width, table.dtype, workload.by_name[table.name].optimizer)
-            groups.setdefault(key, [0, 0])
+            load, tier = workload.by_name[table.name], plan.tables[table.name].tier or "device"
+            key = (kind == "dp", width, table.dtype, load.optimizer, tier)
+            groups.setdefault(key, [0, 0, record_bytes(load, width) if tier == "ssd" else 0])
             groups[key][0] += rows[1] - rows[0]
             groups[key][1] = max(groups[key][1], table.dim)
-        init = max((init_window_bytes(n, dim, key[1]) for key, (n, dim) in groups.items()), default=0)
+        init = max((init_window_bytes(n, dim, key[1], rec) for key, (n, dim, rec) in groups.items()), default=0)
         for table, rows, width, kind in works:
             tier = plan.tables[table.name].tier or "device"
             w = shard_work(workload.by_name[table.name], rows, width, kind, tier, workload, cluster)
+            if w.hit_rate is not None:
+                hits.setdefault(table.name, []).append(w.hit_rate)
             for stage, seconds in w.stages.items():
                 stages[stage] += seconds
             ids += w.ids
             pooled += w.pooled_bytes
-            weights[tier] = weights.get(tier, 0) + w.weights_bytes
+            for name, nbytes in w.memory.items():
+                weights[name] = weights.get(name, 0) + nbytes
+            if w.tier_bytes:
+                backing = PLACEMENTS[tier].rows_in
+                tier_bytes[backing] = tier_bytes.get(backing, 0.0) + w.tier_bytes
 
         def link(direction: str, r: int = r) -> float:
             intra, inter = links[direction][0][r], links[direction][1][r]
@@ -267,7 +294,7 @@ def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> P
         buffers = int(ids * BYTES_PER_ID + pooled * POOLED_COPIES + owner_buffer_bytes(workload, cluster))
         memory = dict(weights)
         memory["device"] = memory.get("device", 0) + cluster.reserved
-        if len(cluster.tiers) == 1:  # a CPU: the initialisation window is in the same memory
+        if not cluster.has_host_tier:  # a CPU: the initialisation window is in the same memory
             memory["device"] += max(buffers, init)
         else:
             memory["device"] += buffers
@@ -283,9 +310,10 @@ def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> P
                     "intra": float(sum(links[d][0][r] for d in links)),
                     "inter": float(sum(links[d][1][r] for d in links)),
                 },
+                tier_bytes=tier_bytes,
             )
         )
-    return PlanEstimate(ranks, traffic)
+    return PlanEstimate(ranks, traffic, {name: sum(h) / len(h) for name, h in hits.items()})
 
 
 def owner_buffer_bytes(workload: Workload, cluster: Cluster) -> float:

@@ -9,21 +9,25 @@ id routing, column assembly), link bandwidths count bytes sent plus bytes receiv
 Presets:
 - `this_machine`: the CPU box we run on. Its speeds come from `neorec plan --calibrate`
   (micro-benchmarks with one process per core, saved as JSON) or, without a calibration file, from
-  the values measured on this project's 2-core VM (CALIBRATED_CPU below). Memory: the host's RAM.
+  the values measured on this project's 2-core VM (CALIBRATED_CPU below). Memory: the host's RAM,
+  and, when given a folder for table files (embedding.cache.directory), an SSD tier: the free space
+  of that folder's filesystem, at the calibrated random-page speeds of calibrate.measure_ssd.
 - `gpu_node("a100" | "h100")`: one 8-GPU node (80 GB per GPU, NVLink inside the node).
 - `paper_cluster`: 16 nodes x 8 A100 80 GB with 200 Gb/s RDMA per GPU and 2 TB of host DRAM per
   node, the cluster of Mudigere et al. GPU speeds are data-sheet figures times an efficiency we
   state (GPU_EFFICIENCY); they are estimates, not measurements.
 
-Tiers, fastest first: "device" (memory next to the compute: GPU HBM, or DRAM for a CPU) and "host"
-(host DRAM read by a GPU over PCIe). A cached tier (device memory over host DRAM) and SSD belong to
-the memory-hierarchy issue: they are one more MemoryTier each, with their own capacity and speeds.
+Memory tiers, fastest first: "device" (memory next to the compute: GPU HBM, or DRAM for a CPU),
+"host" (host DRAM read by a GPU over PCIe) and "ssd" (files on a local SSD, read and written in
+pages). Where a table's rows go among them, directly or behind a row cache in device memory, is the
+plan tier of tiers.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -36,10 +40,12 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class MemoryTier:
-    name: str  # "device" | "host"
+    name: str  # "device" | "host" | "ssd"
     capacity: int  # bytes per rank
-    lookup_bandwidth: float  # bytes of rows read per second by the fused lookup
+    lookup_bandwidth: float  # bytes of rows read per second by the fused lookup (ssd: by a cache's misses)
     update_bandwidth: float  # bytes of rows/state/gradients moved per second by the fused backward+update
+    # (ssd: written back by a cache)
+    access_bytes: int = 0  # bytes one random row access moves at least (a page on SSD); 0: the row's bytes
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,11 @@ class Cluster:
     def num_nodes(self) -> int:
         return self.world_size // self.ranks_per_node
 
+    @property
+    def has_host_tier(self) -> bool:
+        """False on a CPU machine, whose "device" tier is the host's RAM."""
+        return any(t.name == "host" for t in self.tiers)
+
     def topology(self) -> Topology:
         return Topology(self.world_size, 0, self.ranks_per_node)
 
@@ -101,8 +112,13 @@ CALIBRATED_CPU = {
     "link_bandwidth": 1.0e9,
     "latency": 150e-6,
     "op_overhead": 12e-6,
+    # calibrate.measure_ssd on the VM's virtual disk (bytes of 4 KiB pages; 16 threads; file not cached;
+    # a 512-byte write-back into an uncached page reads the page first): 107-118 and 36-50 MB/s
+    "ssd_read_bandwidth": 1.1e8,
+    "ssd_write_bandwidth": 0.45e8,
 }
 CALIBRATION_KEYS = tuple(CALIBRATED_CPU)
+SSD_PAGE = 4096  # a random access to a file moves at least a page
 # Resident memory a training process adds besides its tables and embedding buffers (the dense model
 # and its optimizer, gloo's buffers, the trainer's objects): the growth of a rank holding no table
 # in the Kaggle-like model on this machine (benchmarks/planner_validation.py, RESULTS.md).
@@ -142,22 +158,42 @@ def host_memory_bytes() -> int:
         return 16 * GIB
 
 
+def disk_free_bytes(directory: str | Path) -> int:
+    """Free bytes of the filesystem that holds `directory` (or would: its nearest existing parent)."""
+    path = Path(directory).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
 def this_machine(
     world_size: int = 1,
     ranks_per_node: int | None = None,
     calibration: dict[str, float] | None = None,
     memory: int | None = None,
+    ssd_directory: str | Path | None = None,
+    disk: int | None = None,
 ) -> Cluster:
-    """This CPU box with `world_size` processes; each gets an equal share of the RAM (90% of it)."""
-    c = calibration or load_calibration()
+    """This CPU box with `world_size` processes; each gets an equal share of the RAM (90% of it) and,
+    with `ssd_directory` (where cached tables' files go) or `disk` (bytes, overriding the free space
+    measured there; 0: none), of the disk (90% of the free space) as an SSD tier."""
+    c = {**CALIBRATED_CPU, **(calibration or load_calibration())}
     per_node = ranks_per_node or world_size
     per_rank = int(0.9 * (memory or host_memory_bytes()) / per_node)
-    dram = MemoryTier("device", per_rank, c["lookup_bandwidth"], c["update_bandwidth"])
+    tiers = [MemoryTier("device", per_rank, c["lookup_bandwidth"], c["update_bandwidth"])]
+    if disk is None and ssd_directory is not None:
+        disk = disk_free_bytes(ssd_directory)
+    if disk:
+        tiers.append(
+            MemoryTier(
+                "ssd", int(0.9 * disk / per_node), c["ssd_read_bandwidth"], c["ssd_write_bandwidth"], SSD_PAGE
+            )
+        )
     return Cluster(
         name="this machine (CPU)",
         world_size=world_size,
         ranks_per_node=per_node,
-        tiers=(dram,),
+        tiers=tuple(tiers),
         intra_node_bandwidth=c["link_bandwidth"],
         inter_node_bandwidth=c["link_bandwidth"],
         latency=c["latency"],
@@ -227,10 +263,16 @@ def paper_cluster(gpu: str = "a100") -> Cluster:
 PRESETS = ("this", "a100-node", "h100-node", "paper")
 
 
-def preset(name: str, world_size: int | None = None, ranks_per_node: int | None = None) -> Cluster:
-    """A cluster by name (PRESETS); `world_size` overrides the number of ranks where it makes sense."""
+def preset(
+    name: str,
+    world_size: int | None = None,
+    ranks_per_node: int | None = None,
+    ssd_directory: str | Path | None = None,
+) -> Cluster:
+    """A cluster by name (PRESETS); `world_size` overrides the number of ranks where it makes sense;
+    `ssd_directory` gives this machine an SSD tier (see this_machine)."""
     if name == "this":
-        return this_machine(world_size or 2, ranks_per_node)
+        return this_machine(world_size or 2, ranks_per_node, ssd_directory=ssd_directory)
     if name in ("a100-node", "h100-node"):
         c = gpu_node(name.split("-")[0])
     elif name == "paper":

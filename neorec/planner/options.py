@@ -1,6 +1,6 @@
 """The ways one table can be sharded, each with what its pieces cost the ranks that hold them.
 
-An `Option` is (kind, number of shards, memory tier). It splits into pieces that the partitioner
+An `Option` is (kind, number of shards, plan tier: tiers.py). It splits into pieces that the partitioner
 places: one rank each for tw / rw / cw, the L ranks of one node for twrw / twcw, every rank for dp.
 Costs are additive, so a rank's load is the sum of its pieces plus `everyone` of every option
 (what each rank pays for its own samples: sending ids, receiving pooled rows, sending gradients;
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from neorec.distributed.plan import even_splits
 from neorec.planner.cost import owner_work, shard_work, wire_element_bytes
 from neorec.planner.hardware import Cluster
+from neorec.planner.tiers import placements
 from neorec.planner.workload import TableLoad, Workload
 
 ROW_KINDS = ("rw", "twrw")
@@ -31,11 +32,11 @@ class Option:
     table: str
     kind: str
     num_shards: int
-    tier: str
+    tier: str  # plan tier (tiers.py): device, host, cached or ssd
     piece_costs: list[float]  # seconds per step on the rank holding each piece
-    piece_memory: list[dict[str, float]]  # bytes per tier of each piece (weights, state, buffers)
+    piece_memory: list[dict[str, float]]  # bytes per memory tier of each piece (weights, state, caches, buffers)
     everyone: float = 0.0  # seconds per step on every rank
-    everyone_memory: dict[str, float] = field(default_factory=dict)  # bytes per tier on every rank (dp)
+    everyone_memory: dict[str, float] = field(default_factory=dict)  # bytes per memory tier on every rank (dp)
     init_bytes: int = 0  # initialisation window of the largest piece
     group_key: tuple = ()  # the fused engine groups tables by (dim, dtype, update rule)
     mean_row_split: bool = False  # a mean-pooled table split by rows: every id then carries a weight
@@ -63,6 +64,11 @@ class Option:
         )
 
     @property
+    def memory_tiers(self) -> set[str]:
+        """The memory tiers its pieces use."""
+        return {t for m in [*self.piece_memory, self.everyone_memory] for t in m}
+
+    @property
     def label(self) -> str:
         return self.kind if self.num_shards == 1 or self.kind in ("dp",) else f"{self.kind}x{self.num_shards}"
 
@@ -85,11 +91,11 @@ def table_options(
     kinds: tuple[str, ...],
     tiers: tuple[str, ...] | None = None,
 ) -> list[Option]:
-    """Every option of `kinds` for the table, in every tier of the cluster."""
+    """Every option of `kinds` for the table, in every plan tier the cluster offers (or `tiers`)."""
     out = []
     L, W = cluster.ranks_per_node, cluster.world_size
     splits = split_counts(load, cluster)
-    for tier in tiers or tuple(t.name for t in cluster.tiers):
+    for tier in tiers or placements(cluster):
         if "tw" in kinds:
             out.append(_flat(load, "tw", 1, tier, workload, cluster))
         for kind in ("rw", "cw"):
@@ -140,7 +146,7 @@ def _id_bytes(load: TableLoad, workload: Workload, kind: str) -> int:
 
 
 def _memory(work, tier: str) -> dict[str, float]:
-    mem = {tier: float(work.weights_bytes)}
+    mem = {name: float(nbytes) for name, nbytes in work.memory.items()}
     mem["device"] = mem.get("device", 0.0) + _buffers(work)
     return mem
 

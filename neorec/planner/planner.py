@@ -1,4 +1,8 @@
-"""The sharding planner: choose every table's sharding and memory tier, then place its pieces.
+"""The sharding planner: choose every table's sharding and tier, then place its pieces.
+
+Tiers (tiers.py): device memory, host memory, or a row cache in device memory over host memory
+(cached) or over SSD files (ssd), whatever the cluster offers; a cached table costs its misses and
+takes its cache in device memory and all its rows in the backing tier.
 
     options (options.py)   every (kind, number of shards, tier) of every table, with additive costs
     feasibility            a table none of whose options fits an empty rank stops here, named
@@ -53,7 +57,7 @@ def rank_capacity(cluster: Cluster, init_allowance: float = 0.0) -> dict[str, np
     out = {}
     for t in cluster.tiers:
         room = t.capacity - (cluster.reserved if t.name == "device" else 0)
-        if t.name == "device" and len(cluster.tiers) == 1:
+        if t.name == "device" and not cluster.has_host_tier:
             room -= min(init_allowance, room / 2)
         out[t.name] = np.full(W, float(max(room, 0)))
     return out
@@ -133,25 +137,39 @@ def check_capacity(estimate: PlanEstimate, cluster: Cluster) -> None:
 
 # ---- steps --------------------------------------------------------------------------------------------
 def _fits_empty_rank(o: Option, capacity: dict[str, np.ndarray]) -> bool:
-    return all(o.max_piece_memory(tier) <= capacity.get(tier, np.zeros(1))[0] for tier in {o.tier, "device"})
+    return all(
+        o.max_piece_memory(tier) <= capacity.get(tier, np.zeros(1))[0] for tier in o.memory_tiers | {"device"}
+    )
 
 
 def _fits_nowhere(workload: Workload, name: str, opts: list[Option], capacity) -> ConfigError:
     t = workload.by_name[name]
     lines = []
     for tier in sorted({o.tier for o in opts}):
-        smallest = min((o for o in opts if o.tier == tier), key=lambda o: o.max_piece_memory(tier))
-        need, room = smallest.max_piece_memory(tier), float(capacity[tier][0])
+
+        def short(o: Option) -> float:  # the largest shortfall over the memory tiers it uses
+            return max(o.max_piece_memory(m) - float(capacity.get(m, np.zeros(1))[0]) for m in o.memory_tiers)
+
+        smallest = min((o for o in opts if o.tier == tier), key=short)
+        m = max(smallest.memory_tiers, key=lambda m: smallest.max_piece_memory(m) - float(capacity[m][0]))
+        need, room = smallest.max_piece_memory(m), float(capacity[m][0])
+        where = tier if m == tier else f"{tier} ({m} memory)"
         lines.append(
-            f"  {tier}: its smallest piece ({smallest.label}) needs {need:,.0f} bytes, a rank has {room:,.0f} "
+            f"  {where}: its smallest piece ({smallest.label}) needs {need:,.0f} bytes, a rank has {room:,.0f} "
             f"(shortfall {need - room:,.0f} bytes)"
         )
     size = t.table.rows * t.row_bytes()
+    ways = (
+        "1) more ranks or a cluster with more memory per rank; 2) fp16 weights (embedding.dtype); "
+        "3) rowwise_adagrad or sgd instead of adagrad/adam; 4) fewer rows or a smaller dim for this table"
+    )
+    if "ssd" not in {o.tier for o in opts}:
+        ways += "; 5) an SSD tier for cached tables (embedding.cache.directory on this machine)"
+    elif any(o.tier in ("cached", "ssd") for o in opts):
+        ways += f"; 5) a smaller cache (embedding.cache.fraction, now {workload.cache_fraction})"
     return PlacementError(
         f"table {name!r} ({t.table.rows:,} rows x {t.table.dim}, {size:,.0f} bytes with optimizer state) fits "
-        "nowhere:\n" + "\n".join(lines) + "\nways out: 1) more ranks or a cluster with more memory per rank; "
-        "2) fp16 weights (embedding.dtype); 3) rowwise_adagrad or sgd instead of adagrad/adam; 4) fewer rows or a "
-        "smaller dim for this table"
+        "nowhere:\n" + "\n".join(lines) + "\nways out: " + ways
     )
 
 
@@ -165,7 +183,9 @@ def _check_total_memory(feasible: dict[str, list[Option]], capacity, W: int) -> 
             f"infeasible: constraint 'memory of all ranks together' broke: the tables need {need:,.0f} bytes "
             f"(weights, optimizer state, buffers; every table in its most compact sharding) but the "
             f"{W} ranks have {have:,.0f} in tiers {tiers} (shortfall {need - have:,.0f} bytes)"
-        )
+            + ("" if "ssd" in tiers else "; an SSD tier (embedding.cache.directory on this machine) would let "
+               "tables live in files behind a row cache")
+        )  # fmt: skip
 
 
 def choose_options(
@@ -255,7 +275,7 @@ def place_with_repairs(
     pieces at most half as large in the same tier (failing that, one in a slower tier) and retry."""
 
     def piece_bytes(o: Option) -> float:
-        return max(o.max_piece_memory(t) for t in {o.tier, "device"})
+        return max(o.max_piece_memory(t) for t in o.memory_tiers | {"device"})
 
     choice = dict(choice)
     for _ in range(REPAIRS):

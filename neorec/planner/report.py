@@ -40,6 +40,9 @@ def rank_table(result: PlanResult, cluster: Cluster, tables) -> str:
     tiers = [t.name for t in cluster.tiers]
     header = ["rank", "node", "shards", *(f"{STAGE_LABELS[s]} ms" for s in STAGES), "total ms"]
     header += [f"{t} GB (of {cluster.tier(t).capacity / 1e9:.1f})" for t in tiers]
+    cached = any(r.tier_bytes for r in result.estimate.ranks)
+    if cached:
+        header.append("cache MB/step")
     rows = []
     for r in result.estimate.ranks:
         held = " ".join(f"{k}:{n}" for k, n in sorted(counts[r.rank].items())) or "-"
@@ -48,6 +51,7 @@ def rank_table(result: PlanResult, cluster: Cluster, tables) -> str:
             + [f"{r.stages[s] * 1e3:.2f}" for s in STAGES]
             + [f"{r.total * 1e3:.2f}"]
             + [_gb(r.memory.get(t, 0)) for t in tiers]
+            + ([f"{sum(r.tier_bytes.values()) / 1e6:.2f}"] if cached else [])
         )
     return _table(header, rows)
 
@@ -73,6 +77,13 @@ def summary(result: PlanResult, cluster: Cluster) -> str:
         "tables per sharding kind (@tier when not device): "
         + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
     )
+    if e.hit_rates:
+        rates = sorted(e.hit_rates.values())
+        moved = max(sum(r.tier_bytes.values()) for r in e.ranks)
+        lines.append(
+            f"tables behind a row cache: {len(rates)}, estimated hit rate "
+            f"{rates[0]:.2f}..{rates[-1]:.2f}; at most {moved / 1e6:.2f} MB per step from/to the backing tier on a rank"
+        )
     for tier in cluster.tiers:
         used = [r.memory.get(tier.name, 0) for r in e.ranks]
         lines.append(

@@ -35,21 +35,34 @@ def workload_for_run(
     d = cfg.distributed
     return build_workload(
         tables, cfg.embedding.optimizer, cfg.data.batch_size, ids, samples or None,
-        d.forward_precision, d.backward_precision, weighted,
+        d.forward_precision, d.backward_precision, weighted, cache_fraction(cfg),
     )  # fmt: skip
 
 
+def cache_fraction(cfg: RunConfig) -> float:
+    """The share of rows the planner gives a cached table's cache: embedding.cache.fraction (default
+    0.2; with embedding.cache.size_mib instead, the default, since the cached tables are not known yet)."""
+    return cfg.embedding.cache.fraction or 0.2
+
+
+def cluster_for_run(cfg: RunConfig, world_size: int, ranks_per_node: int | None = None) -> Cluster:
+    """This machine for `world_size` processes; with an SSD tier when the config names a folder for
+    cached tables' files (embedding.cache.directory), whose filesystem gives its capacity."""
+    return this_machine(world_size, ranks_per_node, ssd_directory=cfg.embedding.cache.directory)
+
+
 def default_plan_for_run(cfg: RunConfig, tables: list[TableConfig], topo: Topology) -> ShardingPlan:
-    """The default plan of a multi-process run: rank 0 plans for this machine (its calibration,
-    access measured on the first training batches) and every rank receives the same plan, so that
-    machines with different calibrations cannot disagree. A planning error stops every rank."""
+    """The default plan of a multi-process run: rank 0 plans for this machine (its calibration, an
+    SSD tier under embedding.cache.directory when set, access measured on the first training
+    batches) and every rank receives the same plan, so that machines with different calibrations
+    cannot disagree. A planning error stops every rank."""
     import torch.distributed as dist
 
     message: dict = {}
     if topo.rank == 0:
         try:
             workload = workload_for_run(cfg, tables)
-            cluster = this_machine(topo.world_size, topo.local_world_size)
+            cluster = cluster_for_run(cfg, topo.world_size, topo.local_world_size)
             message = {"plan": plan_sharding(workload, cluster, time_budget=10.0).plan.to_dict()}
         except ConfigError as e:
             message = {"error": str(e)}
@@ -108,7 +121,7 @@ def plan_command(
             f"model: config {cfg.name!r}: {len(tables)} tables, "
             f"{sum(t.rows * t.dim for t in tables):,} parameters, global batch {cfg.data.batch_size:,}"
         )
-        cluster = cluster or preset(cluster_name, world_size, ranks_per_node)
+        cluster = cluster or preset(cluster_name, world_size, ranks_per_node, cfg.embedding.cache.directory)
     else:
         raise ConfigError(f"neorec plan: --model must be 'config' or '12t', got {model!r}")
     result = plan_sharding(workload, cluster, kinds, time_budget)

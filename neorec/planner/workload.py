@@ -7,7 +7,8 @@ ids that fall in rows [lo, hi) (a row-wise shard's share of the lookups), `uniqu
 expected number of distinct rows touched in that range by `part` of a global batch (what the
 fused update reads and writes). Without a sample, ids are assumed spread evenly over the rows:
 shares are proportional to rows and distinct rows follow the uniform-draw formula, an upper bound
-for skewed (Zipf) data.
+for skewed (Zipf) data. `hit_rate(lo, hi, capacity)` estimates how many of a batch's distinct rows a
+row cache of `capacity` rows finds resident (tiers.py uses it for cached tables).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class TableLoad:
     id_sample: list[list[np.ndarray]] | None = None
     _sorted: list[np.ndarray] = field(default_factory=list, repr=False)
     _unique_cache: dict[float, list[np.ndarray]] = field(default_factory=dict, repr=False)
+    _batch_rows: np.ndarray | None = field(default=None, repr=False)  # distinct rows of every sampled batch
 
     @property
     def name(self) -> str:
@@ -89,6 +91,33 @@ class TableLoad:
             return 0.0
         return rows * -math.expm1(-num_ids / rows)  # uniform draws: R (1 - (1 - 1/R)^n)
 
+    def hit_rate(self, lo: int, hi: int, capacity: int) -> float:
+        """Expected share of a batch's distinct rows in [lo, hi) that a cache of `capacity` of those
+        rows holds, in steady state. Without an id sample: ids uniform over the rows, capacity / rows.
+        With one, from the distinct rows of each sampled batch (the cache's unit: duplicates in a
+        batch are one lookup): a row seen in c of the batches has weight c; rows seen in one batch
+        only stand for the chance that a batch's row was never seen (Good-Turing: their number over
+        all the sampled lookups), spread evenly over the unseen rows. The cache holds the heaviest
+        rows (what LFU keeps; LRU does somewhat worse): the seen rows first, then unseen ones."""
+        rows = hi - lo
+        if rows <= 0:
+            return 1.0
+        capacity = min(capacity, rows)
+        if not self.id_sample:
+            return capacity / rows
+        if self._batch_rows is None:
+            self._batch_rows = np.concatenate(
+                [np.unique(np.concatenate(per_feature)) for per_feature in self.id_sample]
+            )
+        looked_up = self._batch_rows[(self._batch_rows >= lo) & (self._batch_rows < hi)]
+        if looked_up.size == 0:
+            return capacity / rows
+        counts = np.sort(np.unique(looked_up, return_counts=True)[1])[::-1]  # batches per distinct row
+        unseen = float(np.count_nonzero(counts == 1)) / looked_up.size  # Good-Turing unseen mass
+        seen = float(counts[:capacity].sum()) / looked_up.size
+        spare = max(0, capacity - counts.size) / max(1, rows - counts.size)
+        return min(1.0, (1.0 - unseen) * seen + unseen * spare)
+
 
 @dataclass
 class Workload:
@@ -99,6 +128,7 @@ class Workload:
     forward_precision: str = "fp16"  # pooled embeddings on the wire
     backward_precision: str = "bf16"  # their gradients
     weighted: bool = False  # batches carry per-id weights
+    cache_fraction: float = 0.2  # share of a cached table's rows its row cache holds (embedding.cache.fraction)
 
     def __post_init__(self) -> None:
         self.by_name = {t.name: t for t in self.tables}
@@ -117,8 +147,10 @@ def build_workload(
     forward_precision: str = "fp16",
     backward_precision: str = "bf16",
     weighted: bool = False,
+    cache_fraction: float = 0.2,
 ) -> Workload:
-    """Tables with their access statistics (defaults: one id per sample and feature, no sample)."""
+    """Tables with their access statistics (defaults: one id per sample and feature, no sample);
+    cache_fraction: the share of rows a cached table's cache holds (the planner's cache size)."""
     default = optimizer if isinstance(optimizer, str) else optimizer.name
     ids = ids_per_feature or {}
     samples = id_samples or {}
@@ -131,7 +163,7 @@ def build_workload(
         )
         for t in tables
     ]
-    return Workload(loads, batch_size, forward_precision, backward_precision, weighted)
+    return Workload(loads, batch_size, forward_precision, backward_precision, weighted, cache_fraction)
 
 
 def measure_access(
