@@ -263,6 +263,37 @@ def test_export_from_a_checkpoint_equals_model_pt(tmp_path):
         export_model(tmp_path, tmp_path / "d.nrx")
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_export_of_a_two_process_run_from_its_checkpoint(tmp_path):
+    """A 2-rank run's sharded checkpoint, read into one process, gives the same file as its
+    model.pt (whose tables the ranks gathered at the end)."""
+    import subprocess
+    import sys
+
+    rw = "distributed.sharding={C4: {kind: rw, ranks: [0, 1]}}"  # a row-wise table: two shard files
+    sets = TINY + ["checkpoint.every_steps=10", "train.max_steps=20", rw]
+    args = [x for kv in sets for x in ("--set", kv)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "neorec",
+        "train",
+        "--nproc",
+        "2",
+        *args,
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    export_model(tmp_path / "run", tmp_path / "a.nrx", measure=False)
+    export_model(tmp_path / "run" / "checkpoints", tmp_path / "b.nrx", measure=False)
+    _, a = read_export(tmp_path / "a.nrx")
+    _, b = read_export(tmp_path / "b.nrx")
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # ---- predict --------------------------------------------------------------------------------------
 def test_predict_writes_one_line_per_sample_and_eval_auc(tiny, tmp_path):
     out = tmp_path / "sub" / "pred.txt"
