@@ -113,6 +113,9 @@ class ModelConfig(Strict):
     self_interaction: bool = Field(False, description="dlrm: include each vector's dot with itself")
     cross_layers: int = Field(3, gt=0, description="dcnv2: number of cross layers")
     low_rank: int | None = Field(None, gt=0, description="dcnv2: rank of the cross weights (None = full)")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="MLP and interaction math: fp32, or bf16 autocast (weights and gradients stay fp32)"
+    )
 
     @model_validator(mode="after")
     def _positive(self) -> ModelConfig:

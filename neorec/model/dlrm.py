@@ -2,9 +2,18 @@
 
 Both read dense features through a bottom MLP, pooled embeddings through an EmbeddingCollection
 (any engine: reference, fused, sharded), combine them, and end in a top MLP producing one logit.
+
+`precision="bf16"` runs the MLPs and the interaction under bf16 autocast (mixed precision: weights,
+gradients and the dense optimizer stay fp32; matrix products take bf16 inputs and accumulate in
+fp32). On CPUs with AMX (Intel Sapphire Rapids and later) and on GPUs those products are several
+times faster. The embedding lookup stays outside autocast (fp32 pooling), and so does the last
+layer, so that logits keep fp32 resolution: bf16's 8-bit mantissa would tie many scores and blunt
+the AUC.
 """
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -14,6 +23,17 @@ from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError
 from neorec.model.interaction import CrossNetwork, DotInteraction
 from neorec.model.mlp import build_mlp
+
+
+def dense_autocast(device: torch.device, precision: str) -> AbstractContextManager:
+    """The autocast context for the dense math of a model (a no-op for fp32)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def last_layer(top: nn.Sequential, hidden: torch.Tensor) -> torch.Tensor:
+    """The top MLP's final 1-unit layer in fp32, outside any autocast: logits [B]."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return top[-1](hidden.float()).squeeze(1)
 
 
 class DLRM(nn.Module):
@@ -26,8 +46,10 @@ class DLRM(nn.Module):
         bottom_mlp: list[int],
         top_mlp: list[int],
         self_interaction: bool = False,
+        precision: str = "fp32",
     ) -> None:
         super().__init__()
+        self.precision = precision
         dims = set(embeddings.feature_dims)
         if len(dims) != 1:
             raise ConfigError(f"model.arch=dlrm needs one embedding dim for all tables, got {sorted(dims)}")
@@ -43,9 +65,13 @@ class DLRM(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [B]."""
-        dense_out = self.bottom(batch.dense)
+        device = batch.dense.device
+        with dense_autocast(device, self.precision):
+            dense_out = self.bottom(batch.dense)
         pooled = self.embeddings(batch.sparse)
-        return self.top(self.interaction(dense_out, pooled)).squeeze(1)
+        with dense_autocast(device, self.precision):
+            hidden = self.top[:-1](self.interaction(dense_out, pooled))
+        return last_layer(self.top, hidden)
 
 
 class DCNv2(nn.Module):
@@ -59,8 +85,10 @@ class DCNv2(nn.Module):
         top_mlp: list[int],
         cross_layers: int = 3,
         low_rank: int | None = None,
+        precision: str = "fp32",
     ) -> None:
         super().__init__()
+        self.precision = precision
         self.embeddings = embeddings
         self.bottom = build_mlp(num_dense, bottom_mlp)
         width = bottom_mlp[-1] + embeddings.output_dim
@@ -68,5 +96,10 @@ class DCNv2(nn.Module):
         self.top = build_mlp(width, top_mlp + [1], last_activation=False)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        x0 = torch.cat([self.bottom(batch.dense), self.embeddings(batch.sparse)], dim=1)
-        return self.top(self.cross(x0)).squeeze(1)
+        device = batch.dense.device
+        with dense_autocast(device, self.precision):
+            dense_out = self.bottom(batch.dense)
+        pooled = self.embeddings(batch.sparse)
+        with dense_autocast(device, self.precision):
+            hidden = self.top[:-1](self.cross(torch.cat([dense_out.float(), pooled], dim=1)))
+        return last_layer(self.top, hidden)

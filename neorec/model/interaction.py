@@ -18,17 +18,33 @@ class PairwiseDots(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, flat)
+        # Under autocast both products run in its dtype; backward (where autocast is off) uses the
+        # same dtype explicitly and hands back a gradient of x's own dtype.
+        xc = x.to(autocast_dtype(x))
+        ctx.save_for_backward(xc, flat)
+        ctx.input_dtype = x.dtype
         b, f, _ = x.shape
-        return torch.bmm(x, x.transpose(1, 2)).view(b, f * f).index_select(1, flat)
+        return torch.bmm(xc, xc.transpose(1, 2)).view(b, f * f).index_select(1, flat)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        x, flat = ctx.saved_tensors
-        b, f, _ = x.shape
-        sym = grad.new_zeros(b, f * f).index_copy_(1, flat, grad.contiguous()).view(b, f, f)
+        xc, flat = ctx.saved_tensors
+        b, f, _ = xc.shape
+        sym = xc.new_zeros(b, f * f).index_copy_(1, flat, grad.to(xc.dtype).contiguous()).view(b, f, f)
         sym = sym + sym.transpose(1, 2)
-        return torch.bmm(sym, x), None
+        return torch.bmm(sym, xc).to(ctx.input_dtype), None
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would compute a product of x in: its own dtype when autocast is off."""
+    kind = x.device.type
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        enabled, dtype = torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+    elif kind == "cpu":
+        enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    else:
+        enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    return dtype if enabled and x.is_floating_point() else x.dtype
 
 
 class DotInteraction(nn.Module):

@@ -182,8 +182,8 @@ def build_model(cfg: RunConfig, info: SourceInfo, embeddings: EmbeddingCollectio
     m = cfg.model
     torch.manual_seed(cfg.seed)  # MLP init depends on the seed alone
     if m.arch == "dlrm":
-        return DLRM(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.self_interaction)
-    return DCNv2(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.cross_layers, m.low_rank)
+        return DLRM(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.self_interaction, m.precision)
+    return DCNv2(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.cross_layers, m.low_rank, m.precision)
 
 
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -26,6 +26,8 @@ from typing import Protocol
 
 import torch
 
+from neorec.utils.host import advise_huge_pages
+
 # init(start, end) -> fp32 rows [end - start, width]: the initial values of global rows [start, end).
 RowInit = Callable[[int, int], torch.Tensor]
 
@@ -89,9 +91,11 @@ class TensorStorage:
 def build_tensor_storage(
     num_rows: int, width: int, dtype: torch.dtype, device: torch.device, init: RowInit
 ) -> TensorStorage:
-    """Allocate and fill a plain tensor, converting from fp32 in windows so no fp32 copy is whole."""
+    """Allocate and fill a plain tensor, converting from fp32 in windows so no fp32 copy is whole.
+    A large host buffer asks for huge pages before it is filled (rows are touched at random)."""
     shape = (num_rows, width) if width else (num_rows,)
     tensor = torch.empty(shape, dtype=dtype, device=device)
+    advise_huge_pages(tensor)
     window = _INIT_WINDOW_ROWS
     for start in range(0, num_rows, window):
         end = min(start + window, num_rows)
