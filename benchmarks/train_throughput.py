@@ -76,12 +76,16 @@ def worker(args) -> dict:
 
         prepared = batches
     else:
-        from benchmarks.baselines.plain_dlrm import PlainDLRM, split_sparse
+        from benchmarks.baselines.plain_dlrm import PlainDCNv2, PlainDLRM, split_sparse
 
         torch.manual_seed(cfg.seed)
         info = source.info
-        model = PlainDLRM(info.num_dense, [f.num_ids for f in info.features], cfg.embedding.dim,
-                          cfg.model.bottom_mlp, cfg.model.top_mlp)  # fmt: skip
+        shape = (info.num_dense, [f.num_ids for f in info.features], cfg.embedding.dim, cfg.model.bottom_mlp,
+                 cfg.model.top_mlp)  # fmt: skip
+        if cfg.model.arch == "dcnv2":
+            model = PlainDCNv2(*shape, cfg.model.cross_layers, cfg.model.low_rank)
+        else:
+            model = PlainDLRM(*shape)
         emb_params = [p for bag in model.emb for p in bag.parameters()]
         dense_params = [p for n, p in model.named_parameters() if not n.startswith("emb.")]
         e, d = cfg.embedding.optimizer, cfg.train.dense_optimizer
@@ -91,11 +95,15 @@ def worker(args) -> dict:
             opts = [torch.optim.Adagrad(emb_params, lr=e.lr), torch.optim.Adagrad(dense_params, lr=d.lr)]
         loss_fn = torch.nn.BCEWithLogitsLoss()
 
+        bf16 = args.plain_precision == "bf16"
+
         def step(item):
             dense, idx, off, labels = item
             for o in opts:
                 o.zero_grad(set_to_none=True)
-            loss = loss_fn(model(dense, idx, off), labels)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(dense, idx, off)
+            loss = loss_fn(logits.float(), labels)
             loss.backward()
             for o in opts:
                 o.step()
@@ -138,7 +146,8 @@ def worker(args) -> dict:
 
 def run_worker(args, impl: str, opt: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", impl, opt, "--config", args.config, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]  # fmt: skip
+           "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--threads", str(args.threads),
+           "--plain-precision", args.plain_precision]  # fmt: skip
     for s in args.set or []:
         cmd += ["--set", s]
     env = dict(os.environ)
@@ -258,6 +267,8 @@ def main() -> None:
     p.add_argument("--set", action="append", help="config override passed to both sides")
     p.add_argument("--malloc", choices=["keep", "system"], default="keep",
                    help="keep: both sides keep freed memory for reuse (neorec/utils/host.py); system: glibc default")  # fmt: skip
+    p.add_argument("--plain-precision", choices=["fp32", "bf16"], default="fp32",
+                   help="the plain model's dense math: fp32 (as facebookresearch/dlrm) or bf16 autocast")  # fmt: skip
     p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     p.add_argument("--nproc", type=int, default=None, help="compare 1 process with N processes (see above)")
     p.add_argument("--pipeline-compare", action="store_true", help="with --nproc: pipelined vs not pipelined")
@@ -288,7 +299,10 @@ def main() -> None:
         for impl in ("plain", "neorec"):
             r = res[impl]
             speedup = r["samples_per_s"] / res["plain"]["samples_per_s"]
-            label = "plain PyTorch DLRM (EmbeddingBag, sparse grads)" if impl == "plain" else "neorec (fused engine)"
+            cfg = config_for(args, opt)
+            plain = "plain PyTorch DCNv2" if cfg.model.arch == "dcnv2" else "plain PyTorch DLRM"
+            plain += f" (EmbeddingBag, sparse grads, {args.plain_precision} dense)"
+            label = plain if impl == "plain" else f"neorec (fused engine, {cfg.model.precision} dense)"
             spread = [round(x["samples_per_s"]) for x in runs[impl]]
             rows.append([label, opt, round(r["samples_per_s"]), f"{min(spread)}-{max(spread)}",
                          round(r["ms_per_step"], 1), round(r["peak_rss_mib"]), f"{speedup:.2f}x"])  # fmt: skip
