@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.errors import ConfigError
 
 WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -151,6 +152,8 @@ def build_workload(
 ) -> Workload:
     """Tables with their access statistics (defaults: one id per sample and feature, no sample);
     cache_fraction: the share of rows a cached table's cache holds (the planner's cache size)."""
+    if not 0 < cache_fraction <= 1:
+        raise ConfigError(f"planner: the cache fraction must be in (0, 1], got {cache_fraction}")
     default = optimizer if isinstance(optimizer, str) else optimizer.name
     ids = ids_per_feature or {}
     samples = id_samples or {}
