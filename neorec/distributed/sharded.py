@@ -14,7 +14,7 @@ pipeline can start batch i+1's input_dist before batch i's lookup.
 
 Cached tables (plan tier "cached" or "ssd", or `tiers`): every shard this rank holds gets its own row
 cache and backing store (neorec/embedding/cache), files under `<cache directory>/rank-<rank>/`
-named by table and shard (`<table>#<shard>.<tensor>.bin`). The rows a batch needs are known on a
+named by table and shard (local tables are `<table>#<shard>`). The rows a batch needs are known on a
 rank only after its input distribution: when the pipeline calls `prefetch` for batch i+2 (after
 batch i's step), the local rows of batch i+1, whose ids were exchanged during batch i's step, are
 brought into the caches first; so they come in after batch i's update and before batch i+1's lookup.
