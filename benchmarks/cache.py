@@ -131,6 +131,9 @@ def sweep(args) -> None:
          "-" if r["fraction"] is None else f"{r['mib_from_tier_per_step']:.2f}"]
         for r in results
     ]  # fmt: skip
+    if args.no_append:
+        print(markdown_table(header, rows))
+        return
     plot(results, RESULTS.parent / args.plot)
     table_bytes = 26 * args.rows * args.dim * 4 * (2 if args.optimizer == "adagrad" else 1)
     notes = (
@@ -233,6 +236,7 @@ def main() -> None:
     p.add_argument("--budget-gib", type=float, default=4.0, help="demo: the memory budget")
     p.add_argument("--cache-mib", type=float, default=2048.0, help="demo: RAM for cached rows + state")
     p.add_argument("--note", default="", help="appended to the RESULTS notes (e.g. other load seen)")
+    p.add_argument("--no-append", action="store_true", help="sweep: print only (no RESULTS.md, no plot)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     demo(args) if args.demo else sweep(args)

@@ -3,6 +3,7 @@
 from neorec.embedding.cache.backing import DramBacking, SsdBacking, create_ssd_file
 from neorec.embedding.cache.build import TIERS, CacheSettings, cached_storage_factory
 from neorec.embedding.cache.cache import POLICIES, CachedStorage, RowCache
+from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.cache.stats import CacheStats, summarize
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "CacheStats",
     "CachedStorage",
     "DramBacking",
+    "RecordLayout",
     "RowCache",
     "SsdBacking",
     "cached_storage_factory",

@@ -1,174 +1,263 @@
-"""Backing stores: where every row of a cached table lives, behind the RAM cache (cache.py).
+"""Backing stores: where every row of a cached group of tables lives, behind the RAM cache (cache.py).
 
-Two tiers, one interface (`read`, `write`, `read_range`, `write_range`, `release`):
-- `DramBacking`: a plain tensor in host memory (on a GPU machine, the tier behind device memory);
-- `SsdBacking`: a file on disk, memory-mapped (numpy.memmap) and seen as a torch tensor.
+Both tiers hold one record per row, the row's weights and optimizer state side by side
+(records.py), and move whole records:
+- `DramBacking`: records in one host-memory tensor (on a GPU machine, the tier behind device memory);
+- `SsdBacking`: records in one file per group, row r at byte r * record_bytes.
 
-Why a memory-mapped file rather than an embedded key-value store (RocksDB and the like): rows are
-fixed-size and addressed by a dense index, so row r is simply at byte r * row_bytes; a map turns a
-batch's misses into one vectorised `index_select` / `index_copy_` with no serialisation, no
-per-row calls from Python and no extra dependency, and the kernel's page cache does read-ahead and
-write-back. What a key-value store would add (compaction, sparse keys) the tables do not need.
+Interface: `read(rows)` / `write(rows, records)` for rows sorted ascending and unique (a batch's
+misses, its evicted rows); `read_range(name, start, end)` / `write_range(name, start, end, values)`
+for one field of a range of rows (checkpoints), and `view_range` where a field can be seen without
+reading it (state_dict of a file-backed table).
 
-Mapped pages count in the process's resident memory once touched, although they are the kernel's
-clean (or written-back) page cache, and a fault maps more than the row: its 4 KiB page, neighbours
-already cached (fault-around, 64 KiB) and, for a file just written, whole large folios (MBs). So that
-resident memory stays within a budget: the file's pages are dropped from the page cache once it is
-written, the mapping is marked random-access (no read-ahead, so later faults bring single pages),
-rows move in pieces, and the mapping's resident pages are dropped (madvise MADV_DONTNEED; dirty pages
-go to the page cache first, nothing is lost) whenever the pieces may have mapped `release_bytes`,
-counting 64 KiB per row.
+How the file is read and written (measured in benchmarks/RESULTS.md, "SSD backing: reading rows"):
+positioned reads and writes (os.pread / os.pwrite), one per run of consecutive rows, spread over
+I/O threads, rather than a memory map. On this machine a row from the page cache costs about 1 us
+either way, but a map's page faults also map their neighbours (about 40 KiB per random row read, all
+counted in resident memory), so a map had to be dropped every few thousand rows to keep RSS within a
+budget and every fault came back. With pread/pwrite nothing of the file is ever resident in the
+process: memory is the cache, the rows in flight and nothing else, so there is no release logic to
+tune; the kernel's page cache keeps recently used pages (clean, reclaimable, not in RSS). Reads of
+rows not in the page cache block on the disk, so several are in flight at once (I/O threads).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.fused.storage import RowInit
 
-# numpy has no bfloat16: such files are read as int16 and viewed as bfloat16 (same bytes).
-_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
-_INIT_WINDOW_ROWS = 1 << 18
-_FAULT_BYTES = 64 << 10  # at most mapped per row touched (fault-around), once the file is not cached
+_WINDOW_BYTES = 64 << 20  # records per piece of a range read/write or of creating a file
+_RUNS_PER_TASK = 256  # runs of rows one I/O thread handles at a time
+_IO_THREADS = 16
 
 
 class DramBacking:
-    """All rows in one host-memory tensor."""
+    """All records in one host-memory tensor [num_rows, record_bytes]."""
 
     tier = "dram"
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.num_rows = tensor.shape[0]
-        self.width = tensor.shape[1] if tensor.dim() == 2 else 0
-        self.dtype = tensor.dtype
+    def __init__(self, layout: RecordLayout, records: torch.Tensor) -> None:
+        self.layout, self.records, self.num_rows = layout, records, records.shape[0]
+
+    @classmethod
+    def create(cls, layout: RecordLayout, num_rows: int, inits: dict[str, RowInit]) -> DramBacking:
+        records = layout.empty(num_rows)
+        for start, end in _windows(num_rows, layout.record_bytes):
+            records[start:end] = layout.pack({n: init(start, end) for n, init in inits.items()})
+        return cls(layout, records)
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> DramBacking:
+        """Records holding these tensors' rows (tests and small tables)."""
+        layout = RecordLayout([(n, t.shape[1] if t.dim() == 2 else 0, t.dtype) for n, t in tensors.items()])
+        return cls(layout, layout.pack(tensors))
+
+    def field(self, name: str) -> torch.Tensor:
+        """Field `name` of every row, a view of the records."""
+        return self.layout.view(self.records, name)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.tensor.index_select(0, rows)
+        return _words(self.records).index_select(0, rows).view(torch.uint8)
 
-    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        self.tensor.index_copy_(0, rows, values)
+    def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        _words(self.records).index_copy_(0, rows, _words(records))
 
-    def read_range(self, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) as a copy (a view of a slice would make torch.save write the whole buffer)."""
-        part = self.tensor[start:end]
-        return part if end - start == self.num_rows else part.clone()
+    def read_range(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self.layout.view(self.records[start:end], name).clone()
 
-    def write_range(self, start: int, end: int, values: torch.Tensor) -> None:
-        self.tensor[start:end].copy_(values)
+    def write_range(self, name: str, start: int, end: int, values: torch.Tensor) -> None:
+        self.layout.view(self.records[start:end], name).copy_(values)
 
-    def release(self) -> None:
-        """Nothing to give back: the rows are the memory."""
+    def close(self) -> None:
+        """Nothing to close: the records are memory."""
 
 
 class SsdBacking:
-    """All rows in a memory-mapped file: row r at byte r * row_bytes."""
+    """All records in one file, read and written with pread/pwrite (see the module doc)."""
 
     tier = "ssd"
 
-    def __init__(
-        self, path: str | Path, num_rows: int, width: int, dtype: torch.dtype, release_bytes: int = 256 << 20
-    ) -> None:
-        self.path = Path(path)
-        self.num_rows, self.width, self.dtype = num_rows, width, dtype
-        self.shape = (num_rows, width) if width else (num_rows,)
-        self.row_bytes = max(width, 1) * torch.empty((), dtype=dtype).element_size()
-        expected = num_rows * self.row_bytes
+    def __init__(self, path: str | Path, layout: RecordLayout, num_rows: int) -> None:
+        self.path, self.layout, self.num_rows = Path(path), layout, num_rows
+        expected = num_rows * layout.record_bytes
         if not self.path.exists() or self.path.stat().st_size != expected:
             raise FileNotFoundError(f"{self.path}: expected a table file of {expected} bytes")
-        self.array = np.memmap(self.path, dtype=_NUMPY[dtype], mode="r+", shape=self.shape)
-        self.array._mmap.madvise(mmap.MADV_RANDOM)
-        self.tensor = _as_torch(self.array, dtype)
-        self.release_bytes = release_bytes
-        self.piece_rows = max(1, release_bytes // _FAULT_BYTES)
-        self._mapped = 0  # bytes the mapping may hold resident since the last release, at most
+        self.fd = os.open(self.path, os.O_RDWR)
 
+    # ---- rows of a batch ---------------------------------------------------------------------------
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        out = self.tensor.new_empty((rows.numel(), *self.tensor.shape[1:]))
-        self._in_pieces(rows, lambda lo, hi: torch.index_select(self.tensor, 0, rows[lo:hi], out=out[lo:hi]))
+        """Records of `rows` (sorted, unique): one pread per run of consecutive rows."""
+        out = self.layout.empty(rows.numel())
+        if rows.numel():
+            _transfer(self.fd, _runs(rows, self.layout.record_bytes), out, write=False)
         return out
 
-    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        self._in_pieces(rows, lambda lo, hi: self.tensor.index_copy_(0, rows[lo:hi], values[lo:hi]))
+    def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        """Write `records` of `rows` (sorted, unique): one pwrite per run of consecutive rows."""
+        if rows.numel():
+            _transfer(self.fd, _runs(rows, self.layout.record_bytes), records.contiguous(), write=True)
 
-    def _in_pieces(self, rows: torch.Tensor, work) -> None:
-        """work(lo, hi) over rows in rounds of piece_rows, each round split over I/O threads: a page
-        fault that reads the disk blocks its thread, so several in flight keep the disk busy."""
-        n = rows.numel()
-        for start in range(0, n, self.piece_rows):
-            end = min(start + self.piece_rows, n)
-            step = max(64, -(-(end - start) // _IO_THREADS))
-            bounds = [(a, min(a + step, end)) for a in range(start, end, step)]
-            if len(bounds) == 1:
-                work(*bounds[0])
-            else:
-                list(_io_pool().map(lambda b: work(*b), bounds))
-            self._count(end - start)
+    # ---- ranges: checkpoints -----------------------------------------------------------------------
+    def read_range(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Field `name` of rows [start, end), a copy, read in windows of records (so memory holds the
+        result and one window, never the table)."""
+        field = self.layout.fields[name]
+        out = torch.empty(field.shape(end - start), dtype=field.dtype)
+        for a, b in _windows(end - start, self.layout.record_bytes):
+            records = self._read_span(start + a, start + b)
+            out[a:b] = self.layout.view(records, name)
+        return out
 
-    def read_range(self, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) as a tensor over its own mapping of that part of the file: nothing is
-        read into memory until someone reads it, and torch.save writes only this range. Mapped
-        copy-on-write: changing the tensor does not change the table."""
-        shape = (end - start, self.width) if self.width else (end - start,)
-        part = np.memmap(
-            self.path, dtype=_NUMPY[self.dtype], mode="c", offset=start * self.row_bytes, shape=shape
-        )
-        return _as_torch(part, self.dtype)
+    def write_range(self, name: str, start: int, end: int, values: torch.Tensor) -> None:
+        """Overwrite field `name` of rows [start, end), window by window (the other fields are kept)."""
+        for a, b in _windows(end - start, self.layout.record_bytes):
+            records = self._read_span(start + a, start + b)
+            self.layout.view(records, name).copy_(values[a:b])
+            _write_all(self.fd, records, (start + a) * self.layout.record_bytes)
 
-    def write_range(self, start: int, end: int, values: torch.Tensor) -> None:
-        for a in range(start, end, _INIT_WINDOW_ROWS):
-            b = min(a + _INIT_WINDOW_ROWS, end)
-            self.tensor[a:b].copy_(values[a - start : b - start])
-            self._count(b - a)
+    def view_range(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Field `name` of rows [start, end) as a view of the file (memory-mapped copy-on-write): nothing
+        is read until someone reads it, and changing it does not change the table. For state_dict;
+        checkpoints stream with read_range instead, since reading a map keeps its pages resident."""
+        if end == start:
+            return torch.empty(self.layout.fields[name].shape(0), dtype=self.layout.fields[name].dtype)
+        r = self.layout.record_bytes
+        part = np.memmap(self.path, dtype=np.uint8, mode="c", offset=start * r, shape=(end - start, r))
+        return self.layout.view(torch.from_numpy(part), name)
 
-    def release(self) -> None:
-        """Drop the mapping's resident pages (written-back first by the kernel; nothing is lost)."""
-        self.array._mmap.madvise(mmap.MADV_DONTNEED)
-        self._mapped = 0
+    def _read_span(self, start: int, end: int) -> torch.Tensor:
+        records = self.layout.empty(end - start)
+        view = memoryview(records.numpy()).cast("B")
+        offset, done = start * self.layout.record_bytes, 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                raise OSError(f"{self.path}: ended at byte {offset + done}; the table file was truncated")
+            done += n
+        return records
 
     def flush(self) -> None:
-        """Push dirty pages to the file (checkpoints, the end of a run)."""
-        self.array.flush()
+        """Make written rows durable (the end of a run; checkpoints copy them elsewhere anyway)."""
+        os.fsync(self.fd)
 
-    def _count(self, num_rows: int) -> None:
-        self._mapped += num_rows * _FAULT_BYTES
-        if self._mapped >= self.release_bytes:
-            self.release()
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
 
 
-def create_ssd_file(path: str | Path, num_rows: int, width: int, dtype: torch.dtype, init: RowInit) -> None:
-    """Write a table file in windows of rows with plain writes: the table is never whole in memory,
-    and nothing is mapped while it is written. Its pages then leave the page cache (see above)."""
+def create_ssd_file(path: str | Path, layout: RecordLayout, num_rows: int, inits: dict[str, RowInit]) -> None:
+    """Write a group's file window by window with plain writes (the table is never whole in memory),
+    then drop its pages from the page cache, so that training starts from the disk, as after a
+    restart, and the benchmarks measure that."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as f:
-        for start in range(0, num_rows, _INIT_WINDOW_ROWS):
-            end = min(start + _INIT_WINDOW_ROWS, num_rows)
-            rows = init(start, end).to(dtype).contiguous()
-            rows = rows.view(torch.int16) if dtype == torch.bfloat16 else rows
-            f.write(memoryview(rows.numpy()).cast("B"))
+        for start, end in _windows(num_rows, layout.record_bytes):
+            records = layout.pack({n: init(start, end) for n, init in inits.items()})
+            f.write(memoryview(records.numpy()).cast("B"))
         f.flush()
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-_IO_THREADS = 16
+# ---- runs of rows, moved by I/O threads ------------------------------------------------------------
+def _runs(rows: torch.Tensor, record_bytes: int) -> tuple[list[int], list[int], list[int]]:
+    """(file offset, offset in the buffer, bytes) of each run of consecutive rows."""
+    starts = torch.ones(rows.numel(), dtype=torch.bool)
+    starts[1:] = rows[1:] != rows[:-1] + 1
+    first = starts.nonzero().flatten()
+    lengths = torch.diff(first, append=torch.tensor([rows.numel()]))
+    return (
+        (rows[first] * record_bytes).tolist(),
+        (first * record_bytes).tolist(),
+        (lengths * record_bytes).tolist(),
+    )
+
+
+def _transfer(
+    fd: int, runs: tuple[list[int], list[int], list[int]], buffer: torch.Tensor, write: bool
+) -> None:
+    """Move every run between the file and `buffer`; several I/O threads when there are many runs
+    (a read that misses the page cache blocks its thread on the disk)."""
+    file_offsets, offsets, sizes = runs
+    view = memoryview(buffer.numpy()).cast("B")
+
+    def work(lo: int, hi: int) -> None:
+        if write:
+            for i in range(lo, hi):
+                at, size = offsets[i], sizes[i]
+                done = os.pwrite(fd, view[at : at + size], file_offsets[i])
+                if done != size:  # an interrupted call; finish it
+                    _finish(fd, view[at + done : at + size], file_offsets[i] + done, write=True)
+            return
+        # runs lo..hi fill one contiguous part of the buffer: read each into bytes, copy them once
+        data = b"".join(
+            [os.pread(fd, size, where) for size, where in zip(sizes[lo:hi], file_offsets[lo:hi], strict=True)]
+        )
+        at, end = offsets[lo], offsets[hi - 1] + sizes[hi - 1]
+        if len(data) == end - at:
+            view[at:end] = data
+        else:  # a short read (interrupted, or the file was truncated): run by run, in full
+            for i in range(lo, hi):
+                _finish(fd, view[offsets[i] : offsets[i] + sizes[i]], file_offsets[i], write=False)
+
+    n = len(sizes)
+    if n <= _RUNS_PER_TASK:
+        work(0, n)
+        return
+    tasks = max(1, min(_IO_THREADS, n // _RUNS_PER_TASK))
+    step = -(-n // tasks)
+    for future in [_io_pool().submit(work, a, min(a + step, n)) for a in range(0, n, step)]:
+        future.result()
+
+
+def _finish(fd: int, view: memoryview, offset: int, write: bool) -> None:
+    done = 0
+    while done < len(view):
+        n = (
+            os.pwrite(fd, view[done:], offset + done)
+            if write
+            else os.preadv(fd, [view[done:]], offset + done)
+        )
+        if n == 0:
+            raise OSError(f"table file: ended at byte {offset + done}; the file was truncated")
+        done += n
+
+
+def _write_all(fd: int, records: torch.Tensor, offset: int) -> None:
+    view = memoryview(records.numpy()).cast("B")
+    _finish(fd, view, offset, write=True)
+
+
+def _windows(num_rows: int, record_bytes: int) -> list[tuple[int, int]]:
+    step = max(1, _WINDOW_BYTES // record_bytes)
+    return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
+
+
+def _words(records: torch.Tensor) -> torch.Tensor:
+    """Records seen as int64 words: torch copies whole rows of those several times faster than bytes."""
+    return records.view(torch.int64)
+
+
 _POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 
 
 def _io_pool() -> ThreadPoolExecutor:
     global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="neorec-ssd")
-    return _POOL
-
-
-def _as_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(array)  # shares the mapping; keeps `array` alive
-    return t.view(dtype) if dtype == torch.bfloat16 else t
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="neorec-ssd")
+        return _POOL

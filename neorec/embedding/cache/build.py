@@ -7,11 +7,15 @@ gets plain tensors, as without a cache. Tiers:
 - dram: every row in a host-memory tensor behind a RAM cache (what a GPU's device-memory cache over
   host memory is; on a CPU-only machine it is mostly useful for tests);
 - ssd: every row in a file under `directory`, created window by window (never whole in RAM).
+
+Each group gets one backing store of records (a row's weights and optimizer state side by side,
+records.py): for ssd, one file `<first table>.rows.bin` per group.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +23,12 @@ import torch
 
 from neorec.embedding.cache.backing import DramBacking, SsdBacking, create_ssd_file
 from neorec.embedding.cache.cache import POLICIES, CachedStorage, RowCache
+from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.fused.storage import GroupStorageFactory, RowStorage, StorageSpec, build_tensor_storage
 from neorec.errors import ConfigError
 
 TIERS = ("memory", "dram", "ssd")
+_OLD_RELEASE_MIB = 256.0  # the default of the setting when it meant something
 
 
 @dataclass
@@ -33,7 +39,7 @@ class CacheSettings:
     fraction: float | None = 0.2  # share of each cached group's rows kept in the cache
     size_mib: float | None = None  # or: MiB of cache (rows + optimizer state) shared by all groups
     directory: str | Path | None = None  # where ssd tables' files go
-    release_mib: float = 256.0  # drop resident pages of ssd files after this much traffic
+    release_mib: float | None = None  # ignored (ssd files are no longer memory-mapped); kept so configs load
 
 
 def cached_storage_factory(
@@ -48,6 +54,12 @@ def cached_storage_factory(
             raise ConfigError(f"embedding.tables.{name}.tier must be one of {TIERS}, got {tier!r}")
     if "ssd" in tiers.values() and settings.directory is None:
         raise ConfigError("tables with tier ssd need embedding.cache.directory (a folder for their files)")
+    if settings.release_mib not in (None, _OLD_RELEASE_MIB):
+        warnings.warn(
+            "embedding.cache.release_mib is ignored: ssd tables are read and written with pread/pwrite, "
+            "so nothing of their files stays resident; remove the setting",
+            stacklevel=2,
+        )
 
     def build(
         tables: list[tuple[str, int, int]], specs: dict[str, StorageSpec], device: torch.device
@@ -72,23 +84,24 @@ def cached_storage_factory(
                 f"cached tables {names} (tier {group_tiers.pop()}) run on CPU only, not {device}"
             )
         tier = group_tiers.pop()
-        backings = {name: _backing(tier, names[0], name, spec, settings) for name, spec in specs.items()}
+        backing = _backing(tier, names[0], specs, settings)
         capacity = _capacity(names, specs, settings, total_cached_rows)
-        cache = RowCache(tables, backings, capacity, settings.policy)
+        cache = RowCache(tables, backing, capacity, settings.policy)
         return {name: CachedStorage(cache, name) for name in specs}
 
     return build
 
 
-def _backing(tier: str, table: str, name: str, spec: StorageSpec, settings: CacheSettings):
+def _backing(tier: str, table: str, specs: dict[str, StorageSpec], settings: CacheSettings):
+    layout = RecordLayout([(name, spec.width, spec.dtype) for name, spec in specs.items()])
+    num_rows = specs["weight"].num_rows
+    inits = {name: spec.init for name, spec in specs.items()}
     if tier == "dram":
-        return DramBacking(
-            build_tensor_storage(spec.num_rows, spec.width, spec.dtype, torch.device("cpu"), spec.init).tensor
-        )
+        return DramBacking.create(layout, num_rows, inits)
     assert settings.directory is not None  # checked when the factory was made
-    path = Path(settings.directory) / f"{table}.{name}.bin"
-    create_ssd_file(path, spec.num_rows, spec.width, spec.dtype, spec.init)
-    return SsdBacking(path, spec.num_rows, spec.width, spec.dtype, int(settings.release_mib * 2**20))
+    path = Path(settings.directory) / f"{table}.rows.bin"
+    create_ssd_file(path, layout, num_rows, inits)
+    return SsdBacking(path, layout, num_rows)
 
 
 def _capacity(
@@ -97,7 +110,7 @@ def _capacity(
     num_rows = specs["weight"].num_rows
     if settings.size_mib is None:
         return max(1, math.ceil((settings.fraction or 0.2) * num_rows))
-    row_bytes = sum(max(s.width, 1) * torch.empty((), dtype=s.dtype).element_size() for s in specs.values())
+    row_bytes = RecordLayout([(n, s.width, s.dtype) for n, s in specs.items()]).record_bytes
     share = num_rows / total_rows if total_rows else 1.0
     capacity = int(settings.size_mib * 2**20 * share // row_bytes)
     if capacity < 1:

@@ -1,30 +1,42 @@
 """A software-managed row cache in RAM over a slower backing tier (backing.py), for one group of tables.
 
-One cache covers a row's weights AND its optimizer state: a row is resident with all of them or with
-none, so an update never reads weights from one tier and state from another. The engine sees one
-`CachedStorage` per tensor (the RowStorage of neorec/embedding/fused/storage.py), all sharing the
-group's `RowCache`.
+One cache covers a row's weights AND its optimizer state: a row is one record (records.py) holding
+all of them, resident with all of them or with none, so an update never reads weights from one tier
+and state from another, and bringing a row in or writing it back moves one contiguous record. The
+engine sees one `CachedStorage` per tensor (the RowStorage of neorec/embedding/fused/storage.py), all
+sharing the group's `RowCache`.
 
-Exact semantics: every row lives in exactly one place at a time (its cache slot, or the backing
-store); evicting an updated row writes its weights and state back first. Reads therefore always
-return the last written values, so training through the cache is bitwise training without it,
-whatever the policy, the cache size and the order of prefetches. A batch with more unique rows than
-the cache still trains exactly: the rows that do not fit are read from and written to the backing
-store directly (slowly).
+Exact semantics: every row has one current value, in its cache slot or in the backing store (or in
+a write-back on its way there, background.py); evicting an updated row writes its record back.
+Reads therefore always return the last written values, so training through the cache is bitwise
+training without it, whatever the policy, the cache size and the order of prefetches. A batch with
+more unique rows than the cache still trains exactly: the rows that do not fit are read from and
+written to the backing store directly (slowly).
+
+Prefetch of a coming batch (`prefetch(rows, ahead=True)`, which the training pipeline calls for
+batch i+1 before batch i runs) only starts reading the rows the cache lacks, on a worker thread
+(background.py; file-backed tiers only); they come in, evicting others, when that batch is looked
+up. So the disk works while batch i computes, and a prefetch never evicts batch i's rows.
 
 Bookkeeping is dense and vectorised: `slot_of[row]` (int32, -1 = not cached; 4 bytes per row of the
 table, the one per-row cost kept in RAM), and per slot its row, a dirty bit, the tick of its last use
 and (LFU) its use count. Victims are the slots with the smallest key among those the current call
 does not need (one `topk` per call):
-- lru: key = tick of the last lookup or prefetch;
-- lfu: key = (uses since the row came in, then tick): the least used go first, oldest among equals.
+- lru: key = tick of the last lookup;
+- lfu: key = (use count, then tick): the least used go first, oldest among equals. Counts decay:
+  they are halved every time the cache has seen `lfu_decay_rows` looked-up rows (default: as many as
+  it has slots), so a count is about the row's uses over the last few turnovers of the cache and rows
+  that were hot long ago do not stay forever;
 Free slots have the smallest key of all, so they fill first.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
+from neorec.embedding.cache.background import BackgroundIO, find_sorted
 from neorec.embedding.cache.stats import CacheStats
 
 POLICIES = ("lru", "lfu")
@@ -32,42 +44,71 @@ _PINNED = torch.iinfo(torch.int64).max
 
 
 class RowCache:
-    """`capacity` rows of a group (all its tensors) in RAM, in front of `backings` (one per tensor)."""
+    """`capacity` rows (records: weights and optimizer state) of a group in RAM, before `backing`."""
 
     def __init__(
-        self, tables: list[tuple[str, int, int]], backings: dict, capacity: int, policy: str = "lru"
+        self,
+        tables: list[tuple[str, int, int]],
+        backing,
+        capacity: int,
+        policy: str = "lru",
+        lfu_decay_rows: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
-        first = next(iter(backings.values()))
-        self.num_rows = first.num_rows
+        self.num_rows = backing.num_rows
         if capacity < 1:
             raise ValueError(
                 f"the cache of tables {[t[0] for t in tables]} needs at least one row, got {capacity}"
             )
         self.capacity = min(capacity, self.num_rows)
         self.policy = policy
-        self.backings = backings
-        self.buffers = {
-            name: torch.empty((self.capacity, b.width) if b.width else (self.capacity,), dtype=b.dtype)
-            for name, b in backings.items()
-        }
+        self.backing, self.layout = backing, backing.layout
+        self.io = BackgroundIO(backing, background=backing.tier != "dram")
+        self.records = self.layout.empty(self.capacity)
+        self.buffers = self.layout.views(self.records)  # per field: a strided view of the records
         self.slot_of = torch.full((self.num_rows,), -1, dtype=torch.int32)
         self.row_of = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.dirty = torch.zeros(self.capacity, dtype=torch.bool)
         self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.uses = torch.zeros(self.capacity, dtype=torch.int64)
         self.tick = 0
-        row_bytes = sum(max(b.width, 1) * b.tensor.element_size() for b in backings.values())
-        self.stats = CacheStats([t[0] for t in tables], [t[1] for t in tables], row_bytes, first.tier)
+        self.lfu_decay_rows = lfu_decay_rows or self.capacity
+        self._looked_up = 0  # rows looked up since the last halving of the LFU counts
+        self._uniques: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=4)  # see _unique
+        self.stats = CacheStats(
+            [t[0] for t in tables], [t[1] for t in tables], self.layout.record_bytes, backing.tier
+        )
 
     # ---- bringing rows in ------------------------------------------------------------------------
-    def prefetch(self, rows: torch.Tensor, lookup: bool = False) -> None:
-        """Make `rows` (may repeat) resident, evicting others; lookup=True counts them as looked up."""
-        unique = torch.unique(rows)
+    def prefetch(self, rows: torch.Tensor, lookup: bool = False, ahead: bool = False) -> None:
+        """Make `rows` (may repeat) resident, evicting others; lookup=True counts them as looked up.
+        ahead=True: they are a coming batch's; only start reading those not here (see the module doc)."""
+        unique = self._unique(rows)
         if lookup:
-            self.stats.add("lookups", unique)
-        self._ensure(unique, count_unfit=lookup)
+            self.stats.add("lookups", unique, ascending=True)
+        if ahead:
+            if self.io.background:
+                self._stage(unique)
+            return
+        self._ensure(unique, count_unfit=True)
+
+    def _unique(self, rows: torch.Tensor) -> torch.Tensor:
+        """torch.unique(rows), once per tensor: a batch's prefetch and its lookup pass the same one."""
+        for seen, unique in self._uniques:
+            if seen is rows:
+                return unique
+        unique = torch.unique(rows)
+        self._uniques.append((rows, unique))
+        return unique
+
+    def _stage(self, rows: torch.Tensor) -> None:
+        missing = rows[self.slot_of.index_select(0, rows) < 0]
+        for coming in self.io.staged():  # already on their way for an earlier batch
+            missing = missing[~find_sorted(coming, missing)[1]]
+        missing = missing[: self.capacity]
+        if missing.numel():
+            self.io.stage(missing)
 
     def _ensure(self, rows: torch.Tensor, count_unfit: bool = False) -> None:
         """Bring unique `rows` in (as many as fit next to those of them already resident); the rest
@@ -76,17 +117,29 @@ class RowCache:
         hit = slots >= 0
         resident = slots[hit]
         self.tick += 1
+        self._decay(rows.numel())
         self.last_used.index_fill_(0, resident, self.tick)
         self.uses.index_add_(0, resident, torch.ones_like(resident))
         missing = rows[~hit]
         room = self.capacity - resident.numel()
         if count_unfit and missing.numel() > room:
-            self.stats.add("misses", missing[room:])
+            self.stats.add("misses", missing[room:], ascending=True)
         missing = missing[:room]  # beyond the cache: read/written in the backing store directly
         if missing.numel():
             victims = self._victims(missing.numel(), resident)
-            self._evict(victims)
+            self._evict(victims)  # updated victims' records are copied out before their slots are reused
+            self.io.fetch_into(missing, self.records, victims)
             self._load(missing, victims)
+        self.io.consumed(rows)
+
+    def _decay(self, num_rows: int) -> None:
+        """LFU: halve every count once lfu_decay_rows rows have been looked up since the last time."""
+        if self.policy != "lfu":
+            return
+        self._looked_up += num_rows
+        if self._looked_up >= self.lfu_decay_rows:
+            self.uses.bitwise_right_shift_(1)
+            self._looked_up = 0
 
     def _victims(self, k: int, pinned: torch.Tensor) -> torch.Tensor:
         """k slots to reuse: free ones first, then by policy; never a slot in `pinned`."""
@@ -111,22 +164,20 @@ class RowCache:
         self.stats.add("evictions", rows)
 
     def _write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        order = torch.argsort(rows)  # ascending rows: the backing store sees near-sequential writes
+        order = torch.argsort(rows)  # ascending rows: runs of neighbours go out in one write
         slots, rows = slots[order], rows[order]
-        for name, backing in self.backings.items():
-            backing.write(rows, self.buffers[name].index_select(0, slots))
+        self.io.write(rows, _words(self.records).index_select(0, slots).view(torch.uint8))
         self.dirty.index_fill_(0, slots, False)
-        self.stats.add("writebacks", rows)
+        self.stats.add("writebacks", rows, ascending=True)
 
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        for name, backing in self.backings.items():
-            self.buffers[name].index_copy_(0, slots, backing.read(rows))
+        """Bookkeeping of `rows` (sorted), whose records are now in `slots`."""
         self.slot_of.index_copy_(0, rows, slots.to(torch.int32))
         self.row_of.index_copy_(0, slots, rows)
         self.dirty.index_fill_(0, slots, False)
         self.last_used.index_fill_(0, slots, self.tick)
         self.uses.index_fill_(0, slots, 1)
-        self.stats.add("misses", rows)
+        self.stats.add("misses", rows, ascending=True)
 
     # ---- reads and writes of one tensor ------------------------------------------------------------
     def read(self, name: str, rows: torch.Tensor) -> torch.Tensor:
@@ -145,8 +196,8 @@ class RowCache:
         buffer = self.buffers[name]
         out = buffer.new_empty((rows.numel(), *buffer.shape[1:]))
         out[cached] = buffer.index_select(0, slots[cached])
-        direct = rows[~cached]
-        out[~cached] = self.backings[name].read(direct)
+        direct, inverse = torch.unique(rows[~cached], return_inverse=True)
+        out[~cached] = self.layout.view(self.io.read(direct), name).index_select(0, inverse)
         return out
 
     def write(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
@@ -159,25 +210,39 @@ class RowCache:
             return
         self.buffers[name].index_copy_(0, slots[cached], values[cached])
         self.dirty.index_fill_(0, slots[cached], True)
-        self.backings[name].write(rows[~cached], values[~cached])
-        if name == next(iter(self.backings)):
-            self.stats.add("write_through", rows[~cached])
+        direct, order = torch.sort(rows[~cached])
+        records = self.io.read(direct)  # the row's other fields are kept
+        self.layout.view(records, name).copy_(values[~cached].index_select(0, order))
+        self.io.write(direct, records)
+        if name == next(iter(self.layout.fields)):
+            self.stats.add("write_through", direct, ascending=True)
 
     # ---- whole ranges: checkpoints -----------------------------------------------------------------
     def flush(self) -> None:
-        """Write every updated resident row back (they stay cached, now clean)."""
+        """Write every updated resident row back (they stay cached, now clean), and wait for it."""
         slots = self.dirty.nonzero().flatten()
         if slots.numel():
             self._write_back(slots, self.row_of.index_select(0, slots))
+        self.io.drain()
 
     def read_range(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Field `name` of rows [start, end), a copy (checkpoints read in windows)."""
         self.flush()
-        return self.backings[name].read_range(start, end)
+        return self.backing.read_range(name, start, end)
+
+    def view_range(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Field `name` of rows [start, end) without reading it where the tier allows (a view of the
+        file; state_dict), else a copy."""
+        self.flush()
+        if hasattr(self.backing, "view_range"):
+            return self.backing.view_range(name, start, end)
+        return self.backing.read_range(name, start, end)
 
     def write_range(self, name: str, start: int, end: int, values: torch.Tensor) -> None:
         """Overwrite rows [start, end) in the backing store; cached copies of them are dropped
-        (after a flush, so the other tensors of those rows lose nothing)."""
+        (after a flush, so the other fields of those rows lose nothing)."""
         self.flush()
+        self.io.drain(drop_stages=True)  # rows read ahead may be among those overwritten
         rows = torch.arange(start, end)
         slots = self.slot_of.index_select(0, rows).long()
         resident = slots >= 0
@@ -186,10 +251,20 @@ class RowCache:
         self.row_of.index_fill_(0, slots, -1)
         self.last_used.index_fill_(0, slots, -1)
         self.uses.index_fill_(0, slots, 0)
-        self.backings[name].write_range(start, end, values)
+        self.backing.write_range(name, start, end, values)
 
     def resident_rows(self) -> int:
         return int((self.row_of >= 0).sum())
+
+    def close(self) -> None:
+        """Write everything back and stop the worker thread (the backing store stays usable)."""
+        self.flush()
+        self.io.close()
+
+
+def _words(records: torch.Tensor) -> torch.Tensor:
+    """Records as int64 words: torch copies whole rows of those several times faster than bytes."""
+    return records.view(torch.int64)
 
 
 class CachedStorage:
@@ -197,8 +272,8 @@ class CachedStorage:
 
     def __init__(self, cache: RowCache, name: str) -> None:
         self.cache, self.name = cache, name
-        backing = cache.backings[name]
-        self.num_rows, self.width, self.dtype = backing.num_rows, backing.width, backing.dtype
+        field = cache.layout.fields[name]
+        self.num_rows, self.width, self.dtype = cache.num_rows, field.width, field.dtype
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         return self.cache.read(self.name, rows)
@@ -206,11 +281,14 @@ class CachedStorage:
     def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         self.cache.write(self.name, rows, values)
 
-    def prefetch(self, rows: torch.Tensor, lookup: bool = False) -> None:
-        self.cache.prefetch(rows, lookup)
+    def prefetch(self, rows: torch.Tensor, lookup: bool = False, ahead: bool = False) -> None:
+        self.cache.prefetch(rows, lookup, ahead)
 
     def read_range(self, start: int, end: int) -> torch.Tensor:
         return self.cache.read_range(self.name, start, end)
+
+    def view_range(self, start: int, end: int) -> torch.Tensor:
+        return self.cache.view_range(self.name, start, end)
 
     def write_range(self, start: int, end: int, values: torch.Tensor) -> None:
         self.cache.write_range(self.name, start, end, values)

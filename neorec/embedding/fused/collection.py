@@ -136,7 +136,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
             )
 
         self._cached = any(hasattr(w, "prefetch") for w in self.weights)
-        self._prefetched: deque[int] = deque(maxlen=8)  # ids of prefetched batches not yet looked up
+        # prefetched batches not yet looked up, with their prepared rows (the forward reuses them)
+        self._prefetched: deque[tuple[SparseBatch, list[GroupBatch]]] = deque(maxlen=8)
 
     # ---- initial values -----------------------------------------------------------------------
     def _weight_init(self, g: TableGroup) -> RowInit:
@@ -171,14 +172,20 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         """[B, output_dim] fp32 pooled vectors in feature_names order; trains the rows on backward."""
         if not self.layout.groups or sparse.batch_size == 0:  # e.g. a rank that holds no shard
             return torch.zeros(sparse.batch_size, self.output_dim, device=sparse.values.device)
-        batches = self._prepare(sparse)
+        batches = None
         if self._cached:  # bring the whole batch in at once (one eviction round), then read it
-            counted = id(sparse) in self._prefetched  # its prefetch counted its rows for the hit rate
-            if counted:
-                self._prefetched.remove(id(sparse))
+            for i, (ahead, prepared) in enumerate(self._prefetched):
+                if ahead is sparse:  # its prefetch prepared it and counted its rows for the hit rate
+                    batches = prepared
+                    del self._prefetched[i]
+                    break
+            counted = batches is not None
+            batches = batches or self._prepare(sparse)
             for storage, gb in zip(self.weights, batches, strict=True):
                 if hasattr(storage, "prefetch"):
                     storage.prefetch(gb.rows, lookup=not counted)
+        else:
+            batches = self._prepare(sparse)
         anchor = torch.empty(0, device=sparse.values.device, requires_grad=True)
         return FusedLookup.apply(anchor, self, batches)
 
@@ -187,10 +194,11 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         (the training pipeline calls this for batch i+1 before batch i runs). No-op without caches."""
         if sparse.batch_size == 0 or not self._cached:
             return
-        self._prefetched.append(id(sparse))
-        for storage, gb in zip(self.weights, self._prepare(sparse), strict=True):
-            if hasattr(storage, "prefetch"):
-                storage.prefetch(gb.rows, lookup=True)
+        batches = self._prepare(sparse)
+        self._prefetched.append((sparse, batches))
+        for storage, gb in zip(self.weights, batches, strict=True):
+            if hasattr(storage, "prefetch"):  # ahead: a cache may only start reading them now
+                storage.prefetch(gb.rows, lookup=True, ahead=True)
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
         """Per cached table: hit rate, rows and bytes moved from/to its backing tier, evictions."""
@@ -387,7 +395,9 @@ def _read_range(storage: RowStorage, start: int, end: int, copy: bool) -> torch.
     if isinstance(storage, TensorStorage):
         rows = storage.tensor[start:end]
         return rows.clone() if copy and end - start != storage.num_rows else rows
-    if hasattr(storage, "read_range"):  # e.g. a cached table: streamed from its backing store
+    if hasattr(storage, "view_range"):  # a cached table: a view of its file where it has one
+        return storage.view_range(start, end)
+    if hasattr(storage, "read_range"):
         return storage.read_range(start, end)
     return storage.read(torch.arange(start, end))
 

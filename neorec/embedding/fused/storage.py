@@ -12,10 +12,13 @@ all storages of a group in one call (neorec/embedding/cache does, so that a row'
 are cached and evicted together).
 
 Optional methods the engine uses when a storage has them:
-- `prefetch(rows, lookup=False)`: bring rows into a cache before a step reads them (`lookup=True`
-  when the engine is about to look them up, which counts them for the hit rate);
+- `prefetch(rows, lookup=False, ahead=False)`: bring rows into a cache before a step reads them
+  (`lookup=True` counts them as looked up, for the hit rate; `ahead=True`: they belong to a coming
+  batch, so a cache may only start reading them and bring them in when that batch is looked up);
 - `read_range(start, end)` / `write_range(start, end, values)`: checkpoints, without going through a
-  cache (read_range may return a view of a file, so saving streams the rows rather than copying them).
+  cache; read_range returns a copy, so callers read large tables in windows;
+- `view_range(start, end)`: rows [start, end) without reading them where the storage can (a view of
+  a file, for state_dict), else a copy.
 """
 
 from __future__ import annotations
