@@ -99,6 +99,7 @@ def load_checkpoint(
                     rows = (slot.rows[0] + a, slot.rows[0] + b)
                     values = reader.read(slot.table, state, rows, slot.cols, per_row=storage.width == 0)
                     write_storage(storage, start + a, start + b, values)
+                    del values  # before the next window is read: one window in memory, not two
             n = int(steps.get(slot.table, 0))
             engine_steps[id(slot.engine)] = max(engine_steps.get(id(slot.engine), 0), n)
             slot.engine.num_updates = engine_steps[id(slot.engine)]

@@ -144,6 +144,8 @@ class PieceReader:
                 )
             f, path = self._file(p["file"])
             part = read_rows(f, path, p["offset"], p["shape"], DTYPES[p["dtype"]], (a - pr0, b - pr0))
+            if (a, b, pc0, pc1) == (r0, r1, c0, c1):  # the piece holds exactly what is asked: no copy
+                return part.float() if per_row else part
             if out is None:
                 shape = (r1 - r0,) if per_row else (r1 - r0, c1 - c0)
                 out = torch.zeros(shape, dtype=torch.float32 if per_row else part.dtype)

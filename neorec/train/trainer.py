@@ -16,6 +16,7 @@ from torch import nn
 from neorec.checkpoint import load_checkpoint
 from neorec.checkpoint.files import CheckpointError
 from neorec.checkpoint.periodic import PeriodicCheckpoints
+from neorec.checkpoint.stream import save_model_state
 from neorec.config.load import dump_config
 from neorec.config.schema import RunConfig
 from neorec.data.prefetch import prefetch
@@ -340,7 +341,7 @@ class Trainer:
         if not self.is_main:
             return
         if state is not None:
-            torch.save(state, self.out_dir / "model.pt")
+            save_model_state(state, self.out_dir / "model.pt", self.model)  # cached tables: streamed
         summary = {
             "steps": result.steps,
             "samples": result.samples,

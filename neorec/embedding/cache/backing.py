@@ -34,7 +34,7 @@ import torch
 from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.fused.storage import RowInit
 
-_WINDOW_BYTES = 64 << 20  # records per piece of a range read/write or of creating a file
+_WINDOW_BYTES = 16 << 20  # records per piece of a range read/write or of creating a file
 _RUNS_PER_TASK = 256  # runs of rows one I/O thread handles at a time
 _IO_THREADS = 16
 

@@ -320,6 +320,18 @@ class FusedEmbeddingCollection(EmbeddingCollection):
             out[t.name] = _read_range(self.weights[gi], start, end, copy=False)
         return out
 
+    def range_sources(self, prefix: str = "") -> dict[str, tuple[RowStorage, int, int]]:
+        """state_dict keys whose rows a storage reads in ranges rather than holding them (cached
+        tables): key -> (storage, start, end). Writers of large states read these in windows
+        (neorec/checkpoint/stream.py) instead of through the state_dict's views."""
+        out: dict[str, tuple[RowStorage, int, int]] = {}
+        for t in self.tables:
+            gi, start, end = self._table_range(t.name)
+            for name, s in [("weight", self.weights[gi]), *self.states[gi].items()]:
+                if not isinstance(s, TensorStorage) and hasattr(s, "read_range"):
+                    out[f"{prefix}tables.{t.name}.{name}"] = (s, start, end)
+        return out
+
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for t in self.tables:
