@@ -278,7 +278,7 @@ table = TableConfig(name="big", rows=1_000_000, dim=32, features=["big"])
 opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.1)
 
 def ssd_engine(name):
-    settings = CacheSettings(fraction=0.01, directory=root / name)
+    settings = CacheSettings(fraction=0.01, directory=root / name, release_mib=8)
     factory = cached_storage_factory({"big": "ssd"}, settings)
     return FusedEmbeddingCollection([table], opt, group_storage_factory=factory)
 
@@ -358,6 +358,9 @@ def test_trainer_with_ssd_tables_logs_cache_stats_and_matches_memory(tmp_path) -
     a = Trainer(load_config("default", TINY), tmp_path / "a").fit()
     b = Trainer(load_config("default", TINY + ssd + ["embedding.cache.fraction=0.5"]), tmp_path / "b").fit()
     assert a.losses == b.losses
+    saved_a, saved_b = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in "ab")
+    assert saved_a.keys() == saved_b.keys()
+    assert all(torch.equal(saved_a[k], saved_b[k]) for k in saved_a)  # model.pt of ssd tables too
     records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     cache = [r for r in records if r["split"] == "cache"]
     assert cache and 0 <= cache[-1]["hit_rate"] <= 1 and cache[-1]["evictions"] > 0

@@ -27,6 +27,7 @@ from torch import nn
 from neorec.embedding.fused.storage import RowStorage
 
 WINDOW_BYTES = 64 << 20
+_STREAM_MIN_BYTES = 1 << 20  # smaller entries are copied as they are
 
 
 def save_model_state(state: dict, path: str | Path, model: nn.Module) -> None:
@@ -39,8 +40,11 @@ def save_model_state(state: dict, path: str | Path, model: nn.Module) -> None:
     if not sources:
         torch.save(state, path)
         return
-    placeholders = {k: torch.empty(state[k].shape, dtype=state[k].dtype) for k in sources}
-    by_address = {(p.data_ptr(), p.nbytes): k for k, p in placeholders.items() if p.nbytes}
+    # small entries are simply read (a copy of exactly the table's rows); large ones are streamed
+    small = {k for k in sources if state[k].numel() * state[k].element_size() < _STREAM_MIN_BYTES}
+    copies = {k: sources[k][0].read_range(sources[k][1], sources[k][2]) for k in small}
+    placeholders = {k: torch.empty(state[k].shape, dtype=state[k].dtype) for k in sources if k not in small}
+    by_address = {(p.data_ptr(), p.nbytes): k for k, p in placeholders.items()}
     from torch.utils.serialization import config
 
     compute_crc32 = config.save.compute_crc32
@@ -48,7 +52,7 @@ def save_model_state(state: dict, path: str | Path, model: nn.Module) -> None:
     try:
         with open(path, "wb") as f:
             writer = _SwappingWriter(f, by_address, {k: sources[k] for k in by_address.values()})
-            torch.save({k: placeholders.get(k, v) for k, v in state.items()}, writer)
+            torch.save({k: placeholders.get(k, copies.get(k, v)) for k, v in state.items()}, writer)
     finally:
         config.save.compute_crc32 = compute_crc32
     unseen = sorted(set(by_address.values()) - writer.streamed)
@@ -74,7 +78,7 @@ class _SwappingWriter(io.RawIOBase):
     def write(self, data) -> int:
         view = memoryview(data)
         key = None
-        if view.nbytes >= 4096:
+        if view.nbytes >= _STREAM_MIN_BYTES:
             key = self.by_address.get((np.frombuffer(view, dtype=np.uint8).ctypes.data, view.nbytes))
         if key is None:
             return self.f.write(view)

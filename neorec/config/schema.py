@@ -146,7 +146,7 @@ class CacheConfig(Strict):
     )
     directory: str | None = Field(None, description="folder for the files of ssd tables (created afresh)")
     release_mib: float = Field(
-        256.0, gt=0, description="ignored (ssd files are read with pread/pwrite, not mapped); kept so configs load"
+        256.0, gt=0, description="ssd: drop the pages written through the file's map after this many MiB (4 KiB a row)"
     )
 
     @model_validator(mode="after")

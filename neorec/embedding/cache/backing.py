@@ -10,19 +10,29 @@ misses, its evicted rows); `read_range(name, start, end)` / `write_range(name, s
 for one field of a range of rows (checkpoints), and `view_range` where a field can be seen without
 reading it (state_dict of a file-backed table).
 
-How the file is read and written (measured in benchmarks/RESULTS.md, "SSD backing: reading rows"):
-positioned reads and writes (os.pread / os.pwrite), one per run of consecutive rows, spread over
-I/O threads, rather than a memory map. On this machine a row from the page cache costs about 1 us
-either way, but a map's page faults also map their neighbours (about 40 KiB per random row read, all
-counted in resident memory), so a map had to be dropped every few thousand rows to keep RSS within a
-budget and every fault came back. With pread/pwrite nothing of the file is ever resident in the
-process: memory is the cache, the rows in flight and nothing else, so there is no release logic to
-tune; the kernel's page cache keeps recently used pages (clean, reclaimable, not in RSS). Reads of
-rows not in the page cache block on the disk, so several are in flight at once (I/O threads).
+How the file is read and written (measured in benchmarks/RESULTS.md, "SSD backing"):
+- reads: positioned reads (os.pread), one per run of consecutive rows, several I/O threads when there
+  are many (a read the page cache cannot serve blocks its thread on the disk). A memory map would
+  cost about the same per row from the page cache, but its read faults also map their neighbours
+  (about 40 KiB per random row, all counted in resident memory), which would have to be dropped
+  every few thousand rows to stay within a memory budget;
+- writes: stores into a shared memory map of the file (one vectorised index_copy_, no Python per
+  row and no GIL held); per-row pwrite calls cost several times more CPU here (Python per call, the
+  GIL shared with the training thread). Written pages count in resident memory, so the map's pages
+  are dropped (madvise MADV_DONTNEED; they stay dirty in the page cache, nothing is lost) whenever
+  the process's resident file pages (/proc/self/statm) have grown by `release_bytes` since the last
+  drop (measured rather than estimated: a write fault maps its own page, 4 KiB, or a larger folio
+  where the page cache holds one, about 6 KiB per random row written here). The kernel's read-ahead
+  is left on: scattered rows gain nothing from it at first, but it warms the page cache for later
+  misses, and measured faster here than POSIX_FADV_RANDOM on a cold file;
+- nothing else of the file is ever resident: memory is the cache, the rows in flight and at most
+  about `release_bytes` of written pages. The kernel's page cache keeps recently used pages (clean or
+  dirty, reclaimable, not in the process's RSS).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +47,7 @@ from neorec.embedding.fused.storage import RowInit
 _WINDOW_BYTES = 16 << 20  # records per piece of a range read/write or of creating a file
 _RUNS_PER_TASK = 256  # runs of rows one I/O thread handles at a time
 _IO_THREADS = 16
+_FOLIO_BYTES = 64 << 10  # what a row written through the map may make resident, at most, in practice
 
 
 class DramBacking:
@@ -81,29 +92,48 @@ class DramBacking:
 
 
 class SsdBacking:
-    """All records in one file, read and written with pread/pwrite (see the module doc)."""
+    """All records in one file: read with pread, written through a map (see the module doc)."""
 
     tier = "ssd"
 
-    def __init__(self, path: str | Path, layout: RecordLayout, num_rows: int) -> None:
+    def __init__(
+        self, path: str | Path, layout: RecordLayout, num_rows: int, release_bytes: int = 256 << 20
+    ) -> None:
         self.path, self.layout, self.num_rows = Path(path), layout, num_rows
         expected = num_rows * layout.record_bytes
         if not self.path.exists() or self.path.stat().st_size != expected:
             raise FileNotFoundError(f"{self.path}: expected a table file of {expected} bytes")
         self.fd = os.open(self.path, os.O_RDWR)
+        self._map = np.memmap(
+            self.path, dtype=np.int64, mode="r+", shape=(num_rows, layout.record_bytes // 8)
+        )
+        self._words = torch.from_numpy(self._map)  # records as int64 words, the map's memory
+        self.release_bytes = release_bytes
+        self.piece_rows = max(1, release_bytes // _FOLIO_BYTES)  # rows written between two checks
+        self._baseline = _resident_file_bytes()
 
     # ---- rows of a batch ---------------------------------------------------------------------------
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Records of `rows` (sorted, unique): one pread per run of consecutive rows."""
         out = self.layout.empty(rows.numel())
         if rows.numel():
-            _transfer(self.fd, _runs(rows, self.layout.record_bytes), out, write=False)
+            _read_runs(self.fd, _runs(rows, self.layout.record_bytes), out)
         return out
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
-        """Write `records` of `rows` (sorted, unique): one pwrite per run of consecutive rows."""
-        if rows.numel():
-            _transfer(self.fd, _runs(rows, self.layout.record_bytes), records.contiguous(), write=True)
+        """Write `records` of `rows` (sorted, unique) through the map, in pieces; after each, drop the
+        map's pages if resident memory has grown by release_bytes (see the module doc)."""
+        words = _words(records.contiguous())
+        for a in range(0, rows.numel(), self.piece_rows):
+            b = min(a + self.piece_rows, rows.numel())
+            self._words.index_copy_(0, rows[a:b], words[a:b])
+            if _resident_file_bytes() - self._baseline >= self.release_bytes:
+                self.release()
+
+    def release(self) -> None:
+        """Drop the map's resident pages (they stay dirty in the page cache until the kernel writes them)."""
+        self._map._mmap.madvise(mmap.MADV_DONTNEED)
+        self._baseline = _resident_file_bytes()
 
     # ---- ranges: checkpoints -----------------------------------------------------------------------
     def read_range(self, name: str, start: int, end: int) -> torch.Tensor:
@@ -146,6 +176,7 @@ class SsdBacking:
 
     def flush(self) -> None:
         """Make written rows durable (the end of a run; checkpoints copy them elsewhere anyway)."""
+        self._map.flush()
         os.fsync(self.fd)
 
     def close(self) -> None:
@@ -186,25 +217,16 @@ def _runs(rows: torch.Tensor, record_bytes: int) -> tuple[list[int], list[int], 
     )
 
 
-def _transfer(
-    fd: int, runs: tuple[list[int], list[int], list[int]], buffer: torch.Tensor, write: bool
-) -> None:
-    """Move every run between the file and `buffer`; several I/O threads when there are many runs
-    (a read that misses the page cache blocks its thread on the disk)."""
+def _read_runs(fd: int, runs: tuple[list[int], list[int], list[int]], buffer: torch.Tensor) -> None:
+    """Read every run into `buffer`; several I/O threads when there are many runs (a read that
+    misses the page cache blocks its thread on the disk)."""
     file_offsets, offsets, sizes = runs
     view = memoryview(buffer.numpy()).cast("B")
 
     def work(lo: int, hi: int) -> None:
-        if write:
-            for i in range(lo, hi):
-                at, size = offsets[i], sizes[i]
-                done = os.pwrite(fd, view[at : at + size], file_offsets[i])
-                if done != size:  # an interrupted call; finish it
-                    _finish(fd, view[at + done : at + size], file_offsets[i] + done, write=True)
-            return
         # runs lo..hi fill one contiguous part of the buffer: read each into bytes, copy them once
         data = b"".join(
-            [os.pread(fd, size, where) for size, where in zip(sizes[lo:hi], file_offsets[lo:hi], strict=True)]
+            [os.pread(fd, n, where) for n, where in zip(sizes[lo:hi], file_offsets[lo:hi], strict=True)]
         )
         at, end = offsets[lo], offsets[hi - 1] + sizes[hi - 1]
         if len(data) == end - at:
@@ -244,6 +266,12 @@ def _write_all(fd: int, records: torch.Tensor, offset: int) -> None:
 def _windows(num_rows: int, record_bytes: int) -> list[tuple[int, int]]:
     step = max(1, _WINDOW_BYTES // record_bytes)
     return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
+
+
+def _resident_file_bytes() -> int:
+    """Resident pages of file (and shared) mappings of this process, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[2]) * mmap.PAGESIZE
 
 
 def _words(records: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ records.py): for ssd, one file `<first table>.rows.bin` per group.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from neorec.embedding.fused.storage import GroupStorageFactory, RowStorage, Stor
 from neorec.errors import ConfigError
 
 TIERS = ("memory", "dram", "ssd")
-_OLD_RELEASE_MIB = 256.0  # the default of the setting when it meant something
 
 
 @dataclass
@@ -39,7 +37,7 @@ class CacheSettings:
     fraction: float | None = 0.2  # share of each cached group's rows kept in the cache
     size_mib: float | None = None  # or: MiB of cache (rows + optimizer state) shared by all groups
     directory: str | Path | None = None  # where ssd tables' files go
-    release_mib: float | None = None  # ignored (ssd files are no longer memory-mapped); kept so configs load
+    release_mib: float = 256.0  # ssd: drop the pages written through the file's map after this many MiB
 
 
 def cached_storage_factory(
@@ -54,12 +52,6 @@ def cached_storage_factory(
             raise ConfigError(f"embedding.tables.{name}.tier must be one of {TIERS}, got {tier!r}")
     if "ssd" in tiers.values() and settings.directory is None:
         raise ConfigError("tables with tier ssd need embedding.cache.directory (a folder for their files)")
-    if settings.release_mib not in (None, _OLD_RELEASE_MIB):
-        warnings.warn(
-            "embedding.cache.release_mib is ignored: ssd tables are read and written with pread/pwrite, "
-            "so nothing of their files stays resident; remove the setting",
-            stacklevel=2,
-        )
 
     def build(
         tables: list[tuple[str, int, int]], specs: dict[str, StorageSpec], device: torch.device
@@ -101,7 +93,7 @@ def _backing(tier: str, table: str, specs: dict[str, StorageSpec], settings: Cac
     assert settings.directory is not None  # checked when the factory was made
     path = Path(settings.directory) / f"{table}.rows.bin"
     create_ssd_file(path, layout, num_rows, inits)
-    return SsdBacking(path, layout, num_rows)
+    return SsdBacking(path, layout, num_rows, int(settings.release_mib * 2**20))
 
 
 def _capacity(

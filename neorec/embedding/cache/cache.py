@@ -224,6 +224,8 @@ class RowCache:
         if slots.numel():
             self._write_back(slots, self.row_of.index_select(0, slots))
         self.io.drain()
+        if hasattr(self.backing, "release"):  # what the write-backs mapped: not needed any more
+            self.backing.release()
 
     def read_range(self, name: str, start: int, end: int) -> torch.Tensor:
         """Field `name` of rows [start, end), a copy (checkpoints read in windows)."""
