@@ -76,6 +76,8 @@ class RowCache:
         self.lfu_decay_rows = lfu_decay_rows or self.capacity
         self._looked_up = 0  # rows looked up since the last halving of the LFU counts
         self._uniques: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=4)  # see _unique
+        self._moves = 0  # changes of slot_of so far (see _slots)
+        self._slot_memo: tuple[torch.Tensor, torch.Tensor, bool, int] | None = None
         self.stats = CacheStats(
             [t[0] for t in tables], [t[1] for t in tables], self.layout.record_bytes, backing.tier
         )
@@ -119,7 +121,8 @@ class RowCache:
         self.tick += 1
         self._decay(rows.numel())
         self.last_used.index_fill_(0, resident, self.tick)
-        self.uses.index_add_(0, resident, torch.ones_like(resident))
+        if self.policy == "lfu":
+            self.uses.index_add_(0, resident, torch.ones_like(resident))
         missing = rows[~hit]
         room = self.capacity - resident.numel()
         if count_unfit and missing.numel() > room:
@@ -161,6 +164,7 @@ class RowCache:
             self._write_back(slots[dirty], rows[dirty])
         self.slot_of.index_fill_(0, rows, -1)
         self.row_of.index_fill_(0, slots, -1)
+        self._moves += 1
         self.stats.add("evictions", rows)
 
     def _write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -172,6 +176,7 @@ class RowCache:
 
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Bookkeeping of `rows` (sorted), whose records are now in `slots`."""
+        self._moves += 1
         self.slot_of.index_copy_(0, rows, slots.to(torch.int32))
         self.row_of.index_copy_(0, slots, rows)
         self.dirty.index_fill_(0, slots, False)
@@ -180,14 +185,24 @@ class RowCache:
         self.stats.add("misses", rows, ascending=True)
 
     # ---- reads and writes of one tensor ------------------------------------------------------------
+    def _slots(self, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(slot_of[rows], whether all are cached), remembered for the last `rows` tensor until rows
+        move: an update reads and then writes the same rows for every tensor of the group."""
+        memo = self._slot_memo
+        if memo is not None and memo[0] is rows and memo[3] == self._moves:
+            return memo[1], memo[2]
+        slots = self.slot_of.index_select(0, rows).long()
+        all_cached = bool((slots >= 0).all())
+        self._slot_memo = (rows, slots, all_cached, self._moves)
+        return slots, all_cached
+
     def read(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        slots = self.slot_of.index_select(0, rows)
-        if bool((slots < 0).any()):  # not prefetched: bring them in now, in one eviction round
+        slots, all_cached = self._slots(rows)
+        if not all_cached:  # not prefetched: bring them in now, in one eviction round
             self._ensure(torch.unique(rows))
-            slots = self.slot_of.index_select(0, rows)
-            cached = slots >= 0
-            if not bool(cached.all()):  # more unique rows than the cache holds
-                return self._read_split(name, rows, slots.long(), cached)
+            slots, all_cached = self._slots(rows)
+            if not all_cached:  # more unique rows than the cache holds
+                return self._read_split(name, rows, slots, slots >= 0)
         return self.buffers[name].index_select(0, slots)
 
     def _read_split(
@@ -202,12 +217,12 @@ class RowCache:
 
     def write(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Overwrite unique `rows`; cached ones are marked dirty, the others go straight through."""
-        slots = self.slot_of.index_select(0, rows).long()
-        cached = slots >= 0
-        if bool(cached.all()):
+        slots, all_cached = self._slots(rows)
+        if all_cached:
             self.buffers[name].index_copy_(0, slots, values)
             self.dirty.index_fill_(0, slots, True)
             return
+        cached = slots >= 0
         self.buffers[name].index_copy_(0, slots[cached], values[cached])
         self.dirty.index_fill_(0, slots[cached], True)
         direct, order = torch.sort(rows[~cached])
@@ -251,6 +266,7 @@ class RowCache:
         slots = slots[resident]
         self.slot_of.index_fill_(0, rows[resident], -1)
         self.row_of.index_fill_(0, slots, -1)
+        self._moves += 1
         self.last_used.index_fill_(0, slots, -1)
         self.uses.index_fill_(0, slots, 0)
         self.backing.write_range(name, start, end, values)
