@@ -140,11 +140,11 @@ def sweep(args) -> None:
         f"26 tables x {args.rows:,} rows x dim {args.dim}, {args.optimizer} ({table_bytes / 2**30:.2f} GiB of rows "
         f"and state), batch {args.batch_size}, {args.steps} timed steps after {args.warmup}, {args.policy}, best of "
         f"{args.repeats} interleaved repeats; "
-        "each step prefetches the next batch's rows first. Files in "
+        "each step first prefetches the next batch's rows (ssd: their reads start on a worker thread). Files in "
         f"{args.dir}, dropped from the page cache once written: a miss is a random read from the disk "
         "until the page cache holds the page again. "
-        f"Hit rate = 1 - rows brought in / unique rows looked up (below 0: the cache cannot hold two "
-        f"batches, so rows prefetched for the next step are evicted and brought in again). Plot: "
+        "Hit rate = 1 - rows brought in / unique rows looked up (below 0: a batch's unique rows do not fit "
+        "in the cache, so some are brought in more than once within the step). Plot: "
         f"benchmarks/{args.plot}. {args.note}"
     )
     append_results(
