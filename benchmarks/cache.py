@@ -73,15 +73,16 @@ def train(cfg, batches: list, warmup: int, out_dir: Path) -> dict:
 
     steps(batches[:warmup])
     before = summarize(emb.cache_stats())
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     steps(batches[warmup:])
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = summarize(emb.cache_stats())
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if k != "hit_rate"}
     hit = 1 - delta["misses"] / delta["lookups"] if delta.get("lookups") else float("nan")
     samples = sum(len(b) for b in batches[warmup:])
     return {
         "samples_per_s": samples / seconds,
+        "cpu_ms_per_step": 1e3 * cpu / max(len(batches) - warmup, 1),  # all threads of the process
         "hit_rate": hit,
         "mib_from_tier_per_step": sum(v for k, v in delta.items() if k.startswith("mib_from_"))
         / max(len(batches) - warmup, 1),
@@ -124,11 +125,19 @@ def sweep(args) -> None:
             case = "all in RAM" if fraction is None else f"{args.tier} + {fraction:.0%} cached"
             results.append({"zipf": zipf, "case": case, "fraction": fraction, **r})
             print(json.dumps(results[-1]), flush=True)
-    header = ["Zipf", "tables", "samples/s", "vs all in RAM", "hit rate", "MiB from tier / step"]
+    header = [
+        "Zipf",
+        "tables",
+        "samples/s",
+        "vs all in RAM",
+        "hit rate",
+        "MiB from tier / step",
+        "CPU ms / step",
+    ]
     rows = [
         [str(r["zipf"]), r["case"], r["samples_per_s"], f"{r.get('vs_ram', 1.0):.2f}x",
          "-" if r["fraction"] is None else f"{r['hit_rate']:.3f}",
-         "-" if r["fraction"] is None else f"{r['mib_from_tier_per_step']:.2f}"]
+         "-" if r["fraction"] is None else f"{r['mib_from_tier_per_step']:.2f}", f"{r['cpu_ms_per_step']:.0f}"]
         for r in results
     ]  # fmt: skip
     if args.no_append:
@@ -144,7 +153,8 @@ def sweep(args) -> None:
         f"{args.dir}, dropped from the page cache once written: a miss is a random read from the disk "
         "until the page cache holds the page again. "
         "Hit rate = 1 - rows brought in / unique rows looked up (below 0: a batch's unique rows do not fit "
-        "in the cache, so some are brought in more than once within the step). Plot: "
+        "in the cache, so some are brought in more than once within the step). CPU ms / step: CPU time of "
+        "all the process's threads per timed step (less sensitive than samples/s to other jobs on the machine). Plot: "
         f"benchmarks/{args.plot}. {args.note}"
     )
     append_results(
