@@ -35,6 +35,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -104,6 +105,7 @@ class SsdBacking:
         if not self.path.exists() or self.path.stat().st_size != expected:
             raise FileNotFoundError(f"{self.path}: expected a table file of {expected} bytes")
         self.fd = os.open(self.path, os.O_RDWR)
+        self._close = weakref.finalize(self, os.close, self.fd)  # also at exit, before modules go
         self._map = np.memmap(
             self.path, dtype=np.int64, mode="r+", shape=(num_rows, layout.record_bytes // 8)
         )
@@ -180,12 +182,9 @@ class SsdBacking:
         os.fsync(self.fd)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __del__(self) -> None:
-        self.close()
+        """Close the file (the map stays until the object goes)."""
+        self._close()
+        self.fd = -1
 
 
 def create_ssd_file(path: str | Path, layout: RecordLayout, num_rows: int, inits: dict[str, RowInit]) -> None:
