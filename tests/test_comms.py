@@ -177,3 +177,23 @@ def test_slice_samples_matches_per_sample_construction():
         assert torch.equal(got[2], weights[start : start + n])
     assert torch.equal(part.dense, batch.dense[3:7]) and len(part) == 4
     assert batch.slice(0, 0).sparse.values.numel() == 0
+
+
+def test_publishing_to_a_peer_that_already_left_is_not_an_error():
+    """A peer can see a round's sequence number by spinning, finish and close its wake-up pipe before
+    the publisher writes the wake-up byte: that write gets EPIPE, which must not fail the exchange."""
+    import os
+
+    from neorec.distributed.shm import HEADER_SLOTS, ShmGroup
+
+    group = ShmGroup.__new__(ShmGroup)  # just the publishing half: no process group needed
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the peer has gone
+    group.index, group.seq = 0, 0
+    group._headers = [[torch.zeros(HEADER_SLOTS, dtype=torch.int64) for _ in (0, 1)]]
+    group._wake_write = [-1, write_end]
+    try:
+        group._publish(0, [0, 0])
+    finally:
+        os.close(write_end)
+    assert int(group._headers[0][0][0]) == 1

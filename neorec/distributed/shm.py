@@ -98,8 +98,11 @@ class ShmGroup:
             if fd >= 0:
                 try:
                     os.write(fd, b"\0")
-                except OSError as e:  # a full pipe already wakes its reader
-                    if e.errno != errno.EAGAIN:
+                except OSError as e:
+                    # EAGAIN: a full pipe already wakes its reader. EPIPE: the peer saw the sequence
+                    # number by spinning, finished and exited before this wake-up byte was written;
+                    # nobody is left to wake.
+                    if e.errno not in (errno.EAGAIN, errno.EPIPE):
                         raise
 
     def _all_published(self, parity: int) -> bool:
