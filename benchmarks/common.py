@@ -26,7 +26,8 @@ def peak_rss_mib() -> float:
 
 
 def machine() -> str:
-    return f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, python {platform.python_version()}"
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{platform.machine()}, {torch.get_num_threads()} threads{gpu}, torch {torch.__version__}, python {platform.python_version()}"
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:
@@ -38,11 +39,11 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def append_results(title: str, table: str, notes: str = "") -> None:
+def append_results(title: str, table: str, notes: str = "", path: Path = RESULTS) -> None:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     cmd = "python " + " ".join(sys.argv)
     text = f"\n## {title} ({stamp})\n\nCommand: `{cmd}`  \nMachine: {machine()}\n\n{table}\n"
     if notes:
         text += f"\n{notes}\n"
-    with RESULTS.open("a") as f:
+    with Path(path).open("a") as f:
         f.write(text)

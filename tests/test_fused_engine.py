@@ -153,12 +153,16 @@ def train_both(
     weighted: bool = True,
     chunk_elements: int | None = 1 << 17,
     one_hot: bool = False,
+    device: str = "cpu",
+    kernels: str = "auto",
 ) -> tuple[FusedEmbeddingCollection, Float64Reference, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run `steps` fwd/bwd/updates on both, with a decaying lr schedule driven through param_groups.
 
-    Small chunk_elements split the update (and fp16/bf16 lookups) into blocks of a few rows."""
+    Small chunk_elements split the update (and fp16/bf16 lookups) into blocks of a few rows.
+    device, kernels: where the engine runs and with which kernels (batches are drawn on the CPU)."""
     gen = torch.Generator().manual_seed(seed)
-    engine, ref = FusedEmbeddingCollection(tables, opt), Float64Reference(tables, opt)
+    engine = FusedEmbeddingCollection(tables, opt, device=device, kernels=kernels)
+    ref = Float64Reference(tables, opt)
     engine.chunk_elements = chunk_elements
     optimizer = engine.build_optimizer()
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.8**k)
@@ -166,10 +170,10 @@ def train_both(
     for _ in range(steps):
         sparse = random_batch(tables, gen, weighted=weighted, one_hot=one_hot)
         lrs = {g["table"]: g["lr"] for g in optimizer.param_groups}
-        pooled, expected = engine(sparse), ref.forward(sparse)
-        outputs.append((pooled.detach().clone(), expected))
+        pooled, expected = engine(sparse.to(device)), ref.forward(sparse)
+        outputs.append((pooled.detach().cpu(), expected))
         grad_out = torch.randn(pooled.shape, generator=gen)
-        pooled.backward(grad_out)
+        pooled.backward(grad_out.to(device))
         ref.backward_and_update(sparse, grad_out, lrs)
         optimizer.step()
         schedule.step()
@@ -185,13 +189,13 @@ def assert_matches(
     state = engine.state_dict()
     for t in ref.tables:
         torch.testing.assert_close(
-            state[f"tables.{t.name}.weight"].double(), ref.weights[t.name], rtol=rtol, atol=atol
+            state[f"tables.{t.name}.weight"].cpu().double(), ref.weights[t.name], rtol=rtol, atol=atol
         )
         assert set(k for k in state if k.startswith(f"tables.{t.name}.")) == {
             f"tables.{t.name}.{k}" for k in ["weight", "step", *ref.state[t.name]]
         }
         for k, v in ref.state[t.name].items():
-            torch.testing.assert_close(state[f"tables.{t.name}.{k}"].double(), v, rtol=rtol, atol=atol)
+            torch.testing.assert_close(state[f"tables.{t.name}.{k}"].cpu().double(), v, rtol=rtol, atol=atol)
         assert int(state[f"tables.{t.name}.step"]) == ref.step
 
 

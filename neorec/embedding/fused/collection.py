@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.fused import triton_kernels
 from neorec.embedding.fused.layout import TableGroup, build_layout
 from neorec.embedding.fused.lookup import FusedLookup, GroupBatch, prepare_group
 from neorec.embedding.fused.optimizers import RULES, Hparams, initial_state_value
@@ -75,6 +76,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         row_init: Callable[[int, int, int], torch.Tensor] | None = None,
         group_storage_factory: GroupStorageFactory | None = None,
         table_tiers: dict[str, str] | None = None,
+        kernels: str = "auto",
     ) -> None:
         """storage_factory builds each row storage (default: a plain tensor on `device`);
         group_storage_factory, when given, builds all storages of a group at once instead (caches).
@@ -83,6 +85,11 @@ class FusedEmbeddingCollection(EmbeddingCollection):
 
         row_init(table index, start, end) gives fp32 initial rows [start, end) of a table (default
         init_rows); the sharded collection passes the rows of the unsharded table its shard covers.
+
+        kernels: "torch" (torch ops, any device), "triton" (Triton kernels for the lookup and the fused
+        update, triton_kernels.py; needs a GPU or TRITON_INTERPRET=1), or "auto" (Triton on CUDA when
+        it is importable, else torch). Groups the kernels do not cover (caches, adam, stochastic
+        rounding, per-table hyper-parameters, a gradient hook) take the torch path either way.
         """
         super().__init__(tables, optimizer)
         check_tables(self.tables)
@@ -100,6 +107,9 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         self.timings: dict[str, float] | None = None
         # elements (rows x dim) per block of the update and of fp16/bf16 lookups on CPU; None = one block
         self.chunk_elements: int | None = 1 << 17
+        if kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
+        self.kernels = kernels
         self._configs = [t.optimizer or optimizer for t in self.tables]
         self._optimizer: FusedEmbeddingOptimizer | None = None
         self._feature_cache: dict[tuple, list[tuple[torch.Tensor, list[int]]]] = {}
@@ -291,6 +301,36 @@ class FusedEmbeddingCollection(EmbeddingCollection):
     def _table_of(self, gi: int, rows: torch.Tensor) -> torch.Tensor:
         """Position in the group of the table that holds each global row."""
         return torch.searchsorted(self._constants[gi].row_starts, rows, right=True) - 1
+
+    def _triton(self, device: torch.device) -> bool:
+        if self.kernels == "torch":
+            return False
+        if self.kernels == "auto":
+            return device.type == "cuda" and triton_kernels.usable(device)
+        if not triton_kernels.usable(device):
+            raise RuntimeError(
+                f"kernels='triton' but Triton cannot run on {device}: it needs a CUDA device and the "
+                "triton package (or TRITON_INTERPRET=1 to interpret the kernels on the CPU)"
+            )
+        return True
+
+    def triton_lookup(self, gi: int, device: torch.device) -> bool:
+        """Whether group gi's lookup runs as one Triton kernel (plain storage only)."""
+        return isinstance(self.weights[gi], TensorStorage) and self._triton(device)
+
+    def triton_update(self, gi: int, device: torch.device, hparams: dict[str, float | torch.Tensor]) -> bool:
+        """Whether group gi's backward runs as one fused Triton kernel: plain storage, a rule the
+        kernel has, no gradient hook, no stochastic rounding, the same hyper-parameters for all tables."""
+        g = self.layout.groups[gi]
+        return (
+            g.optimizer in triton_kernels.RULE_IDS
+            and self.grad_hook is None
+            and not (self.stochastic_rounding and g.dtype != torch.float32)
+            and isinstance(self.weights[gi], TensorStorage)
+            and all(isinstance(s, TensorStorage) for s in self.states[gi].values())
+            and all(isinstance(v, float) for v in hparams.values())
+            and self._triton(device)
+        )
 
     def chunk_rows(self, gi: int, device: torch.device) -> int | None:
         """Rows per block of work on CPU, so temporaries stay cache-sized (see lookup.row_gradients);

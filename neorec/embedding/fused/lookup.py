@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from neorec.embedding.fused import triton_kernels
 from neorec.embedding.fused.storage import RowStorage, TensorStorage
 from neorec.sparse import SparseBatch, lengths_to_offsets
 
@@ -106,13 +107,18 @@ def _one_hot_group(
     return GroupBatch(rows, bags, offsets, None, b, nf, one_hot=True)
 
 
-def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None) -> torch.Tensor:
+def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None, use_triton: bool = False) -> torch.Tensor:
     """[B, F * D] fp32 pooled vectors of one group.
+
+    use_triton (plain storage on a GPU): one Triton kernel reads and pools the rows in any dtype.
 
     fp32 plain storage: one embedding_bag straight over the buffer. Otherwise rows are read through
     the storage and widened to fp32 before pooling, so fp16/bf16 tables accumulate in fp32; this is
     done about chunk_rows ids at a time (whole bags) so the fp32 copy stays cache-sized.
     """
+    if use_triton:
+        pooled = triton_kernels.pool(storage.tensor, batch.rows, batch.offsets, batch.scales)
+        return pooled.view(batch.batch_size, -1)
     if storage.dtype == torch.float32 and batch.one_hot:  # a plain gather (through the cache, if any)
         if isinstance(storage, TensorStorage):
             return storage.tensor.index_select(0, batch.rows).view(batch.batch_size, -1)
@@ -155,6 +161,18 @@ def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None) -> torc
     return pooled.view(batch.batch_size, -1)
 
 
+def sort_by_row(
+    batch: GroupBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The batch's ids grouped by row: (unique rows ascending, offsets [U + 1] of each row's ids,
+    the bag of each id, its scale or None), ids of a row in their original order (stable sort)."""
+    sorted_rows, order = torch.sort(batch.rows, stable=True)
+    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    bags = batch.bags.index_select(0, order)
+    scales = batch.scales.index_select(0, order) if batch.scales is not None else None
+    return unique_rows, lengths_to_offsets(counts), bags, scales
+
+
 def row_gradients(
     batch: GroupBatch, grad_bags: torch.Tensor, chunk_rows: int | None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -166,11 +184,7 @@ def row_gradients(
     expensive, page-faulted in anew at every step. Results do not depend on the chunk size: each
     row's sum and update only ever see that row. None = one chunk (GPUs; no host sync at all).
     """
-    sorted_rows, order = torch.sort(batch.rows, stable=True)
-    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    offsets = lengths_to_offsets(counts)
-    bags = batch.bags.index_select(0, order)
-    scales = batch.scales.index_select(0, order) if batch.scales is not None else None
+    unique_rows, offsets, bags, scales = sort_by_row(batch)
     num_unique = unique_rows.numel()
     if num_unique == 0:  # still one (empty) block, so that a gradient hook runs on every rank
         yield unique_rows, grad_bags.new_zeros(0, grad_bags.shape[1])
@@ -232,7 +246,8 @@ class FusedLookup(torch.autograd.Function):
         groups = engine.layout.groups
         device = batches[0].rows.device if batches else torch.device("cpu")
         pooled = [
-            pool(engine.weights[gi], gb, engine.chunk_rows(gi, device)) for gi, gb in enumerate(batches)
+            pool(engine.weights[gi], gb, engine.chunk_rows(gi, device), engine.triton_lookup(gi, device))
+            for gi, gb in enumerate(batches)
         ]
         out = assemble(pooled, [g.output_columns for g in groups], engine.layout.output_dim)
         if engine.timings is not None:
@@ -252,6 +267,15 @@ class FusedLookup(torch.autograd.Function):
                 continue
             grad_bags = group_gradient(grad_out, group.output_columns, group.dim)
             hparams = engine.group_hparams(gi, grad_out.device)
+            if engine.triton_update(gi, grad_out.device, hparams):  # sums and updates in one kernel
+                unique_rows, offsets, bags, scales = sort_by_row(gb)
+                state = engine.states[gi].get("momentum1")
+                triton_kernels.fused_update(
+                    group.optimizer, unique_rows, offsets, bags, scales, grad_bags, engine.weights[gi].tensor,
+                    state.tensor if state is not None else None,
+                    hparams["lr"], hparams["eps"], hparams["weight_decay"],
+                )  # fmt: skip
+                continue
             for rows, grads in row_gradients(gb, grad_bags, engine.chunk_rows(gi, grad_out.device)):
                 if hook is not None:
                     rows, grads = hook(gi, rows, grads)
