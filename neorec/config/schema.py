@@ -206,6 +206,9 @@ class TrainConfig(Strict):
     eval_max_batches: int | None = Field(None, gt=0, description="cap on mid-training evaluation batches")
     log_every: int = Field(50, gt=0, description="write a metrics line every N steps")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (None: torch's default)")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="where the model trains: cpu, or cuda (one GPU; single process for now)"
+    )
     progress: bool = Field(True, description="show a tqdm progress bar")
     prefetch: int = Field(4, ge=0, description="batches made ahead by a background thread (0: none)")
     pipeline: bool = Field(

@@ -138,6 +138,11 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
             forward_precision=d.forward_precision, backward_precision=d.backward_precision,
             stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings,
         )  # fmt: skip
+    if cfg.train.device == "cuda" and cached:
+        raise ConfigError(
+            f"embedding.tier: tables {cached} are cached (tier dram/ssd); the row cache runs on the CPU only, "
+            "so train.device: cuda needs every table in memory"
+        )
     if e.engine == "reference":
         from neorec.embedding.reference import ReferenceEmbeddingCollection
 
@@ -152,7 +157,7 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
         factory = cached_storage_factory(tiers, settings, total)
     return FusedEmbeddingCollection(
         tables, e.optimizer, seed=cfg.seed, stochastic_rounding=e.stochastic_rounding,
-        group_storage_factory=factory, table_tiers=tiers,
+        group_storage_factory=factory, table_tiers=tiers, device=cfg.train.device,
     )  # fmt: skip
 
 

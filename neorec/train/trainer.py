@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -73,13 +74,14 @@ def evaluate(
     computes the metrics of the whole set."""
     was_training = model.training
     model.eval()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))  # train.device
     probs, labels = [], []
     world = topo.world_size if topo is not None else 1
     data = RankData(source, batch_size, topo.rank if topo is not None else 0, world)
     for i, (batch, n) in enumerate(data.eval_slices(batch_size)):
         if max_batches is not None and i >= max_batches:
             break
-        scores = torch.sigmoid(model(batch))
+        scores = torch.sigmoid(model(batch.to(device) if device.type != "cpu" else batch)).cpu()
         if world == 1:
             probs.append(scores)
             labels.append(batch.labels)
@@ -128,7 +130,8 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         if cfg.train.keep_freed_memory:
             keep_freed_memory()
-        self.topo = init_distributed(torch.device("cpu"))
+        self.device = _training_device(cfg)
+        self.topo = init_distributed(self.device)
         self.comms = Comms(self.topo, transport=cfg.distributed.transport) if self.topo.world_size > 1 else None
         self.is_main = self.topo.rank == 0
         if self.comms is not None and cfg.data.batch_size % self.topo.world_size:
@@ -140,7 +143,7 @@ class Trainer:
         self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
         self.tables = build_tables(cfg, self.source.info)
         self.embeddings = build_embeddings(cfg, self.tables, self.comms)
-        self.model = build_model(cfg, self.source.info, self.embeddings)
+        self.model = build_model(cfg, self.source.info, self.embeddings).to(self.device)
         dense = dense_parameters(self.model)
         self.dense_opt = build_dense_optimizer(cfg.train.dense_optimizer, dense)
         self.dense_sync = None
@@ -178,6 +181,8 @@ class Trainer:
         """One step on a global batch (or on this rank's slice of one); returns this process's loss."""
         if not is_local:
             batch = self.local_batch(batch)
+        if self.device.type != "cpu":
+            batch = batch.to(self.device, non_blocking=True)
         logits = self.model(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         self.dense_opt.zero_grad(set_to_none=True)
@@ -357,6 +362,23 @@ class Trainer:
             from neorec.metrics.plot import plot_curves
 
             plot_curves(read_metrics(self.out_dir / "metrics.jsonl"), self.out_dir / "curves.png", self.cfg.name)
+
+
+def _training_device(cfg: RunConfig) -> torch.device:
+    """train.device, checked before any work: cuda needs a GPU that torch sees, and one process."""
+    device = torch.device(cfg.train.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"train.device is cuda but this PyTorch ({torch.__version__}) sees no GPU "
+                "(a CPU build, or no device); use train.device: cpu"
+            )
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                "train.device: cuda trains in one process for now: multi-process GPU training (NCCL) "
+                "has not been validated; use train.device: cpu with several processes"
+            )
+    return device
 
 
 def _same(batch):

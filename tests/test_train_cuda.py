@@ -1,0 +1,63 @@
+"""Training with train.device: cuda (one GPU, one process). Needs a CUDA device, except the first
+test, which checks that a machine without one refuses the setting before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neorec.checkpoint.load import latest_checkpoint
+from neorec.config.load import load_config
+from neorec.errors import ConfigError
+from neorec.train.trainer import Trainer
+
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+TINY = [
+    "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 1000]", "data.synthetic.num_sparse=4",
+    "data.synthetic.train_samples=12000", "data.synthetic.eval_samples=3000", "data.batch_size=256",
+    "train.progress=false", "logging.plot=false", "logging.tensorboard=false", "train.log_every=5",
+]  # fmt: skip
+
+
+def run(tmp_path, name: str, extra=()):
+    return Trainer(load_config("default", TINY + list(extra)), tmp_path / name).fit()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused_before_work(tmp_path):
+    with pytest.raises(ConfigError, match="train.device is cuda"):
+        Trainer(load_config("default", [*TINY, "train.device=cuda"]), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["dlrm", "dcnv2"])
+def test_cuda_training_follows_cpu_training(tmp_path, arch):
+    """Same data and seed on both devices: the loss curves agree closely (different kernels and
+    summation orders, so not bitwise) and both learn."""
+    extra = [f"model.arch={arch}", "model.low_rank=4"]
+    cpu = run(tmp_path, "cpu", extra)
+    gpu = run(tmp_path, "gpu", [*extra, "train.device=cuda"])
+    assert len(gpu.losses) == len(cpu.losses) == 47
+    for a, b in zip(gpu.losses[:10], cpu.losses[:10], strict=True):
+        assert abs(a - b) <= 1e-3 * abs(b), (gpu.losses[:10], cpu.losses[:10])
+    assert gpu.eval["auc"] > 0.65 and abs(gpu.eval["auc"] - cpu.eval["auc"]) < 0.01, (gpu.eval, cpu.eval)
+
+
+@needs_cuda
+def test_cuda_training_is_deterministic_and_resumes(tmp_path):
+    """Two runs give bitwise the same losses; a run stopped after a checkpoint and resumed ends with
+    bitwise the same model as one that was not stopped."""
+    extra = ["train.device=cuda", "train.max_steps=20", "checkpoint.every_steps=7", "embedding.optimizer.name=adam"]
+    a, b = run(tmp_path, "a", extra), run(tmp_path, "b", extra)
+    assert a.losses == b.losses
+    short = run(tmp_path, "c", [*extra[:1], "train.max_steps=14", *extra[2:]])
+    assert latest_checkpoint(tmp_path / "c" / "checkpoints").name == "step-00000014"
+    cfg = load_config("default", TINY + extra)
+    resumed = Trainer(cfg, tmp_path / "c", resume=True).fit()
+    assert short.losses + resumed.losses == a.losses
+    final = torch.load(tmp_path / "c" / "model.pt", weights_only=True)
+    for key, value in torch.load(tmp_path / "a" / "model.pt", weights_only=True).items():
+        assert torch.equal(value, final[key]), key
