@@ -71,10 +71,14 @@ def train(cfg, batches: list, warmup: int, out_dir: Path) -> dict:
                 emb.prefetch(items[i + 1].sparse)
             trainer.train_step(batch)
 
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    batches = [b.to(trainer.device) for b in batches]  # as the trainer moves them before prefetching
     steps(batches[:warmup])
+    sync()
     before = summarize(emb.cache_stats())
     start, cpu = time.perf_counter(), time.process_time()
     steps(batches[warmup:])
+    sync()
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = summarize(emb.cache_stats())
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if k != "hit_rate"}
@@ -95,15 +99,16 @@ def sweep(args) -> None:
     fractions = args.fractions
     results = []
     for zipf in args.zipf:
+        on_device = [f"train.device={args.device}"]
         base = make_config(
-            args.rows, args.dim, zipf, args.batch_size, args.steps + args.warmup, args.optimizer, []
+            args.rows, args.dim, zipf, args.batch_size, args.steps + args.warmup, args.optimizer, on_device
         )
         batches = make_batches(base, args.steps + args.warmup)
         directory = Path(args.dir) / "cache-bench"
         cases = [(None, base)]
         for fraction in fractions:
             extra = [f"embedding.tier={args.tier}", f"embedding.cache.directory={directory}",
-                     f"embedding.cache.fraction={fraction}", f"embedding.cache.policy={args.policy}"]  # fmt: skip
+                     f"embedding.cache.fraction={fraction}", f"embedding.cache.policy={args.policy}", *on_device]  # fmt: skip
             steps = args.steps + args.warmup
             cases.append(
                 (
@@ -122,7 +127,8 @@ def sweep(args) -> None:
         for fraction, _ in cases:
             r = best[fraction]
             r["vs_ram"] = r["samples_per_s"] / ram["samples_per_s"]
-            case = "all in RAM" if fraction is None else f"{args.tier} + {fraction:.0%} cached"
+            every = "all in RAM" if args.device == "cpu" else "all in GPU memory"
+            case = every if fraction is None else f"{args.tier} + {fraction:.0%} cached"
             results.append({"zipf": zipf, "case": case, "fraction": fraction, **r})
             print(json.dumps(results[-1]), flush=True)
     header = [
@@ -241,6 +247,8 @@ def main() -> None:
     p.add_argument("--plot", default="cache.png", help="sweep: plot file name, next to RESULTS.md")
     p.add_argument("--repeats", type=int, default=2, help="sweep: interleaved repeats, best kept")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="sweep: train.device; cuda: the cache in GPU memory over host memory (--tier dram)")  # fmt: skip
     p.add_argument("--dir", default="/work/tmp", help="where table files go")
     p.add_argument("--table-gib", type=float, default=12.0, help="demo: GiB of rows + Adam state")
     p.add_argument("--budget-gib", type=float, default=4.0, help="demo: the memory budget")

@@ -53,22 +53,22 @@ def batch(
 
 
 def cached_engine(
-    ts, opt, tmp_path, policy="lru", tier="ssd", fraction=0.1, seed=0
+    ts, opt, tmp_path, policy="lru", tier="ssd", fraction=0.1, seed=0, device="cpu"
 ) -> FusedEmbeddingCollection:
     settings = CacheSettings(policy=policy, fraction=fraction, directory=tmp_path / f"tables-{seed}")
     factory = cached_storage_factory({t.name: tier for t in ts}, settings)
-    return FusedEmbeddingCollection(ts, opt, seed=seed, group_storage_factory=factory)
+    return FusedEmbeddingCollection(ts, opt, seed=seed, group_storage_factory=factory, device=device)
 
 
-def train_both(a, b, gen, steps, ts, prefetch=False, one_hot=False) -> None:
+def train_both(a, b, gen, steps, ts, prefetch=False, one_hot=False, device="cpu") -> None:
     """Same batches and output gradients through both engines; forward outputs must agree bitwise."""
-    batches = [batch(gen, ts, one_hot=one_hot) for _ in range(steps)]
+    batches = [batch(gen, ts, one_hot=one_hot).to(device) for _ in range(steps)]
     for i, sparse in enumerate(batches):
         if prefetch and i + 1 < len(batches):  # as the pipeline does: the next batch before this step
             b.prefetch(batches[i + 1])
         pa, pb = a(sparse), b(sparse)
         assert torch.equal(pa, pb), f"step {i}: pooled outputs differ"
-        grad = torch.randn(pa.shape, generator=gen)
+        grad = torch.randn(pa.shape, generator=gen).to(device)
         pa.backward(grad)
         pb.backward(grad)
 
@@ -77,7 +77,7 @@ def assert_same_state(a, b) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sorted(sa) == sorted(sb)
     for k in sa:
-        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k].cpu(), sb[k].cpu()), k
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -95,6 +95,24 @@ def test_cached_training_is_bitwise_uncached_training(tmp_path, name, policy) ->
     # eviction pressure: 10% of rows cached, far fewer than the rows the batches touched
     assert all(s["evictions"] > 0 and s["writebacks"] > 0 for s in stats.values())
     assert sum(s["misses"] for s in stats.values()) > sum(t.rows for t in ts) * 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_gpu_cache_over_host_memory_is_bitwise_uncached(tmp_path, name, policy) -> None:
+    """The cache in GPU memory (records and bookkeeping on the device), every row in host memory:
+    training through it is bitwise training the tables in GPU memory, under eviction pressure."""
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
+    plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels="torch")
+    cached = cached_engine(ts, opt, tmp_path, policy, tier="dram", fraction=0.1, device="cuda")
+    assert cached.weights[0].cache.records.is_cuda and cached.weights[0].cache.slot_of.is_cuda
+    train_both(plain, cached, torch.Generator().manual_seed(4), 12, ts, prefetch=True, device="cuda")
+    assert_same_state(plain, cached)
+    stats = cached.cache_stats()
+    assert sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
 
 
 @pytest.mark.parametrize("prefetch", [False, True])

@@ -61,3 +61,20 @@ def test_cuda_training_is_deterministic_and_resumes(tmp_path):
     final = torch.load(tmp_path / "c" / "model.pt", weights_only=True)
     for key, value in torch.load(tmp_path / "a" / "model.pt", weights_only=True).items():
         assert torch.equal(value, final[key]), key
+
+
+@needs_cuda
+def test_cuda_training_through_a_gpu_cache_over_host_memory(tmp_path):
+    """embedding.tier: dram on a GPU: a cache of 20% of the rows in GPU memory over host memory
+    trains like the tables in GPU memory (cached groups take the torch path and the others the
+    Triton kernels, so the losses agree to rounding), and logs its hit rate; ssd is refused."""
+    plain = run(tmp_path, "plain", ["train.device=cuda", "train.max_steps=30"])
+    cached = run(tmp_path, "cached", ["train.device=cuda", "train.max_steps=30", "embedding.tier=dram",
+                                      "embedding.cache.fraction=0.2"])  # fmt: skip
+    for a, b in zip(cached.losses, plain.losses, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b), (cached.losses, plain.losses)
+    lines = (tmp_path / "cached" / "metrics.jsonl").read_text().splitlines()
+    assert any('"cache"' in line and "hit_rate" in line for line in lines)
+    with pytest.raises(ConfigError, match="tier ssd"):
+        Trainer(load_config("default", TINY + ["train.device=cuda", "embedding.tier=ssd",
+                                               f"embedding.cache.directory={tmp_path / 'ssd'}"]), tmp_path / "s")  # fmt: skip

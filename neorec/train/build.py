@@ -138,10 +138,11 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
             forward_precision=d.forward_precision, backward_precision=d.backward_precision,
             stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings,
         )  # fmt: skip
-    if cfg.train.device == "cuda" and cached:
+    on_ssd = sorted(n for n in cached if tiers[n] == "ssd")
+    if cfg.train.device == "cuda" and on_ssd:
         raise ConfigError(
-            f"embedding.tier: tables {cached} are cached (tier dram/ssd); the row cache runs on the CPU only, "
-            "so train.device: cuda needs every table in memory"
+            f"embedding.tier: tables {on_ssd} have tier ssd; with train.device: cuda the row cache lives in "
+            "GPU memory over host memory (tier dram) only for now"
         )
     if e.engine == "reference":
         from neorec.embedding.reference import ReferenceEmbeddingCollection

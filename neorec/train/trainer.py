@@ -223,7 +223,8 @@ class Trainer:
             resume_at = position if epoch == first_epoch else None  # continue after the checkpoint's batches
             in_epoch = resume_at["batches"] if resume_at is not None else 0
             batches = prefetch(self.data.train_batches(epoch, resume_at), t.prefetch)  # this rank's batches
-            for _, local in pipelined(batches, _same, self.embeddings, int(t.pipeline)):
+            on_device = _same if self.device.type == "cpu" else lambda b: b.to(self.device, non_blocking=True)
+            for _, local in pipelined(batches, on_device, self.embeddings, int(t.pipeline)):
                 self._set_lr(step, total)
                 loss = float(self.train_step(local, is_local=True))
                 if not math.isfinite(loss):

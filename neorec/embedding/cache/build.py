@@ -4,8 +4,8 @@
 of tables (see neorec/embedding/fused/storage.py); a group whose tables are all in tier "memory"
 gets plain tensors, as without a cache. Tiers:
 - memory: a plain tensor in RAM, no cache (the default);
-- dram: every row in a host-memory tensor behind a RAM cache (what a GPU's device-memory cache over
-  host memory is; on a CPU-only machine it is mostly useful for tests);
+- dram: every row in a host-memory tensor behind a cache: in GPU memory when the engine runs on a
+  GPU (the paper's device-memory cache over host DRAM), else in RAM (mostly useful for tests);
 - ssd: every row in a file under `directory`, created window by window (never whole in RAM).
 
 Each group gets one backing store of records (a row's weights and optimizer state side by side,
@@ -71,14 +71,15 @@ def cached_storage_factory(
                 f"tables {names} share one buffer (same dim, dtype and optimizer) but have different tiers "
                 f"{by_tier}; give them the same embedding.tables.<name>.tier, or another dtype/optimizer"
             )
-        if device.type != "cpu":
-            raise ConfigError(
-                f"cached tables {names} (tier {group_tiers.pop()}) run on CPU only, not {device}"
-            )
         tier = group_tiers.pop()
+        if device.type != "cpu" and tier != "dram":
+            raise ConfigError(
+                f"cached tables {names} have tier {tier}: on a GPU the cache runs over host memory "
+                "(tier dram) only for now; an SSD tier under a GPU cache is not supported yet"
+            )
         backing = _backing(tier, names[0], specs, settings)
         capacity = _capacity(names, specs, settings, total_cached_rows)
-        cache = RowCache(tables, backing, capacity, settings.policy)
+        cache = RowCache(tables, backing, capacity, settings.policy, device=device)
         return {name: CachedStorage(cache, name) for name in specs}
 
     return build

@@ -28,6 +28,11 @@ does not need (one `topk` per call):
   it has slots), so a count is about the row's uses over the last few turnovers of the cache and rows
   that were hot long ago do not stay forever;
 Free slots have the smallest key of all, so they fill first.
+
+On a GPU (`device="cuda"`: the paper's cache of hot rows in device memory over host DRAM) the
+records and all the bookkeeping live in device memory and the backing store in host memory; rows
+and records cross between the two only in `DeviceIO` (misses in, write-backs out), so the cache's
+logic, and its exactness, are the same code on both.
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ class RowCache:
         capacity: int,
         policy: str = "lru",
         lfu_decay_rows: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
+        """device: where the cached records and the bookkeeping live (the backing store stays where
+        it is: host memory or a file)."""
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
         self.num_rows = backing.num_rows
@@ -64,14 +72,17 @@ class RowCache:
         self.capacity = min(capacity, self.num_rows)
         self.policy = policy
         self.backing, self.layout = backing, backing.layout
+        self.device = device = torch.device(device)
         self.io = BackgroundIO(backing, background=backing.tier != "dram")
-        self.records = self.layout.empty(self.capacity)
+        if device.type != "cpu":
+            self.io = DeviceIO(self.io, device)
+        self.records = self.layout.empty(self.capacity, device)
         self.buffers = self.layout.views(self.records)  # per field: a strided view of the records
-        self.slot_of = torch.full((self.num_rows,), -1, dtype=torch.int32)
-        self.row_of = torch.full((self.capacity,), -1, dtype=torch.int64)
-        self.dirty = torch.zeros(self.capacity, dtype=torch.bool)
-        self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64)
-        self.uses = torch.zeros(self.capacity, dtype=torch.int64)
+        self.slot_of = torch.full((self.num_rows,), -1, dtype=torch.int32, device=device)
+        self.row_of = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
+        self.dirty = torch.zeros(self.capacity, dtype=torch.bool, device=device)
+        self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
+        self.uses = torch.zeros(self.capacity, dtype=torch.int64, device=device)
         self.tick = 0
         self.lfu_decay_rows = lfu_decay_rows or self.capacity
         self._looked_up = 0  # rows looked up since the last halving of the LFU counts
@@ -260,7 +271,7 @@ class RowCache:
         (after a flush, so the other fields of those rows lose nothing)."""
         self.flush()
         self.io.drain(drop_stages=True)  # rows read ahead may be among those overwritten
-        rows = torch.arange(start, end)
+        rows = torch.arange(start, end, device=self.device)
         slots = self.slot_of.index_select(0, rows).long()
         resident = slots >= 0
         slots = slots[resident]
@@ -283,6 +294,41 @@ class RowCache:
 def _words(records: torch.Tensor) -> torch.Tensor:
     """Records as int64 words: torch copies whole rows of those several times faster than bytes."""
     return records.view(torch.int64)
+
+
+class DeviceIO:
+    """BackgroundIO for a cache in GPU memory over a host-side backing store: the one place where
+    rows and records cross between the device and the host (misses in, write-backs out)."""
+
+    def __init__(self, io: BackgroundIO, device: torch.device) -> None:
+        self.io, self.device, self.background = io, device, io.background
+
+    def stage(self, rows: torch.Tensor) -> None:
+        self.io.stage(rows.cpu())
+
+    def staged(self) -> list[torch.Tensor]:
+        return [rows.to(self.device) for rows in self.io.staged()]
+
+    def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        self.io.write(rows.cpu(), records.cpu())
+
+    def fetch_into(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> None:
+        n = rows.numel()
+        host = self.io.layout.empty(n)
+        self.io.fetch_into(rows.cpu(), host, torch.arange(n))
+        _words(buffer).index_copy_(0, slots, _words(host).to(self.device))
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.io.read(rows.cpu()).to(self.device)
+
+    def consumed(self, rows: torch.Tensor) -> None:
+        self.io.consumed(rows.cpu())
+
+    def drain(self, drop_stages: bool = False) -> None:
+        self.io.drain(drop_stages)
+
+    def close(self) -> None:
+        self.io.close()
 
 
 class CachedStorage:

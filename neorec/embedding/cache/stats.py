@@ -36,6 +36,7 @@ class CacheStats:
         sorted, so the tables' first rows split them: a few binary searches instead of one per row)."""
         if rows.numel() == 0:
             return
+        rows = rows.cpu()  # a cache in GPU memory: the counters stay on the host
         i = FIELDS.index(field)
         if len(self.tables) == 1:
             self.counts[i, 0] += rows.numel()
