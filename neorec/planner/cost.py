@@ -21,7 +21,8 @@ planner balances are the costs it reports.
 
 Memory per rank and tier: weights + optimizer state of its shards (cached shards: the cache and its
 bookkeeping in device memory, every row in the backing tier; tiers.py), plus the step's buffers (ids,
-pooled rows and their gradients, wire copies, the backward's sort) and, while the model is built,
+pooled rows and their gradients, wire copies, the backward's sort, the shared-memory transport's
+pages: transport_bytes) and, while the model is built,
 one initialisation window: storage.py fills each buffer of the fused engine (the shards of one dim,
 dtype and optimizer, stacked) 2^20 rows at a time, from fp32 rows made per table (init.py, plus
 its 65536-row chunk) and then concatenated, so two fp32 windows are alive at once. Buffers and that
@@ -47,6 +48,7 @@ INIT_CHUNK_ROWS = 65536  # embedding/init.py _CHUNK_ROWS
 SSD_INIT_WINDOW_BYTES = 64 << 20  # embedding/cache/backing.py _WINDOW_BYTES
 BYTES_PER_ID = 64  # step buffers per id looked up: received, regrouped, bag/row indices, the sort
 POOLED_COPIES = 4  # the pooled output, its wire copy, its gradient, the decoded gradient
+SHM_CAPACITY = 16 << 20  # distributed/shm.py: bytes of one rank's region of one parity
 
 
 def wire_element_bytes(precision: str) -> int:
@@ -292,6 +294,7 @@ def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> P
         stages["output_dist_bwd"] += link("bwd") + latency * calls["output_dist_bwd"]
         stages["update"] += link("dp") + latency * calls["update"]
         buffers = int(ids * BYTES_PER_ID + pooled * POOLED_COPIES + owner_buffer_bytes(workload, cluster))
+        buffers += transport_bytes(traffic, r, cluster)
         memory = dict(weights)
         memory["device"] = memory.get("device", 0) + cluster.reserved
         if not cluster.has_host_tier:  # a CPU: the initialisation window is in the same memory
@@ -314,6 +317,20 @@ def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> P
             )
         )
     return PlanEstimate(ranks, traffic, {name: sum(h) / len(h) for name, h in hits.items()})
+
+
+def transport_bytes(traffic: Traffic, rank: int, cluster: Cluster) -> int:
+    """Pages of the shared-memory transport (distributed/shm.py) resident in `rank`: on a CPU machine
+    with several ranks, each all-to-all writes the rank's sends into its own region and reads its part
+    of every peer's region; regions alternate between two parities, and a page once touched stays
+    resident. So twice the largest send plus twice the largest receive of one exchange, each within
+    the regions' capacity. (GPU clusters exchange through the process group: nothing here.)"""
+    if cluster.world_size == 1 or cluster.has_host_tier:
+        return 0
+    peers = cluster.world_size - 1
+    send = max(traffic.sent(rank, d) for d in traffic.matrices)
+    recv = max(traffic.received(rank, d) for d in traffic.matrices)
+    return int(2 * min(send, SHM_CAPACITY) + 2 * min(recv, peers * SHM_CAPACITY))
 
 
 def owner_buffer_bytes(workload: Workload, cluster: Cluster) -> float:
