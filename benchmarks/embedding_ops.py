@@ -101,24 +101,7 @@ def worker(impl: str, opt: str, case: dict, data: dict, warmup: int) -> dict:
             out.backward(grad)
 
     elif impl == "torch":
-        bags = [torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True) for _ in range(t)]
-        params = [p for bag in bags for p in bag.parameters()]
-        optim = torch.optim.SGD(params, lr=lr) if opt == "sgd" else torch.optim.Adagrad(params, lr=lr)
-        inputs = []
-        for ids, offsets in batches:  # table-major ids -> per-table (ids, offsets), outside the timing
-            per = []
-            for i in range(t):
-                lo, hi = offsets[i * b], offsets[(i + 1) * b]
-                per.append((ids[lo:hi], offsets[i * b : (i + 1) * b] - lo))
-            inputs.append(per)
-
-        def forward(per):
-            return torch.cat([bag(i, o) for bag, (i, o) in zip(bags, per, strict=True)], dim=1)
-
-        def backward(out):
-            out.backward(grad)
-            optim.step()
-            optim.zero_grad(set_to_none=True)
+        inputs, forward, backward = embedding_bag_baseline(case, opt, lr, batches, grad)
 
     elif impl == "fbgemm":
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
@@ -152,6 +135,36 @@ def worker(impl: str, opt: str, case: dict, data: dict, warmup: int) -> dict:
     setup_s = time.perf_counter() - start
     res = _timed(inputs, warmup, forward, backward)
     return {**res, "setup_s": setup_s, "peak_rss_mib": _peak_rss_mib(), "torch": torch.__version__}
+
+
+def embedding_bag_baseline(case: dict, opt: str, lr: float, batches, grad, device="cpu", generator=None):
+    """One nn.EmbeddingBag(sparse=True) per table + torch.optim SGD / Adagrad (the dlrm way):
+    (per-batch inputs, forward, backward). generator: weights uniform in +-0.01 drawn from it
+    (else nn.EmbeddingBag's own init)."""
+    t, rows, dim, b = case["tables"], case["rows"], case["dim"], case["batch"]
+    bags = [torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=device) for _ in range(t)]
+    if generator is not None:
+        for bag in bags:
+            bag.weight.data.uniform_(-0.01, 0.01, generator=generator)
+    params = [p for bag in bags for p in bag.parameters()]
+    optim = torch.optim.SGD(params, lr=lr) if opt == "sgd" else torch.optim.Adagrad(params, lr=lr)
+    inputs = []
+    for ids, offsets in batches:  # table-major ids -> per-table (ids, offsets), outside the timing
+        per = []
+        for i in range(t):
+            lo, hi = offsets[i * b], offsets[(i + 1) * b]
+            per.append((ids[lo:hi], offsets[i * b : (i + 1) * b] - lo))
+        inputs.append(per)
+
+    def forward(per):
+        return torch.cat([bag(i, o) for bag, (i, o) in zip(bags, per, strict=True)], dim=1)
+
+    def backward(out):
+        out.backward(grad)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    return inputs, forward, backward
 
 
 # ---- the driver ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, append_results, markdown_table  # noqa: E402
-from benchmarks.embedding_ops import CASES, STATE_FLOATS_PER_ROW, make_batches  # noqa: E402
+from benchmarks.embedding_ops import CASES, STATE_FLOATS_PER_ROW, embedding_bag_baseline, make_batches  # noqa: E402
 from neorec.embedding.fused import FusedEmbeddingCollection  # noqa: E402
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig  # noqa: E402
 from neorec.sparse import SparseBatch  # noqa: E402
@@ -101,26 +101,7 @@ def run(impl: str, opt: str, case: dict, batches: list, warmup: int) -> tuple[di
 
     else:
         gen = torch.Generator(device="cuda").manual_seed(0)
-        bags = [torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device="cuda") for _ in range(t)]
-        for bag in bags:
-            bag.weight.data.uniform_(-0.01, 0.01, generator=gen)
-        params = [p for bag in bags for p in bag.parameters()]
-        optim = torch.optim.SGD(params, lr=lr) if opt == "sgd" else torch.optim.Adagrad(params, lr=lr)
-        inputs = []
-        for ids, offsets in batches:  # table-major ids -> per-table (ids, offsets), outside the timing
-            per = []
-            for i in range(t):
-                lo, hi = offsets[i * b], offsets[(i + 1) * b]
-                per.append((ids[lo:hi], offsets[i * b : (i + 1) * b] - lo))
-            inputs.append(per)
-
-        def forward(per):
-            return torch.cat([bag(i, o) for bag, (i, o) in zip(bags, per, strict=True)], dim=1)
-
-        def backward(out):
-            out.backward(grad)
-            optim.step()
-            optim.zero_grad(set_to_none=True)
+        inputs, forward, backward = embedding_bag_baseline(case, opt, lr, batches, grad, "cuda", gen)
 
     first = forward(inputs[0]).detach().clone()  # a first look-up, untimed (compiles the kernels)
     res = timed(inputs, warmup, forward, backward)

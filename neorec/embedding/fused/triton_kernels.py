@@ -54,6 +54,24 @@ def _block_d(dim: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _sum_rows(start, end, index, scales, table, cols, col_ok, stride,
+                  HAS_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+        """fp32 sum over i in [start, end) of scales[i] * table[index[i], cols], BLOCK_N at a time:
+        a bag's pooled rows (index: rows of the table) or a row's gradient (index: bags of d(pooled))."""
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for first in range(start, end, BLOCK_N):
+            i = first + tl.arange(0, BLOCK_N)
+            ok = i < end
+            at = tl.load(index + i, mask=ok, other=0)
+            ptrs = table + at[:, None] * stride + cols[None, :]
+            vals = tl.load(ptrs, mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_SCALES:
+                s = tl.load(scales + i, mask=ok, other=0.0)
+                vals = vals * s[:, None]
+            acc += tl.sum(vals, axis=0)
+        return acc
+
+    @triton.jit
     def _pool_kernel(
         weight, rows, offsets, scales, out, dim, w_stride,
         HAS_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -63,17 +81,7 @@ if triton is not None:
         col_ok = cols < dim
         start = tl.load(offsets + bag)
         end = tl.load(offsets + bag + 1)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for first in range(start, end, BLOCK_N):
-            ids = first + tl.arange(0, BLOCK_N)
-            id_ok = ids < end
-            r = tl.load(rows + ids, mask=id_ok, other=0)
-            ptrs = weight + r[:, None] * w_stride + cols[None, :]
-            vals = tl.load(ptrs, mask=id_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            if HAS_SCALES:
-                s = tl.load(scales + ids, mask=id_ok, other=0.0)
-                vals = vals * s[:, None]
-            acc += tl.sum(vals, axis=0)
+        acc = _sum_rows(start, end, rows, scales, weight, cols, col_ok, w_stride, HAS_SCALES, BLOCK_N, BLOCK_D)
         tl.store(out + bag.to(tl.int64) * dim + cols, acc, mask=col_ok)
 
     @triton.jit
@@ -89,25 +97,8 @@ if triton is not None:
         end = tl.minimum(start + CHUNK, tl.load(seg_offsets + u + 1))
         cols = tl.arange(0, BLOCK_D)
         col_ok = cols < dim
-        g = _sum_ids(start, end, bags, scales, grad, cols, col_ok, g_stride, HAS_SCALES, BLOCK_N, BLOCK_D)
+        g = _sum_rows(start, end, bags, scales, grad, cols, col_ok, g_stride, HAS_SCALES, BLOCK_N, BLOCK_D)
         tl.store(partial + p.to(tl.int64) * dim + cols, g, mask=col_ok)
-
-    @triton.jit
-    def _sum_ids(start, end, bags, scales, grad, cols, col_ok, g_stride,
-                 HAS_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-        """Sum over ids [start, end) of scale * grad[bag of the id], BLOCK_N ids at a time."""
-        g = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for first in range(start, end, BLOCK_N):
-            ids = first + tl.arange(0, BLOCK_N)
-            id_ok = ids < end
-            b = tl.load(bags + ids, mask=id_ok, other=0)
-            ptrs = grad + b[:, None] * g_stride + cols[None, :]
-            vals = tl.load(ptrs, mask=id_ok[:, None] & col_ok[None, :], other=0.0)
-            if HAS_SCALES:
-                s = tl.load(scales + ids, mask=id_ok, other=0.0)
-                vals = vals * s[:, None]
-            g += tl.sum(vals, axis=0)
-        return g
 
     @triton.jit
     def _update_kernel(
@@ -125,7 +116,7 @@ if triton is not None:
         p1 = tl.load(part_offsets + u + 1)
         start = tl.load(seg_offsets + u)
         end = tl.where(p1 > p0, start, tl.load(seg_offsets + u + 1))
-        g = _sum_ids(start, end, bags, scales, grad, cols, col_ok, g_stride, HAS_SCALES, BLOCK_N, BLOCK_D)
+        g = _sum_rows(start, end, bags, scales, grad, cols, col_ok, g_stride, HAS_SCALES, BLOCK_N, BLOCK_D)
         for p in range(p0, p1):
             g += tl.load(partial + p * dim + cols, mask=col_ok, other=0.0)
         w_ptrs = weight + row * w_stride + cols
