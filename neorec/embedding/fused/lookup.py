@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -155,6 +156,37 @@ def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None) -> torc
     return pooled.view(batch.batch_size, -1)
 
 
+def sort_by_row(
+    batch: GroupBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The batch's ids grouped by row: (unique rows ascending, offsets [U + 1] of each row's ids,
+    the bag of each id, its scale or None), ids of a row in their original order (stable sort).
+
+    On CPU this is one numpy sort of int64 keys `row * 2^k + bag` (`+ id` when ids carry scales)
+    rather than torch's stable key-value sort: about 2 ms instead of 10 for 213k ids on this
+    project's 2-core machine, and no thread team to wait for. Bags ascend with the id, so the keys
+    order the ids exactly as a stable sort by row does; equal keys are the same row and bag with
+    no scale, interchangeable, so the result does not depend on the sort algorithm or thread count.
+    """
+    n = batch.rows.numel()
+    low = batch.bags if batch.scales is None else torch.arange(n, device=batch.rows.device)
+    bits = max(n if batch.scales is not None else batch.offsets.numel() - 1, 2).bit_length()
+    if batch.rows.device.type == "cpu" and n and int(batch.rows.max()) < 1 << (63 - bits):
+        keys = torch.add(low, batch.rows, alpha=1 << bits).numpy()
+        keys = torch.from_numpy(np.sort(keys))
+        sorted_rows, low = keys >> bits, keys & ((1 << bits) - 1)
+        if batch.scales is None:
+            bags, scales = low, None
+        else:
+            bags, scales = batch.bags.index_select(0, low), batch.scales.index_select(0, low)
+    else:
+        sorted_rows, order = torch.sort(batch.rows, stable=True)
+        bags = batch.bags.index_select(0, order)
+        scales = batch.scales.index_select(0, order) if batch.scales is not None else None
+    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    return unique_rows, lengths_to_offsets(counts), bags, scales
+
+
 def row_gradients(
     batch: GroupBatch, grad_bags: torch.Tensor, chunk_rows: int | None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -166,11 +198,7 @@ def row_gradients(
     expensive, page-faulted in anew at every step. Results do not depend on the chunk size: each
     row's sum and update only ever see that row. None = one chunk (GPUs; no host sync at all).
     """
-    sorted_rows, order = torch.sort(batch.rows, stable=True)
-    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    offsets = lengths_to_offsets(counts)
-    bags = batch.bags.index_select(0, order)
-    scales = batch.scales.index_select(0, order) if batch.scales is not None else None
+    unique_rows, offsets, bags, scales = sort_by_row(batch)
     num_unique = unique_rows.numel()
     if num_unique == 0:  # still one (empty) block, so that a gradient hook runs on every rank
         yield unique_rows, grad_bags.new_zeros(0, grad_bags.shape[1])
