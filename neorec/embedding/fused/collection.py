@@ -11,8 +11,9 @@ are rounded back to the storage dtype, to nearest or stochastically (rounding.py
 is always fp32.
 
 Speed on CPU: the work after the lookup runs in blocks of `chunk_elements` (rows x dim, default
-2^17) so temporaries stay in cache; results do not depend on the block size. With several intra-op
-threads on a machine whose cores are shared with other busy processes, prefer
+2^17) so temporaries stay in cache; results do not depend on the block size. Plain SGD on a plain
+fp32 table skips the blocks: one scatter_add_ of the rows' sums (see folded_lr). With several
+intra-op threads on a machine whose cores are shared with other busy processes, prefer
 OMP_WAIT_POLICY=PASSIVE (or one thread): spinning OpenMP barriers then dominate every op.
 
 Checkpoints: `state_dict()` holds, per table, `tables.<name>.weight` (in the storage dtype, so a
@@ -34,7 +35,7 @@ from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.fused import triton_kernels
 from neorec.embedding.fused.layout import TableGroup, build_layout
 from neorec.embedding.fused.lookup import FusedLookup, GroupBatch, prepare_group
-from neorec.embedding.fused.optimizers import RULES, Hparams, initial_state_value
+from neorec.embedding.fused.optimizers import RULES, Hparams, folded_sgd, initial_state_value
 from neorec.embedding.fused.param_groups import FusedEmbeddingOptimizer
 from neorec.embedding.fused.rounding import to_storage, uniform_noise
 from neorec.embedding.fused.storage import (
@@ -258,10 +259,12 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         grads: torch.Tensor,
         step: int,
         hparams: dict[str, float | torch.Tensor],
+        lr_folded: bool = False,
     ) -> None:
         """Update unique global rows `rows` of group gi with their summed gradients `grads`.
 
         hparams comes from group_hparams, resolved once per backward rather than once per chunk.
+        lr_folded: the sums already carry SGD's -lr (see folded_lr); the step only adds them.
         """
         g = self.layout.groups[gi]
         storage, state_storage = self.weights[gi], self.states[gi]
@@ -274,7 +277,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
             per_row[name] = value
         weights = storage.read(rows).to(torch.float32)
         state = {name: s.read(rows) for name, s in state_storage.items()}
-        weights, state = RULES[g.optimizer].update(weights, grads, state, step, Hparams(**per_row))
+        rule = folded_sgd if lr_folded else RULES[g.optimizer].update
+        weights, state = rule(weights, grads, state, step, Hparams(**per_row))
         noise = None
         if self.stochastic_rounding and g.dtype != torch.float32:
             c = self._constants[gi]
@@ -297,6 +301,30 @@ class FusedEmbeddingCollection(EmbeddingCollection):
             else:
                 out[f.name] = torch.tensor(values, dtype=torch.float32, device=device)
         return out
+
+    def folded_lr(
+        self, gi: int, hparams: dict[str, float | torch.Tensor], device: torch.device
+    ) -> float | None:
+        """-lr when group gi's step is plain SGD (one learning rate, no weight decay) on CPU, else None.
+
+        Then every path multiplies each id's gradient term by -lr while summing (free: the sums
+        take per-id weights anyway) and adds the sums to the rows, so that plain fp32 tables can
+        take the in-place path (lookup.add_row_gradients) and a cache or any other storage in
+        front of the same rows stays bitwise equal to it. Without a gradient hook only: a hook
+        (the sharded collection's replica sum) expects plain gradient sums.
+        """
+        lr, wd = hparams["lr"], hparams["weight_decay"]
+        if self.layout.groups[gi].optimizer != "sgd" or device.type != "cpu":
+            return None
+        if not isinstance(lr, float) or not isinstance(wd, float) or wd != 0.0:
+            return None
+        return -lr
+
+    def adds_in_place(self, gi: int) -> bool:
+        """Group gi's weights are one plain fp32 tensor (no cache, no rounding), which an SGD step
+        with a folded learning rate can add to directly."""
+        storage = self.weights[gi]
+        return isinstance(storage, TensorStorage) and storage.dtype == torch.float32
 
     def _table_of(self, gi: int, rows: torch.Tensor) -> torch.Tensor:
         """Position in the group of the table that holds each global row."""

@@ -77,6 +77,15 @@ def sgd(
     return rows, state
 
 
+def folded_sgd(
+    rows: torch.Tensor, grads: torch.Tensor, state: State, step: int, hp: Hparams
+) -> tuple[torch.Tensor, State]:
+    """w += g, where g already carries -lr (summed with -lr as each id's weight; see
+    FusedEmbeddingCollection.folded_lr): the SGD step of groups without weight decay on CPU."""
+    rows.add_(grads)
+    return rows, state
+
+
 def adagrad(
     rows: torch.Tensor, grads: torch.Tensor, state: State, step: int, hp: Hparams
 ) -> tuple[torch.Tensor, State]:
