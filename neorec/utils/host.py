@@ -13,14 +13,23 @@ is a TLB miss and a page-table walk (two-level on a virtual machine). `advise_hu
 to back a large buffer with 2 MiB pages (transparent huge pages, which most distributions grant on
 request: `madvise` mode), which cuts those walks by 512x in reach. The table buffers of the fused
 engine use it (RESULTS.md: random row gathers and scatters on a 6.6 GB table).
+
+Long-lived large buffers (table weights and optimizer state) come from `mapped_empty`: memory mapped
+for them alone, outside malloc's heap. With freed memory kept in the heap, a table buffer allocated
+after the initialisation windows of an earlier one were freed may not fit in the hole they left, so
+the heap grows past the hole and the process keeps both: peak memory then depended on the order and
+timing of allocations (up to a window more, measured: RESULTS.md, planner validation). Outside the
+heap, tables cost exactly their bytes and the heap holds only temporaries, which reuse each other.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import sys
+import warnings
 
 import torch
 
@@ -69,3 +78,22 @@ def advise_huge_pages(tensor: torch.Tensor, min_bytes: int = 16 * HUGE_PAGE) -> 
         return last > first and _libc.madvise(first, last - first, MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
+
+
+MAPPED_MIN_BYTES = 32 << 20
+
+
+def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype, min_bytes: int = MAPPED_MIN_BYTES) -> torch.Tensor:
+    """An uninitialised CPU tensor in an anonymous memory map of its own (see the module doc) when it
+    is at least `min_bytes`; a plain torch.empty otherwise or where maps are not available. The map
+    lives as long as the tensor (and its views); pages are faulted in when first written."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < min_bytes or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.empty(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():  # frombuffer warns about non-writable buffers; a map is writable
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from neorec.utils.host import advise_huge_pages
+from neorec.utils.host import advise_huge_pages, mapped_empty
 
 # init(start, end) -> fp32 rows [end - start, width]: the initial values of global rows [start, end).
 RowInit = Callable[[int, int], torch.Tensor]
@@ -97,7 +97,10 @@ def build_tensor_storage(
     """Allocate and fill a plain tensor, converting from fp32 in windows so no fp32 copy is whole.
     A large host buffer asks for huge pages before it is filled (rows are touched at random)."""
     shape = (num_rows, width) if width else (num_rows,)
-    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if torch.device(device).type == "cpu":  # a large buffer gets a memory map of its own (utils/host.py)
+        tensor = mapped_empty(shape, dtype)
+    else:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
     advise_huge_pages(tensor)
     window = _INIT_WINDOW_ROWS
     for start in range(0, num_rows, window):
