@@ -70,7 +70,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise NeorecError(f"{run}: not a finished run folder (needs config.yaml and model.pt from `neorec train`)")
     cfg = load_config(str(cfg_path), args.overrides)
     trainer = Trainer(cfg, run)
-    state = torch.load(run / "model.pt", weights_only=True)
+    state = torch.load(run / "model.pt", map_location="cpu", weights_only=True)  # a GPU run's too
     trainer.model.load_state_dict(state)
     metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size)
     width = max(len(k) for k in metrics)
