@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from test_fused_engine import Float64Reference, assert_matches
+from test_fused_engine import Float64Reference, assert_matches, step_with_reference
 
 from neorec.config.load import load_config
 from neorec.embedding.cache import CacheSettings, DramBacking, RowCache, SsdBacking, cached_storage_factory
@@ -139,15 +139,8 @@ def test_cached_training_matches_float64_reference(tmp_path, name) -> None:
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
     engine, ref = cached_engine(ts, opt, tmp_path, "lfu", fraction=0.05), Float64Reference(ts, opt)
     gen = torch.Generator().manual_seed(5)
-    outputs = []
-    for _ in range(4):
-        sparse = batch(gen, ts)
-        pooled, expected = engine(sparse), ref.forward(sparse)
-        outputs.append((pooled.detach().clone(), expected))
-        grad = torch.randn(pooled.shape, generator=gen)
-        pooled.backward(grad)
-        ref.backward_and_update(sparse, grad, {t.name: opt.lr for t in ts})
-    assert_matches(engine, ref, outputs)
+    batches = (batch(gen, ts) for _ in range(4))
+    assert_matches(engine, ref, step_with_reference(engine, ref, batches, gen))
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])

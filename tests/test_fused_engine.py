@@ -180,6 +180,19 @@ def train_both(
     return engine, ref, outputs
 
 
+def step_with_reference(engine, ref: Float64Reference, batches, gen: torch.Generator) -> list:
+    """Train `engine` and `ref` on the same batches and random output gradients at each table's
+    configured (constant) learning rate; returns (pooled, expected) per batch for assert_matches."""
+    outputs = []
+    for sparse in batches:
+        pooled, expected = engine(sparse), ref.forward(sparse)
+        outputs.append((pooled.detach().clone(), expected))
+        grad = torch.randn(pooled.shape, generator=gen)
+        pooled.backward(grad)
+        ref.backward_and_update(sparse, grad, {t.name: ref.configs[t.name].lr for t in ref.tables})
+    return outputs
+
+
 def assert_matches(
     engine: FusedEmbeddingCollection, ref: Float64Reference, outputs, rtol=1e-5, atol=1e-6
 ) -> None:

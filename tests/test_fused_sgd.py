@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fused_determinism import multi_hot
-from test_fused_engine import Float64Reference, assert_matches, make_tables, random_batch
+from test_fused_engine import Float64Reference, assert_matches, make_tables, random_batch, step_with_reference
 
 from neorec.embedding.fused import FusedEmbeddingCollection, build_tensor_storage, lookup
 from neorec.embedding.fused.lookup import GroupBatch, sort_by_row
@@ -93,15 +93,8 @@ def test_weight_decay_and_per_table_lr_take_the_general_path(in_place_calls) -> 
     for tables, opt in [(make_tables(), decayed), (make_tables(overrides=overrides), plain)]:
         engine, ref = FusedEmbeddingCollection(tables, opt), Float64Reference(tables, opt)
         gen = torch.Generator().manual_seed(3)
-        outputs = []
-        for _ in range(3):
-            sparse = random_batch(tables, gen)
-            pooled, expected = engine(sparse), ref.forward(sparse)
-            outputs.append((pooled.detach().clone(), expected))
-            grad = torch.randn(pooled.shape, generator=gen)
-            pooled.backward(grad)
-            ref.backward_and_update(sparse, grad, {t.name: ref.configs[t.name].lr for t in tables})
-        assert_matches(engine, ref, outputs)
+        batches = (random_batch(tables, gen) for _ in range(3))
+        assert_matches(engine, ref, step_with_reference(engine, ref, batches, gen))
     assert len(in_place_calls) == 3 * 2  # only the second engine's dim-3 and dim-16 groups
 
 
