@@ -117,6 +117,13 @@ def _shm_vs_backend(topo: Topology):
     recv_splits = recv_splits.tolist()
     expected = send.new_empty((sum(recv_splits), 3))
     dist.all_to_all_single(expected, send, recv_splits, splits)
+    # all-gather of byte strings of different sizes (rank 1's empty), through shm and the backend
+    size = 0 if r == 1 else int(torch.randint(1, 300, (1,), generator=g))
+    payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+    everyone: list = [None] * w
+    dist.all_gather_object(everyone, payload)
+    over_backend = Comms(topo, transport="backend").all_gather_bytes(payload, "dp").wait()
+    backend_ok = [torch.equal(a, b) for a, b in zip(over_backend, everyone, strict=True)]
     results = {}
     for capacity in (64, 1 << 20):
         group = ShmGroup(list(range(w)), r, None, capacity=capacity)
@@ -129,8 +136,11 @@ def _shm_vs_backend(topo: Topology):
         dist.all_gather(list(reference), flat)
         for _ in range(50):  # back-to-back exchanges: the double buffers must not be overwritten early
             group.all_to_all(got, send, recv_splits, splits)
+        gathered = group.all_gather_bytes(payload)  # up to 300 bytes: 5 rounds of 64
         group.close()
-        results[capacity] = (torch.equal(got, expected), torch.equal(summed, reference.sum(0)))
+        gathered_ok = all(torch.equal(a, b) for a, b in zip(gathered, everyone, strict=True))
+        results[capacity] = (torch.equal(got, expected), torch.equal(summed, reference.sum(0)), gathered_ok)
+    results["backend"] = all(backend_ok) and len(backend_ok) == w
     return results
 
 
@@ -138,7 +148,7 @@ def test_shared_memory_collectives_equal_the_backend(tmp_path):
     for w in (2, 4):
         results = spawn(w, _shm_vs_backend, tmp_path=tmp_path / str(w))
         for rank, by_capacity in results.items():
-            assert by_capacity == {64: (True, True), 1 << 20: (True, True)}, (w, rank)
+            assert by_capacity == {64: (True, True, True), 1 << 20: (True, True, True), "backend": True}, (w, rank)
 
 
 def test_topology_from_env(monkeypatch):

@@ -33,7 +33,7 @@ class DenseGradSync:
             offset = 0
             for p in self.params:
                 n = p.numel()
-                p.grad = total[offset : offset + n].view_as(p).clone()
+                p.grad = total[offset : offset + n].view_as(p)  # a view: `total` is this step's own buffer
                 offset += n
 
         return Pending([summed], finish)

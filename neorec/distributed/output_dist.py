@@ -7,6 +7,11 @@ Forward, from the local pooled [W * B, local width] (rows of rank s's samples at
 - twrw: two hops, partial sums added inside the node before crossing nodes;
 - twcw: two hops, column slices joined inside the node before crossing nodes;
 - dp: nothing to send (the replicated tables looked up the local batch).
+The received blocks are placed straight into the output [B, sum of feature dims] (feature order)
+by column segments (`Assembly`): one copy per run of columns, plus an add per later row shard of
+row-split tables (their partial sums, added in shard order). So the forward writes the output once,
+and the backward cuts each block's gradient out of the output's gradient in one pass.
+
 Backward sends each gradient block back the way its rows came, with the backward codec, after
 scaling it by 1/W: every rank's loss is a mean over its own B samples, and 1/W makes the update
 the one a single process would make on the global batch of W * B samples (as DDP's averaging
@@ -37,10 +42,13 @@ class OutputDist(torch.autograd.Function):
         codecs: tuple[Codec, Codec],
         batch_size: int,
         timings: dict[str, float],
+        assembly: Assembly,
     ) -> torch.Tensor:
+        """-> [B, output width] in feature order."""
         topo, b = comms.topo, batch_size
         fwd = codecs[0]
         ctx.layout, ctx.comms, ctx.codecs, ctx.b, ctx.timings = layout, comms, codecs, b, timings
+        ctx.assembly = assembly
         me = topo.rank
         fw, rw = layout.flat_width[me], layout.twrw_width[topo.node]
         flat = local[:, :fw]
@@ -51,7 +59,7 @@ class OutputDist(torch.autograd.Function):
             got += comms.two_hop(local[:, fw : fw + rw], b, "sum", layout.twrw_width, fwd, "fwd")
         if layout.has_twcw:
             got += comms.two_hop(local[:, fw + rw :], b, "cat", layout.twcw_width, fwd, "fwd")
-        return torch.cat([*got, dp], dim=1)
+        return assembly.place([*got, dp], b)
 
     @staticmethod
     @once_differentiable
@@ -60,16 +68,9 @@ class OutputDist(torch.autograd.Function):
         comms: Comms = ctx.comms
         topo, b, bwd = comms.topo, ctx.b, ctx.codecs[1]
         start = time.perf_counter()
-        grad = grad * (1.0 / topo.world_size)
-        fw, rw, cw = ctx.widths
-        sizes = list(layout.flat_width)
-        if layout.has_twrw:
-            sizes += layout.twrw_width
-        if layout.has_twcw:
-            sizes += layout.twcw_width
-        sizes.append(layout.dp_width)
-        pieces = list(grad.split(sizes, dim=1))
+        pieces = ctx.assembly.cut(grad, 1.0 / topo.world_size)
         grad_dp = pieces.pop()
+        fw, rw, cw = ctx.widths
         w = topo.world_size
         back = comms.exchange(pieces[:w], [(b, fw)] * w, bwd, "bwd").wait()
         parts = [torch.cat(back, dim=0)]
@@ -82,50 +83,67 @@ class OutputDist(torch.autograd.Function):
             n = topo.num_nodes
             slice_width = cw
             parts.append(comms.two_hop_backward(pieces[k : k + n], b, "cat", slice_width, bwd, "bwd"))
-        grad_local = torch.cat(parts, dim=1)
+        grad_local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         ctx.timings["output_dist_bwd"] += time.perf_counter() - start
-        return None, grad_local, grad_dp, None, None, None, None, None
+        return None, grad_local, grad_dp, None, None, None, None, None, None
 
 
-class AssembleColumns(torch.autograd.Function):
-    """[B, width] output from the received columns: term 0 places every output column once, later
-    terms add further row shards' partial sums in shard order (deterministic). Every received
-    column feeds exactly one output column, so the backward is a single gather."""
+class Assembly:
+    """Where each received column goes in the output, as runs of columns ("segments").
 
-    @staticmethod
-    def forward(ctx, received: torch.Tensor, plan: ColumnPlan) -> torch.Tensor:  # type: ignore[override]
-        ctx.plan = plan
-        out = received.index_select(1, plan.first)
-        for dst, src in plan.more:
-            out.index_add_(1, dst, received.index_select(1, src))
+    Built once from ShardLayout.assembly() and the widths of the received pieces (flat blocks by
+    owner, twrw blocks by node, twcw blocks by node, then dp): a segment copies (term 0) or adds
+    (term k > 0: the k-th row shard's partial sums, in shard order) columns [s, s + n) of one piece
+    to output columns [d, d + n). Every received column feeds exactly one output column, so the
+    gradient of a piece is made of the same segments of the output's gradient."""
+
+    def __init__(self, terms: list[tuple[list[int], list[int]]], width: int, piece_widths: list[int]) -> None:
+        self.width, self.piece_widths = width, list(piece_widths)
+        starts = [0]
+        for pw in piece_widths:
+            starts.append(starts[-1] + pw)
+        covered = [False] * width
+        self.segments: list[tuple[bool, int, int, int, int]] = []  # (add, piece, s, d, n)
+        for term, (dst, src) in enumerate(terms):
+            for d, s in zip(dst, src, strict=True):
+                piece = _piece_of(starts, s)
+                s -= starts[piece]
+                last = self.segments[-1] if self.segments else None
+                if last is not None and last[0] == (term > 0) and last[1] == piece and \
+                        last[2] + last[4] == s and last[3] + last[4] == d:  # fmt: skip
+                    self.segments[-1] = (*last[:4], last[4] + 1)
+                else:
+                    self.segments.append((term > 0, piece, s, d, 1))
+                if term == 0:
+                    covered[d] = True
+        if not all(covered):
+            raise ValueError("assembly: term 0 does not cover every output column")
+
+    def place(self, pieces: list[torch.Tensor], batch: int) -> torch.Tensor:
+        """The output [batch, width] from the received pieces."""
+        out = pieces[-1].new_empty((batch, self.width))
+        for add, p, s, d, n in self.segments:
+            src = pieces[p][:, s : s + n]
+            if add:
+                out[:, d : d + n] += src
+            else:
+                out[:, d : d + n] = src
         return out
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad.index_select(1, ctx.plan.source_of), None
+    def cut(self, grad: torch.Tensor, scale: float) -> list[torch.Tensor]:
+        """The gradient of every piece (contiguous), times `scale`, from the output's gradient."""
+        pieces = [grad.new_empty((grad.shape[0], w)) for w in self.piece_widths]
+        for _, p, s, d, n in self.segments:
+            torch.mul(grad[:, d : d + n], scale, out=pieces[p][:, s : s + n])
+        return pieces
 
 
-class ColumnPlan:
-    """Index tensors for AssembleColumns, built once from ShardLayout.assembly()."""
-
-    def __init__(self, terms: list[tuple[list[int], list[int]]], width: int, received: int, device) -> None:
-        dst0, src0 = terms[0]
-        first = [0] * width
-        for d, s in zip(dst0, src0, strict=True):
-            first[d] = s
-        self.first = torch.tensor(first, dtype=torch.int64, device=device)
-        self.more = [
-            (torch.tensor(d, dtype=torch.int64, device=device), torch.tensor(s, dtype=torch.int64, device=device))
-            for d, s in terms[1:]
-        ]
-        source_of = [0] * received  # the output column each received column feeds
-        for d_list, s_list in terms:
-            for d, s in zip(d_list, s_list, strict=True):
-                source_of[s] = d
-        self.source_of = torch.tensor(source_of, dtype=torch.int64, device=device)
-
-    def to(self, device) -> ColumnPlan:
-        self.first, self.source_of = self.first.to(device), self.source_of.to(device)
-        self.more = [(d.to(device), s.to(device)) for d, s in self.more]
-        return self
+def _piece_of(starts: list[int], col: int) -> int:
+    lo, hi = 0, len(starts) - 2
+    while lo < hi:  # the last piece whose start is <= col
+        mid = (lo + hi + 1) // 2
+        if starts[mid] <= col:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -36,7 +36,7 @@ from neorec.distributed.codecs import Codec
 from neorec.distributed.comms import Comms, Pending
 from neorec.distributed.input_dist import InputDist
 from neorec.distributed.layout import ShardLayout
-from neorec.distributed.output_dist import AssembleColumns, ColumnPlan, OutputDist
+from neorec.distributed.output_dist import Assembly, OutputDist
 from neorec.distributed.plan import STORAGE_TIERS, ShardingPlan
 from neorec.embedding.cache import TIERS as CACHE_TIERS
 from neorec.embedding.cache import CacheSettings, cached_storage_factory
@@ -47,6 +47,9 @@ from neorec.embedding.init import init_rows
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import ConfigError
 from neorec.sparse import SparseBatch, lengths_to_offsets
+
+
+_DENSE_DP_BYTES = 4 << 20  # dp groups whose whole gradient is this small may be all-reduced densely
 
 
 class _LearningRates:
@@ -107,10 +110,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.replicated.grad_hook = self._sum_replica_gradients
         self.input_dist_ = InputDist(self.layout, comms)
         self.dp_features = [f for t in dp for f in t.features]
-        dev = torch.device(device) if device is not None else torch.device("cpu")
         lay = self.layout
-        received = sum(lay.flat_width) + sum(lay.twrw_width) * lay.has_twrw + sum(lay.twcw_width) * lay.has_twcw
-        self._columns = ColumnPlan(lay.assembly(), self.output_dim, received + lay.dp_width, dev)
+        pieces = lay.flat_width + lay.twrw_width * lay.has_twrw + lay.twcw_width * lay.has_twcw + [lay.dp_width]
+        self._assembly = Assembly(lay.assembly(), self.output_dim, pieces)
         index = {t.name: i for i, t in enumerate(self.tables)}
         self._table_index = index
         self._units = units
@@ -178,8 +180,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             dp = torch.zeros(b, 0, device=sparse.values.device)
         start = time.perf_counter()
         anchor = torch.empty(0, device=dp.device, requires_grad=True)
-        received = OutputDist.apply(anchor, pooled_local, dp, self.layout, self.comms, self.codecs, b, self.timings)
-        out = AssembleColumns.apply(received, self._columns)
+        out = OutputDist.apply(
+            anchor, pooled_local, dp, self.layout, self.comms, self.codecs, b, self.timings, self._assembly
+        )
         self.timings["output_dist"] += time.perf_counter() - start
         return out
 
@@ -226,41 +229,61 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 entry[2] = True
                 self.timings["lookup"] += time.perf_counter() - start  # where the cost model counts misses
 
-    def _apply(self, fn, recurse: bool = True):  # move the column plan with the module (.to, .cuda)
-        super()._apply(fn, recurse)
-        c = self._columns
-        c.first, c.source_of = fn(c.first), fn(c.source_of)
-        c.more = [(fn(d), fn(s)) for d, s in c.more]
-        return self
-
     # ---- replicated tables ----------------------------------------------------------------------
     def _sum_replica_gradients(self, gi: int, rows: torch.Tensor, grads: torch.Tensor):
-        """Sum a dp group's row gradients over ranks; every rank gets the same rows and sums."""
+        """Sum a dp group's row gradients over ranks; every rank gets the same rows and sums.
+
+        Sparse (the usual case): every rank's (rows, gradients) go to every rank in one all-gather,
+        and each rank adds them up the same way. Dense, for a group so small that its whole gradient
+        may be fewer bytes than the rows touched: an all-reduce of [rows, dim + 1] (the extra
+        column marks the touched rows), chosen after the ranks' row counts are known."""
         world = self.topo.world_size
         if world == 1:
             return rows, grads
-        comms, codec = self.comms, self.codecs[1]
-        count = torch.tensor([rows.numel()], dtype=torch.int64)
-        counts = comms.all_to_all(count.repeat(world), [1] * world, [1] * world, "dp").wait().tolist()
         group = self.replicated.layout.groups[gi]
         dim, total_rows = group.dim, group.num_rows
+        codec = self.codecs[1]
         wire = codec.wire_width(dim) * torch.empty(0, dtype=codec.wire_dtype).element_size()
-        sparse_bytes = sum(counts) * (wire + 8)
         dense_bytes = 2 * total_rows * (dim + 1) * 4
-        if sparse_bytes <= dense_bytes:
-            all_rows = comms.all_to_all(rows.repeat(world), [rows.numel()] * world, counts, "dp").wait()
-            got = comms.exchange([grads] * world, [(c, dim) for c in counts], codec, "dp").wait()
-            all_grads = torch.cat(got)
-            order_rows, order = torch.sort(all_rows, stable=True)
-            unique, per_row = torch.unique_consecutive(order_rows, return_counts=True)
-            summed = F.embedding_bag(
-                order, all_grads, lengths_to_offsets(per_row), mode="sum", include_last_offset=True
-            )
-            return unique, summed
+        if dense_bytes <= _DENSE_DP_BYTES:
+            count = torch.tensor([rows.numel()], dtype=torch.int64)
+            counts = self.comms.all_to_all(count.repeat(world), [1] * world, [1] * world, "dp").wait().tolist()
+            if dense_bytes < sum(counts) * (wire + 8):
+                return self._all_reduce_replica_gradients(rows, grads, total_rows, dim)
+            return self._gather_replica_gradients(rows, grads, codec, wire, counts)
+        return self._gather_replica_gradients(rows, grads, codec, wire)
+
+    def _gather_replica_gradients(
+        self, rows: torch.Tensor, grads: torch.Tensor, codec: Codec, wire: int, counts: list[int] | None = None
+    ):
+        """counts: every rank's number of rows, when already exchanged (else they travel with the
+        rows: comms.all_gather_bytes)."""
+        n, dim, world = rows.numel(), grads.shape[1], self.topo.world_size
+        payload = torch.empty(n * (8 + wire), dtype=torch.uint8, device=rows.device)
+        payload[: n * 8].view(torch.int64).copy_(rows)
+        width = codec.wire_width(dim)
+        codec.encode(grads, payload[n * 8 :].view(codec.wire_dtype).view(n, width))
+        if counts is None:
+            got = self.comms.all_gather_bytes(payload, "dp").wait()
+        else:
+            sizes = [c * (8 + wire) for c in counts]
+            got = self.comms.all_to_all(payload.repeat(world), [payload.numel()] * world, sizes, "dp").wait().split(sizes)
+        all_rows, all_grads = [], []
+        for part in got:
+            k = part.numel() // (8 + wire)
+            all_rows.append(part[: k * 8].view(torch.int64))
+            all_grads.append(codec.decode(part[k * 8 :].view(codec.wire_dtype).view(k, width)))
+        all_rows, all_grads = torch.cat(all_rows), torch.cat(all_grads)
+        order_rows, order = torch.sort(all_rows, stable=True)
+        unique, per_row = torch.unique_consecutive(order_rows, return_counts=True)
+        summed = F.embedding_bag(order, all_grads, lengths_to_offsets(per_row), mode="sum", include_last_offset=True)
+        return unique, summed
+
+    def _all_reduce_replica_gradients(self, rows: torch.Tensor, grads: torch.Tensor, total_rows: int, dim: int):
         dense = grads.new_zeros(total_rows, dim + 1)
         dense[rows, :dim] = grads
         dense[rows, dim] = 1.0  # touched by this rank
-        summed = comms.all_reduce_sum(dense.view(-1), codec, "dp").wait().view(total_rows, dim + 1)
+        summed = self.comms.all_reduce_sum(dense.view(-1), self.codecs[1], "dp").wait().view(total_rows, dim + 1)
         touched = (summed[:, dim] > 0).nonzero().squeeze(1)
         return touched, summed[touched, :dim].contiguous()
 

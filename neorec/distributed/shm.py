@@ -79,6 +79,9 @@ class ShmGroup:
             [self._region(k, p * HEADER_SLOTS * 8, HEADER_SLOTS * 8).view(torch.int64) for p in (0, 1)]
             for k in range(self.size)
         ]
+        # the sequence words as numpy views: a waiting rank reads them in a loop, and a numpy read
+        # costs a tenth of a tensor element read (select + item)
+        self._sequences = [[h.numpy()[:1] for h in pair] for pair in self._headers]
         self._buffers = [
             [self._region(k, header_bytes + p * capacity, capacity) for p in (0, 1)] for k in range(self.size)
         ]
@@ -106,7 +109,8 @@ class ShmGroup:
                         raise
 
     def _all_published(self, parity: int) -> bool:
-        return all(int(self._headers[k][parity][0]) >= self.seq for k in range(self.size))
+        seq = self.seq
+        return all(pair[parity][0] >= seq for pair in self._sequences)
 
     def _wait(self, parity: int) -> None:
         for _ in range(SPIN_CHECKS):
@@ -169,6 +173,34 @@ class ShmGroup:
                     out.copy_(self._buffers[k][parity][a - lo : b - lo])
                     self.bytes_copied += b - a
             rnd += 1
+
+    def all_gather_bytes(self, send: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `send` (1-D uint8, sizes may differ), in group order. No sizes need to be
+        exchanged first: each rank's total travels in its header."""
+        W, me = self.size, self.index
+        src = _bytes(send)
+        total = src.numel()
+        C = self.capacity
+        rnd, rounds = 0, 1
+        outs: list[torch.Tensor] = []
+        totals: list[int] = []
+        while rnd < rounds:
+            parity = (self.seq + 1) % 2
+            lo = rnd * C
+            chunk = src[lo : min(lo + C, total)]
+            self._buffers[me][parity][: chunk.numel()].copy_(chunk)
+            self._publish(parity, [total])
+            self._wait(parity)
+            if rnd == 0:
+                totals = [int(self._headers[k][parity][2]) for k in range(W)]
+                outs = [torch.empty(t, dtype=torch.uint8) for t in totals]
+                rounds = max(1, -(-max(totals) // C))
+            for k in range(W):
+                a, b = lo, min(totals[k], lo + C)
+                if a < b:
+                    outs[k][a:b].copy_(src[a:b] if k == me else self._buffers[k][parity][: b - a])
+            rnd += 1
+        return outs
 
     def all_reduce(self, flat: torch.Tensor) -> None:
         """In place: flat (1-D, contiguous) becomes the sum over the group, added in rank order."""

@@ -172,13 +172,14 @@ def owner_work(
 def collective_calls(kinds: set[str], dp_groups: int, weighted: bool) -> dict[str, int]:
     """Collective calls per stage and step (each costs the cluster's latency): the id exchange
     (lengths, ids, weights), the pooled exchange and its gradient (flat, plus two hops per
-    hierarchical kind present), and per group of replicated tables a count, rows and gradients."""
+    hierarchical kind present), and per group of replicated tables one all-gather of its rows and
+    gradients (sharded.py; a group small enough for a dense all-reduce also sends its counts)."""
     two_hop = 2 * (("twrw" in kinds) + ("twcw" in kinds))
     return {
         "input_dist": 2 + int(weighted),
         "output_dist": 1 + two_hop,
         "output_dist_bwd": 1 + two_hop,
-        "update": 3 * dp_groups,
+        "update": dp_groups,
     }
 
 
