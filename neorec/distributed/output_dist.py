@@ -54,7 +54,10 @@ class OutputDist(torch.autograd.Function):
         flat = local[:, :fw]
         ctx.widths = (fw, rw, local.shape[1] - fw - rw)
         blocks = list(flat.reshape(topo.world_size, b, fw))
-        got = comms.exchange(blocks, [(b, w) for w in layout.flat_width], fwd, "fwd").wait()
+        if any(layout.flat_width):
+            got = comms.exchange(blocks, [(b, w) for w in layout.flat_width], fwd, "fwd").wait()
+        else:  # no flat shard anywhere (e.g. every table replicated): nothing to wait for
+            got = [local.new_empty((b, 0)) for _ in layout.flat_width]
         if layout.has_twrw:
             got += comms.two_hop(local[:, fw : fw + rw], b, "sum", layout.twrw_width, fwd, "fwd")
         if layout.has_twcw:
@@ -72,7 +75,10 @@ class OutputDist(torch.autograd.Function):
         grad_dp = pieces.pop()
         fw, rw, cw = ctx.widths
         w = topo.world_size
-        back = comms.exchange(pieces[:w], [(b, fw)] * w, bwd, "bwd").wait()
+        if any(layout.flat_width):
+            back = comms.exchange(pieces[:w], [(b, fw)] * w, bwd, "bwd").wait()
+        else:
+            back = [grad.new_empty((b, 0)) for _ in range(w)]
         parts = [torch.cat(back, dim=0)]
         k = w
         if layout.has_twrw:
