@@ -108,6 +108,7 @@ def sweep(args) -> None:
         cases = [(None, base)]
         for fraction in fractions:
             extra = [f"embedding.tier={args.tier}", f"embedding.cache.directory={directory}",
+                     f"embedding.cache.ssd_reads={args.ssd_reads}",
                      f"embedding.cache.fraction={fraction}", f"embedding.cache.policy={args.policy}", *on_device]  # fmt: skip
             steps = args.steps + args.warmup
             cases.append(
@@ -202,6 +203,7 @@ def demo(args) -> None:
     directory = Path(args.dir) / "cache-demo"
     cache_mib = args.cache_mib
     extra = ["embedding.tier=ssd", f"embedding.cache.directory={directory}", f"embedding.cache.size_mib={cache_mib}",
+             f"embedding.cache.ssd_reads={args.ssd_reads}",
              f"embedding.cache.policy={args.policy}"]  # fmt: skip
     cfg = make_config(rows, args.dim, args.zipf[0], args.batch_size, args.steps + args.warmup, "adam", extra)
     batches = make_batches(cfg, args.steps + args.warmup)
@@ -253,6 +255,8 @@ def main() -> None:
     p.add_argument("--table-gib", type=float, default=12.0, help="demo: GiB of rows + Adam state")
     p.add_argument("--budget-gib", type=float, default=4.0, help="demo: the memory budget")
     p.add_argument("--cache-mib", type=float, default=2048.0, help="demo: RAM for cached rows + state")
+    p.add_argument("--ssd-reads", default="map", choices=["map", "pread"],
+                   help="how ssd tables read missed rows (embedding.cache.ssd_reads)")
     p.add_argument("--note", default="", help="appended to the RESULTS notes (e.g. other load seen)")
     p.add_argument("--no-append", action="store_true", help="sweep: print only (no RESULTS.md, no plot)")
     args = p.parse_args()

@@ -188,6 +188,33 @@ def test_ssd_table_is_created_without_materialising(tmp_path) -> None:
     assert _rss_mib() - before < 150, "creating or saving the table loaded it into memory"
 
 
+@pytest.mark.parametrize("release_bytes", [1 << 12, 256 << 20])
+def test_ssd_reads_from_the_map_equal_positioned_reads(tmp_path, release_bytes) -> None:
+    """Both ways of reading missed rows (reads="map", the default, and "pread" on I/O threads) give
+    the records written, for single rows, runs of neighbours, the first and last rows, more rows than
+    one piece, and none; with a tiny release size the map's pages are dropped after every piece."""
+    from neorec.embedding.cache.backing import create_ssd_file
+    from neorec.embedding.cache.records import RecordLayout
+
+    layout = RecordLayout([("weight", 24, torch.float32), ("momentum1", 0, torch.float32)])
+    rows_total = 20_000
+    values = torch.randn(rows_total, 24, generator=torch.Generator().manual_seed(3))
+    inits = {"weight": lambda a, b: values[a:b], "momentum1": lambda a, b: torch.arange(a, b, dtype=torch.float32)}
+    path = tmp_path / "t.rows.bin"
+    create_ssd_file(path, layout, rows_total, inits)
+    by_map = SsdBacking(path, layout, rows_total, release_bytes, reads="map")
+    by_pread = SsdBacking(path, layout, rows_total, release_bytes, reads="pread")
+    by_map.piece_rows = 1000  # several pieces per read, each followed by the resident-memory check
+    picks = torch.cat([torch.tensor([0, 5, 6, 7, 19_999]), torch.randperm(rows_total)[:4321]])
+    for rows in (torch.unique(picks), torch.arange(100, 3100), torch.empty(0, dtype=torch.int64)):
+        got = by_map.read(rows)
+        assert torch.equal(got, by_pread.read(rows))
+        assert torch.equal(layout.view(got, "weight"), values[rows])
+        assert torch.equal(layout.view(got, "momentum1"), rows.to(torch.float32))
+    with pytest.raises(ValueError, match="ssd reads"):
+        SsdBacking(path, layout, rows_total, reads="mmap")
+
+
 def test_stats_on_a_hand_checked_sequence() -> None:
     """Capacity 2, rows of 4 fp32 weights (16 bytes). Lookups [0, 1], [1, 2], [0, 2], [2, 3]."""
     backing = DramBacking.from_tensors({"weight": torch.arange(40, dtype=torch.float32).view(10, 4)})

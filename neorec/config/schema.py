@@ -148,6 +148,11 @@ class CacheConfig(Strict):
     release_mib: float = Field(
         256.0, gt=0, description="ssd: drop the pages written through the file's map after this many MiB (4 KiB a row)"
     )
+    ssd_reads: Literal["map", "pread"] = Field(
+        "map",
+        description="ssd: read missed rows from the file's map (least CPU when the page cache holds the file) "
+        "or with positioned reads on 16 I/O threads (deeper disk queue when it does not)",
+    )
 
     @model_validator(mode="after")
     def _one_size(self) -> CacheConfig:

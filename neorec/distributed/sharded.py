@@ -6,8 +6,8 @@ Per batch (each rank holds B samples of the global batch of W * B):
     output_dist(local pooled)     pooled rows back to the samples' ranks      (output_dist.py)
 and in backward the reverse exchange, then the fused update of the owned rows. Replicated (dp)
 tables are looked up locally; their row gradients are summed over ranks inside the fused backward
-(a sparse all-gather of the touched rows, or a dense all-reduce when that is fewer bytes) so that
-every replica applies the same update.
+(one all-gather of the touched rows and their gradients, or a dense all-reduce for a small group
+when that is fewer bytes) so that every replica applies the same update.
 
 `forward` runs the three stages back to back; `input_dist`, `lookup` and `output` are public so a
 pipeline can start batch i+1's input_dist before batch i's lookup.

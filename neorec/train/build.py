@@ -126,7 +126,7 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
     from neorec.embedding.cache import CacheSettings
 
     c = e.cache
-    settings = CacheSettings(c.policy, c.fraction, c.size_mib, c.directory, c.release_mib)
+    settings = CacheSettings(c.policy, c.fraction, c.size_mib, c.directory, c.release_mib, c.ssd_reads)
     if sharded:
         if e.engine != "fused":
             raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")

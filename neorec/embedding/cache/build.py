@@ -38,6 +38,7 @@ class CacheSettings:
     size_mib: float | None = None  # or: MiB of cache (rows + optimizer state) shared by all groups
     directory: str | Path | None = None  # where ssd tables' files go
     release_mib: float = 256.0  # ssd: drop the pages written through the file's map after this many MiB
+    ssd_reads: str = "map"  # ssd: "map" (gather from the file's map) or "pread" (I/O threads)
 
 
 def cached_storage_factory(
@@ -94,7 +95,7 @@ def _backing(tier: str, table: str, specs: dict[str, StorageSpec], settings: Cac
     assert settings.directory is not None  # checked when the factory was made
     path = Path(settings.directory) / f"{table}.rows.bin"
     create_ssd_file(path, layout, num_rows, inits)
-    return SsdBacking(path, layout, num_rows, int(settings.release_mib * 2**20))
+    return SsdBacking(path, layout, num_rows, int(settings.release_mib * 2**20), settings.ssd_reads)
 
 
 def _capacity(
