@@ -33,6 +33,7 @@ class _Stage:
     rows: torch.Tensor  # sorted, unique
     records: Future  # -> [len(rows), record_bytes]
     mark: int  # writes logged before this stage was submitted
+    batch: object = None  # the coming batch's unique rows (the very tensor its lookup will pass)
 
 
 @dataclass
@@ -56,12 +57,13 @@ class BackgroundIO:
         self._log_base = 0
 
     # ---- jobs ------------------------------------------------------------------------------------
-    def stage(self, rows: torch.Tensor) -> None:
-        """Start reading `rows` (sorted, unique) for a coming batch."""
+    def stage(self, rows: torch.Tensor, batch: object = None) -> None:
+        """Start reading `rows` (sorted, unique) for a coming batch; `batch`: that batch's unique rows,
+        the tensor its lookup will pass to `consumed` (so the stage is dropped then without a search)."""
         if len(self._stages) == _MAX_STAGES:
             self._stages.popleft()
         mark = self._log_base + len(self._log)
-        self._stages.append(_Stage(rows, self._submit(self.backing.read, rows), mark))
+        self._stages.append(_Stage(rows, self._submit(self.backing.read, rows), mark, batch))
 
     def staged(self) -> list[torch.Tensor]:
         """Rows of the stages not consumed yet (they are on their way)."""
@@ -130,9 +132,16 @@ class BackgroundIO:
         return ok
 
     # ---- housekeeping ---------------------------------------------------------------------------
-    def consumed(self, rows: torch.Tensor) -> None:
-        """`rows` (sorted, unique) were looked up: drop the stages that only held rows of them."""
-        keep = deque(s for s in self._stages if not bool(find_sorted(rows, s.rows)[1].all()))
+    def consumed(self, rows: torch.Tensor, batch: object = None) -> None:
+        """`rows` (sorted, unique) were looked up: drop the stages that only held rows of them. A stage
+        staged for this very batch (`batch`, default `rows`: the same tensor object) is dropped at once;
+        the others are searched."""
+        batch = rows if batch is None else batch
+        keep = deque(
+            s
+            for s in self._stages
+            if s.batch is not batch and not bool(find_sorted(rows, s.rows)[1].all())
+        )
         if len(keep) != len(self._stages):
             self._stages = keep
             self._trim()
