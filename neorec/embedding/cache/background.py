@@ -133,14 +133,15 @@ class BackgroundIO:
 
     # ---- housekeeping ---------------------------------------------------------------------------
     def consumed(self, rows: torch.Tensor, batch: object = None) -> None:
-        """`rows` (sorted, unique) were looked up: drop the stages that only held rows of them. A stage
-        staged for this very batch (`batch`, default `rows`: the same tensor object) is dropped at once;
-        the others are searched."""
+        """`rows` (sorted, unique) were looked up: drop the stages read ahead for this very batch
+        (`batch`, default `rows`: the same tensor object its prefetch passed), and the stages of no
+        known batch that only held rows of them (a search). A stage of another batch waits for that
+        batch's lookup (or for newer stages to push it out)."""
         batch = rows if batch is None else batch
         keep = deque(
             s
             for s in self._stages
-            if s.batch is not batch and not bool(find_sorted(rows, s.rows)[1].all())
+            if s.batch is not batch and (s.batch is not None or not bool(find_sorted(rows, s.rows)[1].all()))
         )
         if len(keep) != len(self._stages):
             self._stages = keep

@@ -21,10 +21,9 @@ up. So the disk works while batch i computes, and a prefetch never evicts batch 
 Bookkeeping is dense and vectorised: `slot_of[row]` (int32, -1 = not cached; 4 bytes per row of the
 table, the one per-row cost kept in RAM), and per slot its row, a dirty bit, the tick of its last use
 and (LFU) its use count. Victims are the slots with the smallest key among those the current call
-does not need:
-- lru: key = tick of the last lookup (found by counting slots per tick, cheaper than a `topk` over
-  every slot; the last 4,096 ticks are told apart, older ones count as equally old);
-- lfu: key = (use count, then tick; one `topk`): the least used go first, oldest among equals. Counts decay:
+does not need (one `topk` per call):
+- lru: key = tick of the last lookup;
+- lfu: key = (use count, then tick): the least used go first, oldest among equals. Counts decay:
   they are halved every time the cache has seen `lfu_decay_rows` looked-up rows (default: as many as
   it has slots), so a count is about the row's uses over the last few turnovers of the cache and rows
   that were hot long ago do not stay forever;
@@ -47,7 +46,6 @@ from neorec.embedding.cache.stats import CacheStats
 
 POLICIES = ("lru", "lfu")
 _PINNED = torch.iinfo(torch.int64).max
-_LRU_TICKS = 4096  # LRU victims: ticks of use told apart (older ones count as equally old)
 
 
 class RowCache:
@@ -160,24 +158,11 @@ class RowCache:
     def _victims(self, k: int, pinned: torch.Tensor) -> torch.Tensor:
         """k slots to reuse: free ones first, then by policy; never a slot in `pinned`."""
         if self.policy == "lru":
-            return self._least_recent(k)
-        key = self.uses * (1 << 32) + self.last_used
-        key.index_fill_(0, pinned, _PINNED)
+            key = self.last_used  # pinned slots were just given the newest tick
+        else:
+            key = self.uses * (1 << 32) + self.last_used
+            key.index_fill_(0, pinned, _PINNED)
         return torch.topk(key, k, largest=False, sorted=False).indices
-
-    def _least_recent(self, k: int) -> torch.Tensor:
-        """The k least recently used slots (free slots first), by counting slots per tick instead of a
-        topk over every slot: a histogram of the last ticks of use, the tick where the count reaches
-        k, then the slots below it and the first slots at it. Ticks older than _LRU_TICKS before
-        the current one share the oldest bin (taken in slot order: all of them are long unused).
-        Pinned slots (the current call's resident rows) hold the current tick, newer than any k
-        victims can reach (k <= the slots not pinned)."""
-        key = (self.last_used - (self.tick - _LRU_TICKS)).clamp_(min=0)  # free slots (-1) -> 0
-        counts = torch.bincount(key, minlength=_LRU_TICKS + 1)
-        at = int(torch.searchsorted(counts.cumsum(0), k))  # first bin where the count reaches k
-        below = (key < at).nonzero().flatten()
-        same = (key == at).nonzero().flatten()[: k - below.numel()]
-        return torch.cat([below, same])
 
     def _evict(self, slots: torch.Tensor) -> None:
         rows = self.row_of.index_select(0, slots)
