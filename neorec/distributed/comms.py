@@ -143,19 +143,20 @@ class Comms:
         )
         return Pending([work], lambda: recv)
 
-    def all_gather_bytes(self, payload: torch.Tensor, direction: str) -> Pending:
-        """Every rank's `payload` (1-D uint8 on the CPU; sizes may differ), as a list in rank order.
-        In shared memory one exchange (the sizes travel in its header); over the backend the sizes
-        go first, then the bytes."""
+    def all_gather_bytes(self, payload: torch.Tensor, direction: str, sizes: list[int] | None = None) -> Pending:
+        """Every rank's `payload` (1-D uint8; sizes may differ), as a list in rank order. `sizes`: every
+        rank's payload size when the caller already knows them. Otherwise, in shared memory, one
+        exchange (the sizes travel in its header); over the backend the sizes go first."""
         world = self.world
         if world.size == 1:
             return Pending.ready([payload])
-        if world.shm is not None and payload.device.type == "cpu":
+        if sizes is None and world.shm is not None and payload.device.type == "cpu":
             self.stats.add(direction, (world.size - 1) * (payload.numel() + 8))  # + its size, in the header
             return Pending.ready(world.shm.all_gather_bytes(payload.contiguous()))
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
-        sizes = self.all_to_all(size.repeat(world.size), [1] * world.size, [1] * world.size, direction).wait()
-        sizes = sizes.tolist()
+        if sizes is None:
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+            sizes = self.all_to_all(size.repeat(world.size), [1] * world.size, [1] * world.size, direction).wait()
+            sizes = sizes.tolist()
         n = payload.numel()
         got = self.all_to_all(payload.repeat(world.size), [n] * world.size, sizes, direction)
         return Pending([got], lambda: list(got.wait().split(sizes)))

@@ -20,6 +20,7 @@ does for the dense part).
 
 from __future__ import annotations
 
+import bisect
 import time
 
 import torch
@@ -112,7 +113,7 @@ class Assembly:
         self.segments: list[tuple[bool, int, int, int, int]] = []  # (add, piece, s, d, n)
         for term, (dst, src) in enumerate(terms):
             for d, s in zip(dst, src, strict=True):
-                piece = _piece_of(starts, s)
+                piece = bisect.bisect_right(starts, s) - 1  # the last piece starting at or before s
                 s -= starts[piece]
                 last = self.segments[-1] if self.segments else None
                 if last is not None and last[0] == (term > 0) and last[1] == piece and \
@@ -142,14 +143,3 @@ class Assembly:
         for _, p, s, d, n in self.segments:
             torch.mul(grad[:, d : d + n], scale, out=pieces[p][:, s : s + n])
         return pieces
-
-
-def _piece_of(starts: list[int], col: int) -> int:
-    lo, hi = 0, len(starts) - 2
-    while lo < hi:  # the last piece whose start is <= col
-        mid = (lo + hi + 1) // 2
-        if starts[mid] <= col:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -258,16 +258,13 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     ):
         """counts: every rank's number of rows, when already exchanged (else they travel with the
         rows: comms.all_gather_bytes)."""
-        n, dim, world = rows.numel(), grads.shape[1], self.topo.world_size
+        n, dim = rows.numel(), grads.shape[1]
         payload = torch.empty(n * (8 + wire), dtype=torch.uint8, device=rows.device)
         payload[: n * 8].view(torch.int64).copy_(rows)
         width = codec.wire_width(dim)
         codec.encode(grads, payload[n * 8 :].view(codec.wire_dtype).view(n, width))
-        if counts is None:
-            got = self.comms.all_gather_bytes(payload, "dp").wait()
-        else:
-            sizes = [c * (8 + wire) for c in counts]
-            got = self.comms.all_to_all(payload.repeat(world), [payload.numel()] * world, sizes, "dp").wait().split(sizes)
+        sizes = None if counts is None else [c * (8 + wire) for c in counts]
+        got = self.comms.all_gather_bytes(payload, "dp", sizes).wait()
         all_rows, all_grads = [], []
         for part in got:
             k = part.numel() // (8 + wire)

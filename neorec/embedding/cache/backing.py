@@ -30,8 +30,8 @@ How the file is read and written (measured in benchmarks/RESULTS.md, "SSD backin
   is left on: scattered rows gain nothing from it at first, but it warms the page cache for later
   misses, and measured faster here than POSIX_FADV_RANDOM on a cold file;
 - nothing else of the file is ever resident: memory is the cache, the rows in flight and at most
-  about `release_bytes` (plus one piece of rows) of mapped pages, read or written. The kernel's page cache keeps recently used pages (clean or
-  dirty, reclaimable, not in the process's RSS).
+  about `release_bytes` (plus one piece of rows) of mapped pages, read or written. The kernel's
+  page cache keeps recently used pages (clean or dirty, reclaimable, not in the process's RSS).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ class DramBacking:
 
 
 class SsdBacking:
-    """All records in one file, read from and written through a shared map of it (or read with pread; see the module doc)."""
+    """All records in one file, read from and written through a shared map of it (or read with
+    pread; see the module doc)."""
 
     tier = "ssd"
 
@@ -123,7 +124,7 @@ class SsdBacking:
         )
         self._words = torch.from_numpy(self._map)  # records as int64 words, the map's memory
         self.release_bytes = release_bytes
-        self.piece_rows = max(1, release_bytes // _FOLIO_BYTES)  # rows written between two checks
+        self.piece_rows = max(1, release_bytes // _FOLIO_BYTES)  # rows read or written between two checks
         self._baseline = _resident_file_bytes()
 
     # ---- rows of a batch ---------------------------------------------------------------------------
@@ -140,8 +141,7 @@ class SsdBacking:
         for a in range(0, rows.numel(), self.piece_rows):
             b = min(a + self.piece_rows, rows.numel())
             torch.index_select(self._words, 0, rows[a:b], out=words[a:b])
-            if _resident_file_bytes() - self._baseline >= self.release_bytes:
-                self.release()
+            self._release_if_grown()
         return out
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
@@ -151,8 +151,12 @@ class SsdBacking:
         for a in range(0, rows.numel(), self.piece_rows):
             b = min(a + self.piece_rows, rows.numel())
             self._words.index_copy_(0, rows[a:b], words[a:b])
-            if _resident_file_bytes() - self._baseline >= self.release_bytes:
-                self.release()
+            self._release_if_grown()
+
+    def _release_if_grown(self) -> None:
+        """Drop the map's pages if resident memory has grown by release_bytes since the last drop."""
+        if _resident_file_bytes() - self._baseline >= self.release_bytes:
+            self.release()
 
     def release(self) -> None:
         """Drop the map's resident pages (they stay dirty in the page cache until the kernel writes them)."""
