@@ -108,7 +108,7 @@ def sweep(args) -> None:
         cases = [(None, base)]
         for fraction in fractions:
             extra = [f"embedding.tier={args.tier}", f"embedding.cache.directory={directory}",
-                     f"embedding.cache.ssd_reads={args.ssd_reads}",
+                     f"embedding.cache.ssd_reads={args.ssd_reads}", f"embedding.cache.ssd_log={args.ssd_log}",
                      f"embedding.cache.fraction={fraction}", f"embedding.cache.policy={args.policy}", *on_device]  # fmt: skip
             steps = args.steps + args.warmup
             cases.append(
@@ -156,7 +156,8 @@ def sweep(args) -> None:
         f"26 tables x {args.rows:,} rows x dim {args.dim}, {args.optimizer} ({table_bytes / 2**30:.2f} GiB of rows "
         f"and state), batch {args.batch_size}, {args.steps} timed steps after {args.warmup}, {args.policy}, best of "
         f"{args.repeats} interleaved repeats; "
-        "each step first prefetches the next batch's rows (ssd: their reads start on a worker thread). Files in "
+        "each step first prefetches the next batch's rows (ssd: their reads start on a worker thread; rows written "
+        f"back go to a write log of {args.ssd_log:g} x the rows, folded into the table file in windows). Files in "
         f"{args.dir}, dropped from the page cache once written: a miss is a random read from the disk "
         "until the page cache holds the page again. "
         "Hit rate = 1 - rows brought in / unique rows looked up (below 0: a batch's unique rows do not fit "
@@ -203,16 +204,17 @@ def demo(args) -> None:
     directory = Path(args.dir) / "cache-demo"
     cache_mib = args.cache_mib
     extra = ["embedding.tier=ssd", f"embedding.cache.directory={directory}", f"embedding.cache.size_mib={cache_mib}",
-             f"embedding.cache.ssd_reads={args.ssd_reads}",
+             f"embedding.cache.ssd_reads={args.ssd_reads}", f"embedding.cache.ssd_log={args.ssd_log}",
              f"embedding.cache.policy={args.policy}"]  # fmt: skip
     cfg = make_config(rows, args.dim, args.zipf[0], args.batch_size, args.steps + args.warmup, "adam", extra)
     batches = make_batches(cfg, args.steps + args.warmup)
     try:
         r = train(cfg, batches, args.warmup, Path("/tmp/neorec-cache-bench/demo"))
-        on_disk = sum(f.stat().st_size for f in directory.iterdir()) / 2**30
+        on_disk = sum(f.stat().st_size for f in directory.glob("*.rows.bin")) / 2**30
+        log_gib = sum(f.stat().st_blocks * 512 for f in directory.glob("*.log")) / 2**30  # written blocks
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    r.update(rows_per_table=rows, gib_on_disk=on_disk, budget_gib=args.budget_gib, cache_mib=cache_mib)
+    r.update(rows_per_table=rows, gib_on_disk=on_disk, log_gib=log_gib, budget_gib=args.budget_gib, cache_mib=cache_mib)
     print(json.dumps(r), flush=True)
     header = ["tables + Adam state on disk", "budget", "cache", "steps", "samples/s", "hit rate", "peak RSS"]
     row = [f"{on_disk:.1f} GiB (26 x {rows:,} rows x dim {args.dim})", f"{args.budget_gib} GiB",
@@ -220,7 +222,8 @@ def demo(args) -> None:
            f"{r['peak_rss_mib'] / 1024:.2f} GiB"]  # fmt: skip
     notes = (
         f"Zipf {args.zipf[0]}, batch {args.batch_size}, {args.policy}, files in {args.dir} (deleted afterwards); "
-        f"creating the files took {r['build_s']:.0f} s. Peak RSS = VmHWM of the process, including the "
+        f"creating the files took {r['build_s']:.0f} s; the write log (ssd_log {args.ssd_log}) had "
+        f"{log_gib:.1f} GiB written at the end. Peak RSS = VmHWM of the process, including the "
         f"pre-generated batches. {args.note}"
     )
     append_results("Row cache: tables larger than the memory budget", markdown_table(header, [row]), notes)
@@ -257,6 +260,8 @@ def main() -> None:
     p.add_argument("--cache-mib", type=float, default=2048.0, help="demo: RAM for cached rows + state")
     p.add_argument("--ssd-reads", default="map", choices=["map", "pread"],
                    help="how ssd tables read missed rows (embedding.cache.ssd_reads)")
+    p.add_argument("--ssd-log", type=float, default=1.0,
+                   help="embedding.cache.ssd_log: write log as a share of the rows (0: writes in place)")
     p.add_argument("--note", default="", help="appended to the RESULTS notes (e.g. other load seen)")
     p.add_argument("--no-append", action="store_true", help="sweep: print only (no RESULTS.md, no plot)")
     args = p.parse_args()

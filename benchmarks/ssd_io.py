@@ -4,8 +4,12 @@ The SSD tier (neorec/embedding/cache/backing.py) reads a batch's misses and writ
 rows, a few thousand scattered records of a few hundred bytes each. This measures, on a file of
 `--rows` records of `--record-bytes` under --dir, for batches of `--batch` sorted random rows:
 - reads: os.pread per row (1 and 16 threads) vs a gather from a memory map (torch index_select,
-  1 and 16 threads), with the file in the page cache (warm) and dropped from it (cold);
-- writes: os.pwrite per row vs stores into a shared map (index_copy_), warm;
+  1 and 16 threads; and 1 thread with the map asking for large folios, MADV_HUGEPAGE, as SsdBacking
+  does), with the file in the page cache (warm) and dropped from it (cold);
+- writes: os.pwrite per row vs stores into a shared map (index_copy_), alone and followed by dropping
+  the map's pages again (MADV_DONTNEED, as SsdBacking does to bound memory), vs appending the records
+  to a write log (write_log.py: one pwrite per batch) and folding the log back into the file (the
+  file's windows read and rewritten; per record appended, for a log of the file's size), warm;
 - resident memory (RssFile) a map gains per row read or written.
 Prints a table and appends it to RESULTS.md; deletes the file.
 
@@ -28,6 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table  # noqa: E402
+from neorec.embedding.cache.write_log import WriteLog  # noqa: E402
 
 
 def rss_file_kib() -> int:
@@ -62,8 +67,10 @@ def main() -> None:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def fresh_map():
+    def fresh_map(huge: bool = False):
         m = np.memmap(path, dtype=np.int64, mode="r+", shape=(rows_n, words))
+        if huge:
+            m._mmap.madvise(mmap.MADV_HUGEPAGE)
         return m, torch.from_numpy(m)
 
     def split(rows: np.ndarray, threads: int, work) -> None:
@@ -74,8 +81,8 @@ def main() -> None:
         offsets = (rows * rb).tolist()
         split(rows, threads, lambda b: b"".join([os.pread(fd, rb, o) for o in offsets[b[0] : b[1]]]))
 
-    def map_read(rows: np.ndarray, threads: int) -> None:
-        m, t = fresh_map()  # a new map: nothing of it resident, as after the pages are dropped
+    def map_read(rows: np.ndarray, threads: int, huge: bool = False) -> None:
+        m, t = fresh_map(huge)  # a new map: nothing of it resident, as after the pages are dropped
         r = torch.from_numpy(rows)
         split(rows, threads, lambda b: t.index_select(0, r[b[0] : b[1]]))
 
@@ -84,9 +91,31 @@ def main() -> None:
         for i, o in enumerate((rows * rb).tolist()):
             os.pwrite(fd, data[i * rb : (i + 1) * rb], o)
 
-    def map_write(rows: np.ndarray) -> None:
+    def map_write(rows: np.ndarray, drop_pages: bool = False) -> None:
         m, t = fresh_map()
         t.index_copy_(0, torch.from_numpy(rows), torch.ones(len(rows), words, dtype=torch.int64))
+        if drop_pages:
+            m._mmap.madvise(mmap.MADV_DONTNEED)
+
+    log = WriteLog(path.with_suffix(".log"), path, rb, rows_n, fraction=1.0)
+    log.half = max(log.half, 4 * args.repeats * n)  # the appends measured stay in one half
+
+    def append(rows: np.ndarray) -> None:
+        log.append(torch.from_numpy(rows), torch.ones(len(rows), words, dtype=torch.int64))
+
+    def fold_per_record() -> float:
+        """us of folding per record appended: a half of the log (rows / 2 records) folds every window
+        of the file once, so a window's fold (best of --repeats, after appends put rows in it) times
+        windows / half."""
+        windows = -(-rows_n // log._window_rows)
+        times = []
+        for w in range(args.repeats):
+            append(next(batch_iter))  # logged rows in every window
+            start = (w * 7) % windows * log._window_rows
+            began = time.perf_counter()
+            log.fold(start, min(start + log._window_rows, rows_n))
+            times.append(time.perf_counter() - began)
+        return min(times) * windows / (rows_n // 2) * 1e6
 
     def best(fn, cold: bool) -> float:
         times = []
@@ -106,8 +135,11 @@ def main() -> None:
         ("read", "os.pread per row, 16 threads", lambda r: pread(r, 16)),
         ("read", "map gather (index_select), 1 thread", lambda r: map_read(r, 1)),
         ("read", "map gather (index_select), 16 threads", lambda r: map_read(r, 16)),
+        ("read", "map gather, MADV_HUGEPAGE (SsdBacking), 1 thread", lambda r: map_read(r, 1, True)),
         ("write", "os.pwrite per row, 1 thread", pwrite),
         ("write", "map stores (index_copy_), 1 thread", map_write),
+        ("write", "map stores, then its pages dropped, 1 thread", lambda r: map_write(r, True)),
+        ("write", "append to the write log (SsdBacking)", append),
     ]
     table = []
     for kind, name, fn in cases:
@@ -115,6 +147,8 @@ def main() -> None:
         cold = best(fn, cold=True) if kind == "read" else float("nan")
         table.append([kind, name, f"{warm:.2f}", "-" if kind == "write" else f"{cold:.2f}"])
         print(table[-1], flush=True)
+    table.append(["write", "fold the log into the file, per record appended", f"{fold_per_record():.2f}", "-"])
+    print(table[-1], flush=True)
     # resident memory a map gains per row it reads or writes (the page cache holds the file)
     pread(np.arange(rows_n), 16)
     m, t = fresh_map()
@@ -127,8 +161,10 @@ def main() -> None:
     t.index_copy_(0, torch.from_numpy(next(batch_iter)), torch.ones(n, words, dtype=torch.int64))
     write_kib = (rss_file_kib() - before) / n
     del m, t
+    log.close()
     os.close(fd)
     path.unlink()
+    path.with_suffix(".log").unlink()
     header = ["", "how", "us per row, page cache (warm)", "us per row, from disk (cold)"]
     notes = (
         f"{n:,} sorted random rows of {rb} bytes per batch from a file of {rows_n:,} rows "

@@ -55,7 +55,10 @@ def batch(
 def cached_engine(
     ts, opt, tmp_path, policy="lru", tier="ssd", fraction=0.1, seed=0, device="cpu"
 ) -> FusedEmbeddingCollection:
-    settings = CacheSettings(policy=policy, fraction=fraction, directory=tmp_path / f"tables-{seed}")
+    # a write log of 5% of the rows: its halves swap and are folded into the files all the time
+    settings = CacheSettings(
+        policy=policy, fraction=fraction, directory=tmp_path / f"tables-{seed}", ssd_log=0.05
+    )
     factory = cached_storage_factory({t.name: tier for t in ts}, settings)
     return FusedEmbeddingCollection(ts, opt, seed=seed, group_storage_factory=factory, device=device)
 
@@ -112,7 +115,9 @@ def test_gpu_cache_over_host_memory_is_bitwise_uncached(tmp_path, name, policy) 
     train_both(plain, cached, torch.Generator().manual_seed(4), 12, ts, prefetch=True, device="cuda")
     assert_same_state(plain, cached)
     stats = cached.cache_stats()
-    assert sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
+    assert (
+        sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
+    )
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -199,7 +204,10 @@ def test_ssd_reads_from_the_map_equal_positioned_reads(tmp_path, release_bytes) 
     layout = RecordLayout([("weight", 24, torch.float32), ("momentum1", 0, torch.float32)])
     rows_total = 20_000
     values = torch.randn(rows_total, 24, generator=torch.Generator().manual_seed(3))
-    inits = {"weight": lambda a, b: values[a:b], "momentum1": lambda a, b: torch.arange(a, b, dtype=torch.float32)}
+    inits = {
+        "weight": lambda a, b: values[a:b],
+        "momentum1": lambda a, b: torch.arange(a, b, dtype=torch.float32),
+    }
     path = tmp_path / "t.rows.bin"
     create_ssd_file(path, layout, rows_total, inits)
     by_map = SsdBacking(path, layout, rows_total, release_bytes, reads="map")
@@ -213,6 +221,73 @@ def test_ssd_reads_from_the_map_equal_positioned_reads(tmp_path, release_bytes) 
         assert torch.equal(layout.view(got, "momentum1"), rows.to(torch.float32))
     with pytest.raises(ValueError, match="ssd reads"):
         SsdBacking(path, layout, rows_total, reads="mmap")
+
+
+@pytest.mark.parametrize("reads", ["map", "pread"])
+def test_write_log_keeps_every_rows_last_record(tmp_path, reads) -> None:
+    """Rows written back go to the write log (write_log.py): a log of 10% of the rows, so its halves
+    fill, swap and are folded into the table file many times, in windows of 64 rows. After every
+    write, rows read back (from the log or the file), ranges read in windows, a field written over a
+    range and a map view of the file all hold each row's last written record."""
+    from neorec.embedding.cache.backing import create_ssd_file
+    from neorec.embedding.cache.records import RecordLayout
+
+    layout = RecordLayout([("weight", 6, torch.float32), ("momentum1", 6, torch.float32)])
+    n = 3_000
+    gen = torch.Generator().manual_seed(7)
+    expected = {"weight": torch.randn(n, 6, generator=gen), "momentum1": torch.zeros(n, 6)}
+    path = tmp_path / "t.rows.bin"
+    create_ssd_file(path, layout, n, {k: (lambda a, b, v=v: v[a:b].clone()) for k, v in expected.items()})
+    backing = SsdBacking(path, layout, n, 1 << 16, reads=reads, log_fraction=0.1)
+    log = backing.log
+    log._window_rows = 64
+    for step in range(60):
+        rows = torch.unique(
+            torch.randint(0, n, (int(torch.randint(1, 400, (1,), generator=gen)),), generator=gen)
+        )
+        values = {k: torch.randn(rows.numel(), 6, generator=gen) for k in expected}
+        backing.write(rows, layout.pack(values))
+        for k in expected:
+            expected[k][rows] = values[k]
+        probe = torch.unique(torch.randint(0, n, (500,), generator=gen))
+        assert torch.equal(layout.view(backing.read(probe), "weight"), expected["weight"][probe]), step
+        if step % 20 == 19:
+            assert torch.equal(backing.read_range("momentum1", 0, n), expected["momentum1"])
+    assert log.appended > 5 * log.half and log.compacted_windows > 0  # it swapped and folded
+    backing.write_range("weight", 100, 900, torch.full((800, 6), 2.0))
+    expected["weight"][100:900] = 2.0
+    assert torch.equal(backing.read(torch.arange(n)), layout.pack(expected))
+    assert bool((log.where[100:900] < 0).all())  # those rows live in the file again
+    assert torch.equal(backing.view_range("momentum1", 0, n), expected["momentum1"])  # the file itself
+    assert bool((log.where < 0).all())
+    with pytest.raises(ValueError, match="write log"):
+        SsdBacking(path, layout, n, log_fraction=1.5)
+
+
+def test_rows_read_ahead_are_pinned_until_their_lookup() -> None:
+    """A batch read ahead keeps its slots until it is looked up: a lookup in between that needs room
+    evicts other rows (or reads past the cache), never those; the records arrive intact."""
+    from neorec.embedding.cache.background import BackgroundIO
+
+    weights = torch.arange(80, dtype=torch.float32).view(20, 4)
+    backing = DramBacking.from_tensors({"weight": weights.clone()})
+    cache = RowCache([("t", 0, 20)], backing, capacity=4, policy="lru")
+    cache.io = BackgroundIO(backing, background=True)  # reads ahead on a worker thread
+    a, b = torch.tensor([0, 1, 2]), torch.tensor([5, 6])
+    cache.prefetch(a, lookup=True)
+    cache.prefetch(b, lookup=True, ahead=True)
+    resident = set(cache.row_of.tolist())
+    assert {5, 6} <= resident and len(resident & {0, 1, 2}) == 2  # b has slots at once (one of a's out)
+    c = torch.tensor([7, 8, 9])
+    cache.prefetch(c, lookup=True)  # room for 2 beside b's pinned slots; 9 read past the cache
+    assert {5, 6} <= set(cache.row_of.tolist())
+    assert torch.equal(cache.read("weight", c), weights[c])
+    cache.write("weight", c, torch.zeros(3, 4))
+    cache.prefetch(b, lookup=True)  # its lookup: the records read ahead are placed
+    assert torch.equal(cache.read("weight", b), weights[b])
+    cache.flush()
+    assert torch.equal(backing.field("weight")[c], torch.zeros(3, 4))
+    cache.close()
 
 
 def test_stats_on_a_hand_checked_sequence() -> None:
@@ -270,20 +345,25 @@ def test_lfu_counts_decay() -> None:
     assert resident_after(4) == [1, 2]
 
 
-def test_rows_read_ahead_go_stale_when_written_and_pending_writes_are_read() -> None:
+def test_reads_ahead_follow_earlier_writes_and_pending_writes_are_read() -> None:
     """The background jobs' rules (background.py), on a host-memory backing run on a worker thread."""
+    import threading
+
     from neorec.embedding.cache.background import BackgroundIO
 
     backing = DramBacking.from_tensors({"weight": torch.arange(40, dtype=torch.float32).view(10, 4)})
     io_ = BackgroundIO(backing, background=True)
     layout = backing.layout
-    io_.stage(torch.tensor([2, 3]))
-    newer = layout.pack({"weight": torch.full((1, 4), -1.0)})
-    io_.write(torch.tensor([3]), newer)  # after the stage: its copy of row 3 is stale
-    buffer = layout.empty(4)
-    io_.fetch_into(torch.tensor([2, 3]), buffer, torch.tensor([1, 0]))
-    assert torch.equal(layout.view(buffer, "weight")[1], torch.tensor([8.0, 9, 10, 11]))
-    assert torch.equal(layout.view(buffer, "weight")[0], torch.full((4,), -1.0))
+    release, write = threading.Event(), backing.write
+    backing.write = lambda rows, records: (release.wait(10), write(rows, records))
+    io_.write(torch.tensor([3]), layout.pack({"weight": torch.full((1, 4), -1.0)}))
+    ahead = io_.read_ahead(torch.tensor([2, 3]))  # queued behind the write: sees it
+    assert not ahead.done()
+    release.set()
+    assert torch.equal(
+        layout.view(ahead.result(), "weight"), torch.tensor([[8.0, 9, 10, 11], [-1, -1, -1, -1]])
+    )
+    backing.write = write
 
     # a write-back still pending: reads take its records, not the backing store's
     import threading

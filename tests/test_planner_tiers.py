@@ -29,11 +29,15 @@ def test_memory_of_a_cached_shard_is_exact():
     wl = build_workload([TABLE], "adagrad", 64, cache_fraction=0.1)
     cluster = cpu()
     tw = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0], None, "ssd")}), wl, cluster)
-    # cache: 100 rows x (128 + 25 bytes of bookkeeping) + 4 bytes per row of the table; files: every row
-    assert tw.ranks[0].weights == {"device": 100 * 153 + 1000 * 4, "ssd": 1000 * 128}
+    # cache: 100 rows x (128 + 26 bytes of bookkeeping) + 4 bytes per row of the table for its slot and
+    # 4 for its place in the write log; files: every row, and a write log as large (ssd_log 1.0)
+    assert tw.ranks[0].weights == {"device": 100 * 154 + 1000 * 8, "ssd": 2 * 1000 * 128}
     assert tw.ranks[1].weights == {}
     rw = estimate_plan(ShardingPlan({"t": TablePlan("rw", [1, 0], None, "ssd")}), wl, cluster)
-    assert [r.weights for r in rw.ranks] == [{"device": 50 * 153 + 500 * 4, "ssd": 500 * 128}] * 2
+    assert [r.weights for r in rw.ranks] == [{"device": 50 * 154 + 500 * 8, "ssd": 2 * 500 * 128}] * 2
+    no_log = build_workload([TABLE], "adagrad", 64, cache_fraction=0.1, ssd_log=0.0)
+    tw = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0], None, "ssd")}), no_log, cluster)
+    assert tw.ranks[0].weights == {"device": 100 * 154 + 1000 * 4, "ssd": 1000 * 128}
     plain = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0])}), wl, cluster)
     assert plain.ranks[0].weights == {"device": 1000 * 128} and not plain.ranks[0].tier_bytes
 
@@ -44,7 +48,7 @@ def test_planned_cache_bytes_equal_the_row_cache_allocation(tmp_path):
     from neorec.embedding.fused import FusedEmbeddingCollection
 
     for optimizer in ("adagrad", "rowwise_adagrad", "adam"):
-        factory = cached_storage_factory({"t": "dram"}, CacheSettings(fraction=0.1))
+        factory = cached_storage_factory({"t": "ssd"}, CacheSettings(fraction=0.1, directory=tmp_path / optimizer))
         emb = FusedEmbeddingCollection(
             [TABLE], EmbeddingOptimizerConfig(name=optimizer, lr=0.1), group_storage_factory=factory
         )
@@ -54,6 +58,8 @@ def test_planned_cache_bytes_equal_the_row_cache_allocation(tmp_path):
             for t in value.values() if isinstance(value, dict) else [value]:
                 if isinstance(t, torch.Tensor):
                     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        log = cache.backing.log.where  # on SSD, each row's place in the write log
+        storages[log.untyped_storage().data_ptr()] = log.untyped_storage().nbytes()
         allocated = sum(storages.values())
         wl = build_workload([TABLE], optimizer, 64, cache_fraction=0.1)
         est = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0], None, "ssd")}), wl, cpu(1))
@@ -65,7 +71,13 @@ def test_bytes_moved_per_step_count_misses_in_pages():
     wl = build_workload([TABLE], "adagrad", 64, cache_fraction=0.1)
     touched = 1000 * -np.expm1(-64 / 1000)  # distinct rows of 64 uniform draws
     est = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0], None, "ssd")}), wl, cpu())
-    # each miss reads one 4 KiB page (a 128-byte row and its state) and writes it back once evicted
+    # each miss reads one 4 KiB page (a 128-byte row and its state); once evicted, its record is appended
+    # to the write log, and folding the log in reads and writes 2 x 1000 / 500 records of the file per
+    # record appended (a half of the log holds 500 records)
+    assert est.ranks[0].tier_bytes["ssd"] == pytest.approx(0.9 * touched * (4096 + 128 * 5))
+    # without a write log, the page is written back in place
+    no_log = build_workload([TABLE], "adagrad", 64, cache_fraction=0.1, ssd_log=0.0)
+    est = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0], None, "ssd")}), no_log, cpu())
     assert est.ranks[0].tier_bytes["ssd"] == pytest.approx(2 * 0.9 * touched * 4096)
     assert est.hit_rates == {"t": pytest.approx(0.1)}
     # over host memory (a GPU's cached tier), rows move by their own bytes
@@ -74,7 +86,7 @@ def test_bytes_moved_per_step_count_misses_in_pages():
     assert placements(gpu) == ("device", "host", "cached")
     est = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0], None, "cached")}), wl, gpu)
     assert est.ranks[0].tier_bytes["host"] == pytest.approx(2 * 0.9 * touched * 128)
-    assert est.ranks[0].weights == {"device": 100 * 153 + 4000, "host": 128_000}
+    assert est.ranks[0].weights == {"device": 100 * 154 + 4000, "host": 128_000}
     # the misses cost time in the lookup stage: a miss-free table is faster
     est_device = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0])}), wl, gpu)
     assert est.ranks[0].stages["lookup"] > est_device.ranks[0].stages["lookup"]

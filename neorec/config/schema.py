@@ -154,6 +154,15 @@ class CacheConfig(Strict):
         "or with positioned reads on 16 I/O threads (deeper disk queue when it does not)",
     )
 
+    ssd_log: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="ssd: rows written back are appended to a write log of this share of the table's rows "
+        "(disk: the table plus the log), folded into the table file in sequential windows; 0 writes them "
+        "in place through the file's map (a page fault per row)",
+    )
+
     @model_validator(mode="after")
     def _one_size(self) -> CacheConfig:
         if self.fraction is not None and self.size_mib is not None:

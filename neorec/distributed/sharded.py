@@ -48,7 +48,6 @@ from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import ConfigError
 from neorec.sparse import SparseBatch, lengths_to_offsets
 
-
 _DENSE_DP_BYTES = 4 << 20  # dp groups whose whole gradient is this small may be all-reduced densely
 
 

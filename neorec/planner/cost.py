@@ -92,7 +92,7 @@ def shard_work(
     stages["lookup"] = ids * cluster.lookup_per_id + (ids * width * wb + pooled) / mem.lookup_bandwidth
     # dp: every replica applies the update of every row touched anywhere in the global batch
     touched = load.unique(rows[0], rows[1], workload.batch_size * load.ids_per_sample * share)
-    cache = cache_traffic(load, tier, rows, width, touched, workload.cache_fraction, cluster)
+    cache = cache_traffic(load, tier, rows, width, touched, workload.cache_fraction, cluster, workload.ssd_log)
     if cache is not None:
         stages["lookup"] += cache.seconds
     moved = ids * width * 4 + touched * (
@@ -119,7 +119,7 @@ def shard_work(
         stages=stages,
         ids=ids,
         pooled_bytes=pooled,
-        memory=tier_memory(load, tier, num_rows, width, workload.cache_fraction),
+        memory=tier_memory(load, tier, num_rows, width, workload.cache_fraction, workload.ssd_log),
         init_bytes=init_window_bytes(num_rows, t.dim, width, record_bytes(load, width) if tier == "ssd" else 0),
         tier_bytes=cache.tier_bytes if cache is not None else 0.0,
         hit_rate=cache.hit_rate if cache is not None else None,

@@ -35,7 +35,7 @@ def workload_for_run(
     d = cfg.distributed
     return build_workload(
         tables, cfg.embedding.optimizer, cfg.data.batch_size, ids, samples or None,
-        d.forward_precision, d.backward_precision, weighted, cache_fraction(cfg),
+        d.forward_precision, d.backward_precision, weighted, cache_fraction(cfg), cfg.embedding.cache.ssd_log,
     )  # fmt: skip
 
 

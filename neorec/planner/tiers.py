@@ -14,14 +14,19 @@ A cached shard of R rows with a cache of C = ceil(fraction x R) rows (Workload.c
 embedding.cache.fraction in training) keeps each row as one record of B bytes: its weights and
 optimizer state side by side, each field 8-byte aligned, padded to 64 bytes (embedding/cache/
 records.py), and takes, as cache.py allocates it:
-    device:        C x (B + 25) + 4 R   the cached rows; per slot its row (8 bytes), dirty bit (1),
-                                        last use (8) and use count (8); per row its slot (4)
-    backing tier:  R x B                every row's weights and state (the files, on SSD)
+    device:        C x (B + 26) + 4 R   the cached rows; per slot its row (8 bytes), dirty bit (1),
+                                        loading bit (1), last use (8) and use count (8); per row its
+                                        slot (4); on SSD, per row where its record is (4, write_log.py)
+    backing tier:  R x B (1 + L)        every row's weights and state (the file, on SSD), and on SSD
+                                        the write log of L x R records (embedding.cache.ssd_log)
 Per step, the distinct rows a batch looks up in the shard that are not resident are misses: each is
 read from the backing tier and, as training updates every row it looks up, written back once it is
-evicted (in steady state, as many rows leave as come in). A miss moves the row's bytes rounded up to
-the tier's access size each way (on SSD a 4 KiB page: a table's rows and state sit in one file, so
-a row up to a page is one page). Hit rate: workload.TableLoad.hit_rate, from the id sample when
+evicted (in steady state, as many rows leave as come in). A miss reads the row's bytes rounded up to
+the tier's access size (on SSD a 4 KiB page: a table's rows and state sit in one file, so a row up
+to a page is one page) and writes them back the same way, except on SSD with a write log: there the
+record is appended, and folding the log back into the file reads and writes, sequentially, about
+4 / L records of the file per record appended (a half of the log, L R / 2 records, folds the whole
+file in). Hit rate: workload.TableLoad.hit_rate, from the id sample when
 there is one, else C / R (ids uniform over the rows), and never more than C over the distinct rows of
 one batch (a batch's rows that do not fit are read and written in the backing tier directly).
 Bookkeeping per step: the per-id cost for each distinct row, and a pass over the slots' keys
@@ -36,8 +41,8 @@ from dataclasses import dataclass
 from neorec.planner.hardware import Cluster
 from neorec.planner.workload import TableLoad
 
-SLOT_BYTES = 25  # per cache slot: row (int64), dirty (bool), last use (int64), use count (int64)
-ROW_MAP_BYTES = 4  # per row of the table: its slot (int32)
+SLOT_BYTES = 26  # per cache slot: row (int64), dirty and loading (bool), last use and use count (int64)
+ROW_MAP_BYTES = 4  # per row of the table: its slot (int32); on SSD with a write log, its place (int32)
 
 
 @dataclass(frozen=True)
@@ -65,13 +70,25 @@ def cache_rows(num_rows: int, fraction: float) -> int:
     return min(num_rows, max(1, math.ceil(fraction * num_rows)))
 
 
-def memory(load: TableLoad, tier: str, num_rows: int, width: int, fraction: float) -> dict[str, int]:
+def memory(
+    load: TableLoad, tier: str, num_rows: int, width: int, fraction: float, ssd_log: float = 1.0
+) -> dict[str, int]:
     """Bytes per memory tier of a shard of `num_rows` rows of `width` columns (weights + state)."""
     where = PLACEMENTS[tier]
     if where.cache_in is None:
         return {where.rows_in: num_rows * load.row_bytes(width)}
     slots, record = cache_rows(num_rows, fraction), record_bytes(load, width)
-    return {where.cache_in: slots * (record + SLOT_BYTES) + num_rows * ROW_MAP_BYTES, where.rows_in: num_rows * record}
+    cache = slots * (record + SLOT_BYTES) + num_rows * ROW_MAP_BYTES
+    backing = num_rows * record
+    if tier == "ssd" and ssd_log > 0:
+        cache += num_rows * ROW_MAP_BYTES
+        backing += 2 * log_half(num_rows, ssd_log) * record
+    return {where.cache_in: cache, where.rows_in: backing}
+
+
+def log_half(num_rows: int, ssd_log: float) -> int:
+    """Records in one half of an ssd table's write log (embedding/cache/write_log.py)."""
+    return max(1, min(int(ssd_log * num_rows) // 2, 2**30))
 
 
 def record_bytes(load: TableLoad, width: int) -> int:
@@ -102,7 +119,14 @@ class CacheTraffic:
 
 
 def cache_traffic(
-    load: TableLoad, tier: str, rows: tuple[int, int], width: int, touched: float, fraction: float, cluster: Cluster
+    load: TableLoad,
+    tier: str,
+    rows: tuple[int, int],
+    width: int,
+    touched: float,
+    fraction: float,
+    cluster: Cluster,
+    ssd_log: float = 1.0,
 ) -> CacheTraffic | None:
     """Per step, the cache of a shard (rows [lo, hi) x `width` columns) whose batch looks up `touched`
     distinct rows; None for a plan tier without a cache."""
@@ -115,7 +139,11 @@ def cache_traffic(
     if touched > 0:
         hit = min(hit, slots / touched)
     misses = touched * (1.0 - hit)
-    per_row = moved_bytes(record_bytes(load, width), slow.access_bytes)
-    seconds = misses * per_row / slow.lookup_bandwidth + misses * per_row / slow.update_bandwidth
+    record = record_bytes(load, width)
+    read = moved_bytes(record, slow.access_bytes)
+    written = read
+    if tier == "ssd" and ssd_log > 0:  # appended, and folded in: the file read and written in windows
+        written = record * (1 + 2 * (rows[1] - rows[0]) / log_half(rows[1] - rows[0], ssd_log))
+    seconds = misses * read / slow.lookup_bandwidth + misses * written / slow.update_bandwidth
     seconds += touched * cluster.lookup_per_id + slots * 8 / cluster.stream_bandwidth
-    return CacheTraffic(hit, misses, seconds, 2 * misses * per_row)
+    return CacheTraffic(hit, misses, seconds, misses * (read + written))

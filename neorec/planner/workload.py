@@ -130,6 +130,7 @@ class Workload:
     backward_precision: str = "bf16"  # their gradients
     weighted: bool = False  # batches carry per-id weights
     cache_fraction: float = 0.2  # share of a cached table's rows its row cache holds (embedding.cache.fraction)
+    ssd_log: float = 1.0  # ssd tables' write log, a share of their rows (embedding.cache.ssd_log; 0: none)
 
     def __post_init__(self) -> None:
         self.by_name = {t.name: t for t in self.tables}
@@ -149,9 +150,11 @@ def build_workload(
     backward_precision: str = "bf16",
     weighted: bool = False,
     cache_fraction: float = 0.2,
+    ssd_log: float = 1.0,
 ) -> Workload:
     """Tables with their access statistics (defaults: one id per sample and feature, no sample);
-    cache_fraction: the share of rows a cached table's cache holds (the planner's cache size)."""
+    cache_fraction: the share of rows a cached table's cache holds (the planner's cache size); ssd_log:
+    the size of an ssd table's write log, a share of its rows."""
     if not 0 < cache_fraction <= 1:
         raise ConfigError(f"planner: the cache fraction must be in (0, 1], got {cache_fraction}")
     default = optimizer if isinstance(optimizer, str) else optimizer.name
@@ -166,7 +169,7 @@ def build_workload(
         )
         for t in tables
     ]
-    return Workload(loads, batch_size, forward_precision, backward_precision, weighted, cache_fraction)
+    return Workload(loads, batch_size, forward_precision, backward_precision, weighted, cache_fraction, ssd_log)
 
 
 def measure_access(

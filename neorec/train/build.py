@@ -126,7 +126,9 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
     from neorec.embedding.cache import CacheSettings
 
     c = e.cache
-    settings = CacheSettings(c.policy, c.fraction, c.size_mib, c.directory, c.release_mib, c.ssd_reads)
+    settings = CacheSettings(
+        c.policy, c.fraction, c.size_mib, c.directory, c.release_mib, c.ssd_reads, c.ssd_log
+    )
     if sharded:
         if e.engine != "fused":
             raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")

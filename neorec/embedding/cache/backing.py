@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from neorec.embedding.cache.records import RecordLayout
+from neorec.embedding.cache.write_log import WriteLog
 from neorec.embedding.fused.storage import RowInit
 
 _WINDOW_BYTES = 16 << 20  # records per piece of a range read/write or of creating a file
@@ -110,7 +111,10 @@ class SsdBacking:
         num_rows: int,
         release_bytes: int = 256 << 20,
         reads: str = "map",
+        log_fraction: float = 1.0,
     ) -> None:
+        """log_fraction: size of the write log (write_log.py) as a share of the rows; 0 writes rows
+        in place through the map instead."""
         if reads not in READS:
             raise ValueError(f"ssd reads must be one of {READS}, got {reads!r}")
         self.path, self.layout, self.num_rows, self.reads = Path(path), layout, num_rows, reads
@@ -122,32 +126,66 @@ class SsdBacking:
         self._map = np.memmap(
             self.path, dtype=np.int64, mode="r+", shape=(num_rows, layout.record_bytes // 8)
         )
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # large page-cache folios: far fewer, cheaper faults
+            self._map._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._words = torch.from_numpy(self._map)  # records as int64 words, the map's memory
+        self.log = (
+            WriteLog(self.path.with_suffix(".log"), self.path, layout.record_bytes, num_rows, log_fraction)
+            if log_fraction > 0
+            else None
+        )
         self.release_bytes = release_bytes
         self.piece_rows = max(1, release_bytes // _FOLIO_BYTES)  # rows read or written between two checks
         self._baseline = _resident_file_bytes()
 
     # ---- rows of a batch ---------------------------------------------------------------------------
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        """Records of `rows` (sorted, unique). reads="map": gathered from the map piece by piece, its
+        """Records of `rows` (sorted, unique), from the table file or, for rows written back since the
+        last compaction, from the write log. reads="map": gathered from the maps piece by piece, their
         pages dropped whenever resident memory has grown by release_bytes; "pread": one positioned
-        read per run of consecutive rows, on I/O threads (see the module doc)."""
+        read per run of consecutive records, on I/O threads (see the module doc)."""
         out = self.layout.empty(rows.numel())
-        if self.reads == "pread":
-            if rows.numel():
-                _read_runs(self.fd, _runs(rows, self.layout.record_bytes), out)
+        if self.log is None:
+            self._gather(self._words, self.fd, rows, _words(out))
             return out
-        words = _words(out)
-        for a in range(0, rows.numel(), self.piece_rows):
-            b = min(a + self.piece_rows, rows.numel())
-            torch.index_select(self._words, 0, rows[a:b], out=words[a:b])
+        with self.log.lock:  # appends wait: the log's records stay where `where` says
+            where = self.log.where.index_select(0, rows)
+            logged = where >= 0
+            if not bool(logged.any()):
+                self._gather(self._words, self.fd, rows, _words(out))
+                return out
+            at, rest = logged.nonzero().flatten(), (~logged).nonzero().flatten()
+            words = _words(out)
+            words.index_copy_(
+                0, at, self._gather(self.log.records, self.log.fd, where.index_select(0, at).long())
+            )
+            words.index_copy_(0, rest, self._gather(self._words, self.fd, rows.index_select(0, rest)))
+        return out
+
+    def _gather(
+        self, source: torch.Tensor, fd: int, index: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Records source[index] (int64 words) into `out` (new if None), by map or by pread."""
+        if out is None:
+            out = torch.empty((index.numel(), source.shape[1]), dtype=torch.int64)
+        if self.reads == "pread":
+            if index.numel():
+                _read_runs(fd, _runs(index, self.layout.record_bytes), out.view(torch.uint8))
+            return out
+        for a in range(0, index.numel(), self.piece_rows):
+            b = min(a + self.piece_rows, index.numel())
+            torch.index_select(source, 0, index[a:b], out=out[a:b])
             self._release_if_grown()
         return out
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
-        """Write `records` of `rows` (sorted, unique) through the map, in pieces; after each, drop the
-        map's pages if resident memory has grown by release_bytes (see the module doc)."""
+        """Write `records` of `rows` (sorted, unique): appended to the write log, or (no log) stored
+        into the map in pieces, dropping the map's pages whenever resident memory has grown by
+        release_bytes (see the module doc)."""
         words = _words(records.contiguous())
+        if self.log is not None:
+            self.log.append(rows, words)
+            return
         for a in range(0, rows.numel(), self.piece_rows):
             b = min(a + self.piece_rows, rows.numel())
             self._words.index_copy_(0, rows[a:b], words[a:b])
@@ -159,8 +197,10 @@ class SsdBacking:
             self.release()
 
     def release(self) -> None:
-        """Drop the map's resident pages (they stay dirty in the page cache until the kernel writes them)."""
+        """Drop the maps' resident pages (they stay in the page cache, dirty ones until the kernel writes them)."""
         self._map._mmap.madvise(mmap.MADV_DONTNEED)
+        if self.log is not None:
+            self.log.release()
         self._baseline = _resident_file_bytes()
 
     # ---- ranges: checkpoints -----------------------------------------------------------------------
@@ -175,11 +215,15 @@ class SsdBacking:
         return out
 
     def write_range(self, name: str, start: int, end: int, values: torch.Tensor) -> None:
-        """Overwrite field `name` of rows [start, end), window by window (the other fields are kept)."""
+        """Overwrite field `name` of rows [start, end), window by window (the other fields are kept;
+        rows in the write log move back into the table file)."""
         for a, b in _windows(end - start, self.layout.record_bytes):
             records = self._read_span(start + a, start + b)
             self.layout.view(records, name).copy_(values[a:b])
             _write_all(self.fd, records, (start + a) * self.layout.record_bytes)
+            if self.log is not None:
+                with self.log.lock:
+                    self.log.where[start + a : start + b] = -1
 
     def view_range(self, name: str, start: int, end: int) -> torch.Tensor:
         """Field `name` of rows [start, end) as a view of the file (memory-mapped copy-on-write): nothing
@@ -187,11 +231,14 @@ class SsdBacking:
         checkpoints stream with read_range instead, since reading a map keeps its pages resident."""
         if end == start:
             return torch.empty(self.layout.fields[name].shape(0), dtype=self.layout.fields[name].dtype)
+        if self.log is not None:
+            self.log.fold_range(start, end)  # the file itself must hold the rows' current records
         r = self.layout.record_bytes
         part = np.memmap(self.path, dtype=np.uint8, mode="c", offset=start * r, shape=(end - start, r))
         return self.layout.view(torch.from_numpy(part), name)
 
     def _read_span(self, start: int, end: int) -> torch.Tensor:
+        """Current records of rows [start, end): the table file's, with the write log's rows laid over."""
         records = self.layout.empty(end - start)
         view = memoryview(records.numpy()).cast("B")
         offset, done = start * self.layout.record_bytes, 0
@@ -200,17 +247,24 @@ class SsdBacking:
             if n == 0:
                 raise OSError(f"{self.path}: ended at byte {offset + done}; the table file was truncated")
             done += n
+        if self.log is not None:
+            with self.log.lock:
+                self.log.overlay(start, _words(records))
         return records
 
     def flush(self) -> None:
         """Make written rows durable (the end of a run; checkpoints copy them elsewhere anyway)."""
         self._map.flush()
         os.fsync(self.fd)
+        if self.log is not None:
+            self.log.flush()
 
     def close(self) -> None:
         """Close the file (the map stays until the object goes)."""
         self._close()
         self.fd = -1
+        if self.log is not None:
+            self.log.close()
 
 
 def create_ssd_file(path: str | Path, layout: RecordLayout, num_rows: int, inits: dict[str, RowInit]) -> None:

@@ -9,7 +9,8 @@ gets plain tensors, as without a cache. Tiers:
 - ssd: every row in a file under `directory`, created window by window (never whole in RAM).
 
 Each group gets one backing store of records (a row's weights and optimizer state side by side,
-records.py): for ssd, one file `<first table>.rows.bin` per group.
+records.py): for ssd, one file `<first table>.rows.bin` per group, and its write log
+`<first table>.rows.log` (write_log.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class CacheSettings:
     directory: str | Path | None = None  # where ssd tables' files go
     release_mib: float = 256.0  # ssd: drop the pages written through the file's map after this many MiB
     ssd_reads: str = "map"  # ssd: "map" (gather from the file's map) or "pread" (I/O threads)
+    ssd_log: float = 1.0  # ssd: write log as a share of the rows (write_log.py); 0: writes in place
 
 
 def cached_storage_factory(
@@ -95,7 +97,9 @@ def _backing(tier: str, table: str, specs: dict[str, StorageSpec], settings: Cac
     assert settings.directory is not None  # checked when the factory was made
     path = Path(settings.directory) / f"{table}.rows.bin"
     create_ssd_file(path, layout, num_rows, inits)
-    return SsdBacking(path, layout, num_rows, int(settings.release_mib * 2**20), settings.ssd_reads)
+    return SsdBacking(
+        path, layout, num_rows, int(settings.release_mib * 2**20), settings.ssd_reads, settings.ssd_log
+    )
 
 
 def _capacity(

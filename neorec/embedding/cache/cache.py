@@ -14,9 +14,14 @@ more unique rows than the cache still trains exactly: the rows that do not fit a
 written to the backing store directly (slowly).
 
 Prefetch of a coming batch (`prefetch(rows, ahead=True)`, which the training pipeline calls for
-batch i+1 before batch i runs) only starts reading the rows the cache lacks, on a worker thread
-(background.py; file-backed tiers only); they come in, evicting others, when that batch is looked
-up. So the disk works while batch i computes, and a prefetch never evicts batch i's rows.
+batch i+1 before batch i runs; file-backed tiers only) gives the rows the cache lacks their slots at
+once, evicting others, and reads their records on a worker thread (background.py), so the disk works
+while batch i computes. Until its lookup, such a batch is "in flight": its slots are pinned (no
+eviction touches them, so no write-back can race the read of a row), and batch i's too, so a
+prefetch never evicts rows a batch in flight needs. Its lookup places the records that were read in
+their slots (waiting for them if they are late); any read of a slot whose records are still on their
+way does that first. A batch that does not fit beside the batches in flight is brought in at its
+lookup instead.
 
 Bookkeeping is dense and vectorised: `slot_of[row]` (int32, -1 = not cached; 4 bytes per row of the
 table, the one per-row cost kept in RAM), and per slot its row, a dirty bit, the tick of its last use
@@ -38,14 +43,29 @@ logic, and its exactness, are the same code on both.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
-from neorec.embedding.cache.background import BackgroundIO, find_sorted
+from neorec.embedding.cache.background import BackgroundIO
 from neorec.embedding.cache.stats import CacheStats
 
 POLICIES = ("lru", "lfu")
 _PINNED = torch.iinfo(torch.int64).max
+_SAMPLE = 4096  # keys sampled to choose victims (smallest)
+_LFU_DECAY_TURNOVERS = 64  # LFU counts halve after this many times the slots in looked-up rows
+_MAX_AHEAD = 4  # batches read ahead and not looked up yet, at most (the pipeline keeps 1 or 2)
+
+
+@dataclass
+class _Ahead:
+    """A batch whose rows were made resident ahead of its lookup: pinned until then."""
+
+    rows: torch.Tensor  # its unique rows (the very tensor its lookup passes)
+    slots: torch.Tensor  # the slots of its rows: pinned
+    victims: torch.Tensor | None = None  # slots given to its missing rows, whose records are coming
+    future: Future | None = None  # -> those records
 
 
 class RowCache:
@@ -84,9 +104,12 @@ class RowCache:
         self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
         self.uses = torch.zeros(self.capacity, dtype=torch.int64, device=device)
         self.tick = 0
-        self.lfu_decay_rows = lfu_decay_rows or self.capacity
+        self._fresh = 0  # slots [_fresh, capacity) were never used
+        self.lfu_decay_rows = lfu_decay_rows or _LFU_DECAY_TURNOVERS * self.capacity
         self._looked_up = 0  # rows looked up since the last halving of the LFU counts
         self._uniques: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=4)  # see _unique
+        self._ahead: deque[_Ahead] = deque()  # batches read ahead, not looked up yet (in flight)
+        self._loading = torch.zeros(self.capacity, dtype=torch.bool, device=device)  # records on their way
         self._moves = 0  # changes of slot_of so far (see _slots)
         self._slot_memo: tuple[torch.Tensor, torch.Tensor, bool, int] | None = None
         self.stats = CacheStats(
@@ -96,13 +119,14 @@ class RowCache:
     # ---- bringing rows in ------------------------------------------------------------------------
     def prefetch(self, rows: torch.Tensor, lookup: bool = False, ahead: bool = False) -> None:
         """Make `rows` (may repeat) resident, evicting others; lookup=True counts them as looked up.
-        ahead=True: they are a coming batch's; only start reading those not here (see the module doc)."""
+        ahead=True: they are a coming batch's: give the missing ones slots now and read them on the
+        worker thread (see the module doc)."""
         unique = self._unique(rows)
         if lookup:
             self.stats.add("lookups", unique, ascending=True)
         if ahead:
             if self.io.background:
-                self._stage(unique)
+                self._load_ahead(unique)
             return
         self._ensure(unique, count_unfit=True)
 
@@ -115,36 +139,100 @@ class RowCache:
         self._uniques.append((rows, unique))
         return unique
 
-    def _stage(self, rows: torch.Tensor) -> None:
-        missing = rows[self.slot_of.index_select(0, rows) < 0]
-        for coming in self.io.staged():  # already on their way for an earlier batch
-            missing = missing[~find_sorted(coming, missing)[1]]
-        missing = missing[: self.capacity]
+    def _load_ahead(self, rows: torch.Tensor) -> None:
+        """A coming batch's unique `rows`: pin the resident ones, give the missing ones slots (evicting
+        others, never a row of a batch in flight) and start reading their records. A batch that does
+        not fit beside the batches in flight is left to its lookup."""
+        if len(self._ahead) == _MAX_AHEAD:
+            self._finish(self._ahead.popleft())
+        slots = self.slot_of.index_select(0, rows).long()
+        hit = slots >= 0
+        resident = slots[hit]
+        self._touch(resident, rows.numel())
+        missing = rows[~hit]
         if missing.numel():
-            self.io.stage(missing, batch=rows)
+            victims = self._make_room(missing.numel(), resident)
+            if victims is None:  # no room now: it comes in at its lookup
+                self._ahead.append(_Ahead(rows, resident))
+                return
+            self._evict(victims)  # their write-backs are queued before the read below
+            self._load(missing, victims)
+            self._loading.index_fill_(0, victims, True)
+            self._ahead.append(
+                _Ahead(rows, torch.cat([resident, victims]), victims, self.io.read_ahead(missing))
+            )
+        else:
+            self._ahead.append(_Ahead(rows, resident))
 
     def _ensure(self, rows: torch.Tensor, count_unfit: bool = False) -> None:
         """Bring unique `rows` in (as many as fit next to those of them already resident); the rest
         will be read from the backing store directly, and count as misses when count_unfit."""
+        ahead = self._take_ahead(rows)
         slots = self.slot_of.index_select(0, rows).long()
         hit = slots >= 0
         resident = slots[hit]
+        if not ahead:  # a prefetched batch was touched then
+            self._touch(resident, rows.numel())
+        missing = rows[~hit]
+        if missing.numel() == 0:
+            return
+        victims = self._make_room(missing.numel(), resident, fit=False)
+        if count_unfit and victims.numel() < missing.numel():
+            self.stats.add("misses", missing[victims.numel() :], ascending=True)
+        missing = missing[: victims.numel()]  # beyond the cache: read/written in the backing store directly
+        if missing.numel():
+            self._evict(victims)  # updated victims' records are copied out before their slots are reused
+            _words(self.records).index_copy_(0, victims, _words(self.io.read(missing)))
+            self._load(missing, victims)
+
+    def _touch(self, resident: torch.Tensor, num_rows: int) -> None:
+        """A new tick: `resident` slots were used now."""
         self.tick += 1
-        self._decay(rows.numel())
+        self._decay(num_rows)
         self.last_used.index_fill_(0, resident, self.tick)
         if self.policy == "lfu":
             self.uses.index_add_(0, resident, torch.ones_like(resident))
-        missing = rows[~hit]
-        room = self.capacity - resident.numel()
-        if count_unfit and missing.numel() > room:
-            self.stats.add("misses", missing[room:], ascending=True)
-        missing = missing[:room]  # beyond the cache: read/written in the backing store directly
-        if missing.numel():
-            victims = self._victims(missing.numel(), resident)
-            self._evict(victims)  # updated victims' records are copied out before their slots are reused
-            self.io.fetch_into(missing, self.records, victims)
-            self._load(missing, victims)
-        self.io.consumed(rows)
+
+    def _take_ahead(self, rows: torch.Tensor) -> bool:
+        """The lookup of `rows`: if a prefetch read them ahead, finish that (and any older one) and
+        unpin them. Whether it had."""
+        for i, entry in enumerate(self._ahead):
+            if entry.rows is rows:
+                for _ in range(i + 1):
+                    self._finish(self._ahead.popleft())
+                return True
+        return False
+
+    def _finish(self, entry: _Ahead) -> None:
+        """Place a read-ahead's records in their slots (waiting for them if need be)."""
+        if entry.future is not None:
+            _words(self.records).index_copy_(0, entry.victims, _words(entry.future.result()))
+            self._loading.index_fill_(0, entry.victims, False)
+            entry.future = None
+
+    def _finish_all(self) -> None:
+        for entry in self._ahead:
+            self._finish(entry)
+
+    def _make_room(self, k: int, resident: torch.Tensor, fit: bool = True) -> torch.Tensor | None:
+        """Up to k slots to reuse, never one of `resident` or of a batch in flight (read ahead, not
+        looked up yet). fit=True: all k or None; else as many as there are."""
+        pinned = torch.cat([resident, *(e.slots for e in self._ahead)])
+        start = self._fresh
+        if self.policy == "lru":
+            key = self.last_used[:start].clone()
+        else:
+            key = self.uses[:start] * (1 << 32) + self.last_used[:start]
+        key.index_fill_(0, pinned, _PINNED)
+        free = self.capacity - int((key == _PINNED).sum())  # never-used slots and unpinned ones
+        if fit and free < k:
+            return None
+        k = min(k, free)
+        fresh = torch.arange(start, min(start + k, self.capacity), device=self.device)
+        self._fresh += fresh.numel()
+        if fresh.numel() == k:
+            return fresh
+        return torch.cat([fresh, smallest(key, k - fresh.numel())])
 
     def _decay(self, num_rows: int) -> None:
         """LFU: halve every count once lfu_decay_rows rows have been looked up since the last time."""
@@ -155,32 +243,26 @@ class RowCache:
             self.uses.bitwise_right_shift_(1)
             self._looked_up = 0
 
-    def _victims(self, k: int, pinned: torch.Tensor) -> torch.Tensor:
-        """k slots to reuse: free ones first, then by policy; never a slot in `pinned`."""
-        if self.policy == "lru":
-            key = self.last_used  # pinned slots were just given the newest tick
-        else:
-            key = self.uses * (1 << 32) + self.last_used
-            key.index_fill_(0, pinned, _PINNED)
-        return torch.topk(key, k, largest=False, sorted=False).indices
-
     def _evict(self, slots: torch.Tensor) -> None:
         rows = self.row_of.index_select(0, slots)
         occupied = rows >= 0
         slots, rows = slots[occupied], rows[occupied]
         if rows.numel() == 0:
             return
+        rows, order = torch.sort(rows)  # ascending: runs of neighbours go out together, cheap counting
+        slots = slots.index_select(0, order)
         dirty = self.dirty.index_select(0, slots)
-        if bool(dirty.any()):
+        if bool(dirty.all()):
+            self._write_back(slots, rows)
+        elif bool(dirty.any()):
             self._write_back(slots[dirty], rows[dirty])
         self.slot_of.index_fill_(0, rows, -1)
         self.row_of.index_fill_(0, slots, -1)
         self._moves += 1
-        self.stats.add("evictions", rows)
+        self.stats.add("evictions", rows, ascending=True)
 
     def _write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        order = torch.argsort(rows)  # ascending rows: runs of neighbours go out in one write
-        slots, rows = slots[order], rows[order]
+        """Write the records in `slots` back as those of `rows` (ascending)."""
         self.io.write(rows, _words(self.records).index_select(0, slots).view(torch.uint8))
         self.dirty.index_fill_(0, slots, False)
         self.stats.add("writebacks", rows, ascending=True)
@@ -204,6 +286,10 @@ class RowCache:
             return memo[1], memo[2]
         slots = self.slot_of.index_select(0, rows).long()
         all_cached = bool((slots >= 0).all())
+        if any(e.future is not None for e in self._ahead):  # records on their way to some slots
+            cached = slots if all_cached else slots[slots >= 0]
+            if bool(self._loading.index_select(0, cached).any()):
+                self._finish_all()
         self._slot_memo = (rows, slots, all_cached, self._moves)
         return slots, all_cached
 
@@ -246,9 +332,11 @@ class RowCache:
     # ---- whole ranges: checkpoints -----------------------------------------------------------------
     def flush(self) -> None:
         """Write every updated resident row back (they stay cached, now clean), and wait for it."""
+        self._finish_all()
         slots = self.dirty.nonzero().flatten()
         if slots.numel():
-            self._write_back(slots, self.row_of.index_select(0, slots))
+            rows, order = torch.sort(self.row_of.index_select(0, slots))
+            self._write_back(slots.index_select(0, order), rows)
         self.io.drain()
         if hasattr(self.backing, "release"):  # what the write-backs mapped: not needed any more
             self.backing.release()
@@ -270,7 +358,6 @@ class RowCache:
         """Overwrite rows [start, end) in the backing store; cached copies of them are dropped
         (after a flush, so the other fields of those rows lose nothing)."""
         self.flush()
-        self.io.drain(drop_stages=True)  # rows read ahead may be among those overwritten
         rows = torch.arange(start, end, device=self.device)
         slots = self.slot_of.index_select(0, rows).long()
         resident = slots >= 0
@@ -296,6 +383,25 @@ def _words(records: torch.Tensor) -> torch.Tensor:
     return records.view(torch.int64)
 
 
+def smallest(key: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k smallest entries of `key` (ties in any order), as torch.topk(largest=False)
+    gives them, but cheaper for k far below len(key): a threshold from a sample of the keys keeps
+    only the candidates (some spare), and the topk runs over those."""
+    n = key.numel()
+    if k * 8 >= n:
+        return torch.topk(key, k, largest=False, sorted=False).indices
+    # every so many slots (no random numbers: training's stay untouched); the k-th smallest key is
+    # below the q-th smallest of the sample, near surely
+    sample = key[:: max(1, n // _SAMPLE)]
+    q = min(sample.numel(), int(sample.numel() * k / n * 1.5) + 16)
+    threshold = torch.kthvalue(sample, q).values
+    candidates = (key <= threshold).nonzero().flatten()
+    if candidates.numel() < k:  # the sample misled: the exact way
+        return torch.topk(key, k, largest=False, sorted=False).indices
+    chosen = torch.topk(key.index_select(0, candidates), k, largest=False, sorted=False).indices
+    return candidates.index_select(0, chosen)
+
+
 class DeviceIO:
     """BackgroundIO for a cache in GPU memory over a host-side backing store: the one place where
     rows and records cross between the device and the host (misses in, write-backs out)."""
@@ -303,29 +409,20 @@ class DeviceIO:
     def __init__(self, io: BackgroundIO, device: torch.device) -> None:
         self.io, self.device, self.background = io, device, io.background
 
-    def stage(self, rows: torch.Tensor, batch: object = None) -> None:
-        self.io.stage(rows.cpu(), batch)
-
-    def staged(self) -> list[torch.Tensor]:
-        return [rows.to(self.device) for rows in self.io.staged()]
+    def read_ahead(self, rows: torch.Tensor) -> Future:
+        """Records of `rows` in device memory, as a finished future (no worker thread here)."""
+        future: Future = Future()
+        future.set_result(self.read(rows))
+        return future
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         self.io.write(rows.cpu(), records.cpu())
 
-    def fetch_into(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> None:
-        n = rows.numel()
-        host = self.io.layout.empty(n)
-        self.io.fetch_into(rows.cpu(), host, torch.arange(n))
-        _words(buffer).index_copy_(0, slots, _words(host).to(self.device))
-
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         return self.io.read(rows.cpu()).to(self.device)
 
-    def consumed(self, rows: torch.Tensor) -> None:
-        self.io.consumed(rows.cpu(), batch=rows)
-
-    def drain(self, drop_stages: bool = False) -> None:
-        self.io.drain(drop_stages)
+    def drain(self) -> None:
+        self.io.drain()
 
     def close(self) -> None:
         self.io.close()

@@ -1,0 +1,193 @@
+"""The write log of an SSD table: evicted rows appended to a second file instead of written in place.
+
+Writing a few thousand scattered rows into a file costs a page fault (through a map) or a system
+call (pwrite) per row, 2-10 us of kernel time each here (benchmarks/RESULTS.md, "SSD write log"); an
+append of the same rows is one sequential write. So the table file (`<table>.rows.bin`, row r at
+record r) is only read and rewritten in whole windows, and the rows a cache writes back go to the end
+of this log (`<table>.log.bin`). `where[row]` (int32, 4 bytes a row in RAM) says where each row's
+current record is: -1 in the table file, else its position in the log.
+
+The log has two halves, used in turn. Appends fill the active half. When it is full, the rows still in
+the other half are folded into the table file (compaction must have finished there already, see
+below) and the halves swap. A full half is compacted bit by bit, a window of the table (16 MiB of
+records) at a time, during the appends to the other half, so that it is done by the time that half
+fills: each window is read, the half's rows in it overlaid, and written back in one sequential write,
+then their `where` is reset. Windows that hold none of its rows are skipped. So each record appended
+costs, amortised, about one record of sequential read and one of sequential write of the table file,
+and the disk holds the table plus the log (`fraction` of the table's rows, default 1.0: twice the
+table on disk).
+
+Threads: the cache's worker thread appends and compacts; the training thread may read at the same
+time (rows no stage holds). A read takes `lock` while it looks rows up and gathers them, and so does an
+append, the only thing that overwrites log records (a half is reused only after compaction); a
+compaction writes a window of the table before it resets `where`, so a reader finds every row's
+current record in one file or the other at any moment.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_WINDOW_BYTES = 16 << 20  # records of the table file compacted at a time
+
+
+class WriteLog:
+    """Append-only records of the rows written back to one table file, and where each row now lives."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        table_path: str | Path,
+        record_bytes: int,
+        num_rows: int,
+        fraction: float = 1.0,
+    ):
+        if not 0 < fraction <= 1:
+            raise ValueError(f"the write log's fraction of the table must be in (0, 1], got {fraction}")
+        self.path, self.table_path = Path(path), Path(table_path)
+        self.record_bytes, self.num_rows = record_bytes, num_rows
+        self.half = max(1, min(int(fraction * num_rows) // 2, 2**30))  # records per half (int32 positions)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        self.table_fd = os.open(self.table_path, os.O_RDWR)
+        os.ftruncate(self.fd, 2 * self.half * record_bytes)  # sparse: blocks come as records are appended
+        words = record_bytes // 8
+        self._map = np.memmap(self.path, dtype=np.int64, mode="r+", shape=(2 * self.half, words))
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map._mmap.madvise(mmap.MADV_HUGEPAGE)
+        # the log's records as int64 words (only read: appends go through pwrite)
+        self.records = torch.from_numpy(self._map)
+        self.where = torch.full((num_rows,), -1, dtype=torch.int32)
+        self.lock = threading.Lock()
+        self.active, self.tail = 0, 0  # the half being appended to, and its records so far
+        self._compacting: int | None = None  # the full half being folded into the table
+        self._window_rows = max(1, _WINDOW_BYTES // record_bytes)
+        self._next_window, self._credit = 0, 0.0
+        self.appended = self.compacted_windows = 0  # records appended, windows rewritten (stats)
+
+    # ---- writes ----------------------------------------------------------------------------------
+    def append(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        """Append `records` (int64 words, one per row) of unique `rows`; they become the rows' current values."""
+        done, n = 0, rows.numel()
+        while done < n:
+            if self.tail == self.half:
+                self._swap()
+            take = min(self.half - self.tail, n - done)
+            start = self.active * self.half + self.tail
+            chunk = records[done : done + take].contiguous()
+            with self.lock:
+                _pwrite_all(self.fd, chunk, start * self.record_bytes, self.path)
+                self.where.index_copy_(
+                    0, rows[done : done + take], torch.arange(start, start + take, dtype=torch.int32)
+                )
+            self.tail += take
+            done += take
+            self._compact_share(take)
+        self.appended += n
+
+    def _swap(self) -> None:
+        """The active half is full: finish folding the other one in, then append to it."""
+        if self._compacting is not None:
+            self._compact_rest()
+        self._compacting, self._next_window, self._credit = self.active, 0, 0.0
+        self.active, self.tail = 1 - self.active, 0
+
+    def _compact_share(self, appended: int) -> None:
+        """Compact the windows owed for `appended` records, so the full half is done before the active one fills."""
+        if self._compacting is None:
+            return
+        windows = -(-self.num_rows // self._window_rows)
+        self._credit += appended * windows / self.half
+        while self._credit >= 1 and self._compacting is not None:
+            self._compact_next()
+            self._credit -= 1
+
+    def _compact_rest(self) -> None:
+        while self._compacting is not None:
+            self._compact_next()
+
+    def _compact_next(self) -> None:
+        half, start = self._compacting, self._next_window * self._window_rows
+        end = min(start + self._window_rows, self.num_rows)
+        self.fold(start, end, half)
+        self._next_window += 1
+        if end == self.num_rows:
+            self._compacting = None
+
+    def fold(self, start: int, end: int, half: int | None = None) -> None:
+        """Write the rows of table rows [start, end) that live in the log (in `half`, or either) into
+        the table file, in one read and one write of the window; they then live there again."""
+        where = self.where[start:end]
+        if half is None:
+            logged = where >= 0
+        else:
+            logged = (where >= half * self.half) & (where < (half + 1) * self.half)
+        at = logged.nonzero().flatten()
+        if at.numel() == 0:
+            return
+        window = self.read_window(start, end)
+        window.index_copy_(0, at, self.records.index_select(0, where.index_select(0, at).long()))
+        _pwrite_all(self.table_fd, window, start * self.record_bytes, self.table_path)
+        self.where.index_fill_(0, at + start, -1)  # after the table holds them: readers see one or the other
+        self.compacted_windows += 1
+
+    def fold_range(self, start: int, end: int) -> None:
+        """Every logged row of table rows [start, end) into the table file, window by window (a map of
+        those rows is then current); all of them: the log starts empty again."""
+        for a in range(start, end, self._window_rows):
+            self.fold(a, min(a + self._window_rows, end))
+        if start == 0 and end == self.num_rows:
+            self.active, self.tail, self._compacting = 0, 0, None
+
+    # ---- reads -----------------------------------------------------------------------------------
+    def read_window(self, start: int, end: int) -> torch.Tensor:
+        """Records of table rows [start, end) as they are in the table file (int64 words)."""
+        out = torch.empty((end - start, self.record_bytes // 8), dtype=torch.int64)
+        _pread_all(self.table_fd, out, start * self.record_bytes, self.table_path)
+        return out
+
+    def overlay(self, start: int, records: torch.Tensor) -> None:
+        """Replace, in `records` (table rows start.., int64 words), the rows whose current value is in the log."""
+        where = self.where[start : start + records.shape[0]]
+        at = (where >= 0).nonzero().flatten()
+        if at.numel():
+            records.index_copy_(0, at, self.records.index_select(0, where.index_select(0, at).long()))
+
+    def release(self) -> None:
+        """Drop the log map's resident pages (reads mapped them)."""
+        self._map._mmap.madvise(mmap.MADV_DONTNEED)
+
+    def flush(self) -> None:
+        os.fsync(self.fd)
+        os.fsync(self.table_fd)
+
+    def close(self) -> None:
+        for fd in (self.fd, self.table_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.table_fd = -1
+
+
+def _pwrite_all(fd: int, words: torch.Tensor, offset: int, path: Path) -> None:
+    view = memoryview(words.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n == 0:
+            raise OSError(f"{path}: wrote nothing at byte {offset + done}")
+        done += n
+
+
+def _pread_all(fd: int, words: torch.Tensor, offset: int, path: Path) -> None:
+    view = memoryview(words.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(f"{path}: ended at byte {offset + done}; the file was truncated")
+        done += n
