@@ -71,15 +71,19 @@ def train(cfg, batches: list, warmup: int, out_dir: Path) -> dict:
                 emb.prefetch(items[i + 1].sparse)
             trainer.train_step(batch)
 
+    backings = {id(w.cache.backing): w.cache.backing for w in emb.weights if hasattr(w, "cache")}
+    io_cpu = [b.cpu_seconds for b in backings.values() if hasattr(b, "cpu_seconds")]
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     batches = [b.to(trainer.device) for b in batches]  # as the trainer moves them before prefetching
     steps(batches[:warmup])
     sync()
     before = summarize(emb.cache_stats())
+    io_before = sum(sum(c.values()) for c in io_cpu)
     start, cpu = time.perf_counter(), time.process_time()
     steps(batches[warmup:])
     sync()
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    io_seconds = sum(sum(c.values()) for c in io_cpu) - io_before
     after = summarize(emb.cache_stats())
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if k != "hit_rate"}
     hit = 1 - delta["misses"] / delta["lookups"] if delta.get("lookups") else float("nan")
@@ -87,6 +91,8 @@ def train(cfg, batches: list, warmup: int, out_dir: Path) -> dict:
     return {
         "samples_per_s": samples / seconds,
         "cpu_ms_per_step": 1e3 * cpu / max(len(batches) - warmup, 1),  # all threads of the process
+        # of which reading and writing the files (ssd; the worker thread's share, mostly)
+        "io_cpu_ms_per_step": 1e3 * io_seconds / max(len(batches) - warmup, 1) if io_cpu else None,
         "hit_rate": hit,
         "mib_from_tier_per_step": sum(v for k, v in delta.items() if k.startswith("mib_from_"))
         / max(len(batches) - warmup, 1),
@@ -140,11 +146,13 @@ def sweep(args) -> None:
         "hit rate",
         "MiB from tier / step",
         "CPU ms / step",
+        "of which file I/O",
     ]
     rows = [
         [str(r["zipf"]), r["case"], r["samples_per_s"], f"{r.get('vs_ram', 1.0):.2f}x",
          "-" if r["fraction"] is None else f"{r['hit_rate']:.3f}",
-         "-" if r["fraction"] is None else f"{r['mib_from_tier_per_step']:.2f}", f"{r['cpu_ms_per_step']:.0f}"]
+         "-" if r["fraction"] is None else f"{r['mib_from_tier_per_step']:.2f}", f"{r['cpu_ms_per_step']:.0f}",
+         "-" if r.get("io_cpu_ms_per_step") is None else f"{r['io_cpu_ms_per_step']:.1f}"]
         for r in results
     ]  # fmt: skip
     if args.no_append:
@@ -162,7 +170,9 @@ def sweep(args) -> None:
         "until the page cache holds the page again. "
         "Hit rate = 1 - rows brought in / unique rows looked up (below 0: a batch's unique rows do not fit "
         "in the cache, so some are brought in more than once within the step). CPU ms / step: CPU time of "
-        "all the process's threads per timed step (less sensitive than samples/s to other jobs on the machine). Plot: "
+        "all the process's threads per timed step (less sensitive than samples/s to other jobs on the machine); "
+        "of which file I/O: the part spent reading and writing the ssd files (SsdBacking.cpu_seconds, "
+        "folding the write log included). Plot: "
         f"benchmarks/{args.plot}. {args.note}"
     )
     append_results(
@@ -214,7 +224,13 @@ def demo(args) -> None:
         log_gib = sum(f.stat().st_blocks * 512 for f in directory.glob("*.log")) / 2**30  # written blocks
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    r.update(rows_per_table=rows, gib_on_disk=on_disk, log_gib=log_gib, budget_gib=args.budget_gib, cache_mib=cache_mib)
+    r.update(
+        rows_per_table=rows,
+        gib_on_disk=on_disk,
+        log_gib=log_gib,
+        budget_gib=args.budget_gib,
+        cache_mib=cache_mib,
+    )
     print(json.dumps(r), flush=True)
     header = ["tables + Adam state on disk", "budget", "cache", "steps", "samples/s", "hit rate", "peak RSS"]
     row = [f"{on_disk:.1f} GiB (26 x {rows:,} rows x dim {args.dim})", f"{args.budget_gib} GiB",
@@ -258,10 +274,18 @@ def main() -> None:
     p.add_argument("--table-gib", type=float, default=12.0, help="demo: GiB of rows + Adam state")
     p.add_argument("--budget-gib", type=float, default=4.0, help="demo: the memory budget")
     p.add_argument("--cache-mib", type=float, default=2048.0, help="demo: RAM for cached rows + state")
-    p.add_argument("--ssd-reads", default="map", choices=["map", "pread"],
-                   help="how ssd tables read missed rows (embedding.cache.ssd_reads)")
-    p.add_argument("--ssd-log", type=float, default=1.0,
-                   help="embedding.cache.ssd_log: write log as a share of the rows (0: writes in place)")
+    p.add_argument(
+        "--ssd-reads",
+        default="map",
+        choices=["map", "pread"],
+        help="how ssd tables read missed rows (embedding.cache.ssd_reads)",
+    )
+    p.add_argument(
+        "--ssd-log",
+        type=float,
+        default=1.0,
+        help="embedding.cache.ssd_log: write log as a share of the rows (0: writes in place)",
+    )
     p.add_argument("--note", default="", help="appended to the RESULTS notes (e.g. other load seen)")
     p.add_argument("--no-append", action="store_true", help="sweep: print only (no RESULTS.md, no plot)")
     args = p.parse_args()

@@ -1,9 +1,9 @@
 """Moving records between a cache and its backing store while training goes on.
 
 One worker thread per cache runs, first in first out, two kinds of job:
-- reads ahead: the rows a coming batch will need and does not have (its prefetch), so the disk works
-  while the current batch computes. The cache has already given them slots (cache.py), so no later
-  eviction can touch them before they arrive;
+- reads ahead: the rows a coming batch will need and does not have (its prefetch), placed straight
+  into the slots the cache has given them (cache.py), so the disk works while the current batch
+  computes; the cache touches those slots only once the job is done;
 - write-backs of evicted rows, so the step does not wait for them.
 
 Every row has one current value, and these rules keep what the cache gets equal to it:
@@ -43,13 +43,17 @@ class BackgroundIO:
         self._reads: deque[Future] = deque()
 
     # ---- jobs ------------------------------------------------------------------------------------
-    def read_ahead(self, rows: torch.Tensor) -> Future:
-        """Start reading the records of `rows` (sorted, unique), after every write submitted so far."""
-        future = self._submit(self.backing.read, rows)
+    def read_ahead(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> Future:
+        """Start reading the records of `rows` (sorted, unique) into buffer[slots], after every write
+        submitted so far. Nothing else may touch those slots until the future is done."""
+        future = self._submit(self._read_into, rows, buffer, slots)
         self._reads.append(future)
         while self._reads and self._reads[0].done():
             self._reads.popleft()
         return future
+
+    def _read_into(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> None:
+        _words(buffer).index_copy_(0, slots, _words(self.backing.read(rows)))
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Write `records` of `rows` (sorted, unique) back; `records` must not change afterwards."""

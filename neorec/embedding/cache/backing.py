@@ -39,6 +39,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -137,9 +138,25 @@ class SsdBacking:
         self.release_bytes = release_bytes
         self.piece_rows = max(1, release_bytes // _FOLIO_BYTES)  # rows read or written between two checks
         self._baseline = _resident_file_bytes()
+        # CPU time of the threads that read and wrote rows (write includes folding the log in)
+        self.cpu_seconds = {"read": 0.0, "write": 0.0}
 
     # ---- rows of a batch ---------------------------------------------------------------------------
     def read(self, rows: torch.Tensor) -> torch.Tensor:
+        start = time.thread_time()
+        try:
+            return self._read(rows)
+        finally:
+            self.cpu_seconds["read"] += time.thread_time() - start
+
+    def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        start = time.thread_time()
+        try:
+            self._write(rows, records)
+        finally:
+            self.cpu_seconds["write"] += time.thread_time() - start
+
+    def _read(self, rows: torch.Tensor) -> torch.Tensor:
         """Records of `rows` (sorted, unique), from the table file or, for rows written back since the
         last compaction, from the write log. reads="map": gathered from the maps piece by piece, their
         pages dropped whenever resident memory has grown by release_bytes; "pread": one positioned
@@ -178,7 +195,7 @@ class SsdBacking:
             self._release_if_grown()
         return out
 
-    def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+    def _write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Write `records` of `rows` (sorted, unique): appended to the write log, or (no log) stored
         into the map in pieces, dropping the map's pages whenever resident memory has grown by
         release_bytes (see the module doc)."""

@@ -18,9 +18,9 @@ batch i+1 before batch i runs; file-backed tiers only) gives the rows the cache 
 once, evicting others, and reads their records on a worker thread (background.py), so the disk works
 while batch i computes. Until its lookup, such a batch is "in flight": its slots are pinned (no
 eviction touches them, so no write-back can race the read of a row), and batch i's too, so a
-prefetch never evicts rows a batch in flight needs. Its lookup places the records that were read in
-their slots (waiting for them if they are late); any read of a slot whose records are still on their
-way does that first. A batch that does not fit beside the batches in flight is brought in at its
+prefetch never evicts rows a batch in flight needs. The worker places the records it read in their
+slots; the batch's lookup waits for that if they are late, and so does any read of a slot whose
+records are still on their way. A batch that does not fit beside the batches in flight is brought in at its
 lookup instead.
 
 Bookkeeping is dense and vectorised: `slot_of[row]` (int32, -1 = not cached; 4 bytes per row of the
@@ -159,7 +159,12 @@ class RowCache:
             self._load(missing, victims)
             self._loading.index_fill_(0, victims, True)
             self._ahead.append(
-                _Ahead(rows, torch.cat([resident, victims]), victims, self.io.read_ahead(missing))
+                _Ahead(
+                    rows,
+                    torch.cat([resident, victims]),
+                    victims,
+                    self.io.read_ahead(missing, self.records, victims),
+                )
             )
         else:
             self._ahead.append(_Ahead(rows, resident))
@@ -204,9 +209,9 @@ class RowCache:
         return False
 
     def _finish(self, entry: _Ahead) -> None:
-        """Place a read-ahead's records in their slots (waiting for them if need be)."""
+        """Wait for a read-ahead's records to be in their slots (the worker places them)."""
         if entry.future is not None:
-            _words(self.records).index_copy_(0, entry.victims, _words(entry.future.result()))
+            entry.future.result()
             self._loading.index_fill_(0, entry.victims, False)
             entry.future = None
 
@@ -409,10 +414,11 @@ class DeviceIO:
     def __init__(self, io: BackgroundIO, device: torch.device) -> None:
         self.io, self.device, self.background = io, device, io.background
 
-    def read_ahead(self, rows: torch.Tensor) -> Future:
-        """Records of `rows` in device memory, as a finished future (no worker thread here)."""
+    def read_ahead(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> Future:
+        """Records of `rows` into buffer[slots] in device memory now (no worker thread here)."""
+        _words(buffer).index_copy_(0, slots, _words(self.read(rows)))
         future: Future = Future()
-        future.set_result(self.read(rows))
+        future.set_result(None)
         return future
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
