@@ -264,6 +264,57 @@ def test_write_log_keeps_every_rows_last_record(tmp_path, reads) -> None:
         SsdBacking(path, layout, n, log_fraction=1.5)
 
 
+def test_write_log_reads_race_appends_and_folds(tmp_path) -> None:
+    """A thread reads rows while another appends new versions of them, filling, swapping and folding
+    the log's halves: every record read is whole (all its words from one version of that row) and no
+    older than the last version written before the read began."""
+    import threading
+
+    from neorec.embedding.cache.backing import create_ssd_file
+    from neorec.embedding.cache.records import RecordLayout
+
+    layout = RecordLayout([("weight", 16, torch.float32)])  # 64 bytes: 8 int64 words a record
+    n = 500
+    path = tmp_path / "t.rows.bin"
+    create_ssd_file(path, layout, n, {"weight": lambda a, b: torch.zeros(b - a, 16)})
+    backing = SsdBacking(path, layout, n, 1 << 16, log_fraction=0.2)
+    backing.log._window_rows = 25
+    version = torch.zeros(n, dtype=torch.int64)  # last version written per row
+    done, errors = threading.Event(), []
+
+    def writer() -> None:
+        gen = torch.Generator().manual_seed(1)
+        for v in range(1, 250):
+            rows = torch.unique(torch.randint(0, n, (40,), generator=gen))
+            records = (rows * 1_000_000 + v).unsqueeze(1).expand(-1, 8).contiguous()  # words: row, version
+            backing.write(rows, records.view(torch.uint8))
+            version[rows] = v
+        done.set()
+
+    def reader() -> None:
+        while not done.is_set():
+            rows = torch.arange(n)
+            floor = version.clone()
+            words = backing.read(rows).view(torch.int64)
+            seen = words[:, 0] % 1_000_000
+            if not bool((words == words[:, :1]).all()):
+                errors.append("torn record")
+            elif not bool(((words[:, 0] // 1_000_000 == rows) | (words[:, 0] == 0)).all()):
+                errors.append("another row's record")
+            elif not bool((seen >= floor).all()):
+                errors.append("a stale record")
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert backing.log.compacted_windows > 0
+    final = backing.read(torch.arange(n)).view(torch.int64)[:, 0] % 1_000_000
+    assert torch.equal(final, version)
+
+
 def test_rows_read_ahead_are_pinned_until_their_lookup() -> None:
     """A batch read ahead keeps its slots until it is looked up: a lookup in between that needs room
     evicts other rows (or reads past the cache), never those; the records arrive intact."""
