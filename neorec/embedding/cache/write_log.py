@@ -29,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,7 @@ class WriteLog:
         self.half = max(1, min(int(fraction * num_rows) // 2, 2**30))  # records per half (int32 positions)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
         self.table_fd = os.open(self.table_path, os.O_RDWR)
+        self._close = weakref.finalize(self, _close_all, self.fd, self.table_fd)  # also if never closed
         os.ftruncate(self.fd, 2 * self.half * record_bytes)  # sparse: blocks come as records are appended
         words = record_bytes // 8
         self._map = np.memmap(self.path, dtype=np.int64, mode="r+", shape=(2 * self.half, words))
@@ -167,10 +169,13 @@ class WriteLog:
         os.fsync(self.table_fd)
 
     def close(self) -> None:
-        for fd in (self.fd, self.table_fd):
-            if fd >= 0:
-                os.close(fd)
+        self._close()
         self.fd = self.table_fd = -1
+
+
+def _close_all(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _pwrite_all(fd: int, words: torch.Tensor, offset: int, path: Path) -> None:
