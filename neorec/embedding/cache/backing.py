@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from neorec.embedding.cache.file_io import transfer
 from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.cache.write_log import WriteLog
 from neorec.embedding.fused.storage import RowInit
@@ -244,7 +245,7 @@ class SsdBacking:
         for a, b in _windows(end - start, self.layout.record_bytes):
             records = self._read_span(start + a, start + b)
             self.layout.view(records, name).copy_(values[a:b])
-            _write_all(self.fd, records, (start + a) * self.layout.record_bytes)
+            transfer(self.fd, records, (start + a) * self.layout.record_bytes, True, self.path)
             if self.log is not None:
                 with self.log.lock:
                     self.log.where[start + a : start + b] = -1
@@ -264,13 +265,7 @@ class SsdBacking:
     def _read_span(self, start: int, end: int) -> torch.Tensor:
         """Current records of rows [start, end): the table file's, with the write log's rows laid over."""
         records = self.layout.empty(end - start)
-        view = memoryview(records.numpy()).cast("B")
-        offset, done = start * self.layout.record_bytes, 0
-        while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n == 0:
-                raise OSError(f"{self.path}: ended at byte {offset + done}; the table file was truncated")
-            done += n
+        transfer(self.fd, records, start * self.layout.record_bytes, False, self.path)
         if self.log is not None:
             with self.log.lock:
                 self.log.overlay(start, _words(records))
@@ -336,7 +331,7 @@ def _read_runs(fd: int, runs: tuple[list[int], list[int], list[int]], buffer: to
             view[at:end] = data
         else:  # a short read (interrupted, or the file was truncated): run by run, in full
             for i in range(lo, hi):
-                _finish(fd, view[offsets[i] : offsets[i] + sizes[i]], file_offsets[i], write=False)
+                transfer(fd, view[offsets[i] : offsets[i] + sizes[i]], file_offsets[i], False, "table file")
 
     n = len(sizes)
     if n <= _RUNS_PER_TASK:
@@ -346,24 +341,6 @@ def _read_runs(fd: int, runs: tuple[list[int], list[int], list[int]], buffer: to
     step = -(-n // tasks)
     for future in [_io_pool().submit(work, a, min(a + step, n)) for a in range(0, n, step)]:
         future.result()
-
-
-def _finish(fd: int, view: memoryview, offset: int, write: bool) -> None:
-    done = 0
-    while done < len(view):
-        n = (
-            os.pwrite(fd, view[done:], offset + done)
-            if write
-            else os.preadv(fd, [view[done:]], offset + done)
-        )
-        if n == 0:
-            raise OSError(f"table file: ended at byte {offset + done}; the file was truncated")
-        done += n
-
-
-def _write_all(fd: int, records: torch.Tensor, offset: int) -> None:
-    view = memoryview(records.numpy()).cast("B")
-    _finish(fd, view, offset, write=True)
 
 
 def _windows(num_rows: int, record_bytes: int) -> list[tuple[int, int]]:

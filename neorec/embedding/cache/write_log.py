@@ -1,10 +1,10 @@
 """The write log of an SSD table: evicted rows appended to a second file instead of written in place.
 
 Writing a few thousand scattered rows into a file costs a page fault (through a map) or a system
-call (pwrite) per row, 2-10 us of kernel time each here (benchmarks/RESULTS.md, "SSD write log"); an
+call (pwrite) per row, 3-9 us each here (benchmarks/RESULTS.md, "SSD backing" of session 7); an
 append of the same rows is one sequential write. So the table file (`<table>.rows.bin`, row r at
 record r) is only read and rewritten in whole windows, and the rows a cache writes back go to the end
-of this log (`<table>.log.bin`). `where[row]` (int32, 4 bytes a row in RAM) says where each row's
+of this log (`<table>.rows.log`). `where[row]` (int32, 4 bytes a row in RAM) says where each row's
 current record is: -1 in the table file, else its position in the log.
 
 The log has two halves, used in turn. Appends fill the active half. When it is full, the rows still in
@@ -12,13 +12,13 @@ the other half are folded into the table file (compaction must have finished the
 below) and the halves swap. A full half is compacted bit by bit, a window of the table (16 MiB of
 records) at a time, during the appends to the other half, so that it is done by the time that half
 fills: each window is read, the half's rows in it overlaid, and written back in one sequential write,
-then their `where` is reset. Windows that hold none of its rows are skipped. So each record appended
-costs, amortised, about one record of sequential read and one of sequential write of the table file,
-and the disk holds the table plus the log (`fraction` of the table's rows, default 1.0: twice the
+then their `where` is reset. Windows that hold none of its rows are skipped. Folding a half (fraction
+x rows / 2 records appended) rewrites about the whole file, so each record appended costs, amortised,
+about 2 / fraction records of sequential read and as many of sequential write, and the disk holds the table plus the log (`fraction` of the table's rows, default 1.0: twice the
 table on disk).
 
 Threads: the cache's worker thread appends and compacts; the training thread may read at the same
-time (rows no stage holds). A read takes `lock` while it looks rows up and gathers them, and so does an
+time (rows read on its own thread). A read takes `lock` while it looks rows up and gathers them, and so does an
 append, the only thing that overwrites log records (a half is reused only after compaction); a
 compaction writes a window of the table before it resets `where`, so a reader finds every row's
 current record in one file or the other at any moment.
@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from neorec.embedding.cache.file_io import transfer
 
 _WINDOW_BYTES = 16 << 20  # records of the table file compacted at a time
 
@@ -83,7 +85,7 @@ class WriteLog:
             start = self.active * self.half + self.tail
             chunk = records[done : done + take].contiguous()
             with self.lock:
-                _pwrite_all(self.fd, chunk, start * self.record_bytes, self.path)
+                transfer(self.fd, chunk, start * self.record_bytes, True, self.path)
                 self.where.index_copy_(
                     0, rows[done : done + take], torch.arange(start, start + take, dtype=torch.int32)
                 )
@@ -124,17 +126,12 @@ class WriteLog:
     def fold(self, start: int, end: int, half: int | None = None) -> None:
         """Write the rows of table rows [start, end) that live in the log (in `half`, or either) into
         the table file, in one read and one write of the window; they then live there again."""
-        where = self.where[start:end]
-        if half is None:
-            logged = where >= 0
-        else:
-            logged = (where >= half * self.half) & (where < (half + 1) * self.half)
-        at = logged.nonzero().flatten()
+        at, places = self._logged(start, end, half)
         if at.numel() == 0:
             return
         window = self.read_window(start, end)
-        window.index_copy_(0, at, self.records.index_select(0, where.index_select(0, at).long()))
-        _pwrite_all(self.table_fd, window, start * self.record_bytes, self.table_path)
+        window.index_copy_(0, at, self.records.index_select(0, places))
+        transfer(self.table_fd, window, start * self.record_bytes, True, self.table_path)
         self.where.index_fill_(0, at + start, -1)  # after the table holds them: readers see one or the other
         self.compacted_windows += 1
 
@@ -150,15 +147,25 @@ class WriteLog:
     def read_window(self, start: int, end: int) -> torch.Tensor:
         """Records of table rows [start, end) as they are in the table file (int64 words)."""
         out = torch.empty((end - start, self.record_bytes // 8), dtype=torch.int64)
-        _pread_all(self.table_fd, out, start * self.record_bytes, self.table_path)
+        transfer(self.table_fd, out, start * self.record_bytes, False, self.table_path)
         return out
 
     def overlay(self, start: int, records: torch.Tensor) -> None:
         """Replace, in `records` (table rows start.., int64 words), the rows whose current value is in the log."""
-        where = self.where[start : start + records.shape[0]]
-        at = (where >= 0).nonzero().flatten()
+        at, places = self._logged(start, start + records.shape[0])
         if at.numel():
-            records.index_copy_(0, at, self.records.index_select(0, where.index_select(0, at).long()))
+            records.index_copy_(0, at, self.records.index_select(0, places))
+
+    def _logged(self, start: int, end: int, half: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of table rows [start, end), those whose record is in the log (in `half`, or either), as
+        offsets from `start`, and their places in the log."""
+        where = self.where[start:end]
+        if half is None:
+            logged = where >= 0
+        else:
+            logged = (where >= half * self.half) & (where < (half + 1) * self.half)
+        at = logged.nonzero().flatten()
+        return at, where.index_select(0, at).long()
 
     def release(self) -> None:
         """Drop the log map's resident pages (reads mapped them)."""
@@ -176,23 +183,3 @@ class WriteLog:
 def _close_all(*fds: int) -> None:
     for fd in fds:
         os.close(fd)
-
-
-def _pwrite_all(fd: int, words: torch.Tensor, offset: int, path: Path) -> None:
-    view = memoryview(words.numpy()).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], offset + done)
-        if n == 0:
-            raise OSError(f"{path}: wrote nothing at byte {offset + done}")
-        done += n
-
-
-def _pread_all(fd: int, words: torch.Tensor, offset: int, path: Path) -> None:
-    view = memoryview(words.numpy()).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise OSError(f"{path}: ended at byte {offset + done}; the file was truncated")
-        done += n
