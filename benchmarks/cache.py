@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import RESULTS, append_results, markdown_table, peak_rss_mib  # noqa: E402
+from neorec.embedding.cache.build import use_io_thread  # noqa: E402
 
 
 def make_config(
@@ -116,30 +117,31 @@ def sweep(args) -> None:
         directory = Path(args.dir) / "cache-bench"
         cases = [(None, base)]
         for fraction in fractions:
-            extra = [f"embedding.tier={args.tier}", f"embedding.cache.directory={directory}",
-                     f"embedding.cache.ssd_reads={args.ssd_reads}", f"embedding.cache.ssd_log={args.ssd_log}",
-                     f"embedding.cache.fraction={fraction}", f"embedding.cache.policy={args.policy}", *on_device]  # fmt: skip
-            steps = args.steps + args.warmup
-            cases.append(
-                (
-                    fraction,
-                    make_config(args.rows, args.dim, zipf, args.batch_size, steps, args.optimizer, extra),
-                )
-            )
+            for io_thread in args.io_thread:
+                extra = [f"embedding.tier={args.tier}", f"embedding.cache.directory={directory}",
+                         f"embedding.cache.ssd_reads={args.ssd_reads}", f"embedding.cache.ssd_log={args.ssd_log}",
+                         f"embedding.cache.io_thread={io_thread}", f"embedding.cache.fraction={fraction}",
+                         f"embedding.cache.policy={args.policy}", *on_device]  # fmt: skip
+                steps = args.steps + args.warmup
+                config = make_config(args.rows, args.dim, zipf, args.batch_size, steps, args.optimizer, extra)
+                cases.append(((fraction, io_thread), config))
         best: dict = {}
         for _ in range(args.repeats):  # interleaved; the best of the repeats (other load on the VM)
-            for fraction, cfg in cases:
+            for key, cfg in cases:
                 r = train(cfg, batches, args.warmup, Path("/tmp/neorec-cache-bench/run"))
                 shutil.rmtree(directory, ignore_errors=True)
-                if fraction not in best or r["samples_per_s"] > best[fraction]["samples_per_s"]:
-                    best[fraction] = r
+                if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
+                    best[key] = r
         ram = best[None]
-        for fraction, _ in cases:
-            r = best[fraction]
+        for key, _ in cases:
+            r = best[key]
             r["vs_ram"] = r["samples_per_s"] / ram["samples_per_s"]
             every = "all in RAM" if args.device == "cpu" else "all in GPU memory"
+            fraction, io_thread = key if key is not None else (None, None)
             case = every if fraction is None else f"{args.tier} + {fraction:.0%} cached"
-            results.append({"zipf": zipf, "case": case, "fraction": fraction, **r})
+            if fraction is not None and len(args.io_thread) > 1:
+                case += f", io thread {io_thread}"
+            results.append({"zipf": zipf, "case": case, "fraction": fraction, "io_thread": io_thread, **r})
             print(json.dumps(results[-1]), flush=True)
     header = [
         "Zipf",
@@ -167,8 +169,10 @@ def sweep(args) -> None:
         f"26 tables x {args.rows:,} rows x dim {args.dim}, {args.optimizer} ({table_bytes / 2**30:.2f} GiB of rows "
         f"and state), batch {args.batch_size}, {args.steps} timed steps after {args.warmup}, {args.policy}, best of "
         f"{args.repeats} interleaved repeats; "
-        "each step first prefetches the next batch's rows (ssd: their reads start on a worker thread; rows written "
-        f"back go to a write log of {args.ssd_log:g} x the rows, folded into the table file in windows). Files in "
+        "each step first prefetches the next batch's rows (ssd: with the I/O thread on, their reads start on a "
+        f"worker thread; io_thread {'/'.join(args.io_thread)}, auto = {'on' if use_io_thread('auto') else 'off'} "
+        f"here; rows written back go to a write log of {args.ssd_log:g} x the rows, folded into the table file "
+        "in windows). Files in "
         f"{args.dir}, dropped from the page cache once written: a miss is a random read from the disk "
         "until the page cache holds the page again. "
         "Hit rate = 1 - rows brought in / unique rows looked up (below 0: a batch's unique rows do not fit "
@@ -193,12 +197,14 @@ def plot(results: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for zipf in sorted({r["zipf"] for r in results}):
         mine = [r for r in results if r["zipf"] == zipf]
-        cached = [r for r in mine if r["fraction"] is not None]
-        x = [100 * r["fraction"] for r in cached]
-        line = ax1.plot(x, [r["samples_per_s"] for r in cached], "o-", label=f"Zipf {zipf}: cached")[0]
         ram = next(r for r in mine if r["fraction"] is None)["samples_per_s"]
+        for io_thread in dict.fromkeys(r["io_thread"] for r in mine if r["fraction"] is not None):
+            cached = [r for r in mine if r["fraction"] is not None and r["io_thread"] == io_thread]
+            x = [100 * r["fraction"] for r in cached]
+            label = f"Zipf {zipf}" + (f", io thread {io_thread}" if len(cached) < len(mine) - 1 else "")
+            line = ax1.plot(x, [r["samples_per_s"] for r in cached], "o-", label=f"{label}: cached")[0]
+            ax2.plot(x, [r["hit_rate"] for r in cached], "o-", color=line.get_color(), label=label)
         ax1.axhline(ram, color=line.get_color(), ls="--", lw=1, label=f"Zipf {zipf}: all in RAM")
-        ax2.plot(x, [r["hit_rate"] for r in cached], "o-", color=line.get_color(), label=f"Zipf {zipf}")
     for ax, label in ((ax1, "samples/s"), (ax2, "hit rate")):
         ax.set_xscale("log")
         ax.set_xlabel("rows cached (% of each table)")
@@ -218,7 +224,7 @@ def demo(args) -> None:
     cache_mib = args.cache_mib
     extra = ["embedding.tier=ssd", f"embedding.cache.directory={directory}", f"embedding.cache.size_mib={cache_mib}",
              f"embedding.cache.ssd_reads={args.ssd_reads}", f"embedding.cache.ssd_log={args.ssd_log}",
-             f"embedding.cache.policy={args.policy}"]  # fmt: skip
+             f"embedding.cache.io_thread={args.io_thread[0]}", f"embedding.cache.policy={args.policy}"]  # fmt: skip
     cfg = make_config(rows, args.dim, args.zipf[0], args.batch_size, args.steps + args.warmup, "adam", extra)
     batches = make_batches(cfg, args.steps + args.warmup)
     try:
@@ -240,7 +246,8 @@ def demo(args) -> None:
     notes = (
         f"Zipf {args.zipf[0]}, batch {args.batch_size}, {args.policy}, files in {args.dir} (deleted afterwards); "
         f"creating the files took {r['build_s']:.0f} s; {r['log_gib_appended']:.1f} GiB of records were appended "
-        f"to the write log (ssd_log {args.ssd_log}). Peak RSS = VmHWM of the process, including the "
+        f"to the write log (ssd_log {args.ssd_log}); io_thread {args.io_thread[0]} (auto = "
+        f"{'on' if use_io_thread('auto') else 'off'} here). Peak RSS = VmHWM of the process, including the "
         f"pre-generated batches. {args.note}"
     )
     append_results("Row cache: tables larger than the memory budget", markdown_table(header, [row]), notes)
@@ -286,6 +293,13 @@ def main() -> None:
         type=float,
         default=1.0,
         help="embedding.cache.ssd_log: write log as a share of the rows (0: writes in place)",
+    )
+    p.add_argument(
+        "--io-thread",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "on", "off"],
+        help="embedding.cache.io_thread (sweep: several values are run side by side; demo: the first)",
     )
     p.add_argument("--note", default="", help="appended to the RESULTS notes (e.g. other load seen)")
     p.add_argument("--no-append", action="store_true", help="sweep: print only (no RESULTS.md, no plot)")

@@ -53,11 +53,16 @@ def batch(
 
 
 def cached_engine(
-    ts, opt, tmp_path, policy="lru", tier="ssd", fraction=0.1, seed=0, device="cpu"
+    ts, opt, tmp_path, policy="lru", tier="ssd", fraction=0.1, seed=0, device="cpu", io_thread=True
 ) -> FusedEmbeddingCollection:
-    # a write log of 5% of the rows: its halves swap and are folded into the files all the time
+    # a write log of 5% of the rows: its halves swap and are folded into the files all the time;
+    # reads ahead and write-backs on the worker thread unless io_thread=False (auto would pick by cores)
     settings = CacheSettings(
-        policy=policy, fraction=fraction, directory=tmp_path / f"tables-{seed}", ssd_log=0.05
+        policy=policy,
+        fraction=fraction,
+        directory=tmp_path / f"tables-{seed}",
+        ssd_log=0.05,
+        io_thread=io_thread,
     )
     factory = cached_storage_factory({t.name: tier for t in ts}, settings)
     return FusedEmbeddingCollection(ts, opt, seed=seed, group_storage_factory=factory, device=device)
@@ -121,16 +126,17 @@ def test_gpu_cache_over_host_memory_is_bitwise_uncached(tmp_path, name, policy) 
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("tier", ["dram", "ssd"])
-def test_one_hot_and_tiny_cache_are_exact(tmp_path, tier, prefetch) -> None:
+@pytest.mark.parametrize(("tier", "io_thread"), [("dram", False), ("ssd", True), ("ssd", False)])
+def test_one_hot_and_tiny_cache_are_exact(tmp_path, tier, io_thread, prefetch) -> None:
     """A cache of 2 rows, smaller than one batch: rows that do not fit go straight to the backing tier
     (with prefetch: while the next batch's rows are being read ahead, so staged rows go stale)."""
     ts = tables()
     opt = EmbeddingOptimizerConfig(name="adam", lr=0.05)
     plain, cached = (
         FusedEmbeddingCollection(ts, opt),
-        cached_engine(ts, opt, tmp_path, tier=tier, fraction=0.005),
+        cached_engine(ts, opt, tmp_path, tier=tier, fraction=0.005, io_thread=io_thread),
     )
+    assert cached.weights[0].cache.io.background == io_thread
     gen = torch.Generator().manual_seed(3)
     train_both(plain, cached, gen, 4, ts, prefetch=prefetch, one_hot=True)
     train_both(plain, cached, gen, 4, ts, prefetch=prefetch)
@@ -547,6 +553,7 @@ def test_trainer_with_ssd_tables_logs_cache_stats_and_matches_memory(tmp_path) -
         (["embedding.cache.policy=fifo"], "embedding.cache.policy"),
         (["embedding.cache.fraction=1.5"], "embedding.cache.fraction"),
         (["embedding.tables={C1: {tier: tape}}"], "embedding.tables.C1.tier"),
+        (["embedding.cache.io_thread=sometimes"], "embedding.cache.io_thread"),
     ],
 )
 def test_bad_cache_config_names_the_key(sets, message) -> None:
@@ -580,3 +587,20 @@ def test_cache_build_errors_name_tables_and_keys(tmp_path) -> None:
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_io_thread_auto_only_where_a_core_is_left(monkeypatch) -> None:
+    """auto: a worker thread only when torch's threads of every process on the node leave a core."""
+    from neorec.embedding.cache.build import use_io_thread
+
+    assert use_io_thread(True) and not use_io_thread(False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert not use_io_thread("auto")  # 2 cores, 2 intra-op threads
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    assert use_io_thread("auto")  # 4 cores, 2 threads
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not use_io_thread("auto")  # 2 processes x 2 threads on 4 cores
+    with pytest.raises(ConfigError, match="embedding.cache.io_thread"):
+        use_io_thread("sometimes")

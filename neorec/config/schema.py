@@ -162,6 +162,13 @@ class CacheConfig(Strict):
         "(disk: the table plus the log), folded into the table file in sequential windows; 0 writes them "
         "in place through the file's map (a page fault per row)",
     )
+    io_thread: bool | Literal["auto"] = Field(
+        "auto",
+        description="ssd: read coming batches' rows ahead and write evicted rows back on a worker thread "
+        "(true/on), or on the training thread (false/off); auto: on only when the machine has a core that "
+        "torch's threads (x the processes on this node) leave free, since otherwise the worker takes "
+        "cores from the intra-op threads and every parallel operator waits for the one it displaced",
+    )
 
     @model_validator(mode="after")
     def _one_size(self) -> CacheConfig:

@@ -127,7 +127,7 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
 
     c = e.cache
     settings = CacheSettings(
-        c.policy, c.fraction, c.size_mib, c.directory, c.release_mib, c.ssd_reads, c.ssd_log
+        c.policy, c.fraction, c.size_mib, c.directory, c.release_mib, c.ssd_reads, c.ssd_log, c.io_thread
     )
     if sharded:
         if e.engine != "fused":

@@ -16,6 +16,7 @@ records.py): for ssd, one file `<first table>.rows.bin` per group, and its write
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class CacheSettings:
     release_mib: float = 256.0  # ssd: drop the pages written through the file's map after this many MiB
     ssd_reads: str = "map"  # ssd: "map" (gather from the file's map) or "pread" (I/O threads)
     ssd_log: float = 1.0  # ssd: write log as a share of the rows (write_log.py); 0: writes in place
+    io_thread: bool | str = "auto"  # ssd: reads ahead and write-backs on a worker thread: True, False, "auto"
 
 
 def cached_storage_factory(
@@ -82,10 +84,25 @@ def cached_storage_factory(
             )
         backing = _backing(tier, names[0], specs, settings)
         capacity = _capacity(names, specs, settings, total_cached_rows)
-        cache = RowCache(tables, backing, capacity, settings.policy, device=device)
+        io_thread = tier != "dram" and use_io_thread(settings.io_thread)
+        cache = RowCache(tables, backing, capacity, settings.policy, device=device, io_thread=io_thread)
         return {name: CachedStorage(cache, name) for name in specs}
 
     return build
+
+
+def use_io_thread(setting: bool | str) -> bool:
+    """embedding.cache.io_thread: True, False, or "auto": on when a core is left once torch's
+    intra-op threads of every process on this node (torchrun's LOCAL_WORLD_SIZE) have theirs. On a
+    machine they fill, the worker's reads and writes displace an intra-op thread, and each parallel
+    operator waits for the thread it displaced: measured on 2 cores, that costs more than the reads
+    it hides (benchmarks/RESULTS.md, session 8)."""
+    if isinstance(setting, bool):
+        return setting
+    if setting != "auto":
+        raise ConfigError(f"embedding.cache.io_thread must be true, false or auto, got {setting!r}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores > torch.get_num_threads() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _backing(tier: str, table: str, specs: dict[str, StorageSpec], settings: CacheSettings):

@@ -79,9 +79,11 @@ class RowCache:
         policy: str = "lru",
         lfu_decay_rows: int | None = None,
         device: torch.device | str = "cpu",
+        io_thread: bool | None = None,
     ) -> None:
         """device: where the cached records and the bookkeeping live (the backing store stays where
-        it is: host memory or a file)."""
+        it is: host memory or a file). io_thread: read ahead and write back on a worker thread
+        (default: for file-backed tiers)."""
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
         self.num_rows = backing.num_rows
@@ -93,7 +95,9 @@ class RowCache:
         self.policy = policy
         self.backing, self.layout = backing, backing.layout
         self.device = device = torch.device(device)
-        self.io = BackgroundIO(backing, background=backing.tier != "dram")
+        if io_thread is None:
+            io_thread = backing.tier != "dram"
+        self.io = BackgroundIO(backing, background=io_thread)
         if device.type != "cpu":
             self.io = DeviceIO(self.io, device)
         self.records = self.layout.empty(self.capacity, device)
