@@ -604,3 +604,15 @@ def test_io_thread_auto_only_where_a_core_is_left(monkeypatch) -> None:
     assert not use_io_thread("auto")  # 2 processes x 2 threads on 4 cores
     with pytest.raises(ConfigError, match="embedding.cache.io_thread"):
         use_io_thread("sometimes")
+
+
+def test_sorted_unique_is_torch_unique() -> None:
+    from neorec.embedding.cache.cache import sorted_unique
+
+    gen = torch.Generator().manual_seed(7)
+    for n in (0, 1, 2, 7, 1000, 40_001):
+        for high in (1, 3, 500, 2**40):
+            rows = torch.randint(0, high, (n,), generator=gen)
+            assert torch.equal(sorted_unique(rows), torch.unique(rows)), (n, high)
+    strided = torch.randint(0, 50, (300,), generator=gen)[::7]  # not contiguous
+    assert torch.equal(sorted_unique(strided), torch.unique(strided))

