@@ -5,7 +5,10 @@ rows, a few thousand scattered records of a few hundred bytes each. This measure
 `--rows` records of `--record-bytes` under --dir, for batches of `--batch` sorted random rows:
 - reads: os.pread per row (1 and 16 threads) vs a gather from a memory map (torch index_select,
   1 and 16 threads; and 1 thread with the map asking for large folios, MADV_HUGEPAGE, as SsdBacking
-  does), with the file in the page cache (warm) and dropped from it (cold);
+  does), with the file in the page cache (warm) and dropped from it (cold); and SsdBacking's own
+  gather, which cuts a read into pieces by the 2 MiB regions its rows touch (rows in ascending
+  order, as the cache passes them) or, for rows in any other order, into pieces of 64 rows with
+  resident memory checked after each (how every read went before session 8);
 - writes: os.pwrite per row vs stores into a shared map (index_copy_), alone and followed by dropping
   the map's pages again (MADV_DONTNEED, as SsdBacking does to bound memory), vs appending the records
   to a write log (write_log.py: one pwrite per batch) and folding the log back into the file (the
@@ -32,6 +35,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table  # noqa: E402
+from neorec.embedding.cache.backing import SsdBacking  # noqa: E402
+from neorec.embedding.cache.records import RecordLayout  # noqa: E402
 from neorec.embedding.cache.write_log import WriteLog  # noqa: E402
 
 
@@ -130,12 +135,25 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         return min(times) / n * 1e6
 
+    layout = RecordLayout([("weight", rb // 4, torch.float32)])
+    backing = SsdBacking(path, layout, rows_n, 256 << 20, "map", log_fraction=0)
+
+    def backing_read(rows: np.ndarray, ascending: bool = True) -> None:
+        index = torch.from_numpy(rows if ascending else rows[::-1].copy())
+        backing._gather(backing._words, fd, index)
+
     cases = [
         ("read", "os.pread per row, 1 thread", lambda r: pread(r, 1)),
         ("read", "os.pread per row, 16 threads", lambda r: pread(r, 16)),
         ("read", "map gather (index_select), 1 thread", lambda r: map_read(r, 1)),
         ("read", "map gather (index_select), 16 threads", lambda r: map_read(r, 16)),
-        ("read", "map gather, MADV_HUGEPAGE (SsdBacking), 1 thread", lambda r: map_read(r, 1, True)),
+        ("read", "map gather, MADV_HUGEPAGE, 1 thread", lambda r: map_read(r, 1, True)),
+        ("read", "SsdBacking read: pieces by 2 MiB region, release 256 MiB", backing_read),
+        (
+            "read",
+            "SsdBacking read: pieces of 64 rows, RSS checked after each (before session 8)",
+            lambda r: backing_read(r, ascending=False),
+        ),  # fmt: skip
         ("write", "os.pwrite per row, 1 thread", pwrite),
         ("write", "map stores (index_copy_), 1 thread", map_write),
         ("write", "map stores, then its pages dropped, 1 thread", lambda r: map_write(r, True)),
@@ -147,7 +165,9 @@ def main() -> None:
         cold = best(fn, cold=True) if kind == "read" else float("nan")
         table.append([kind, name, f"{warm:.2f}", "-" if kind == "write" else f"{cold:.2f}"])
         print(table[-1], flush=True)
-    table.append(["write", "fold the log into the file, per record appended", f"{fold_per_record():.2f}", "-"])
+    table.append(
+        ["write", "fold the log into the file, per record appended", f"{fold_per_record():.2f}", "-"]
+    )
     print(table[-1], flush=True)
     # resident memory a map gains per row it reads or writes (the page cache holds the file)
     pread(np.arange(rows_n), 16)
@@ -161,6 +181,7 @@ def main() -> None:
     t.index_copy_(0, torch.from_numpy(next(batch_iter)), torch.ones(n, words, dtype=torch.int64))
     write_kib = (rss_file_kib() - before) / n
     del m, t
+    backing.close()
     log.close()
     os.close(fd)
     path.unlink()

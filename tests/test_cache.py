@@ -218,15 +218,53 @@ def test_ssd_reads_from_the_map_equal_positioned_reads(tmp_path, release_bytes) 
     create_ssd_file(path, layout, rows_total, inits)
     by_map = SsdBacking(path, layout, rows_total, release_bytes, reads="map")
     by_pread = SsdBacking(path, layout, rows_total, release_bytes, reads="pread")
-    by_map.piece_rows = 1000  # several pieces per read, each followed by the resident-memory check
+    by_map.piece_rows = 1000  # rows not in ascending order: pieces of 1000, each followed by the check
     picks = torch.cat([torch.tensor([0, 5, 6, 7, 19_999]), torch.randperm(rows_total)[:4321]])
     for rows in (torch.unique(picks), torch.arange(100, 3100), torch.empty(0, dtype=torch.int64)):
         got = by_map.read(rows)
         assert torch.equal(got, by_pread.read(rows))
         assert torch.equal(layout.view(got, "weight"), values[rows])
         assert torch.equal(layout.view(got, "momentum1"), rows.to(torch.float32))
+    shuffled = picks[torch.randperm(picks.numel())]
+    got = by_map._gather(by_map._words, by_map.fd, shuffled).view(torch.uint8)
+    assert torch.equal(
+        got, by_pread.read(torch.unique(picks))[torch.searchsorted(torch.unique(picks), shuffled)]
+    )
     with pytest.raises(ValueError, match="ssd reads"):
         SsdBacking(path, layout, rows_total, reads="mmap")
+
+
+def test_ssd_map_reads_stay_within_release_bytes(tmp_path, monkeypatch) -> None:
+    """Gathering many scattered rows (from the table file and from the write log) never lets the
+    process's resident file pages grow past release_bytes over the last drop, even where each row
+    maps a 2 MiB page-cache folio; checked after every gather."""
+    from neorec.embedding.cache import backing as backing_module
+    from neorec.embedding.cache.backing import create_ssd_file
+    from neorec.embedding.cache.records import RecordLayout
+
+    layout = RecordLayout([("weight", 64, torch.float32), ("momentum1", 64, torch.float32)])
+    rows_total = 100_000  # 49 MiB of 512-byte records
+    path = tmp_path / "t.rows.bin"
+    zeros = {name: (lambda a, b: torch.zeros(b - a, 64)) for name in ("weight", "momentum1")}
+    create_ssd_file(path, layout, rows_total, zeros)
+    release = 8 << 20
+    store = SsdBacking(path, layout, rows_total, release, reads="map", log_fraction=0.5)
+    worst = 0
+    gather = torch.index_select
+
+    def checked(*args, **kwargs):
+        nonlocal worst
+        out = gather(*args, **kwargs)
+        worst = max(worst, backing_module._resident_file_bytes() - store._baseline)
+        return out
+
+    gen = torch.Generator().manual_seed(5)
+    written = torch.unique(torch.randint(0, rows_total, (6000,), generator=gen))
+    store.write(written, layout.empty(written.numel()))  # now in the write log
+    monkeypatch.setattr(torch, "index_select", checked)
+    for _ in range(6):
+        store.read(torch.unique(torch.randint(0, rows_total, (5000,), generator=gen)))
+    assert 0 < worst <= release
 
 
 @pytest.mark.parametrize("reads", ["map", "pread"])

@@ -12,8 +12,10 @@ reading it (state_dict of a file-backed table).
 
 How the file is read and written (measured in benchmarks/RESULTS.md, "SSD backing" and "Row cache"):
 - reads (`reads="map"`, the default): one gather (index_select, no Python per row, the GIL released)
-  from a shared memory map of the file per piece of rows, checking resident memory after each piece
-  as writes do (a read fault maps its neighbours too, up to 64 KiB per random row). Where the page
+  from a shared memory map of the file per piece of rows. A fault maps at most one page-cache folio,
+  and folios lie in aligned 2 MiB regions, so a piece of ascending rows is sized by the regions it
+  touches to the room left under `release_bytes` (usually one piece per read; pieces of 64 rows
+  checked one by one cost 2.5-3.5x the CPU: benchmarks/RESULTS.md, session 8). Where the page
   cache holds the rows this costs about 0.2 us of CPU per row against about 1 us for a pread from
   Python (session 6: the 12 GiB demo went from 11.6k to 15.5k samples/s);
 - reads (`reads="pread"`): positioned reads (os.pread), one per run of consecutive rows, on 16 I/O
@@ -176,9 +178,10 @@ class SsdBacking:
                 self._gather(self._words, self.fd, rows, _words(out))
                 return out
             at, rest = logged.nonzero().flatten(), (~logged).nonzero().flatten()
+            places, order = torch.sort(where.index_select(0, at).long())  # ascending: pieces by region
             words = _words(out)
             words.index_copy_(
-                0, at, self._gather(self.log.records, self.log.fd, where.index_select(0, at).long())
+                0, at.index_select(0, order), self._gather(self.log.records, self.log.fd, places)
             )
             words.index_copy_(0, rest, self._gather(self._words, self.fd, rows.index_select(0, rest)))
         return out
@@ -193,13 +196,38 @@ class SsdBacking:
             if index.numel():
                 _read_runs(fd, _runs(index, self.layout.record_bytes), out.view(torch.uint8))
             return out
-        a = 0
-        while a < index.numel():
-            b = min(a + self.piece_rows, index.numel())
+        for a, b in self._pieces(index, source.shape[1] * 8):
             torch.index_select(source, 0, index[a:b], out=out[a:b])
-            self._release_if_grown()
-            a = b
         return out
+
+    def _pieces(self, index: torch.Tensor, record_bytes: int):
+        """Pieces [a, b) of `index` (rows of a map) to gather one at a time, so that resident memory
+        stays within release_bytes of the last drop of the maps' pages. A read fault maps at most one
+        huge folio, and folios lie in aligned 2 MiB regions, so a piece can add at most 2 MiB per
+        region its records touch: for ascending rows, the regions are counted and each piece takes as
+        many as the room left (one `index_select` of thousands of rows); the pages are dropped when
+        no room is left. Rows in any other order go in pieces of piece_rows, each checked after."""
+        n = index.numel()
+        starts = index.numpy() * record_bytes
+        first, last = starts // _FOLIO_BYTES, (starts + record_bytes - 1) // _FOLIO_BYTES
+        if n > 1 and not bool(np.all(first[1:] >= last[:-1])):
+            for a in range(0, n, self.piece_rows):
+                yield a, min(a + self.piece_rows, n)
+                self._release_if_grown()
+            return
+        touched = (last != first).astype(np.int64) + 1  # regions of each row's record...
+        touched[1:] -= first[1:] == last[:-1]  # ...less the one it shares with the row before
+        touched = np.cumsum(touched)  # regions touched by rows [0, i]
+        a = 0
+        while a < n:
+            room = (self.release_bytes - (_resident_file_bytes() - self._baseline)) // _FOLIO_BYTES - 1
+            if room < 2:  # (-1: the region row a shares with row a - 1 may have been dropped since)
+                self.release()
+                room = self.release_bytes // _FOLIO_BYTES - 1
+            done = int(touched[a - 1]) if a else 0
+            b = max(a + 1, int(np.searchsorted(touched, done + room, side="right")))
+            yield a, b
+            a = b
 
     def _write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Write `records` of `rows` (sorted, unique): appended to the write log, or (no log) stored
