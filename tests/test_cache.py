@@ -440,6 +440,19 @@ def test_lfu_counts_decay() -> None:
     assert resident_after(4) == [1, 2]
 
 
+def test_lfu_count_survives_eviction() -> None:
+    """A cache of 2. Row 0 is looked up 6 times, pushed out by a batch of rows 1 and 2, and comes back
+    with its count (7), pushing out one of them; row 1 is looked up twice (count 2 or 3), then row 3
+    comes: the victim is the smaller count, row 1. Counting afresh, row 0 would have come back with
+    1 and been the victim instead (hand-checked both ways)."""
+    backing = DramBacking.from_tensors({"weight": torch.zeros(10, 4)})
+    cache = RowCache([("t", 0, 10)], backing, 2, "lfu")
+    for rows in [[0]] * 6 + [[1, 2], [0], [1], [1], [3]]:
+        cache.prefetch(torch.tensor(rows), lookup=True)
+    assert int(cache.history[0]) == 6 and sorted(cache.row_of.tolist()) == [0, 3]
+    assert int(cache.uses[int(cache.slot_of[0])]) == 7
+
+
 def test_reads_ahead_follow_earlier_writes_and_pending_writes_are_read() -> None:
     """The background jobs' rules (background.py), on a host-memory backing run on a worker thread."""
     import threading

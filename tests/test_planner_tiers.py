@@ -42,28 +42,37 @@ def test_memory_of_a_cached_shard_is_exact():
     assert plain.ranks[0].weights == {"device": 1000 * 128} and not plain.ranks[0].tier_bytes
 
 
+def _allocated_bytes(cache) -> int:
+    """A row cache's buffers and bookkeeping (each memory once: buffers may be views) and, on SSD, each
+    row's place in the write log; not the backing store."""
+    storages = {}
+    for value in [*vars(cache).values(), cache.backing.log.where]:
+        for t in value.values() if isinstance(value, dict) else [value]:
+            if isinstance(t, torch.Tensor):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def test_planned_cache_bytes_equal_the_row_cache_allocation(tmp_path):
-    """The device bytes the planner charges are what embedding/cache allocates for that table."""
+    """The device bytes the planner charges are what embedding/cache allocates for that table (lfu
+    also keeps each row's use count across evictions: 1 byte a row)."""
     from neorec.embedding.cache import CacheSettings, cached_storage_factory
     from neorec.embedding.fused import FusedEmbeddingCollection
 
-    for optimizer in ("adagrad", "rowwise_adagrad", "adam"):
-        factory = cached_storage_factory({"t": "ssd"}, CacheSettings(fraction=0.1, directory=tmp_path / optimizer))
+    for optimizer, policy in (
+        ("adagrad", "lru"),
+        ("rowwise_adagrad", "lru"),
+        ("adam", "lru"),
+        ("adagrad", "lfu"),
+    ):
+        settings = CacheSettings(policy=policy, fraction=0.1, directory=tmp_path / f"{optimizer}-{policy}")
+        factory = cached_storage_factory({"t": "ssd"}, settings)
         emb = FusedEmbeddingCollection(
             [TABLE], EmbeddingOptimizerConfig(name=optimizer, lr=0.1), group_storage_factory=factory
         )
-        cache = emb.weights[0].cache
-        storages = {}  # its buffers and bookkeeping (each memory once: buffers may be views), not the backing
-        for value in vars(cache).values():
-            for t in value.values() if isinstance(value, dict) else [value]:
-                if isinstance(t, torch.Tensor):
-                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        log = cache.backing.log.where  # on SSD, each row's place in the write log
-        storages[log.untyped_storage().data_ptr()] = log.untyped_storage().nbytes()
-        allocated = sum(storages.values())
-        wl = build_workload([TABLE], optimizer, 64, cache_fraction=0.1)
+        wl = build_workload([TABLE], optimizer, 64, cache_fraction=0.1, cache_policy=policy)
         est = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0], None, "ssd")}), wl, cpu(1))
-        assert est.ranks[0].weights["device"] == allocated, optimizer
+        assert est.ranks[0].weights["device"] == _allocated_bytes(emb.weights[0].cache), (optimizer, policy)
 
 
 def test_bytes_moved_per_step_count_misses_in_pages():
@@ -96,7 +105,9 @@ def test_hit_rate_from_the_id_sample():
     """Two sampled batches with distinct rows {0,1,2,3} and {0,1,4,5} (duplicates count once): rows 0
     and 1 are seen twice; the four rows seen once stand for unseen rows (Good-Turing: 4 of 8 lookups)."""
     sample = [[np.array([0, 1, 2, 3, 3])], [np.array([1, 0, 4, 5, 0])]]
-    wl = build_workload([TableConfig(name="t", rows=100, dim=4, features=["f"])], "sgd", 5, id_samples={"t": sample})
+    wl = build_workload(
+        [TableConfig(name="t", rows=100, dim=4, features=["f"])], "sgd", 5, id_samples={"t": sample}
+    )
     load = wl.tables[0]
     assert load.hit_rate(0, 100, 2) == pytest.approx(0.5 * (4 / 8))  # rows 0, 1 cached
     assert load.hit_rate(0, 100, 10) == pytest.approx(0.5 * 1 + 0.5 * (10 - 6) / (100 - 6))
@@ -154,6 +165,8 @@ def test_train_builds_the_plans_tiers_and_config_overrides_win(tmp_path):
     plan.tables["C1"].tier, plan.tables["C2"].tier, plan.tables["C3"].tier = "ssd", "cached", "host"
     with pytest.raises(ConfigError, match=r"table 'C1' in tier ssd.*embedding\.cache\.directory"):
         storage_tiers(cfg, tables, plan)
-    cfg = load_config("default", [*sets, f"embedding.cache.directory={tmp_path}", "embedding.tables={C2: {tier: ssd}}"])
+    cfg = load_config(
+        "default", [*sets, f"embedding.cache.directory={tmp_path}", "embedding.tables={C2: {tier: ssd}}"]
+    )
     tiers = storage_tiers(cfg, tables, plan)
     assert (tiers["C1"], tiers["C2"], tiers["C3"], tiers["C4"]) == ("ssd", "ssd", "memory", "memory")

@@ -119,7 +119,9 @@ def shard_work(
         stages=stages,
         ids=ids,
         pooled_bytes=pooled,
-        memory=tier_memory(load, tier, num_rows, width, workload.cache_fraction, workload.ssd_log),
+        memory=tier_memory(
+            load, tier, num_rows, width, workload.cache_fraction, workload.ssd_log, workload.cache_policy
+        ),
         init_bytes=init_window_bytes(num_rows, t.dim, width, record_bytes(load, width) if tier == "ssd" else 0),
         tier_bytes=cache.tier_bytes if cache is not None else 0.0,
         hit_rate=cache.hit_rate if cache is not None else None,

@@ -36,6 +36,7 @@ def workload_for_run(
     return build_workload(
         tables, cfg.embedding.optimizer, cfg.data.batch_size, ids, samples or None,
         d.forward_precision, d.backward_precision, weighted, cache_fraction(cfg), cfg.embedding.cache.ssd_log,
+        cfg.embedding.cache.policy,
     )  # fmt: skip
 
 

@@ -16,7 +16,8 @@ optimizer state side by side, each field 8-byte aligned, padded to 64 bytes (emb
 records.py), and takes, as cache.py allocates it:
     device:        C x (B + 26) + 4 R   the cached rows; per slot its row (8 bytes), dirty bit (1),
                                         loading bit (1), last use (8) and use count (8); per row its
-                                        slot (4); on SSD, per row where its record is (4, write_log.py)
+                                        slot (4); on SSD, per row where its record is (4, write_log.py);
+                                        under LFU, per row its use count kept across evictions (1)
     backing tier:  R x B (1 + L)        every row's weights and state (the file, on SSD), and on SSD
                                         the write log of L x R records (embedding.cache.ssd_log)
 Per step, the distinct rows a batch looks up in the shard that are not resident are misses: each is
@@ -43,6 +44,7 @@ from neorec.planner.workload import TableLoad
 
 SLOT_BYTES = 26  # per cache slot: row (int64), dirty and loading (bool), last use and use count (int64)
 ROW_MAP_BYTES = 4  # per row of the table: its slot (int32); on SSD with a write log, its place (int32)
+LFU_ROW_BYTES = 1  # per row of the table under LFU: its use count while not resident (uint8)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,13 @@ def cache_rows(num_rows: int, fraction: float) -> int:
 
 
 def memory(
-    load: TableLoad, tier: str, num_rows: int, width: int, fraction: float, ssd_log: float = 1.0
+    load: TableLoad,
+    tier: str,
+    num_rows: int,
+    width: int,
+    fraction: float,
+    ssd_log: float = 1.0,
+    policy: str = "lru",
 ) -> dict[str, int]:
     """Bytes per memory tier of a shard of `num_rows` rows of `width` columns (weights + state)."""
     where = PLACEMENTS[tier]
@@ -79,6 +87,8 @@ def memory(
         return {where.rows_in: num_rows * load.row_bytes(width)}
     slots, record = cache_rows(num_rows, fraction), record_bytes(load, width)
     cache = slots * (record + SLOT_BYTES) + num_rows * ROW_MAP_BYTES
+    if policy == "lfu":
+        cache += num_rows * LFU_ROW_BYTES
     backing = num_rows * record
     if tier == "ssd" and ssd_log > 0:
         cache += num_rows * ROW_MAP_BYTES

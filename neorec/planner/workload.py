@@ -131,6 +131,7 @@ class Workload:
     weighted: bool = False  # batches carry per-id weights
     cache_fraction: float = 0.2  # share of a cached table's rows its row cache holds (embedding.cache.fraction)
     ssd_log: float = 1.0  # ssd tables' write log, a share of their rows (embedding.cache.ssd_log; 0: none)
+    cache_policy: str = "lru"  # embedding.cache.policy (lfu keeps a use count per row: 1 byte)
 
     def __post_init__(self) -> None:
         self.by_name = {t.name: t for t in self.tables}
@@ -151,10 +152,11 @@ def build_workload(
     weighted: bool = False,
     cache_fraction: float = 0.2,
     ssd_log: float = 1.0,
+    cache_policy: str = "lru",
 ) -> Workload:
     """Tables with their access statistics (defaults: one id per sample and feature, no sample);
     cache_fraction: the share of rows a cached table's cache holds (the planner's cache size); ssd_log:
-    the size of an ssd table's write log, a share of its rows."""
+    the size of an ssd table's write log, a share of its rows; cache_policy: the row caches' policy."""
     if not 0 < cache_fraction <= 1:
         raise ConfigError(f"planner: the cache fraction must be in (0, 1], got {cache_fraction}")
     default = optimizer if isinstance(optimizer, str) else optimizer.name
@@ -169,7 +171,16 @@ def build_workload(
         )
         for t in tables
     ]
-    return Workload(loads, batch_size, forward_precision, backward_precision, weighted, cache_fraction, ssd_log)
+    return Workload(
+        loads,
+        batch_size,
+        forward_precision,
+        backward_precision,
+        weighted,
+        cache_fraction,
+        ssd_log,
+        cache_policy,
+    )
 
 
 def measure_access(
