@@ -53,7 +53,7 @@ class BackgroundIO:
         return future
 
     def _read_into(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> None:
-        _words(buffer).index_copy_(0, slots, _words(self.backing.read(rows)))
+        self.backing.read_into(rows, buffer, slots)
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Write `records` of `rows` (sorted, unique) back; `records` must not change afterwards."""
@@ -64,6 +64,13 @@ class BackgroundIO:
             self._trim()
 
     # ---- reads on the caller's thread ------------------------------------------------------------
+    def read_into(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> None:
+        """Records of `rows` (sorted, unique) into buffer[slots] now, as read() gives them."""
+        if any(not w.done.done() for w in self._writes):
+            _words(buffer).index_copy_(0, slots, _words(self.read(rows)))
+        else:  # finished writes are in the backing store: straight from it into the slots
+            self.backing.read_into(rows, buffer, slots)
+
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Records of `rows` (sorted, unique) now: pending write-backs first (newest wins), then the
         backing store for the rest."""

@@ -197,7 +197,7 @@ class RowCache:
         missing = missing[: victims.numel()]  # beyond the cache: read/written in the backing store directly
         if missing.numel():
             self._evict(victims)  # updated victims' records are copied out before their slots are reused
-            _words(self.records).index_copy_(0, victims, _words(self.io.read(missing)))
+            self.io.read_into(missing, self.records, victims)
             self._load(missing, victims)
 
     def _touch(self, resident: torch.Tensor, num_rows: int) -> None:
@@ -236,10 +236,12 @@ class RowCache:
         start = self._fresh
         if self.policy == "lru":
             key = self.last_used[:start].clone()
-        else:
-            key = self.uses[:start] * (1 << 32) + self.last_used[:start]
+        else:  # one pass: (use count, then tick)
+            key = torch.add(self.last_used[:start], self.uses[:start], alpha=1 << 32)
         key.index_fill_(0, pinned, _PINNED)
-        free = self.capacity - int((key == _PINNED).sum())  # never-used slots and unpinned ones
+        # resident slots are distinct; with batches in flight they may repeat: count them in the keys
+        num_pinned = resident.numel() if not self._ahead else int((key == _PINNED).sum())
+        free = self.capacity - num_pinned  # never-used slots and unpinned ones
         if fit and free < k:
             return None
         k = min(k, free)
@@ -446,10 +448,13 @@ class DeviceIO:
 
     def read_ahead(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> Future:
         """Records of `rows` into buffer[slots] in device memory now (no worker thread here)."""
-        _words(buffer).index_copy_(0, slots, _words(self.read(rows)))
+        self.read_into(rows, buffer, slots)
         future: Future = Future()
         future.set_result(None)
         return future
+
+    def read_into(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> None:
+        _words(buffer).index_copy_(0, slots, _words(self.read(rows)))
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         self.io.write(rows.cpu(), records.cpu())
