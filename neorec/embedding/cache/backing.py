@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from neorec.embedding.cache import index_ops
 from neorec.embedding.cache.file_io import transfer
 from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.cache.write_log import WriteLog
@@ -202,8 +203,8 @@ class SsdBacking:
             if not bool(logged.any()):
                 put(None, self._words, self.fd, rows)
                 return
-            at, rest = logged.nonzero().flatten(), (~logged).nonzero().flatten()
-            places, order = torch.sort(where.index_select(0, at).long())  # ascending: pieces by region
+            at, rest = index_ops.split(logged)
+            places, order = index_ops.sort(where.index_select(0, at).long())  # ascending: pieces by region
             put(at.index_select(0, order), self.log.records, self.log.fd, places)
             put(rest, self._words, self.fd, rows.index_select(0, rest))
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from neorec.embedding.cache import index_ops
 from neorec.embedding.cache.file_io import transfer
 
 _WINDOW_BYTES = 16 << 20  # records of the table file compacted at a time
@@ -164,7 +165,7 @@ class WriteLog:
             logged = where >= 0
         else:
             logged = (where >= half * self.half) & (where < (half + 1) * self.half)
-        at = logged.nonzero().flatten()
+        at = index_ops.where(logged)
         return at, where.index_select(0, at).long()
 
     def release(self) -> None:
