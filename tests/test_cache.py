@@ -655,28 +655,3 @@ def test_io_thread_auto_only_where_a_core_is_left(monkeypatch) -> None:
     assert not use_io_thread("auto")  # 2 processes x 2 threads on 4 cores
     with pytest.raises(ConfigError, match="embedding.cache.io_thread"):
         use_io_thread("sometimes")
-
-
-def test_index_ops_match_torch() -> None:
-    """index_ops (numpy on CPU) gives what torch.unique / nonzero / sort give, for empty, tiny, odd
-    and large sizes, duplicates, and views that are not contiguous."""
-    from neorec.embedding.cache import index_ops
-
-    gen = torch.Generator().manual_seed(7)
-    for n in (0, 1, 2, 7, 1000, 40_001):
-        for high in (1, 3, 500, 2**40):
-            rows = torch.randint(0, high, (n,), generator=gen)
-            assert torch.equal(index_ops.sorted_unique(rows), torch.unique(rows)), (n, high)
-            mask = rows % 2 == 0
-            hit, miss = index_ops.split(mask)
-            assert torch.equal(hit, mask.nonzero().flatten()) and torch.equal(
-                miss, (~mask).nonzero().flatten()
-            )
-            assert torch.equal(index_ops.where(mask), mask.nonzero().flatten())
-            distinct = torch.randperm(n, generator=gen) * 3
-            values, order = index_ops.sort(distinct)
-            expected = torch.sort(distinct)
-            assert torch.equal(values, expected.values) and torch.equal(order, expected.indices)
-    strided = torch.randint(0, 50, (300,), generator=gen)[::7]  # not contiguous
-    assert torch.equal(index_ops.sorted_unique(strided), torch.unique(strided))
-    assert torch.equal(index_ops.where(strided > 20), (strided > 20).nonzero().flatten())

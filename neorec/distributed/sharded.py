@@ -47,6 +47,7 @@ from neorec.embedding.init import init_rows
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import ConfigError
 from neorec.sparse import SparseBatch, lengths_to_offsets
+from neorec.utils import index_ops
 
 _DENSE_DP_BYTES = 4 << 20  # dp groups whose whole gradient is this small may be all-reduced densely
 
@@ -270,7 +271,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             all_rows.append(part[: k * 8].view(torch.int64))
             all_grads.append(codec.decode(part[k * 8 :].view(codec.wire_dtype).view(k, width)))
         all_rows, all_grads = torch.cat(all_rows), torch.cat(all_grads)
-        order_rows, order = torch.sort(all_rows, stable=True)
+        order_rows, order = index_ops.stable_sort(all_rows)
         unique, per_row = torch.unique_consecutive(order_rows, return_counts=True)
         summed = F.embedding_bag(order, all_grads, lengths_to_offsets(per_row), mode="sum", include_last_offset=True)
         return unique, summed

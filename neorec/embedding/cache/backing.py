@@ -49,11 +49,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from neorec.embedding.cache import index_ops
 from neorec.embedding.cache.file_io import transfer
 from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.cache.write_log import WriteLog
 from neorec.embedding.fused.storage import RowInit
+from neorec.utils import index_ops
 
 _WINDOW_BYTES = 16 << 20  # records per piece of a range read/write or of creating a file
 _RUNS_PER_TASK = 256  # runs of rows one I/O thread handles at a time

@@ -50,9 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from neorec.embedding.cache import index_ops
 from neorec.embedding.cache.background import BackgroundIO
 from neorec.embedding.cache.stats import CacheStats
+from neorec.utils import index_ops
 
 POLICIES = ("lru", "lfu")
 _PINNED = torch.iinfo(torch.int64).max

@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from neorec.embedding.cache import index_ops
 from neorec.embedding.cache.file_io import transfer
+from neorec.utils import index_ops
 
 _WINDOW_BYTES = 16 << 20  # records of the table file compacted at a time
 

@@ -1,0 +1,34 @@
+"""neorec/utils/index_ops.py against the torch operations it stands for."""
+
+import torch
+
+from neorec.utils import index_ops
+
+
+def test_index_ops_match_torch() -> None:
+    """index_ops (numpy on CPU) gives what torch.unique / nonzero / sort (stable too) give, for empty, tiny, odd
+    and large sizes, duplicates, and views that are not contiguous."""
+    gen = torch.Generator().manual_seed(7)
+    for n in (0, 1, 2, 7, 1000, 40_001):
+        for high in (1, 3, 500, 2**40):
+            rows = torch.randint(0, high, (n,), generator=gen)
+            assert torch.equal(index_ops.sorted_unique(rows), torch.unique(rows)), (n, high)
+            mask = rows % 2 == 0
+            hit, miss = index_ops.split(mask)
+            assert torch.equal(hit, mask.nonzero().flatten()) and torch.equal(
+                miss, (~mask).nonzero().flatten()
+            )
+            assert torch.equal(index_ops.where(mask), mask.nonzero().flatten())
+            distinct = torch.randperm(n, generator=gen) * 3
+            values, order = index_ops.sort(distinct)
+            expected = torch.sort(distinct)
+            assert torch.equal(values, expected.values) and torch.equal(order, expected.indices)
+    strided = torch.randint(0, 50, (300,), generator=gen)[::7]  # not contiguous
+    assert torch.equal(index_ops.sorted_unique(strided), torch.unique(strided))
+    assert torch.equal(index_ops.where(strided > 20), (strided > 20).nonzero().flatten())
+    for n, high in ((0, 5), (1, 5), (9, 3), (81_920, 100_000), (5000, 2**62)):  # repeats; too large for keys
+        values = torch.randint(0, high, (n,), generator=gen)
+        got, expected = index_ops.stable_sort(values), torch.sort(values, stable=True)
+        assert torch.equal(got[0], expected.values) and torch.equal(got[1], expected.indices), (n, high)
+    negative = torch.tensor([-3, 5, -3, 2, 5])
+    assert torch.equal(index_ops.stable_sort(negative)[1], torch.sort(negative, stable=True).indices)
