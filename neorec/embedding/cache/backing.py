@@ -149,8 +149,9 @@ class SsdBacking:
             else None
         )
         self.release_bytes = release_bytes
-        # rows read or written between two checks of resident memory: a piece adds at most half of
-        # release_bytes even if every row maps a huge folio of its own
+        # writes in place (no log) and reads of rows not in ascending order: rows between two checks
+        # of resident memory, so a piece adds at most half of release_bytes even if every row maps a
+        # huge folio of its own (ascending reads are cut by region instead, see _pieces)
         self.piece_rows = max(1, min(_MAX_PIECE_ROWS, release_bytes // 2 // _FOLIO_BYTES))
         self._baseline = _resident_file_bytes()
         # CPU time of the threads that read and wrote rows (write includes folding the log in)
@@ -230,7 +231,7 @@ class SsdBacking:
         many as the room left (one `index_select` of thousands of rows); the pages are dropped when
         no room is left. Rows in any other order go in pieces of piece_rows, each checked after."""
         n = index.numel()
-        starts = index.numpy() * record_bytes
+        starts = index.numpy().astype(np.int64) * record_bytes
         first, last = starts // _FOLIO_BYTES, (starts + record_bytes - 1) // _FOLIO_BYTES
         if n > 1 and not bool(np.all(first[1:] >= last[:-1])):
             for a in range(0, n, self.piece_rows):

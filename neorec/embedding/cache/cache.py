@@ -14,7 +14,8 @@ more unique rows than the cache still trains exactly: the rows that do not fit a
 written to the backing store directly (slowly).
 
 Prefetch of a coming batch (`prefetch(rows, ahead=True)`, which the training pipeline calls for
-batch i+1 before batch i runs; file-backed tiers only) gives the rows the cache lacks their slots at
+batch i+1 before batch i runs; file-backed tiers with the worker thread only, `io_thread`: without
+it the rows come in at the lookup, build.py use_io_thread says when) gives the rows the cache lacks their slots at
 once, evicting others, and reads their records on a worker thread (background.py), so the disk works
 while batch i computes. Until its lookup, such a batch is "in flight": its slots are pinned (no
 eviction touches them, so no write-back can race the read of a row), and batch i's too, so a
@@ -24,7 +25,8 @@ records are still on their way. A batch that does not fit beside the batches in 
 lookup instead.
 
 Bookkeeping is dense and vectorised: `slot_of[row]` (int32, -1 = not cached; 4 bytes per row of the
-table, with LFU's byte of history the per-row costs kept in RAM), and per slot its row, a dirty bit, the tick of its last use
+table, and under LFU one byte more, `history`: the per-row costs kept in RAM), and per slot its row,
+a dirty bit, the tick of its last use
 and (LFU) its use count. Victims are the slots with the smallest key among those the current call
 does not need (one `topk` per call):
 - lru: key = tick of the last lookup;
