@@ -19,6 +19,7 @@ import torch
 from neorec.distributed.comms import Comms, Pending
 from neorec.distributed.layout import ROW_SPLIT, ShardLayout
 from neorec.sparse import SparseBatch
+from neorec.utils import index_ops
 
 
 class InputDist:
@@ -58,7 +59,7 @@ class InputDist:
                         split_cache[key] = (owner, w, torch.tensor(starts, device=ids.device))
                     owner, w, starts = split_cache[key]
                     mine = owner == unit.index
-                    sel = mine.nonzero().squeeze(1)
+                    sel = index_ops.where(mine)
                     ids = ids.index_select(0, sel) - starts[unit.index]
                     lens = torch.bincount(bag_of_id[f].index_select(0, sel), minlength=b)
                     w = w.index_select(0, sel) if w is not None else None
