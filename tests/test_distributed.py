@@ -35,9 +35,10 @@ def sharded_run(
     precisions=("fp32", "fp32", "fp32"),
     pipeline=False,
     transport="shm",
+    batch=BATCH,
 ):
     tables = make_tables()
-    batches = make_batches(tables, STEPS, BATCH)
+    batches = make_batches(tables, STEPS, batch)
     comms = Comms(topo, transport=transport)
     emb = ShardedEmbeddingCollection(
         tables, optimizer_config(optimizer_name), ShardingPlan.from_dict(plan_dict), comms, seed=0,
@@ -45,22 +46,31 @@ def sharded_run(
     )  # fmt: skip
     losses, _ = train(emb, batches, topo.world_size, topo.rank, comms, precisions[2], pipeline)
     full = emb.gather_tables()
-    return losses, {k: v["weight"] for k, v in full.items()}, {k: v for k, v in full.items()}, comms.stats.take()
+    return (
+        losses,
+        {k: v["weight"] for k, v in full.items()},
+        {k: v for k, v in full.items()},
+        comms.stats.take(),
+    )
 
 
-def check_against_single(results, optimizer_name):
+def check_against_single(results, optimizer_name, batch=BATCH):
     tables = make_tables()
-    batches = make_batches(tables, STEPS, BATCH)
+    batches = make_batches(tables, STEPS, batch)
     losses, weights, emb = single_process(tables, optimizer_config(optimizer_name), batches)
     state = emb.state_dict()
     for rank, (d_losses, d_weights, d_full, _) in results.items():
         torch.testing.assert_close(torch.tensor(d_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
         for name, w in weights.items():
-            torch.testing.assert_close(torch.as_tensor(d_weights[name]), w, rtol=1e-5, atol=1e-6, msg=f"rank {rank} table {name}")
+            torch.testing.assert_close(
+                torch.as_tensor(d_weights[name]), w, rtol=1e-5, atol=1e-6, msg=f"rank {rank} table {name}"
+            )
             for key in ("momentum1", "momentum2"):
                 full_key = f"tables.{name}.{key}"
                 if full_key in state and state[full_key].dim() == 2:
-                    torch.testing.assert_close(torch.as_tensor(d_full[name][key]), state[full_key], rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(
+                        torch.as_tensor(d_full[name][key]), state[full_key], rtol=1e-5, atol=1e-6
+                    )
 
 
 PLANS_2 = {
@@ -124,6 +134,26 @@ def test_four_ranks_mixed_plan(tmp_path):
     check_against_single(results, "adagrad")
 
 
+def dense_replicas_run(topo: Topology, plan_dict: dict, batch: int):
+    """sharded_run with the sparse gather of replica gradients switched off: the dense all-reduce
+    must be the path taken."""
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the dense all-reduce of the replicas' gradients should have been chosen")
+
+    ShardedEmbeddingCollection._gather_replica_gradients = no_gather
+    return sharded_run(topo, plan_dict, "adagrad", batch=batch)
+
+
+def test_four_ranks_dense_replica_gradients(tmp_path):
+    """Replicated tables whose rows most of the batch touches: every rank's row count makes the dense
+    all-reduce of the group's whole gradient cheaper than gathering rows, so that path runs, and it
+    still matches one process."""
+    plan = {"tables": {f"t{i}": {"kind": "dp"} for i in range(6)}}
+    results = spawn(4, dense_replicas_run, (plan, 256), tmp_path=tmp_path)
+    check_against_single(results, "adagrad", batch=256)
+
+
 def test_two_nodes_of_two_hierarchical(tmp_path):
     """4 processes as 2 nodes x 2 local ranks: twrw/twcw tables go through the two-hop exchange."""
     results = spawn(4, sharded_run, (PLAN_2x2, "adagrad"), local_world=2, tmp_path=tmp_path)
@@ -150,10 +180,16 @@ def test_shared_memory_and_backend_transports_agree(tmp_path):
     through gloo's own collectives matches single-process training, and the two transports give
     bitwise the same losses (they move the same bytes; all-reduce sums in rank order)."""
     plan = PLANS_2["mixed"]
-    shm = spawn(2, sharded_run, (plan, "adagrad", ("fp16", "bf16", "fp32"), False, "shm"), tmp_path=tmp_path / "a")
-    gloo = spawn(2, sharded_run, (plan, "adagrad", ("fp16", "bf16", "fp32"), False, "backend"), tmp_path=tmp_path / "b")
+    shm = spawn(
+        2, sharded_run, (plan, "adagrad", ("fp16", "bf16", "fp32"), False, "shm"), tmp_path=tmp_path / "a"
+    )
+    gloo = spawn(
+        2, sharded_run, (plan, "adagrad", ("fp16", "bf16", "fp32"), False, "backend"), tmp_path=tmp_path / "b"
+    )
     for rank in (0, 1):
-        torch.testing.assert_close(torch.tensor(shm[rank][0]), torch.tensor(gloo[rank][0]), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            torch.tensor(shm[rank][0]), torch.tensor(gloo[rank][0]), rtol=1e-6, atol=1e-7
+        )
         assert shm[rank][3] == gloo[rank][3]  # the same bytes counted
     plain = spawn(2, sharded_run, (plan, "sgd", ("fp32",) * 3, False, "backend"), tmp_path=tmp_path / "c")
     check_against_single(plain, "sgd")

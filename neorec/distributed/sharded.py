@@ -281,8 +281,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         dense[rows, :dim] = grads
         dense[rows, dim] = 1.0  # touched by this rank
         summed = self.comms.all_reduce_sum(dense.view(-1), self.codecs[1], "dp").wait().view(total_rows, dim + 1)
-        touched = (summed[:, dim] > 0).nonzero().squeeze(1)
-        return touched, summed[touched, :dim].contiguous()
+        touched = index_ops.where(summed[:, dim] > 0)
+        return touched, summed[:, :dim].index_select(0, touched)
 
     # ---- optimizer --------------------------------------------------------------------------------
     def build_optimizer(self) -> FusedEmbeddingOptimizer:
