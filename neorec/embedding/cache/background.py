@@ -46,14 +46,11 @@ class BackgroundIO:
     def read_ahead(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> Future:
         """Start reading the records of `rows` (sorted, unique) into buffer[slots], after every write
         submitted so far. Nothing else may touch those slots until the future is done."""
-        future = self._submit(self._read_into, rows, buffer, slots)
+        future = self._submit(self.backing.read_into, rows, buffer, slots)
         self._reads.append(future)
         while self._reads and self._reads[0].done():
             self._reads.popleft()
         return future
-
-    def _read_into(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> None:
-        self.backing.read_into(rows, buffer, slots)
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Write `records` of `rows` (sorted, unique) back; `records` must not change afterwards."""
