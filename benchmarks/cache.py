@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import RESULTS, append_results, markdown_table, peak_rss_mib  # noqa: E402
-from neorec.embedding.cache.build import use_io_thread  # noqa: E402
+from neorec.embedding.cache.build import release_bytes, use_io_thread  # noqa: E402
 
 
 def make_config(
@@ -107,6 +107,7 @@ def train(cfg, batches: list, warmup: int, out_dir: Path) -> dict:
 
 def sweep(args) -> None:
     fractions = args.fractions
+    release_mibs = args.release_mib or ["auto"]
     results = []
     for zipf in args.zipf:
         on_device = [f"train.device={args.device}"]
@@ -118,13 +119,17 @@ def sweep(args) -> None:
         cases = [(None, base)]
         for fraction in fractions:
             for io_thread in args.io_thread:
-                extra = [f"embedding.tier={args.tier}", f"embedding.cache.directory={directory}",
-                         f"embedding.cache.ssd_reads={args.ssd_reads}", f"embedding.cache.ssd_log={args.ssd_log}",
-                         f"embedding.cache.io_thread={io_thread}", f"embedding.cache.fraction={fraction}",
-                         f"embedding.cache.policy={args.policy}", *on_device]  # fmt: skip
-                steps = args.steps + args.warmup
-                config = make_config(args.rows, args.dim, zipf, args.batch_size, steps, args.optimizer, extra)
-                cases.append(((fraction, io_thread), config))
+                for release in release_mibs:
+                    extra = [f"embedding.tier={args.tier}", f"embedding.cache.directory={directory}",
+                             f"embedding.cache.ssd_reads={args.ssd_reads}", f"embedding.cache.ssd_log={args.ssd_log}",
+                             f"embedding.cache.io_thread={io_thread}", f"embedding.cache.fraction={fraction}",
+                             f"embedding.cache.policy={args.policy}", f"embedding.cache.release_mib={release}",
+                             *on_device]  # fmt: skip
+                    steps = args.steps + args.warmup
+                    config = make_config(
+                        args.rows, args.dim, zipf, args.batch_size, steps, args.optimizer, extra
+                    )
+                    cases.append(((fraction, io_thread, release), config))
         best: dict = {}
         for _ in range(args.repeats):  # interleaved; the best of the repeats (other load on the VM)
             for key, cfg in cases:
@@ -137,11 +142,15 @@ def sweep(args) -> None:
             r = best[key]
             r["vs_ram"] = r["samples_per_s"] / ram["samples_per_s"]
             every = "all in RAM" if args.device == "cpu" else "all in GPU memory"
-            fraction, io_thread = key if key is not None else (None, None)
+            fraction, io_thread, release = key if key is not None else (None, None, None)
             case = every if fraction is None else f"{args.tier} + {fraction:.0%} cached"
             if fraction is not None and len(args.io_thread) > 1:
                 case += f", io thread {io_thread}"
-            results.append({"zipf": zipf, "case": case, "fraction": fraction, "io_thread": io_thread, **r})
+            if fraction is not None and len(release_mibs) > 1:
+                case += f", release {release}"
+            variant = f"{io_thread}/{release}"
+            results.append({"zipf": zipf, "case": case, "fraction": fraction, "io_thread": io_thread,
+                            "release_mib": release, "variant": variant, **r})  # fmt: skip
             print(json.dumps(results[-1]), flush=True)
     header = [
         "Zipf",
@@ -171,7 +180,8 @@ def sweep(args) -> None:
         f"{args.repeats} interleaved repeats; "
         "each step first prefetches the next batch's rows (ssd: with the I/O thread on, their reads start on a "
         f"worker thread; io_thread {'/'.join(args.io_thread)}, auto = {'on' if use_io_thread('auto') else 'off'} "
-        f"here; rows written back go to a write log of {args.ssd_log:g} x the rows, folded into the table file "
+        f"here; release_mib {'/'.join(map(str, release_mibs))} (auto = "
+        f"{release_bytes('auto') / 2**20:,.0f} MiB here); rows written back go to a write log of {args.ssd_log:g} x the rows, folded into the table file "
         "in windows). Files in "
         f"{args.dir}, dropped from the page cache once written: a miss is a random read from the disk "
         "until the page cache holds the page again. "
@@ -198,10 +208,12 @@ def plot(results: list[dict], path: Path) -> None:
     for zipf in sorted({r["zipf"] for r in results}):
         mine = [r for r in results if r["zipf"] == zipf]
         ram = next(r for r in mine if r["fraction"] is None)["samples_per_s"]
-        for io_thread in dict.fromkeys(r["io_thread"] for r in mine if r["fraction"] is not None):
-            cached = [r for r in mine if r["fraction"] is not None and r["io_thread"] == io_thread]
+        for variant in dict.fromkeys(r["variant"] for r in mine if r["fraction"] is not None):
+            cached = [r for r in mine if r["fraction"] is not None and r["variant"] == variant]
             x = [100 * r["fraction"] for r in cached]
-            label = f"Zipf {zipf}" + (f", io thread {io_thread}" if len(cached) < len(mine) - 1 else "")
+            label = f"Zipf {zipf}" + (
+                f", {cached[0]['case'].split(', ', 1)[1]}" if len(cached) < len(mine) - 1 else ""
+            )
             line = ax1.plot(x, [r["samples_per_s"] for r in cached], "o-", label=f"{label}: cached")[0]
             ax2.plot(x, [r["hit_rate"] for r in cached], "o-", color=line.get_color(), label=label)
         ax1.axhline(ram, color=line.get_color(), ls="--", lw=1, label=f"Zipf {zipf}: all in RAM")
@@ -224,7 +236,8 @@ def demo(args) -> None:
     cache_mib = args.cache_mib
     extra = ["embedding.tier=ssd", f"embedding.cache.directory={directory}", f"embedding.cache.size_mib={cache_mib}",
              f"embedding.cache.ssd_reads={args.ssd_reads}", f"embedding.cache.ssd_log={args.ssd_log}",
-             f"embedding.cache.io_thread={args.io_thread[0]}", f"embedding.cache.policy={args.policy}"]  # fmt: skip
+             f"embedding.cache.io_thread={args.io_thread[0]}", f"embedding.cache.policy={args.policy}",
+             f"embedding.cache.release_mib={(args.release_mib or ['256'])[0]}"]  # fmt: skip
     cfg = make_config(rows, args.dim, args.zipf[0], args.batch_size, args.steps + args.warmup, "adam", extra)
     batches = make_batches(cfg, args.steps + args.warmup)
     try:
@@ -247,7 +260,8 @@ def demo(args) -> None:
         f"Zipf {args.zipf[0]}, batch {args.batch_size}, {args.policy}, files in {args.dir} (deleted afterwards); "
         f"creating the files took {r['build_s']:.0f} s; {r['log_gib_appended']:.1f} GiB of records were appended "
         f"to the write log (ssd_log {args.ssd_log}); io_thread {args.io_thread[0]} (auto = "
-        f"{'on' if use_io_thread('auto') else 'off'} here). Peak RSS = VmHWM of the process, including the "
+        f"{'on' if use_io_thread('auto') else 'off'} here); release_mib {(args.release_mib or ['256'])[0]}. "
+        "Peak RSS = VmHWM of the process, including the "
         f"pre-generated batches. {args.note}"
     )
     append_results("Row cache: tables larger than the memory budget", markdown_table(header, [row]), notes)
@@ -300,6 +314,13 @@ def main() -> None:
         default=["auto"],
         choices=["auto", "on", "off"],
         help="embedding.cache.io_thread (sweep: several values are run side by side; demo: the first)",
+    )
+    p.add_argument(
+        "--release-mib",
+        nargs="+",
+        default=None,
+        help="embedding.cache.release_mib (MiB or auto; sweep: several values side by side, default auto; "
+        "demo: the first, default 256, so that the maps' pages stay within the budget)",
     )
     p.add_argument("--note", default="", help="appended to the RESULTS notes (e.g. other load seen)")
     p.add_argument("--no-append", action="store_true", help="sweep: print only (no RESULTS.md, no plot)")

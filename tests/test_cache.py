@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pytest
 import torch
@@ -655,3 +656,18 @@ def test_io_thread_auto_only_where_a_core_is_left(monkeypatch) -> None:
     assert not use_io_thread("auto")  # 2 processes x 2 threads on 4 cores
     with pytest.raises(ConfigError, match="embedding.cache.io_thread"):
         use_io_thread("sometimes")
+
+
+def test_release_auto_is_a_quarter_of_memory_per_process_on_the_node(monkeypatch) -> None:
+    """release_mib auto: a quarter of physical memory over torchrun's LOCAL_WORLD_SIZE; a number is MiB."""
+    from neorec.embedding.cache.build import release_bytes
+
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert release_bytes("auto") == memory // 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert release_bytes("auto") == memory // 4 // 4
+    assert release_bytes(256) == 256 << 20 and release_bytes(0.5) == 1 << 19
+    for bad in ("sometimes", 0, -1.0):
+        with pytest.raises(ConfigError, match="embedding.cache.release_mib"):
+            release_bytes(bad)

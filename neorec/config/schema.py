@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -145,8 +145,12 @@ class CacheConfig(Strict):
         None, gt=0, description="or: MiB of cache (rows + optimizer state) shared by all cached tables"
     )
     directory: str | None = Field(None, description="folder for the files of ssd tables (created afresh)")
-    release_mib: float = Field(
-        256.0, gt=0, description="ssd: drop the pages written through the file's map after this many MiB (4 KiB a row)"
+    release_mib: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="ssd: drop the file maps' resident pages (they count in RSS) once they have grown by this "
+        "many MiB; auto: a quarter of the machine's memory shared by the processes on this node (the pages "
+        "are the kernel's page cache, mapped or not: this bounds what RSS counts). Set a number to keep RSS "
+        "within a memory budget",
     )
     ssd_reads: Literal["map", "pread"] = Field(
         "map",

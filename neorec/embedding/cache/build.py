@@ -39,7 +39,9 @@ class CacheSettings:
     fraction: float | None = 0.2  # share of each cached group's rows kept in the cache
     size_mib: float | None = None  # or: MiB of cache (rows + optimizer state) shared by all groups
     directory: str | Path | None = None  # where ssd tables' files go
-    release_mib: float = 256.0  # ssd: drop the pages written through the file's map after this many MiB
+    release_mib: float | str = (
+        "auto"  # ssd: drop the maps' resident pages after this many MiB (release_bytes)
+    )
     ssd_reads: str = "map"  # ssd: "map" (gather from the file's map) or "pread" (I/O threads)
     ssd_log: float = 1.0  # ssd: write log as a share of the rows (write_log.py); 0: writes in place
     io_thread: bool | str = "auto"  # ssd: reads ahead and write-backs on a worker thread: True, False, "auto"
@@ -115,8 +117,26 @@ def _backing(tier: str, table: str, specs: dict[str, StorageSpec], settings: Cac
     path = Path(settings.directory) / f"{table}.rows.bin"
     create_ssd_file(path, layout, num_rows, inits)
     return SsdBacking(
-        path, layout, num_rows, int(settings.release_mib * 2**20), settings.ssd_reads, settings.ssd_log
+        path, layout, num_rows, release_bytes(settings.release_mib), settings.ssd_reads, settings.ssd_log
     )
+
+
+def release_bytes(setting: float | str) -> int:
+    """embedding.cache.release_mib in bytes; "auto": a quarter of the machine's memory over the
+    processes on this node (torchrun's LOCAL_WORLD_SIZE). The mapped pages are page-cache pages the
+    kernel keeps (and may reclaim) whether the process maps them or not: dropping them changes what
+    RSS counts, not what memory is used, and costs a fault per page-cache folio when the rows are read
+    again. With scattered misses, a step's reads touch most of a file's 2 MiB folios, so a bound below
+    the files drops the maps several times a step (256 MiB: 3.7 drops a step and 3.8 ms of faults in
+    the 20% cached sweep, benchmarks/RESULTS.md, session 9). A number bounds RSS under a budget."""
+    if setting == "auto":
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        return pages * page // 4 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if isinstance(setting, str) or not setting > 0:
+        raise ConfigError(
+            f"embedding.cache.release_mib must be a positive number of MiB or auto, got {setting!r}"
+        )
+    return int(setting * 2**20)
 
 
 def _capacity(
