@@ -143,12 +143,21 @@ class SsdBacking:
         if hasattr(mmap, "MADV_HUGEPAGE"):  # large page-cache folios: far fewer, cheaper faults
             self._map._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._words = torch.from_numpy(self._map)  # records as int64 words, the map's memory
+        self.release_bytes = release_bytes
         self.log = (
-            WriteLog(self.path.with_suffix(".log"), self.path, layout.record_bytes, num_rows, log_fraction)
+            WriteLog(
+                self.path.with_suffix(".log"),
+                self.path,
+                layout.record_bytes,
+                num_rows,
+                log_fraction,
+                self._words,
+                lambda places: self._gather(self.log.records, self.log.fd, places),
+                self._make_room,
+            )
             if log_fraction > 0
             else None
         )
-        self.release_bytes = release_bytes
         # writes in place (no log) and reads of rows not in ascending order: rows between two checks
         # of resident memory, so a piece adds at most half of release_bytes even if every row maps a
         # huge folio of its own (ascending reads are cut by region instead, see _pieces)
@@ -266,6 +275,11 @@ class SsdBacking:
             self._words.index_copy_(0, rows[a:b], words[a:b])
             self._release_if_grown()
             a = b
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop the maps' pages first if `nbytes` more of them would pass release_bytes."""
+        if _resident_file_bytes() - self._baseline + nbytes > self.release_bytes:
+            self.release()
 
     def _release_if_grown(self) -> None:
         """Drop the maps' pages if resident memory has grown by release_bytes since the last drop."""
