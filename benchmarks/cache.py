@@ -17,6 +17,7 @@ then deletes the files.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import sys
@@ -61,6 +62,7 @@ def train(cfg, batches: list, warmup: int, out_dir: Path) -> dict:
     from neorec.embedding.cache import summarize
     from neorec.train.trainer import Trainer
 
+    gc.collect()  # the runs before: their trainers (reference cycles) and the maps of their files
     start = time.perf_counter()
     trainer = Trainer(cfg, out_dir)
     build_s = time.perf_counter() - start
