@@ -234,8 +234,11 @@ class RowCache:
     def _make_room(self, k: int, resident: torch.Tensor, fit: bool = True) -> torch.Tensor | None:
         """Up to k slots to reuse, never one of `resident` or of a batch in flight (read ahead, not
         looked up yet). fit=True: all k or None; else as many as there are."""
-        pinned = torch.cat([resident, *(e.slots for e in self._ahead)])
         start = self._fresh
+        if self.capacity - start >= k:  # never-used slots suffice (no victim to choose, none pinned)
+            self._fresh += k
+            return torch.arange(start, start + k, device=self.device)
+        pinned = torch.cat([resident, *(e.slots for e in self._ahead)])
         if self.policy == "lru":
             key = self.last_used[:start].clone()
         else:  # one pass: (use count, then tick)
