@@ -280,8 +280,9 @@ def main() -> None:
         res = worker(args)
         if args.result_file is None:
             print(json.dumps(res))
-        elif int(os.environ.get("RANK", "0")) == 0:
-            Path(args.result_file).write_text(json.dumps(res))
+        else:  # rank 0's is the result; the others' lie beside it (<file>.rank<r>), to compare ranks
+            rank = int(os.environ.get("RANK", "0"))
+            Path(args.result_file + (f".rank{rank}" if rank else "")).write_text(json.dumps(res))
         return
     if args.nproc and args.pipeline_compare:
         pipeline_compare(args)

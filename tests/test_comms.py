@@ -207,3 +207,16 @@ def test_publishing_to_a_peer_that_already_left_is_not_an_error():
     finally:
         os.close(write_end)
     assert int(group._headers[0][0][0]) == 1
+
+
+def test_shared_memory_waits_spin_only_where_each_rank_has_its_cores(monkeypatch):
+    """A waiting rank busy-waits (SPIN_SECONDS) only when the node's ranks x torch's threads fit
+    on the cores; otherwise a spinning rank would hold the core its peer needs."""
+    from neorec.distributed import shm
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert shm.spin_seconds(2) == shm.SPIN_SECONDS > 0  # 2 ranks x 1 thread on 2 cores
+    assert shm.spin_seconds(4) == 0.0  # 4 ranks on 2 cores
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert shm.spin_seconds(2) == 0.0  # 2 ranks x 2 threads on 2 cores

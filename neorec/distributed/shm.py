@@ -16,8 +16,13 @@ A rank writes the buffer of parity p again only two rounds later, after every pe
 round in between, which each does only after it finished reading: so no lock is needed. Stores
 become visible to other processes in program order on x86-64 (total store order), which the header
 relies on; on other architectures `available()` says no and the backend's collectives are used.
-A waiting rank spins briefly, then sleeps on a named pipe that each peer writes one byte to when it
-publishes, so an idle waiter takes no CPU from the computing threads.
+A waiting rank spins, then sleeps on a named pipe that each peer writes one byte to when it
+publishes, so an idle waiter takes no CPU from the computing threads. Where every rank of the group
+has cores of its own for its threads, it spins for up to SPIN_SECONDS first: a core that goes idle
+(on a VM, a virtual CPU handed back to the host) comes back slowly and cold, and on this 2-core VM
+2 processes x 1 thread trained at 69-73 ms a step spinning against 86-92 ms sleeping after 200
+checks (benchmarks/RESULTS.md, session 9). With more threads than cores, a spinning rank would take
+the core its peer needs, so it checks only SPIN_CHECKS times before sleeping.
 
 Results equal the backend's: all_to_all moves the same bytes; all_reduce adds the ranks' tensors in
 rank order on every rank (so every rank holds identical sums).
@@ -37,6 +42,7 @@ import torch.distributed as dist
 
 HEADER_SLOTS = 64  # int64 per header: sequence, total bytes, then offsets (max 61 ranks per node)
 SPIN_CHECKS = 200  # busy checks before sleeping on the pipe
+SPIN_SECONDS = 0.02  # and then busy-waiting this long, where each rank has cores of its own
 STALL_SECONDS = 600.0  # a peer silent this long is taken as dead
 
 
@@ -86,6 +92,7 @@ class ShmGroup:
             [self._region(k, header_bytes + p * capacity, capacity) for p in (0, 1)] for k in range(self.size)
         ]
         self.bytes_copied = 0
+        self.spin_seconds = spin_seconds(max(self.size, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
     def _region(self, rank: int, offset: int, size: int) -> torch.Tensor:
         start = rank * self._stride + offset
@@ -116,6 +123,12 @@ class ShmGroup:
         for _ in range(SPIN_CHECKS):
             if self._all_published(parity):
                 return
+        if self.spin_seconds:
+            end = time.perf_counter() + self.spin_seconds
+            while time.perf_counter() < end:
+                for _ in range(SPIN_CHECKS):
+                    if self._all_published(parity):
+                        return
         deadline = time.monotonic() + STALL_SECONDS
         while not self._all_published(parity):
             select.select([self._wake_read], [], [], 0.005)
@@ -223,6 +236,14 @@ class ShmGroup:
             if fd >= 0:
                 os.close(fd)
         self._wake_read, self._wake_write = -1, []
+
+
+def spin_seconds(ranks_here: int) -> float:
+    """How long a waiting rank busy-waits before sleeping: SPIN_SECONDS where the `ranks_here`
+    processes of this machine x torch's intra-op threads each fit on the cores this process may use,
+    else 0 (only SPIN_CHECKS checks)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return SPIN_SECONDS if ranks_here * torch.get_num_threads() <= cores else 0.0
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
