@@ -47,7 +47,9 @@ class Codec:
         if self.name == "bf16":
             return wire.to(torch.float32)
         scale = torch.exp2(-wire[:, -1:].to(torch.float32))
-        return wire[:, :-1] * scale  # fp16 * fp32 -> fp32
+        # widen first, then scale in place: the same fp32 values as `wire[:, :-1] * scale`, whose
+        # mixed-dtype broadcast over a strided fp16 view took 5x longer (2.6 vs 0.5 ms for 13k x 64)
+        return wire[:, :-1].to(torch.float32).mul_(scale)
 
     def wire_width(self, dim: int) -> int:
         return dim + 1 if self.name == "fp16" else dim
