@@ -39,9 +39,7 @@ class CacheSettings:
     fraction: float | None = 0.2  # share of each cached group's rows kept in the cache
     size_mib: float | None = None  # or: MiB of cache (rows + optimizer state) shared by all groups
     directory: str | Path | None = None  # where ssd tables' files go
-    release_mib: float | str = (
-        "auto"  # ssd: drop the maps' resident pages after this many MiB (release_bytes)
-    )
+    release_mib: float | str = "auto"  # ssd: drop the maps' resident pages after this many MiB
     ssd_reads: str = "map"  # ssd: "map" (gather from the file's map) or "pread" (I/O threads)
     ssd_log: float = 1.0  # ssd: write log as a share of the rows (write_log.py); 0: writes in place
     io_thread: bool | str = "auto"  # ssd: reads ahead and write-backs on a worker thread: True, False, "auto"
