@@ -50,14 +50,26 @@ def sorted_unique(rows: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(ordered[keep])
 
 
+def sort_pairs(
+    values: torch.Tensor, low: torch.Tensor, low_limit: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values, low) pairs of two 1-D int64 tensors ordered by value, then by low (low in [0,
+    low_limit)), as two tensors: one numpy sort of `value * 2^bits + low` keys. Equal keys are equal
+    pairs, so any sort gives the same result. None where that does not apply (not on CPU, or values
+    outside [0, 2^(63 - bits))): the caller sorts with torch."""
+    bits = max(low_limit, 2).bit_length()
+    if values.device.type != "cpu" or values.numel() == 0:
+        return None
+    if int(values.min()) < 0 or int(values.max()) >= 1 << (63 - bits):
+        return None
+    keys = torch.from_numpy(np.sort(torch.add(low, values, alpha=1 << bits).numpy()))
+    return keys >> bits, keys & ((1 << bits) - 1)
+
+
 def stable_sort(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.sort(values, stable=True) of 1-D int64 values that may repeat: equal values keep their
-    order. On CPU, for values in [0, 2^(63 - bits of n)), one numpy sort of `value * 2^bits +
-    position` keys: the positions make every key distinct, so any sort gives exactly the stable order."""
+    order. On CPU, sort_pairs of (value, position): the positions make every key distinct, so any
+    sort gives exactly the stable order."""
     n = values.numel()
-    bits = max(n, 2).bit_length()
-    if values.device.type != "cpu" or n == 0 or int(values.min()) < 0 or int(values.max()) >= 1 << (63 - bits):
-        return torch.sort(values, stable=True)
-    keys = torch.add(torch.arange(n), values, alpha=1 << bits).numpy()
-    keys = torch.from_numpy(np.sort(keys))
-    return keys >> bits, keys & ((1 << bits) - 1)
+    pairs = sort_pairs(values, torch.arange(n, device=values.device), n)
+    return pairs if pairs is not None else torch.sort(values, stable=True)
