@@ -134,7 +134,7 @@ def test_four_ranks_mixed_plan(tmp_path):
     check_against_single(results, "adagrad")
 
 
-def dense_replicas_run(topo: Topology, plan_dict: dict, batch: int):
+def dense_replicas_run(topo: Topology, plan_dict: dict, batch: int, optimizer_name: str = "adagrad"):
     """sharded_run with the sparse gather of replica gradients switched off: the dense all-reduce
     must be the path taken."""
 
@@ -142,16 +142,18 @@ def dense_replicas_run(topo: Topology, plan_dict: dict, batch: int):
         raise AssertionError("the dense all-reduce of the replicas' gradients should have been chosen")
 
     ShardedEmbeddingCollection._gather_replica_gradients = no_gather
-    return sharded_run(topo, plan_dict, "adagrad", batch=batch)
+    return sharded_run(topo, plan_dict, optimizer_name, batch=batch)
 
 
-def test_four_ranks_dense_replica_gradients(tmp_path):
+@pytest.mark.parametrize("optimizer_name", ["adagrad", "sgd"])
+def test_four_ranks_dense_replica_gradients(optimizer_name, tmp_path):
     """Replicated tables whose rows most of the batch touches: every rank's row count makes the dense
     all-reduce of the group's whole gradient cheaper than gathering rows, so that path runs, and it
-    still matches one process."""
+    still matches one process. SGD sums gradients already weighted by -lr (folded_lr) and adds them
+    to the rows in place."""
     plan = {"tables": {f"t{i}": {"kind": "dp"} for i in range(6)}}
-    results = spawn(4, dense_replicas_run, (plan, 256), tmp_path=tmp_path)
-    check_against_single(results, "adagrad", batch=256)
+    results = spawn(4, dense_replicas_run, (plan, 256, optimizer_name), tmp_path=tmp_path)
+    check_against_single(results, optimizer_name, batch=256)
 
 
 def test_two_nodes_of_two_hierarchical(tmp_path):

@@ -98,10 +98,10 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         self.stochastic_rounding = stochastic_rounding
         self.layout = build_layout(self.tables, optimizer, table_tiers)
         self.num_updates = 0
-        # Called with (group, unique rows, their summed gradients) before each update; returns the
-        # rows and gradients to apply. The sharded collection sums a replicated table's gradients
-        # over ranks here. It is called once per group and backward, even with no rows, and needs
-        # chunk_elements = None (one block per group).
+        # Called with (group, unique rows, their summed gradients, times -lr where folded_lr says
+        # so) before each update; returns the rows and gradients to apply. The sharded collection
+        # sums a replicated table's gradients over ranks here. It is called once per group and
+        # backward, even with no rows, and needs chunk_elements = None (one block per group).
         self.grad_hook: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._row_init = row_init
         # seconds spent in lookups ("lookup") and fused backward+updates ("update"), when a dict is set
@@ -268,6 +268,9 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         """
         g = self.layout.groups[gi]
         storage, state_storage = self.weights[gi], self.states[gi]
+        if lr_folded and self.adds_in_place(gi):  # w += g in one pass (rows are unique: no order)
+            storage.tensor.index_add_(0, rows, grads)
+            return
         table = None  # which table of the group each row belongs to, when needed
         per_row: dict[str, float | torch.Tensor] = {}
         for name, value in hparams.items():
@@ -310,8 +313,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         Then every path multiplies each id's gradient term by -lr while summing (free: the sums
         take per-id weights anyway) and adds the sums to the rows, so that plain fp32 tables can
         take the in-place path (lookup.add_row_gradients) and a cache or any other storage in
-        front of the same rows stays bitwise equal to it. Without a gradient hook only: a hook
-        (the sharded collection's replica sum) expects plain gradient sums.
+        front of the same rows stays bitwise equal to it. A gradient hook (the sharded
+        collection's replica sum) then sums the -lr-weighted sums over ranks.
         """
         lr, wd = hparams["lr"], hparams["weight_decay"]
         if self.layout.groups[gi].optimizer != "sgd" or device.type != "cpu":

@@ -338,8 +338,8 @@ class FusedLookup(torch.autograd.Function):
                     hparams["lr"], hparams["eps"], hparams["weight_decay"],
                 )  # fmt: skip
                 continue
-            id_scale = engine.folded_lr(gi, hparams, grad_out.device) if hook is None else None
-            if id_scale is not None and engine.adds_in_place(gi):  # plain SGD into a plain fp32 table
+            id_scale = engine.folded_lr(gi, hparams, grad_out.device)
+            if id_scale is not None and hook is None and engine.adds_in_place(gi):  # plain SGD, fp32 table
                 add_row_gradients(engine.weights[gi].tensor, gb, grad_bags, id_scale)
                 continue
             chunk_rows = engine.chunk_rows(gi, grad_out.device)
