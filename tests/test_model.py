@@ -8,7 +8,7 @@ def test_dot_interaction_matches_loops():
     torch.manual_seed(0)
     b, d, f = 3, 4, 5
     dense, emb = torch.randn(b, d, dtype=torch.float64), torch.randn(b, f * d, dtype=torch.float64)
-    out = DotInteraction(f + 1)(dense, emb)
+    out = DotInteraction(f + 1)(torch.cat([dense, emb], 1))
     vecs = [dense] + list(emb.split(d, dim=1))
     expected = [dense]
     for i in range(f + 1):
@@ -25,9 +25,9 @@ def test_dot_interaction_gradient_matches_autograd_of_loops(self_interaction):
     dense = torch.randn(b, d, dtype=torch.float64, requires_grad=True)
     emb = torch.randn(b, f * d, dtype=torch.float64, requires_grad=True)
     inter = DotInteraction(f + 1, self_interaction)
-    assert torch.autograd.gradcheck(lambda x, e: inter(x, e), (dense, emb))
+    assert torch.autograd.gradcheck(lambda x, e: inter(torch.cat([x, e], 1)), (dense, emb))
     upstream = torch.randn(b, d + inter.num_pairs, dtype=torch.float64)
-    got = torch.autograd.grad((inter(dense, emb) * upstream).sum(), (dense, emb))
+    got = torch.autograd.grad((inter(torch.cat([dense, emb], 1)) * upstream).sum(), (dense, emb))
     vecs = [dense] + list(emb.split(d, dim=1))
     loops = [dense] + [(vecs[i] * vecs[j]).sum(1, keepdim=True)
                        for i in range(f + 1) for j in range(i + 1 if self_interaction else i)]  # fmt: skip
@@ -56,11 +56,11 @@ def test_dot_interaction_under_bf16_autocast_matches_the_reference_in_bf16_preci
     inter = DotInteraction(f + 1)
     upstream = torch.randn(b, d + inter.num_pairs)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = inter(dense, emb)
+        out = inter(torch.cat([dense, emb], 1))
     got = torch.autograd.grad((out.float() * upstream).sum(), (dense, emb))
     assert got[0].dtype == got[1].dtype == torch.float32  # gradients keep the inputs' dtype
     d64, e64 = dense.detach().double().requires_grad_(), emb.detach().double().requires_grad_()
-    want_out = inter(d64, e64)
+    want_out = inter(torch.cat([d64, e64], 1))
     want = torch.autograd.grad((want_out * upstream.double()).sum(), (d64, e64))
     # bf16 keeps 8 bits of mantissa: products of O(1) inputs summed over d=16 carry ~1% error.
     scale = want_out.abs().max()

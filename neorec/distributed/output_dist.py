@@ -8,9 +8,11 @@ Forward, from the local pooled [W * B, local width] (rows of rank s's samples at
 - twcw: two hops, column slices joined inside the node before crossing nodes;
 - dp: nothing to send (the replicated tables looked up the local batch).
 The received blocks are placed straight into the output [B, sum of feature dims] (feature order)
-by column segments (`Assembly`): one copy per run of columns, plus an add per later row shard of
-row-split tables (their partial sums, added in shard order). So the forward writes the output once,
-and the backward cuts each block's gradient out of the output's gradient in one pass.
+by column segments (`Assembly`): one concatenation of the runs of columns, after the model's dense
+vector when it passes one (EmbeddingCollection.pooled_after, so that the interaction's input is not
+copied once more), then an add per later row shard of row-split tables (their partial sums, added
+in shard order). So the forward writes the output once, and the backward cuts each block's gradient
+out of the output's gradient in one pass.
 
 Backward sends each gradient block back the way its rows came, with the backward codec, after
 scaling it by 1/W: every rank's loss is a mean over its own B samples, and 1/W makes the update
@@ -38,6 +40,7 @@ class OutputDist(torch.autograd.Function):
         anchor: torch.Tensor,
         local: torch.Tensor,
         dp: torch.Tensor,
+        prefix: torch.Tensor | None,
         layout: ShardLayout,
         comms: Comms,
         codecs: tuple[Codec, Codec],
@@ -45,11 +48,12 @@ class OutputDist(torch.autograd.Function):
         timings: dict[str, float],
         assembly: Assembly,
     ) -> torch.Tensor:
-        """-> [B, output width] in feature order."""
+        """-> [B, output width] in feature order, after `prefix` [B, P] when one is given."""
         topo, b = comms.topo, batch_size
         fwd = codecs[0]
         ctx.layout, ctx.comms, ctx.codecs, ctx.b, ctx.timings = layout, comms, codecs, b, timings
         ctx.assembly = assembly
+        ctx.prefix_width = prefix.shape[1] if prefix is not None else 0
         me = topo.rank
         fw, rw = layout.flat_width[me], layout.twrw_width[topo.node]
         flat = local[:, :fw]
@@ -63,7 +67,7 @@ class OutputDist(torch.autograd.Function):
             got += comms.two_hop(local[:, fw : fw + rw], b, "sum", layout.twrw_width, fwd, "fwd")
         if layout.has_twcw:
             got += comms.two_hop(local[:, fw + rw :], b, "cat", layout.twcw_width, fwd, "fwd")
-        return assembly.place([*got, dp], b)
+        return assembly.place([*got, dp], b, prefix)
 
     @staticmethod
     @once_differentiable
@@ -72,7 +76,9 @@ class OutputDist(torch.autograd.Function):
         comms: Comms = ctx.comms
         topo, b, bwd = comms.topo, ctx.b, ctx.codecs[1]
         start = time.perf_counter()
-        pieces = ctx.assembly.cut(grad, 1.0 / topo.world_size)
+        p = ctx.prefix_width
+        grad_prefix = grad[:, :p] if p else None
+        pieces = ctx.assembly.cut(grad[:, p:], 1.0 / topo.world_size)
         grad_dp = pieces.pop()
         fw, rw, cw = ctx.widths
         w = topo.world_size
@@ -92,7 +98,7 @@ class OutputDist(torch.autograd.Function):
             parts.append(comms.two_hop_backward(pieces[k : k + n], b, "cat", slice_width, bwd, "bwd"))
         grad_local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         ctx.timings["output_dist_bwd"] += time.perf_counter() - start
-        return None, grad_local, grad_dp, None, None, None, None, None, None
+        return None, grad_local, grad_dp, grad_prefix, None, None, None, None, None, None
 
 
 class Assembly:
@@ -125,16 +131,22 @@ class Assembly:
                     covered[d] = True
         if not all(covered):
             raise ValueError("assembly: term 0 does not cover every output column")
+        # the copies in output order (they tile the output), then the adds in shard order
+        self._copies = sorted((seg for seg in self.segments if not seg[0]), key=lambda seg: seg[3])
+        self._adds = [seg for seg in self.segments if seg[0]]
 
-    def place(self, pieces: list[torch.Tensor], batch: int) -> torch.Tensor:
-        """The output [batch, width] from the received pieces."""
-        out = pieces[-1].new_empty((batch, self.width))
-        for add, p, s, d, n in self.segments:
-            src = pieces[p][:, s : s + n]
-            if add:
-                out[:, d : d + n] += src
-            else:
-                out[:, d : d + n] = src
+    def place(
+        self, pieces: list[torch.Tensor], batch: int, prefix: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The output [batch, width] from the received pieces, after `prefix` [batch, P] if given:
+        one concatenation of the copied segments in output order (one pass over the output), then
+        the adds."""
+        parts = [] if prefix is None else [prefix]
+        parts += [pieces[p][:, s : s + n] for _, p, s, _, n in self._copies]
+        out = torch.cat(parts, dim=1) if parts else pieces[-1].new_empty((batch, 0))
+        offset = 0 if prefix is None else prefix.shape[1]
+        for _, p, s, d, n in self._adds:
+            out[:, offset + d : offset + d + n] += pieces[p][:, s : s + n]
         return out
 
     def cut(self, grad: torch.Tensor, scale: float) -> list[torch.Tensor]:

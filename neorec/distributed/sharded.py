@@ -171,8 +171,10 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     def lookup(self, local: SparseBatch) -> torch.Tensor:
         return self.local(local)
 
-    def output(self, pooled_local: torch.Tensor, sparse: SparseBatch) -> torch.Tensor:
-        """output_dist + assembly: [B, output_dim] in feature order."""
+    def output(
+        self, pooled_local: torch.Tensor, sparse: SparseBatch, prefix: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """output_dist + assembly: [B, output_dim] in feature order (after `prefix`, if given)."""
         b = sparse.batch_size
         if self.dp_features:
             dp = self.replicated(sparse)
@@ -181,8 +183,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         start = time.perf_counter()
         anchor = torch.empty(0, device=dp.device, requires_grad=True)
         out = OutputDist.apply(
-            anchor, pooled_local, dp, self.layout, self.comms, self.codecs, b, self.timings, self._assembly
-        )
+            anchor, pooled_local, dp, prefix, self.layout, self.comms, self.codecs, b, self.timings, self._assembly
+        )  # fmt: skip
         self.timings["output_dist"] += time.perf_counter() - start
         return out
 
@@ -204,6 +206,10 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             self._ahead.popleft()[1].result()
 
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
+        return self.pooled_after(None, sparse)
+
+    def pooled_after(self, prefix: torch.Tensor | None, sparse: SparseBatch) -> torch.Tensor:
+        """[prefix | pooled] assembled in one pass (see EmbeddingCollection.pooled_after)."""
         start = time.perf_counter()
         if self._ahead and self._ahead[0][0] is sparse:
             local = self._ahead.popleft()[1].result()  # "input_dist" is then the time spent waiting
@@ -214,7 +220,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 future.result()
             local = self.input_dist_(sparse).wait()
         self.timings["input_dist"] += time.perf_counter() - start
-        return self.output(self.lookup(local), sparse)
+        return self.output(self.lookup(local), sparse, prefix)
 
     def _prefetch_rows(self) -> None:
         """Bring the local rows of every prefetched batch not yet brought in into the shards' caches

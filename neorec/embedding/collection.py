@@ -2,7 +2,8 @@
 
 Every embedding collection (the per-table reference, the fused table-batched engine, the sharded
 collection) takes a SparseBatch and returns pooled vectors [B, sum of feature dims] in
-`feature_names` order. The model never sees how rows are stored or updated.
+`feature_names` order (`pooled_after` puts the model's dense vector in front). The model never
+sees how rows are stored or updated.
 
 Embedding rows have their own optimizer: `build_optimizer()` returns an object with the
 torch.optim.Optimizer surface (`step`, `zero_grad`, `param_groups`, `state_dict`,
@@ -36,6 +37,12 @@ class EmbeddingCollection(nn.Module):
 
     def forward(self, sparse: SparseBatch) -> torch.Tensor:  # [B, output_dim]
         raise NotImplementedError
+
+    def pooled_after(self, prefix: torch.Tensor, sparse: SparseBatch) -> torch.Tensor:
+        """[prefix | pooled]: [B, prefix width + output_dim], the models' input to their interaction
+        (the bottom MLP's output first). A collection that assembles its output from pieces anyway
+        (the sharded one) writes both in the same pass instead of concatenating afterwards."""
+        return torch.cat([prefix, self(sparse)], dim=1)
 
     def split(self, pooled: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-feature views of a pooled output."""

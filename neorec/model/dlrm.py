@@ -68,9 +68,9 @@ class DLRM(nn.Module):
         device = batch.dense.device
         with dense_autocast(device, self.precision):
             dense_out = self.bottom(batch.dense)
-        pooled = self.embeddings(batch.sparse)
+        vectors = self.embeddings.pooled_after(dense_out, batch.sparse)  # [dense_out | pooled]
         with dense_autocast(device, self.precision):
-            hidden = self.top[:-1](self.interaction(dense_out, pooled))
+            hidden = self.top[:-1](self.interaction(vectors))
         return last_layer(self.top, hidden)
 
 
@@ -99,7 +99,7 @@ class DCNv2(nn.Module):
         device = batch.dense.device
         with dense_autocast(device, self.precision):
             dense_out = self.bottom(batch.dense)
-        pooled = self.embeddings(batch.sparse)
+        x0 = self.embeddings.pooled_after(dense_out.float(), batch.sparse)  # [dense_out | pooled]
         with dense_autocast(device, self.precision):
-            hidden = self.top[:-1](self.cross(torch.cat([dense_out.float(), pooled], dim=1)))
+            hidden = self.top[:-1](self.cross(x0))
         return last_layer(self.top, hidden)

@@ -56,6 +56,7 @@ class DotInteraction(nn.Module):
 
     def __init__(self, num_vectors: int, self_interaction: bool = False) -> None:
         super().__init__()
+        self.num_vectors = num_vectors
         offset = 0 if self_interaction else -1
         rows, cols = torch.tril_indices(num_vectors, num_vectors, offset=offset)
         self.register_buffer("flat", rows * num_vectors + cols, persistent=False)
@@ -64,11 +65,13 @@ class DotInteraction(nn.Module):
     def num_pairs(self) -> int:
         return self.flat.numel()
 
-    def forward(self, dense_out: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        """dense_out [B, d], embeddings [B, F * d] -> [B, d + num_pairs]."""
-        b, d = dense_out.shape
-        vectors = torch.cat([dense_out, embeddings], dim=1).view(b, -1, d)
-        return torch.cat([dense_out, PairwiseDots.apply(vectors, self.flat)], dim=1)
+    def forward(self, vectors: torch.Tensor) -> torch.Tensor:
+        """vectors [B, (1 + F) * d]: the bottom-MLP output, then the F pooled embeddings (as
+        EmbeddingCollection.pooled_after gives them) -> [B, d + num_pairs]."""
+        b = vectors.shape[0]
+        d = vectors.shape[1] // self.num_vectors
+        dots = PairwiseDots.apply(vectors.view(b, self.num_vectors, d), self.flat)
+        return torch.cat([vectors[:, :d], dots], dim=1)
 
 
 class CrossNetwork(nn.Module):
