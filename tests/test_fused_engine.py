@@ -220,6 +220,39 @@ def test_matches_float64_reference(name: str, weight_decay: float) -> None:
     assert_matches(engine, ref, outputs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_row_writes_on_one_thread_equal_index_copy(dtype) -> None:
+    """On one intra-op thread, rows are written through numpy (faster than index_copy_ there):
+    the same table afterwards, whatever the dtype."""
+    from neorec.embedding.fused.storage import TensorStorage
+
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(1000, 24, generator=gen).to(dtype)
+    rows = torch.randperm(1000, generator=gen)[:337]
+    values = torch.randn(337, 24, generator=gen).to(dtype)
+    want = table.clone().index_copy_(0, rows, values)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        storage = TensorStorage(table.clone())
+        storage.write(rows, values)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(storage.tensor, want)
+
+
+@pytest.mark.parametrize("name", ["adagrad", "adam"])
+def test_one_thread_matches_float64_reference(name: str) -> None:
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        engine, ref, outputs = train_both(make_tables(), opt, steps=4, seed=5)
+    finally:
+        torch.set_num_threads(threads)
+    assert_matches(engine, ref, outputs)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
 def test_one_hot_batches_match_float64_reference(name: str, dtype: str) -> None:
