@@ -58,6 +58,8 @@ def _collectives(topo: Topology):
     # all-reduce in every codec
     flat = torch.arange(1000, dtype=torch.float32) * (r + 1) / 7
     sums = {c: comms.all_reduce_sum(flat.clone(), Codec(c), "dense").wait() for c in ("fp32", "fp16", "bf16")}
+    for c in ("fp32", "bf16"):  # a list is summed as its concatenation
+        sums[c + " parts"] = comms.all_reduce_sum([flat[:400].clone(), flat[400:].clone()], Codec(c), "dense").wait()
     # exchange of blocks of different widths: rank r sends [r + 1, k + 2] filled with 10 r + k to rank k
     blocks = [torch.full((r + 1, k + 2), float(10 * r + k)) for k in range(w)]
     got = comms.exchange(blocks, [(s + 1, r + 2) for s in range(w)], Codec("fp32"), "test").wait()
@@ -78,6 +80,8 @@ def test_collectives_on_four_gloo_processes(tmp_path):
             assert torch.equal(torch.as_tensor(block), torch.full((s + 1, k + 2), float(10 * s + k)))
         # reduce-scatter sends 3 of its 4 [2, 3] fp32 blocks; the exchange sends rank k's [k+1, j+2] blocks
         assert sent["test"] == 3 * 2 * 3 * 4 + sum((k + 1) * (j + 2) * 4 for j in range(w) if j != k)
+        for c in ("fp32", "bf16"):
+            assert torch.equal(torch.as_tensor(sums[c + " parts"]), torch.as_tensor(sums[c]))
     # every rank ends with the same dense sums, whatever the codec
     for c in ("fp32", "fp16", "bf16"):
         first = torch.as_tensor(results[0][1][c])
@@ -132,6 +136,7 @@ def _shm_vs_backend(topo: Topology):
         flat = torch.randn(1001, generator=g)  # 4004 bytes: 63 rounds of 64
         summed = flat.clone()
         group.all_reduce(summed)
+        from_parts = group.sum_parts([flat[:300], flat[300:]])  # concatenated into the buffer (or not: 64)
         reference = torch.empty(w, 1001)
         dist.all_gather(list(reference), flat)
         for _ in range(50):  # back-to-back exchanges: the double buffers must not be overwritten early
@@ -139,7 +144,8 @@ def _shm_vs_backend(topo: Topology):
         gathered = group.all_gather_bytes(payload)  # up to 300 bytes: 5 rounds of 64
         group.close()
         gathered_ok = all(torch.equal(a, b) for a, b in zip(gathered, everyone, strict=True))
-        results[capacity] = (torch.equal(got, expected), torch.equal(summed, reference.sum(0)), gathered_ok)
+        summed_ok = torch.equal(summed, reference.sum(0)) and torch.equal(from_parts, summed)
+        results[capacity] = (torch.equal(got, expected), summed_ok, gathered_ok)
     results["backend"] = all(backend_ok) and len(backend_ok) == w
     return results
 

@@ -194,15 +194,24 @@ class Comms:
 
         return Pending([got], finish)
 
-    def all_reduce_sum(self, flat: torch.Tensor, codec: Codec, direction: str) -> Pending:
-        """Sum of a 1-D fp32 tensor over all ranks. fp32: the backend's all_reduce. fp16/bf16: the
-        codec on the wire but fp32 sums (reduce-scatter of 1/W slices, then all-gather, both as
-        all_to_all), so summing W ranks cannot overflow fp16 and the order is rank order."""
+    def all_reduce_sum(self, flat: torch.Tensor | list[torch.Tensor], codec: Codec, direction: str) -> Pending:
+        """Sum of a 1-D fp32 tensor (or of the concatenation of a list of them) over all ranks.
+        fp32: the backend's all_reduce (in shared memory, a list is concatenated straight into the
+        send buffer). fp16/bf16: the codec on the wire but fp32 sums (reduce-scatter of 1/W
+        slices, then all-gather, both as all_to_all), so summing W ranks cannot overflow fp16 and
+        the order is rank order."""
         world = self.world
+        parts = flat if isinstance(flat, list) else None
+        if parts is not None and (world.size == 1 or world.shm is None or codec.name != "fp32" or
+                                  parts[0].device.type != "cpu"):  # fmt: skip
+            flat, parts = torch.cat(parts), None
         if world.size == 1:
             return Pending.ready(flat)
         if codec.name == "fp32":
-            self.stats.add(direction, 2 * (world.size - 1) * flat.numel() * 4 // world.size)
+            numel = sum(p.numel() for p in parts) if parts is not None else flat.numel()
+            self.stats.add(direction, 2 * (world.size - 1) * numel * 4 // world.size)
+            if parts is not None:
+                return Pending.ready(world.shm.sum_parts(parts))
             if world.shm is not None and flat.device.type == "cpu":
                 world.shm.all_reduce(flat)
                 return Pending.ready(flat)

@@ -25,8 +25,7 @@ class DenseGradSync:
         if world == 1 or not self.params:
             return Pending.ready(None)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        summed = self.comms.all_reduce_sum(flat, self.codec, "dense")
+        summed = self.comms.all_reduce_sum([g.reshape(-1) for g in grads], self.codec, "dense")
 
         def finish() -> None:
             total = summed.wait().mul_(1.0 / world)

@@ -226,10 +226,26 @@ class ShmGroup:
             self._buffers[self.index][parity][: hi - lo].copy_(mine[lo:hi])
             self._publish(parity, [n_bytes])
             self._wait(parity)
+            bufs = [self._buffers[k][parity][: hi - lo].view(flat.dtype) for k in range(self.size)]
             out = mine[lo:hi].view(flat.dtype)
-            out.copy_(self._buffers[0][parity][: hi - lo].view(flat.dtype))
-            for k in range(1, self.size):
-                out += self._buffers[k][parity][: hi - lo].view(flat.dtype)
+            _sum_in_order(bufs, out)
+
+    def sum_parts(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The sum over the group of torch.cat(parts) (1-D tensors of one dtype), as a new tensor,
+        added in rank order as all_reduce does. When they fit in one buffer, the parts are
+        concatenated straight into it (one pass fewer than concatenating, then copying in)."""
+        dtype = parts[0].dtype
+        n_bytes = sum(p.numel() for p in parts) * parts[0].element_size()
+        if n_bytes > self.capacity or n_bytes == 0:
+            flat = torch.cat(parts)
+            self.all_reduce(flat)
+            return flat
+        parity = (self.seq + 1) % 2
+        torch.cat(parts, out=self._buffers[self.index][parity][:n_bytes].view(dtype))
+        self._publish(parity, [n_bytes])
+        self._wait(parity)
+        bufs = [self._buffers[k][parity][:n_bytes].view(dtype) for k in range(self.size)]
+        return _sum_in_order(bufs, None)
 
     def close(self) -> None:
         for fd in [self._wake_read, *self._wake_write]:
@@ -244,6 +260,17 @@ def spin_seconds(ranks_here: int) -> float:
     else 0 (only SPIN_CHECKS checks)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return SPIN_SECONDS if ranks_here * torch.get_num_threads() <= cores else 0.0
+
+
+def _sum_in_order(bufs: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    """bufs[0] + bufs[1] + ... (rank order), into `out` (or a new tensor): the first add reads two
+    buffers and writes once."""
+    if len(bufs) == 1:
+        return bufs[0].clone() if out is None else out.copy_(bufs[0])
+    out = torch.add(bufs[0], bufs[1], out=out)
+    for b in bufs[2:]:
+        out += b
+    return out
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
