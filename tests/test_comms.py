@@ -59,7 +59,8 @@ def _collectives(topo: Topology):
     flat = torch.arange(1000, dtype=torch.float32) * (r + 1) / 7
     sums = {c: comms.all_reduce_sum(flat.clone(), Codec(c), "dense").wait() for c in ("fp32", "fp16", "bf16")}
     for c in ("fp32", "bf16"):  # a list is summed as its concatenation
-        sums[c + " parts"] = comms.all_reduce_sum([flat[:400].clone(), flat[400:].clone()], Codec(c), "dense").wait()
+        parts = [flat[:400].clone(), flat[400:].clone()]
+        sums[c + " parts"] = comms.all_reduce_sum(parts, Codec(c), "dense").wait()
     # exchange of blocks of different widths: rank r sends [r + 1, k + 2] filled with 10 r + k to rank k
     blocks = [torch.full((r + 1, k + 2), float(10 * r + k)) for k in range(w)]
     got = comms.exchange(blocks, [(s + 1, r + 2) for s in range(w)], Codec("fp32"), "test").wait()

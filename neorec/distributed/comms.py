@@ -194,7 +194,9 @@ class Comms:
 
         return Pending([got], finish)
 
-    def all_reduce_sum(self, flat: torch.Tensor | list[torch.Tensor], codec: Codec, direction: str) -> Pending:
+    def all_reduce_sum(
+        self, flat: torch.Tensor | list[torch.Tensor], codec: Codec, direction: str
+    ) -> Pending:
         """Sum of a 1-D fp32 tensor (or of the concatenation of a list of them) over all ranks.
         fp32: the backend's all_reduce (in shared memory, a list is concatenated straight into the
         send buffer). fp16/bf16: the codec on the wire but fp32 sums (reduce-scatter of 1/W
