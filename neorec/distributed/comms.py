@@ -242,10 +242,13 @@ class Comms:
         codec: Codec,
         direction: str,
         group: Group | None = None,
+        out: torch.Tensor | None = None,
     ) -> Pending:
         """blocks[k] ([rows, width] fp32) goes to the group's k-th rank; the result lists what each
         group rank sent us, decoded to fp32, shaped recv_shapes[k]. Widths may differ per block
-        (each rank holds different tables): blocks travel flattened in one all_to_all."""
+        (each rank holds different tables): blocks travel flattened in one all_to_all. `out`
+        [sum of received rows, width] (all widths equal): the blocks are decoded into it, one
+        after another, and the result is `out`."""
         sizes = [b.shape[0] * codec.wire_width(b.shape[1]) for b in blocks]
         device = blocks[0].device if blocks else None
         send = torch.empty(sum(sizes), dtype=codec.wire_dtype, device=device)
@@ -254,8 +257,14 @@ class Comms:
         recv_splits = [r * codec.wire_width(c) for r, c in recv_shapes]
         got = self.all_to_all(send, sizes, recv_splits, direction, group)
 
-        def finish() -> list[torch.Tensor]:
+        def finish() -> list[torch.Tensor] | torch.Tensor:
             parts = got.wait().split(recv_splits)
+            if out is not None:
+                row = 0
+                for p, (r, c) in zip(parts, recv_shapes, strict=True):
+                    codec.decode(p.view(r, codec.wire_width(c)), out[row : row + r])
+                    row += r
+                return out
             return [
                 codec.decode(p.view(r, codec.wire_width(c))) for p, (r, c) in zip(parts, recv_shapes, strict=True)
             ]

@@ -82,11 +82,12 @@ class OutputDist(torch.autograd.Function):
         grad_dp = pieces.pop()
         fw, rw, cw = ctx.widths
         w = topo.world_size
-        if any(layout.flat_width):
-            back = comms.exchange(pieces[:w], [(b, fw)] * w, bwd, "bwd").wait()
+        if any(layout.flat_width):  # decoded straight into this rank's [W * B, flat width] gradient
+            into = grad.new_empty((w * b, fw))
+            flat = comms.exchange(pieces[:w], [(b, fw)] * w, bwd, "bwd", out=into).wait()
         else:
-            back = [grad.new_empty((b, 0)) for _ in range(w)]
-        parts = [torch.cat(back, dim=0)]
+            flat = grad.new_empty((w * b, 0))
+        parts = [flat]
         k = w
         if layout.has_twrw:
             n = topo.num_nodes

@@ -271,12 +271,13 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         codec.encode(grads, payload[n * 8 :].view(codec.wire_dtype).view(n, width))
         sizes = None if counts is None else [c * (8 + wire) for c in counts]
         got = self.comms.all_gather_bytes(payload, "dp", sizes).wait()
-        all_rows, all_grads = [], []
-        for part in got:
-            k = part.numel() // (8 + wire)
-            all_rows.append(part[: k * 8].view(torch.int64))
-            all_grads.append(codec.decode(part[k * 8 :].view(codec.wire_dtype).view(k, width)))
-        all_rows, all_grads = torch.cat(all_rows), torch.cat(all_grads)
+        counts = [part.numel() // (8 + wire) for part in got]
+        all_rows = torch.cat([part[: k * 8].view(torch.int64) for part, k in zip(got, counts, strict=True)])
+        all_grads = grads.new_empty((sum(counts), dim))
+        start = 0
+        for part, k in zip(got, counts, strict=True):  # decoded straight into one buffer
+            codec.decode(part[k * 8 :].view(codec.wire_dtype).view(k, width), all_grads[start : start + k])
+            start += k
         order_rows, order = index_ops.stable_sort(all_rows)
         unique, per_row = torch.unique_consecutive(order_rows, return_counts=True)
         summed = F.embedding_bag(order, all_grads, lengths_to_offsets(per_row), mode="sum", include_last_offset=True)
