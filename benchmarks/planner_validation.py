@@ -65,9 +65,11 @@ def workload_and_cluster(args):
         if len(batches) == 2:
             break
     ids, samples, weighted = measure_access(tables, batches)
-    d = cfg.distributed
+    from neorec.planner.run import run_wire_precisions
+
+    forward, backward = run_wire_precisions(cfg, one_machine=True)
     workload = build_workload(tables, cfg.embedding.optimizer, cfg.data.batch_size, ids, samples,
-                              d.forward_precision, d.backward_precision, weighted)  # fmt: skip
+                              forward, backward, weighted)  # fmt: skip
     return workload, this_machine(args.nproc)
 
 

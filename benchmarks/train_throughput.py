@@ -213,8 +213,8 @@ def scaling(args) -> None:
                  f"warm-up, median of {args.repeats} runs; stage columns are ms per step on rank 0 (input dist = "
                  "building and waiting for the id exchange; output dist = pooled exchange + assembly; dense "
                  "fwd/bwd + rest = step time minus the stages). Multi-process runs use torchrun + gloo, the "
-                 "default transport (shared memory), pipeline, plan and comms precisions (fp16 forward, bf16 "
-                 "backward, fp32 dense).")  # fmt: skip
+                 "default transport (shared memory), pipeline, plan and comms precisions (auto: fp32 in "
+                 "shared memory; fp32 dense).")  # fmt: skip
         append_results(f"Scaling: 1 vs {args.nproc} processes, {args.config}", table, notes)
 
 

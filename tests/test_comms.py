@@ -40,6 +40,21 @@ def test_fp16_codec_survives_values_beyond_fp16_range():
     assert Codec("fp16").wire_width(33) == 34
 
 
+def test_auto_precisions_are_fp32_in_shared_memory_only():
+    from neorec.distributed.codecs import wire_precisions
+    from neorec.distributed.shm import available
+    from neorec.planner.run import run_wire_precisions
+
+    assert wire_precisions("auto", "auto", True) == ("fp32", "fp32")
+    assert wire_precisions("auto", "auto", False) == ("fp16", "bf16")
+    assert wire_precisions("bf16", "fp16", True) == ("bf16", "fp16")  # set explicitly: kept
+    cfg = load_config("default")
+    assert run_wire_precisions(cfg, one_machine=False) == ("fp16", "bf16")
+    assert run_wire_precisions(cfg, one_machine=True) == (("fp32", "fp32") if available() else ("fp16", "bf16"))
+    backend = load_config("default", ["distributed.transport=backend"])
+    assert run_wire_precisions(backend, one_machine=True) == ("fp16", "bf16")
+
+
 def test_codec_rejects_unknown_name():
     with pytest.raises(ConfigError, match="fp8"):
         Codec("fp8")

@@ -257,8 +257,12 @@ class DistributedConfig(Strict):
     sharding: dict[str, TableShardingConfig] = Field(
         default_factory=dict, description="per-table sharding, over the plan file or the built-in default"
     )
-    forward_precision: Literal["fp32", "fp16", "bf16"] = Field("fp16", description="pooled embeddings all-to-all")
-    backward_precision: Literal["fp32", "fp16", "bf16"] = Field("bf16", description="embedding gradient all-to-all")
+    forward_precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="pooled embeddings all-to-all (auto: fp32 in shared memory, else fp16)"
+    )
+    backward_precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="embedding gradient all-to-all (auto: fp32 in shared memory, else bf16)"
+    )
     dense_precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="dense gradient all-reduce")
     transport: Literal["shm", "backend"] = Field(
         "shm",

@@ -16,6 +16,21 @@ from neorec.errors import ConfigError
 CODECS = ("fp32", "fp16", "bf16")
 
 
+def wire_precisions(forward: str, backward: str, in_shared_memory: bool) -> tuple[str, str]:
+    """The codecs of the pooled-embedding exchange and of its gradient, resolving "auto".
+
+    auto: fp32 where every exchange goes through shared memory (one machine, CPU tensors), fp16
+    forward and bf16 backward otherwise (gloo TCP between nodes, NCCL). A narrower wire saves
+    bytes on a link, but in shared memory a byte costs one memcpy while the conversions cost more:
+    on the Kaggle-like config, 2 processes x 1 thread trained at 55.5 against 59.4 ms a step with
+    fp32 against fp16/bf16 (medians of 4 interleaved runs, benchmarks/RESULTS.md, session 10;
+    session 6 measured 2.7 ms a step the same way)."""
+    return (
+        forward if forward != "auto" else ("fp32" if in_shared_memory else "fp16"),
+        backward if backward != "auto" else ("fp32" if in_shared_memory else "bf16"),
+    )
+
+
 class Codec:
     def __init__(self, name: str) -> None:
         if name not in CODECS:

@@ -19,9 +19,10 @@ SAMPLE_BATCHES = 2  # training batches read to measure ids per sample and the id
 
 
 def workload_for_run(
-    cfg: RunConfig, tables: list[TableConfig], num_batches: int = SAMPLE_BATCHES
+    cfg: RunConfig, tables: list[TableConfig], num_batches: int = SAMPLE_BATCHES, one_machine: bool = False
 ) -> Workload:
-    """The config's tables with access statistics measured on its first training batches."""
+    """The config's tables with access statistics measured on its first training batches.
+    one_machine: every rank on this machine, so "auto" wire precisions are those of shared memory."""
     from neorec.train.build import build_source
 
     batches = []
@@ -32,12 +33,23 @@ def workload_for_run(
             if len(batches) == num_batches:
                 break
     ids, samples, weighted = measure_access(tables, batches) if batches else ({}, {}, False)
-    d = cfg.distributed
+    forward, backward = run_wire_precisions(cfg, one_machine)
     return build_workload(
         tables, cfg.embedding.optimizer, cfg.data.batch_size, ids, samples or None,
-        d.forward_precision, d.backward_precision, weighted, cache_fraction(cfg), cfg.embedding.cache.ssd_log,
+        forward, backward, weighted, cache_fraction(cfg), cfg.embedding.cache.ssd_log,
         cfg.embedding.cache.policy,
     )  # fmt: skip
+
+
+def run_wire_precisions(cfg: RunConfig, one_machine: bool) -> tuple[str, str]:
+    """The run's exchange codecs as training resolves "auto" (distributed/codecs.wire_precisions):
+    shared memory when every rank is on this machine, with CPU tensors and the shm transport."""
+    from neorec.distributed.codecs import wire_precisions
+    from neorec.distributed.shm import available
+
+    d = cfg.distributed
+    in_shm = one_machine and d.transport == "shm" and cfg.train.device == "cpu" and available()
+    return wire_precisions(d.forward_precision, d.backward_precision, in_shm)
 
 
 def cache_fraction(cfg: RunConfig) -> float:
@@ -62,7 +74,7 @@ def default_plan_for_run(cfg: RunConfig, tables: list[TableConfig], topo: Topolo
     message: dict = {}
     if topo.rank == 0:
         try:
-            workload = workload_for_run(cfg, tables)
+            workload = workload_for_run(cfg, tables, one_machine=topo.num_nodes == 1)
             cluster = cluster_for_run(cfg, topo.world_size, topo.local_world_size)
             message = {"plan": plan_sharding(workload, cluster, time_budget=10.0).plan.to_dict()}
         except ConfigError as e:
@@ -117,12 +129,13 @@ def plan_command(
         from neorec.train.build import build_source, build_tables
 
         tables = build_tables(cfg, build_source(cfg).info)
-        workload = workload_for_run(cfg, tables, batches)
+        cluster = cluster or preset(cluster_name, world_size, ranks_per_node, cfg.embedding.cache.directory)
+        one_machine = cluster_name == "this" and cluster.num_nodes == 1
+        workload = workload_for_run(cfg, tables, batches, one_machine=one_machine)
         about = (
             f"model: config {cfg.name!r}: {len(tables)} tables, "
             f"{sum(t.rows * t.dim for t in tables):,} parameters, global batch {cfg.data.batch_size:,}"
         )
-        cluster = cluster or preset(cluster_name, world_size, ranks_per_node, cfg.embedding.cache.directory)
     else:
         raise ConfigError(f"neorec plan: --model must be 'config' or '12t', got {model!r}")
     result = plan_sharding(workload, cluster, kinds, time_budget)

@@ -134,10 +134,13 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
             raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")
         from neorec.distributed.sharded import ShardedEmbeddingCollection
 
+        from neorec.distributed.codecs import wire_precisions
+
         d = cfg.distributed
+        in_shm = comms.world.shm is not None and cfg.train.device == "cpu"
+        forward, backward = wire_precisions(d.forward_precision, d.backward_precision, in_shm)
         return ShardedEmbeddingCollection(
-            tables, e.optimizer, plan, comms, seed=cfg.seed,
-            forward_precision=d.forward_precision, backward_precision=d.backward_precision,
+            tables, e.optimizer, plan, comms, seed=cfg.seed, forward_precision=forward, backward_precision=backward,
             stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings,
         )  # fmt: skip
     on_ssd = sorted(n for n in cached if tiers[n] == "ssd")
