@@ -132,9 +132,8 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
     if sharded:
         if e.engine != "fused":
             raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")
-        from neorec.distributed.sharded import ShardedEmbeddingCollection
-
         from neorec.distributed.codecs import wire_precisions
+        from neorec.distributed.sharded import ShardedEmbeddingCollection
 
         d = cfg.distributed
         in_shm = comms.world.shm is not None and cfg.train.device == "cpu"
