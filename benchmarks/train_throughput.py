@@ -13,7 +13,8 @@ Step times on this small VM vary by +-15% from one process to the next, so every
 
 With --nproc N the comparison is neorec against itself: one process with all threads against N
 processes (torchrun, gloo, sharded embeddings, default plan and comms precisions) with threads/N
-each, on the same global batches, with the time of each stage per step (rank 0's view).
+each, on the same global batches, with the time of each stage per step (rank 0's view); 5 runs of
+100 steps each by default, since a multi-process step runs at the pace of the slowest core.
 """
 
 from __future__ import annotations
@@ -259,10 +260,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="criteo_kaggle")
     p.add_argument("--optimizers", default="sgd,adagrad", help="comma-separated: sgd, adagrad")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 40; 100 with --nproc)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3, help="processes per pair, interleaved; median shown")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="processes per pair, interleaved; median shown (default 3; 5 with --nproc)")  # fmt: skip
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--set", action="append", help="config override passed to both sides")
     p.add_argument("--malloc", choices=["keep", "system"], default="keep",
@@ -275,6 +277,12 @@ def main() -> None:
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "OPTIMIZER"), help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     args = p.parse_args()
+    # a 2-process step runs at the pace of the slower virtual CPU, which changes from run to run: the
+    # scaling comparison takes more and longer runs (one 3 x 40 run's ratio moved by +-0.08 here)
+    if args.steps is None:
+        args.steps = 100 if args.nproc and not args.worker else 40
+    if args.repeats is None:
+        args.repeats = 5 if args.nproc and not args.worker else 3
     if args.worker:
         args.impl, args.optimizer = args.worker
         res = worker(args)
