@@ -65,7 +65,7 @@ def workload_and_cluster(args):
         if len(batches) == 2:
             break
     ids, samples, weighted = measure_access(tables, batches)
-    from neorec.planner.run import run_wire_precisions
+    from neorec.train.build import run_wire_precisions
 
     forward, backward = run_wire_precisions(cfg, one_machine=True)
     workload = build_workload(tables, cfg.embedding.optimizer, cfg.data.batch_size, ids, samples,

@@ -43,7 +43,7 @@ def test_fp16_codec_survives_values_beyond_fp16_range():
 def test_auto_precisions_are_fp32_in_shared_memory_only():
     from neorec.distributed.codecs import wire_precisions
     from neorec.distributed.shm import available
-    from neorec.planner.run import run_wire_precisions
+    from neorec.train.build import run_wire_precisions
 
     assert wire_precisions("auto", "auto", True) == ("fp32", "fp32")
     assert wire_precisions("auto", "auto", False) == ("fp16", "bf16")

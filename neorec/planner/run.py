@@ -33,23 +33,14 @@ def workload_for_run(
             if len(batches) == num_batches:
                 break
     ids, samples, weighted = measure_access(tables, batches) if batches else ({}, {}, False)
+    from neorec.train.build import run_wire_precisions
+
     forward, backward = run_wire_precisions(cfg, one_machine)
     return build_workload(
         tables, cfg.embedding.optimizer, cfg.data.batch_size, ids, samples or None,
         forward, backward, weighted, cache_fraction(cfg), cfg.embedding.cache.ssd_log,
         cfg.embedding.cache.policy,
     )  # fmt: skip
-
-
-def run_wire_precisions(cfg: RunConfig, one_machine: bool) -> tuple[str, str]:
-    """The run's exchange codecs as training resolves "auto" (distributed/codecs.wire_precisions):
-    shared memory when every rank is on this machine, with CPU tensors and the shm transport."""
-    from neorec.distributed.codecs import wire_precisions
-    from neorec.distributed.shm import available
-
-    d = cfg.distributed
-    in_shm = one_machine and d.transport == "shm" and cfg.train.device == "cpu" and available()
-    return wire_precisions(d.forward_precision, d.backward_precision, in_shm)
 
 
 def cache_fraction(cfg: RunConfig) -> float:

@@ -109,6 +109,18 @@ def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
     return plan
 
 
+def run_wire_precisions(cfg: RunConfig, one_machine: bool) -> tuple[str, str]:
+    """The run's exchange codecs, "auto" resolved (distributed/codecs.wire_precisions): shared
+    memory when every rank is on one machine, with CPU tensors and the shm transport. Training and
+    the planner both ask here, so the planner costs the codecs training uses."""
+    from neorec.distributed.codecs import wire_precisions
+    from neorec.distributed.shm import available
+
+    d = cfg.distributed
+    in_shm = one_machine and d.transport == "shm" and cfg.train.device == "cpu" and available()
+    return wire_precisions(d.forward_precision, d.backward_precision, in_shm)
+
+
 def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> EmbeddingCollection:
     """The fused engine; over several processes (comms given, world > 1) the sharded collection.
     Cached tables (neorec/embedding/cache) get their tier from `embedding.tables.<name>.tier`, else
@@ -132,12 +144,9 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
     if sharded:
         if e.engine != "fused":
             raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")
-        from neorec.distributed.codecs import wire_precisions
         from neorec.distributed.sharded import ShardedEmbeddingCollection
 
-        d = cfg.distributed
-        in_shm = comms.world.shm is not None and cfg.train.device == "cpu"
-        forward, backward = wire_precisions(d.forward_precision, d.backward_precision, in_shm)
+        forward, backward = run_wire_precisions(cfg, one_machine=comms.topo.num_nodes == 1)
         return ShardedEmbeddingCollection(
             tables, e.optimizer, plan, comms, seed=cfg.seed, forward_precision=forward, backward_precision=backward,
             stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings,
