@@ -12,6 +12,7 @@ from dist_helpers import make_batches, make_tables, optimizer_config, spawn, tra
 
 from neorec.distributed.comms import Comms
 from neorec.distributed.plan import ShardingPlan, TablePlan, default_plan
+from neorec.distributed.replicas import ReplicaSync
 from neorec.distributed.sharded import ShardedEmbeddingCollection
 from neorec.distributed.topology import Topology
 from neorec.embedding.fused import FusedEmbeddingCollection
@@ -141,7 +142,7 @@ def dense_replicas_run(topo: Topology, plan_dict: dict, batch: int, optimizer_na
     def no_gather(*args, **kwargs):
         raise AssertionError("the dense all-reduce of the replicas' gradients should have been chosen")
 
-    ShardedEmbeddingCollection._gather_replica_gradients = no_gather
+    ReplicaSync._gather = ReplicaSync._to_owners = no_gather
     return sharded_run(topo, plan_dict, optimizer_name, batch=batch)
 
 

@@ -374,3 +374,35 @@ def test_low_precision_storage_accumulates_in_fp32(dtype: str) -> None:
     for name, w in engine.table_weights().items():
         assert w.dtype == DTYPES[dtype]
         torch.testing.assert_close(w.double(), ref.weights[name], rtol=tol[0], atol=tol[1])
+
+
+@pytest.mark.parametrize("name", ["adagrad", "sgd"])
+def test_gradient_hook_sees_whole_groups_and_updates_in_blocks(name: str) -> None:
+    """A gradient hook (the sharded collection's replica sum) gets each group's unique rows once per
+    backward, all of them, however small the blocks; its result is applied in blocks of
+    chunk_elements, which gives bitwise the tables of one block and no hook."""
+    tables = make_tables()
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.1)
+    blocked, whole = FusedEmbeddingCollection(tables, opt), FusedEmbeddingCollection(tables, opt)
+    blocked.chunk_elements, whole.chunk_elements = 40, None
+    calls = []
+
+    def hook(gi: int, rows: torch.Tensor, grads: torch.Tensor):
+        calls.append((gi, rows.clone()))
+        return rows, grads * 1.0  # a new tensor, as the replica sum returns
+
+    blocked.grad_hook = hook
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(4):
+        sparse = random_batch(tables, gen, batch_size=9)
+        grad = torch.randn(9, blocked.output_dim, generator=gen)
+        calls.clear()
+        blocked(sparse).backward(grad)
+        whole(sparse).backward(grad)
+        assert [gi for gi, _ in calls] == list(range(len(blocked.layout.groups)))
+        prepared = blocked._prepare(sparse)
+        for (_, rows), gb in zip(calls, prepared, strict=True):
+            assert torch.equal(rows, torch.unique(gb.rows))  # every touched row, once, ascending
+        assert any(rows.numel() * blocked.layout.groups[gi].dim > 40 for gi, rows in calls)  # several blocks
+    for a, b in zip(blocked.state_dict().values(), whole.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

@@ -29,7 +29,7 @@ from neorec.planner.planner import place, rank_capacity
 TOPO = Topology(4, 0, 2)
 
 
-def small_workload(pooling: str = "sum", sample: bool = True, rows_c: int = 3):
+def small_workload(pooling: str = "sum", sample: bool = True, rows_c: int = 3, optimizer: str = "rowwise_adagrad"):
     tables = [
         TableConfig(name="a", rows=10, dim=4, features=["fa"], pooling=pooling),
         TableConfig(name="b", rows=12, dim=4, features=["fb", "fb2"]),
@@ -37,7 +37,7 @@ def small_workload(pooling: str = "sum", sample: bool = True, rows_c: int = 3):
     ]
     # ids of the 8 samples: half of table a's ids in rows [0, 5), two distinct ids per rank's samples
     samples = {"a": [[np.array([1, 6] * 4)]], "c": [[np.array([0, 1] * 4)]]} if sample else None
-    return build_workload(tables, "rowwise_adagrad", 8, id_samples=samples)
+    return build_workload(tables, optimizer, 8, id_samples=samples)
 
 
 def sent_by(plan: dict, rank: int = 0, **kw) -> dict[str, float]:
@@ -113,7 +113,8 @@ def test_bytes_table_column_wise_two_hops():
 
 
 def test_bytes_replicated_sparse_and_dense():
-    workload = small_workload()
+    """Plain SGD: every rank's rows and gradients go to every rank."""
+    workload = small_workload(optimizer="sgd")
     plan = ShardingPlan.from_dict({"tables": {"a": {"kind": "dp"}, "b": {"kind": "tw", "ranks": [3]},
                                               "c": {"kind": "tw", "ranks": [3]}}})  # fmt: skip
     sparse = plan_traffic(plan, workload, TOPO).sent(0, "dp")
@@ -121,10 +122,24 @@ def test_bytes_replicated_sparse_and_dense():
     assert sparse == 3 * (8 + 2 * 8 + 2 * 4 * 2)
     # a 3-row table: sparse 128 > dense 120 -> all-reduce of [3, 5] fp32 values in bf16, padded to
     # 4 x 256: reduce-scatter + all-gather of one 256-wide row to 3 ranks, after the count
-    wl3 = small_workload(rows_c=3)
+    wl3 = small_workload(rows_c=3, optimizer="sgd")
     plan3 = ShardingPlan.from_dict({"tables": {"a": {"kind": "tw", "ranks": [3]}, "b": {"kind": "tw", "ranks": [3]},
                                                "c": {"kind": "dp"}}})  # fmt: skip
     assert plan_traffic(plan3, wl3, TOPO).sent(0, "dp") == 3 * 8 + 2 * 3 * 256 * 2
+
+
+def test_bytes_replicated_by_owner():
+    """Rules with state (here rowwise adagrad): per peer, the 4 counts, the rows it owns (expected:
+    a quarter of the rank's 2 touched rows) and, after the update, a quarter of the 2 rows touched
+    in the global batch as int64 + fp32 weights, after their size."""
+    plan = ShardingPlan.from_dict({"tables": {"a": {"kind": "dp"}, "b": {"kind": "tw", "ranks": [3]},
+                                              "c": {"kind": "tw", "ranks": [3]}}})  # fmt: skip
+    sparse = plan_traffic(plan, small_workload(), TOPO).sent(0, "dp")
+    assert sparse == 3 * (4 * 8 + 0.5 * (8 + 4 * 2) + 8 + 0.5 * (8 + 4 * 4))
+    plan3 = ShardingPlan.from_dict({"tables": {"a": {"kind": "tw", "ranks": [3]}, "b": {"kind": "tw", "ranks": [3]},
+                                               "c": {"kind": "dp"}}})  # fmt: skip
+    dense = plan_traffic(plan3, small_workload(rows_c=3), TOPO).sent(0, "dp")
+    assert dense == 3 * 4 * 8 + 2 * 3 * 256 * 2 + 3 * (8 + 0.5 * (8 + 4 * 4))
 
 
 def test_memory_of_shards_and_dtypes():
@@ -205,11 +220,15 @@ def test_predicted_bytes_equal_counted_bytes_on_four_gloo_processes(tmp_path):
     workload = build_workload(mixed_tables(), "rowwise_adagrad", 16, ids, samples, "fp16", "bf16", weighted)
     traffic = plan_traffic(ShardingPlan.from_dict(MIXED_PLAN), workload, Topology(4, 0, 2))
     for rank, got in counted.items():
-        for direction in ("input_dist", "fwd", "bwd", "dp"):
+        for direction in ("input_dist", "fwd", "bwd"):
             assert traffic.sent(rank, direction) == pytest.approx(got.get(direction, 0), abs=1e-6), (
                 rank,
                 direction,
             )
+    # replicated tables under a rule with state send rows to their owners (row % W): the model has
+    # every rank own 1/W of the rows touched, exact over all ranks (every rank has the same rows)
+    predicted = sum(traffic.sent(rank, "dp") for rank in range(4))
+    assert predicted == pytest.approx(sum(got.get("dp", 0) for got in counted.values()), abs=1e-6)
 
 
 # ---- the partitioner ----------------------------------------------------------------------------------------
@@ -388,7 +407,8 @@ def test_train_default_plan_comes_from_the_planner_and_overrides_still_apply(tmp
     tables = build_tables(cfg, build_source(cfg).info)
     topo = Topology(2, 0, 2)
     plan = build_plan(cfg, tables, topo)
-    expected = plan_sharding(workload_for_run(cfg, tables), this_machine(2, 2), time_budget=10).plan
+    workload = workload_for_run(cfg, tables, one_machine=True)  # 2 ranks on one node: shared-memory codecs
+    expected = plan_sharding(workload, this_machine(2, 2), time_budget=10).plan
     assert plan.to_dict() == expected.to_dict()
     over = build_plan(small_config(["distributed.sharding={C1: {kind: rw, ranks: [1, 0]}}"]), tables, topo)
     assert over.tables["C1"].kind == "rw" and over.tables["C1"].ranks == [1, 0]

@@ -65,6 +65,8 @@ def save_checkpoint(
         for stale in root.glob(".step-*.tmp"):  # left by an interrupted save
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
+    if hasattr(embeddings, "sync_replica_state"):  # replicated tables' state, current on owners only
+        embeddings.sync_replica_state()
     _barrier(world)
     mine = _write_shards(tmp, rank, embeddings)
     everything = _all_gather(mine, world)

@@ -5,9 +5,9 @@ Per batch (each rank holds B samples of the global batch of W * B):
     lookup(local batch)           this rank's shards, one fused engine call   (fused engine)
     output_dist(local pooled)     pooled rows back to the samples' ranks      (output_dist.py)
 and in backward the reverse exchange, then the fused update of the owned rows. Replicated (dp)
-tables are looked up locally; their row gradients are summed over ranks inside the fused backward
-(one all-gather of the touched rows and their gradients, or a dense all-reduce for a small group
-when that is fewer bytes) so that every replica applies the same update.
+tables are looked up locally; inside the fused backward their row gradients are summed over ranks
+and the copies kept equal (replicas.py: every rank applies the same SGD step, or each row's owner
+rank updates it and its optimizer state and sends the new row to the others).
 
 `forward` runs the three stages back to back; `input_dist`, `lookup` and `output` are public so a
 pipeline can start batch i+1's input_dist before batch i's lookup.
@@ -30,7 +30,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from neorec.distributed.codecs import Codec
 from neorec.distributed.comms import Comms, Pending
@@ -38,6 +37,7 @@ from neorec.distributed.input_dist import InputDist
 from neorec.distributed.layout import ShardLayout
 from neorec.distributed.output_dist import Assembly, OutputDist
 from neorec.distributed.plan import STORAGE_TIERS, ShardingPlan
+from neorec.distributed.replicas import ReplicaSync
 from neorec.embedding.cache import TIERS as CACHE_TIERS
 from neorec.embedding.cache import CacheSettings, cached_storage_factory
 from neorec.embedding.collection import EmbeddingCollection
@@ -46,10 +46,7 @@ from neorec.embedding.fused.param_groups import FusedEmbeddingOptimizer
 from neorec.embedding.init import init_rows
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import ConfigError
-from neorec.sparse import SparseBatch, lengths_to_offsets
-from neorec.utils import index_ops
-
-_DENSE_DP_BYTES = 4 << 20  # dp groups whose whole gradient is this small may be all-reduced densely
+from neorec.sparse import SparseBatch
 
 
 class _LearningRates:
@@ -106,8 +103,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             dp, optimizer, seed, device, stochastic_rounding, group_storage_factory=factory, table_tiers=dp_tiers
         )
         self._local_cached = any(hasattr(w, "prefetch") for w in self.local.weights)
-        self.replicated.chunk_elements = None  # the gradient hook needs a whole group at once
-        self.replicated.grad_hook = self._sum_replica_gradients
+        self._replicas = ReplicaSync(self.replicated, comms, self.codecs[1])
+        self.replicated.grad_hook = self._replicas.sum_gradients
+        self.replicated.update_hook = self._replicas.share_updated
         self.input_dist_ = InputDist(self.layout, comms)
         self.dp_features = [f for t in dp for f in t.features]
         lay = self.layout
@@ -236,60 +234,10 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 self.timings["lookup"] += time.perf_counter() - start  # where the cost model counts misses
 
     # ---- replicated tables ----------------------------------------------------------------------
-    def _sum_replica_gradients(self, gi: int, rows: torch.Tensor, grads: torch.Tensor):
-        """Sum a dp group's row gradients over ranks; every rank gets the same rows and sums.
-
-        Sparse (the usual case): every rank's (rows, gradients) go to every rank in one all-gather,
-        and each rank adds them up the same way. Dense, for a group so small that its whole gradient
-        may be fewer bytes than the rows touched: an all-reduce of [rows, dim + 1] (the extra
-        column marks the touched rows), chosen after the ranks' row counts are known."""
-        world = self.topo.world_size
-        if world == 1:
-            return rows, grads
-        group = self.replicated.layout.groups[gi]
-        dim, total_rows = group.dim, group.num_rows
-        codec = self.codecs[1]
-        wire = codec.wire_width(dim) * torch.empty(0, dtype=codec.wire_dtype).element_size()
-        dense_bytes = 2 * total_rows * (dim + 1) * 4
-        if dense_bytes <= _DENSE_DP_BYTES:
-            count = torch.tensor([rows.numel()], dtype=torch.int64)
-            counts = self.comms.all_to_all(count.repeat(world), [1] * world, [1] * world, "dp").wait().tolist()
-            if dense_bytes < sum(counts) * (wire + 8):
-                return self._all_reduce_replica_gradients(rows, grads, total_rows, dim)
-            return self._gather_replica_gradients(rows, grads, codec, wire, counts)
-        return self._gather_replica_gradients(rows, grads, codec, wire)
-
-    def _gather_replica_gradients(
-        self, rows: torch.Tensor, grads: torch.Tensor, codec: Codec, wire: int, counts: list[int] | None = None
-    ):
-        """counts: every rank's number of rows, when already exchanged (else they travel with the
-        rows: comms.all_gather_bytes)."""
-        n, dim = rows.numel(), grads.shape[1]
-        payload = torch.empty(n * (8 + wire), dtype=torch.uint8, device=rows.device)
-        payload[: n * 8].view(torch.int64).copy_(rows)
-        width = codec.wire_width(dim)
-        codec.encode(grads, payload[n * 8 :].view(codec.wire_dtype).view(n, width))
-        sizes = None if counts is None else [c * (8 + wire) for c in counts]
-        got = self.comms.all_gather_bytes(payload, "dp", sizes).wait()
-        counts = [part.numel() // (8 + wire) for part in got]
-        all_rows = torch.cat([part[: k * 8].view(torch.int64) for part, k in zip(got, counts, strict=True)])
-        all_grads = grads.new_empty((sum(counts), dim))
-        start = 0
-        for part, k in zip(got, counts, strict=True):  # decoded straight into one buffer
-            codec.decode(part[k * 8 :].view(codec.wire_dtype).view(k, width), all_grads[start : start + k])
-            start += k
-        order_rows, order = index_ops.stable_sort(all_rows)
-        unique, per_row = torch.unique_consecutive(order_rows, return_counts=True)
-        summed = F.embedding_bag(order, all_grads, lengths_to_offsets(per_row), mode="sum", include_last_offset=True)
-        return unique, summed
-
-    def _all_reduce_replica_gradients(self, rows: torch.Tensor, grads: torch.Tensor, total_rows: int, dim: int):
-        dense = grads.new_zeros(total_rows, dim + 1)
-        dense[rows, :dim] = grads
-        dense[rows, dim] = 1.0  # touched by this rank
-        summed = self.comms.all_reduce_sum(dense.view(-1), self.codecs[1], "dp").wait().view(total_rows, dim + 1)
-        touched = index_ops.where(summed[:, dim] > 0)
-        return touched, summed[:, :dim].index_select(0, touched)
+    def sync_replica_state(self) -> None:
+        """Collective: bring the replicated tables' optimizer state up to date on every rank (it is
+        kept current on each row's owner only, replicas.py); checkpoints call this first."""
+        self._replicas.sync_state()
 
     # ---- optimizer --------------------------------------------------------------------------------
     def build_optimizer(self) -> FusedEmbeddingOptimizer:
@@ -333,6 +281,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                         out[name][k][r0:r1, c0:c1] = v
                     else:
                         out[name][k][r0:r1] += v * ((c1 - c0) / t.dim)
+        self.sync_replica_state()
         dp_state = self.replicated.state_dict()
         for t in self.layout.dp_tables:
             key = f"tables.{t.name}."

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from neorec.distributed.layout import ROW_SPLIT, ShardLayout
 from neorec.distributed.plan import ShardingPlan
+from neorec.distributed.replicas import updates_by_owner
 from neorec.planner.exchanges import Traffic, plan_traffic
 from neorec.planner.hardware import Cluster
 from neorec.planner.tiers import PLACEMENTS, cache_traffic, record_bytes
@@ -90,19 +91,23 @@ def shard_work(
     pooled = batch * len(t.features) * width * 4
     stages = dict.fromkeys(STAGES, 0.0)
     stages["lookup"] = ids * cluster.lookup_per_id + (ids * width * wb + pooled) / mem.lookup_bandwidth
-    # dp: every replica applies the update of every row touched anywhere in the global batch
+    # rows touched anywhere in the global batch (dp: each replica's share of them, see below)
     touched = load.unique(rows[0], rows[1], workload.batch_size * load.ids_per_sample * share)
     cache = cache_traffic(load, tier, rows, width, touched, workload.cache_fraction, cluster, workload.ssd_log)
     if cache is not None:
         stages["lookup"] += cache.seconds
-    moved = ids * width * 4 + touched * (
+    updated, received = touched, 0.0
+    if kind == "dp" and W > 1 and updates_by_owner(load.optimizer):
+        # replicas.py: each rank updates the rows it owns (1/W) and writes the others' new rows
+        updated, received = touched / W, touched * (W - 1) / W
+    moved = ids * width * 4 + updated * (
         2 * width * wb + 2 * state_bytes_per_row(load.optimizer, width) + 8 * width
-    )
+    ) + received * width * wb
     stages["update"] = ids * cluster.update_per_id + moved / mem.update_bandwidth
     if kind == "dp" and W > 1:
-        # sharded.py _sum_replica_gradients: every rank's unique rows and their gradients gathered,
-        # sorted again and summed (decode + embedding_bag over the gathered rows)
-        gathered = W * load.unique(rows[0], rows[1], ids)
+        # replicas.py sum_gradients: the ranks' unique rows and their gradients gathered (by owner:
+        # each rank gets the rows it owns), sorted again and summed (decode + embedding_bag)
+        gathered = load.unique(rows[0], rows[1], ids) * (1 if updates_by_owner(load.optimizer) else W)
         stages["update"] += gathered * cluster.update_per_id + gathered * width * 12 / cluster.stream_bandwidth
     if (
         kind != "dp"
@@ -171,24 +176,27 @@ def owner_work(
     return out
 
 
-def collective_calls(kinds: set[str], dp_groups: int, weighted: bool) -> dict[str, int]:
+def collective_calls(kinds: set[str], dp_groups: int, weighted: bool, owner_groups: int = 0) -> dict[str, int]:
     """Collective calls per stage and step (each costs the cluster's latency): the id exchange
     (lengths, ids, weights), the pooled exchange and its gradient (flat, plus two hops per
     hierarchical kind present), and per group of replicated tables one all-gather of its rows and
-    gradients (sharded.py; a group small enough for a dense all-reduce also sends its counts)."""
+    gradients (replicas.py; a group small enough for a dense all-reduce also sends its counts),
+    and for the `owner_groups` among them (rules with state) the counts and the updated rows."""
     two_hop = 2 * (("twrw" in kinds) + ("twcw" in kinds))
     return {
         "input_dist": 2 + int(weighted),
         "output_dist": 1 + two_hop,
         "output_dist_bwd": 1 + two_hop,
-        "update": dp_groups,
+        "update": dp_groups + 2 * owner_groups,
     }
 
 
-def latency_seconds(kinds: set[str], dp_groups: int, weighted: bool, cluster: Cluster) -> float:
+def latency_seconds(
+    kinds: set[str], dp_groups: int, weighted: bool, cluster: Cluster, owner_groups: int = 0
+) -> float:
     if cluster.world_size == 1:
         return 0.0
-    return cluster.latency * sum(collective_calls(kinds, dp_groups, weighted).values())
+    return cluster.latency * sum(collective_calls(kinds, dp_groups, weighted, owner_groups).values())
 
 
 @dataclass
@@ -248,10 +256,11 @@ def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> P
         ).items():
             owner[stage] += seconds
     links = {d: traffic.link_bytes(d) for d in traffic.matrices}
-    dp_groups = len({(t.dim, t.dtype, workload.by_name[t.name].optimizer) for t in layout.dp_tables})
+    dp_keys = {(t.dim, t.dtype, workload.by_name[t.name].optimizer) for t in layout.dp_tables}
+    owner_groups = sum(updates_by_owner(optimizer) for _, _, optimizer in dp_keys)
     mean_row_split = any(u.kind in ROW_SPLIT and u.table.pooling == "mean" for us in layout.units for u in us)
     kinds = {p.kind for p in plan.tables.values()}
-    calls = collective_calls(kinds, dp_groups, workload.weighted or mean_row_split)
+    calls = collective_calls(kinds, len(dp_keys), workload.weighted or mean_row_split, owner_groups)
     latency = cluster.latency if W > 1 else 0.0
     ranks = []
     hits: dict[str, list[float]] = {}

@@ -15,8 +15,10 @@ Mirrors, line by line:
   receiver), then comms.two_hop for twrw / twcw (hop 1 to node peers: [N * B, d]; hop 2 across nodes:
   [B, d] for sums, [B, L * d] for joined column slices) when any node has such tables;
 - codecs.py: fp32 4 bytes, bf16 2, fp16 2 with one extra column per block;
-- sharded.py `_sum_replica_gradients`: per group of replicated tables, a count, then either the
-  touched rows (int64) and their gradients (codec), or a dense all-reduce of [rows, dim + 1].
+- replicas.py `ReplicaSync`: per group of replicated tables, a count, then either the touched rows
+  (int64) and their gradients (codec) to every rank, or a dense all-reduce of [rows, dim + 1]; for
+  update rules with state, W counts, each touched row to its owner only, then each owner's updated
+  rows (int64 + the storage dtype) to every rank.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 from neorec.distributed.layout import ROW_SPLIT, ShardLayout
 from neorec.distributed.plan import ShardingPlan
+from neorec.distributed.replicas import updates_by_owner
 from neorec.distributed.topology import Topology
 from neorec.planner.workload import Workload
 
@@ -113,14 +116,19 @@ def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology) -> Traf
         for t in layout.dp_tables:
             load = workload.by_name[t.name]
             groups.setdefault((t.dim, t.dtype, load.optimizer), []).append(load)
-        for (dim, _, _), loads in groups.items():
+        for (dim, _, optimizer), loads in groups.items():
             rows = sum(x.table.rows for x in loads)
             touched = sum(x.unique(0, x.table.rows, b * x.ids_per_sample, 1 / W) for x in loads)
-            per_peer = 8.0  # the count of touched rows
+            by_owner = updates_by_owner(optimizer)
+            per_peer = 8.0 * W if by_owner else 8.0  # the counts of touched rows (per owner)
             if W * touched * (wire_bytes(bp, 1, dim) + 8) <= 2 * rows * (dim + 1) * 4:
-                per_peer += touched * 8 + wire_bytes(bp, touched, dim)
+                sent = touched / W if by_owner else touched  # to the rows' owners, or to everyone
+                per_peer += sent * 8 + wire_bytes(bp, sent, dim)
             else:
                 per_peer += dense_all_reduce_bytes(bp, rows * (dim + 1), W) / (W - 1)
+            if by_owner:  # the owner's updated rows, to every rank (and their size)
+                union = sum(x.unique(0, x.table.rows, W * b * x.ids_per_sample) for x in loads)
+                per_peer += 8 + union / W * (8 + dim * loads[0].weight_bytes)
             mats["dp"] += per_peer
     for m in mats.values():
         np.fill_diagonal(m, 0.0)

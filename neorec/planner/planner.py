@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from neorec.distributed.plan import KINDS, ShardingPlan, TablePlan
+from neorec.distributed.replicas import updates_by_owner
 from neorec.errors import ConfigError
 from neorec.planner.bounds import LowerBound, lower_bound, lower_hull
 from neorec.planner.cost import PlanEstimate, estimate_plan, latency_seconds, owner_buffer_bytes
@@ -335,9 +336,10 @@ def refine(
 
 def fixed_seconds(choice: dict[str, Option], cluster: Cluster, weighted: bool) -> float:
     """Collective latencies every rank pays, from the kinds in use (cost.collective_calls)."""
-    dp_groups = {o.group_key for o in choice.values() if o.kind == "dp"}
+    dp_groups = {o.group_key for o in choice.values() if o.kind == "dp"}  # (dim, dtype, update rule)
+    owner_groups = sum(updates_by_owner(key[2]) for key in dp_groups)
     weighted = weighted or any(o.mean_row_split for o in choice.values())
-    return latency_seconds({o.kind for o in choice.values()}, len(dp_groups), weighted, cluster)
+    return latency_seconds({o.kind for o in choice.values()}, len(dp_groups), weighted, cluster, owner_groups)
 
 
 def _tables_on(rank: int, choice: dict[str, Option], assignment: Assignment, cluster: Cluster) -> list[str]:

@@ -101,8 +101,10 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         # Called with (group, unique rows, their summed gradients, times -lr where folded_lr says
         # so) before each update; returns the rows and gradients to apply. The sharded collection
         # sums a replicated table's gradients over ranks here. It is called once per group and
-        # backward, even with no rows, and needs chunk_elements = None (one block per group).
+        # backward with all the group's rows, even with none; its result is applied in blocks.
         self.grad_hook: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # With a grad_hook: called with (group, the rows just updated) after each group's update.
+        self.update_hook: Callable[[int, torch.Tensor], None] | None = None
         self._row_init = row_init
         # seconds spent in lookups ("lookup") and fused backward+updates ("update"), when a dict is set
         self.timings: dict[str, float] | None = None

@@ -343,12 +343,27 @@ class FusedLookup(torch.autograd.Function):
                 add_row_gradients(engine.weights[gi].tensor, gb, grad_bags, id_scale)
                 continue
             chunk_rows = engine.chunk_rows(gi, grad_out.device)
-            for rows, grads in row_gradients(gb, grad_bags, chunk_rows, id_scale):
-                if hook is not None:
-                    rows, grads = hook(gi, rows, grads)
-                if rows.numel():
-                    engine.apply_update(gi, rows, grads, step, hparams, lr_folded=id_scale is not None)
+            folded = id_scale is not None
+            if hook is None:
+                for rows, grads in row_gradients(gb, grad_bags, chunk_rows, id_scale):
+                    engine.apply_update(gi, rows, grads, step, hparams, lr_folded=folded)
+                continue
+            # The hook sees the whole group's sums at once (one exchange per group); its result is
+            # then applied in blocks, as above (in place in one pass where SGD's step is a plain add).
+            rows, grads = hook(gi, *next(row_gradients(gb, grad_bags, None, id_scale)))
+            if folded and engine.adds_in_place(gi):
+                chunk_rows = None
+            for lo, hi in _blocks(rows.numel(), chunk_rows):
+                engine.apply_update(gi, rows[lo:hi], grads[lo:hi], step, hparams, lr_folded=folded)
+            if engine.update_hook is not None:
+                engine.update_hook(gi, rows)
         engine.num_updates = step
         if engine.timings is not None:
             engine.timings["update"] += time.perf_counter() - start
         return None, None, None
+
+
+def _blocks(n: int, size: int | None) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of at most `size` (None: one range) covering 0..n; none when n is 0."""
+    step = size or max(n, 1)
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]

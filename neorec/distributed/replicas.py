@@ -1,0 +1,207 @@
+"""Replicated (dp) tables: every rank keeps a whole copy, and the copies must stay equal.
+
+Each rank looks its own samples up in its copy. In backward the fused engine calls `sum_gradients`
+once per group of replicated tables with the rank's unique rows and their summed gradients, and
+updates the rows it returns:
+
+- Update rules without state (plain SGD): every rank gets every rank's rows and gradients (one
+  all-gather), sums them the same way and applies the same update to every row touched anywhere.
+- Rules with state (adagrad, rowwise adagrad, adam): each row has an owner, rank `row % world`
+  (rows of the group's buffer). Gradients go to the owners only (one all-to-all after a small
+  exchange of row counts); each owner updates its rows and their state, then `share_updated` sends
+  the new rows to every rank (one all-gather of the storage dtype's raw bytes, so the copies stay
+  bitwise equal). A rank thus updates 1/W of the touched rows, weights and state, instead of all
+  of them. The state is current on the owners only: `sync_state` copies it from the owners to
+  every rank, which checkpoints and gather_tables call first.
+
+Either way a row's gradient is summed over ranks in rank order (the same sums on every rank and
+path). A group so small that its whole gradient is fewer bytes than the touched rows goes through
+one dense all-reduce of [rows, dim + 1] instead (the extra column marks the touched rows), chosen
+from the ranks' row counts, which every rank knows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from neorec.distributed.codecs import Codec
+from neorec.distributed.comms import Comms
+from neorec.embedding.fused import FusedEmbeddingCollection
+from neorec.embedding.fused.optimizers import RULES
+from neorec.embedding.fused.storage import RowStorage
+from neorec.sparse import lengths_to_offsets
+from neorec.utils import index_ops
+
+DENSE_BYTES = 4 << 20  # groups whose whole gradient is this small may be all-reduced densely
+_WINDOW_BYTES = 64 << 20  # sync_state copies state in windows of about this many bytes
+
+
+def updates_by_owner(optimizer: str) -> bool:
+    """Whether a replicated group with this update rule is updated by row owners (rules with state)."""
+    return bool(RULES[optimizer].state)
+
+
+class ReplicaSync:
+    """The gradient hook and the update hook of the engine that holds the replicated tables."""
+
+    def __init__(self, engine: FusedEmbeddingCollection, comms: Comms, codec: Codec) -> None:
+        self.engine, self.comms, self.codec = engine, comms, codec
+        self.world, self.rank = comms.topo.world_size, comms.topo.rank
+
+    def by_owner(self, gi: int) -> bool:
+        return self.world > 1 and updates_by_owner(self.engine.layout.groups[gi].optimizer)
+
+    def _row_bytes(self, dim: int) -> int:
+        """Bytes of one row's gradient on the wire."""
+        return self.codec.wire_width(dim) * torch.empty(0, dtype=self.codec.wire_dtype).element_size()
+
+    # ---- gradients ------------------------------------------------------------------------------
+    def sum_gradients(
+        self, gi: int, rows: torch.Tensor, grads: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows this rank updates, their gradients summed over ranks)."""
+        if self.world == 1:
+            return rows, grads
+        group = self.engine.layout.groups[gi]
+        wire = self._row_bytes(group.dim)
+        dense_bytes = 2 * group.num_rows * (group.dim + 1) * 4
+        matrix = counts = None
+        if self.by_owner(gi):  # rows to owners: every rank's count per owner, [W, W]
+            order, per_owner = _by_owner(rows, self.world)
+            rows, grads = rows.index_select(0, order), grads.index_select(0, order)
+            got = self.comms.all_gather_bytes(
+                per_owner.view(torch.uint8), "dp", [8 * self.world] * self.world
+            )
+            matrix = torch.stack([part.view(torch.int64) for part in got.wait()]).tolist()
+            counts = [sum(line) for line in matrix]
+        elif dense_bytes <= DENSE_BYTES:
+            count = torch.tensor([rows.numel()], dtype=torch.int64)
+            counts = self.comms.all_to_all(count.repeat(self.world), [1] * self.world, [1] * self.world, "dp")
+            counts = counts.wait().tolist()
+        if counts is not None and dense_bytes <= DENSE_BYTES and dense_bytes < sum(counts) * (wire + 8):
+            rows, sums = self._all_reduce(rows, grads, group.num_rows, group.dim)
+            if matrix is not None:
+                mine = index_ops.where(rows % self.world == self.rank)
+                rows, sums = rows.index_select(0, mine), sums.index_select(0, mine)
+            return rows, sums
+        if matrix is not None:
+            return self._to_owners(rows, grads, matrix, wire)
+        return self._gather(rows, grads, wire, counts)
+
+    def _gather(self, rows: torch.Tensor, grads: torch.Tensor, wire: int, counts: list[int] | None):
+        """Every rank's rows and gradients to every rank. counts: every rank's number of rows, when
+        already exchanged (else they travel with the rows: comms.all_gather_bytes)."""
+        payload = self._pack(rows, grads, wire)
+        sizes = None if counts is None else [_padded(c * (8 + wire)) for c in counts]
+        got = self.comms.all_gather_bytes(payload, "dp", sizes).wait()
+        return self._merge([(part, part.numel() // (8 + wire)) for part in got], grads.shape[1])
+
+    def _to_owners(self, rows: torch.Tensor, grads: torch.Tensor, matrix: list[list[int]], wire: int):
+        """Rows (ordered by owner) and gradients to their owners; this rank's rows summed."""
+        W, me = self.world, self.rank
+        send_sizes = [_padded(c * (8 + wire)) for c in matrix[me]]
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=rows.device)
+        start = offset = 0
+        for c, size in zip(matrix[me], send_sizes, strict=True):  # per owner: [rows | gradients]
+            self._pack(rows[start : start + c], grads[start : start + c], wire, send[offset : offset + size])
+            start, offset = start + c, offset + size
+        recv_sizes = [_padded(matrix[k][me] * (8 + wire)) for k in range(W)]
+        got = self.comms.all_to_all(send, send_sizes, recv_sizes, "dp").wait()
+        parts = list(got.split(recv_sizes))
+        return self._merge([(parts[k], matrix[k][me]) for k in range(W)], grads.shape[1])
+
+    def _pack(
+        self, rows: torch.Tensor, grads: torch.Tensor, wire: int, payload: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[rows as int64 | gradients in the wire format] as bytes, padded to a multiple of 8 (into
+        `payload`, 8-byte aligned, when given)."""
+        n, width = rows.numel(), self.codec.wire_width(grads.shape[1])
+        if payload is None:
+            payload = torch.empty(_padded(n * (8 + wire)), dtype=torch.uint8, device=rows.device)
+        payload[: n * 8].view(torch.int64).copy_(rows)
+        self.codec.encode(grads, payload[n * 8 : n * (8 + wire)].view(self.codec.wire_dtype).view(n, width))
+        return payload
+
+    def _merge(self, parts: list[tuple[torch.Tensor, int]], dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum the (payload, row count) parts of all ranks, in rank order, per unique row."""
+        width = self.codec.wire_width(dim)
+        wire = self._row_bytes(dim)
+        all_rows = torch.cat([part[: k * 8].view(torch.int64) for part, k in parts])
+        all_grads = torch.empty(all_rows.numel(), dim, device=all_rows.device)
+        start = 0
+        for part, k in parts:  # decoded straight into one buffer
+            block = part[k * 8 : k * (8 + wire)].view(self.codec.wire_dtype).view(k, width)
+            self.codec.decode(block, all_grads[start : start + k])
+            start += k
+        order_rows, order = index_ops.stable_sort(all_rows)
+        unique, per_row = torch.unique_consecutive(order_rows, return_counts=True)
+        summed = F.embedding_bag(
+            order, all_grads, lengths_to_offsets(per_row), mode="sum", include_last_offset=True
+        )
+        return unique, summed
+
+    def _all_reduce(self, rows: torch.Tensor, grads: torch.Tensor, total_rows: int, dim: int):
+        dense = grads.new_zeros(total_rows, dim + 1)
+        dense[rows, :dim] = grads
+        dense[rows, dim] = 1.0  # touched by this rank
+        summed = self.comms.all_reduce_sum(dense.view(-1), self.codec, "dp").wait().view(total_rows, dim + 1)
+        touched = index_ops.where(summed[:, dim] > 0)
+        return touched, summed[:, :dim].index_select(0, touched)
+
+    # ---- updated rows and state -----------------------------------------------------------------
+    def share_updated(self, gi: int, rows: torch.Tensor) -> None:
+        """After group gi's update: the rows this rank owns and just updated, to every rank."""
+        if not self.by_owner(gi):
+            return
+        storage = self.engine.weights[gi]
+        n, width = rows.numel(), storage.width
+        size = torch.empty(0, dtype=storage.dtype).element_size() * width
+        payload = torch.empty(n * (8 + size), dtype=torch.uint8, device=rows.device)
+        payload[: n * 8].view(torch.int64).copy_(rows)
+        payload[n * 8 :].view(storage.dtype).view(n, width).copy_(storage.read(rows))
+        got = self.comms.all_gather_bytes(payload, "dp").wait()
+        others = [part for k, part in enumerate(got) if k != self.rank and part.numel()]
+        if not others:
+            return
+        counts = [part.numel() // (8 + size) for part in others]
+        theirs = [part[: k * 8].view(torch.int64) for part, k in zip(others, counts, strict=True)]
+        values = [
+            part[k * 8 :].view(storage.dtype).view(k, width) for part, k in zip(others, counts, strict=True)
+        ]
+        if len(others) > 1:
+            theirs, values = [torch.cat(theirs)], [torch.cat(values)]
+        storage.write(theirs[0], values[0])
+
+    def sync_state(self) -> None:
+        """Collective: the optimizer state of owner-updated groups, from the owners to every rank."""
+        for gi, group in enumerate(self.engine.layout.groups):
+            if self.by_owner(gi):
+                for storage in self.engine.states[gi].values():
+                    self._copy_from_owners(storage, group.num_rows)
+
+    def _copy_from_owners(self, storage: RowStorage, num_rows: int) -> None:
+        W, me = self.world, self.rank
+        row_bytes = max(storage.width, 1) * torch.empty(0, dtype=storage.dtype).element_size()
+        window = (
+            max(1, _WINDOW_BYTES // (row_bytes * W)) * W
+        )  # a multiple of W: window starts are owned by rank 0
+        shape = (storage.width,) if storage.width else ()
+        for a in range(0, num_rows, window):
+            b = min(a + window, num_rows)
+            mine = storage.read(torch.arange(a + me, b, W)).contiguous()
+            got = self.comms.all_gather_bytes(mine.view(-1).view(torch.uint8), "dp").wait()
+            rows = torch.cat([torch.arange(a + k, b, W) for k in range(W) if k != me])
+            values = torch.cat([got[k].view(storage.dtype).view(-1, *shape) for k in range(W) if k != me])
+            storage.write(rows, values)
+
+
+def _by_owner(rows: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order that groups rows by owner, ascending within each owner; rows per owner [W] int64)."""
+    owner = rows % world
+    _, order = index_ops.stable_sort(owner)
+    return order, torch.bincount(owner, minlength=world)
+
+
+def _padded(n: int) -> int:
+    return -(-n // 8) * 8
