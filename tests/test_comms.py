@@ -147,6 +147,12 @@ def _shm_vs_backend(topo: Topology):
     dist.all_gather_object(everyone, payload)
     over_backend = Comms(topo, transport="backend").all_gather_bytes(payload, "dp").wait()
     backend_ok = [torch.equal(a, b) for a, b in zip(over_backend, everyone, strict=True)]
+    # all-to-all of byte parts whose sizes the receivers do not know: the parts of `send` as bytes
+    send_bytes = send.view(-1).view(torch.uint8)
+    sizes = [n * 6 for n in splits]
+    parts = list(expected.view(-1).view(torch.uint8).split([n * 6 for n in recv_splits]))
+    by_backend = Comms(topo, transport="backend").all_to_all_bytes(send_bytes, sizes, "dp").wait()
+    backend_ok += [torch.equal(a, b) for a, b in zip(by_backend, parts, strict=True)]
     results = {}
     for capacity in (64, 1 << 20):
         group = ShmGroup(list(range(w)), r, None, capacity=capacity)
@@ -161,11 +167,13 @@ def _shm_vs_backend(topo: Topology):
         for _ in range(50):  # back-to-back exchanges: the double buffers must not be overwritten early
             group.all_to_all(got, send, recv_splits, splits)
         gathered = group.all_gather_bytes(payload)  # up to 300 bytes: 5 rounds of 64
+        parts_got = group.all_to_all_bytes(send_bytes, sizes)
         group.close()
         gathered_ok = all(torch.equal(a, b) for a, b in zip(gathered, everyone, strict=True))
+        gathered_ok &= all(torch.equal(a, b) for a, b in zip(parts_got, parts, strict=True))
         summed_ok = torch.equal(summed, reference.sum(0)) and torch.equal(from_parts, summed)
         results[capacity] = (torch.equal(got, expected), summed_ok, gathered_ok)
-    results["backend"] = all(backend_ok) and len(backend_ok) == w
+    results["backend"] = all(backend_ok) and len(backend_ok) == 2 * w
     return results
 
 

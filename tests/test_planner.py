@@ -129,13 +129,14 @@ def test_bytes_replicated_sparse_and_dense():
 
 
 def test_bytes_replicated_by_owner():
-    """Rules with state (here rowwise adagrad): per peer, the 4 counts, the rows it owns (expected:
-    a quarter of the rank's 2 touched rows) and, after the update, a quarter of the 2 rows touched
-    in the global batch as int64 + fp32 weights, after their size."""
+    """Rules with state (here rowwise adagrad): per peer, the 4 counts (a group this small may take
+    the dense all-reduce), the rows it owns (expected: a quarter of the rank's 2 touched rows) after
+    their size and, after the update, a quarter of the 2 rows touched in the global batch as int64 +
+    fp32 weights, after their size."""
     plan = ShardingPlan.from_dict({"tables": {"a": {"kind": "dp"}, "b": {"kind": "tw", "ranks": [3]},
                                               "c": {"kind": "tw", "ranks": [3]}}})  # fmt: skip
     sparse = plan_traffic(plan, small_workload(), TOPO).sent(0, "dp")
-    assert sparse == 3 * (4 * 8 + 0.5 * (8 + 4 * 2) + 8 + 0.5 * (8 + 4 * 4))
+    assert sparse == 3 * (4 * 8 + 0.5 * (8 + 4 * 2) + 8 + 8 + 0.5 * (8 + 4 * 4))
     plan3 = ShardingPlan.from_dict({"tables": {"a": {"kind": "tw", "ranks": [3]}, "b": {"kind": "tw", "ranks": [3]},
                                                "c": {"kind": "dp"}}})  # fmt: skip
     dense = plan_traffic(plan3, small_workload(rows_c=3), TOPO).sent(0, "dp")

@@ -20,15 +20,20 @@ pytestmark = pytest.mark.distributed
 ALL_DP = {"tables": {f"t{i}": {"kind": "dp"} for i in range(6)}}
 
 
-def owner_run(topo, optimizer_name: str, root: str | None = None):
+def owner_run(topo, optimizer_name: str, root: str | None = None, dense_bytes: int | None = None):
     """Every table replicated, rows sent to their owners (the dense all-reduce switched off).
     Records which rows this rank updated; with `root`, saves a checkpoint right after training,
-    without gathering the tables first (the save must bring the state up to date itself)."""
+    without gathering the tables first (the save must bring the state up to date itself).
+    dense_bytes: the size under which groups may be all-reduced (0: the row counts are not
+    exchanged first, they travel with the rows)."""
+    from neorec.distributed import replicas
 
     def no_all_reduce(*args, **kwargs):
         raise AssertionError("the sparse exchange of the replicas' gradients should have been chosen")
 
     ReplicaSync._all_reduce = no_all_reduce
+    if dense_bytes is not None:
+        replicas.DENSE_BYTES = dense_bytes
     tables = make_tables()
     comms = Comms(topo)
     emb = ShardedEmbeddingCollection(
@@ -59,9 +64,12 @@ def owner_run(topo, optimizer_name: str, root: str | None = None):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("optimizer_name", ["adagrad", "adam", "rowwise_adagrad"])
-def test_owners_update_their_rows_and_replicas_stay_equal(world, optimizer_name, tmp_path):
-    results = spawn(world, owner_run, (optimizer_name,), tmp_path=tmp_path)
+@pytest.mark.parametrize(
+    "optimizer_name, dense_bytes",
+    [("adagrad", None), ("adam", None), ("rowwise_adagrad", None), ("adagrad", 0)],
+)
+def test_owners_update_their_rows_and_replicas_stay_equal(world, optimizer_name, dense_bytes, tmp_path):
+    results = spawn(world, owner_run, (optimizer_name, None, dense_bytes), tmp_path=tmp_path)
     check_against_single({r: out[:4] for r, out in results.items()}, optimizer_name)
     for rank, (*_, num_updated, only_owned) in results.items():
         assert num_updated > 0 and only_owned, f"rank {rank} updated rows it does not own"

@@ -161,6 +161,21 @@ class Comms:
         got = self.all_to_all(payload.repeat(world.size), [n] * world.size, sizes, direction)
         return Pending([got], lambda: list(got.wait().split(sizes)))
 
+    def all_to_all_bytes(self, payload: torch.Tensor, sizes: list[int], direction: str) -> Pending:
+        """Parts of `payload` (1-D uint8) of `sizes` bytes to the ranks in order; the part every rank
+        sent here, as a list in rank order. In shared memory one exchange (the sizes travel in its
+        header); over the backend the sizes go first."""
+        world = self.world
+        if world.size == 1:
+            return Pending.ready([payload])
+        if world.shm is not None and payload.device.type == "cpu":  # + each size, in the header
+            self.stats.add(direction, sum(sizes) - sizes[world.index] + 8 * (world.size - 1))
+            return Pending.ready(world.shm.all_to_all_bytes(payload.contiguous(), sizes))
+        mine = torch.tensor(sizes, dtype=torch.int64, device=payload.device)
+        theirs = self.all_to_all(mine, [1] * world.size, [1] * world.size, direction).wait().tolist()
+        got = self.all_to_all(payload, sizes, theirs, direction)
+        return Pending([got], lambda: list(got.wait().split(theirs)))
+
     # ---- float rows with a codec ----------------------------------------------------------------
     def all_to_all_rows(
         self,

@@ -7,8 +7,8 @@ updates the rows it returns:
 - Update rules without state (plain SGD): every rank gets every rank's rows and gradients (one
   all-gather), sums them the same way and applies the same update to every row touched anywhere.
 - Rules with state (adagrad, rowwise adagrad, adam): each row has an owner, rank `row % world`
-  (rows of the group's buffer). Gradients go to the owners only (one all-to-all after a small
-  exchange of row counts); each owner updates its rows and their state, then `share_updated` sends
+  (rows of the group's buffer). Gradients go to the owners only (one all-to-all, the row counts
+  in its headers); each owner updates its rows and their state, then `share_updated` sends
   the new rows to every rank (one all-gather of the storage dtype's raw bytes, so the copies stay
   bitwise equal). A rank thus updates 1/W of the touched rows, weights and state, instead of all
   of them. The state is current on the owners only: `sync_state` copies it from the owners to
@@ -29,7 +29,7 @@ from neorec.distributed.codecs import Codec
 from neorec.distributed.comms import Comms
 from neorec.embedding.fused import FusedEmbeddingCollection
 from neorec.embedding.fused.optimizers import RULES
-from neorec.embedding.fused.storage import RowStorage
+from neorec.embedding.fused.storage import RowStorage, TensorStorage
 from neorec.sparse import lengths_to_offsets
 from neorec.utils import index_ops
 
@@ -67,9 +67,12 @@ class ReplicaSync:
         wire = self._row_bytes(group.dim)
         dense_bytes = 2 * group.num_rows * (group.dim + 1) * 4
         matrix = counts = None
-        if self.by_owner(gi):  # rows to owners: every rank's count per owner, [W, W]
+        if self.by_owner(gi):  # rows to owners
             order, per_owner = _by_owner(rows, self.world)
             rows, grads = rows.index_select(0, order), grads.index_select(0, order)
+            if dense_bytes > DENSE_BYTES:
+                return self._to_owners(rows, grads, per_owner.tolist(), wire)
+            # every rank's count per owner, [W, W], to choose between sparse and dense
             got = self.comms.all_gather_bytes(
                 per_owner.view(torch.uint8), "dp", [8 * self.world] * self.world
             )
@@ -86,7 +89,7 @@ class ReplicaSync:
                 rows, sums = rows.index_select(0, mine), sums.index_select(0, mine)
             return rows, sums
         if matrix is not None:
-            return self._to_owners(rows, grads, matrix, wire)
+            return self._to_owners(rows, grads, matrix[self.rank], wire)
         return self._gather(rows, grads, wire, counts)
 
     def _gather(self, rows: torch.Tensor, grads: torch.Tensor, wire: int, counts: list[int] | None):
@@ -97,19 +100,17 @@ class ReplicaSync:
         got = self.comms.all_gather_bytes(payload, "dp", sizes).wait()
         return self._merge([(part, part.numel() // (8 + wire)) for part in got], grads.shape[1])
 
-    def _to_owners(self, rows: torch.Tensor, grads: torch.Tensor, matrix: list[list[int]], wire: int):
-        """Rows (ordered by owner) and gradients to their owners; this rank's rows summed."""
-        W, me = self.world, self.rank
-        send_sizes = [_padded(c * (8 + wire)) for c in matrix[me]]
-        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=rows.device)
+    def _to_owners(self, rows: torch.Tensor, grads: torch.Tensor, per_owner: list[int], wire: int):
+        """Rows (ordered by owner, `per_owner` each) and gradients to their owners; this rank's rows
+        summed. The row counts travel with the rows (comms.all_to_all_bytes)."""
+        sizes = [_padded(c * (8 + wire)) for c in per_owner]
+        send = torch.empty(sum(sizes), dtype=torch.uint8, device=rows.device)
         start = offset = 0
-        for c, size in zip(matrix[me], send_sizes, strict=True):  # per owner: [rows | gradients]
+        for c, size in zip(per_owner, sizes, strict=True):  # per owner: [rows | gradients]
             self._pack(rows[start : start + c], grads[start : start + c], wire, send[offset : offset + size])
             start, offset = start + c, offset + size
-        recv_sizes = [_padded(matrix[k][me] * (8 + wire)) for k in range(W)]
-        got = self.comms.all_to_all(send, send_sizes, recv_sizes, "dp").wait()
-        parts = list(got.split(recv_sizes))
-        return self._merge([(parts[k], matrix[k][me]) for k in range(W)], grads.shape[1])
+        got = self.comms.all_to_all_bytes(send, sizes, "dp").wait()
+        return self._merge([(part, part.numel() // (8 + wire)) for part in got], grads.shape[1])
 
     def _pack(
         self, rows: torch.Tensor, grads: torch.Tensor, wire: int, payload: torch.Tensor | None = None
@@ -159,7 +160,11 @@ class ReplicaSync:
         size = torch.empty(0, dtype=storage.dtype).element_size() * width
         payload = torch.empty(n * (8 + size), dtype=torch.uint8, device=rows.device)
         payload[: n * 8].view(torch.int64).copy_(rows)
-        payload[n * 8 :].view(storage.dtype).view(n, width).copy_(storage.read(rows))
+        values = payload[n * 8 :].view(storage.dtype).view(n, width)
+        if isinstance(storage, TensorStorage):  # read straight into the payload
+            torch.index_select(storage.tensor, 0, rows, out=values)
+        else:
+            values.copy_(storage.read(rows))
         got = self.comms.all_gather_bytes(payload, "dp").wait()
         others = [part for k, part in enumerate(got) if k != self.rank and part.numel()]
         if not others:

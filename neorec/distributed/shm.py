@@ -149,16 +149,37 @@ class ShmGroup:
     ) -> None:
         """As dist.all_to_all_single: rows of `send` in `send_splits` go to the group's ranks in order;
         `recv` gets `recv_splits` rows from each."""
-        W, me = self.size, self.index
-        src = _bytes(send)
         dst = _bytes(recv)
         row_bytes = send.shape[1:].numel() * send.element_size()
-        send_off = _prefix([s * row_bytes for s in send_splits])
         recv_off = _prefix([s * row_bytes for s in recv_splits])
+
+        def place(k: int, n: int) -> torch.Tensor:
+            return dst[recv_off[k] : recv_off[k] + n]
+
+        self._all_to_all(_bytes(send), [s * row_bytes for s in send_splits], place)
+
+    def all_to_all_bytes(self, send: torch.Tensor, send_sizes: list[int]) -> list[torch.Tensor]:
+        """Parts of `send` (1-D uint8) of `send_sizes` bytes go to the group's ranks in order; returns
+        the part every rank sent here, in group order. The sizes need not be exchanged first: each
+        rank's offsets travel in its header."""
+        parts: list[torch.Tensor] = []
+
+        def place(k: int, n: int) -> torch.Tensor:
+            parts.append(torch.empty(n, dtype=torch.uint8))
+            return parts[-1]
+
+        self._all_to_all(_bytes(send), send_sizes, place)
+        return parts
+
+    def _all_to_all(self, src: torch.Tensor, send_sizes: list[int], place) -> None:
+        """place(k, n): where the n bytes from group rank k go (called once per rank, in order)."""
+        W, me = self.size, self.index
+        send_off = _prefix(send_sizes)
         total = send_off[-1]
         C = self.capacity
         rnd, rounds = 0, 1
         theirs: list[tuple[int, int]] = []  # (start, end) in peer k's send bytes of our part
+        outs: list[torch.Tensor] = []
         while rnd < rounds:
             parity = (self.seq + 1) % 2
             lo = rnd * C
@@ -173,13 +194,14 @@ class ShmGroup:
                     h = self._headers[k][parity]
                     most = max(most, int(h[2]))
                     theirs.append((int(h[3 + me]), int(h[4 + me])))
+                    outs.append(place(k, theirs[k][1] - theirs[k][0]))
                 rounds = max(1, -(-most // C))
             for k in range(W):
                 a, b = theirs[k]
                 a, b = max(a, lo), min(b, lo + C)
                 if a >= b:
                     continue
-                out = dst[recv_off[k] + a - theirs[k][0] : recv_off[k] + b - theirs[k][0]]
+                out = outs[k][a - theirs[k][0] : b - theirs[k][0]]
                 if k == me:
                     out.copy_(src[a:b])
                 else:

@@ -29,7 +29,7 @@ import numpy as np
 
 from neorec.distributed.layout import ROW_SPLIT, ShardLayout
 from neorec.distributed.plan import ShardingPlan
-from neorec.distributed.replicas import updates_by_owner
+from neorec.distributed.replicas import DENSE_BYTES, updates_by_owner
 from neorec.distributed.topology import Topology
 from neorec.planner.workload import Workload
 
@@ -120,10 +120,13 @@ def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology) -> Traf
             rows = sum(x.table.rows for x in loads)
             touched = sum(x.unique(0, x.table.rows, b * x.ids_per_sample, 1 / W) for x in loads)
             by_owner = updates_by_owner(optimizer)
-            per_peer = 8.0 * W if by_owner else 8.0  # the counts of touched rows (per owner)
-            if W * touched * (wire_bytes(bp, 1, dim) + 8) <= 2 * rows * (dim + 1) * 4:
+            choose = 2 * rows * (dim + 1) * 4 <= DENSE_BYTES  # small enough for a dense all-reduce
+            # when choosing, the counts go first: one per rank (by owner: one per owner and rank)
+            per_peer = (8.0 * W if by_owner else 8.0) if choose else 0.0
+            if not choose or W * touched * (wire_bytes(bp, 1, dim) + 8) <= 2 * rows * (dim + 1) * 4:
                 sent = touched / W if by_owner else touched  # to the rows' owners, or to everyone
                 per_peer += sent * 8 + wire_bytes(bp, sent, dim)
+                per_peer += 8.0 if by_owner or not choose else 0.0  # the part's size, in a header
             else:
                 per_peer += dense_all_reduce_bytes(bp, rows * (dim + 1), W) / (W - 1)
             if by_owner:  # the owner's updated rows, to every rank (and their size)
