@@ -102,15 +102,22 @@ class ReplicaSync:
 
     def _to_owners(self, rows: torch.Tensor, grads: torch.Tensor, per_owner: list[int], wire: int):
         """Rows (ordered by owner, `per_owner` each) and gradients to their owners; this rank's rows
-        summed. The row counts travel with the rows (comms.all_to_all_bytes)."""
-        sizes = [_padded(c * (8 + wire)) for c in per_owner]
+        summed. The row counts travel with the rows (comms.all_to_all_bytes); the rank's own rows
+        stay as they are (no wire format)."""
+        me = self.rank
+        sizes = [0 if k == me else _padded(c * (8 + wire)) for k, c in enumerate(per_owner)]
         send = torch.empty(sum(sizes), dtype=torch.uint8, device=rows.device)
         start = offset = 0
-        for c, size in zip(per_owner, sizes, strict=True):  # per owner: [rows | gradients]
-            self._pack(rows[start : start + c], grads[start : start + c], wire, send[offset : offset + size])
+        for k, (c, size) in enumerate(zip(per_owner, sizes, strict=True)):  # per owner: [rows | gradients]
+            if k == me:
+                own = (rows[start : start + c], grads[start : start + c])
+            else:
+                self._pack(
+                    rows[start : start + c], grads[start : start + c], wire, send[offset : offset + size]
+                )
             start, offset = start + c, offset + size
         got = self.comms.all_to_all_bytes(send, sizes, "dp").wait()
-        return self._merge([(part, part.numel() // (8 + wire)) for part in got], grads.shape[1])
+        return self._merge([(part, part.numel() // (8 + wire)) for part in got], grads.shape[1], own)
 
     def _pack(
         self, rows: torch.Tensor, grads: torch.Tensor, wire: int, payload: torch.Tensor | None = None
@@ -124,17 +131,30 @@ class ReplicaSync:
         self.codec.encode(grads, payload[n * 8 : n * (8 + wire)].view(self.codec.wire_dtype).view(n, width))
         return payload
 
-    def _merge(self, parts: list[tuple[torch.Tensor, int]], dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum the (payload, row count) parts of all ranks, in rank order, per unique row."""
+    def _merge(
+        self,
+        parts: list[tuple[torch.Tensor, int]],
+        dim: int,
+        own: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum the (payload, row count) parts of all ranks, in rank order, per unique row. own: this
+        rank's (rows, fp32 gradients), in place of its part."""
         width = self.codec.wire_width(dim)
         wire = self._row_bytes(dim)
-        all_rows = torch.cat([part[: k * 8].view(torch.int64) for part, k in parts])
+        me = self.rank if own is not None else -1
+        counts = [own[0].numel() if k == me else n for k, (_, n) in enumerate(parts)]
+        all_rows = torch.cat(
+            [own[0] if k == me else part[: n * 8].view(torch.int64) for k, (part, n) in enumerate(parts)]  # type: ignore[index]
+        )
         all_grads = torch.empty(all_rows.numel(), dim, device=all_rows.device)
         start = 0
-        for part, k in parts:  # decoded straight into one buffer
-            block = part[k * 8 : k * (8 + wire)].view(self.codec.wire_dtype).view(k, width)
-            self.codec.decode(block, all_grads[start : start + k])
-            start += k
+        for k, ((part, _), n) in enumerate(zip(parts, counts, strict=True)):  # into one buffer
+            if k == me:
+                all_grads[start : start + n].copy_(own[1])  # type: ignore[index]
+            else:
+                block = part[n * 8 : n * (8 + wire)].view(self.codec.wire_dtype).view(n, width)
+                self.codec.decode(block, all_grads[start : start + n])
+            start += n
         order_rows, order = index_ops.stable_sort(all_rows)
         unique, per_row = torch.unique_consecutive(order_rows, return_counts=True)
         summed = F.embedding_bag(
