@@ -206,19 +206,39 @@ class ReplicaSync:
                     self._copy_from_owners(storage, group.num_rows)
 
     def _copy_from_owners(self, storage: RowStorage, num_rows: int) -> None:
+        """Every rank's rows of `storage` to every rank, in windows of rows whose starts are owned
+        by rank 0 (a multiple of W rows each)."""
         W, me = self.world, self.rank
         row_bytes = max(storage.width, 1) * torch.empty(0, dtype=storage.dtype).element_size()
-        window = (
-            max(1, _WINDOW_BYTES // (row_bytes * W)) * W
-        )  # a multiple of W: window starts are owned by rank 0
-        shape = (storage.width,) if storage.width else ()
+        window = max(1, _WINDOW_BYTES // (row_bytes * W)) * W
         for a in range(0, num_rows, window):
             b = min(a + window, num_rows)
-            mine = storage.read(torch.arange(a + me, b, W)).contiguous()
-            got = self.comms.all_gather_bytes(mine.view(-1).view(torch.uint8), "dp").wait()
-            rows = torch.cat([torch.arange(a + k, b, W) for k in range(W) if k != me])
-            values = torch.cat([got[k].view(storage.dtype).view(-1, *shape) for k in range(W) if k != me])
-            storage.write(rows, values)
+            rows = _read_window(storage, a, b)
+            got = self.comms.all_gather_bytes(
+                rows[me::W].contiguous().view(-1).view(torch.uint8), "dp"
+            ).wait()
+            for k in range(W):
+                if k != me:
+                    rows[k::W] = got[k].view(storage.dtype).view(rows[k::W].shape)
+            _write_window(storage, a, b, rows)
+
+
+def _read_window(storage: RowStorage, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end): a view of a plain tensor, else a copy (a cache reads its backing store)."""
+    if isinstance(storage, TensorStorage):
+        return storage.tensor[start:end]
+    if hasattr(storage, "read_range"):
+        return storage.read_range(start, end)
+    return storage.read(torch.arange(start, end))
+
+
+def _write_window(storage: RowStorage, start: int, end: int, rows: torch.Tensor) -> None:
+    if isinstance(storage, TensorStorage):
+        return  # rows is a view of the tensor: already written
+    if hasattr(storage, "write_range"):
+        storage.write_range(start, end, rows)
+    else:
+        storage.write(torch.arange(start, end), rows)
 
 
 def _by_owner(rows: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
