@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from neorec.checkpoint.pieces import read_storage, write_storage
 from neorec.distributed.codecs import Codec
 from neorec.distributed.comms import Comms
 from neorec.embedding.fused import FusedEmbeddingCollection
@@ -213,32 +214,15 @@ class ReplicaSync:
         window = max(1, _WINDOW_BYTES // (row_bytes * W)) * W
         for a in range(0, num_rows, window):
             b = min(a + window, num_rows)
-            rows = _read_window(storage, a, b)
+            rows = read_storage(storage, a, b)  # a plain tensor's view: written in place
             got = self.comms.all_gather_bytes(
                 rows[me::W].contiguous().view(-1).view(torch.uint8), "dp"
             ).wait()
             for k in range(W):
                 if k != me:
                     rows[k::W] = got[k].view(storage.dtype).view(rows[k::W].shape)
-            _write_window(storage, a, b, rows)
-
-
-def _read_window(storage: RowStorage, start: int, end: int) -> torch.Tensor:
-    """Rows [start, end): a view of a plain tensor, else a copy (a cache reads its backing store)."""
-    if isinstance(storage, TensorStorage):
-        return storage.tensor[start:end]
-    if hasattr(storage, "read_range"):
-        return storage.read_range(start, end)
-    return storage.read(torch.arange(start, end))
-
-
-def _write_window(storage: RowStorage, start: int, end: int, rows: torch.Tensor) -> None:
-    if isinstance(storage, TensorStorage):
-        return  # rows is a view of the tensor: already written
-    if hasattr(storage, "write_range"):
-        storage.write_range(start, end, rows)
-    else:
-        storage.write(torch.arange(start, end), rows)
+            if not isinstance(storage, TensorStorage):
+                write_storage(storage, a, b, rows)
 
 
 def _by_owner(rows: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
