@@ -37,10 +37,11 @@ def sharded_run(
     pipeline=False,
     transport="shm",
     batch=BATCH,
+    stage=False,
 ):
     tables = make_tables()
     batches = make_batches(tables, STEPS, batch)
-    comms = Comms(topo, transport=transport)
+    comms = Comms(topo, transport=transport, stage=stage)
     emb = ShardedEmbeddingCollection(
         tables, optimizer_config(optimizer_name), ShardingPlan.from_dict(plan_dict), comms, seed=0,
         forward_precision=precisions[0], backward_precision=precisions[1],

@@ -232,7 +232,8 @@ class TrainConfig(Strict):
     log_every: int = Field(50, gt=0, description="write a metrics line every N steps")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (None: torch's default)")
     device: Literal["cpu", "cuda"] = Field(
-        "cpu", description="where the model trains: cpu, or cuda (one GPU; single process for now)"
+        "cpu",
+        description="where the model trains: cpu, or cuda (each process on GPU LOCAL_RANK; ranks share GPUs over gloo)",
     )
     progress: bool = Field(True, description="show a tqdm progress bar")
     prefetch: int = Field(4, ge=0, description="batches made ahead by a background thread (0: none)")
@@ -267,6 +268,11 @@ class DistributedConfig(Strict):
     transport: Literal["shm", "backend"] = Field(
         "shm",
         description="between ranks of one machine: shared memory (CPU tensors) or the process group's own (gloo/NCCL)",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto",
+        description="process group: auto = nccl when train.device is cuda and every rank has a GPU of its own, "
+        "else gloo (ranks then share GPUs, device tensors staged through pinned host memory)",
     )
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from neorec.distributed.codecs import Codec
 from neorec.distributed.shm import ShmGroup
 from neorec.distributed.shm import available as shm_available
+from neorec.distributed.staging import Staging
 from neorec.distributed.topology import Topology
 
 
@@ -74,13 +75,19 @@ class Group:
 
 
 class Comms:
-    def __init__(self, topo: Topology, stats: CommStats | None = None, transport: str = "shm") -> None:
+    def __init__(
+        self, topo: Topology, stats: CommStats | None = None, transport: str = "shm", stage: bool = False
+    ) -> None:
         """transport: 'shm' moves the bytes between ranks of one machine through shared memory
-        (neorec/distributed/shm.py; CPU tensors, x86-64), 'backend' always uses the process group."""
+        (neorec/distributed/shm.py; CPU tensors, x86-64), 'backend' always uses the process group.
+        Tensors on another device than the transport's are staged (neorec/distributed/staging.py);
+        stage=True stages every tensor (CPU tensors standing in for GPU ones, in tests)."""
         if transport not in ("shm", "backend"):
             raise ValueError(f"transport must be 'shm' or 'backend', got {transport!r}")
         self.topo = topo
         self.stats = stats or CommStats()
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "gloo"
+        self.staging = Staging(backend, force=stage)
         self.world = Group(list(range(topo.world_size)), topo.rank, None)
         # Hierarchical groups; new_group is collective, so every rank creates every group, in order.
         self.node_group, self.cross_group = self.world, Group([topo.rank], topo.rank, None)
@@ -134,6 +141,14 @@ class Comms:
         self.stats.add(direction, (sum(send_splits) - send_splits[group.index]) * row_bytes)
         if group.size == 1:
             return Pending.ready(send)
+        if self.staging.needed(send):
+            device = send.device
+            got = self._all_to_all_wire(self.staging.down(send), send_splits, recv_splits, group)
+            return Pending([got], lambda: self.staging.up(got.wait(), device))
+        return self._all_to_all_wire(send, send_splits, recv_splits, group)
+
+    def _all_to_all_wire(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Group) -> Pending:
+        """all_to_all of a tensor that lies on the transport's device."""
         recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
         if group.shm is not None and send.device.type == "cpu":
             group.shm.all_to_all(recv, send.contiguous(), recv_splits, send_splits)
@@ -143,10 +158,32 @@ class Comms:
         )
         return Pending([work], lambda: recv)
 
+    def all_gather(self, mine: torch.Tensor, direction: str) -> torch.Tensor:
+        """Every rank's `mine` (all of one shape), concatenated in rank order along dim 0."""
+        n, world = mine.shape[0], self.world.size
+        got = self.all_to_all(mine.repeat(world, *[1] * (mine.dim() - 1)), [n] * world, [n] * world, direction)
+        return got.wait()
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        """`t` (in place) becomes rank `src`'s."""
+        if self.world.size == 1:
+            return
+        wire = self.staging.down(t) if self.staging.needed(t) else t
+        dist.broadcast(wire, src=src)
+        if wire is not t:
+            t.copy_(wire)
+
     def all_gather_bytes(self, payload: torch.Tensor, direction: str, sizes: list[int] | None = None) -> Pending:
         """Every rank's `payload` (1-D uint8; sizes may differ), as a list in rank order. `sizes`: every
         rank's payload size when the caller already knows them. Otherwise, in shared memory, one
         exchange (the sizes travel in its header); over the backend the sizes go first."""
+        if self.world.size > 1 and self.staging.needed(payload):
+            device = payload.device
+            got = self._all_gather_bytes(self.staging.down(payload), direction, sizes)
+            return Pending([got], lambda: [self.staging.up(p, device) for p in got.wait()])
+        return self._all_gather_bytes(payload, direction, sizes)
+
+    def _all_gather_bytes(self, payload: torch.Tensor, direction: str, sizes: list[int] | None) -> Pending:
         world = self.world
         if world.size == 1:
             return Pending.ready([payload])
@@ -165,6 +202,13 @@ class Comms:
         """Parts of `payload` (1-D uint8) of `sizes` bytes to the ranks in order; the part every rank
         sent here, as a list in rank order. In shared memory one exchange (the sizes travel in its
         header); over the backend the sizes go first."""
+        if self.world.size > 1 and self.staging.needed(payload):
+            device = payload.device
+            got = self._all_to_all_bytes(self.staging.down(payload), sizes, direction)
+            return Pending([got], lambda: [self.staging.up(p, device) for p in got.wait()])
+        return self._all_to_all_bytes(payload, sizes, direction)
+
+    def _all_to_all_bytes(self, payload: torch.Tensor, sizes: list[int], direction: str) -> Pending:
         world = self.world
         if world.size == 1:
             return Pending.ready([payload])
@@ -229,11 +273,11 @@ class Comms:
             self.stats.add(direction, 2 * (world.size - 1) * numel * 4 // world.size)
             if parts is not None:
                 return Pending.ready(world.shm.sum_parts(parts))
-            if world.shm is not None and flat.device.type == "cpu":
-                world.shm.all_reduce(flat)
-                return Pending.ready(flat)
-            work = dist.all_reduce(flat, async_op=True)
-            return Pending([work], lambda: flat)
+            if self.staging.needed(flat):
+                device = flat.device
+                summed = self._all_reduce_wire(self.staging.down(flat))
+                return Pending([summed], lambda: self.staging.up(summed.wait(), device))
+            return self._all_reduce_wire(flat)
         width = 256  # per-row scale granularity of the fp16 codec
         per_rank = -(-flat.numel() // (world.size * width)) * width
         padded = flat.new_zeros(world.size * per_rank)
@@ -248,6 +292,15 @@ class Comms:
         gathered = gathered.view(world.size, rows, width)
         gathered[world.index] = codec.decode(codec.encode(mine))
         return Pending.ready(gathered.reshape(-1)[: flat.numel()])
+
+    def _all_reduce_wire(self, flat: torch.Tensor) -> Pending:
+        """In-place fp32 sum over the world of a tensor on the transport's device."""
+        world = self.world
+        if world.shm is not None and flat.device.type == "cpu":
+            world.shm.all_reduce(flat)
+            return Pending.ready(flat)
+        work = dist.all_reduce(flat, async_op=True)
+        return Pending([work], lambda: flat)
 
     # ---- blocks of different widths ---------------------------------------------------------------
     def exchange(

@@ -39,9 +39,5 @@ class DenseGradSync:
 
     def broadcast_parameters(self) -> None:
         """Make every rank start from rank 0's dense weights."""
-        if self.comms.topo.world_size == 1:
-            return
-        import torch.distributed as dist
-
         for p in self.params:
-            dist.broadcast(p.data, src=0)
+            self.comms.broadcast(p.data, src=0)

@@ -140,10 +140,12 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         rank's files in a folder of its own (a replicated table has the same name on every rank)."""
         settings = cache or CacheSettings()
         # checked for every table on every rank alike, so that no rank waits for one that stopped
-        everywhere = sorted(name for name, tier in self.tiers.items() if tier != "memory")
-        if everywhere and device is not None and torch.device(device).type != "cpu":
-            raise ConfigError(f"cached tables {everywhere} run on CPU only, not {device}")
         ssd = sorted(name for name, tier in self.tiers.items() if tier == "ssd")
+        if ssd and device is not None and torch.device(device).type == "cuda":
+            raise ConfigError(
+                f"embedding.tier: tables {ssd} have tier ssd; on a GPU the row cache lives in GPU memory over "
+                "host memory (tier dram) only"
+            )
         if ssd and settings.directory is None:
             raise ConfigError(
                 f"tables {ssd} are in tier ssd: set embedding.cache.directory (a folder for their files)"
@@ -259,7 +261,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         local_state = self.local.state_dict()
         for u in self._units:
             key = f"tables.{u.table.name}#{u.index}."
-            entry = {k[len(key) :]: v for k, v in local_state.items() if k.startswith(key) and not k.endswith("step")}
+            entry = {
+                k[len(key) :]: v.cpu() for k, v in local_state.items() if k.startswith(key) and not k.endswith("step")
+            }  # host tensors: the gathered tables are assembled in host memory
             mine.append((u.table.name, u.shard.rows, u.shard.cols, entry))
         everything = [mine]
         if self.topo.world_size > 1:

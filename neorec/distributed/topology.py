@@ -57,15 +57,53 @@ class Topology:
         return Topology(world, rank, local)
 
 
-def init_distributed(device: torch.device) -> Topology:
-    """Join the process group torchrun set up (gloo on CPU, NCCL on CUDA); a no-op for one process."""
+def choose_backend(requested: str, device_type: str, ranks_per_node: int, num_gpus: int) -> str:
+    """The process group's backend (distributed.backend): NCCL where every rank of a node has a GPU
+    of its own, gloo otherwise (CPU training, or ranks that share GPUs: the exchanges then stage
+    device tensors through pinned host memory, neorec/distributed/staging.py). NCCL cannot run two
+    ranks on one device, so asking for it then is an error that names the fix."""
+    if requested not in ("auto", "nccl", "gloo"):
+        raise ConfigError(f"distributed.backend must be auto, nccl or gloo, got {requested!r}")
+    if device_type != "cuda":
+        if requested == "nccl":
+            raise ConfigError("distributed.backend: nccl needs train.device: cuda; CPU ranks use gloo")
+        return "gloo"
+    if requested == "auto":
+        return "nccl" if ranks_per_node <= num_gpus else "gloo"
+    if requested == "nccl" and ranks_per_node > num_gpus:
+        raise ConfigError(
+            f"distributed.backend: nccl needs a GPU per rank, but {ranks_per_node} ranks on this node share "
+            f"{num_gpus} GPU(s) and NCCL cannot run two ranks on one device: set distributed.backend: gloo "
+            f"(the ranks then share the GPUs), or start at most {num_gpus} process(es) per node"
+        )
+    return requested
+
+
+def rank_device(device_type: str, local_rank: int, num_gpus: int) -> torch.device:
+    """This rank's device: GPU local_rank (ranks beyond the node's GPUs share them round-robin), or
+    the CPU."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    if num_gpus < 1:
+        raise ConfigError(
+            f"train.device is cuda but this PyTorch ({torch.__version__}) sees no GPU "
+            "(a CPU build, or no device); use train.device: cpu"
+        )
+    return torch.device("cuda", local_rank % num_gpus)
+
+
+def init_distributed(device: torch.device, backend: str = "auto") -> Topology:
+    """Join the process group torchrun set up (a no-op for one process). `backend` as
+    choose_backend; on CUDA the rank's GPU becomes the current device first."""
     topo = Topology.from_env()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if topo.world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+        chosen = choose_backend(backend, device.type, topo.local_world_size, num_gpus)
         store = _restart_store(topo)
-        dist.init_process_group(backend=backend, rank=topo.rank, world_size=topo.world_size, store=store)
+        kwargs = {"device_id": device} if chosen == "nccl" else {}
+        dist.init_process_group(backend=chosen, rank=topo.rank, world_size=topo.world_size, store=store, **kwargs)
     return topo
 
 

@@ -121,11 +121,15 @@ def run_wire_precisions(cfg: RunConfig, one_machine: bool) -> tuple[str, str]:
     return wire_precisions(d.forward_precision, d.backward_precision, in_shm)
 
 
-def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> EmbeddingCollection:
-    """The fused engine; over several processes (comms given, world > 1) the sharded collection.
-    Cached tables (neorec/embedding/cache) get their tier from `embedding.tables.<name>.tier`, else
-    from the sharding plan (tier cached or ssd), else from `embedding.tier`."""
+def build_embeddings(
+    cfg: RunConfig, tables: list[TableConfig], comms=None, device: torch.device | str | None = None
+) -> EmbeddingCollection:
+    """The fused engine; over several processes (comms given, world > 1) the sharded collection,
+    on `device` (default train.device). Cached tables (neorec/embedding/cache) get their tier from
+    `embedding.tables.<name>.tier`, else from the sharding plan (tier cached or ssd), else from
+    `embedding.tier`."""
     e = cfg.embedding
+    device = device if device is not None else cfg.train.device
     sharded = comms is not None and comms.topo.world_size > 1
     plan = build_plan(cfg, tables, comms.topo) if sharded and e.engine == "fused" else None
     tiers = storage_tiers(cfg, tables, plan)
@@ -149,10 +153,10 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
         forward, backward = run_wire_precisions(cfg, one_machine=comms.topo.num_nodes == 1)
         return ShardedEmbeddingCollection(
             tables, e.optimizer, plan, comms, seed=cfg.seed, forward_precision=forward, backward_precision=backward,
-            stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings,
+            device=device, stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings,
         )  # fmt: skip
     on_ssd = sorted(n for n in cached if tiers[n] == "ssd")
-    if cfg.train.device == "cuda" and on_ssd:
+    if torch.device(device).type == "cuda" and on_ssd:
         raise ConfigError(
             f"embedding.tier: tables {on_ssd} have tier ssd; with train.device: cuda the row cache lives in "
             "GPU memory over host memory (tier dram) only for now"
@@ -171,7 +175,7 @@ def build_embeddings(cfg: RunConfig, tables: list[TableConfig], comms=None) -> E
         factory = cached_storage_factory(tiers, settings, total)
     return FusedEmbeddingCollection(
         tables, e.optimizer, seed=cfg.seed, stochastic_rounding=e.stochastic_rounding,
-        group_storage_factory=factory, table_tiers=tiers, device=cfg.train.device,
+        group_storage_factory=factory, table_tiers=tiers, device=device,
     )  # fmt: skip
 
 

@@ -25,7 +25,7 @@ from neorec.data.ranks import RankData
 from neorec.data.source import DataSource
 from neorec.distributed.comms import Comms
 from neorec.distributed.dense import DenseGradSync
-from neorec.distributed.topology import init_distributed
+from neorec.distributed.topology import Topology, choose_backend, init_distributed, rank_device
 from neorec.embedding.cache.stats import log_values
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError, NeorecError
@@ -67,17 +67,17 @@ def embedding_collection(model: nn.Module) -> EmbeddingCollection:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, source: DataSource, batch_size: int, max_batches: int | None = None, topo=None
+    model: nn.Module, source: DataSource, batch_size: int, max_batches: int | None = None, comms: Comms | None = None
 ) -> dict[str, float]:
-    """Metrics of `model` on the source's whole held-out set. Over W processes each rank scores its
-    rows of every batch (neorec/data/ranks.py) and scores and labels are gathered, so every rank
-    computes the metrics of the whole set."""
+    """Metrics of `model` on the source's whole held-out set. Over W processes (`comms`) each rank
+    scores its rows of every batch (neorec/data/ranks.py) and scores and labels are gathered, so
+    every rank computes the metrics of the whole set."""
     was_training = model.training
     model.eval()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))  # train.device
     probs, labels = [], []
-    world = topo.world_size if topo is not None else 1
-    data = RankData(source, batch_size, topo.rank if topo is not None else 0, world)
+    world = comms.topo.world_size if comms is not None else 1
+    data = RankData(source, batch_size, comms.topo.rank if comms is not None else 0, world)
     for i, (batch, n) in enumerate(data.eval_slices(batch_size)):
         if max_batches is not None and i >= max_batches:
             break
@@ -86,21 +86,12 @@ def evaluate(
             probs.append(scores)
             labels.append(batch.labels)
         else:
-            probs.append(_gather(scores, world)[:n])
-            labels.append(_gather(batch.labels, world)[:n])
+            probs.append(comms.all_gather(scores, "eval")[:n])
+            labels.append(comms.all_gather(batch.labels, "eval")[:n])
     model.train(was_training)
     if not probs:
         return {}
     return binary_metrics(torch.cat(probs), torch.cat(labels))
-
-
-def _gather(mine: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's `mine` (all of one shape), concatenated in rank order."""
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine)
-    return torch.cat(parts)
 
 
 class TrainingDiverged(NeorecError, FloatingPointError):
@@ -131,7 +122,7 @@ class Trainer:
         if cfg.train.keep_freed_memory:
             keep_freed_memory()
         self.device = _training_device(cfg)
-        self.topo = init_distributed(self.device)
+        self.topo = init_distributed(self.device, cfg.distributed.backend)
         self.comms = Comms(self.topo, transport=cfg.distributed.transport) if self.topo.world_size > 1 else None
         self.is_main = self.topo.rank == 0
         if self.comms is not None and cfg.data.batch_size % self.topo.world_size:
@@ -142,7 +133,7 @@ class Trainer:
         self.source = build_source(cfg, self.topo)  # a per-rank reader where the source has one
         self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
         self.tables = build_tables(cfg, self.source.info)
-        self.embeddings = build_embeddings(cfg, self.tables, self.comms)
+        self.embeddings = build_embeddings(cfg, self.tables, self.comms, self.device)
         self.model = build_model(cfg, self.source.info, self.embeddings).to(self.device)
         dense = dense_parameters(self.model)
         self.dense_opt = build_dense_optimizer(cfg.train.dense_optimizer, dense)
@@ -265,7 +256,8 @@ class Trainer:
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()
         if self.comms is not None and step:
-            result.comm_bytes_per_step = {k: v / step for k, v in self.comms.stats.take().items()}
+            sent = self.comms.stats.take()
+            result.comm_bytes_per_step = {k: v / step for k, v in sent.items() if k != "eval"}  # training's
         if bar is not None:
             bar.close()
         result.steps = step
@@ -336,7 +328,7 @@ class Trainer:
         return state
 
     def _eval(self, logger: MetricsLogger, step: int, max_batches: int | None, teacher_auc: float | None) -> dict:
-        metrics = evaluate(self.model, self.source, self.cfg.data.eval_batch_size, max_batches, self.topo)
+        metrics = evaluate(self.model, self.source, self.cfg.data.eval_batch_size, max_batches, self.comms)
         if teacher_auc is not None:
             metrics["teacher_auc"] = teacher_auc
         logger.log("eval", step, metrics)
@@ -366,19 +358,16 @@ class Trainer:
 
 
 def _training_device(cfg: RunConfig) -> torch.device:
-    """train.device, checked before any work: cuda needs a GPU that torch sees, and one process."""
-    device = torch.device(cfg.train.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"train.device is cuda but this PyTorch ({torch.__version__}) sees no GPU "
-                "(a CPU build, or no device); use train.device: cpu"
-            )
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError(
-                "train.device: cuda trains in one process for now: multi-process GPU training (NCCL) "
-                "has not been validated; use train.device: cpu with several processes"
-            )
+    """train.device for this process, checked before any work: on CUDA the GPU of this rank
+    (LOCAL_RANK, shared round-robin where ranks outnumber GPUs), with a backend that can serve the
+    ranks per GPU (choose_backend's error names the fix)."""
+    if cfg.train.device != "cuda":
+        return torch.device("cpu")
+    topo = Topology.from_env()
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = rank_device("cuda", int(os.environ.get("LOCAL_RANK", "0")), num_gpus)
+    if topo.world_size > 1:
+        choose_backend(cfg.distributed.backend, "cuda", topo.local_world_size, num_gpus)
     return device
 
 
