@@ -77,3 +77,29 @@ def test_shards_roundtrip(tmp_path):
     for x, y in zip(collect(s.train_batches(999)), collect(r.train_batches(999)), strict=True):
         assert torch.equal(x, y)
     assert r.teacher_auc() == s.teacher_auc()
+
+
+def test_blocks_cut_by_host_offsets_even_when_ids_equal_samples():
+    """A multi-hot feature whose ids happen to number as many as its samples (bags of 0, 2, 1, 1)
+    is still cut by its bags, and the cuts keep their offsets on the host."""
+    from neorec.data.blocks import Block
+
+    lengths = torch.tensor([0, 2, 1, 1])
+    ids = torch.tensor([10, 11, 12, 13])
+    block = Block(torch.zeros(4, 1), torch.zeros(4), torch.zeros(4), [ids], [lengths], None)
+    part = block.slice(1, 3)
+    assert part.values[0].tolist() == [10, 11, 12] and part.offsets[0].tolist() == [0, 2, 3]
+    taken = block.take(torch.tensor([3, 1, 0]))
+    assert taken.values[0].tolist() == [13, 10, 11] and taken.lengths[0].tolist() == [1, 2, 0]
+    joined = Block.cat([part, block.slice(3, 4)])
+    assert joined.values[0].tolist() == [10, 11, 12, 13] and joined.offsets[0].tolist() == [0, 2, 3, 4]
+    one_hot = Block(torch.zeros(2, 1), torch.zeros(2), torch.zeros(2), [ids[:2]], [torch.ones(2, dtype=torch.int64)], None)
+    assert one_hot.offsets == [None] and Block.cat([one_hot, block]).offsets[0].tolist() == [0, 1, 2, 2, 4, 5, 6]
+
+
+def test_source_keeps_blocks_on_its_device():
+    """device="cpu" here; on a GPU the same code keeps every drawn block in device memory."""
+    source = SyntheticSource(spec(), device="cpu")
+    batch = next(iter(source.train_batches(64)))
+    assert batch.dense.device == source.device == torch.device("cpu")
+    assert source.block("train", 0) is source.block("train", 0)  # drawn once, kept

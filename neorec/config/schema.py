@@ -37,6 +37,9 @@ class SyntheticConfig(Strict):
     base_ctr: float = Field(0.25, gt=0, lt=1, description="teacher: mean click rate")
     train_samples: int = Field(1_000_000, gt=0, description="training samples per epoch")
     eval_samples: int = Field(100_000, gt=0, description="held-out samples")
+    on_device: bool = Field(
+        True, description="with train.device cuda: keep the drawn samples in GPU memory and cut batches there"
+    )
 
     @model_validator(mode="after")
     def _lengths(self) -> SyntheticConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from neorec.data.batch import Batch
@@ -13,7 +14,9 @@ from neorec.sparse import SparseBatch
 
 @dataclass
 class Block:
-    """A run of samples held as tensors: the unit the generator makes and caches."""
+    """A run of samples held as tensors: the unit the generator makes and caches. The tensors may
+    live on a GPU; each multi-hot feature's bag offsets are kept on the host as well, so cutting a
+    block into batches never reads a size back from the device."""
 
     dense: torch.Tensor  # [n, d] float32, log(1 + count) like preprocessed Criteo
     labels: torch.Tensor  # [n] float32
@@ -21,45 +24,68 @@ class Block:
     values: list[torch.Tensor]  # per feature, int64 ids
     lengths: list[torch.Tensor]  # per feature, [n] int64
     weights: list[torch.Tensor] | None
+    # per feature, on the host: [n + 1] cumulative bag sizes, or None where every bag has one id
+    offsets: list[np.ndarray | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.offsets is None:
+            self.offsets = [_host_offsets(ln) for ln in self.lengths]
 
     def __len__(self) -> int:
         return self.labels.numel()
 
+    def to(self, device: torch.device | str) -> Block:
+        """The same samples with their tensors on `device` (host offsets kept)."""
+        weights = [w.to(device) for w in self.weights] if self.weights is not None else None
+        return Block(
+            self.dense.to(device), self.labels.to(device), self.probs.to(device),
+            [v.to(device) for v in self.values], [ln.to(device) for ln in self.lengths], weights, self.offsets,
+        )  # fmt: skip
+
     def take(self, idx: torch.Tensor) -> Block:
-        """Samples `idx` (in that order)."""
+        """Samples `idx` (a host tensor; in that order)."""
+        device = self.labels.device
+        on_device = idx.to(device)
+        rows = idx.numpy()
         values, lengths, weights = [], [], [] if self.weights is not None else None
-        for f, (v, ln) in enumerate(zip(self.values, self.lengths, strict=True)):
-            if bool((ln == 1).all()):
-                sel = idx
+        offsets: list[np.ndarray | None] = []
+        for f, (v, ln, off) in enumerate(zip(self.values, self.lengths, self.offsets, strict=True)):
+            if off is None:
+                sel, new_off = on_device, None
             else:  # multi-hot: gather each chosen sample's run of ids
-                offsets = torch.zeros(ln.numel() + 1, dtype=torch.int64)
-                torch.cumsum(ln, 0, out=offsets[1:])
-                new_len = ln[idx]
-                starts = torch.repeat_interleave(offsets[idx], new_len)
-                within = torch.arange(int(new_len.sum())) - torch.repeat_interleave(
-                    torch.cumsum(new_len, 0) - new_len, new_len
-                )
-                sel = starts + within
+                starts = off[rows]
+                sizes = off[rows + 1] - starts
+                new_off = np.zeros(rows.size + 1, np.int64)
+                np.cumsum(sizes, out=new_off[1:])
+                within = np.arange(new_off[-1], dtype=np.int64) - np.repeat(new_off[:-1], sizes)
+                sel = torch.from_numpy(np.repeat(starts, sizes) + within).to(device)
             values.append(v[sel])
-            lengths.append(ln[idx])
+            lengths.append(ln[on_device])
+            offsets.append(new_off)
             if weights is not None:
                 weights.append(self.weights[f][sel])
-        return Block(self.dense[idx], self.labels[idx], self.probs[idx], values, lengths, weights)
+        return Block(
+            self.dense[on_device], self.labels[on_device], self.probs[on_device], values, lengths, weights, offsets
+        )
 
     def slice(self, start: int, end: int) -> Block:
-        """Samples [start, end) without gathering: views of one-hot features, one cumsum for multi-hot."""
+        """Samples [start, end) without gathering: views of every feature's ids."""
         values, lengths, weights = [], [], [] if self.weights is not None else None
-        for f, (v, ln) in enumerate(zip(self.values, self.lengths, strict=True)):
-            if v.numel() == ln.numel():  # one id per sample: sample i's id is at position i
-                a, b = start, end
+        offsets: list[np.ndarray | None] = []
+        for f, (v, ln, off) in enumerate(zip(self.values, self.lengths, self.offsets, strict=True)):
+            if off is None:  # one id per sample: sample i's id is at position i
+                a, b, new_off = start, end, None
             else:
-                a = int(ln[:start].sum())
-                b = a + int(ln[start:end].sum())
+                a, b = int(off[start]), int(off[end])
+                new_off = off[start : end + 1] - a
             values.append(v[a:b])
             lengths.append(ln[start:end])
+            offsets.append(new_off)
             if weights is not None:
                 weights.append(self.weights[f][a:b])
-        return Block(self.dense[start:end], self.labels[start:end], self.probs[start:end], values, lengths, weights)
+        return Block(
+            self.dense[start:end], self.labels[start:end], self.probs[start:end], values, lengths, weights, offsets
+        )
 
     @staticmethod
     def cat(blocks: list[Block]) -> Block:
@@ -76,6 +102,7 @@ class Block:
             [torch.cat([b.values[f] for b in blocks]) for f in range(nf)],
             [torch.cat([b.lengths[f] for b in blocks]) for f in range(nf)],
             weights,
+            [_cat_offsets([(b.offsets[f], len(b)) for b in blocks]) for f in range(nf)],
         )
 
     def to_batch(self, keys: list[str]) -> Batch:
@@ -112,3 +139,25 @@ def rebatch(
             yield pending.to_batch(keys)
         elif (b := len(pending) // world_size) > 0:
             yield pending.slice(rank * b, (rank + 1) * b).to_batch(keys)
+
+
+def _host_offsets(lengths: torch.Tensor) -> np.ndarray | None:
+    """[n + 1] cumulative bag sizes on the host; None when every bag holds exactly one id."""
+    ln = lengths.cpu().numpy()
+    if bool((ln == 1).all()):
+        return None
+    out = np.zeros(ln.size + 1, np.int64)
+    np.cumsum(ln, out=out[1:])
+    return out
+
+
+def _cat_offsets(parts: list[tuple[np.ndarray | None, int]]) -> np.ndarray | None:
+    """Offsets of blocks laid end to end (None: one id per sample in every part)."""
+    if all(off is None for off, _ in parts):
+        return None
+    out, last = [np.zeros(1, np.int64)], 0
+    for off, n in parts:
+        off = off if off is not None else np.arange(n + 1, dtype=np.int64)
+        out.append(off[1:] + last)
+        last += int(off[-1])
+    return np.concatenate(out)

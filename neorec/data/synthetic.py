@@ -208,8 +208,12 @@ _SPLITS = {"train": 1, "eval": 2}
 class SyntheticSource:
     """A DataSource of synthetic Criteo-like data (see the module docstring)."""
 
-    def __init__(self, spec: SyntheticSpec, cache: bool = True) -> None:
+    def __init__(self, spec: SyntheticSpec, cache: bool = True, device: torch.device | str = "cpu") -> None:
+        """cache: keep every block once drawn. device: where the kept blocks live, so that on a GPU
+        batches are cut from device memory with no host-to-device copy per step (the first pass
+        draws each block on the host and moves it once)."""
         self.spec = spec
+        self.device = torch.device(device)
         self.teacher = Teacher(spec)
         self.cache = cache
         self._blocks: dict[tuple[str, int], Block] = {}
@@ -241,6 +245,8 @@ class SyntheticSource:
             [torch.from_numpy(ln) for _, ln, _ in bags],
             [torch.from_numpy(w) for _, _, w in bags] if self.spec.weighted else None,
         )
+        if self.device.type != "cpu":
+            block = block.to(self.device)
         if self.cache:
             self._blocks[key] = block
         return block
@@ -314,7 +320,8 @@ class SyntheticSource:
             from neorec.metrics.auc import auc
 
             blocks = [self.block("eval", i) for i in range(self.num_blocks("eval"))]
-            self._teacher_auc = auc(torch.cat([b.probs for b in blocks]), torch.cat([b.labels for b in blocks]))
+            probs, labels = (torch.cat([getattr(b, k) for b in blocks]).cpu() for k in ("probs", "labels"))
+            self._teacher_auc = auc(probs, labels)
             self.info.notes["teacher_auc"] = self._teacher_auc
         return self._teacher_auc
 

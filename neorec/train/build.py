@@ -12,14 +12,16 @@ from neorec.embedding.tables import TableConfig, check_tables
 from neorec.errors import ConfigError
 
 
-def build_source(cfg: RunConfig, topo=None) -> DataSource:
+def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None = None) -> DataSource:
     """The configured source; with `topo` (a Topology), a per-rank reader where the source has one
-    (`preprocessed`: this rank's part of the data only)."""
+    (`preprocessed`: this rank's part of the data only). `device_of_rank`: the rank's training
+    device, where the synthetic source keeps its samples (data.synthetic.on_device)."""
     d = cfg.data
     if d.source == "synthetic":
         from neorec.data.synthetic import SyntheticSource, spec_from_config
 
-        return SyntheticSource(spec_from_config(d.synthetic, cfg.seed))
+        device = device_of_rank if d.synthetic.on_device and device_of_rank is not None else "cpu"
+        return SyntheticSource(spec_from_config(d.synthetic, cfg.seed), device=device)
     if d.source == "criteo_tsv":
         from neorec.data.criteo import CriteoTSVSource
 

@@ -84,10 +84,10 @@ def evaluate(
         scores = torch.sigmoid(model(batch.to(device) if device.type != "cpu" else batch)).cpu()
         if world == 1:
             probs.append(scores)
-            labels.append(batch.labels)
+            labels.append(batch.labels.cpu())
         else:
             probs.append(comms.all_gather(scores, "eval")[:n])
-            labels.append(comms.all_gather(batch.labels, "eval")[:n])
+            labels.append(comms.all_gather(batch.labels.cpu(), "eval")[:n])
     model.train(was_training)
     if not probs:
         return {}
@@ -130,7 +130,7 @@ class Trainer:
                 f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over "
                 f"{self.topo.world_size} processes"
             )
-        self.source = build_source(cfg, self.topo)  # a per-rank reader where the source has one
+        self.source = build_source(cfg, self.topo, self.device)  # a per-rank reader where the source has one
         self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
         self.tables = build_tables(cfg, self.source.info)
         self.embeddings = build_embeddings(cfg, self.tables, self.comms, self.device)
