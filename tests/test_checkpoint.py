@@ -349,7 +349,7 @@ def test_trainer_resume_gives_bitwise_identical_weights(tmp_path, monkeypatch):
 def _metrics(run) -> list[dict]:
     """metrics.jsonl without the fields that depend on time."""
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in x.items() if k not in ("time", "samples_per_s")} for x in lines]
+    return [{k: v for k, v in x.items() if k not in ("time", "samples_per_s", "data_wait_ms")} for x in lines]
 
 
 def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from neorec.checkpoint.periodic import PeriodicCheckpoints
 from neorec.checkpoint.stream import save_model_state
 from neorec.config.load import dump_config
 from neorec.config.schema import RunConfig
+from neorec.data.device_feed import DeviceFeed
 from neorec.data.prefetch import prefetch
 from neorec.data.ranks import RankData
 from neorec.data.source import DataSource
@@ -204,7 +205,8 @@ class Trainer:
         if bar is not None and step:
             bar.update(step)
         running = position.get("running_loss") if position is not None else None  # the logged loss average
-        window_samples, window_start = 0, time.perf_counter()
+        window_samples, window_start, window_wait = 0, time.perf_counter(), 0.0
+        unread: list[torch.Tensor] = []  # this rank's losses not yet read back to the host
         done = t.max_steps is not None and step >= t.max_steps
         epoch, in_epoch = first_epoch, 0
         start = time.perf_counter()
@@ -214,14 +216,14 @@ class Trainer:
             resume_at = position if epoch == first_epoch else None  # continue after the checkpoint's batches
             in_epoch = resume_at["batches"] if resume_at is not None else 0
             batches = prefetch(self.data.train_batches(epoch, resume_at), t.prefetch)  # this rank's batches
-            on_device = _same if self.device.type == "cpu" else lambda b: b.to(self.device, non_blocking=True)
-            for _, local in pipelined(batches, on_device, self.embeddings, int(t.pipeline)):
+            feed = DeviceFeed(batches, self.device, depth=2)  # on a GPU: copied two batches ahead
+            waited = 0.0
+            for _, local in pipelined(feed, _same, self.embeddings, int(t.pipeline)):
+                self.timings["data_wait"] += feed.wait_seconds - waited
+                window_wait += feed.wait_seconds - waited
+                waited = feed.wait_seconds
                 self._set_lr(step, total)
-                loss = float(self.train_step(local, is_local=True))
-                if not math.isfinite(loss):
-                    raise self._diverged(loss, step)
-                result.losses.append(loss)
-                running = loss if running is None else 0.98 * running + 0.02 * loss
+                unread.append(self.train_step(local, is_local=True))  # read back at log steps only
                 step += 1
                 in_epoch += 1
                 used = len(local) * self.topo.world_size  # every rank trains on as many samples
@@ -230,17 +232,21 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                 if step % t.log_every == 0:
+                    running = self._read_losses(unread, step, result, running)
                     now = time.perf_counter()
                     sps = window_samples / (now - window_start)
-                    logger.log("train", step, {"loss": running, "samples_per_s": sps, "epoch": epoch})
+                    wait_ms = 1000 * window_wait / t.log_every  # waited for data, per step
+                    logger.log("train", step, {"loss": running, "samples_per_s": sps, "epoch": epoch,
+                                               "data_wait_ms": wait_ms})  # fmt: skip
                     if getattr(self.embeddings, "cache_stats", None) and (cache := self.embeddings.cache_stats()):
                         logger.log("cache", step, log_values(cache))  # hit rate, MiB per tier, per table
                     if bar is not None:
                         bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{sps:,.0f}")
-                    window_samples, window_start = 0, now
+                    window_samples, window_start, window_wait = 0, now, 0.0
                 if t.eval_every and step % t.eval_every == 0 and (t.max_steps is None or step < t.max_steps):
                     self._eval(logger, step, t.eval_max_batches, teacher_auc)
                 if self.checkpoints.enabled and self.checkpoints.due(step):
+                    running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
                     self._save_checkpoint(step, epoch, in_epoch, logger, running)
                 if t.max_steps is not None and step >= t.max_steps:
                     done = True
@@ -249,6 +255,7 @@ class Trainer:
                 break
             if not t.eval_every and epoch < t.epochs - 1:
                 self._eval(logger, step, t.eval_max_batches, teacher_auc)
+        running = self._read_losses(unread, step, result, running)
         result.train_seconds = time.perf_counter() - start
         if self.checkpoints.enabled and step and self.checkpoints.last_step != step:
             # the end of training is always resumable
@@ -299,6 +306,23 @@ class Trainer:
             print(f"neorec: resumed from {path} (step {manifest['step']})", flush=True)
         return manifest["step"], state["epoch"], state
 
+    def _read_losses(
+        self, unread: list[torch.Tensor], step: int, result: RunResult, running: float | None
+    ) -> float | None:
+        """Read the losses of the steps up to `step` back to the host in one transfer (on a GPU the
+        steps between log steps never wait for the device), check them, and return the running
+        average. A non-finite loss stops training, naming its step."""
+        if not unread:
+            return running
+        values = torch.stack(unread).tolist()
+        unread.clear()
+        for i, loss in enumerate(values):
+            if not math.isfinite(loss):
+                raise self._diverged(loss, step - len(values) + i)
+            result.losses.append(loss)
+            running = loss if running is None else 0.98 * running + 0.02 * loss
+        return running
+
     def _diverged(self, loss: float, step: int) -> TrainingDiverged:
         msg = f"loss became {loss} at step {step}; lower the learning rates"
         if self.checkpoints.enabled:
@@ -345,6 +369,7 @@ class Trainer:
             "samples": result.samples,
             "train_seconds": round(result.train_seconds, 3),
             "samples_per_s": round(result.samples_per_second, 1),
+            "data_wait_ms_per_step": round(1000 * self.timings["data_wait"] / max(result.steps, 1), 3),
             "skipped_lines": result.skipped_lines,
             "processes": self.topo.world_size,
             "comm_bytes_per_step": {k: round(v) for k, v in result.comm_bytes_per_step.items()},

@@ -1,0 +1,119 @@
+"""Batches onto the training device ahead of the step.
+
+A worker thread takes the reader's host batches, pins them (page-locked memory, so the copy is a
+DMA that does not block the host) and starts their copy to the GPU on a stream of its own; an event
+marks each copy's end. The training step waits on that event on its own stream, never on the host,
+so up to `depth` batches travel while earlier ones compute. Device tensors made on the copy stream
+are handed to the compute stream (record_stream), so the allocator does not reuse their memory
+while the step still reads them. On the CPU batches pass through unchanged (the reader's own
+prefetch thread makes them ahead) and only the wait is counted.
+
+`wait_seconds` sums the time the consumer waited for the next batch: the data wait per step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
+
+import torch
+
+from neorec.data.batch import Batch
+
+_DONE = object()
+
+
+def batch_tensors(batch: Batch) -> list[torch.Tensor]:
+    s = batch.sparse
+    return [t for t in (batch.dense, batch.labels, s.values, s.lengths, s.weights) if t is not None]
+
+
+class DeviceFeed:
+    def __init__(
+        self, batches: Iterable[Batch], device: torch.device | str, depth: int = 2, worker: bool | None = None
+    ) -> None:
+        """depth: batches on their way to the device at once (at least 1). worker: copy on a worker
+        thread (default: on a GPU; tests run the worker on the CPU too, with no streams)."""
+        self.batches, self.device, self.depth = batches, torch.device(device), max(1, depth)
+        self.wait_seconds = 0.0
+        self._cuda = self.device.type == "cuda"
+        self._worker = self._cuda if worker is None else worker
+
+    def _copy(self, batch: Batch, stream) -> tuple[Batch, object]:
+        """Start `batch`'s copy to the device on `stream`; (device batch, event at its end)."""
+        if batch.dense.device == self.device:  # on the device already (the CPU, or data.synthetic.on_device)
+            return batch, None
+        if not batch.dense.is_pinned():
+            batch = batch.pin_memory()
+        with torch.cuda.stream(stream):
+            moved = batch.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return moved, done
+
+    def _hand_over(self, batch: Batch, done) -> Batch:
+        """Order the compute stream after the copy, and tell the allocator it uses the tensors."""
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            for t in batch_tensors(batch):
+                t.record_stream(compute)
+        return batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self._fed() if self._worker else self._timed()
+
+    def _timed(self) -> Iterator[Batch]:
+        """The host path: batches as they come, the wait for each one counted."""
+        it = iter(self.batches)
+        while True:
+            t0 = time.perf_counter()
+            batch = next(it, _DONE)
+            self.wait_seconds += time.perf_counter() - t0
+            if batch is _DONE:
+                return
+            yield batch
+
+    def _fed(self) -> Iterator[Batch]:
+        q: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                stream = None
+                if self._cuda:
+                    torch.cuda.set_device(self.device)
+                    stream = torch.cuda.Stream(self.device)
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    for batch in self.batches:
+                        item = self._copy(batch, stream)
+                        while not stop.is_set():
+                            try:
+                                q.put(item, timeout=0.1)
+                                break
+                            except queue.Full:
+                                continue
+                        if stop.is_set():
+                            return
+                q.put(_DONE)
+            except BaseException as e:  # handed to the consumer
+                q.put(e)
+
+        worker = threading.Thread(target=produce, name="neorec-device-feed", daemon=True)
+        worker.start()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = q.get()
+                self.wait_seconds += time.perf_counter() - t0
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield self._hand_over(*item)
+        finally:
+            stop.set()
+            worker.join(timeout=5)
