@@ -1,7 +1,7 @@
 """The two-tower model of two_tower.py with its tables sharded over processes (run under torchrun).
 
-    torchrun --nproc-per-node 2 examples/two_tower_sharded.py
-    torchrun --nproc-per-node 2 examples/two_tower_sharded.py --steps 50 --out /tmp/two_tower_sharded
+    torchrun --standalone --nproc-per-node 2 examples/two_tower_sharded.py
+    torchrun --standalone --nproc-per-node 2 examples/two_tower_sharded.py --steps 50 --out /tmp/two_tower_sharded
 
 Model parallel embeddings, data parallel towers: every process holds its shards of the tables
 (the plan below) and a full copy of the towers, and trains on its slice of each global batch. The
