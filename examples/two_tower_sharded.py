@@ -9,7 +9,7 @@ sharded collection moves ids to the shards' owners and pooled vectors back; Dens
 the towers' gradients. With the same global batches this trains the model that two_tower.py trains
 in one process (losses equal up to float rounding). At the end every process writes its shards of
 a checkpoint; a fresh model under another plan loads it, and so does one process without any plan.
-Gloo on CPU: the code does not change for NCCL on GPUs. Walkthrough: docs/library.md.
+The processes run on CPU over gloo. Walkthrough: docs/library.md.
 """
 
 import argparse
