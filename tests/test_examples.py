@@ -1,7 +1,8 @@
 """The library examples run the way docs/library.md tells users to run them: examples/two_tower.py in
-one process, examples/two_tower_sharded.py under torchrun with 2 gloo processes. The sharded run
-must train the model the single process trains (same losses, same checkpointed tables), and every
-code block of docs/library.md must be the examples' code, so the page cannot drift from them."""
+one process, examples/two_tower_sharded.py under torchrun with 2 gloo processes. The sharded run,
+and the same model under torch's DistributedDataParallel, must train the model the single process
+trains (same losses, same checkpointed tables), and every code block of docs/library.md must be the
+examples' code, so the page cannot drift from them."""
 
 from __future__ import annotations
 
