@@ -103,3 +103,27 @@ def test_all_gather_and_broadcast_through_staging(tmp_path):
         gathered, value = results[rank]
         assert gathered.tolist() == [[0.0, 0.0]] * 3 + [[1.0, 1.0]] * 3
         assert value.tolist() == [6.0]
+
+
+def test_gpu_runs_plan_against_the_gpus_free_memory(monkeypatch):
+    """A cuda run's planner cluster is this machine's GPUs (torch.cuda.mem_get_info): ranks that
+    share a GPU split its memory and exchange over host memory; ranks with GPUs of their own get
+    all of theirs and NVLink."""
+    from neorec.planner import hardware
+    from neorec.planner.run import cluster_for_run
+
+    gib = 2**30
+    shared = hardware.gpu_machine(2, 2, "NVIDIA H100 80GB HBM3", 78 * gib, 1, 128 * gib)
+    own = hardware.gpu_machine(2, 2, "NVIDIA H100 80GB HBM3", 78 * gib, 2, 128 * gib)
+    assert shared.tiers[0].capacity == pytest.approx(0.9 * 78 * gib / 2, rel=1e-6)
+    assert own.tiers[0].capacity == pytest.approx(0.9 * 78 * gib, rel=1e-6)
+    assert shared.intra_node_bandwidth < own.intra_node_bandwidth
+    assert shared.tiers[1].name == "host" and shared.tiers[1].capacity == pytest.approx(0.9 * 64 * gib, rel=1e-6)
+    assert hardware.gpu_kind("NVIDIA A100-SXM4-80GB") == "a100" and hardware.gpu_kind("NVIDIA H200") == "h100"
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (40 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cluster = cluster_for_run(load_config("default", ["train.device=cuda"]), 2, 2)
+    assert cluster.tiers[0].capacity == pytest.approx(0.9 * 40 * gib / 2, rel=1e-6)
+    assert cluster_for_run(load_config("default"), 2, 2).name == "this machine (CPU)"

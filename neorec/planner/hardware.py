@@ -250,6 +250,49 @@ def _gpu_cluster(
     )
 
 
+def gpu_kind(device_name: str) -> str:
+    """The _GPUS entry for a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100"); an unknown GPU
+    is costed as an A100, the slower of the two."""
+    name = device_name.lower()
+    return "h100" if "h100" in name or "h200" in name else "a100"
+
+
+def gpu_machine(
+    world_size: int,
+    ranks_per_node: int,
+    device_name: str,
+    device_free_bytes: int,
+    num_gpus: int,
+    host_bytes: int,
+) -> Cluster:
+    """One node of `num_gpus` GPUs and `ranks_per_node` ranks: each rank's device tier is its share of
+    the GPU memory free now (ranks that share a GPU split it), its host tier its share of the RAM.
+    Ranks on GPUs of their own exchange over NVLink; ranks that share a GPU over pinned host memory
+    (gloo), costed at the PCIe rate."""
+    if num_gpus < 1:
+        raise ConfigError("a GPU machine needs at least one GPU")
+    gpu = gpu_kind(device_name)
+    per_gpu = -(-ranks_per_node // num_gpus)  # ranks on the busiest GPU
+    device_gb = 0.9 * device_free_bytes / per_gpu / GB
+    nodes = max(1, world_size // ranks_per_node)
+    c = _gpu_cluster(gpu, nodes, ranks_per_node, 200.0, device_gb, name=f"this machine ({device_name})")
+    host = replace(c.tiers[1], capacity=int(0.9 * host_bytes / ranks_per_node))
+    link = c.intra_node_bandwidth if per_gpu == 1 else _GPUS[gpu]["pcie"] * GPU_EFFICIENCY["pcie"]
+    reserved = min(c.reserved, device_free_bytes // (4 * per_gpu))  # a shared GPU holds each rank's runtime
+    return replace(c, tiers=(c.tiers[0], host), intra_node_bandwidth=link, reserved=reserved)
+
+
+def this_gpu_machine(world_size: int, ranks_per_node: int | None = None) -> Cluster:
+    """This machine's GPUs as torch sees them: device name, free memory (torch.cuda.mem_get_info)."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    return gpu_machine(
+        world_size, ranks_per_node or world_size, torch.cuda.get_device_name(), free, torch.cuda.device_count(),
+        host_memory_bytes(),
+    )  # fmt: skip
+
+
 def gpu_node(gpu: str = "a100") -> Cluster:
     """One 8-GPU node (DGX-like): 80 GB per GPU, NVLink, 2 TB host DRAM."""
     return _gpu_cluster(gpu, 1, 8, 200.0, name=f"8 x {gpu.upper()} node")

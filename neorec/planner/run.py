@@ -50,8 +50,14 @@ def cache_fraction(cfg: RunConfig) -> float:
 
 
 def cluster_for_run(cfg: RunConfig, world_size: int, ranks_per_node: int | None = None) -> Cluster:
-    """This machine for `world_size` processes; with an SSD tier when the config names a folder for
-    cached tables' files (embedding.cache.directory), whose filesystem gives its capacity."""
+    """This machine for `world_size` processes. On CUDA (train.device) its GPUs: each rank's share of
+    the free GPU memory and of the host memory. On the CPU its RAM, with an SSD tier when the config
+    names a folder for cached tables' files (embedding.cache.directory), whose filesystem gives its
+    capacity."""
+    if cfg.train.device == "cuda":
+        from neorec.planner.hardware import this_gpu_machine
+
+        return this_gpu_machine(world_size, ranks_per_node)
     return this_machine(world_size, ranks_per_node, ssd_directory=cfg.embedding.cache.directory)
 
 

@@ -351,6 +351,15 @@ class Trainer:
             state[f"embeddings.tables.{name}.step"] = torch.tensor(emb.local.num_updates, dtype=torch.int64)
         return state
 
+    def _device_peaks(self) -> list[float] | None:
+        """On a GPU, every rank's peak allocated device memory in MiB (torch.cuda.max_memory_allocated),
+        to check the planner's memory estimate against (collective)."""
+        if self.device.type != "cuda":
+            return None
+        mine = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 2**20], dtype=torch.float64)
+        every = self.comms.all_gather(mine, "eval") if self.comms is not None else mine
+        return [round(x, 1) for x in every.tolist()]
+
     def _eval(self, logger: MetricsLogger, step: int, max_batches: int | None, teacher_auc: float | None) -> dict:
         metrics = evaluate(self.model, self.source, self.cfg.data.eval_batch_size, max_batches, self.comms)
         if teacher_auc is not None:
@@ -360,6 +369,7 @@ class Trainer:
 
     def _finish(self, result: RunResult) -> None:
         state = self._single_process_state()
+        peaks = self._device_peaks()
         if not self.is_main:
             return
         if state is not None:
@@ -373,6 +383,7 @@ class Trainer:
             "skipped_lines": result.skipped_lines,
             "processes": self.topo.world_size,
             "comm_bytes_per_step": {k: round(v) for k, v in result.comm_bytes_per_step.items()},
+            **({"device_peak_mib_per_rank": peaks} if peaks else {}),
             **{f"eval_{k}": v for k, v in result.eval.items()},
         }
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
