@@ -22,6 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from neorec.data.batch import Batch
+from neorec.utils import streams
 
 _DONE = object()
 
@@ -56,11 +57,7 @@ class DeviceFeed:
 
     def _hand_over(self, batch: Batch, done) -> Batch:
         """Order the compute stream after the copy, and tell the allocator it uses the tensors."""
-        if done is not None:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(done)
-            for t in batch_tensors(batch):
-                t.record_stream(compute)
+        streams.hand_over(done, batch_tensors(batch))
         return batch
 
     def __iter__(self) -> Iterator[Batch]:

@@ -47,6 +47,7 @@ from neorec.embedding.init import init_rows
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import ConfigError
 from neorec.sparse import SparseBatch
+from neorec.utils import streams
 
 
 class _LearningRates:
@@ -118,6 +119,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.timings: dict[str, float] = defaultdict(float)
         self.local.timings = self.replicated.timings = self.timings
         self._pool: ThreadPoolExecutor | None = None
+        self._id_stream: torch.cuda.Stream | None = None
         # prefetched batches: (batch, its id exchange, whether its local rows are in the caches yet)
         self._ahead: deque[list] = deque()
 
@@ -194,16 +196,28 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         be prefetched in the order they are trained, by every rank alike. Cached tables: the local
         rows of batches prefetched before come into the caches first (their ids have arrived, or
         arrive during the wait), and replicated tables' rows of this batch now (see the module doc)."""
+        device = sparse.values.device
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="neorec-input-dist")
+            # on a GPU the exchange runs on a stream of its own, after the batch's ids are ready
+            self._id_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._prefetch_rows()
-        self._ahead.append([sparse, self._pool.submit(lambda: self.input_dist_(sparse).wait()), False])
+        ready = streams.mark(device)
+        work = self._pool.submit(streams.run_on, self._id_stream, ready, lambda: self.input_dist_(sparse).wait())
+        self._ahead.append([sparse, work, False])
         self.replicated.prefetch(sparse)  # a no-op without cached replicated tables
 
     def clear_prefetched(self) -> None:
         """Finish and forget prefetched exchanges that will not be trained (a run that stops early)."""
         while self._ahead:
-            self._ahead.popleft()[1].result()
+            self._exchanged(self._ahead.popleft()[1])
+
+    @staticmethod
+    def _exchanged(work) -> SparseBatch:
+        """The local batch a prefetched id exchange produced, usable on the current stream."""
+        local, done = work.result()
+        streams.hand_over(done, (local.values, local.lengths, local.weights))
+        return local
 
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
         return self.pooled_after(None, sparse)
@@ -212,12 +226,12 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         """[prefix | pooled] assembled in one pass (see EmbeddingCollection.pooled_after)."""
         start = time.perf_counter()
         if self._ahead and self._ahead[0][0] is sparse:
-            local = self._ahead.popleft()[1].result()  # "input_dist" is then the time spent waiting
+            local = self._exchanged(self._ahead.popleft()[1])  # "input_dist" is then the time spent waiting
         else:
             # Exchanges already started on the background thread go first, on every rank alike, so
             # that the id communicator sees the same order everywhere (e.g. evaluation mid-training).
-            for _, future, _ in self._ahead:
-                future.result()
+            for _, work, _ in self._ahead:
+                work.result()
             local = self.input_dist_(sparse).wait()
         self.timings["input_dist"] += time.perf_counter() - start
         return self.output(self.lookup(local), sparse, prefix)
@@ -229,7 +243,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             return
         for entry in self._ahead:
             if not entry[2]:
-                local = entry[1].result()
+                local = self._exchanged(entry[1])
                 start = time.perf_counter()
                 self.local.prefetch(local)
                 entry[2] = True
