@@ -37,7 +37,7 @@ from neorec.utils.host import MALLOC_ENV  # noqa: E402
 PLANS = ("planner", "lpt_tw", "rw", "cw", "one_rank")
 DESCRIPTIONS = {
     "planner": "the planner's plan (default of `neorec train --nproc N`)",
-    "lpt_tw": "table-wise, LPT on ids x dim (the previous default)",
+    "lpt_tw": "table-wise, LPT on ids x dim",
     "rw": "every table row-wise over all ranks",
     "cw": "every table column-wise over all ranks",
     "one_rank": "every table table-wise on rank 0",

@@ -8,7 +8,7 @@ rows, a few thousand scattered records of a few hundred bytes each. This measure
   does), with the file in the page cache (warm) and dropped from it (cold); and SsdBacking's own
   gather, which cuts a read into pieces by the 2 MiB regions its rows touch (rows in ascending
   order, as the cache passes them) or, for rows in any other order, into pieces of 64 rows with
-  resident memory checked after each (how every read went before session 8);
+  resident memory checked after each;
 - writes: os.pwrite per row vs stores into a shared map (index_copy_), alone and followed by dropping
   the map's pages again (MADV_DONTNEED, as SsdBacking does to bound memory), vs appending the records
   to a write log (write_log.py: one pwrite per batch) and folding the log back into the file (the
@@ -151,7 +151,7 @@ def main() -> None:
         ("read", "SsdBacking read: pieces by 2 MiB region, release 256 MiB", backing_read),
         (
             "read",
-            "SsdBacking read: pieces of 64 rows, RSS checked after each (before session 8)",
+            "SsdBacking read: pieces of 64 rows, RSS checked after each (rows in any order)",
             lambda r: backing_read(r, ascending=False),
         ),  # fmt: skip
         ("write", "os.pwrite per row, 1 thread", pwrite),

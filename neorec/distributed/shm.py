@@ -21,7 +21,7 @@ publishes, so an idle waiter takes no CPU from the computing threads. Where ever
 has cores of its own for its threads, it spins for up to SPIN_SECONDS first: a core that goes idle
 (on a VM, a virtual CPU handed back to the host) comes back slowly and cold: on this 2-core VM
 2 processes x 1 thread (AdaGrad, 4 interleaved runs) trained at 76-88 ms a step spinning against
-88-93 ms sleeping after 200 checks (benchmarks/RESULTS.md, session 9). With more threads than cores, a spinning rank would take
+88-93 ms sleeping after 200 checks (benchmarks/RESULTS.md, "Measurements behind design choices"). With more threads than cores, a spinning rank would take
 the core its peer needs, so it checks only SPIN_CHECKS times before sleeping.
 
 Results equal the backend's: all_to_all moves the same bytes; all_reduce adds the ranks' tensors in

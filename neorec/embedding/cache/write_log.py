@@ -1,7 +1,7 @@
 """The write log of an SSD table: evicted rows appended to a second file instead of written in place.
 
 Writing a few thousand scattered rows into a file costs a page fault (through a map) or a system
-call (pwrite) per row, 3-9 us each here (benchmarks/RESULTS.md, "SSD backing" of session 7); an
+call (pwrite) per row, 3-9 us each here (benchmarks/RESULTS.md, "SSD backing"); an
 append of the same rows is one sequential write. So the table file (`<table>.rows.bin`, row r at
 record r) is only read and rewritten in whole windows, and the rows a cache writes back go to the end
 of this log (`<table>.rows.log`). `where[row]` (int32, 4 bytes a row in RAM) says where each row's
@@ -143,7 +143,7 @@ class WriteLog:
         """Write the rows of table rows [start, end) that live in the log (in `half`, or either) into
         the table file: stored through the table's map (only their records are written; 3-4 ms of
         CPU a 16 MiB window half logged, against 9-16 ms to read and rewrite the window with
-        pread/pwrite, benchmarks/RESULTS.md, session 9), or without one in one read and one write of
+        pread/pwrite, benchmarks/RESULTS.md, "Measurements behind design choices"), or without one in one read and one write of
         the window. They then live there again."""
         at, places = self._logged(start, end, half)
         if at.numel() == 0:

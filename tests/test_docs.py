@@ -1,0 +1,197 @@
+"""The documentation cannot drift from the code: every `neorec ...` command in a shell block of README.md
+and docs/*.md runs, and the repository describes the project, not rounds of work on it.
+
+Commands run page by page, in the page's order, each page in a temporary folder of its own (so a page's
+`neorec export runs/default` finds the run its `neorec train` wrote). Long runs get small `--set`
+overrides appended (a few steps, small synthetic data); a YAML block whose first line is `# NAME.yaml`
+is written to NAME.yaml before the page's commands run. Blocks marked `text` are shown, not run: that is
+how the docs show commands that need several machines, real Criteo files or minutes of work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_LANGS = {"bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^```(\S*)\s*$")
+
+# appended to commands that train or read synthetic data: seconds instead of minutes, same code paths
+SMALL_DATA = [
+    "--set", "data.synthetic.train_samples=8192",
+    "--set", "data.synthetic.eval_samples=2048",
+    "--set", "data.synthetic.max_rows=1000",
+]  # fmt: skip
+SMALL_RUN = ["--set", "train.max_steps=3", "--set", "train.progress=false", *SMALL_DATA]
+COMMAND_TIMEOUT_S = 240
+
+
+@dataclass
+class Page:
+    path: Path
+    commands: list[str] = field(default_factory=list)  # shell command lines, continuations joined
+    files: dict[str, str] = field(default_factory=dict)  # name -> text of `# NAME.yaml` blocks
+
+
+def parse_page(path: Path) -> Page:
+    """The `neorec ...` commands of a page's shell blocks, and the YAML files it names."""
+    page = Page(path)
+    lang, block = None, []
+    for line in path.read_text().splitlines():
+        m = FENCE.match(line.strip())
+        if m and lang is None:
+            lang, block = m.group(1).lower() or "none", []
+        elif m:
+            _collect(page, lang, block)
+            lang = None
+        elif lang is not None:
+            block.append(line)
+    return page
+
+
+def _collect(page: Page, lang: str, block: list[str]) -> None:
+    if lang in ("yaml", "yml") and block and re.fullmatch(r"#\s*(\S+\.ya?ml)\s*", block[0].strip()):
+        page.files[block[0].strip().lstrip("#").strip()] = "\n".join(block[1:]) + "\n"
+    if lang not in SHELL_LANGS:
+        return
+    joined, pending = [], ""
+    for line in block:
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        joined.append((pending + line).strip())
+        pending = ""
+    for line in joined:
+        line = line.removeprefix("$ ")
+        if line.startswith("neorec "):
+            page.commands.append(line)
+
+
+def small_overrides(argv: list[str]) -> list[str]:
+    """The `--set` overrides that keep one command short (argv without the leading `neorec`)."""
+    verb = argv[:2]
+    if verb[0] == "train":
+        return SMALL_RUN
+    if verb[0] == "plan":
+        return [*SMALL_DATA, "--time-budget", "2"]
+    if verb in (["data", "generate"], ["data", "inspect"]) or (verb == ["data", "preprocess"] and "--synthetic" in argv):
+        return SMALL_DATA
+    return []
+
+
+def needs_gpu(argv: list[str]) -> bool:
+    return any(a.endswith("device=cuda") for a in argv)
+
+
+def _cases() -> list:
+    cases = []
+    for path in PAGES:
+        page = parse_page(path)
+        for i, command in enumerate(page.commands):
+            rel = path.relative_to(ROOT).as_posix()
+            cases.append(pytest.param(rel, i, id=f"{rel}: {' '.join(command.split())}"))
+    return cases
+
+
+_PAGES: dict[str, Page] = {}
+_DONE: dict[str, dict[int, subprocess.CompletedProcess]] = {}
+
+
+def _run_upto(rel: str, index: int, workdir: Path) -> subprocess.CompletedProcess | None:
+    """Run the page's commands up to `index` that have not run yet (later ones use earlier outputs)."""
+    page = _PAGES.setdefault(rel, parse_page(ROOT / rel))
+    done = _DONE.setdefault(rel, {})
+    if not done:
+        for name, text in page.files.items():
+            (workdir / name).write_text(text)
+        (workdir / "tests").mkdir(exist_ok=True)
+        (workdir / "tests" / "fixtures").symlink_to(ROOT / "tests" / "fixtures")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    for i in range(index + 1):
+        if i in done:
+            continue
+        argv = shlex.split(page.commands[i], comments=True)[1:]
+        if needs_gpu(argv) and not torch.cuda.is_available():
+            done[i] = None
+            continue
+        done[i] = subprocess.run(
+            [sys.executable, "-m", "neorec", *argv, *small_overrides(argv)],
+            cwd=workdir, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+        )  # fmt: skip
+    return done[index]
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory) -> dict[str, Path]:
+    return {str(p.relative_to(ROOT).as_posix()): tmp_path_factory.mktemp(p.stem) for p in PAGES}
+
+
+@pytest.mark.parametrize(("page", "index"), _cases())
+def test_documented_command_runs(page: str, index: int, workdirs: dict[str, Path]) -> None:
+    command = parse_page(ROOT / page).commands[index]
+    if needs_gpu(shlex.split(command, comments=True)) and not torch.cuda.is_available():
+        pytest.skip("needs a GPU (torch.cuda is not available)")
+    result = _run_upto(page, index, workdirs[page])
+    assert result.returncode == 0, (
+        f"{page}: `{command}` exited with {result.returncode}\n"
+        f"--- stdout (tail)\n{result.stdout[-3000:]}\n--- stderr (tail)\n{result.stderr[-3000:]}"
+    )
+
+
+def test_docs_show_runnable_commands() -> None:
+    """The docs keep commands a test runs (a page turned all into `text` blocks would test nothing)."""
+    commands = [c for p in PAGES for c in parse_page(p).commands]
+    assert len(commands) >= 20, commands
+    verbs = {c.split()[1] for c in commands}
+    assert {"train", "eval", "export", "predict", "plan", "data", "checkpoint"} <= verbs, verbs
+
+
+def test_parse_page_joins_continuations_and_skips_text_blocks(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text(
+        "```bash\nneorec train --set a=1 \\\n    --set b=2   # comment\necho hi\n```\n"
+        "```text\nneorec plan --calibrate\n```\n"
+        "```yaml\n# my.yaml\nname: x\n```\n"
+    )
+    parsed = parse_page(page)
+    assert parsed.commands == ["neorec train --set a=1      --set b=2   # comment"]
+    assert shlex.split(parsed.commands[0], comments=True) == ["neorec", "train", "--set", "a=1", "--set", "b=2"]
+    assert parsed.files == {"my.yaml": "name: x\n"}
+
+
+# Words that number rounds of work on the project ("session 3", "round 2", "iteration 4"). Built from
+# pieces so that this file does not match itself.
+_WORK = "|".join(["sess" + "ions?", "round" + r"\s+\d+", "iter" + r"ation\s+\d+", "sprint"])
+HISTORY = re.compile(r"\b(" + _WORK + r")\b", re.IGNORECASE)
+CHECKED = ["README.md", "docs", "benchmarks", "neorec", "tests", "examples"]
+
+
+def test_no_development_history_in_the_repository() -> None:
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", *CHECKED],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    hits = []
+    for name in listed:
+        path = ROOT / name
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue  # binary files (plots) and files deleted from the work tree
+        for number, line in enumerate(text.splitlines(), 1):
+            if HISTORY.search(line):
+                hits.append(f"{name}:{number}: {line.strip()[:120]}")
+    assert not hits, "the repository speaks of the project, not of rounds of work on it:\n" + "\n".join(hits)
