@@ -1,8 +1,8 @@
 """The fused engine on a GPU: the torch path on CUDA tensors, and the Triton kernels against it.
 
 Needs a CUDA device (skipped without one). The Triton tests also run on the CPU through Triton's
-interpreter when TRITON_INTERPRET=1 is set and triton is installed (slow; how the kernels were first
-checked on a machine without a GPU):
+interpreter when TRITON_INTERPRET=1 is set and triton is installed (slow, but it checks the kernels on
+a machine without a GPU):
 
     TRITON_INTERPRET=1 python -m pytest tests/test_fused_cuda.py
 """

@@ -116,7 +116,7 @@ def measure_op_overhead(sync=None) -> dict[str, float]:
 def _solve(x: dict[int, float], y: dict[int, float]) -> tuple[float, float]:
     """(per byte, fixed) through the two points: the small dim fixes the per-id part, the large
     dim the per-byte part (a line through two well-separated points is stable; a least-squares
-    fit over close dims was not, run to run)."""
+    fit over close dims is not, run to run)."""
     lo, hi = sorted(x)
     per_byte = max((y[hi] - y[lo]) / (x[hi] - x[lo]), 1e-13)
     return per_byte, max(y[lo] - per_byte * x[lo], 0.0)
