@@ -268,7 +268,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     # ---- whole tables (tests, export of small models) ---------------------------------------------
     def gather_tables(self) -> dict[str, dict[str, torch.Tensor]]:
         """Collective: every table's full weight and optimizer state, on every rank. Per-row state
-        of a column-split table is the width-weighted mean of its shards' (see README)."""
+        of a column-split table is the width-weighted mean of its shards' (see docs/checkpoints.md)."""
         import torch.distributed as dist
 
         mine = []
