@@ -6,10 +6,17 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from neorec.data.movielens import MovieLensSource, parse_year, split_ratings
+from neorec.data.movielens import (
+    MovieLensSource,
+    parse_year,
+    split_by_global_time,
+    split_by_user_time,
+    split_ratings,
+)
 from neorec.errors import ConfigError, DataError
 
 ROOT = Path(__file__).parents[2] / "shared" / "data" / "ml-latest-small"
@@ -20,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def src() -> MovieLensSource:
-    return MovieLensSource(ROOT, seed=0)
+    return MovieLensSource(ROOT, seed=0, split="random")
 
 
 def num_rows(source: MovieLensSource) -> dict[str, int]:
@@ -119,3 +126,30 @@ def test_errors_name_the_file(tmp_path):
         MovieLensSource(root)
     with pytest.raises(ConfigError, match="val_fraction"):
         MovieLensSource(root, val_fraction=1.0)
+
+
+def test_user_time_split_holds_out_each_users_latest_ratings():
+    """Every user's held-out ratings come after all of their training ratings in (timestamp, movieId)
+    order, and they are floor(0.2 n + 0.5) of the user's n; the split ignores the seed."""
+    src = MovieLensSource(ROOT, seed=0, val_fraction=0.2, split="user_time")
+    other = MovieLensSource(ROOT, seed=5, val_fraction=0.2, split="user_time")
+    assert torch.equal(src.val_index, other.val_index)
+    user, t, m = src.user.numpy(), src.timestamp.numpy(), src.movie.numpy()
+    key = t.astype(np.float64) * 1e6 + m  # (timestamp, movieId) as one sortable number
+    train, val = src.train_index.numpy(), src.val_index.numpy()
+    for u in np.unique(user):
+        tr, va = train[user[train] == u], val[user[val] == u]
+        n = len(tr) + len(va)
+        assert len(va) == int(np.floor(0.2 * n + 0.5))
+        assert key[tr].max() <= key[va].min()
+    assert len(train) + len(val) == 100_836
+
+
+def test_global_time_split_is_one_cut_in_time():
+    user = np.array([0, 0, 1, 1, 1])
+    t = np.array([5, 1, 3, 3, 9])
+    m = np.array([1, 1, 7, 2, 1])
+    train, val = split_by_global_time(t, m, 0.4)
+    assert train.tolist() == [1, 2, 3] and val.tolist() == [0, 4]  # (3, 7) precedes (5, 1)
+    train, val = split_by_user_time(user, t, m, 0.4)
+    assert val.tolist() == [0, 4] and train.tolist() == [1, 2, 3]  # user 0: 1 of 2, user 1: 1 of 3 held out

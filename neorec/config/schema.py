@@ -73,7 +73,12 @@ class MovieLensConfig(Strict):
     """MovieLens latest-small: label = rating >= 4."""
 
     root: str = Field("../shared/data/ml-latest-small", description="folder with ratings.csv and movies.csv")
-    val_fraction: float = Field(0.1, gt=0, lt=1, description="share of ratings held out (seeded split)")
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="share of ratings held out")
+    split: Literal["user_time", "global_time", "random"] = Field(
+        "user_time",
+        description="held-out ratings: each user's last ones by time, the last ones of all, or a seeded random "
+        "share (leaks each user's future into training)",
+    )
 
 
 class PreprocessedConfig(Strict):

@@ -15,9 +15,18 @@ Dense features (no label leakage: none is derived from any rating value):
 - rating time, the timestamp min-max scaled to [0, 1] over all of ratings.csv;
 - movie age when rated, (rating year - release year) / 100, clipped to [0, 1]; unknown year -> 0.
 
-Split: a seeded permutation (numpy Generator(seed)) of all ratings puts round(val_fraction * N)
-of them in the validation set and the rest in training; both are kept in file order. The same
-(root, seed, val_fraction) always gives the same split.
+Splits (`split`), each a pure function of the data (and the seed for `random`); both sets are kept
+in file order:
+- user_time: every user's last fraction of ratings, ordered by (timestamp, movieId), is held out
+  (floor(fraction * n + 0.5) of a user's n ratings). Training then never sees a rating a user made
+  after one the model is asked to predict for that user, as in serving; the user's earlier taste is
+  all the model knows.
+- global_time: one cut in time: the last fraction of all ratings by (timestamp, movieId) is held out;
+  stricter still (every training rating precedes every held-out one), but users who only rated
+  after the cut are unknown to the model.
+- random: a seeded permutation (numpy Generator(seed)) puts round(fraction * N) ratings in the
+  held-out set. It leaks: a user's later ratings train the model that predicts their earlier ones,
+  so its AUC overstates what a deployed model would reach.
 """
 
 from __future__ import annotations
@@ -56,6 +65,33 @@ def split_ratings(n: int, seed: int, val_fraction: float) -> tuple[torch.Tensor,
     num_val = round(val_fraction * n)
     order = np.random.default_rng(seed).permutation(n)
     return torch.from_numpy(np.sort(order[num_val:])), torch.from_numpy(np.sort(order[:num_val]))
+
+
+SPLITS = ("user_time", "global_time", "random")
+
+
+def split_by_user_time(
+    user: np.ndarray, timestamp: np.ndarray, movie: np.ndarray, val_fraction: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train rows, held-out rows), each sorted: every user's last floor(fraction * n + 0.5) ratings
+    by (timestamp, movieId)."""
+    order = np.lexsort((movie, timestamp, user))  # by user, then time, then movie
+    counts = np.bincount(user)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])  # where each user's run starts in `order`
+    held = np.floor(val_fraction * counts + 0.5).astype(np.int64)
+    rank_in_user = np.arange(len(order)) - np.repeat(first, counts)
+    is_val = rank_in_user >= np.repeat(counts - held, counts)
+    return torch.from_numpy(np.sort(order[~is_val])), torch.from_numpy(np.sort(order[is_val]))
+
+
+def split_by_global_time(
+    timestamp: np.ndarray, movie: np.ndarray, val_fraction: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train rows, held-out rows), each sorted: the last round(fraction * N) ratings of all by
+    (timestamp, movieId)."""
+    order = np.lexsort((movie, timestamp))
+    cut = len(order) - round(val_fraction * len(order))
+    return torch.from_numpy(np.sort(order[:cut])), torch.from_numpy(np.sort(order[cut:]))
 
 
 def _read_csv(path: Path, columns: list[str]) -> tuple[list[int], list[list[str]]]:
@@ -102,9 +138,11 @@ def _numbers(path: Path, lines: list[int], column: str, values: list[str], dtype
 class MovieLensSource:
     """DataSource over MovieLens latest-small (see the module docstring for features and split)."""
 
-    def __init__(self, root: str | Path, seed: int = 0, val_fraction: float = 0.1) -> None:
+    def __init__(self, root: str | Path, seed: int = 0, val_fraction: float = 0.1, split: str = "user_time") -> None:
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if split not in SPLITS:
+            raise ConfigError(f"data.movielens.split must be one of {SPLITS}, got {split!r}")
         self.root = Path(root)
         if not self.root.is_dir():
             raise DataError(
@@ -115,7 +153,17 @@ class MovieLensSource:
         self._load_movies(self.root / "movies.csv")
         self._load_ratings(self.root / "ratings.csv")
 
-        self.train_index, self.val_index = split_ratings(self.labels.numel(), seed, val_fraction)
+        self.split = split
+        if split == "user_time":
+            self.train_index, self.val_index = split_by_user_time(
+                self.user.numpy(), self.timestamp.numpy(), self.movie.numpy(), val_fraction
+            )
+        elif split == "global_time":
+            self.train_index, self.val_index = split_by_global_time(
+                self.timestamp.numpy(), self.movie.numpy(), val_fraction
+            )
+        else:
+            self.train_index, self.val_index = split_ratings(self.labels.numel(), seed, val_fraction)
 
         self.info = SourceInfo(
             num_dense=len(DENSE_NAMES),
@@ -182,6 +230,7 @@ class MovieLensSource:
         self.user = torch.from_numpy(user_idx.astype(np.int64))
         self.movie = torch.from_numpy(movie_idx.astype(np.int64))
         self.rating = torch.from_numpy(ratings)
+        self.timestamp = torch.from_numpy(times)
         self.labels = (self.rating >= 4.0).to(torch.float32)
 
         t = torch.from_numpy(times).to(torch.float64)

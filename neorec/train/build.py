@@ -58,7 +58,8 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
     if d.source == "movielens":
         from neorec.data.movielens import MovieLensSource
 
-        return MovieLensSource(d.movielens.root, seed=cfg.seed, val_fraction=d.movielens.val_fraction)
+        m = d.movielens
+        return MovieLensSource(m.root, seed=cfg.seed, val_fraction=m.val_fraction, split=m.split)
     raise ConfigError(f"data.source {d.source!r} is not known")  # pragma: no cover - Literal checked
 
 
