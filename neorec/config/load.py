@@ -1,4 +1,17 @@
-"""Read a YAML config, apply `--set key=value` overrides, validate, and explain every mistake by key."""
+"""Read a config, apply `--set key=value` overrides, validate, and explain every mistake by key.
+
+How a config is resolved (docs/config.md says the same to users):
+1. The config file (a path, or the name of a config shipped in neorec/configs) is read as YAML; its
+   top level must be a mapping. An empty file, a file that is not YAML, or any other top level is an error.
+2. It is merged over its base: the config its `base:` key names (a shipped config's name, or a path
+   relative to the file's folder), else the shipped `default` config. A base may have a base of its own;
+   `default` has none. Mappings merge key by key at every depth, so a file lists only what it changes;
+   any other value (a number, a string, a list, null) replaces the base's.
+3. `--set a.b.c=value` overrides apply in order to the merged mapping. The value is YAML (numbers,
+   lists, `null` to unset); an empty value is an error.
+4. The result is validated against neorec/config/schema.py; keys left unset take the schema's defaults.
+`load_config(None)` starts from the schema's defaults alone (library use; the CLI starts from `default`).
+"""
 
 from __future__ import annotations
 
@@ -13,41 +26,90 @@ from pydantic import BaseModel, ValidationError
 from neorec.config.schema import RunConfig
 from neorec.errors import ConfigError
 
+DEFAULT_BASE = "default"  # the shipped config that a config without `base:` is merged over
+
 
 def shipped_configs() -> list[str]:
-    """Names of the configs that ship with neorec (usable as `--config NAME`)."""
+    """Names of the configs that ship with neorec (usable as `--config NAME` and `base: NAME`)."""
     folder = resources.files("neorec") / "configs"
     return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
-def _resolve(path_or_name: str) -> tuple[str, str]:
-    """(text, where) of a config file path or a shipped config name."""
-    path = Path(path_or_name)
-    if path.is_file():
-        return path.read_text(), str(path)
-    if not path.suffix and path_or_name in shipped_configs():
-        res = resources.files("neorec") / "configs" / f"{path_or_name}.yaml"
-        return res.read_text(), f"neorec/configs/{path_or_name}.yaml"
-    raise ConfigError(
-        f"config {path_or_name!r} is neither a file nor a shipped config; shipped: {', '.join(shipped_configs())}"
-    )
-
-
 def load_config(path_or_name: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """The validated RunConfig from a YAML file (or shipped name; None = defaults) plus overrides."""
+    """The validated RunConfig of a config file or shipped name (merged over its base; None: the
+    schema's defaults alone), with `key=value` overrides applied."""
     raw: dict[str, Any] = {}
     where = "defaults"
     if path_or_name is not None:
-        text, where = _resolve(path_or_name)
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{where}: not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: the top level must be a mapping of keys, got {type(raw).__name__}")
+        raw, where = read_config(path_or_name)
     for item in overrides or []:
         apply_override(raw, item)
-    return validate_config(raw, where)
+    return validate_config(raw, where + (" with --set" if overrides else ""))
+
+
+def read_config(path_or_name: str, base_of: Path | None = None, chain: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """(raw mapping merged over its bases, description of the files it came from). `base_of`: the
+    folder of the config that names this one as its base (then shipped names are looked up first)."""
+    text, where, shipped = _resolve(path_or_name, base_of)
+    if where in chain:
+        raise ConfigError(f"config bases form a cycle: {' -> '.join([*chain, where])}")
+    raw = parse_config(text, where)
+    if "base" in raw:
+        base = raw.pop("base")
+        if not isinstance(base, str) or not base.strip():
+            raise ConfigError(f"{where}: key 'base': expected a shipped config name or a path, got {base!r}")
+    elif shipped == DEFAULT_BASE:
+        return raw, where
+    else:
+        base = DEFAULT_BASE
+    folder = Path(where).parent if shipped is None else None
+    under, under_where = read_config(base, folder or Path("."), (*chain, where))
+    return merge(under, raw), f"{where} over {under_where}"
+
+
+def _resolve(path_or_name: str, base_of: Path | None) -> tuple[str, str, str | None]:
+    """(text, where, shipped name or None) of a config file path or a shipped config name."""
+    is_name = not Path(path_or_name).suffix and "/" not in path_or_name and path_or_name in shipped_configs()
+    path = Path(path_or_name) if base_of is None else base_of / path_or_name
+    if is_name and (base_of is not None or not path.is_file()):
+        res = resources.files("neorec") / "configs" / f"{path_or_name}.yaml"
+        return res.read_text(), f"neorec/configs/{path_or_name}.yaml", path_or_name
+    if path.is_file():
+        try:
+            return path.read_text(), str(path), None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a YAML config (not UTF-8 text)") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+    if path.is_dir():
+        raise ConfigError(f"config {path}: is a folder; expected a YAML file or a shipped config name")
+    what = f"base {path_or_name!r} (looked for {path})" if base_of is not None else f"config {path_or_name!r}"
+    raise ConfigError(f"{what} is neither a file nor a shipped config; shipped: {', '.join(shipped_configs())}")
+
+
+def parse_config(text: str, where: str) -> dict[str, Any]:
+    """The top-level mapping of a config file's text; errors name the file (and line)."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        line = f":{e.problem_mark.line + 1}" if e.problem_mark is not None else ""
+        raise ConfigError(f"{where}{line}: not valid YAML: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {' '.join(str(e).split())}") from None
+    if raw is None:
+        raise ConfigError(f"{where}: empty config (no keys); leave out --config to run the default config")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    return raw
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` merged into a copy of `base`: mappings key by key at every depth, other values replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge(out[key], value) if both else value
+    return out
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -55,17 +117,21 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.max_steps=100")
+    if not value.strip():
+        raise ConfigError(f"--set {item!r}: empty value; give a value, or {key.strip()}=null to unset the key")
     parts = key.strip().split(".")
     node = raw
     for i, p in enumerate(parts[:-1]):
-        nxt = node.setdefault(p, {})
+        if node.get(p) is None:  # absent, or null in a written config: a section starts here
+            node[p] = {}
+        nxt = node[p]
         if not isinstance(nxt, dict):
             raise ConfigError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
         node = nxt
     try:
         node[parts[-1]] = yaml.safe_load(value)
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {item!r}: value is not valid YAML: {e}") from None
+        raise ConfigError(f"--set {item!r}: value is not valid YAML: {' '.join(str(e).split())}") from None
 
 
 def validate_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
@@ -73,7 +139,9 @@ def validate_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
         lines = [_explain(err) for err in e.errors()]
-        raise ConfigError(f"{where}: {len(lines)} problem(s):\n  " + "\n  ".join(lines)) from None
+        if len(lines) == 1:
+            raise ConfigError(f"{where}: {lines[0]}") from None
+        raise ConfigError(f"{where}: {len(lines)} problems:\n  " + "\n  ".join(lines)) from None
 
 
 def _explain(err: dict[str, Any]) -> str:

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from neorec.config.base import Strict
 from neorec.embedding.tables import EmbeddingOptimizerConfig
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 # ---- data ----------------------------------------------------------------------------------------

@@ -6,8 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from neorec.config.base import NumbersNotBool
 
-class EmbeddingOptimizerConfig(BaseModel):
+
+class EmbeddingOptimizerConfig(NumbersNotBool):
     """Optimizer applied to embedding rows (fused into the backward pass by the fused engine)."""
 
     model_config = ConfigDict(extra="forbid")
