@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -19,12 +20,19 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
+    from neorec.train.build import check_table_names
+    from neorec.train.run_folder import check_run_folder, clear_run_folder
     from neorec.train.trainer import Trainer, summary_table
 
     cfg = load_config(args.config or "default", args.overrides)  # validated before any process starts
+    out_dir = Path(args.output_dir or cfg.resolved_output_dir)
+    check_run_folder(cfg, out_dir, overwrite=args.overwrite, resume=bool(args.resume))
+    if args.overwrite and os.environ.get("RANK", "0") == "0":  # torchrun's other ranks leave it to rank 0
+        clear_run_folder(cfg, out_dir)
     if args.nproc and args.nproc > 1:
+        check_table_names(cfg)  # one process checks what all would fail on (the trainer checks it too)
         return launch_torchrun(args.nproc, strip_nproc(sys.argv[1:]))
-    trainer = Trainer(cfg, Path(args.output_dir) if args.output_dir else None, resume=args.resume)
+    trainer = Trainer(cfg, out_dir, resume=args.resume)
     result = trainer.fit()
     if trainer.is_main:
         print(summary_table(result))
@@ -98,6 +106,21 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from neorec.config.load import load_config
+    from neorec.config.reference import show_config
+
+    print(show_config(load_config(args.config or "default", args.overrides)))
+    return 0
+
+
+def cmd_config_keys(args: argparse.Namespace) -> int:
+    from neorec.config.reference import keys_markdown, keys_text
+
+    print(keys_markdown() if args.markdown else keys_text())
+    return 0
+
+
 def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from neorec.checkpoint import describe
 
@@ -111,6 +134,7 @@ def cmd_data_generate(args: argparse.Namespace) -> int:
     from neorec.data.synthetic import SyntheticSource, spec_from_config
 
     cfg = load_config(args.config or "default", args.overrides)
+    output_folder(args.out, "--out")
     source = SyntheticSource(spec_from_config(cfg.data.synthetic, cfg.seed), cache=False)
     paths = write_shards(source, Path(args.out))
     print(f"wrote {len(paths)} shard files to {args.out} (teacher AUC on eval: {source.teacher_auc():.4f})")
@@ -171,7 +195,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         os.environ["NEOREC_CALIBRATION"] = args.calibration
     cfg = load_config(args.config or "default", args.overrides) if args.model == "config" else None
     name = args.model if args.model != "config" else (cfg.name if cfg else "plan")
-    out_dir = args.output_dir or f"runs/plan-{name}"
+    out_dir = output_folder(args.output_dir or f"runs/plan-{name}", "--output-dir")
     result = plan_command(
         cfg, args.cluster, args.nproc, args.ranks_per_node, args.model, out_dir, args.baselines, args.batches,
         tuple(k for k in args.kinds.split(",") if k), args.time_budget,
@@ -181,17 +205,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def output_folder(path: str, flag: str) -> str:
+    """`path`, checked to be a folder or free: a file there is a mistake, not something to write over."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise NeorecError(f"{flag} {path}: is a file; give a folder")
+    return path
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from neorec import __version__
+
     parser = argparse.ArgumentParser(prog="neorec", description="Train deep learning recommendation models.")
+    parser.add_argument("--version", action="version", version=f"neorec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model (default: synthetic Criteo-like data on CPU)")
     _add_config_args(p)
     p.add_argument("--output-dir", default=None, help="where logs, plots and the model go (default: from config)")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=positive_int, default=None,
                    help="processes on this machine: starts torchrun for you (sharded embeddings, gloo on CPU)")  # fmt: skip
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in checkpoint.dir (default <output_dir>/checkpoints)")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run in the output folder (its results and checkpoints); without it or --resume, "
+                   "a folder that holds a run is refused")  # fmt: skip
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a finished run on its held-out data")
@@ -233,6 +281,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="--calibrate: threads per process")
     p.add_argument("--calibration", default=None, help="calibration JSON to write/read (default ~/.cache/neorec/calibration.json)")
     p.set_defaults(func=cmd_plan)
+
+    config = sub.add_parser("config", help="see configs: a resolved config, or every key").add_subparsers(
+        dest="config_command", required=True
+    )
+    p = config.add_parser("show", help="print the resolved config (after base and --set), each key with its meaning")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config_show)
+    p = config.add_parser("keys", help="list every config key with its type, default and allowed values")
+    p.add_argument("--markdown", action="store_true", help="write docs/config.md (the guide and a table per section)")
+    p.set_defaults(func=cmd_config_keys)
 
     ckpt = sub.add_parser("checkpoint", help="sharded training checkpoints").add_subparsers(
         dest="checkpoint_command", required=True
@@ -277,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     except NeorecError as e:
         print(f"neorec: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `neorec config keys | head`: the reader left, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -67,11 +67,12 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
     """One table per feature, named like the feature, with `embedding.tables` overrides applied."""
     e = cfg.embedding
     names = set(info.feature_names)
-    unknown = sorted(set(e.tables) - names)
-    if unknown:
-        raise ConfigError(
-            f"embedding.tables names {unknown}, which are not features of this data; features: {info.feature_names}"
-        )
+    for key, named in (("embedding.tables", e.tables), ("distributed.sharding", cfg.distributed.sharding)):
+        unknown = sorted(set(named) - names)
+        if unknown:  # checked with one process too, so a config that fails on many fails here first
+            raise ConfigError(
+                f"{key} names {unknown}, which are not tables of this data; tables: {info.feature_names}"
+            )
     tables = []
     for f in info.features:
         o = e.tables.get(f.name)
@@ -88,6 +89,13 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
         )
     check_tables(tables)
     return tables
+
+
+def check_table_names(cfg: RunConfig) -> None:
+    """The table names in `embedding.tables` and `distributed.sharding` are tables of the data: checked
+    before processes start (reading the data's feature list only where the config names tables)."""
+    if cfg.embedding.tables or cfg.distributed.sharding:
+        build_tables(cfg, build_source(cfg).info)
 
 
 def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):

@@ -1,0 +1,64 @@
+"""A run folder holds one run: `neorec train` refuses a folder with another run's results unless told
+to resume it or to overwrite it, and checks this before any work starts."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from neorec.checkpoint.save import list_checkpoints
+from neorec.config.schema import RunConfig
+from neorec.errors import ConfigError
+
+RESULTS = ("summary.json", "model.pt")  # written when a run finishes
+STALE = ("tensorboard",)  # added to by every run that writes it, so an overwritten run's events would stay
+
+
+def checkpoint_root(cfg: RunConfig, out_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+
+
+def previous_run(out_dir: Path, ckpt_root: Path) -> list[str]:
+    """What in `out_dir` (and the checkpoint folder) shows that a run was trained there already."""
+    found = [name for name in RESULTS if (out_dir / name).exists()]
+    if list_checkpoints(ckpt_root):
+        found.append(f"checkpoints in {ckpt_root}")
+    return found
+
+
+def check_run_folder(cfg: RunConfig, out_dir: Path, *, overwrite: bool, resume: bool) -> None:
+    """Refuse to train into a folder that holds another run, unless `resume` or `overwrite`."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--output-dir {out_dir}: is a file; the run folder must be a folder")
+    if overwrite and resume:
+        raise ConfigError("--overwrite starts afresh and --resume continues: give one of them")
+    root = checkpoint_root(cfg, out_dir)
+    found = previous_run(out_dir, root)
+    if not found or overwrite:
+        return
+    resumable = bool(list_checkpoints(root))
+    if resume and not resumable:
+        raise ConfigError(
+            f"{out_dir} holds a run ({', '.join(found)}) but no checkpoint in {root} to resume from: pass "
+            "--overwrite to replace it, or --output-dir for a new folder"
+        )
+    if not resume:
+        continue_it = "--resume to continue it from its checkpoints, " if resumable else ""
+        raise ConfigError(
+            f"{out_dir} holds a run already ({', '.join(found)}): pass {continue_it}--overwrite to replace it, "
+            "or --output-dir for a new folder"
+        )
+
+
+def clear_run_folder(cfg: RunConfig, out_dir: Path) -> None:
+    """Remove what a new run in `out_dir` would not rewrite from its start: the results, the
+    TensorBoard events and the checkpoints (which `--resume` would otherwise continue from)."""
+    for name in RESULTS:
+        (out_dir / name).unlink(missing_ok=True)
+    for name in STALE:
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+    root = checkpoint_root(cfg, out_dir)
+    if root.is_dir():
+        for path in root.iterdir():  # only checkpoints: checkpoint.dir may be a folder with other files
+            if path.is_dir() and path.name.removeprefix("diverged-").startswith("step-"):
+                shutil.rmtree(path)
