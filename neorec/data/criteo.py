@@ -111,9 +111,19 @@ def parse_hex(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(valid, values, 0).reshape(cells.shape), valid.reshape(cells.shape)
 
 
-def _open(path: Path) -> IO[bytes]:
+def check_tsv_file(path: PathLike) -> None:
+    """A Criteo TSV input exists, is a file and is not empty (0 bytes); DataError naming it if not."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a folder; expected a Criteo TSV file (plain or .gz)")
     if not path.is_file():
         raise DataError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file; expected Criteo TSV lines (label, I1..I13, C1..C26)")
+
+
+def _open(path: Path) -> IO[bytes]:
+    check_tsv_file(path)
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
@@ -313,8 +323,7 @@ class CriteoTSVSource:
         if self.eval_paths is None and eval_every < 2:
             raise ConfigError(f"eval_every must be >= 2 when no eval_paths are given, got {eval_every}")
         for path in self.train_paths + (self.eval_paths or []):
-            if not path.is_file():
-                raise DataError(f"{path}: no such file")
+            check_tsv_file(path)
         self.table_rows = resolve_table_rows(table_rows)
         self.hashing = hashing
         self.bad_lines = bad_lines

@@ -56,6 +56,7 @@ from neorec.data.criteo import (
     HASHINGS,
     NUM_DENSE,
     CriteoTSVReader,
+    check_tsv_file,
     map_categorical,
     resolve_table_rows,
 )
@@ -127,8 +128,7 @@ def preprocess_criteo(
     if not train:
         raise ConfigError("paths is empty: give at least one Criteo TSV file")
     for p in train + evals:
-        if not Path(p).is_file():
-            raise DataError(f"{p}: no such file")
+        check_tsv_file(p)
     if hashing not in HASHINGS:
         raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
     if bad_lines not in BAD_LINE_POLICIES:
@@ -157,6 +157,9 @@ def preprocess_criteo(
     if manifest is None:
         roles = [(p, "split" if not evals else "train") for p in train] + [(p, "eval") for p in evals]
         lines = list(_map(_index_job, [(p, shard_lines) for p, _ in roles], workers, progress, "indexing"))
+        for path, num_lines, _ in lines:
+            if num_lines == 0:  # e.g. a .gz file of nothing: no shard would be written for it
+                raise DataError(f"{path}: no lines; expected Criteo TSV lines (label, I1..I13, C1..C26)")
         plan = _criteo_plan(roles, lines, shard_lines)
         if vocab_threshold:
             if vocab_io.saved_settings(out / "vocab") != settings:  # counted by an interrupted run: reuse
@@ -167,7 +170,16 @@ def preprocess_criteo(
         features = [{"name": n, "num_ids": int(r), "multi_hot": False, "weighted": False}
                     for n, r in zip(CATEGORICAL_NAMES, sizes, strict=True)]  # fmt: skip
         manifest = _start_manifest(out, settings, plan, NUM_DENSE, features, {"dense": DENSE_NAMES})
-    return _write_shards(out, manifest, workers, progress, max_shards)
+    return _some_training_samples(_write_shards(out, manifest, workers, progress, max_shards))
+
+
+def _some_training_samples(result: PreprocessResult) -> PreprocessResult:
+    """A finished preprocessing with no training sample is a failure, not a folder to train on."""
+    if result.complete and not result.num_samples.get("train"):
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items()))
+        why = f"every line was skipped as malformed ({skipped})" if skipped else "the input has no training lines"
+        raise DataError(f"{result.out}: no training samples: {why}")
+    return result
 
 
 def preprocess_synthetic(
@@ -222,6 +234,8 @@ def _write_json(path: Path, obj: object) -> None:
 
 def _resume_or_start(out: Path, settings: dict) -> dict | None:
     """The manifest of an earlier run with the same settings (to resume), or None to start afresh."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out}: is a file; give a folder for the shards")
     if not (out / MANIFEST).is_file():
         if out.is_dir() and any(p.name != "vocab" and not p.name.startswith("vocab.") for p in out.iterdir()):
             raise DataError(f"{out}: exists and is not an unfinished preprocessing run; choose a new folder")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from neorec.errors import ConfigError
 from neorec.planner.hardware import Cluster, preset, this_machine
 from neorec.planner.planner import PlanResult, plan_sharding
 from neorec.planner.workload import Workload, build_workload, measure_access
+from neorec.utils.json_values import strict_dumps
 
 SAMPLE_BATCHES = 2  # training batches read to measure ids per sample and the id distribution
 
@@ -165,7 +165,7 @@ def plan_command(
             for r in results
         }
         summary["lower_bound_s"] = result.bound.value if result.bound else None  # type: ignore[assignment]
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / "summary.json").write_text(strict_dumps(summary, indent=1) + "\n")
         report.plot(results, cluster, out / "plan.png")
         outputs.files = [out / "plan.json", out / "report.txt", out / "summary.json", out / "plan.png"]
     return outputs

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -29,7 +28,7 @@ from neorec.distributed.dense import DenseGradSync
 from neorec.distributed.topology import Topology, choose_backend, init_distributed, rank_device
 from neorec.embedding.cache.stats import log_values
 from neorec.embedding.collection import EmbeddingCollection
-from neorec.errors import ConfigError, NeorecError
+from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.metrics.evaluation import binary_metrics
 from neorec.train.build import (
     build_dense_optimizer,
@@ -43,6 +42,7 @@ from neorec.train.logger import MetricsLogger, read_metrics
 from neorec.train.pipeline import pipelined
 from neorec.train.schedule import lr_multiplier
 from neorec.utils.host import keep_freed_memory
+from neorec.utils.json_values import strict_dumps
 
 
 @dataclass
@@ -256,6 +256,14 @@ class Trainer:
             if not t.eval_every and epoch < t.epochs - 1:
                 self._eval(logger, step, t.eval_max_batches, teacher_auc)
         running = self._read_losses(unread, step, result, running)
+        if step == 0:  # the data had no batch in it: a run without training is a mistake, not a result
+            raise DataError(
+                f"no training batch: the training data of data.source {cfg.data.source} holds no samples"
+                + (f" (data.criteo.train_paths: {cfg.data.criteo.train_paths})" if cfg.data.criteo is not None
+                   and cfg.data.source == "criteo_tsv" else "")
+                + (f"; {skipped} malformed lines were skipped" if (skipped := getattr(self.source, "num_skipped", 0))
+                   else "")
+            )  # fmt: skip
         result.train_seconds = time.perf_counter() - start
         if self.checkpoints.enabled and step and self.checkpoints.last_step != step:
             # the end of training is always resumable
@@ -362,6 +370,8 @@ class Trainer:
 
     def _eval(self, logger: MetricsLogger, step: int, max_batches: int | None, teacher_auc: float | None) -> dict:
         metrics = evaluate(self.model, self.source, self.cfg.data.eval_batch_size, max_batches, self.comms)
+        if not metrics:  # no held-out samples: nothing to log or plot
+            return metrics
         if teacher_auc is not None:
             metrics["teacher_auc"] = teacher_auc
         logger.log("eval", step, metrics)
@@ -386,7 +396,7 @@ class Trainer:
             **({"device_peak_mib_per_rank": peaks} if peaks else {}),
             **{f"eval_{k}": v for k, v in result.eval.items()},
         }
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (self.out_dir / "summary.json").write_text(strict_dumps(summary, indent=2))  # NaN/inf: null
         if self.cfg.logging.plot:
             from neorec.metrics.plot import plot_curves
 
