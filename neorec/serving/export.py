@@ -23,7 +23,7 @@ from neorec.config.schema import RunConfig
 from neorec.data.source import DataSource
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import NeorecError
-from neorec.serving.file_format import ExportError, export_size, write_export
+from neorec.serving.file_format import ExportError, check_output_file, export_size, write_export
 from neorec.serving.model import build_inference_model, file_tensors, info_to_json
 from neorec.serving.quantize import SCALE_DTYPES, QuantizedRows, quantize_rows
 
@@ -154,18 +154,26 @@ def quantize_tables(weights: dict[str, torch.Tensor], scale_dtype: str = "fp32")
     return out
 
 
-def tsv_hashing(cfg: RunConfig) -> str | None:
-    """How raw Criteo TSV values map to this model's ids (for `neorec predict --data`); None when
-    they cannot (a vocabulary was used)."""
-    if cfg.data.source == "criteo_tsv" and cfg.data.criteo is not None:
-        return cfg.data.criteo.hashing
-    if cfg.data.source == "preprocessed" and cfg.data.preprocessed is not None:
-        manifest = Path(cfg.data.preprocessed.path) / "manifest.json"
+def tsv_mapping(cfg: RunConfig) -> tuple[str | None, str]:
+    """(how raw Criteo TSV values map to this model's ids, for `neorec predict --data`, or None when
+    they cannot; what the model was trained on, in words). Only a model trained on hashed Criteo
+    data can score raw TSV: ids from a vocabulary, or synthetic or MovieLens ids, mean other things."""
+    d = cfg.data
+    if d.source == "criteo_tsv" and d.criteo is not None:
+        return d.criteo.hashing, f"Criteo TSV hashed ({d.criteo.hashing})"
+    if d.source == "preprocessed" and d.preprocessed is not None:
+        manifest = Path(d.preprocessed.path) / "manifest.json"
         try:
-            return json.loads(manifest.read_text())["settings"]["categorical"].get("hashing")
+            settings = json.loads(manifest.read_text())["settings"]
         except (OSError, KeyError, TypeError, json.JSONDecodeError):
-            return None
-    return "modulo"  # synthetic C1..C26 ids stand for raw values reduced modulo the table rows
+            return None, f"preprocessed data whose {manifest} cannot be read"
+        if settings.get("input") != "criteo":
+            return None, f"preprocessed {settings.get('input')} data"
+        hashing = settings["categorical"].get("hashing")
+        if hashing is None:
+            return None, "Criteo TSV preprocessed into vocabulary ids"
+        return hashing, f"Criteo TSV preprocessed and hashed ({hashing})"
+    return None, f"{d.source} data (data.source: {d.source})"
 
 
 def export_model(
@@ -181,6 +189,7 @@ def export_model(
     from neorec.train.trainer import evaluate
 
     start = time.perf_counter()
+    check_output_file(out, "--out")
     trained = load_trained(path, config)
     cfg = trained.config
     weights: dict = trained.weights
@@ -200,7 +209,8 @@ def export_model(
         "source": info_to_json(trained.source.info),
         "tables": [t.model_dump(mode="json") for t in trained.tables],
         "quantization": {"kind": "int8_rowwise", "scale_dtype": scale_dtype} if int8 else None,
-        "tsv_hashing": tsv_hashing(cfg),
+        "tsv_hashing": tsv_mapping(cfg)[0],
+        "training_data": tsv_mapping(cfg)[1],
         "eval": metrics,
         "origin": str(trained.origin),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

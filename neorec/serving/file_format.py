@@ -83,6 +83,12 @@ def export_size(header: dict, tensors: dict[str, torch.Tensor]) -> int:
     return _data_start(len(text)) + sum(r.numel() + _pad(r.numel()) for r in raws)
 
 
+def check_output_file(path: str | Path, flag: str) -> None:
+    """An output file's path does not name a folder (checked before any work)."""
+    if Path(path).is_dir():
+        raise ExportError(f"{flag} {path}: is a folder; give the path of the file to write")
+
+
 def write_export(path: str | Path, header: dict, tensors: dict[str, torch.Tensor]) -> int:
     """Write the file atomically (temporary name, fsync, rename); returns its size in bytes."""
     path = Path(path)

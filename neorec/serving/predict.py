@@ -2,7 +2,8 @@
 
 Data: by default the held-out set of the model's own config (synthetic, Criteo TSV, MovieLens,
 preprocessed shards), in the order `neorec eval` reads it; or `data=` a raw Criteo TSV file (plain or
-.gz), hashed into the model's tables as it was trained (see export.tsv_hashing).
+.gz), hashed into the model's tables as it was trained (see export.tsv_mapping); only a model trained on
+hashed Criteo data takes one.
 
 Output (written under a temporary name and renamed, so a reader never sees half a file): one
 probability per line, or with `with_labels` a CSV with a header `probability,label`. Probabilities
@@ -23,7 +24,7 @@ from neorec.checkpoint.files import write_atomic
 from neorec.data.batch import Batch
 from neorec.errors import ConfigError
 from neorec.metrics.evaluation import binary_metrics
-from neorec.serving.file_format import ExportError
+from neorec.serving.file_format import ExportError, check_output_file
 from neorec.serving.model import ExportedModel, load_export
 
 
@@ -42,7 +43,7 @@ def data_batches(exported: ExportedModel, batch_size: int, data: str | Path | No
         from neorec.train.build import build_source
 
         return build_source(exported.config).eval_batches(batch_size)
-    from neorec.data.criteo import CATEGORICAL_NAMES, NUM_DENSE, CriteoTSVReader
+    from neorec.data.criteo import CATEGORICAL_NAMES, NUM_DENSE, CriteoTSVReader, check_tsv_file
 
     info, path = exported.info, exported.path
     if info.num_dense != NUM_DENSE or info.feature_names != CATEGORICAL_NAMES:
@@ -50,13 +51,15 @@ def data_batches(exported: ExportedModel, batch_size: int, data: str | Path | No
             f"model {path} reads {info.num_dense} dense features and {info.feature_names}; --data reads Criteo TSV "
             f"({NUM_DENSE} dense, C1..C26), so score this model on its own data (leave out --data)"
         )
-    hashing = exported.header.get("tsv_hashing")
+    source = exported.config.data.source
+    hashing = exported.header.get("tsv_hashing") if source in ("criteo_tsv", "preprocessed") else None
     if hashing is None:
+        trained_on = exported.header.get("training_data") or f"{source} data (data.source: {source})"
         raise ExportError(
-            f"model {path} was trained on vocabulary ids, which raw TSV values cannot be mapped to"
+            f"model {path} was trained on {trained_on}, not on hashed Criteo TSV, so --data (raw Criteo TSV) "
+            "cannot be mapped to its ids; leave out --data to score the model's own held-out data"
         )
-    if not Path(data).is_file():
-        raise ExportError(f"{data}: no such file")
+    check_tsv_file(data)
     criteo = exported.config.data.criteo
     bad_lines = criteo.bad_lines if criteo is not None else "fail"
     rows = [f.num_ids for f in info.features]
@@ -81,6 +84,7 @@ def predict_file(
     if batch_size is not None and batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     start = time.perf_counter()
+    check_output_file(out, "--out")
     exported = load_export(model)
     size = batch_size or exported.config.data.eval_batch_size
     batches = data_batches(exported, size, data)
