@@ -1,5 +1,9 @@
+import re
+from pathlib import Path
+
 import pytest
 
+import neorec
 from neorec.config.load import load_config, shipped_configs, validate_config
 from neorec.errors import ConfigError
 
@@ -56,3 +60,135 @@ def test_unknown_table_override_is_rejected_before_training():
     cfg = load_config("default", ["embedding.tables={C99: {dim: 16}}"])
     with pytest.raises(ConfigError, match=r"embedding.tables names \['C99'\]"):
         build_tables(cfg, SourceInfo(13, [FeatureSpec("C1", 10)]))
+
+
+# ---- how a config is resolved: file, base, --set ---------------------------------------------------
+def test_a_config_file_is_merged_over_default_and_set_applies_last(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("embedding:\n  dim: 32\n  optimizer: {lr: 0.5}\nmodel: {bottom_mlp: [64, 32]}\ntrain: {max_steps: 5}\n")
+    cfg = load_config(str(mine), ["train.max_steps=7"])
+    assert cfg.embedding.dim == 32 and cfg.model.bottom_mlp == [64, 32] and cfg.train.max_steps == 7
+    default = load_config("default")
+    assert cfg.data == default.data  # the file left data alone: default's, not the schema's
+    assert cfg.embedding.optimizer.name == default.embedding.optimizer.name != "sgd"  # merged key by key
+    assert cfg.embedding.optimizer.lr == 0.5 and cfg.model.top_mlp == default.model.top_mlp
+
+
+def test_base_names_a_shipped_config_or_a_path_next_to_the_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "parent.yaml").write_text("base: movielens\ntrain: {epochs: 3}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("base: sub/parent.yaml\nembedding: {dim: 32}\nmodel: {bottom_mlp: [32, 32]}\n")
+    cfg = load_config(str(child))
+    movielens = load_config("movielens")
+    assert cfg.data == movielens.data and cfg.train.epochs == 3 and cfg.embedding.dim == 32
+    assert cfg.model.top_mlp == movielens.model.top_mlp
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, r"bases form a cycle: .*a.yaml -> .*b.yaml -> .*a.yaml"),
+        ({"a.yaml": "base: [default]\n"}, r"a.yaml: key 'base': expected a shipped config name or a path"),
+        ({"a.yaml": "base: nowhere.yaml\n"}, r"base 'nowhere.yaml' \(looked for .*nowhere.yaml\) is neither a file"),
+        ({"a.yaml": "base: default\ntrain: {lrr: 1}\n"}, r"a.yaml over neorec/configs/default.yaml: unknown key 'train.lrr'"),
+    ],
+)
+def test_bad_bases_are_errors(tmp_path, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=expected):
+        load_config(str(tmp_path / "a.yaml"))
+
+
+def test_shipped_configs_keep_every_value_they_set():
+    import yaml
+
+    from neorec.config.load import DEFAULT_BASE
+
+    def leaves(raw, prefix=""):
+        for k, v in raw.items():
+            yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+
+    for name in shipped_configs():
+        raw = yaml.safe_load((Path(neorec.__file__).parent / "configs" / f"{name}.yaml").read_text())
+        cfg = load_config(name).model_dump(mode="json")
+        for key, value in leaves(raw):
+            node = cfg
+            for part in key.split("."):
+                node = node[part]
+            assert node == value, (name, key)
+    assert load_config(DEFAULT_BASE) == validate_config(
+        yaml.safe_load((Path(neorec.__file__).parent / "configs" / "default.yaml").read_text())
+    )
+
+
+def test_empty_unreadable_and_valueless_inputs_are_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"--set 'train.max_steps=': empty value"):
+        load_config("default", ["train.max_steps="])
+    for name, data in [("empty.yaml", b""), ("comments.yaml", b"# only a comment\n"), ("bin.yaml", b"\xff\xfe\x00")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match=f"{name}: (empty config|not a YAML config)"):
+            load_config(str(tmp_path / name))
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(str(tmp_path))
+    assert load_config("default", ["train.max_steps=null"]).train.max_steps is None
+
+
+# ---- numbers are never booleans --------------------------------------------------------------------
+def _numeric_keys():
+    from neorec.config.reference import TABLE, config_keys
+
+    for k in config_keys():
+        kinds = k.type.split(" or ")
+        if "bool" not in kinds and ({"int", "float"} & set(kinds) or {"list[int]", "list[float]"} & set(kinds)):
+            yield k.key.replace(TABLE, "C1"), any(t.startswith("list") for t in kinds) and not (
+                {"int", "float"} & set(kinds)
+            )
+
+
+@pytest.mark.parametrize("key, only_list", list(_numeric_keys()))
+def test_every_number_field_rejects_booleans(key, only_list):
+    value = "[true]" if only_list else "true"
+    with pytest.raises(ConfigError, match=rf"key '{re.escape(key)}': expected a (number|list of numbers)"):
+        load_config("default", [f"{key}={value}"])
+
+
+def test_boolean_fields_still_take_booleans():
+    cfg = load_config("default", ["logging.plot=false", "embedding.cache.io_thread=true", "train.progress=false"])
+    assert cfg.logging.plot is False and cfg.embedding.cache.io_thread is True and cfg.train.progress is False
+    with pytest.raises(ConfigError, match="data.synthetic.rows': expected a list of numbers"):
+        load_config("default", ["data.synthetic.rows=[3, true]"])
+
+
+def test_sharding_of_an_unknown_table_is_an_error_with_one_process():
+    from neorec.data.source import FeatureSpec, SourceInfo
+    from neorec.train.build import build_tables
+
+    cfg = load_config("default", ["distributed.sharding={C99: {kind: tw, ranks: [0]}}"])
+    with pytest.raises(ConfigError, match=r"distributed.sharding names \['C99'\], which are not tables"):
+        build_tables(cfg, SourceInfo(13, [FeatureSpec("C1", 10)]))
+
+
+# ---- config show, config keys, docs/config.md ------------------------------------------------------
+def test_show_config_reads_back_and_explains_every_key():
+    import yaml
+
+    from neorec.config.reference import config_keys, show_config
+
+    cfg = load_config("default", ["embedding.tables={C1: {dim: 16, optimizer: {name: sgd}}}",
+                                  "data.criteo={train_paths: [a.tsv]}", "data.preprocessed={path: p}"])  # fmt: skip
+    text = show_config(cfg)
+    assert validate_config(yaml.safe_load(text)) == cfg
+    described = [k for k in config_keys() if k.description and "<table>" not in k.key]
+    for k in described:  # every key is shown with its description
+        assert f"{k.key.split('.')[-1]}:" in text and f"# {k.description}" in text, k.key
+
+
+def test_docs_config_md_is_current():
+    from neorec.config.reference import keys_markdown
+
+    page = Path(__file__).parents[1] / "docs" / "config.md"
+    assert page.read_text() == keys_markdown() + "\n", (
+        "docs/config.md is out of date with neorec/config: run `neorec config keys --markdown > docs/config.md`"
+    )

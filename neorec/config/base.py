@@ -25,7 +25,8 @@ class NumbersNotBool(BaseModel):
         if isinstance(value, bool) and (int in kinds or float in kinds):
             raise ValueError("expected a number, not a boolean")
         if isinstance(value, list) and any(isinstance(v, bool) for v in value):
-            items = {t for k in kinds if typing.get_origin(k) is list for t in leaf_types(typing.get_args(k)[0])}
+            lists = [k for k in kinds if typing.get_origin(k) is list]
+            items = {t for k in lists for t in leaf_types(typing.get_args(k)[0])}
             if bool not in items and (int in items or float in items):
                 raise ValueError("expected a list of numbers, not booleans")
         return value

@@ -24,9 +24,10 @@ class Key:
 
     key: str
     type: str  # "int", "float or 'auto'", "section", ...
-    default: str  # in the shipped `default` config, with the schema's own where that differs
+    default: str  # in the shipped `default` config ("" for sections, "required" where there is none)
     allowed: str  # the Literal values and bounds ("> 0", "<= 1"), or ""
     description: str
+    schema_default: str = ""  # the schema's own default where it differs from `default`'s
 
 
 def config_keys() -> list[Key]:
@@ -55,9 +56,8 @@ def _walk(model: type[BaseModel], shipped: Any, schema: Any, prefix: str) -> typ
             yield from _walk(per_table, None, None, f"{key}.{TABLE}.")
             continue
         default = _text(ours) if ours is not _REQUIRED else "required"
-        if theirs != ours:
-            default += f" (schema: {_text(theirs)})"
-        yield Key(key, _type_text(field.annotation), default, _allowed(field), desc)
+        schema_default = _text(theirs) if theirs != ours else ""
+        yield Key(key, _type_text(field.annotation), default, _allowed(field), desc, schema_default)
 
 
 _REQUIRED = object()
@@ -105,7 +105,8 @@ def _allowed(field: FieldInfo) -> str:
     values = [_text(v) for v in literal_values(field.annotation)]
     bounds = []
     metadata = list(field.metadata)
-    for leaf in typing.get_args(field.annotation):  # bounds of a union's members: Annotated[float, Field(gt=0)]
+    # the bounds of a union's members too: Annotated[float, Field(gt=0)] | Literal["auto"]
+    for leaf in typing.get_args(field.annotation):
         for extra in typing.get_args(leaf)[1:] if typing.get_origin(leaf) is typing.Annotated else ():
             metadata += getattr(extra, "metadata", [])
     for m in metadata:
@@ -134,7 +135,8 @@ def keys_text() -> str:
     lines = []
     for k in keys:
         allowed = f" ({k.allowed})" if k.allowed else ""
-        lines.append(f"{k.key.ljust(width)}  {k.type}{allowed}, default {k.default}: {k.description}")
+        schema = f" (schema: {k.schema_default})" if k.schema_default else ""
+        lines.append(f"{k.key.ljust(width)}  {k.type}{allowed}, default {k.default}{schema}: {k.description}")
     return "\n".join(lines)
 
 
@@ -143,9 +145,9 @@ def keys_markdown() -> str:
     keys = config_keys()
     out = [GUIDE.strip(), "", "## Every key", "", "Generated from neorec/config/schema.py by "
            "`neorec config keys --markdown > docs/config.md` (a test checks that this page is current). "
-           "Defaults are those of the shipped `default` config, which every config is merged over; "
-           "where the schema's own default differs (a config with `base:` naming another file, or "
-           "`load_config(None)` in Python), it is given too.", ""]  # fmt: skip
+           "Defaults are those of the shipped `default` config, which every config file is merged over "
+           "(directly or through its base); where the schema's own default differs (what `RunConfig()` "
+           "or `load_config(None)` give in Python), it follows in parentheses.", ""]  # fmt: skip
     groups: dict[str, list[Key]] = {}
     for k in keys:
         top = k.key.split(".")[0] if "." in k.key or k.type.startswith("section") else "(top level)"
@@ -157,7 +159,10 @@ def keys_markdown() -> str:
             members = members[1:]
         out += ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
         for k in members:
-            cells = [f"`{k.key}`", k.type, f"`{k.default}`" if k.default else "", k.allowed, k.description]
+            default = f"`{k.default}`" if k.default and k.default != "required" else k.default
+            if k.schema_default:
+                default += f" (schema: `{k.schema_default}`)"
+            cells = [f"`{k.key}`", k.type, default, k.allowed, k.description]
             out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         out.append("")
     return "\n".join(out)

@@ -1,0 +1,183 @@
+"""The `neorec` command line: a user's mistake is one line `neorec: error: ...` (exit 2) before any work,
+never a traceback; runs never overwrite each other silently; config show/keys; --version; strict JSON."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import neorec
+from neorec.cli import main
+from neorec.config.load import load_config
+from neorec.serving import export_model
+from neorec.train.trainer import Trainer
+
+FIXTURE = Path(__file__).parent / "fixtures" / "criteo_20.tsv"  # the held-out lines 10 and 20 are both label 0
+TINY = [
+    "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 100]", "data.synthetic.num_sparse=4",
+    "data.synthetic.train_samples=1000", "data.synthetic.eval_samples=500", "data.batch_size=250",
+    "train.max_steps=2", "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
+]  # fmt: skip
+CRITEO = ["data.source=criteo_tsv", "data.batch_size=4", "train.progress=false", "logging.plot=false",
+          "logging.tensorboard=false"]  # fmt: skip
+
+
+def sets(items: list[str]) -> list[str]:
+    return [x for kv in items for x in ("--set", kv)]
+
+
+def fails(capsys, argv: list[str], *words: str) -> str:
+    """Run `neorec argv` in this process: exit 2 with one error line that holds `words`."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("neorec: error: ") and err.count("\n") == 1, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+# ---- flags and configs ------------------------------------------------------------------------------
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"neorec {neorec.__version__}"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_nproc_below_one_is_refused(capsys, value):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--nproc", value])
+    assert e.value.code == 2 and "--nproc: expected a whole number >= 1" in capsys.readouterr().err
+
+
+def test_config_mistakes_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
+    (tmp_path / "binary.yaml").write_bytes(b"\x00\xff\xfe\x80")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    (tmp_path / "folder.yaml").mkdir()
+    fails(capsys, ["train", "--set", "train.max_steps="], "train.max_steps", "empty value", "=null")
+    fails(capsys, ["train", "--config", "empty.yaml"], "empty.yaml: empty config")
+    fails(capsys, ["train", "--config", "binary.yaml"], "binary.yaml: not a YAML config")
+    fails(capsys, ["train", "--config", "list.yaml"], "list.yaml: the top level must be a mapping")
+    fails(capsys, ["train", "--config", "folder.yaml"], "folder.yaml: is a folder")
+    fails(capsys, ["train", "--set", "train.epochs=true"], "train.epochs", "not a boolean")
+    fails(capsys, ["train", *sets(TINY), "--set", "distributed.sharding={C99: {kind: tw, ranks: [0]}}"],
+          "distributed.sharding names ['C99']", "tables: ['C1', 'C2', 'C3', 'C4']")  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.yaml", "empty.yaml", "folder.yaml", "list.yaml"]
+
+
+def test_config_show_prints_the_resolved_config_with_descriptions(tmp_path, capsys):
+    (tmp_path / "mine.yaml").write_text("base: movielens\nembedding: {dim: 32}\nmodel: {bottom_mlp: [32, 32]}\n")
+    assert main(["config", "show", "--config", str(tmp_path / "mine.yaml"), "--set", "train.max_steps=9"]) == 0
+    text = capsys.readouterr().out
+    assert "  max_steps: 9  # stop after this many steps" in text
+    assert "  source: movielens  # where batches come from" in text and "  dim: 32  # default embedding" in text
+    (tmp_path / "shown.yaml").write_text(text)  # what it prints is a config that reads back the same
+    assert load_config(str(tmp_path / "shown.yaml")) == load_config(str(tmp_path / "mine.yaml"), ["train.max_steps=9"])
+
+
+def test_config_keys_lists_type_default_and_allowed_values(capsys):
+    assert main(["config", "keys"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "int (> 0), default 1: passes over the training data" in lines["train.epochs"]
+    assert "(synthetic, criteo_tsv, movielens, shards, preprocessed), default synthetic" in lines["data.source"]
+    assert "default [64, 16] (schema: [512, 256, 64, 16])" in lines["model.bottom_mlp"]
+    assert "embedding.tables.<table>.dim" in lines and "data.criteo.train_paths" in lines
+
+
+# ---- run folders -----------------------------------------------------------------------------------
+def test_train_refuses_a_folder_that_holds_a_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    base = ["train", *sets(TINY), "--output-dir", str(run)]
+    assert main(base) == 0
+    capsys.readouterr()
+    model = (run / "model.pt").read_bytes()
+    fails(capsys, base, "holds a run already (summary.json, model.pt)", "--overwrite", "--output-dir")
+    assert (run / "model.pt").read_bytes() == model
+    fails(capsys, [*base, "--resume"], "no checkpoint", "--overwrite")
+    fails(capsys, [*base, "--resume", "--overwrite"], "give one of them")
+    stale = run / "checkpoints" / "step-00000099"
+    stale.mkdir(parents=True)
+    (stale / "manifest.json").write_text("{}")
+    fails(capsys, base, "checkpoints in", "--resume to continue it", "--overwrite")
+    assert main([*base, "--overwrite"]) == 0  # replaced: the other run's checkpoints are gone
+    assert not stale.exists() and (run / "summary.json").is_file()
+    (tmp_path / "file").write_text("x")
+    fails(capsys, ["train", "--output-dir", str(tmp_path / "file")], "is a file")
+
+
+def test_output_paths_of_the_wrong_kind_are_refused(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "folder").mkdir()
+    fails(capsys, ["plan", "--output-dir", str(tmp_path / "file")], "--output-dir", "is a file")
+    fails(capsys, ["data", "generate", "--out", str(tmp_path / "file")], "--out", "is a file")
+    fails(capsys, ["data", "preprocess", str(FIXTURE), "--out", str(tmp_path / "file"), "--no-progress"], "is a file")
+    fails(capsys, ["export", str(tmp_path), "--out", str(tmp_path / "folder")], "--out", "is a folder")
+    fails(capsys, ["predict", str(tmp_path / "m.nrx"), "--out", str(tmp_path / "folder")], "--out", "is a folder")
+
+
+# ---- data ------------------------------------------------------------------------------------------
+def test_empty_missing_or_folder_tsv_inputs_are_errors(tmp_path, capsys):
+    empty, folder, empty_gz = tmp_path / "empty.tsv", tmp_path / "folder", tmp_path / "empty.tsv.gz"
+    empty.write_text("")
+    folder.mkdir()
+    with gzip.open(empty_gz, "wb"):
+        pass
+    train = ["train", *sets(CRITEO), "--output-dir", str(tmp_path / "run")]
+    fails(capsys, [*train, "--set", f"data.criteo.train_paths=[{empty}]"], f"{empty}: empty file")
+    fails(capsys, [*train, "--set", f"data.criteo.train_paths=[{folder}]"], f"{folder}: is a folder")
+    fails(capsys, [*train, "--set", f"data.criteo.train_paths=[{empty_gz}]"], "no training batch")
+    assert not (tmp_path / "run" / "summary.json").exists()
+    pre = ["data", "preprocess", "--no-progress", "--out"]
+    fails(capsys, [*pre, str(tmp_path / "p1"), str(empty)], "empty file")
+    fails(capsys, [*pre, str(tmp_path / "p2"), str(empty_gz)], "no lines")
+    fails(capsys, [*pre, str(tmp_path / "p3"), str(folder)], "is a folder")
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\tnot-a-criteo-line\n" * 3)
+    fails(capsys, [*pre, str(tmp_path / "p4"), str(bad), "--bad-lines", "skip"], "no training samples", "malformed")
+
+
+def test_summary_json_is_strict_when_a_metric_is_nan(tmp_path, capsys):
+    """Both held-out lines of the fixture are label 0: AUC is undefined (NaN), written as null."""
+    assert main(["train", *sets([*CRITEO, f"data.criteo={{train_paths: [{FIXTURE}], table_rows: 100}}"]),
+                 "--output-dir", str(tmp_path / "run")]) == 0  # fmt: skip
+
+    def refuse(name: str):
+        raise ValueError(f"summary.json holds {name}, which is not JSON")
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["eval_auc"] is None and summary["steps"] == 5
+
+
+def test_predict_data_refuses_a_model_not_trained_on_hashed_criteo(tmp_path, capsys):
+    cfg = load_config("default", [*TINY, "data.synthetic.num_sparse=26", "data.synthetic.rows=30"])
+    Trainer(cfg, tmp_path / "run").fit()
+    export_model(tmp_path / "run", tmp_path / "m.nrx", measure=False)
+    fails(capsys, ["predict", str(tmp_path / "m.nrx"), "--out", str(tmp_path / "p.txt"), "--data", str(FIXTURE)],
+          "trained on synthetic data (data.source: synthetic)", "not on hashed Criteo TSV", "leave out --data")  # fmt: skip
+    assert not (tmp_path / "p.txt").exists()
+
+
+# ---- from a shell ----------------------------------------------------------------------------------
+def test_console_script_prints_errors_without_traceback(tmp_path):
+    exe = shutil.which("neorec") or pytest.skip("the neorec console script is not installed")
+    (tmp_path / "empty.tsv").write_text("")
+    (tmp_path / "out").mkdir()
+    for argv in (
+        ["train", "--set", "train.max_steps="],
+        ["train", "--nproc", "0"],
+        ["train", "--set", "data.source=criteo_tsv", "--set", "data.criteo.train_paths=[empty.tsv]"],
+        ["predict", "missing.nrx", "--out", "out"],
+    ):
+        p = subprocess.run([exe, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (argv, p.stderr)
+        assert p.stderr.strip().splitlines()[-1].startswith("neorec"), (argv, p.stderr)
+    v = subprocess.run([sys.executable, "-m", "neorec", "--version"], capture_output=True, text=True, timeout=60)
+    assert v.returncode == 0 and v.stdout.strip() == f"neorec {neorec.__version__}"
