@@ -20,7 +20,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
-    from neorec.train.build import check_table_names
+    from neorec.train.build import check_before_launch
     from neorec.train.run_folder import check_run_folder, clear_run_folder
     from neorec.train.trainer import Trainer, summary_table
 
@@ -30,7 +30,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # torchrun's other ranks leave it to rank 0
         clear_run_folder(cfg, out_dir)
     if args.nproc and args.nproc > 1:
-        check_table_names(cfg)  # one process checks what all would fail on (the trainer checks it too)
+        check_before_launch(cfg, args.nproc)  # one process checks what all would fail on (the trainer checks it too)
         return launch_torchrun(args.nproc, strip_nproc(sys.argv[1:]))
     trainer = Trainer(cfg, out_dir, resume=args.resume)
     result = trainer.fit()
@@ -214,12 +214,26 @@ def output_folder(path: str, flag: str) -> str:
 
 def positive_int(text: str) -> int:
     """argparse type of counts that must be at least 1."""
+    return _number(text, int, 1, "a whole number >= 1")
+
+
+def count(text: str) -> int:
+    """argparse type of counts that may be 0."""
+    return _number(text, int, 0, "a whole number >= 0")
+
+
+def seconds(text: str) -> float:
+    """argparse type of a duration in seconds (>= 0)."""
+    return _number(text, float, 0, "a number of seconds >= 0")
+
+
+def _number(text: str, kind: type, least: float, what: str):
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not value >= least:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
     return value
 
 
@@ -260,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="a file written by `neorec export`")
     p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels)")
     p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data")
-    p.add_argument("--batch-size", type=int, default=None, help="samples per batch (default: data.eval_batch_size)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="samples per batch (default: data.eval_batch_size)")
     p.add_argument("--with-labels", action="store_true", help="write CSV with a header: probability,label")
     p.set_defaults(func=cmd_predict)
 
@@ -268,17 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--cluster", default="this", choices=["this", "a100-node", "h100-node", "paper"],
                    help="this machine (calibrated CPU), one 8-GPU node, or 16 x 8 GPUs (default: this)")  # fmt: skip
-    p.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on this machine, the preset's otherwise)")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the preset's)")
+    p.add_argument("--nproc", type=positive_int, default=None, help="ranks (default: 2 on this machine, the preset's otherwise)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, help="ranks per node (default: the preset's)")
     p.add_argument("--model", default="config", choices=["config", "12t"],
                    help="config: the tables of --config; 12t: the 12-trillion-parameter dry run (on --cluster paper)")  # fmt: skip
     p.add_argument("--output-dir", default=None, help="where plan.json, report.txt, summary.json, plan.png go")
     p.add_argument("--baselines", action="store_true", help="also score round-robin and size-greedy plans")
-    p.add_argument("--batches", type=int, default=2, help="training batches read for access statistics (0: none)")
+    p.add_argument("--batches", type=count, default=2, help="training batches read for access statistics (0: none)")
     p.add_argument("--kinds", default="tw,rw,cw,twrw,twcw,dp", help="sharding kinds the planner may use")
-    p.add_argument("--time-budget", type=float, default=25.0, help="seconds the planner may spend improving")
+    p.add_argument("--time-budget", type=seconds, default=25.0, help="seconds the planner may spend improving")
     p.add_argument("--calibrate", action="store_true", help="first measure this machine's speeds (about 20 s)")
-    p.add_argument("--threads", type=int, default=1, help="--calibrate: threads per process")
+    p.add_argument("--threads", type=positive_int, default=1, help="--calibrate: threads per process")
     p.add_argument("--calibration", default=None, help="calibration JSON to write/read (default ~/.cache/neorec/calibration.json)")
     p.set_defaults(func=cmd_plan)
 
@@ -316,14 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of hashing: ids for values seen at least this often in training lines, 0 for the rest")  # fmt: skip
     p.add_argument("--bad-lines", default="fail", choices=["fail", "skip"], help="stop with file:line, or skip and count")
     p.add_argument("--shard-lines", type=int, default=1_000_000, help="input lines per shard")
-    p.add_argument("--workers", type=int, default=1, help="processes that write shards in parallel")
+    p.add_argument("--workers", type=positive_int, default=1, help="processes that write shards in parallel")
     p.add_argument("--synthetic", action="store_true", help="preprocess the synthetic data set of --config instead")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_config_args(p)
     p.set_defaults(func=cmd_data_preprocess)
     p = data.add_parser("inspect", help="summarise the data a config reads (features, sizes, id statistics)")
     _add_config_args(p)
-    p.add_argument("--batches", type=int, default=4, help="training batches to sample for statistics")
+    p.add_argument("--batches", type=count, default=4, help="training batches to sample for statistics")
     p.set_defaults(func=cmd_data_inspect)
     return parser
 

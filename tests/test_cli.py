@@ -56,6 +56,32 @@ def test_nproc_below_one_is_refused(capsys, value):
     assert e.value.code == 2 and "--nproc: expected a whole number >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["plan", "--nproc", "0"], "--nproc: expected a whole number >= 1"),
+        (["plan", "--time-budget", "-1"], "--time-budget: expected a number of seconds >= 0"),
+        (["data", "inspect", "--batches", "-1"], "--batches: expected a whole number >= 0"),
+        (["data", "preprocess", "x.tsv", "--out", "o", "--workers", "0"], "--workers: expected a whole number >= 1"),
+        (["predict", "m.nrx", "--out", "p", "--batch-size", "0"], "--batch-size: expected a whole number >= 1"),
+    ],
+)
+def test_counts_out_of_range_are_refused(capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_what_every_process_would_fail_on_is_checked_before_launch(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.json").write_text("not json")
+    train = ["train", "--nproc", "2", *sets(TINY)]
+    fails(capsys, [*train, "--set", "data.batch_size=251"], "data.batch_size 251", "must divide over 2 processes")
+    fails(capsys, [*train, "--set", "distributed.plan=plan.json"], "sharding plan plan.json")
+    fails(capsys, [*train, "--set", "embedding.tables={C9: {dim: 16}}"], "embedding.tables names ['C9']")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # nothing started
+
+
 def test_config_mistakes_are_one_line_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
@@ -111,6 +137,8 @@ def test_train_refuses_a_folder_that_holds_a_run(tmp_path, capsys):
     assert not stale.exists() and (run / "summary.json").is_file()
     (tmp_path / "file").write_text("x")
     fails(capsys, ["train", "--output-dir", str(tmp_path / "file")], "is a file")
+    ssd = ["embedding.tier=ssd", f"embedding.cache.directory={tmp_path / 'file'}"]
+    fails(capsys, ["train", *sets(TINY + ssd), "--output-dir", str(tmp_path / "ssd")], "cache.directory", "is a file")
 
 
 def test_output_paths_of_the_wrong_kind_are_refused(tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -40,8 +42,6 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
 
         return ShardSource(d.shards_dir)
     if d.source == "preprocessed":
-        from pathlib import Path
-
         from neorec.data.sharded_reader import PreprocessedSource
 
         p = d.preprocessed
@@ -91,9 +91,18 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
     return tables
 
 
-def check_table_names(cfg: RunConfig) -> None:
-    """The table names in `embedding.tables` and `distributed.sharding` are tables of the data: checked
-    before processes start (reading the data's feature list only where the config names tables)."""
+def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
+    """What every process of a multi-process run would fail on, checked once before they start: the
+    batch divides over the processes, the plan file reads, and the names in `embedding.tables` and
+    `distributed.sharding` are tables of the data (read only where the config names tables)."""
+    if cfg.data.batch_size % num_processes:
+        raise ConfigError(
+            f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over {num_processes} processes"
+        )
+    if cfg.distributed.plan:
+        from neorec.distributed.plan import ShardingPlan
+
+        ShardingPlan.load(cfg.distributed.plan)
     if cfg.embedding.tables or cfg.distributed.sharding:
         build_tables(cfg, build_source(cfg).info)
 
@@ -153,6 +162,9 @@ def build_embeddings(
     from neorec.embedding.cache import CacheSettings
 
     c = e.cache
+    if "ssd" in tiers.values() and c.directory is not None and Path(c.directory).exists():
+        if not Path(c.directory).is_dir():
+            raise ConfigError(f"embedding.cache.directory {c.directory}: is a file; give a folder for the ssd tables")
     settings = CacheSettings(
         c.policy, c.fraction, c.size_mib, c.directory, c.release_mib, c.ssd_reads, c.ssd_log, c.io_thread
     )
