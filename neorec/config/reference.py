@@ -205,8 +205,8 @@ embedding:
 model:
   bottom_mlp: [64, 32]
 EOF
-neorec config show --config my.yaml --set train.max_steps=200   # the resolved config, every key explained
-neorec train --config my.yaml --set train.max_steps=200
+neorec config show --config my.yaml --set train.max_steps=20   # the resolved config, every key explained
+neorec train --config my.yaml --set train.max_steps=20
 ```
 
 `neorec config keys` lists every key with its type, default and allowed values; the tables below say
@@ -246,4 +246,7 @@ folder that holds another run (a summary.json, a model.pt, or checkpoints) befor
 - `--resume` continues that run from its newest checkpoint;
 - `--overwrite` replaces it (its results, TensorBoard events and checkpoints are removed first);
 - or choose another `--output-dir`.
+
+summary.json is strict JSON: a metric that is undefined (NaN, such as the AUC of held-out data with
+one class only) or infinite is written as `null`.
 """
