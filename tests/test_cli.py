@@ -79,6 +79,7 @@ def test_what_every_process_would_fail_on_is_checked_before_launch(tmp_path, cap
     fails(capsys, [*train, "--set", "data.batch_size=251"], "data.batch_size 251", "must divide over 2 processes")
     fails(capsys, [*train, "--set", "distributed.plan=plan.json"], "sharding plan plan.json")
     fails(capsys, [*train, "--set", "embedding.tables={C9: {dim: 16}}"], "embedding.tables names ['C9']")
+    fails(capsys, [*train, "--set", "distributed.sharding={C3: {kind: tw, ranks: [5]}}"], "rank(s) [5] do not exist")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # nothing started
 
 

@@ -92,19 +92,27 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
 
 
 def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
-    """What every process of a multi-process run would fail on, checked once before they start: the
-    batch divides over the processes, the plan file reads, and the names in `embedding.tables` and
-    `distributed.sharding` are tables of the data (read only where the config names tables)."""
+    """What every process of a one-machine run of `num_processes` would fail on, checked once before
+    they start: the batch divides over them, and the plan file, `distributed.sharding` and
+    `embedding.tables` name tables of the data and ranks that exist (the data's feature list is read
+    only where the config names a plan or tables)."""
     if cfg.data.batch_size % num_processes:
         raise ConfigError(
             f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over {num_processes} processes"
         )
-    if cfg.distributed.plan:
-        from neorec.distributed.plan import ShardingPlan
+    d = cfg.distributed
+    if not (d.plan or d.sharding or cfg.embedding.tables):
+        return
+    tables = build_tables(cfg, build_source(cfg).info)
+    if d.plan or d.sharding:
+        from neorec.distributed.plan import ShardingPlan, TablePlan
+        from neorec.distributed.topology import Topology
 
-        ShardingPlan.load(cfg.distributed.plan)
-    if cfg.embedding.tables or cfg.distributed.sharding:
-        build_tables(cfg, build_source(cfg).info)
+        plan = ShardingPlan.load(d.plan) if d.plan else ShardingPlan({})
+        for name, entry in d.sharding.items():
+            plan.tables[name] = TablePlan(entry.kind, list(entry.ranks), entry.node)
+        planned = tables if d.plan else [t for t in tables if t.name in plan.tables]  # the planner does the rest
+        plan.validate(planned, Topology(num_processes, 0, num_processes))
 
 
 def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
