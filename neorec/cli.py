@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from neorec.cli_args import count, output_folder, positive_int, seconds
 from neorec.errors import NeorecError
 
 
@@ -203,38 +204,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(result.text)
     print("\nwrote " + ", ".join(str(f) for f in result.files))
     return 0
-
-
-def output_folder(path: str, flag: str) -> str:
-    """`path`, checked to be a folder or free: a file there is a mistake, not something to write over."""
-    if Path(path).exists() and not Path(path).is_dir():
-        raise NeorecError(f"{flag} {path}: is a file; give a folder")
-    return path
-
-
-def positive_int(text: str) -> int:
-    """argparse type of counts that must be at least 1."""
-    return _number(text, int, 1, "a whole number >= 1")
-
-
-def count(text: str) -> int:
-    """argparse type of counts that may be 0."""
-    return _number(text, int, 0, "a whole number >= 0")
-
-
-def seconds(text: str) -> float:
-    """argparse type of a duration in seconds (>= 0)."""
-    return _number(text, float, 0, "a number of seconds >= 0")
-
-
-def _number(text: str, kind: type, least: float, what: str):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if not value >= least:  # NaN too
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
