@@ -23,7 +23,7 @@ class Key:
     """One config key as the schema defines it."""
 
     key: str
-    type: str  # "int", "float or 'auto'", "section", ...
+    type: str  # "int", "float or str", "list[int]", "section", ...
     default: str  # in the shipped `default` config ("" for sections, "required" where there is none)
     allowed: str  # the Literal values and bounds ("> 0", "<= 1"), or ""
     description: str
@@ -129,7 +129,7 @@ def _text(value: Any) -> str:
 
 # ---- neorec config keys ----------------------------------------------------------------------------
 def keys_text() -> str:
-    """`neorec config keys`: one line per key (sections as headings)."""
+    """`neorec config keys`: one line per key (sections are left out: the keys under them name them)."""
     keys = [k for k in config_keys() if not k.type.startswith("section")]
     width = max(len(k.key) for k in keys)
     lines = []
