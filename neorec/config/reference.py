@@ -193,39 +193,29 @@ def _show(model: BaseModel, depth: int) -> typing.Iterator[str]:
 
 
 GUIDE = """
-# Configuration
+# Config keys
 
-Change a setting of a run: write the keys you change in a YAML file and train with it.
+Every key of a run's config, with its type, default and allowed values, read from
+neorec/config/schema.py. The command line prints the same, and the config a run would use:
 
 ```bash
-cat > my.yaml <<'EOF'
-name: bigger
-embedding:
-  dim: 32
-model:
-  bottom_mlp: [64, 32]
-EOF
+neorec config keys                                              # this page, one line per key
 neorec config show --config my.yaml --set train.max_steps=20   # the resolved config, every key explained
-neorec train --config my.yaml --set train.max_steps=20
 ```
 
-`neorec config keys` lists every key with its type, default and allowed values; the tables below say
-the same.
+[configuration.md](configuration.md) walks through configs, overrides and the run folder. In short:
 
-## How a config is resolved
-
-1. The config file (`--config PATH`, or the name of a config shipped with neorec: `default`,
-   `criteo_kaggle`, `mlperf_dcnv2`, `movielens`) is read as YAML. Its top level must be a mapping of
-   keys: an empty file, a file that is not YAML, or a list at the top is an error that names the file.
-2. It is merged over its base: the config named by its `base:` key (a shipped config's name, or a
-   path relative to the file's folder), or else the shipped `default` config. A base may have a base
-   of its own; `default` has none. Mappings merge key by key at every depth, so a file lists only the
-   keys it changes; any other value (a number, a string, a list, `null`) replaces the base's.
-3. `--set a.b.c=VALUE` overrides apply next, in order. VALUE is YAML: `100`, `[64, 32]`, `true`,
-   `null` to unset a key. An empty VALUE is an error.
-4. The result is validated before any work starts: an unknown key, a wrong type (`true` where a number
-   is expected, too), a value out of range, or settings that contradict each other stop with an error
-   that names the key. Keys left unset take the defaults below.
+1. A config file (`--config PATH`, or a shipped config's name: `default`, `criteo_kaggle`,
+   `mlperf_dcnv2`, `movielens`) is YAML whose top level is a mapping; an empty file, a file that is
+   not YAML, or any other top level is an error that names the file.
+2. It is merged over its base: the config its `base:` key names (a shipped config's name, or a path
+   relative to the file's folder), else the shipped `default` config. A base may have a base of its
+   own; `default` has none. Mappings merge key by key at every depth; any other value (a number, a
+   string, a list, `null`) replaces the base's.
+3. `--set a.b.c=VALUE` overrides apply next, in order. VALUE is YAML (`100`, `[64, 32]`, `null` to
+   unset a key); an empty VALUE is an error.
+4. The result is validated before any work starts; a key left unset takes the default below. Where a
+   number is expected, `true` or `false` is an error.
 
 ```yaml
 # mine.yaml: the MovieLens config with a larger embedding
@@ -236,17 +226,9 @@ model:
   bottom_mlp: [32, 32]
 ```
 
-## Run folders
-
-`neorec train` writes a run into its folder (`--output-dir`, else `output_dir` with `{name}` replaced
-by `name`): config.yaml, metrics.jsonl, curves.png, TensorBoard events, model.pt and summary.json at the
-end, and checkpoints when `checkpoint.every_steps` or `checkpoint.every_minutes` is set. It refuses a
-folder that holds another run (a summary.json, a model.pt, or checkpoints) before any work starts:
-
-- `--resume` continues that run from its newest checkpoint;
-- `--overwrite` replaces it (its results, TensorBoard events and checkpoints are removed first);
-- or choose another `--output-dir`.
-
-summary.json is strict JSON: a metric that is undefined (NaN, such as the AUC of held-out data with
-one class only) or infinite is written as `null`.
+`neorec train` refuses a run folder that holds another run (a summary.json, a model.pt, or
+checkpoints) before any work starts: `--resume` continues it from its newest checkpoint, `--overwrite`
+replaces it (its results, TensorBoard events and checkpoints are removed first), or choose another
+`--output-dir`. summary.json is strict JSON: an undefined metric (NaN, such as the AUC of held-out
+data with one class only) or an infinite one is written as `null`.
 """
