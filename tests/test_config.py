@@ -78,10 +78,10 @@ def test_base_names_a_shipped_config_or_a_path_next_to_the_file(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "parent.yaml").write_text("base: movielens\ntrain: {epochs: 3}\n")
     child = tmp_path / "child.yaml"
-    child.write_text("base: sub/parent.yaml\nembedding: {dim: 32}\nmodel: {bottom_mlp: [32, 32]}\n")
+    child.write_text("base: sub/parent.yaml\nembedding: {dim: 64}\nmodel: {bottom_mlp: [64, 64]}\n")
     cfg = load_config(str(child))
     movielens = load_config("movielens")
-    assert cfg.data == movielens.data and cfg.train.epochs == 3 and cfg.embedding.dim == 32
+    assert cfg.data == movielens.data and cfg.train.epochs == 3 and cfg.embedding.dim == 64
     assert cfg.model.top_mlp == movielens.model.top_mlp
 
 
@@ -199,4 +199,5 @@ def test_docs_config_md_example_loads(tmp_path):
     page = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
     (tmp_path / "mine.yaml").write_text(page.split("```yaml\n")[1].split("```")[0])
     cfg = load_config(str(tmp_path / "mine.yaml"), ["train.max_steps=20"])
-    assert cfg.data.source == "movielens" and cfg.embedding.dim == 32 and cfg.train.max_steps == 20
+    assert cfg.data.source == "movielens" and cfg.embedding.dim == 64 and cfg.train.epochs == 3
+    assert cfg.model == load_config("movielens").model and cfg.train.max_steps == 20

@@ -218,12 +218,12 @@ neorec config show --config my.yaml --set train.max_steps=20   # the resolved co
    number is expected, `true` or `false` is an error.
 
 ```yaml
-# mine.yaml: the MovieLens config with a larger embedding
+# mine.yaml: the MovieLens config with a larger embedding, trained longer
 base: movielens
 embedding:
-  dim: 32
-model:
-  bottom_mlp: [32, 32]
+  dim: 64
+train:
+  epochs: 3
 ```
 
 `neorec train` refuses a run folder that holds another run (a summary.json, a model.pt, or
