@@ -199,8 +199,8 @@ Every key of a run's config, with its type, default and allowed values, read fro
 neorec/config/schema.py. The command line prints the same, and the config a run would use:
 
 ```bash
-neorec config keys                                              # this page, one line per key
-neorec config show --config my.yaml --set train.max_steps=20   # the resolved config, every key explained
+neorec config keys                                                # this page, one line per key
+neorec config show --config mine.yaml --set train.max_steps=20   # the resolved config, every key explained
 ```
 
 [configuration.md](configuration.md) walks through configs, overrides and the run folder. In short:
@@ -217,8 +217,10 @@ neorec config show --config my.yaml --set train.max_steps=20   # the resolved co
 4. The result is validated before any work starts; a key left unset takes the default below. Where a
    number is expected, `true` or `false` is an error.
 
+The MovieLens config with a larger embedding, trained longer:
+
 ```yaml
-# mine.yaml: the MovieLens config with a larger embedding, trained longer
+# mine.yaml
 base: movielens
 embedding:
   dim: 64
