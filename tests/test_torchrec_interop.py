@@ -253,3 +253,78 @@ def test_mismatched_state_dicts_name_the_key():
     with pytest.raises(NeorecError):
         load_torchrec_state(ours, small)
     assert all(torch.equal(v, torchrec_state(ours)[k]) for k, v in before.items())  # nothing half-loaded
+
+
+DMP_SCRIPT = r"""
+import os, sys
+import torch, torch.distributed as dist
+from torchrec import EmbeddingBagCollection
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.models.dlrm import DLRM as TorchRecDLRM
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import test_torchrec_interop as t
+from neorec.data.batch import Batch
+from neorec.errors import NeorecError
+from neorec.interop.torchrec import gather_torchrec_state, load_torchrec_state, sparse_from_kjt, torchrec_state
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+torch.manual_seed(0)
+ebc = EmbeddingBagCollection(tables=t.configs(), device=torch.device("meta"))
+model = TorchRecDLRM(
+    embedding_bag_collection=ebc, dense_in_features=t.NUM_DENSE,
+    dense_arch_layer_sizes=t.BOTTOM, over_arch_layer_sizes=t.OVER,
+)
+constraints = {c.name: ParameterConstraints(sharding_types=["table_wise"]) for c in t.configs()}
+planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints)
+sharders = [EmbeddingBagCollectionSharder()]
+plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+
+state = dmp.state_dict()
+assert any(type(v).__name__ == "ShardedTensor" for v in state.values()), "tables are not sharded"
+try:  # a sharded table has to be gathered first, and the error says so
+    load_torchrec_state(t.neorec_dlrm(), state)
+    raise AssertionError("a ShardedTensor table loaded without gathering")
+except NeorecError as e:
+    assert "embedding_bags." in str(e) and "gather_torchrec_state" in str(e), e
+full = gather_torchrec_state(state)
+ours = t.neorec_dlrm()
+load_torchrec_state(ours, full)
+back = torchrec_state(ours)
+assert sorted(back) == sorted(full)
+for key, value in full.items():
+    assert torch.equal(back[key], value), key
+
+kjt = t.random_kjt()
+dense = torch.randn(kjt.stride(), t.NUM_DENSE)
+with torch.no_grad():
+    expected = dmp(dense_features=dense, sparse_features=kjt).squeeze(1)
+    got = ours(Batch(dense, sparse_from_kjt(kjt), torch.zeros(kjt.stride())))
+torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+dist.destroy_process_group()
+print("DMP-OK")
+"""
+
+
+def test_distributed_model_parallel_state_gathered_to_one_process(tmp_path):
+    """A DMP with table-wise sharded tables (ShardedTensor values) loads once gathered, and scores alike."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "dmp.py"
+    script.write_text(DMP_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, str(script), os.path.abspath(__file__), str(port)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and "DMP-OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+

@@ -182,6 +182,35 @@ def load_torchrec_state(model: nn.Module, state_dict: Mapping[str, Any]) -> list
     return used
 
 
+def gather_torchrec_state(state_dict: Mapping[str, Any], dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Collective, called by every rank: a DistributedModelParallel state_dict with each sharded
+    table (ShardedTensor or DTensor) assembled into one full host tensor on rank `dst`, which
+    `load_torchrec_state` then reads. Returns None on the other ranks. Plain tensors pass through."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out: dict[str, torch.Tensor] = {}
+    for key in sorted(state_dict):  # the same order on every rank: each gather is a collective
+        value = state_dict[key]
+        kind = _sharded(value)
+        if kind == "ShardedTensor":
+            full = torch.empty(tuple(value.size()), dtype=value.dtype) if rank == dst else None
+            value.gather(dst=dst, out=full)
+            if full is not None:
+                out[key] = full
+        elif kind == "DTensor":
+            out[key] = value.full_tensor().cpu()
+        else:
+            out[key] = value
+    return out if rank == dst else None
+
+
+def _sharded(value: Any) -> str | None:
+    """ "ShardedTensor" or "DTensor" for a tensor that holds only this process's shards, else None."""
+    names = {c.__name__ for c in type(value).__mro__}
+    return next((n for n in ("ShardedTensor", "DTensor") if n in names), None)
+
+
 def _tables_prefix(state_dict: Mapping[str, Any]) -> str:
     prefixes = {
         k[: k.index(EBC_KEY) + len(EBC_KEY)] for k in state_dict if EBC_KEY in k and k.endswith(".weight")
@@ -228,12 +257,10 @@ def _expect(state_dict: Mapping[str, Any], key: str, shape: tuple[int, ...]) -> 
             f"the state_dict has no {key!r}; the neorec model needs one of shape {shape}"
         )
     value = state_dict[key]
-    if not isinstance(value, torch.Tensor) or {"ShardedTensor", "DTensor"} & {
-        c.__name__ for c in type(value).__mro__
-    }:
+    if not isinstance(value, torch.Tensor) or _sharded(value):
         raise TorchRecInteropError(
             f"{key!r} is a {type(value).__name__}, not a full tensor: gather a sharded (DistributedModelParallel) "
-            f"state_dict into full tensors on one process first (see docs/torchrec.md)"
+            f"state_dict into full tensors on one process first (gather_torchrec_state)"
         )
     if tuple(value.shape) != shape:
         raise TorchRecInteropError(f"{key!r} has shape {tuple(value.shape)}; the neorec model needs {shape}")
