@@ -303,6 +303,14 @@ with torch.no_grad():
     expected = dmp(dense_features=dense, sparse_features=kjt).squeeze(1)
     got = ours(Batch(dense, sparse_from_kjt(kjt), torch.zeros(kjt.stride())))
 torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+# back into a sharded TorchRec model
+fresh = t.torchrec_dlrm(seed=9)
+resharded = DistributedModelParallel(fresh, device=torch.device("cpu"), plan=plan, sharders=sharders)
+resharded.load_state_dict(dict(back))  # it renames the keys of the dict it is given
+again = gather_torchrec_state(resharded.state_dict())
+for key, value in back.items():
+    assert torch.equal(again[key], value), key
 dist.destroy_process_group()
 print("DMP-OK")
 """
@@ -328,3 +336,14 @@ def test_distributed_model_parallel_state_gathered_to_one_process(tmp_path):
     )
     assert done.returncode == 0 and "DMP-OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
 
+
+
+def test_the_migration_page_runs():
+    """docs/torchrec.md's python blocks, in order, are one script that moves TorchRec's DLRM example."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "torchrec.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(blocks) >= 6
+    exec(compile("\n".join(blocks), "docs/torchrec.md", "exec"), {"__name__": "docs_torchrec"})
