@@ -347,3 +347,10 @@ def test_the_migration_page_runs():
     blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
     assert len(blocks) >= 6
     exec(compile("\n".join(blocks), "docs/torchrec.md", "exec"), {"__name__": "docs_torchrec"})
+
+
+def test_without_torchrec_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "torchrec", None)  # import torchrec now fails
+    sparse = SparseBatch(["a"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    with pytest.raises(NeorecError, match=r"pip install --no-deps torchrec.*docs/torchrec\.md"):
+        kjt_from_sparse(sparse)
