@@ -1,0 +1,1 @@
+"""Bridges to other recommendation libraries (optional dependencies, imported on first use)."""

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs everything the test suite needs: neorec itself (editable) with its `test` extra, then
+# TorchRec for tests/test_torchrec_interop.py. TorchRec goes in with --no-deps because its declared
+# dependency on the CUDA build of fbgemm-gpu would replace the CPU torch; the CPU build fbgemm-gpu-cpu,
+# matched to torch 2.13, and TorchRec's few pure-Python dependencies are installed explicitly instead.
+# Safe to rerun: when the pinned versions are already there it only refreshes the editable install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PIP=(python3 -m pip install -q -c constraints.txt)
+"${PIP[@]}" -e ".[test]"
+
+have() {  # have NAME [VERSION]...: every named distribution installed (at that version when given)
+    python3 - "$@" <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+for spec in sys.argv[1:]:
+    name, _, want = spec.partition("==")
+    try:
+        got = version(name)
+    except PackageNotFoundError:
+        sys.exit(1)
+    if want and got != want:
+        sys.exit(1)
+PY
+}
+
+if ! have fbgemm-gpu-cpu==1.8.0; then
+    "${PIP[@]}" fbgemm-gpu-cpu==1.8.0
+fi
+if ! have torchrec==1.8.0; then
+    python3 -m pip install -q --no-deps torchrec==1.8.0
+fi
+if ! have tensordict torchmetrics==1.0.3 tqdm pyre-extensions; then
+    "${PIP[@]}" tensordict torchmetrics==1.0.3 tqdm pyre-extensions
+fi
+python3 -c "import torchrec" || { echo "install-test-deps: torchrec does not import" >&2; exit 1; }
