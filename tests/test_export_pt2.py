@@ -14,7 +14,6 @@ import torch
 
 from neorec.cli import main as cli_main
 from neorec.config.load import load_config
-from neorec.metrics.evaluation import binary_metrics
 from neorec.serving import ExportError, export_model, load_export, predict_file
 from neorec.serving.export import load_trained, quantize_tables
 from neorec.serving.file_format import read_export
@@ -74,7 +73,8 @@ def test_int8_program_within_the_auc_bound(tiny, tmp_path):
     assert int8.metrics["auc"] == pytest.approx(r.eval["int8"]["auc"], abs=1e-9)  # what export measured
     nrx = predict_file(tiny["root"] / "int8.nrx", tmp_path / "c.txt")
     a, b = torch.tensor(predictions(tmp_path / "b.txt")), torch.tensor(predictions(tmp_path / "c.txt"))
-    assert torch.allclose(a, b, rtol=0, atol=1e-6) and nrx.metrics["auc"] == pytest.approx(int8.metrics["auc"])
+    assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    assert nrx.metrics["auc"] == pytest.approx(int8.metrics["auc"])
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int8"])
@@ -115,30 +115,39 @@ except ModuleNotFoundError:
 else:
     raise SystemExit("neorec is importable: " + neorec.__file__)
 import torch
-program = torch.export.load(sys.argv[1]).module()
-with torch.no_grad():
-    out = [program(*args) for args in torch.load(sys.argv[2], weights_only=True)]
-torch.save(out, sys.argv[3])
+scores = {}
+for kind, program_file, inputs_file in zip(*[iter(sys.argv[2:])] * 3):
+    program = torch.export.load(program_file).module()
+    with torch.no_grad():
+        scores[kind] = [program(*args) for args in torch.load(inputs_file, weights_only=True)]
+torch.save(scores, sys.argv[1])
 assert "neorec" not in sys.modules
 """
 
 
-@pytest.mark.parametrize("kind", ["fp32", "int8"])
-def test_program_loads_and_scores_without_neorec(tiny, tmp_path, kind):
-    exported = load_export(tiny["root"] / kind)
-    names, weighted = exported.header["inputs"]["feature_names"], exported.header["inputs"]["weighted"]
+def test_programs_load_and_score_without_neorec(tiny, tmp_path):
     batch = next(iter(tiny["trainer"].source.eval_batches(300)))
-    inputs = [program_inputs(batch.slice(0, n), names, weighted) for n in (1, 7, 300)]
-    torch.save(inputs, tmp_path / "inputs.pt")
+    sizes = (1, 7, 300)
+    exported, args = {}, []
+    for kind in ("fp32", "int8"):
+        exported[kind] = e = load_export(tiny["root"] / kind)
+        names, weighted = e.header["inputs"]["feature_names"], e.header["inputs"]["weighted"]
+        torch.save(
+            [program_inputs(batch.slice(0, n), names, weighted) for n in sizes], tmp_path / f"{kind}.pt"
+        )
+        args += [kind, str(tiny["root"] / kind / "model.pt2"), str(tmp_path / f"{kind}.pt")]
     (tmp_path / "score.py").write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    cmd = [sys.executable, "-I", str(tmp_path / "score.py"), str(tiny["root"] / kind / "model.pt2"),
-           str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]  # fmt: skip
+    cmd = [sys.executable, "-I", str(tmp_path / "score.py"), str(tmp_path / "out.pt"), *args]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     out = torch.load(tmp_path / "out.pt", weights_only=True)
-    for got, n in zip(out, (1, 7, 300), strict=True):
-        assert torch.equal(got, exported.probabilities(batch.slice(0, n))), n
+    for kind in ("fp32", "int8"):
+        for got, n in zip(out[kind], sizes, strict=True):
+            assert got.shape == (n,) and torch.equal(got, exported[kind].probabilities(batch.slice(0, n))), (
+                kind,
+                n,
+            )
 
 
 def test_safetensors_weights(tiny):
@@ -178,7 +187,10 @@ def test_corrupted_safetensors_and_foreign_pt2_name_the_file(tiny, tmp_path):
     with pytest.raises(ExportError, match="other.pt2 cannot be loaded"):
         load_export(tmp_path / "other.pt2")
     (tmp_path / "file").write_text("x")
-    assert cli_main(["export", str(tiny["root"] / "run"), "--format", "pt2", "--out", str(tmp_path / "file")]) == 2
+    assert (
+        cli_main(["export", str(tiny["root"] / "run"), "--format", "pt2", "--out", str(tmp_path / "file")])
+        == 2
+    )
 
 
 def test_cli_export_pt2(tiny, tmp_path, capsys):

@@ -30,7 +30,6 @@ from neorec.serving.embeddings import TableWeights
 from neorec.serving.file_format import ExportError
 from neorec.serving.model import file_tensors
 from neorec.serving.pt2_model import PT2_FORMAT, ScoringProgram, TableLookups
-from neorec.serving.quantize import QuantizedRows
 from neorec.serving.safetensors_file import write_safetensors
 
 MODEL_FILE = "model.pt2"
@@ -131,17 +130,7 @@ def read_pt2(path: str | Path) -> tuple[dict, torch.nn.Module, Path]:
     except json.JSONDecodeError:
         header = None
     if not isinstance(header, dict) or header.get("format") != PT2_FORMAT:
-        raise ExportError(f"{file} is a torch.export program but not one written by `neorec export --format pt2`")
+        raise ExportError(
+            f"{file} is a torch.export program but not one written by `neorec export --format pt2`"
+        )
     return header, program.module(), file
-
-
-def table_weights(tensors: dict[str, torch.Tensor], tables: list[dict], quantized: bool) -> dict:
-    """{table: weights} from a weights.safetensors file's tensors."""
-    out: dict[str, TableWeights] = {}
-    for t in tables:
-        name = t["name"]
-        if quantized:
-            out[name] = QuantizedRows(*(tensors[f"tables/{name}/{n}"] for n in ("codes", "scale", "bias")))
-        else:
-            out[name] = tensors[f"tables/{name}/weight"]
-    return out

@@ -57,7 +57,11 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
         if t.dtype not in DTYPES:
             raise ExportError(f"tensor {name!r}: dtype {t.dtype} has no safetensors type")
         raw = _raw(t)
-        entries[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + raw.numel()]}
+        entries[name] = {
+            "dtype": DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + raw.numel()],
+        }
         meta[CRC_PREFIX + name] = str(zlib.crc32(raw.numpy()))
         offset += raw.numel()
         raws.append(raw)
@@ -99,9 +103,13 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
             dtype = _TORCH[e["dtype"]]
             raw = body[begin:end] if body is not None else torch.empty(0, dtype=torch.uint8)
             if end > (body.numel() if body is not None else 0) or raw.numel() != end - begin:
-                raise ExportError(f"safetensors file {path}: tensor {name!r} lies past the end: the file is truncated")
+                raise ExportError(
+                    f"safetensors file {path}: tensor {name!r} lies past the end: the file is truncated"
+                )
             if CRC_PREFIX + name in meta and zlib.crc32(raw.numpy()) != int(meta[CRC_PREFIX + name]):
-                raise ExportError(f"safetensors file {path}: checksum mismatch in tensor {name!r}: the file is corrupted")
+                raise ExportError(
+                    f"safetensors file {path}: checksum mismatch in tensor {name!r}: the file is corrupted"
+                )
             if sys.byteorder != "little" and dtype.itemsize > 1:
                 raw = raw.view(-1, dtype.itemsize).flip(1).reshape(-1)
             tensors[name] = raw.clone().view(dtype).view(e["shape"])
