@@ -4,6 +4,7 @@ weights that other readers take."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,11 +25,12 @@ from neorec.train.trainer import Trainer
 sys.path.insert(0, str(Path(__file__).parent))
 from test_export import TINY  # noqa: E402 - the same tiny run: multi-hot, weights, mean pooling, an fp16 table
 
-# One-hot ids without weights, sum pooling: the lookups' other paths.
+# One-hot ids without weights, sum pooling: the lookups' other paths; DCNv2 under bf16 autocast.
 ONE_HOT = [
     "data.synthetic.preset=custom", "data.synthetic.rows=[40, 200, 9]", "data.synthetic.num_sparse=3",
     "data.synthetic.train_samples=2000", "data.synthetic.eval_samples=1000", "data.batch_size=256",
-    "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
+    "train.progress=false", "logging.plot=false", "logging.tensorboard=false", "model.arch=dcnv2",
+    "model.precision=bf16",
 ]  # fmt: skip
 
 
@@ -93,7 +95,7 @@ def test_one_program_scores_batches_of_1_7_and_300(tiny, kind):
             assert torch.allclose(got, want, rtol=0, atol=1e-6), size
 
 
-def test_one_hot_sum_tables_bitwise(tmp_path):
+def test_one_hot_sum_tables_and_bf16_dcnv2_bitwise(tmp_path):
     Trainer(load_config("default", ONE_HOT), tmp_path / "run").fit()
     export_model(tmp_path / "run", tmp_path / "pt2", format="pt2", measure=False)
     export_model(tmp_path / "run", tmp_path / "m.nrx", measure=False)
@@ -162,6 +164,7 @@ def test_safetensors_weights(tiny):
             assert theirs[name].dtype == t.dtype and torch.equal(theirs[name], t), name
             assert torch.equal(ours[name], t), name
             assert f"crc32/{name}" in meta
+        assert json.loads(meta["inputs"])["feature_names"] == ["C1", "C2", "C3", "C4"]
         if kind == "int8":
             assert theirs["tables/C1/codes"].dtype == torch.uint8 and "int8_rowwise" in meta["quantization"]
     # the tables are the trained ones, and int8 codes/scales/biases are those neorec quantizes

@@ -105,6 +105,7 @@ def write_pt2(
         "format": "neorec-weights",
         "quantization": json.dumps(quant),
         "tables": json.dumps(header["tables"]),
+        "inputs": json.dumps(header["inputs"]),
         "layout": (
             "tables/<table>/codes (uint8 [rows, dim]), scale and bias ([rows]): row ~ scale * codes + bias"
             if quant
