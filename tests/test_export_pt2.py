@@ -15,11 +15,16 @@ import torch
 
 from neorec.cli import main as cli_main
 from neorec.config.load import load_config
+from neorec.data.batch import Batch
+from neorec.embedding.tables import TableConfig
 from neorec.serving import ExportError, export_model, load_export, predict_file
+from neorec.serving.embeddings import InferenceEmbeddings
 from neorec.serving.export import load_trained, quantize_tables
 from neorec.serving.file_format import read_export
-from neorec.serving.pt2_model import program_inputs
+from neorec.serving.pt2_model import TableLookups, program_inputs
+from neorec.serving.quantize import quantize_rows
 from neorec.serving.safetensors_file import read_safetensors
+from neorec.sparse import SparseBatch
 from neorec.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -47,6 +52,42 @@ def tiny(tmp_path_factory):
     export_model(root / "run", root / "fp32.nrx", measure=False)
     export_model(root / "run", root / "int8.nrx", int8=True, measure=False)
     return {"root": root, "trainer": trainer, "reports": reports}
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_lookups_bitwise_like_inference_embeddings(weighted, one_hot):
+    """Every table kind (fp32, fp16, bf16, int8; a table shared by two features; sum and mean), bags
+    of any length or all of one id (where neorec gathers instead of pooling)."""
+    g = torch.Generator().manual_seed(int(weighted) * 2 + int(one_hot))
+    tables = [
+        TableConfig(name="a", rows=30, dim=4, features=["f1", "f2"], pooling="sum"),
+        TableConfig(name="b", rows=20, dim=4, features=["f3"], pooling="mean", dtype="fp16"),
+        TableConfig(name="c", rows=10, dim=4, features=["f4"], pooling="sum", dtype="bf16"),
+        TableConfig(name="d", rows=25, dim=4, features=["f5"], pooling="mean"),
+        TableConfig(name="e", rows=25, dim=4, features=["f6"], pooling="sum"),
+    ]
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    weights = {t.name: torch.randn(t.rows, t.dim, generator=g).to(dtypes[t.dtype]) for t in tables}
+    weights["d"], weights["e"] = quantize_rows(weights["d"]), quantize_rows(weights["e"], torch.float16)
+    names, batch_size = [f for t in tables for f in t.features], 9
+    rows = {f: t.rows for t in tables for f in t.features}
+    if one_hot:
+        lengths = torch.ones(len(names) * batch_size, dtype=torch.int64)
+    else:
+        lengths = torch.randint(0, 4, (len(names) * batch_size,), generator=g)
+    values = torch.cat([
+        torch.randint(0, rows[f], (int(lengths[k * batch_size : (k + 1) * batch_size].sum()),), generator=g)
+        for k, f in enumerate(names)
+    ])  # fmt: skip
+    sparse = SparseBatch(
+        names, values, lengths, torch.rand(values.numel(), generator=g) if weighted else None
+    )
+    want = InferenceEmbeddings(tables, weights)(sparse)
+    batch = Batch(torch.zeros(batch_size, 1), sparse, torch.zeros(batch_size))
+    _, ids, offsets, w = program_inputs(batch, names, weighted)
+    got = TableLookups(tables, weights)(ids, offsets, w)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
 def predictions(path: Path) -> list[float]:
