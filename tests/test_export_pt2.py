@@ -228,8 +228,15 @@ def test_corrupted_safetensors_and_foreign_pt2_name_the_file(tiny, tmp_path):
         read_safetensors(tmp_path / "bad.safetensors")
     assert "bad.safetensors" in str(e.value)
     (tmp_path / "other.pt2").write_bytes(b"not a zip file")
-    with pytest.raises(ExportError, match="other.pt2 cannot be loaded"):
+    with pytest.raises(ExportError, match="other.pt2 is not a pt2 archive"):
         load_export(tmp_path / "other.pt2")
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "model.pt2").write_bytes((tiny["root"] / "fp32" / "model.pt2").read_bytes()[:5000])
+    with pytest.raises(ExportError, match="truncated or corrupted"):
+        load_export(cut)
+    with pytest.raises(ExportError, match="folder without model.pt2"):
+        load_export(tmp_path)
     (tmp_path / "file").write_text("x")
     assert (
         cli_main(["export", str(tiny["root"] / "run"), "--format", "pt2", "--out", str(tmp_path / "file")])

@@ -124,6 +124,11 @@ def load_export(path: str | Path) -> ExportedModel:
         cfg, info, _ = parse_header(header, file)
         program.requires_grad_(False)
         return ExportedModel(program, cfg, info, header, file)
+    if path.is_dir():
+        raise ExportError(
+            f"{path} is a folder without model.pt2: give an .nrx file or a folder written by "
+            "`neorec export --format pt2`"
+        )
     header, tensors = read_export(path)
     cfg, info, tables = parse_header(header, path)
     quantized = header.get("quantization") is not None

@@ -121,6 +121,11 @@ def read_pt2(path: str | Path) -> tuple[dict, torch.nn.Module, Path]:
     """(header, the program's module, model.pt2's path) of a pt2 folder or model.pt2."""
     path = Path(path)
     file = path / MODEL_FILE if path.is_dir() else path
+    if not zipfile.is_zipfile(file):  # checked first: torch logs a traceback for a damaged archive
+        raise ExportError(
+            f"pt2 export {file} is not a pt2 archive (a zip file): it is truncated or corrupted, or another "
+            "kind of file; export the model again with `neorec export RUN --format pt2 --out DIR`"
+        )
     extra = {HEADER_FILE: ""}
     try:
         program = torch.export.load(file, extra_files=extra)
