@@ -50,7 +50,7 @@ class TrainedModel:
 class ExportReport:
     out: Path
     num_bytes: int
-    fp32_bytes: int  # the size of the fp32 export of the same run (equal to num_bytes without int8)
+    fp32_bytes: int  # the size of the fp32 export of the same run (num_bytes without int8; 0: not known)
     table_bytes: dict[str, int]  # "fp32" and, with int8, "int8": bytes of all tables
     eval: dict[str, dict[str, float]] = field(default_factory=dict)  # "fp32"/"int8" -> held-out metrics
     scale_dtype: str | None = None
@@ -187,6 +187,8 @@ def export_model(
 
     if format not in FORMATS:
         raise ExportError(f"export format must be one of {list(FORMATS)}, got {format!r}")
+    if format == "pt2" and Path(out).is_file():
+        raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
     start = time.perf_counter()
     trained = load_trained(path, config)
     cfg = trained.config
@@ -253,9 +255,11 @@ def _export_pt2(
         "inputs": {"num_dense": info.num_dense, "feature_names": feature_order(trained.tables), "weighted": weighted},
     }
     num_bytes = write_pt2(out, header, program, trained.dense, weights)
+    fp32_bytes = 0 if scale_dtype else num_bytes  # unknown for int8: no fp32 program is exported
     return ExportReport(
-        Path(out), num_bytes, 0, table_bytes, metrics, scale_dtype, time.perf_counter() - start, format="pt2"
-    )
+        Path(out), num_bytes, fp32_bytes, table_bytes, metrics, scale_dtype, time.perf_counter() - start,
+        format="pt2",
+    )  # fmt: skip
 
 
 def report_text(r: ExportReport) -> str:
