@@ -93,7 +93,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     report = export_model(
         args.run_dir, args.out, int8=args.int8, scale_dtype=args.scale_dtype, measure=not args.no_eval,
-        config=args.config,
+        config=args.config, format=args.format,
     )  # fmt: skip
     print(report_text(report))
     return 0
@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a single-process inference model of a run (optionally int8 tables)")
     p.add_argument("run_dir", help="a run folder (model.pt, else its newest checkpoint) or a checkpoint folder")
-    p.add_argument("--out", required=True, help="the export file to write")
+    p.add_argument("--out", required=True, help="the export file (nrx) or folder (pt2) to write")
+    p.add_argument("--format", default="nrx", choices=["nrx", "pt2"], help="nrx: one neorec file; pt2: a torch.export program + safetensors weights")
     p.add_argument("--int8", action="store_true", help="int8 row-wise quantized tables; reports the AUC change")
     p.add_argument("--scale-dtype", default="fp32", choices=["fp32", "fp16"], help="--int8: type of each row's scale and bias")
     p.add_argument("--no-eval", action="store_true", help="do not measure the held-out AUC")
@@ -240,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("predict", help="score data with an exported model and write the predictions")
-    p.add_argument("model", help="a file written by `neorec export`")
+    p.add_argument("model", help="what `neorec export` wrote: an .nrx file, or a pt2 folder (or its model.pt2)")
     p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels)")
     p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data")
     p.add_argument("--batch-size", type=positive_int, default=None, help="samples per batch (default: data.eval_batch_size)")

@@ -21,11 +21,13 @@ from neorec.checkpoint.save import MANIFEST, list_checkpoints
 from neorec.config.load import dump_config, load_config
 from neorec.config.schema import RunConfig
 from neorec.data.source import DataSource
-from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, feature_order
 from neorec.errors import NeorecError
 from neorec.serving.file_format import ExportError, check_output_file, export_size, write_export
 from neorec.serving.model import build_inference_model, file_tensors, info_to_json
 from neorec.serving.quantize import SCALE_DTYPES, QuantizedRows, quantize_rows
+
+FORMATS = ("nrx", "pt2")
 
 
 @dataclass
@@ -48,11 +50,12 @@ class TrainedModel:
 class ExportReport:
     out: Path
     num_bytes: int
-    fp32_bytes: int  # the size of the fp32 export of the same run (equal to num_bytes without int8)
+    fp32_bytes: int  # the size of the fp32 export of the same run (num_bytes without int8; 0: not known)
     table_bytes: dict[str, int]  # "fp32" and, with int8, "int8": bytes of all tables
     eval: dict[str, dict[str, float]] = field(default_factory=dict)  # "fp32"/"int8" -> held-out metrics
     scale_dtype: str | None = None
     seconds: float = 0.0
+    format: str = "nrx"
 
     @property
     def auc_change(self) -> float | None:
@@ -183,11 +186,17 @@ def export_model(
     scale_dtype: str = "fp32",
     measure: bool = True,
     config: str | Path | None = None,
+    format: str = "nrx",
 ) -> ExportReport:
-    """Write the inference file of a run to `out`; with `measure`, the held-out metrics of the fp32
-    model and (int8) of the quantized one, as they will score after loading."""
+    """Write the inference export of a run to `out` (format "nrx": one file; "pt2": a folder with a
+    torch.export program and safetensors weights, see pt2_export); with `measure`, the held-out
+    metrics of the fp32 model and (int8) of the quantized one, as they will score after loading."""
     from neorec.train.trainer import evaluate
 
+    if format not in FORMATS:
+        raise ExportError(f"export format must be one of {list(FORMATS)}, got {format!r}")
+    if format == "pt2" and Path(out).is_file():
+        raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
     start = time.perf_counter()
     check_output_file(out, "--out")
     trained = load_trained(path, config)
@@ -215,6 +224,11 @@ def export_model(
         "origin": str(trained.origin),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    table_bytes = {"fp32": sum(w.numel() * w.element_size() for w in trained.weights.values())}
+    if int8:
+        table_bytes["int8"] = sum(q.nbytes for q in weights.values())
+    if format == "pt2":
+        return _export_pt2(trained, out, header, weights, table_bytes, metrics, scale_dtype if int8 else None, start)
     tensors = file_tensors(trained.dense, weights)
     fp32_bytes = 0
     if int8:  # the size of the file an fp32 export of the same run writes
@@ -225,12 +239,36 @@ def export_model(
         }
         fp32_bytes = export_size(fp32_header, file_tensors(trained.dense, trained.weights))
     num_bytes = write_export(out, header, tensors)
-    table_bytes = {"fp32": sum(w.numel() * w.element_size() for w in trained.weights.values())}
-    if int8:
-        table_bytes["int8"] = sum(q.nbytes for q in weights.values())
     return ExportReport(
         Path(out), num_bytes, fp32_bytes or num_bytes, table_bytes, metrics,
         scale_dtype if int8 else None, time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _export_pt2(
+    trained: TrainedModel,
+    out: str | Path,
+    header: dict,
+    weights: dict,
+    table_bytes: dict[str, int],
+    metrics: dict,
+    scale_dtype: str | None,
+    start: float,
+) -> ExportReport:
+    from neorec.serving.pt2_export import export_program, write_pt2
+
+    info = trained.source.info
+    weighted = any(f.weighted for f in info.features)
+    program = export_program(trained.inference_model(weights), trained.tables, weights, info.num_dense, weighted)
+    header = {
+        **header,
+        "inputs": {"num_dense": info.num_dense, "feature_names": feature_order(trained.tables), "weighted": weighted},
+    }
+    num_bytes = write_pt2(out, header, program, trained.dense, weights)
+    fp32_bytes = 0 if scale_dtype else num_bytes  # unknown for int8: no fp32 program is exported
+    return ExportReport(
+        Path(out), num_bytes, fp32_bytes, table_bytes, metrics, scale_dtype, time.perf_counter() - start,
+        format="pt2",
     )  # fmt: skip
 
 
@@ -241,11 +279,17 @@ def report_text(r: ExportReport) -> str:
         kind = f"int8 row-wise tables, {r.scale_dtype} scale and bias"
     else:
         kind = "fp32 (tables as trained)"
-    rows = [
-        ("export file", f"{r.out} ({kind})"),
-        ("file size", f"{r.num_bytes:,} bytes ({r.num_bytes / mib:.2f} MiB)"),
-    ]
-    if r.scale_dtype:
+    if r.format == "pt2":
+        rows = [
+            ("export folder", f"{r.out} (model.pt2 + weights.safetensors, {kind})"),
+            ("folder size", f"{r.num_bytes:,} bytes ({r.num_bytes / mib:.2f} MiB)"),
+        ]
+    else:
+        rows = [
+            ("export file", f"{r.out} ({kind})"),
+            ("file size", f"{r.num_bytes:,} bytes ({r.num_bytes / mib:.2f} MiB)"),
+        ]
+    if r.scale_dtype and r.fp32_bytes:
         ratio = r.fp32_bytes / r.num_bytes
         rows.append(
             (
@@ -253,6 +297,7 @@ def report_text(r: ExportReport) -> str:
                 f"{r.fp32_bytes:,} bytes ({r.fp32_bytes / mib:.2f} MiB), {ratio:.2f}x this file",
             )
         )
+    if r.scale_dtype:
         fp32, int8 = r.table_bytes["fp32"] / mib, r.table_bytes["int8"] / mib
         rows.append(("tables fp32 / int8", f"{fp32:.2f} MiB / {int8:.2f} MiB"))
     for kind, m in r.eval.items():

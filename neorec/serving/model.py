@@ -18,11 +18,13 @@ from torch import nn
 
 from neorec.config.load import validate_config
 from neorec.config.schema import RunConfig
+from neorec.data.batch import Batch
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError, NeorecError
 from neorec.serving.embeddings import InferenceEmbeddings, TableWeights
 from neorec.serving.file_format import ExportError, read_export
+from neorec.serving.pt2_model import PT2_FORMAT, program_inputs
 from neorec.serving.quantize import QuantizedRows
 
 
@@ -39,6 +41,18 @@ class ExportedModel:
     @property
     def quantized(self) -> bool:
         return self.header.get("quantization") is not None
+
+    @property
+    def is_program(self) -> bool:
+        """A pt2 export: `model` is the torch.export program, scoring plain tensors."""
+        return self.header.get("format") == PT2_FORMAT
+
+    def probabilities(self, batch: Batch) -> torch.Tensor:
+        """Click probabilities [B] of a batch."""
+        if self.is_program:
+            inputs = self.header["inputs"]
+            return self.model(*program_inputs(batch, inputs["feature_names"], inputs["weighted"]))
+        return torch.sigmoid(self.model(batch))
 
 
 def build_inference_model(
@@ -87,10 +101,8 @@ def info_to_json(info: SourceInfo) -> dict:
     return {"num_dense": info.num_dense, "features": [asdict(f) for f in info.features]}
 
 
-def load_export(path: str | Path) -> ExportedModel:
-    """Read and check an export file and rebuild its model (no pickle: raw bytes and JSON)."""
-    path = Path(path)
-    header, tensors = read_export(path)
+def parse_header(header: dict, path: Path) -> tuple[RunConfig, SourceInfo, list[TableConfig]]:
+    """The run config, features and tables an export's header records."""
     try:
         cfg = validate_config(yaml.safe_load(header["config"]), where=f"{path} (config)")
         s = header["source"]
@@ -98,6 +110,27 @@ def load_export(path: str | Path) -> ExportedModel:
         tables = [TableConfig(**t) for t in header["tables"]]
     except (KeyError, TypeError, ValueError, ConfigError, yaml.YAMLError) as e:
         raise ExportError(f"export file {path}: the header is malformed ({type(e).__name__}: {e})") from None
+    return cfg, info, tables
+
+
+def load_export(path: str | Path) -> ExportedModel:
+    """Read and check an export (an .nrx file, or a pt2 folder or its model.pt2) and rebuild its
+    model (no pickle: raw bytes and JSON, or a torch.export program)."""
+    from neorec.serving.pt2_export import is_pt2, read_pt2
+
+    path = Path(path)
+    if is_pt2(path):
+        header, program, file = read_pt2(path)
+        cfg, info, _ = parse_header(header, file)
+        program.requires_grad_(False)
+        return ExportedModel(program, cfg, info, header, file)
+    if path.is_dir():
+        raise ExportError(
+            f"{path} is a folder without model.pt2: give an .nrx file or a folder written by "
+            "`neorec export --format pt2`"
+        )
+    header, tensors = read_export(path)
+    cfg, info, tables = parse_header(header, path)
     quantized = header.get("quantization") is not None
     weights: dict[str, TableWeights] = {}
     for t in tables:

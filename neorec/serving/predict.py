@@ -70,7 +70,7 @@ def data_batches(exported: ExportedModel, batch_size: int, data: str | Path | No
 def score(exported: ExportedModel, batches: Iterator[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(click probabilities [B], labels [B]) per batch."""
     for batch in batches:
-        yield torch.sigmoid(exported.model(batch)), batch.labels
+        yield exported.probabilities(batch), batch.labels
 
 
 def predict_file(

@@ -1,0 +1,142 @@
+"""The pt2 export: a folder that standard tools read without neorec.
+
+    DIR/model.pt2            a `torch.export` program (pt2_model.ScoringProgram) saved with
+                             `torch.export.save`; the export header (config, features, tables,
+                             quantization, held-out metrics, input layout) rides along as the extra
+                             file `neorec.json`
+    DIR/weights.safetensors  the tables (`tables/<table>/weight`, or int8 `codes`, `scale`, `bias`) and
+                             the dense weights (`dense/<state_dict key>`), crc32 of each in the metadata
+
+Scoring in any Python with torch, no neorec:
+
+    program = torch.export.load("DIR/model.pt2").module()
+    probabilities = program(dense, ids, offsets, weights)   # see pt2_model for the layout
+
+The batch dimension is dynamic (torch.export.Dim), so one program scores any batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.fx.experimental._config as fx_config
+
+from neorec.checkpoint.files import write_atomic
+from neorec.embedding.tables import TableConfig
+from neorec.serving.embeddings import TableWeights
+from neorec.serving.file_format import ExportError
+from neorec.serving.model import file_tensors
+from neorec.serving.pt2_model import PT2_FORMAT, ScoringProgram, TableLookups
+from neorec.serving.safetensors_file import write_safetensors
+
+MODEL_FILE = "model.pt2"
+WEIGHTS_FILE = "weights.safetensors"
+HEADER_FILE = "neorec.json"  # the extra file inside model.pt2
+
+
+def is_pt2(path: str | Path) -> bool:
+    """A pt2 export folder or its model.pt2."""
+    path = Path(path)
+    return (path / MODEL_FILE).is_file() or (path.suffix == ".pt2" and path.is_file())
+
+
+def example_inputs(
+    tables: list[TableConfig], feature_names: list[str], num_dense: int, weighted: bool, batch_size: int = 5
+) -> tuple:
+    """Inputs of the program's layout to trace it with: uneven bags, an empty one among them."""
+    rows = {f: t.rows for t in tables for f in t.features}
+    lengths = torch.tensor([2, 0, 1, 3, 1][:batch_size])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n = int(lengths.sum())
+    ids = [torch.arange(n, dtype=torch.int64) % rows[f] for f in feature_names]
+    weights = [torch.ones(n) for _ in feature_names] if weighted else []
+    return torch.zeros(batch_size, num_dense), ids, [offsets.clone() for _ in feature_names], weights
+
+
+def export_program(
+    model: torch.nn.Module,
+    tables: list[TableConfig],
+    weights: dict[str, TableWeights],
+    num_dense: int,
+    weighted: bool,
+) -> torch.export.ExportedProgram:
+    """`model` (an inference model from build_inference_model; its embeddings are replaced) over
+    `weights`, exported with a dynamic batch size and dynamic id counts per feature."""
+    lookups = TableLookups(tables, weights)
+    program = ScoringProgram(model, lookups).eval()
+    names = lookups.feature_names
+    batch = torch.export.Dim("batch", min=1)
+    counts = [torch.export.Dim(f"num_ids_{k}", min=0) for k in range(len(names))]
+    dynamic = (
+        {0: batch},
+        [{0: c} for c in counts],
+        [{0: batch + 1} for _ in names],
+        [{0: c} for c in counts] if weighted else [],
+    )
+    args = example_inputs(tables, names, num_dense, weighted)
+    # Size-oblivious tracing: without it a size check in the traced ops (as for any batch traced at
+    # size > 1) guards the program to batches of 2 or more samples; with it, one sample scores too.
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        return torch.export.export(program, args, dynamic_shapes=dynamic, strict=False)
+
+
+def write_pt2(
+    out: str | Path,
+    header: dict,
+    program: torch.export.ExportedProgram,
+    dense: dict[str, torch.Tensor],
+    weights: dict[str, TableWeights],
+) -> int:
+    """Write model.pt2 and weights.safetensors into the folder `out`; returns their total bytes."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
+    out.mkdir(parents=True, exist_ok=True)
+    full = {**header, "format": PT2_FORMAT}
+    write_atomic(
+        out / MODEL_FILE,
+        lambda f: torch.export.save(program, f, extra_files={HEADER_FILE: json.dumps(full, indent=1)}),
+    )
+    quant = header.get("quantization")
+    metadata = {
+        "format": "neorec-weights",
+        "quantization": json.dumps(quant),
+        "tables": json.dumps(header["tables"]),
+        "inputs": json.dumps(header["inputs"]),
+        "layout": (
+            "tables/<table>/codes (uint8 [rows, dim]), scale and bias ([rows]): row ~ scale * codes + bias"
+            if quant
+            else "tables/<table>/weight [rows, dim]"
+        )
+        + "; dense/<key>: the dense model's state dict",
+    }
+    write_safetensors(out / WEIGHTS_FILE, file_tensors(dense, weights), metadata)
+    return sum((out / n).stat().st_size for n in (MODEL_FILE, WEIGHTS_FILE))
+
+
+def read_pt2(path: str | Path) -> tuple[dict, torch.nn.Module, Path]:
+    """(header, the program's module, model.pt2's path) of a pt2 folder or model.pt2."""
+    path = Path(path)
+    file = path / MODEL_FILE if path.is_dir() else path
+    if not zipfile.is_zipfile(file):  # checked first: torch logs a traceback for a damaged archive
+        raise ExportError(
+            f"pt2 export {file} is not a pt2 archive (a zip file): it is truncated or corrupted, or another "
+            "kind of file; export the model again with `neorec export RUN --format pt2 --out DIR`"
+        )
+    extra = {HEADER_FILE: ""}
+    try:
+        program = torch.export.load(file, extra_files=extra)
+    except (OSError, RuntimeError, KeyError, ValueError, zipfile.BadZipFile) as e:
+        raise ExportError(f"pt2 export {file} cannot be loaded ({type(e).__name__}: {e})") from None
+    try:
+        header = json.loads(extra[HEADER_FILE])
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != PT2_FORMAT:
+        raise ExportError(
+            f"{file} is a torch.export program but not one written by `neorec export --format pt2`"
+        )
+    return header, program.module(), file
