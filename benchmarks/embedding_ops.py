@@ -4,11 +4,12 @@ Implementations, each in its own process (so peak RSS is its own and tables are 
 - neorec: the fused table-batched engine (one lookup for all tables, optimizer fused into backward);
 - torch: one nn.EmbeddingBag(sparse=True) per table + torch.optim SGD / Adagrad (the dlrm way);
 - fbgemm: FBGEMM's CPU TBE, SplitTableBatchedEmbeddingBagsCodegen with the matching exact optimizer,
-  run with `--fbgemm-python` (the separate TorchRec environment; skipped when it cannot import fbgemm).
+  run with `--fbgemm-python` (default this python; skipped when it cannot import fbgemm).
 
 Cases (ids Zipf-skewed, popular ids scattered over the table, as in the synthetic data):
 - onehot:   26 tables x 1M rows x dim 64, one id per bag, batch 8192;
-- multihot: 26 tables x 1M rows x dim 128, MLPerf DLRM-DCNv2 bag sizes (214 ids/sample), batch 2048.
+- multihot: 26 tables x 1M rows x dim 128, MLPerf DLRM-DCNv2 bag sizes (fixed, 214 ids/sample), batch 2048.
+Optimizers: sgd, adagrad and rowwise_adagrad (torch.optim has no row-wise AdaGrad: no torch row there).
 Every worker gets the same allocator settings (`--malloc`): by default glibc keeps freed memory
 for reuse, which saves page faults on large temporaries for all implementations alike.
 A case whose tables and optimizer state do not fit in 80% of the available memory is run with fewer
@@ -240,15 +241,15 @@ def fbgemm_available(python: str) -> str | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="onehot,multihot")
-    p.add_argument("--optimizers", default="sgd,adagrad", help="sgd, adagrad, rowwise_adagrad")
+    p.add_argument("--optimizers", default="sgd,adagrad,rowwise_adagrad", help="sgd, adagrad, rowwise_adagrad")
     p.add_argument("--impls", default="neorec,torch,fbgemm")
     p.add_argument("--rows", type=int, help="rows per table instead of the case's 1M")
     p.add_argument("--batches", type=int, default=8, help="timed batches (median shown)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of id popularity")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--fbgemm-python", default=os.environ.get("FBGEMM_PYTHON", "/work/trec-venv/bin/python"),
-                   help="a python that can import fbgemm_gpu (the separate TorchRec environment)")  # fmt: skip
+    p.add_argument("--fbgemm-python", default=os.environ.get("FBGEMM_PYTHON", sys.executable),
+                   help="a python that can import fbgemm_gpu (this one, or a separate TorchRec environment)")  # fmt: skip
     p.add_argument("--malloc", choices=["keep", "system"], default="keep",
                    help="keep: every process (all implementations alike) keeps freed memory for reuse "
                    "(neorec/utils/host.py); system: glibc's default")  # fmt: skip

@@ -148,8 +148,10 @@ class Comms:
         return self._all_to_all_wire(send, send_splits, recv_splits, group)
 
     def _all_to_all_wire(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Group) -> Pending:
-        """all_to_all of a tensor that lies on the transport's device."""
-        recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+        """all_to_all of a tensor that lies on the transport's device (a staged one is pinned, and so is
+        what it receives, which then goes up to the GPU without another copy)."""
+        shape = (sum(recv_splits), *send.shape[1:])
+        recv = torch.empty(shape, dtype=send.dtype, pin_memory=True) if send.is_pinned() else send.new_empty(shape)
         if group.shm is not None and send.device.type == "cpu":
             group.shm.all_to_all(recv, send.contiguous(), recv_splits, send_splits)
             return Pending.ready(recv)

@@ -1,0 +1,250 @@
+"""neorec against TorchRec, end to end: the same DLRM shapes trained on the same pre-built batches.
+
+    python benchmarks/vs_torchrec.py --preset kaggle_sgd
+    python benchmarks/vs_torchrec.py --preset mlperf_multihot --repeats 3 --steps 100
+    python benchmarks/vs_torchrec.py --preset kaggle_rowwise_adagrad --torchrec-python /path/to/venv/bin/python
+
+TorchRec's side is its DLRM over a FusedEmbeddingBagCollection (FBGEMM's CPU table-batched kernels,
+the optimizer fused into backward); neorec's side is its DLRM over the fused embedding engine. The
+batches are drawn once by neorec's synthetic generator and saved, and every run (a fresh process,
+`--threads` intra-op threads) reads the same file. Runs are interleaved (neorec, TorchRec, neorec,
+...) so that the machine's drift hits both sides alike; each run reports samples/s over its timed
+steps (after `--warmup`), its peak RSS, and the held-out AUC after training. Each side is also run
+dense-only: the same MLPs and interaction with the pooled embeddings replaced by a fixed tensor, so
+that what the embedding part and everything around it cost shows as the difference.
+
+TorchRec may live in a virtual environment of its own (torch 2.13 + fbgemm-gpu-cpu 1.8.0 + torchrec
+1.8.0 installed with --no-deps, then tensordict, torchmetrics==1.0.3, tqdm, pyre-extensions; or
+scripts/install-test-deps.sh): give its python with --torchrec-python. Appends to RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+PRESETS = {
+    # Criteo Kaggle cardinalities capped at 1M rows, one-hot, dim 64, SGD everywhere
+    "kaggle_sgd": dict(rows="criteo_kaggle", max_rows=1_000_000, multi_hot=False, dim=64, bottom=[512, 256, 64],
+                       top=[512, 256], emb_opt="sgd", emb_lr=0.05, dense_opt="sgd", dense_lr=0.05),
+    "kaggle_rowwise_adagrad": dict(rows="criteo_kaggle", max_rows=1_000_000, multi_hot=False, dim=64,
+                                   bottom=[512, 256, 64], top=[512, 256], emb_opt="rowwise_adagrad", emb_lr=0.05,
+                                   dense_opt="sgd", dense_lr=0.05),
+    # MLPerf Criteo 1TB cardinalities capped at 500k rows, the DCNv2 reference's fixed bag sizes (214 ids
+    # a sample), dim 128, dot interaction, row-wise AdaGrad on the rows, AdaGrad on the MLPs
+    "mlperf_multihot": dict(rows="mlperf", max_rows=500_000, multi_hot=True, dim=128, bottom=[512, 256, 128],
+                            top=[1024, 1024, 512, 256], emb_opt="rowwise_adagrad", emb_lr=0.001,
+                            dense_opt="adagrad", dense_lr=0.001),
+}  # fmt: skip
+SIDES = ("neorec", "torchrec")
+
+
+# ---- the shared batches --------------------------------------------------------------------------
+def make_batches(preset: dict, batch_size: int, steps: int, eval_batches: int, seed: int, path: Path) -> None:
+    from neorec.data.synthetic import (
+        CRITEO_KAGGLE_ROWS,
+        MLPERF_MULTI_HOT,
+        MLPERF_ROWS,
+        SyntheticSource,
+        SyntheticSpec,
+    )
+
+    rows = CRITEO_KAGGLE_ROWS if preset["rows"] == "criteo_kaggle" else MLPERF_ROWS
+    spec = SyntheticSpec(
+        rows=[min(r, preset["max_rows"]) for r in rows], num_dense=13,
+        bag_sizes=list(MLPERF_MULTI_HOT) if preset["multi_hot"] else None,
+        train_samples=batch_size * steps, eval_samples=batch_size * eval_batches, seed=seed,
+    )  # fmt: skip
+    source = SyntheticSource(spec, cache=False)
+
+    def plain(batches):
+        out = []
+        for b in batches:
+            s = b.sparse
+            out.append({"dense": b.dense, "labels": b.labels, "values": s.values, "lengths": s.lengths})
+        return out
+
+    torch.save({"rows": spec.rows, "keys": source.keys, "train": plain(source.train_batches(batch_size)),
+                "eval": plain(source.eval_batches(batch_size))}, path)  # fmt: skip
+
+
+# ---- one run, in a process of its own ---------------------------------------------------------------
+def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: bool):
+    from torch import nn
+
+    from neorec.embedding import EmbeddingOptimizerConfig, FusedEmbeddingCollection, TableConfig
+    from neorec.model.dlrm import DLRM
+
+    tables = [TableConfig(name=k, rows=r, dim=preset["dim"], features=[k]) for k, r in zip(keys, rows, strict=True)]
+    emb = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name=preset["emb_opt"], lr=preset["emb_lr"]), seed=0)
+    if dense_only:
+        names, dims, width = emb.feature_names, emb.feature_dims, emb.output_dim
+
+        class FixedPooled(nn.Module):
+            """The dense-only stand-in: fixed pooled vectors after the bottom MLP's output."""
+
+            feature_names, feature_dims = names, dims
+
+            def pooled_after(self, prefix, sparse):
+                return torch.cat([prefix, torch.full((prefix.shape[0], width), 0.01)], dim=1)
+
+        emb = FixedPooled()
+    torch.manual_seed(0)
+    model = DLRM(13, emb, preset["bottom"], preset["top"])
+    emb_opt = emb.build_optimizer() if not dense_only else None
+    dense = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
+
+    def step(batch):
+        from neorec.data.batch import Batch
+        from neorec.sparse import SparseBatch
+
+        b = Batch(batch["dense"], SparseBatch(keys, batch["values"], batch["lengths"]), batch["labels"])
+        return model(b), b.labels
+
+    return model, dense, emb_opt, step
+
+
+def torchrec_model(preset: dict, rows: list[int], keys: list[str], dense_only: bool):
+    from torch import nn
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad
+
+    opt = {"sgd": torch.optim.SGD, "rowwise_adagrad": RowWiseAdagrad}[preset["emb_opt"]]
+    tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=preset["dim"], num_embeddings=r, feature_names=[k])
+              for k, r in zip(keys, rows, strict=True)]  # fmt: skip
+    ebc = FusedEmbeddingBagCollection(tables, optimizer_type=opt, optimizer_kwargs={"lr": preset["emb_lr"]},
+                                      device=torch.device("cpu"))  # fmt: skip
+    torch.manual_seed(0)
+    model = DLRM(ebc, 13, preset["bottom"], preset["top"] + [1])
+    if dense_only:
+
+        class FixedPooled(nn.Module):
+            def forward(self, kjt):
+                return torch.full((kjt.stride(), len(keys), preset["dim"]), 0.01)
+
+        model.sparse_arch = FixedPooled()
+    dense = [p for n, p in model.named_parameters() if "sparse_arch" not in n]
+
+    def step(batch):
+        kjt = KeyedJaggedTensor(keys=keys, values=batch["values"], lengths=batch["lengths"].to(torch.int64))
+        return model(batch["dense"], kjt).squeeze(1), batch["labels"]
+
+    return model, dense, None, step
+
+
+def run_worker(args: argparse.Namespace) -> dict:
+    from common import peak_rss_mib
+
+    from neorec.metrics.auc import auc
+
+    torch.set_num_threads(args.threads)
+    preset = PRESETS[args.preset]
+    data = torch.load(args.data, weights_only=True)
+    build = neorec_model if args.side == "neorec" else torchrec_model
+    model, dense, emb_opt, step = build(preset, data["rows"], data["keys"], args.dense_only)
+    opt_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[preset["dense_opt"]]
+    dense_opt = opt_cls(dense, lr=preset["dense_lr"])
+    times = []
+    for i, batch in enumerate(data["train"]):
+        t0 = time.perf_counter()
+        logits, labels = step(batch)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        dense_opt.zero_grad(set_to_none=True)
+        loss.backward()  # both sides update the embedding rows here
+        dense_opt.step()
+        if emb_opt is not None:
+            emb_opt.step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    with torch.no_grad():
+        scores, labels = zip(*(step(b) for b in data["eval"]), strict=True)
+    batch_size = len(data["train"][0]["labels"])
+    return {
+        "samples_per_s": batch_size * len(times) / sum(times),
+        "ms_per_step": 1000 * statistics.median(times),
+        "peak_rss_mib": peak_rss_mib(),
+        "auc": float(auc(torch.sigmoid(torch.cat(scores)), torch.cat(labels))),
+    }
+
+
+# ---- the comparison ------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=list(PRESETS), default="kaggle_sgd")
+    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=100, help="training steps a run (all timed but --warmup)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--eval-batches", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each side")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--torchrec-python", default=sys.executable, help="python of TorchRec's environment")
+    p.add_argument("--no-dense-only", action="store_true", help="skip the dense-only runs")
+    p.add_argument("--dir", default="runs/vs_torchrec", help="where the shared batches are written")
+    p.add_argument("--no-append", action="store_true")
+    # worker mode
+    p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    p.add_argument("--dense-only", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.side:
+        print(json.dumps(run_worker(args)))
+        return
+
+    preset = PRESETS[args.preset]
+    path = Path(args.dir) / f"{args.preset}-b{args.batch_size}-s{args.steps}.pt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        make_batches(preset, args.batch_size, args.steps, args.eval_batches, 0, path)
+    kinds = [(side, False) for side in SIDES] + ([] if args.no_dense_only else [(s, True) for s in SIDES])
+    runs: dict[tuple[str, bool], list[dict]] = {k: [] for k in kinds}
+    for r in range(args.repeats):
+        for side, dense_only in kinds:
+            python = args.torchrec_python if side == "torchrec" else sys.executable
+            cmd = [python, __file__, "--side", side, "--preset", args.preset, "--data", str(path),
+                   "--threads", str(args.threads), "--warmup", str(args.warmup)] + (["--dense-only"] if dense_only else [])  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                raise SystemExit(f"{side} run failed:\n{out.stderr[-3000:]}")
+            runs[(side, dense_only)].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"repeat {r + 1} {side}{' dense-only' if dense_only else ''}: {runs[(side, dense_only)][-1]}", flush=True)
+    print(report(args, runs))
+
+
+def report(args: argparse.Namespace, runs: dict) -> str:
+    from common import append_results, markdown_table
+
+    def med(key, rs):
+        return statistics.median(x[key] for x in rs)
+
+    rows = []
+    base = med("samples_per_s", runs[("torchrec", False)])
+    for (side, dense_only), rs in runs.items():
+        sps = [x["samples_per_s"] for x in rs]
+        rows.append([
+            side + (" dense-only" if dense_only else ""), round(med("samples_per_s", rs)),
+            f"{min(sps):,.0f} - {max(sps):,.0f}", f"{med('samples_per_s', rs) / base:.2f}x",
+            round(med("ms_per_step", rs), 1), round(med("peak_rss_mib", rs)),
+            "-" if dense_only else f"{med('auc', rs):.4f}",
+        ])  # fmt: skip
+    header = ["side", "samples/s (median)", "range", "vs TorchRec", "ms/step (median)", "peak RSS MiB", "AUC"]
+    table = markdown_table(header, rows)
+    if not args.no_append:
+        notes = (f"Preset {args.preset}: {PRESETS[args.preset]}; batch {args.batch_size}, {args.steps} steps "
+                 f"({args.warmup} untimed), {args.repeats} interleaved runs per side, {args.threads} threads.")  # fmt: skip
+        append_results(f"neorec vs TorchRec end to end: {args.preset}", table, notes)
+    return table
+
+
+if __name__ == "__main__":
+    main()
