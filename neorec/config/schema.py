@@ -87,8 +87,81 @@ class PreprocessedConfig(Strict):
     prefetch: int = Field(4, ge=0, description="batches the reader's background threads make ahead")
 
 
+class ParquetFeatureConfig(Strict):
+    """One categorical feature of Parquet data: its ids column and how raw values become table rows."""
+
+    name: str = Field(min_length=1, description="feature (and table) name")
+    column: str | None = Field(
+        None, description="column of ids (default: the name): integers or strings, or lists of them (multi-hot)"
+    )
+    weights: str | None = Field(
+        None, description="column of per-id weights: a float, or a list of floats as long as the ids' list"
+    )
+    rows: int | None = Field(None, gt=0, description="rows of the feature's table (default: data.parquet.table_rows)")
+    hashing: Literal["modulo", "hash", "none", "vocab"] | None = Field(
+        None, description="raw value -> row (default: data.parquet.hashing)"
+    )
+    strings: Literal["hex", "fnv1a"] | None = Field(
+        None, description="string ids -> raw value (default: data.parquet.strings)"
+    )
+
+
+class ParquetConfig(Strict):
+    """Parquet files read by neorec/data/parquet.py: columns mapped to the label, dense and categorical
+    features; each rank reads its own row groups."""
+
+    paths: list[str] = Field(min_length=1, description="training files or folders (local, or URIs pyarrow opens)")
+    eval_paths: list[str] | None = Field(None, description="held-out files or folders (or set eval_column)")
+    eval_column: str | None = Field(
+        None, description="boolean (or 0/1) column of paths' rows: true rows are held out (or set eval_paths)"
+    )
+    label: str = Field("label", min_length=1, description="label column: 0/1 integers, floats or booleans")
+    dense: list[str] = Field(default_factory=list, description="dense feature columns (numbers; null -> 0)")
+    dense_log1p: bool = Field(False, description="dense values: negatives -> 0, then log(1 + x), as for Criteo")
+    features: list[str | ParquetFeatureConfig] = Field(
+        min_length=1, description="categorical features: a column name, or a section with its settings"
+    )
+    table_rows: int = Field(100_000, gt=0, description="default rows of every feature's table")
+    hashing: Literal["modulo", "hash", "none", "vocab"] = Field(
+        "modulo",
+        description="raw value -> row: value % rows, splitmix64(value) % rows, the value itself (checked to lie "
+        "in [0, rows)), or 1 + its place in a vocabulary of vocab_dir (0 when absent)",
+    )
+    strings: Literal["hex", "fnv1a"] = Field(
+        "fnv1a", description="string ids -> raw value: hex digits (at most 8, as Criteo's), or the FNV-1a hash"
+    )
+    vocab_dir: str | None = Field(None, description="hashing vocab: folder of <feature>.npy vocabularies")
+    shuffle: bool = Field(True, description="shuffle the row-group order and the rows in a row group, per epoch")
+    prefetch: int = Field(4, ge=0, description="batches the reader's background threads make ahead")
+
+    @model_validator(mode="after")
+    def _split_and_names(self) -> ParquetConfig:
+        if (self.eval_paths is None) == (self.eval_column is None):
+            raise ValueError("set one of eval_paths (held-out files) or eval_column (a held-out flag per row)")
+        names = [f if isinstance(f, str) else f.name for f in self.features]
+        if len(set(names)) != len(names):
+            raise ValueError(f"feature names must be unique, got {names}")
+        if self.vocab_dir is None and any(h == "vocab" for h in [self.hashing, *self._feature_hashings()]):
+            raise ValueError("hashing vocab needs data.parquet.vocab_dir")
+        return self
+
+    def _feature_hashings(self) -> list[str | None]:
+        return [f.hashing for f in self.features if not isinstance(f, str)]
+
+    def feature_configs(self) -> list[ParquetFeatureConfig]:
+        """Every feature with its defaults filled in from this section."""
+        out = []
+        for f in self.features:
+            f = ParquetFeatureConfig(name=f) if isinstance(f, str) else f
+            out.append(ParquetFeatureConfig(
+                name=f.name, column=f.column or f.name, weights=f.weights, rows=f.rows or self.table_rows,
+                hashing=f.hashing or self.hashing, strings=f.strings or self.strings,
+            ))  # fmt: skip
+        return out
+
+
 class DataConfig(Strict):
-    source: Literal["synthetic", "criteo_tsv", "movielens", "shards", "preprocessed"] = Field(
+    source: Literal["synthetic", "criteo_tsv", "movielens", "shards", "preprocessed", "parquet"] = Field(
         "synthetic", description="where batches come from"
     )
     shards_dir: str | None = Field(None, description="source shards: a folder written by `neorec data generate`")
@@ -98,6 +171,7 @@ class DataConfig(Strict):
     criteo: CriteoConfig | None = Field(None, description="Criteo TSV settings (source: criteo_tsv)")
     movielens: MovieLensConfig = Field(default_factory=MovieLensConfig, description="MovieLens settings")
     preprocessed: PreprocessedConfig | None = Field(None, description="preprocessed shards (source: preprocessed)")
+    parquet: ParquetConfig | None = Field(None, description="Parquet files (source: parquet)")
 
     @model_validator(mode="after")
     def _source_settings(self) -> DataConfig:
@@ -107,6 +181,8 @@ class DataConfig(Strict):
             raise ValueError("source shards needs data.shards_dir")
         if self.source == "preprocessed" and self.preprocessed is None:
             raise ValueError("source preprocessed needs a data.preprocessed section with path")
+        if self.source == "parquet" and self.parquet is None:
+            raise ValueError("source parquet needs a data.parquet section with paths and features")
         return self
 
 

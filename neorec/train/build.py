@@ -16,7 +16,7 @@ from neorec.errors import ConfigError
 
 def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None = None) -> DataSource:
     """The configured source; with `topo` (a Topology), a per-rank reader where the source has one
-    (`preprocessed`: this rank's part of the data only). `device_of_rank`: the rank's training
+    (`preprocessed`, `parquet`: this rank's part of the data only). `device_of_rank`: the rank's training
     device, where the synthetic source keeps its samples (data.synthetic.on_device)."""
     d = cfg.data
     if d.source == "synthetic":
@@ -55,6 +55,12 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
             p.path, rank=rank, world_size=world, seed=cfg.seed, shuffle=p.shuffle,
             shuffle_window=p.shuffle_window, prefetch=p.prefetch,
         )  # fmt: skip
+    if d.source == "parquet":
+        from neorec.data.parquet import ParquetSource
+
+        assert d.parquet is not None  # checked by the config validator
+        rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
+        return ParquetSource(d.parquet, rank=rank, world_size=world, seed=cfg.seed)
     if d.source == "movielens":
         from neorec.data.movielens import MovieLensSource
 

@@ -1,0 +1,227 @@
+"""Arrow tables of Parquet data -> the reader's numpy Columns: type checks, id mapping, multi-hot lists.
+
+How a column becomes ids (set per feature in `data.parquet`):
+- raw value: an integer column gives its value (as uint64, two's complement for negatives); a string
+  column gives its hex value (`strings: hex`, at most 8 digits, parsed as the Criteo reader does) or its
+  FNV-1a 64-bit hash (`strings: fnv1a`, of the UTF-8 bytes); null and "" give 0, as a missing Criteo
+  value does;
+- row: `modulo` (value % rows), `hash` (splitmix64(value) % rows), `none` (the value itself, which must
+  lie in [0, rows)) or `vocab` (1 + the value's place in the feature's vocabulary, 0 when absent), the
+  same functions as the Criteo reader and `neorec data preprocess` (neorec/data/criteo.py, vocab.py).
+A list column is multi-hot: its list lengths are the bag sizes (a null list is an empty bag); a weights
+column holds one float per id, with the same list lengths.
+
+Dense columns are numbers or booleans, null -> 0; with `dense_log1p`, negatives -> 0 then log(1 + x) in
+float64 (the Criteo preprocessing). Labels are 0/1 (integers, floats or booleans) and never null.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from neorec.config.schema import ParquetFeatureConfig
+from neorec.data.columns import Columns
+from neorec.data.criteo import MAX_HEX_DIGITS, parse_hex
+from neorec.data.hashing import splitmix64
+from neorec.data.vocab import apply_vocab
+from neorec.errors import DataError
+
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)
+
+
+@dataclass
+class ColumnMap:
+    """Which columns hold what, with every feature's settings resolved (ParquetConfig.feature_configs)."""
+
+    label: str
+    dense: list[str]
+    dense_log1p: bool
+    features: list[ParquetFeatureConfig]
+    vocabs: list[np.ndarray | None]  # per feature, with hashing vocab
+    eval_column: str | None = None
+
+    def columns(self, with_eval_column: bool) -> list[str]:
+        """The columns a row group is read with."""
+        names = [self.label, *self.dense]
+        for f in self.features:
+            names += [f.column] + ([f.weights] if f.weights else [])
+        if with_eval_column and self.eval_column:
+            names.append(self.eval_column)
+        return list(dict.fromkeys(names))
+
+    def check_schema(self, path: str, schema: pa.Schema, with_eval_column: bool) -> list[bool]:
+        """Raise DataError naming the file and column when a column is missing or of the wrong type;
+        returns, per feature, whether it is multi-hot (a list column)."""
+
+        def field(name: str, role: str) -> pa.DataType:
+            if schema.get_field_index(name) < 0:
+                raise DataError(
+                    f"{path}: no column {name!r} ({role}); its columns: {', '.join(schema.names)}"
+                )
+            return schema.field(name).type
+
+        def expect(ok: bool, name: str, kind: str, what: str) -> None:
+            if not ok:
+                raise DataError(f"{path}: column {name!r} has type {kind}; {what}")
+
+        t = field(self.label, "data.parquet.label")
+        expect(_is_number(t), self.label, str(t), "the label must be 0/1 integers, floats or booleans")
+        for name in self.dense:
+            t = field(name, "data.parquet.dense")
+            expect(_is_number(t), name, str(t), "dense features must be numbers or booleans")
+        if with_eval_column and self.eval_column:
+            t = field(self.eval_column, "data.parquet.eval_column")
+            expect(pa.types.is_boolean(t) or pa.types.is_integer(t), self.eval_column, str(t),
+                   "the held-out flag must be a boolean or 0/1 integer")  # fmt: skip
+        multi_hot = []
+        for f in self.features:
+            t = field(f.column, f"ids of feature {f.name}")
+            is_list = pa.types.is_list(t) or pa.types.is_large_list(t)
+            item = t.value_type if is_list else t
+            expect(_is_id(item), f.column, str(t),
+                   f"ids of feature {f.name} must be integers or strings, or lists of them")  # fmt: skip
+            if f.hashing == "none":
+                expect(pa.types.is_integer(item), f.column, str(t), f"hashing none of feature {f.name} needs integer ids")
+            if f.weights:
+                w = field(f.weights, f"weights of feature {f.name}")
+                w_list = pa.types.is_list(w) or pa.types.is_large_list(w)
+                w_item = w.value_type if w_list else w
+                expect(w_list == is_list and _is_number(w_item), f.weights, str(w),
+                       f"weights of feature {f.name} must be {'lists of floats' if is_list else 'floats'}, like its ids")  # fmt: skip
+            multi_hot.append(is_list)
+        return multi_hot
+
+    def to_columns(self, table: pa.Table, where: str) -> Columns:
+        """A table of the `columns()` of one row group (`where`: its file and row group, for errors)."""
+        labels = _numbers(table.column(self.label), where, self.label, nulls="error")
+        bad = (labels != 0) & (labels != 1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise DataError(f"{where}, row {i}: label column {self.label!r} = {labels[i]!r} is not 0 or 1")
+        n = len(labels)
+        dense = np.zeros((n, len(self.dense)), np.float64)
+        for j, name in enumerate(self.dense):
+            dense[:, j] = _numbers(table.column(name), where, name, nulls="zero")
+        if self.dense_log1p:
+            dense = np.log1p(np.maximum(dense, 0))
+        values, lengths, weights = [], [], []
+        for f, vocab in zip(self.features, self.vocabs, strict=True):
+            ids, ln = _ids(table.column(f.column).combine_chunks(), where, f, vocab)
+            values.append(ids)
+            lengths.append(ln)
+            weights.append(None if not f.weights else _weights(table.column(f.weights), ln, where, f))
+        return Columns(dense.astype(np.float32), labels.astype(np.float32), values, lengths, weights)
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _is_id(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t) or \
+        pa.types.is_binary(t) or pa.types.is_large_binary(t)  # fmt: skip
+
+
+def held_out(column: pa.ChunkedArray) -> np.ndarray:
+    """The eval_column as a bool mask (null: not held out)."""
+    return pc.fill_null(column.cast(pa.bool_()), False).to_numpy(zero_copy_only=False)
+
+
+def _numbers(column: pa.ChunkedArray, where: str, name: str, nulls: str) -> np.ndarray:
+    """A numeric column as float64; nulls -> 0, or an error naming the row."""
+    if column.null_count:
+        if nulls == "error":
+            i = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+            raise DataError(f"{where}, row {i}: column {name!r} is null")
+        column = pc.fill_null(column, 0)
+    return column.to_numpy().astype(np.float64, copy=False)
+
+
+def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray | None) -> tuple:
+    """(int64 rows, lengths or None) of one feature's column."""
+    lengths = None
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
+        arr = pc.list_flatten(arr)
+    if pa.types.is_integer(arr.type):
+        raw = pc.fill_null(arr, 0).to_numpy().astype(np.int64, copy=False)
+        if f.hashing == "none":
+            bad = (raw < 0) | (raw >= f.rows)
+            if bad.any():
+                v = raw[np.flatnonzero(bad)[0]]
+                raise DataError(
+                    f"{where}: column {f.column!r} holds id {v}, outside [0, {f.rows}) of feature {f.name}'s "
+                    "table (hashing none); set its rows, or hashing modulo/hash"
+                )
+            return raw, lengths
+        raw = raw.view(np.uint64)
+    else:
+        raw = _string_values(arr, where, f)
+    return _rows(raw, f, vocab), lengths
+
+
+def _rows(raw: np.ndarray, f: ParquetFeatureConfig, vocab: np.ndarray | None) -> np.ndarray:
+    if f.hashing == "vocab":
+        assert vocab is not None
+        return apply_vocab(raw, vocab)
+    if f.hashing == "hash":
+        raw = splitmix64(raw)
+    return (raw % np.uint64(f.rows)).astype(np.int64)
+
+
+def _string_bytes(arr: pa.Array, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first `width` bytes of every string, zero-padded [n, width] uint8; lengths [n], null -> 0)."""
+    arr = arr.cast(pa.large_binary())
+    n = len(arr)
+    buffers = arr.buffers()
+    offsets = np.frombuffer(buffers[1], np.int64, count=n + 1, offset=arr.offset * 8)
+    data = np.frombuffer(buffers[2], np.uint8) if buffers[2] is not None else np.zeros(0, np.uint8)
+    lengths = np.diff(offsets)
+    if arr.null_count:
+        lengths = np.where(arr.is_null().to_numpy(zero_copy_only=False), 0, lengths)
+    inside = np.arange(width) < lengths[:, None]
+    if data.size == 0:
+        return np.zeros((n, width), np.uint8), lengths
+    at = np.minimum(offsets[:-1, None] + np.arange(width), data.size - 1)
+    return np.where(inside, data[at], 0).astype(np.uint8), lengths
+
+
+def _string_values(arr: pa.Array, where: str, f: ParquetFeatureConfig) -> np.ndarray:
+    """Raw uint64 values of a string column, as `f.strings` says."""
+    if f.strings == "hex":
+        cells, lengths = _string_bytes(arr, MAX_HEX_DIGITS)
+        values, valid = parse_hex(cells.view(f"S{MAX_HEX_DIGITS}").reshape(-1))
+        valid &= lengths <= MAX_HEX_DIGITS
+        if not valid.all():
+            i = int(np.flatnonzero(~valid)[0])
+            raise DataError(
+                f"{where}: column {f.column!r} value {arr[i].as_py()!r} (id {i} of the row group) is not a hex "
+                f"hash of at most {MAX_HEX_DIGITS} digits; set strings: fnv1a to hash any string"
+            )
+        return values
+    width = int(pc.max(pc.binary_length(arr)).as_py() or 0)
+    cells, lengths = _string_bytes(arr, width)
+    h = np.full(len(arr), _FNV_OFFSET, np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(width):
+            h = np.where(j < lengths, (h ^ cells[:, j]) * _FNV_PRIME, h)
+    return np.where(lengths > 0, h, 0).astype(np.uint64)
+
+
+def _weights(column: pa.ChunkedArray, lengths: np.ndarray | None, where: str, f: ParquetFeatureConfig) -> np.ndarray:
+    arr = column.combine_chunks()
+    if lengths is not None:
+        w_lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy()
+        if not np.array_equal(w_lengths, lengths):
+            i = int(np.flatnonzero(w_lengths != lengths)[0])
+            raise DataError(
+                f"{where}, row {i}: weights column {f.weights!r} has {w_lengths[i]} weights for the "
+                f"{lengths[i]} ids of column {f.column!r}"
+            )
+        arr = pc.list_flatten(arr)
+    return pc.fill_null(arr, 1.0).to_numpy(zero_copy_only=False).astype(np.float32)
