@@ -239,10 +239,11 @@ class ParquetSource:
             )
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{where}: cannot read ({e})") from None
+        cols = self.map.to_columns(table, where)  # all rows, so that errors name the file's row numbers
         if by_column:
             mask = held_out(table.column(self.map.eval_column))
-            table = table.filter(pa.array(mask if split == "eval" else ~mask))
-        return self.map.to_columns(table, where)
+            cols = cols.take(np.flatnonzero(mask if split == "eval" else ~mask))
+        return cols
 
     def _windows(self, split: str, epoch: int | None, lo: int, hi: int) -> Iterator[tuple[Columns, np.ndarray]]:
         """(row group's samples, order of the ones to take) for samples [lo, hi) of the epoch."""

@@ -102,7 +102,7 @@ class ColumnMap:
         bad = (labels != 0) & (labels != 1)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise DataError(f"{where}, row {i}: label column {self.label!r} = {labels[i]!r} is not 0 or 1")
+            raise DataError(f"{where}, row {i}: label column {self.label!r} = {labels[i]:g} is not 0 or 1")
         n = len(labels)
         dense = np.zeros((n, len(self.dense)), np.float64)
         for j, name in enumerate(self.dense):
@@ -153,16 +153,21 @@ def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray |
         if f.hashing == "none":
             bad = (raw < 0) | (raw >= f.rows)
             if bad.any():
-                v = raw[np.flatnonzero(bad)[0]]
+                i = int(np.flatnonzero(bad)[0])
                 raise DataError(
-                    f"{where}: column {f.column!r} holds id {v}, outside [0, {f.rows}) of feature {f.name}'s "
-                    "table (hashing none); set its rows, or hashing modulo/hash"
+                    f"{where}, row {_row(i, lengths)}: column {f.column!r} holds id {raw[i]}, outside "
+                    f"[0, {f.rows}) of feature {f.name}'s table (hashing none); set its rows, or hashing modulo/hash"
                 )
             return raw, lengths
         raw = raw.view(np.uint64)
     else:
-        raw = _string_values(arr, where, f)
+        raw = _string_values(arr, where, f, lengths)
     return _rows(raw, f, vocab), lengths
+
+
+def _row(i: int, lengths: np.ndarray | None) -> int:
+    """The row of value i of a column (of a list column's flattened values when lengths are given)."""
+    return i if lengths is None else int(np.searchsorted(np.cumsum(lengths), i, side="right"))
 
 
 def _rows(raw: np.ndarray, f: ParquetFeatureConfig, vocab: np.ndarray | None) -> np.ndarray:
@@ -191,7 +196,7 @@ def _string_bytes(arr: pa.Array, width: int) -> tuple[np.ndarray, np.ndarray]:
     return np.where(inside, data[at], 0).astype(np.uint8), lengths
 
 
-def _string_values(arr: pa.Array, where: str, f: ParquetFeatureConfig) -> np.ndarray:
+def _string_values(arr: pa.Array, where: str, f: ParquetFeatureConfig, lengths: np.ndarray | None) -> np.ndarray:
     """Raw uint64 values of a string column, as `f.strings` says."""
     if f.strings == "hex":
         cells, lengths = _string_bytes(arr, MAX_HEX_DIGITS)
@@ -200,7 +205,7 @@ def _string_values(arr: pa.Array, where: str, f: ParquetFeatureConfig) -> np.nda
         if not valid.all():
             i = int(np.flatnonzero(~valid)[0])
             raise DataError(
-                f"{where}: column {f.column!r} value {arr[i].as_py()!r} (id {i} of the row group) is not a hex "
+                f"{where}, row {_row(i, lengths)}: column {f.column!r} value {arr[i].as_py()!r} is not a hex "
                 f"hash of at most {MAX_HEX_DIGITS} digits; set strings: fnv1a to hash any string"
             )
         return values
