@@ -145,8 +145,20 @@ def cmd_data_generate(args: argparse.Namespace) -> int:
 def cmd_data_preprocess(args: argparse.Namespace) -> int:
     from neorec.data.preprocess import preprocess_criteo, preprocess_synthetic
 
-    common = {"workers": args.workers, "progress": not args.no_progress}
-    if args.synthetic:
+    common = {"workers": args.workers, "progress": not args.no_progress, "parquet_output": args.parquet_output}
+    if args.synthetic and args.parquet:
+        raise NeorecError("give --synthetic or --parquet, not both")
+    if args.parquet:
+        from neorec.config.load import load_config
+        from neorec.data.preprocess_parquet import preprocess_parquet
+
+        if args.inputs:
+            raise NeorecError("--parquet takes no input files; set data.parquet.paths with --config/--set")
+        cfg = load_config(args.config or "default", args.overrides)
+        if cfg.data.parquet is None:
+            raise NeorecError("--parquet needs a data.parquet section (paths, features, ...) in --config or --set")
+        result = preprocess_parquet(cfg.data.parquet, args.out, shard_rows=args.shard_lines, **common)
+    elif args.synthetic:
         from neorec.config.load import load_config
         from neorec.data.synthetic import spec_from_config
 
@@ -289,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=cmd_data_generate)
-    p = data.add_parser("preprocess", help="Criteo TSV files (or synthetic data) -> sharded .npy columns, resumable")
+    p = data.add_parser("preprocess", help="Criteo TSV, Parquet or synthetic data -> sharded .npy columns, resumable")
     p.add_argument("inputs", nargs="*", help="Criteo TSV files, plain or .gz (training data)")
     p.add_argument("--out", required=True, help="output folder (rerun the same command to resume)")
     p.add_argument("--eval-paths", nargs="+", default=None, help="held-out TSV files (default: every --eval-every-th line)")
@@ -302,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-lines", type=int, default=1_000_000, help="input lines per shard")
     p.add_argument("--workers", type=positive_int, default=1, help="processes that write shards in parallel")
     p.add_argument("--synthetic", action="store_true", help="preprocess the synthetic data set of --config instead")
+    p.add_argument("--parquet", action="store_true",
+                   help="preprocess the Parquet files of --config's data.parquet section instead (--shard-lines: rows per shard)")
+    p.add_argument("--parquet-output", action="store_true",
+                   help="also write every shard's samples as Parquet files under OUT/parquet/<split>/")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_config_args(p)
     p.set_defaults(func=cmd_data_preprocess)

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
@@ -70,10 +71,10 @@ class RowGroup:
     samples: dict[str, int]
 
 
-def list_files(path: str) -> tuple[pa.fs.FileSystem, list[str]]:
+def list_files(path: str) -> tuple[pafs.FileSystem, list[str]]:
     """(filesystem, sorted files) of a file or folder, local or a URI; DataError when there is none."""
     try:
-        dataset = ds.dataset(path, format="parquet")
+        dataset = ds.dataset(path, format="parquet", schema=pa.schema([]))  # lists only: files are opened later
     except FileNotFoundError:
         raise DataError(f"{path}: no such file or folder") from None
     except (pa.ArrowInvalid, OSError) as e:
@@ -84,11 +85,32 @@ def list_files(path: str) -> tuple[pa.fs.FileSystem, list[str]]:
     return dataset.filesystem, files
 
 
-def open_parquet(fs: pa.fs.FileSystem, path: str) -> pq.ParquetFile:
+def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(fs.open_input_file(path))
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def column_map(config: ParquetConfig) -> ColumnMap:
+    """The config's columns, with every feature's settings and vocabulary (hashing vocab) resolved."""
+    features = config.feature_configs()
+    names = [f.name for f in features if f.hashing == "vocab"]
+    loaded = dict(zip(names, load_vocabs(Path(config.vocab_dir), names), strict=True)) if names else {}
+    vocabs = [loaded.get(f.name) for f in features]
+    return ColumnMap(config.label, list(config.dense), config.dense_log1p, features, vocabs, config.eval_column)
+
+
+def file_uri(fs: pafs.FileSystem, path: str) -> str:
+    """A string that `open_uri` opens again (in another process): the path, or a URI off this machine."""
+    return path if fs.type_name == "local" else f"{fs.type_name}://{path}"
+
+
+def open_uri(uri: str) -> pq.ParquetFile:
+    if "://" not in uri:
+        return open_parquet(pafs.LocalFileSystem(), uri)
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return open_parquet(fs, path)
 
 
 class ParquetSource:
@@ -99,13 +121,9 @@ class ParquetSource:
             raise ConfigError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
         self.config = config
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, config.shuffle
-        features = config.feature_configs()
-        vocab_names = [f.name for f in features if f.hashing == "vocab"]
-        loaded = dict(zip(vocab_names, load_vocabs(Path(config.vocab_dir), vocab_names), strict=True)) \
-            if vocab_names else {}  # fmt: skip
-        vocabs = [loaded.get(f.name) for f in features]
-        self.map = ColumnMap(config.label, list(config.dense), config.dense_log1p, features, vocabs, config.eval_column)
-        self.files: list[tuple[pa.fs.FileSystem, str]] = []
+        self.map = column_map(config)
+        features, vocabs = self.map.features, self.map.vocabs
+        self.files: list[tuple[pafs.FileSystem, str]] = []
         self.groups: dict[str, list[RowGroup]] = {split: [] for split in SPLITS}
         multi_hot: list[bool] | None = None
         roles = [(p, "paths") for p in config.paths] + [(p, "eval_paths") for p in config.eval_paths or []]

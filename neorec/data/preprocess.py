@@ -1,4 +1,5 @@
-"""`neorec data preprocess`: raw Criteo TSV files (or synthetic data) -> sharded columnar training files.
+"""`neorec data preprocess`: raw Criteo TSV files (or synthetic data, or Parquet files:
+neorec/data/preprocess_parquet.py) -> sharded columnar training files, optionally with a Parquet copy.
 
 Output folder:
     manifest.json            settings, features, and per shard: source lines, samples per split, skipped lines
@@ -119,10 +120,12 @@ def preprocess_criteo(
     workers: int = 1,
     progress: bool = True,
     max_shards: int | None = None,
+    parquet_output: bool = False,
 ) -> PreprocessResult:
     """Criteo TSV files (plain or .gz) -> shards. Held-out set: `eval_paths`, or every `eval_every`-th
     line of each file. `vocab_threshold` set: vocabulary ids (table_rows and hashing are not used).
-    `max_shards`: write at most this many shards, then stop (a later call resumes)."""
+    `max_shards`: write at most this many shards, then stop (a later call resumes). `parquet_output`:
+    also write the samples as Parquet files (neorec/data/preprocess_parquet.py)."""
     train = [str(p) for p in paths]
     evals = [str(p) for p in eval_paths] if eval_paths else []
     if not train:
@@ -152,6 +155,8 @@ def preprocess_criteo(
         "bad_lines": bad_lines,
         "shard_lines": shard_lines,
     }
+    if parquet_output:
+        settings["parquet_output"] = True
     out = Path(out)
     manifest = _resume_or_start(out, settings)
     if manifest is None:
@@ -190,13 +195,17 @@ def preprocess_synthetic(
     workers: int = 1,
     progress: bool = True,
     max_shards: int | None = None,
+    parquet_output: bool = False,
 ) -> PreprocessResult:
-    """The synthetic generator's train and eval sets -> shards of `blocks_per_shard` generator blocks."""
+    """The synthetic generator's train and eval sets -> shards of `blocks_per_shard` generator blocks
+    (`parquet_output`: also as Parquet files)."""
     if blocks_per_shard < 1:
         raise ConfigError(f"blocks_per_shard must be >= 1, got {blocks_per_shard}")
     spec_dict = asdict(spec)
     spec_dict["part_weights"] = list(spec.part_weights)
     settings = {"input": "synthetic", "spec": spec_dict, "blocks_per_shard": blocks_per_shard}
+    if parquet_output:
+        settings["parquet_output"] = True
     out = Path(out)
     manifest = _resume_or_start(out, settings)
     if manifest is None:
@@ -485,7 +494,11 @@ def _shard_job(job: tuple[str, dict, list[dict], list[ShardPlan]]) -> list[dict]
     out_str, settings, features, shards = job
     out = Path(out_str)
     if settings["input"] == "synthetic":
-        return [_write_shard(out, s, features, _synthetic_columns(settings, s), Counter()) for s in shards]
+        return [_write_shard(out, s, features, _synthetic_columns(settings, s), Counter(), settings) for s in shards]
+    if settings["input"] == "parquet":
+        from neorec.data.preprocess_parquet import parquet_shard_columns
+
+        return [_write_shard(out, s, features, parquet_shard_columns(settings, s), Counter(), settings) for s in shards]
     reader = _raw_reader(settings)
     metas, pending = [], {split: [] for split in SPLITS}
     skipped_before: Counter[str] = Counter()
@@ -495,7 +508,7 @@ def _shard_job(job: tuple[str, dict, list[dict], list[ShardPlan]]) -> list[dict]
                 pending[split].append(parsed)
             continue
         columns = {sp: _criteo_columns(out, settings, parts) for sp, parts in pending.items() if parts}
-        metas.append(_write_shard(out, shard, features, columns, reader.skipped - skipped_before))
+        metas.append(_write_shard(out, shard, features, columns, reader.skipped - skipped_before, settings))
         skipped_before = Counter(reader.skipped)
         pending = {sp: [] for sp in SPLITS}
     return metas
@@ -533,9 +546,10 @@ def _synthetic_columns(settings: dict, shard: ShardPlan) -> dict[str, Columns]:
 
 
 def _write_shard(
-    out: Path, shard: ShardPlan, features: list[dict], columns: dict[str, Columns], skipped: Counter
+    out: Path, shard: ShardPlan, features: list[dict], columns: dict[str, Columns], skipped: Counter, settings: dict
 ) -> dict:
-    """Write one shard under a temporary name and rename it: a shard folder exists only when complete."""
+    """Write one shard under a temporary name and rename it: a shard folder exists only when complete
+    (its Parquet copies, when asked for, are renamed into place before it)."""
     final = out / "shards" / shard.name
     tmp = out / "shards" / f".tmp-{shard.name}"
     if tmp.exists():  # left by an interrupted run
@@ -551,6 +565,11 @@ def _write_shard(
                 dtype = np.int32
             np.save(tmp / split / f"{key}.npy", np.ascontiguousarray(arr, dtype=dtype))
         samples[split] = int(len(cols["labels"]))
+    if settings.get("parquet_output"):
+        from neorec.data.preprocess_parquet import write_parquet_copy
+
+        for split, cols in columns.items():
+            write_parquet_copy(out / "parquet" / split / f"{shard.name}.parquet", cols, features, settings)
     meta = {"samples": samples, "skipped": dict(sorted(skipped.items()))}
     _write_json(tmp / "meta.json", meta)
     tmp.replace(final)

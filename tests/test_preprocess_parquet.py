@@ -1,0 +1,86 @@
+"""`neorec data preprocess` with Parquet: Parquet input gives the shards the Parquet source's samples,
+and Parquet output next to the shards reads back as the same samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from test_parquet import FIXTURE, SPEC, criteo_config, tsv_to_parquet
+from test_preprocess import tree_digest
+from test_rank_data import assert_same
+
+from neorec.cli import main
+from neorec.config.schema import ParquetConfig
+from neorec.data.criteo import CATEGORICAL_NAMES, CriteoTSVSource
+from neorec.data.parquet import ParquetSource
+from neorec.data.preprocess import load_manifest, preprocess_synthetic
+from neorec.data.preprocess_parquet import preprocess_parquet
+from neorec.data.sharded_reader import PreprocessedSource
+from neorec.data.synthetic import SyntheticSource
+
+
+def same_batches(got, want) -> None:
+    got, want = list(got), list(want)
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+
+
+def test_parquet_input_gives_the_tsv_readers_samples_and_resumes_to_identical_bytes(tmp_path):
+    """Row groups of 3 rows, shards of at least 7 rows: 9 + 9 + 2 rows from one file."""
+    path = tsv_to_parquet(FIXTURE, tmp_path / "c.parquet", 3)
+    cfg = criteo_config([path], hashing="hash")
+    result = preprocess_parquet(cfg, tmp_path / "out", shard_rows=7, progress=False)
+    assert result.complete and result.num_shards == 3 and result.num_samples == {"train": 18, "eval": 2}
+    assert [s["count"] for s in load_manifest(tmp_path / "out")["shards"]] == [3, 3, 1]
+    tsv = CriteoTSVSource(FIXTURE, table_rows=1000, hashing="hash")
+    shards = PreprocessedSource(tmp_path / "out", shuffle=False)
+    same_batches(shards.train_batches(5), tsv.train_batches(5))
+    same_batches(shards.eval_batches(5), tsv.eval_batches(5))
+
+    partial = preprocess_parquet(cfg, tmp_path / "again", shard_rows=7, progress=False, max_shards=1)
+    assert not partial.complete and partial.written == 1
+    preprocess_parquet(cfg, tmp_path / "again", shard_rows=7, progress=False)
+    assert tree_digest(tmp_path / "again") == tree_digest(tmp_path / "out")
+
+
+def test_parquet_output_reads_back_as_the_shards_samples(tmp_path):
+    """Synthetic multi-hot weighted data: the Parquet copy, the shards and the generator agree."""
+    preprocess_synthetic(SPEC, tmp_path, blocks_per_shard=1, progress=False, parquet_output=True)
+    assert sorted(p.name for p in (tmp_path / "parquet" / "train").iterdir()) == ["00000.parquet", "00001.parquet"]
+    features = [{"name": f"C{i + 1}", "rows": r, "hashing": "none", "weights": f"w_C{i + 1}"}
+                for i, r in enumerate(SPEC.rows)]  # fmt: skip
+    copy = ParquetSource(ParquetConfig(
+        paths=[str(tmp_path / "parquet" / "train")], eval_paths=[str(tmp_path / "parquet" / "eval")],
+        dense=["d0", "d1", "d2"], features=features, shuffle=False,
+    ))  # fmt: skip
+    assert [f.multi_hot for f in copy.info.features] == [True, True, True]
+    shards = PreprocessedSource(tmp_path, shuffle=False)
+    same_batches(copy.train_batches(999), shards.train_batches(999))
+    same_batches(copy.eval_batches(999), SyntheticSource(SPEC).eval_batches(999))
+
+
+def test_cli_parquet_in_and_out(tmp_path, capsys):
+    path = tsv_to_parquet(FIXTURE, tmp_path / "c.parquet", 4)
+    config = tmp_path / "p.yaml"
+    section = criteo_config([path]).model_dump(mode="json")
+    config.write_text(yaml.safe_dump({"data": {"source": "parquet", "parquet": section}}))
+    args = ["data", "preprocess", "--parquet", "--config", str(config), "--out", str(tmp_path / "o"),
+            "--shard-lines", "8", "--parquet-output", "--no-progress"]  # fmt: skip
+    assert main(args) == 0
+    assert "3 shards (3 written now); samples: eval 2, train 18" in capsys.readouterr().out
+    out = tmp_path / "o" / "parquet"
+    copy = ParquetConfig(paths=[str(out / "train")], eval_paths=[str(out / "eval")], dense=section["dense"],
+                         features=CATEGORICAL_NAMES, hashing="none", table_rows=1000, shuffle=False)  # fmt: skip
+    original = ParquetSource(criteo_config([path]))
+    same_batches(ParquetSource(copy).train_batches(4), original.train_batches(4))
+    same_batches(ParquetSource(copy).eval_batches(4), original.eval_batches(4))
+
+    assert main(["data", "preprocess", "--parquet", "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("neorec: error: --parquet needs a data.parquet section") and "Traceback" not in err
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    bad = ["--set", f"data.parquet.paths=[{tmp_path / 'bad.parquet'}]"]
+    assert main([*args[:-2], "--out", str(tmp_path / "y"), *bad, "--no-progress"]) == 2
+    assert f"neorec: error: {Path(tmp_path / 'bad.parquet')}: not a readable Parquet file" in capsys.readouterr().err
