@@ -6,13 +6,17 @@ hex values with some empty fields, as in the real files) is preprocessed with `n
 reader (neorec/data/criteo.py) over the same file is shown for reference.
 
 Reader: the Kaggle-like config's synthetic data (neorec/configs/criteo_kaggle.yaml, `--samples`
-training samples) is preprocessed once, then read by PreprocessedSource with the config's batch size
-and shuffling on: one rank, and each rank of 2 (as two ranks of one machine would read, one at a
-time here). The rate is compared with the training consumption rate of the Kaggle-like config
-(`--train-rate`, samples/s measured by benchmarks/train_throughput.py with 2 threads).
+training samples) is preprocessed once, with a Parquet copy of the same samples next to the .npy shards
+(`--parquet-output`), then read with the config's batch size and shuffling on by PreprocessedSource (the
+.npy shards) and by ParquetSource (the Parquet copy, ids read as they are: `hashing: none`): one rank,
+and each rank of 2 (as two ranks of one machine would read, one at a time here). Besides samples/s,
+samples per CPU-second of the whole process (all its threads) compare the readers per core. The rate is
+compared with the training consumption rate of the Kaggle-like config (`--train-rate`, samples/s
+measured by benchmarks/train_throughput.py with 2 threads).
 
     python benchmarks/ingestion.py                       # ~300 MB TSV, 2M samples
     python benchmarks/ingestion.py --tsv-mb 50 --samples 500000 --no-append
+    python benchmarks/ingestion.py --reader-only         # the readers (.npy shards, Parquet) only
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ def bench_preprocess(args, tmp: Path) -> tuple[list[list[object]], str]:
 
 def bench_reader(args, tmp: Path) -> tuple[list[list[object]], str]:
     from neorec.config.load import load_config
+    from neorec.config.schema import ParquetConfig
+    from neorec.data.parquet import ParquetSource
     from neorec.data.preprocess import preprocess_synthetic
     from neorec.data.sharded_reader import PreprocessedSource
     from neorec.data.synthetic import spec_from_config
@@ -101,32 +107,48 @@ def bench_reader(args, tmp: Path) -> tuple[list[list[object]], str]:
     cfg = load_config("criteo_kaggle", [f"data.synthetic.train_samples={args.samples}"])
     out = tmp / "kaggle"
     t0 = time.perf_counter()
-    preprocess_synthetic(
-        spec_from_config(cfg.data.synthetic, cfg.seed), out, workers=args.workers, progress=False
-    )
+    result = preprocess_synthetic(
+        spec_from_config(cfg.data.synthetic, cfg.seed), out, workers=args.workers, progress=False,
+        parquet_output=True,
+    )  # fmt: skip
     print(
         f"preprocessed {args.samples:,} Kaggle-like samples in {time.perf_counter() - t0:.1f} s", flush=True
     )
+    features = [{"name": f.name, "rows": f.num_ids, "hashing": "none"}
+                for f in PreprocessedSource(out).info.features]  # fmt: skip
+    parquet = ParquetConfig(paths=[str(out / "parquet" / "train")], eval_paths=[str(out / "parquet" / "eval")],
+                            dense=[f"d{j}" for j in range(cfg.data.synthetic.num_dense)], features=features)  # fmt: skip
+    readers = {
+        ".npy shards (PreprocessedSource)": lambda rank, world: PreprocessedSource(
+            out, rank=rank, world_size=world, seed=cfg.seed
+        ),
+        "Parquet (ParquetSource)": lambda rank, world: ParquetSource(parquet, rank=rank, world_size=world, seed=cfg.seed),
+    }
     batch = cfg.data.batch_size
     rows = []
-    for world_size in (1, 2):
-        rates = []
-        for rank in range(world_size):
-            source = PreprocessedSource(out, rank=rank, world_size=world_size, seed=cfg.seed)
-            for epoch in range(args.epochs):
-                t0 = time.perf_counter()
-                n = sum(len(b) for b in source.train_batches(batch // world_size, epoch + 1))
-                rates.append(n / (time.perf_counter() - t0))
-        rate = float(np.median(rates))
-        label = (
-            "1 rank" if world_size == 1 else f"each of {world_size} ranks (local batch {batch // world_size})"
-        )
-        rows.append([label, f"{rate:,.0f}", f"{rate / args.train_rate:.1f}x"])
-        print(rows[-1], flush=True)
+    for name, make in readers.items():
+        for world_size in (1, 2):
+            rates, cpu_rates = [], []
+            for rank in range(world_size):
+                source = make(rank, world_size)
+                for epoch in range(args.epochs):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    n = sum(len(b) for b in source.train_batches(batch // world_size, epoch + 1))
+                    rates.append(n / (time.perf_counter() - t0))
+                    cpu_rates.append(n / (time.process_time() - c0))
+            rate, cpu_rate = float(np.median(rates)), float(np.median(cpu_rates))
+            label = "1 rank" if world_size == 1 else f"each of {world_size} ranks (local batch {batch // world_size})"
+            rows.append([f"{name}, {label}", f"{rate:,.0f}", f"{cpu_rate:,.0f}", f"{rate / args.train_rate:.1f}x"])
+            print(rows[-1], flush=True)
+    npy_mb = sum(p.stat().st_size for p in (out / "shards").rglob("*.npy")) / 1e6
+    parquet_mb = sum(p.stat().st_size for p in (out / "parquet").rglob("*.parquet")) / 1e6
     note = (f"Reader: {args.samples:,} training samples of the criteo_kaggle config preprocessed (26 int32 id "
-            f"columns, 13 dense), global batch {batch}, shuffled (shard order + windows of 131,072), "
-            f"median of {args.epochs} epoch(s) per rank; ratio against {args.train_rate:,.0f} samples/s, "
-            f"the Kaggle-like training rate with 2 threads; glibc keeps freed memory, as in training.")  # fmt: skip
+            f"columns, 13 dense) into {result.num_shards} shards: {npy_mb:.0f} MB of .npy columns, and a Parquet "
+            f"copy of {parquet_mb:.0f} MB (pyarrow's defaults: snappy, dictionary encoding; one row group per "
+            f"shard); global batch {batch}, shuffled (.npy: shard order + windows of 131,072; Parquet: row-group "
+            f"order + rows within a row group), median of {args.epochs} epoch(s) per rank; ratio against "
+            f"{args.train_rate:,.0f} samples/s, the Kaggle-like training rate with 2 threads; glibc keeps freed "
+            f"memory, as in training.")  # fmt: skip
     return rows, note
 
 
@@ -140,6 +162,7 @@ def main() -> None:
     p.add_argument("--train-rate", type=float, default=23000.0, help="training samples/s to compare with")
     p.add_argument("--tmp", default=None, help="scratch folder (default: a new temporary one, removed)")
     p.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    p.add_argument("--reader-only", action="store_true", help="time the readers only, not the preprocessing")
     args = p.parse_args()
     from neorec.utils.host import keep_freed_memory
 
@@ -148,13 +171,15 @@ def main() -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         reader_rows, reader_note = bench_reader(args, tmp)
-        pre_rows, pre_note = bench_preprocess(args, tmp)
+        pre_rows, pre_note = bench_preprocess(args, tmp) if not args.reader_only else ([], "")
     finally:
         if args.tmp is None:
             shutil.rmtree(tmp, ignore_errors=True)
-    table = markdown_table(["reader", "samples/s", "vs training rate"], reader_rows)
-    table += "\n\n" + markdown_table(["preprocessing", "seconds", "MB/s of TSV", "lines/s"], pre_rows)
-    notes = f"{reader_note}\n{pre_note}\nPeak RSS of the benchmark process: {peak_rss_mib():,.0f} MiB."
+    table = markdown_table(["reader", "samples/s", "samples per CPU-second", "vs training rate"], reader_rows)
+    if pre_rows:
+        table += "\n\n" + markdown_table(["preprocessing", "seconds", "MB/s of TSV", "lines/s"], pre_rows)
+    notes = "\n".join(n for n in (reader_note, pre_note) if n)
+    notes += f"\nPeak RSS of the benchmark process: {peak_rss_mib():,.0f} MiB."
     print(table + "\n\n" + notes)
     if not args.no_append:
         append_results("Data ingestion: reader and preprocessing throughput", table, notes)

@@ -19,7 +19,7 @@ from neorec.sparse import SparseBatch
 
 @dataclass
 class Columns:
-    """n samples: dense [n, d] f32, labels [n] f32; per feature int64 ids, lengths (None: exactly one
+    """n samples: dense [n, d] f32, labels [n] f32; per feature integer ids (int64 in a batch), lengths (None: exactly one
     id per sample) and weights (None: unweighted)."""
 
     dense: np.ndarray
@@ -88,7 +88,7 @@ class Columns:
             )
         sparse = SparseBatch(
             keys,
-            torch.from_numpy(np.concatenate(self.values)),
+            torch.from_numpy(np.concatenate(self.values, dtype=np.int64)),
             torch.from_numpy(np.concatenate(lengths)),
             weights,
         )

@@ -104,7 +104,8 @@ class ColumnMap:
             i = int(np.flatnonzero(bad)[0])
             raise DataError(f"{where}, row {i}: label column {self.label!r} = {labels[i]:g} is not 0 or 1")
         n = len(labels)
-        dense = np.zeros((n, len(self.dense)), np.float64)
+        # log1p in float64 as the Criteo reader computes it; plain values go straight to float32
+        dense = np.empty((n, len(self.dense)), np.float64 if self.dense_log1p else np.float32)
         for j, name in enumerate(self.dense):
             dense[:, j] = _numbers(table.column(name), where, name, nulls="zero")
         if self.dense_log1p:
@@ -115,7 +116,7 @@ class ColumnMap:
             values.append(ids)
             lengths.append(ln)
             weights.append(None if not f.weights else _weights(table.column(f.weights), ln, where, f))
-        return Columns(dense.astype(np.float32), labels.astype(np.float32), values, lengths, weights)
+        return Columns(dense.astype(np.float32, copy=False), labels.astype(np.float32), values, lengths, weights)
 
 
 def _is_number(t: pa.DataType) -> bool:
@@ -133,13 +134,14 @@ def held_out(column: pa.ChunkedArray) -> np.ndarray:
 
 
 def _numbers(column: pa.ChunkedArray, where: str, name: str, nulls: str) -> np.ndarray:
-    """A numeric column as float64; nulls -> 0, or an error naming the row."""
+    """A numeric column as numpy (bool as 0/1 bytes); nulls -> 0, or an error naming the row."""
     if column.null_count:
         if nulls == "error":
             i = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
             raise DataError(f"{where}, row {i}: column {name!r} is null")
         column = pc.fill_null(column, 0)
-    return column.to_numpy().astype(np.float64, copy=False)
+    values = column.to_numpy()
+    return values.view(np.uint8) if values.dtype == np.bool_ else values
 
 
 def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray | None) -> tuple:
@@ -149,17 +151,17 @@ def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray |
         lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
         arr = pc.list_flatten(arr)
     if pa.types.is_integer(arr.type):
-        raw = pc.fill_null(arr, 0).to_numpy().astype(np.int64, copy=False)
-        if f.hashing == "none":
-            bad = (raw < 0) | (raw >= f.rows)
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
+        raw = (pc.fill_null(arr, 0) if arr.null_count else arr).to_numpy()
+        if f.hashing == "none":  # ids kept in their own integer type: the batch's concatenation widens them
+            low, high = pc.min_max(arr).values()
+            if raw.size and (low.as_py() < 0 or high.as_py() >= f.rows):
+                i = int(np.flatnonzero((raw < 0) | (raw >= f.rows))[0])
                 raise DataError(
                     f"{where}, row {_row(i, lengths)}: column {f.column!r} holds id {raw[i]}, outside "
                     f"[0, {f.rows}) of feature {f.name}'s table (hashing none); set its rows, or hashing modulo/hash"
                 )
             return raw, lengths
-        raw = raw.view(np.uint64)
+        raw = raw.astype(np.int64, copy=False).view(np.uint64)
     else:
         raw = _string_values(arr, where, f, lengths)
     return _rows(raw, f, vocab), lengths
