@@ -189,6 +189,7 @@ def test_string_ids_fnv1a_vocab_nulls_and_scalar_weights(tmp_path):
         "w": pa.array([0.5, 2.0, None, 1.0], pa.float64()),
         "tags": pa.array([[3, 4], None, [], [None, 9]], pa.list_(pa.int32())),
         "flag": pa.array([0, 0, 1, 0], pa.int8()),
+        "words": pa.array([["a", "b"], None, ["c"], [None, "d"]], pa.list_(pa.string())),
     })  # fmt: skip
     pq.write_table(table, tmp_path / "t.parquet")
     vocab = tmp_path / "vocab"
@@ -196,10 +197,11 @@ def test_string_ids_fnv1a_vocab_nulls_and_scalar_weights(tmp_path):
     np.save(vocab / "n.npy", np.array([2, 5, 2**40], np.uint64))
     cfg = ParquetConfig(paths=[str(tmp_path / "t.parquet")], eval_column="flag", dense=["x"], table_rows=1 << 20,
                         vocab_dir=str(vocab), shuffle=False,
-                        features=["s", {"name": "n", "hashing": "vocab", "weights": "w"}, {"name": "tags", "hashing": "none", "rows": 10}])  # fmt: skip
+                        features=["s", {"name": "n", "hashing": "vocab", "weights": "w"}, {"name": "tags", "hashing": "none", "rows": 10},
+                                  {"name": "words", "rows": 1000}])  # fmt: skip
     source = ParquetSource(cfg)
     assert [(f.num_ids, f.multi_hot, f.weighted) for f in source.info.features] == [
-        (1 << 20, False, False), (4, False, True), (10, True, False)
+        (1 << 20, False, False), (4, False, True), (10, True, False), (1000, True, False)
     ]
     (batch,) = source.train_batches(10)
     assert batch.labels.tolist() == [1, 0, 0] and batch.dense[:, 0].tolist() == [1.5, 0, 3]
@@ -216,6 +218,8 @@ def test_string_ids_fnv1a_vocab_nulls_and_scalar_weights(tmp_path):
     assert ids.tolist() == [2, 0, 0] and weights.tolist() == [0.5, 2.0, 1.0]  # -1 and null: not in the vocabulary
     ids, lengths, _ = batch.sparse.feature("tags")
     assert ids.tolist() == [3, 4, 0, 9] and lengths.tolist() == [2, 0, 2]
+    ids, lengths, _ = batch.sparse.feature("words")
+    assert ids.tolist() == [fnv1a(w) % 1000 for w in "ab"] + [0, fnv1a("d") % 1000] and lengths.tolist() == [2, 0, 2]
     (held,) = source.eval_batches(10)
     assert held.labels.tolist() == [1] and held.sparse.feature("tags")[1].tolist() == [0]
 
@@ -390,9 +394,20 @@ def test_value_errors_name_the_row(tmp_path):
     cfg = dict(paths=[str(tmp_path / "t.parquet")], eval_column="flag", shuffle=False)
     with pytest.raises(DataError, match=r"t\.parquet, row group 0, row 1: label column 'label' = 2 is not 0 or 1"):
         list(ParquetSource(ParquetConfig(**cfg, features=["ids"])).train_batches(2))
-    pq.write_table(table.set_column(0, "label", pa.array([0, 1])), tmp_path / "t.parquet")
+    table = table.set_column(0, "label", pa.array([0, 1]))
+    pq.write_table(table, tmp_path / "t.parquet")
     with pytest.raises(DataError, match=r"row 1: weights column 'w' has 1 weights for the 2 ids of column 'ids'"):
         list(ParquetSource(ParquetConfig(**cfg, features=[{"name": "ids", "weights": "w"}])).train_batches(2))
+    (tmp_path / "two").mkdir()
+    pq.write_table(table.set_column(1, "ids", pa.array([1, 2])), tmp_path / "two" / "a.parquet")
+    pq.write_table(table.set_column(0, "label", pa.array([None, 1])), tmp_path / "two" / "b.parquet")
+    two = {**cfg, "paths": [str(tmp_path / "two")], "features": ["ids"]}
+    with pytest.raises(DataError, match=r"b\.parquet: column 'ids' is a list here but not a list in .*a\.parquet"):
+        ParquetSource(ParquetConfig(**two))
+    pq.write_table(table.set_column(0, "label", pa.array([None, 1])).set_column(1, "ids", pa.array([1, 2])),
+                   tmp_path / "two" / "b.parquet")  # fmt: skip
+    with pytest.raises(DataError, match=r"b\.parquet, row group 0, row 0: column 'label' is null"):
+        list(ParquetSource(ParquetConfig(**two)).train_batches(2))
     with pytest.raises(DataError, match=r"row 1: column 'ids' holds id 50, outside \[0, 10\) of feature ids's table"):
         list(ParquetSource(ParquetConfig(**cfg, features=[{"name": "ids", "hashing": "none", "rows": 10}])).train_batches(2))
 

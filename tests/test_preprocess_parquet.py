@@ -84,3 +84,35 @@ def test_cli_parquet_in_and_out(tmp_path, capsys):
     bad = ["--set", f"data.parquet.paths=[{tmp_path / 'bad.parquet'}]"]
     assert main([*args[:-2], "--out", str(tmp_path / "y"), *bad, "--no-progress"]) == 2
     assert f"neorec: error: {Path(tmp_path / 'bad.parquet')}: not a readable Parquet file" in capsys.readouterr().err
+
+
+def test_the_commands_of_docs_data_parquet_run(tmp_path, monkeypatch, capsys):
+    """docs/data-parquet.md: its config on Parquet files with its column names, then its commands."""
+    import re
+    import shlex
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    page = (Path(__file__).parents[1] / "docs" / "data-parquet.md").read_text()
+    (tmp_path / "parquet.yaml").write_text(re.findall(r"```yaml\n(.*?)```", page, re.S)[0])
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 600), ("eval", 200)):
+        tags = [list(rng.integers(0, 500, rng.integers(0, 4))) for _ in range(n)]
+        table = pa.table({
+            "clicked": rng.integers(0, 2, n), "price": rng.random(n), "age": rng.integers(18, 90, n),
+            "user_id": rng.integers(0, 10**9, n), "country": rng.choice(["de", "fr", "us", None], n),
+            "tags": pa.array(tags, pa.list_(pa.int64())),
+            "tag_weights": pa.array([list(rng.random(len(t))) for t in tags], pa.list_(pa.float32())),
+        })  # fmt: skip
+        (tmp_path / "data" / split).mkdir(parents=True)
+        pq.write_table(table, tmp_path / "data" / split / "part-0.parquet", row_group_size=128)
+    monkeypatch.chdir(tmp_path)
+    commands = re.findall(r"```bash\n(.*?)```", page, re.S)
+    assert len(commands) == 2
+    for command in commands:
+        args = shlex.split(command.strip())
+        assert args[0] == "neorec" and main(args[1:]) == 0, command
+    assert "samples: eval 200, train 600" in capsys.readouterr().out
+    assert (tmp_path / "prepared" / "parquet" / "train" / "00000.parquet").is_file()
