@@ -252,9 +252,10 @@ class ParquetSource:
         by_column = self.map.eval_column is not None and len(group.samples) == 2
         where = f"{name}, row group {group.group}"
         try:
-            table = self._file(group.file).read_row_group(
-                group.group, columns=self.map.columns(by_column), use_threads=False
-            )
+            with self._lock:  # a file's reader is shared by the training and evaluation threads
+                table = self._file(group.file).read_row_group(
+                    group.group, columns=self.map.columns(by_column), use_threads=False
+                )
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{where}: cannot read ({e})") from None
         cols = self.map.to_columns(table, where)  # all rows, so that errors name the file's row numbers
@@ -287,12 +288,12 @@ class ParquetSource:
             yield batch
 
     def _file(self, file: int) -> pq.ParquetFile:
-        with self._lock:
-            pf = self._open.get(file)
-            if pf is None:
-                pf = open_parquet(*self.files[file])
-                self._open[file] = pf
-                if len(self._open) > _OPEN_FILES:
-                    self._open.popitem(last=False)
-            self._open.move_to_end(file)
-            return pf
+        """The open file (kept open for the next row groups); call with the lock held."""
+        pf = self._open.get(file)
+        if pf is None:
+            pf = open_parquet(*self.files[file])
+            self._open[file] = pf
+            if len(self._open) > _OPEN_FILES:
+                self._open.popitem(last=False)
+        self._open.move_to_end(file)
+        return pf

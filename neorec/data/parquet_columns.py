@@ -181,29 +181,37 @@ def _rows(raw: np.ndarray, f: ParquetFeatureConfig, vocab: np.ndarray | None) ->
     return (raw % np.uint64(f.rows)).astype(np.int64)
 
 
-def _string_bytes(arr: pa.Array, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(first `width` bytes of every string, zero-padded [n, width] uint8; lengths [n], null -> 0)."""
-    arr = arr.cast(pa.large_binary())
-    n = len(arr)
-    buffers = arr.buffers()
-    offsets = np.frombuffer(buffers[1], np.int64, count=n + 1, offset=arr.offset * 8)
-    data = np.frombuffer(buffers[2], np.uint8) if buffers[2] is not None else np.zeros(0, np.uint8)
-    lengths = np.diff(offsets)
-    if arr.null_count:
-        lengths = np.where(arr.is_null().to_numpy(zero_copy_only=False), 0, lengths)
-    inside = np.arange(width) < lengths[:, None]
-    if data.size == 0:
-        return np.zeros((n, width), np.uint8), lengths
-    at = np.minimum(offsets[:-1, None] + np.arange(width), data.size - 1)
-    return np.where(inside, data[at], 0).astype(np.uint8), lengths
+class _Strings:
+    """The bytes of a string (or binary) array: byte j of every string, without copying the strings."""
+
+    def __init__(self, arr: pa.Array) -> None:
+        arr = arr.cast(pa.large_binary())
+        buffers = arr.buffers()
+        self.starts = np.frombuffer(buffers[1], np.int64, count=len(arr) + 1, offset=arr.offset * 8)
+        self.lengths = np.diff(self.starts)
+        self.starts = self.starts[:-1]
+        if arr.null_count:
+            self.lengths = np.where(arr.is_null().to_numpy(zero_copy_only=False), 0, self.lengths)
+        data = np.frombuffer(buffers[2], np.uint8) if buffers[2] is not None else np.zeros(0, np.uint8)
+        self.data = data if data.size else np.zeros(1, np.uint8)  # (every string empty or null)
+
+    @property
+    def max_length(self) -> int:
+        return int(self.lengths.max(initial=0))
+
+    def byte(self, j: int) -> np.ndarray:
+        """Byte j of every string, 0 past its end."""
+        at = np.minimum(self.starts + j, self.data.size - 1)
+        return np.where(j < self.lengths, self.data[at], 0).astype(np.uint8)
 
 
 def _string_values(arr: pa.Array, where: str, f: ParquetFeatureConfig, lengths: np.ndarray | None) -> np.ndarray:
     """Raw uint64 values of a string column, as `f.strings` says."""
+    strings = _Strings(arr)
     if f.strings == "hex":
-        cells, lengths = _string_bytes(arr, MAX_HEX_DIGITS)
+        cells = np.stack([strings.byte(j) for j in range(MAX_HEX_DIGITS)], 1)
         values, valid = parse_hex(cells.view(f"S{MAX_HEX_DIGITS}").reshape(-1))
-        valid &= lengths <= MAX_HEX_DIGITS
+        valid &= strings.lengths <= MAX_HEX_DIGITS
         if not valid.all():
             i = int(np.flatnonzero(~valid)[0])
             raise DataError(
@@ -211,13 +219,11 @@ def _string_values(arr: pa.Array, where: str, f: ParquetFeatureConfig, lengths: 
                 f"hash of at most {MAX_HEX_DIGITS} digits; set strings: fnv1a to hash any string"
             )
         return values
-    width = int(pc.max(pc.binary_length(arr)).as_py() or 0)
-    cells, lengths = _string_bytes(arr, width)
     h = np.full(len(arr), _FNV_OFFSET, np.uint64)
     with np.errstate(over="ignore"):
-        for j in range(width):
-            h = np.where(j < lengths, (h ^ cells[:, j]) * _FNV_PRIME, h)
-    return np.where(lengths > 0, h, 0).astype(np.uint64)
+        for j in range(strings.max_length):  # one pass per byte position: memory stays O(rows)
+            h = np.where(j < strings.lengths, (h ^ strings.byte(j)) * _FNV_PRIME, h)
+    return np.where(strings.lengths > 0, h, 0).astype(np.uint64)
 
 
 def _weights(column: pa.ChunkedArray, lengths: np.ndarray | None, where: str, f: ParquetFeatureConfig) -> np.ndarray:
