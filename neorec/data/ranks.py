@@ -2,8 +2,8 @@
 
 `data.batch_size` is the global batch; each rank trains on a local batch of 1/W of it. How a rank
 gets it depends on what the source can do:
-- rank parts (`PreprocessedSource` built with this rank and world size): each rank reads only its own
-  part of the data, in local batches of batch_size / W. The global batch of a step is the ranks' local
+- rank parts (`PreprocessedSource` or `ParquetSource` built with this rank and world size): each rank
+  reads only its own part of the data, in local batches of batch_size / W. The global batch of a step is the ranks' local
   batches concatenated in rank order: one process trained on those global batches trains the same
   model (tested).
 - slices (sources with `train_slices`: synthetic, shards): the source makes only rank r's slice

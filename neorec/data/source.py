@@ -2,7 +2,7 @@
 
 A source knows its features (and the number of distinct ids each can take, which sizes the tables),
 its dense width, and yields `Batch`es for training and for held-out evaluation. Sources: the
-synthetic Criteo-like generator, raw Criteo TSV files, MovieLens.
+synthetic Criteo-like generator, raw Criteo TSV files, MovieLens, preprocessed shards, Parquet files.
 """
 
 from __future__ import annotations
