@@ -56,7 +56,8 @@ def tsv_to_parquet(src: Path, dst: Path, row_group_size: int, eval_every: int | 
 def criteo_config(paths, **kw) -> ParquetConfig:
     kw = {"eval_column": "is_eval", "table_rows": 1000, "shuffle": False, "dense": DENSE_NAMES,
           "features": CATEGORICAL_NAMES, **kw}  # fmt: skip
-    return ParquetConfig(paths=[str(p) for p in paths], dense_log1p=True, strings="hex", **kw)
+    kw.setdefault("strings", "hex")
+    return ParquetConfig(paths=[str(p) for p in paths], dense_log1p=True, **kw)
 
 
 def synthetic_to_parquet(source: SyntheticSource, folder: Path, split: str, rows_per_group: int) -> Path:
@@ -108,6 +109,23 @@ def test_criteo_copy_gives_the_tsv_readers_batches(tmp_path, hashing, row_group_
         got, want = list(got), list(want)
         assert len(got) == len(want)
         for g, w in zip(got, want, strict=True):
+            assert_same(g, w)
+
+
+def test_criteo_hashes_stored_as_int32_give_the_tsv_readers_ids(tmp_path):
+    """The hex values as signed int32 (those of 2^31 or more negative): the same ids as the TSV reader."""
+    path = tsv_to_parquet(FIXTURE, tmp_path / "c.parquet", 8)
+    table = pq.read_table(path)
+    for name in CATEGORICAL_NAMES:
+        hexes = table.column(name).to_pylist()
+        values = np.array([int(v, 16) if v else 0 for v in hexes], np.uint32).view(np.int32)
+        table = table.set_column(table.schema.get_field_index(name), name, pa.array(values))
+    assert any(min(table.column(n).to_pylist()) < 0 for n in CATEGORICAL_NAMES)
+    pq.write_table(table, path)
+    for hashing in ("modulo", "hash"):
+        source = ParquetSource(criteo_config([path], hashing=hashing, strings="fnv1a"))
+        tsv = CriteoTSVSource(FIXTURE, table_rows=1000, hashing=hashing)
+        for g, w in zip(source.train_batches(6), tsv.train_batches(6), strict=True):
             assert_same(g, w)
 
 

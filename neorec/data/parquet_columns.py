@@ -1,7 +1,8 @@
 """Arrow tables of Parquet data -> the reader's numpy Columns: type checks, id mapping, multi-hot lists.
 
 How a column becomes ids (set per feature in `data.parquet`):
-- raw value: an integer column gives its value (as uint64, two's complement for negatives); a string
+- raw value: an integer column gives its value (a negative one read as unsigned of the column's width:
+  an int32 -1 is 2^32 - 1, so 32-bit hashes stored as int32 keep their value); a string
   column gives its hex value (`strings: hex`, at most 8 digits, parsed as the Criteo reader does) or its
   FNV-1a 64-bit hash (`strings: fnv1a`, of the UTF-8 bytes); null and "" give 0, as a missing Criteo
   value does;
@@ -161,7 +162,8 @@ def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray |
                     f"[0, {f.rows}) of feature {f.name}'s table (hashing none); set its rows, or hashing modulo/hash"
                 )
             return raw, lengths
-        raw = raw.astype(np.int64, copy=False).view(np.uint64)
+        # the value's bits as an unsigned integer of its width: a hash stored as int32 keeps its 32-bit value
+        raw = raw.view(f"u{raw.dtype.itemsize}").astype(np.uint64)
     else:
         raw = _string_values(arr, where, f, lengths)
     return _rows(raw, f, vocab), lengths
