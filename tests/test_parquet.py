@@ -399,6 +399,9 @@ def test_errors_name_the_file_and_column(tmp_path):
         ParquetSource(criteo_config([tmp_path / "folder"]))
     with pytest.raises(DataError, match="no such file or folder"):
         ParquetSource(criteo_config([tmp_path / "missing.parquet"]))
+    pq.write_table(pa.table({"label": [0, 1], "a": [1, 2], "flag": [True, True]}), tmp_path / "held.parquet")
+    with pytest.raises(DataError, match="no training rows for 1 rank.*every row's 'flag' is true"):
+        ParquetSource(ParquetConfig(paths=[str(tmp_path / "held.parquet")], eval_column="flag", features=["a"]))
     with pytest.raises(DataError, match=r"c\.parquet, row group 0, row 0: column 'C1' value 'xyz' is not a hex hash"):
         bad = pq.read_table(path).set_column(14 + 0, "C1", pa.array(["xyz"] * 20))
         pq.write_table(bad, path)

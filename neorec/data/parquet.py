@@ -144,6 +144,11 @@ class ParquetSource:
                 for g in range(pf.num_row_groups):
                     self._add_group(pf, len(self.files) - 1, g, role, by_column)
         assert multi_hot is not None
+        if self.num_samples("train") == 0:
+            raise DataError(
+                f"data.parquet.paths {list(config.paths)}: no training rows for {world_size} rank(s)"
+                + (f" (every row's {config.eval_column!r} is true)" if config.eval_column else "")
+            )
         self.features = [
             FeatureSpec(f.name, f.rows if v is None else v.size + 1, hot, f.weights is not None)
             for f, v, hot in zip(features, vocabs, multi_hot, strict=True)
