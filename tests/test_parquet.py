@@ -92,7 +92,7 @@ SPEC = SyntheticSpec(rows=[30, 500, 7], num_dense=3, bag_sizes=[3, 1, 2], variab
 def synthetic(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("synthetic")
     source = SyntheticSource(SPEC)
-    synthetic_to_parquet(source, root / "train", "train", 3000)  # row groups of 3000 (and 2384 at each end)
+    synthetic_to_parquet(source, root / "train", "train", 3000)  # row groups of 3000, the last of each file smaller
     synthetic_to_parquet(source, root / "eval", "eval", 1000)
     return root
 
