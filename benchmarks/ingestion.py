@@ -182,7 +182,8 @@ def main() -> None:
     notes += f"\nPeak RSS of the benchmark process: {peak_rss_mib():,.0f} MiB."
     print(table + "\n\n" + notes)
     if not args.no_append:
-        append_results("Data ingestion: reader and preprocessing throughput", table, notes)
+        title = "readers of .npy shards and of Parquet" if args.reader_only else "reader and preprocessing throughput"
+        append_results(f"Data ingestion: {title}", table, notes)
 
 
 if __name__ == "__main__":
