@@ -177,7 +177,8 @@ def test_show_config_reads_back_and_explains_every_key():
     from neorec.config.reference import config_keys, show_config
 
     cfg = load_config("default", ["embedding.tables={C1: {dim: 16, optimizer: {name: sgd}}}",
-                                  "data.criteo={train_paths: [a.tsv]}", "data.preprocessed={path: p}"])  # fmt: skip
+                                  "data.criteo={train_paths: [a.tsv]}", "data.preprocessed={path: p}",
+                                  "data.parquet={paths: [a.parquet], eval_column: f, features: [a, {name: b}]}"])  # fmt: skip
     text = show_config(cfg)
     assert validate_config(yaml.safe_load(text)) == cfg
     described = [k for k in config_keys() if k.description and "<table>" not in k.key]

@@ -119,7 +119,9 @@ class ParquetConfig(Strict):
     dense: list[str] = Field(default_factory=list, description="dense feature columns (numbers; null -> 0)")
     dense_log1p: bool = Field(False, description="dense values: negatives -> 0, then log(1 + x), as for Criteo")
     features: list[str | ParquetFeatureConfig] = Field(
-        min_length=1, description="categorical features: a column name, or a section with its settings"
+        min_length=1,
+        description="categorical features: a column name, or a section with name, column, weights, rows, hashing, "
+        "strings (the last three default to this section's)",
     )
     table_rows: int = Field(100_000, gt=0, description="default rows of every feature's table")
     hashing: Literal["modulo", "hash", "none", "vocab"] = Field(
