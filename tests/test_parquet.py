@@ -161,8 +161,8 @@ def test_criteo_copy_trains_to_the_same_losses_as_the_tsv_path(tmp_path, tsv):
     sets = [*TRAIN, "data.batch_size=16", "data.criteo.table_rows=500", "data.criteo.hashing=hash"]
     direct = Trainer(load_config(None, [*sets, "data.source=criteo_tsv", f"data.criteo.train_paths=[{tsv}]"]),
                      tmp_path / "tsv").fit()  # fmt: skip
-    parquet = {"source": "parquet", "parquet": criteo_config([path], table_rows=500, hashing="hash").model_dump()}
-    cfg = load_config(write_yaml(tmp_path / "p.yaml", parquet), [s for s in sets if ".criteo." not in s])
+    section = json.dumps(criteo_config([path], table_rows=500, hashing="hash").model_dump())
+    cfg = load_config(None, [*(s for s in sets if ".criteo." not in s), "data.source=parquet", f"data.parquet={section}"])
     via_parquet = Trainer(cfg, tmp_path / "parquet").fit()
     assert len(direct.losses) == len(via_parquet.losses) > 1
     assert via_parquet.losses == direct.losses
@@ -191,8 +191,8 @@ def test_multi_hot_weighted_copy_gives_the_generators_batches_and_losses(tmp_pat
                  "seed=4", "data.batch_size=1000", "data.eval_batch_size=1000", "train.epochs=1"]  # fmt: skip
     sets = [s for s in TRAIN if not s.startswith(("data.batch_size", "data.eval_batch_size", "train.epochs"))]
     direct = Trainer(load_config(None, [*sets, *generated]), tmp_path / "gen").fit()
-    data = {"source": "parquet", "batch_size": 1000, "eval_batch_size": 1000, "parquet": synthetic_config(synthetic, SPEC)}
-    cfg = load_config(write_yaml(tmp_path / "p.yaml", data), [*sets, "seed=4", "train.epochs=1"])
+    parquet = ["data.source=parquet", f"data.parquet={json.dumps(synthetic_config(synthetic, SPEC))}"]
+    cfg = load_config(None, [*sets, *parquet, "seed=4", "train.epochs=1", "data.batch_size=1000", "data.eval_batch_size=1000"])
     via_parquet = Trainer(cfg, tmp_path / "parquet").fit()
     assert len(direct.losses) == 20 and via_parquet.losses == direct.losses
     assert via_parquet.eval == {k: v for k, v in direct.eval.items() if k != "teacher_auc"}  # (the generator's own)
