@@ -114,7 +114,7 @@ def test_config_keys_lists_type_default_and_allowed_values(capsys):
     assert main(["config", "keys"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert "int (> 0), default 1: passes over the training data" in lines["train.epochs"]
-    assert "(synthetic, criteo_tsv, movielens, shards, preprocessed), default synthetic" in lines["data.source"]
+    assert "(synthetic, criteo_tsv, movielens, shards, preprocessed, parquet), default synthetic" in lines["data.source"]
     assert "default [64, 16] (schema: [512, 256, 64, 16])" in lines["model.bottom_mlp"]
     assert "embedding.tables.<table>.dim" in lines and "data.criteo.train_paths" in lines
 
