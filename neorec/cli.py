@@ -26,6 +26,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from neorec.train.trainer import Trainer, summary_table
 
     cfg = load_config(args.config or "default", args.overrides)  # validated before any process starts
+    if args.resume not in (False, True):
+        from neorec.checkpoint.load import checkpoint_folder
+
+        checkpoint_folder(args.resume)
     out_dir = Path(args.output_dir or cfg.resolved_output_dir)
     check_run_folder(cfg, out_dir, overwrite=args.overwrite, resume=bool(args.resume))
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # torchrun's other ranks leave it to rank 0
@@ -123,9 +127,13 @@ def cmd_config_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
-    from neorec.checkpoint import describe
+    from neorec.checkpoint import CheckpointError
+    from neorec.checkpoint.inspect import inspect_checkpoint
 
-    print(describe(args.dir, verify=args.verify))
+    text, problems = inspect_checkpoint(args.dir, verify=args.verify)
+    print(text)
+    if problems:
+        raise CheckpointError(f"{len(problems)} bad file(s): " + "; ".join(problems))
     return 0
 
 
@@ -230,8 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None, help="where logs, plots and the model go (default: from config)")
     p.add_argument("--nproc", type=positive_int, default=None,
                    help="processes on this machine: starts torchrun for you (sharded embeddings, gloo on CPU)")  # fmt: skip
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in checkpoint.dir (default <output_dir>/checkpoints)")  # fmt: skip
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
+                   help="continue from the newest complete checkpoint in checkpoint.dir (default <output_dir>/checkpoints), "
+                        "or from the step-XXXXXXXX folder given")  # fmt: skip
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run in the output folder (its results and checkpoints); without it or --resume, "
                    "a folder that holds a run is refused")  # fmt: skip

@@ -31,6 +31,11 @@ class CheckpointError(NeorecError):
     """A checkpoint is missing, incomplete, corrupted or does not fit the model. Names the file/table."""
 
 
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint file could not be written (disk full, a file-size limit, an I/O error). Names the
+    file; the checkpoints saved before are untouched."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -48,13 +53,23 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """write(file) into `path.tmp`, then flush, fsync and rename it to `path`."""
+    """write(file) into `path.tmp`, then flush, fsync and rename it to `path`. A failed write
+    (ENOSPC, EFBIG, EIO; torch.save reports them as RuntimeError) removes the partial file, to give
+    the space back, and raises CheckpointWriteError naming the file."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1]
+        raise CheckpointWriteError(
+            f"cannot write checkpoint file {path}: {reason} (is the disk full, or a file-size limit set?); "
+            "the checkpoints saved before it are intact"
+        ) from e
 
 
 class RawWriter:

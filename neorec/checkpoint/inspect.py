@@ -10,6 +10,12 @@ from neorec.checkpoint.files import check_file
 def describe(folder: str | Path, verify: bool = False) -> str:
     """Step, world size, plan, tables with their pieces' ranges, files with sizes (and, with
     `verify`, each file checked against its size and checksum)."""
+    return inspect_checkpoint(folder, verify)[0]
+
+
+def inspect_checkpoint(folder: str | Path, verify: bool = False) -> tuple[str, list[str]]:
+    """describe()'s text and, with `verify`, what is wrong with each bad file (missing, truncated,
+    corrupted), one line each; an empty list when every file checks."""
     from neorec.checkpoint.load import read_manifest, resolve_checkpoint
 
     folder = resolve_checkpoint(folder)
@@ -53,6 +59,7 @@ def describe(folder: str | Path, verify: bool = False) -> str:
     lines.append("files:")
     entries = [*m["files"], {**m["dense"], "rank": 0}]
     total = 0
+    problems: list[str] = []
     for f in entries:
         status = ""
         if verify:
@@ -61,7 +68,8 @@ def describe(folder: str | Path, verify: bool = False) -> str:
                 status = "  ok"
             except Exception as e:  # noqa: BLE001 - reported per file
                 status = f"  BAD: {e}"
+                problems.append(str(e))
         total += f["bytes"]
         lines.append(f"  {f['name']}  {f['bytes']:,} bytes  crc32 {f['crc32']:08x}{status}")
     lines.append(f"total       {total / 2**20:.2f} MiB in {len(entries)} files + manifest.json")
-    return "\n".join(lines)
+    return "\n".join(lines), problems

@@ -40,6 +40,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
+def checkpoint_folder(path: str | Path) -> Path:
+    """`path` itself, checked to be one complete checkpoint (`neorec train --resume PATH`)."""
+    path = Path(path)
+    if not path.is_dir() or not (path / MANIFEST).is_file():
+        what = "does not exist" if not path.exists() else f"is not a checkpoint (no {MANIFEST})"
+        raise CheckpointError(
+            f"--resume {path}: {what}; give a step-XXXXXXXX checkpoint folder, or --resume alone for the "
+            "newest complete checkpoint of the run"
+        )
+    read_manifest(path)  # the format and version are readable
+    return path
+
+
 def read_manifest(folder: str | Path) -> dict:
     path = Path(folder) / MANIFEST
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from neorec.checkpoint.load import latest_checkpoint
+from neorec.checkpoint.load import checkpoint_folder, latest_checkpoint
 from neorec.checkpoint.save import checkpoint_name, save_checkpoint
 from neorec.config.schema import CheckpointConfig
 from neorec.distributed.topology import Topology
@@ -49,6 +49,13 @@ class PeriodicCheckpoints:
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
+
+    def to_resume(self, resume: bool | str | Path) -> Path | None:
+        """`--resume`: the newest complete checkpoint (None when there is none); `--resume PATH`:
+        that checkpoint folder (CheckpointError when it is not one). The first save after resuming
+        from an older checkpoint removes the newer ones (save.prune): they belong to the run this
+        one replaces."""
+        return self.latest() if resume is True else checkpoint_folder(resume)
 
     def set_aside_diverged(self, step: int) -> Path | None:
         """After a non-finite loss at step `step` + 1: a checkpoint of step `step` holds the weights

@@ -8,6 +8,9 @@
 
 save_checkpoint is collective (every rank calls it); a crash anywhere before the final rename
 leaves only a .tmp folder, which the next save removes, and never touches older checkpoints.
+A checkpoint is removed (by `keep`, or replaced by one of the same step) by first renaming it to
+.step-XXXXXXXX.deleting, so a crash while deleting leaves a hidden leftover that the next save
+removes, never a visible folder with some of its files gone.
 """
 
 from __future__ import annotations
@@ -62,8 +65,7 @@ def save_checkpoint(
     tmp, final = root / f".{name}.tmp", root / name
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step-*.tmp"):  # left by an interrupted save
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_leftovers(root)
         tmp.mkdir()
     if hasattr(embeddings, "sync_replica_state"):  # replicated tables' state, current on owners only
         embeddings.sync_replica_state()
@@ -98,9 +100,7 @@ def save_checkpoint(
         write_atomic(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         fsync_dir(tmp)
         _publish(tmp, final)
-        if keep is not None:
-            for old in list_checkpoints(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        prune(root, step, keep)
     _barrier(world)  # nobody goes on (or loads) before the checkpoint is visible
     return final
 
@@ -184,16 +184,46 @@ def _dense_file(model: nn.Module | None, embeddings: EmbeddingCollection, optimi
 
 
 def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished folder into place; a folder of the same step is replaced only after."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
+    """Rename the finished folder into place; a folder of the same step is set aside first."""
+    old = _set_aside(final) if final.exists() else None
     os.replace(tmp, final)
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(root: Path, step: int, keep: int | None) -> None:
+    """After checkpoint `step` was published: it is the newest. Checkpoints of later steps belong to
+    a run this one replaced (it resumed from an earlier checkpoint, or started over) and go; of the
+    rest, all but the newest `keep` go."""
+    found = list_checkpoints(root)
+    stale = [p for p in found if int(p.name[5:]) > step]
+    current = [p for p in found if int(p.name[5:]) <= step]
+    if keep is not None:
+        stale += current[:-keep]
+    for old in stale:
+        shutil.rmtree(_set_aside(old), ignore_errors=True)
+
+
+def remove_leftovers(root: Path) -> None:
+    """What interrupted saves and deletions leave: hidden .step-*.tmp/.deleting folders, and
+    step-* folders without a manifest (never a complete checkpoint)."""
+    for entry in root.iterdir():
+        name = entry.name
+        hidden = name.startswith(".step-") and name.endswith((".tmp", ".deleting", ".old"))
+        unfinished = name.startswith("step-") and name[5:].isdigit() and not (entry / MANIFEST).is_file()
+        if entry.is_dir() and (hidden or unfinished):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _set_aside(folder: Path) -> Path:
+    """Rename `folder` to its hidden .deleting name (atomic), so that no half-deleted checkpoint is
+    ever visible; returns the new path."""
+    gone = folder.with_name(f".{folder.name}.deleting")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(folder, gone)
+    fsync_dir(folder.parent)
+    return gone
 
 
 def _barrier(world: int) -> None:

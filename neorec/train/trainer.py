@@ -114,8 +114,9 @@ class _NoLogger:
 class Trainer:
     """Owns a run: data, model, both optimizers, schedule, logs and outputs."""
 
-    def __init__(self, cfg: RunConfig, out_dir: Path | None = None, resume: bool = False) -> None:
-        """resume: fit() continues from the newest complete checkpoint in the checkpoint folder."""
+    def __init__(self, cfg: RunConfig, out_dir: Path | None = None, resume: bool | str | Path = False) -> None:
+        """resume: True: fit() continues from the newest complete checkpoint in the checkpoint folder;
+        a path: from that checkpoint folder (step-XXXXXXXX)."""
         self.cfg = cfg
         self.resume = resume
         if cfg.train.threads:
@@ -294,8 +295,8 @@ class Trainer:
         self.checkpoints.save(step, self.embeddings, self.model, optimizers, state)
 
     def _resume(self) -> tuple[int, int, dict | None]:
-        """(step, epoch, data position: see RankData.position) of the newest checkpoint, loaded."""
-        path = self.checkpoints.latest()
+        """(step, epoch, data position: see RankData.position) of the checkpoint to resume from, loaded."""
+        path = self.checkpoints.to_resume(self.resume)
         if path is None:
             if self.is_main:
                 print(f"neorec: no checkpoint in {self.checkpoints.root}; starting from step 0", flush=True)
