@@ -21,8 +21,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
+    from neorec.distributed.launch import report_stop
     from neorec.train.build import check_before_launch
     from neorec.train.run_folder import check_run_folder, clear_run_folder
+    from neorec.train.signals import TrainingStopped, resume_command
     from neorec.train.trainer import Trainer, summary_table
 
     cfg = load_config(args.config or "default", args.overrides)  # validated before any process starts
@@ -35,17 +37,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # torchrun's other ranks leave it to rank 0
         clear_run_folder(cfg, out_dir)
     if args.nproc and args.nproc > 1:
+        from neorec.distributed.launch import launch_torchrun
+
         check_before_launch(cfg, args.nproc)  # one process checks what all would fail on (the trainer checks it too)
-        return launch_torchrun(args.nproc, strip_nproc(sys.argv[1:]))
+        return launch_torchrun(args.nproc, strip_nproc(args.argv), args.argv)
     trainer = Trainer(cfg, out_dir, resume=args.resume)
-    result = trainer.fit()
-    if trainer.is_main:
-        print(summary_table(result))
+    try:
+        result = trainer.fit()
+    except TrainingStopped as stop:  # SIGTERM/SIGINT: a checkpoint of the last step is saved
+        if trainer.is_main:
+            message = stop.message(resume_command(args.argv))
+            print(message, file=sys.stderr, flush=True)
+            report_stop(message, stop.signum)
+        code = stop.exit_code
+    else:
+        if trainer.is_main:
+            print(summary_table(result))
+        code = 0
     if trainer.comms is not None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    return 0
+    return code
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
@@ -59,16 +72,6 @@ def strip_nproc(argv: list[str]) -> list[str]:
         elif not a.startswith("--nproc="):
             out.append(a)
     return out
-
-
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """`neorec train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m neorec train ...`."""
-    import subprocess
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "neorec", *argv]  # fmt: skip
-    print("launching:", " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -338,15 +341,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from neorec.distributed.launch import report_failure
+
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # the command as typed, to resume it
     try:
         return args.func(args)
     except NeorecError as e:
-        print(f"neorec: error: {e}", file=sys.stderr)
+        if not report_failure(e):  # a worker of `neorec train --nproc N`: the launcher prints it
+            print(f"neorec: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `neorec config keys | head`: the reader left, which is no error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # Ctrl-C outside training (which stops itself cleanly: train/signals.py)
+        print("neorec: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if report_failure(e):  # another rank's failure: the launcher names that rank
+            return 1
+        raise
 
 
 if __name__ == "__main__":

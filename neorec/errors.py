@@ -11,3 +11,7 @@ class ConfigError(NeorecError):
 
 class DataError(NeorecError):
     """Input data is malformed. The message names the file and line, or the feature."""
+
+
+class DistributedError(NeorecError):
+    """Another rank failed or stopped answering; the message names it and how long this rank waited."""

@@ -24,6 +24,11 @@ has cores of its own for its threads, it spins for up to SPIN_SECONDS first: a c
 88-93 ms sleeping after 200 checks (benchmarks/RESULTS.md, "Measurements behind design choices"). With more threads than cores, a spinning rank would take
 the core its peer needs, so it checks only SPIN_CHECKS times before sleeping.
 
+A waiting rank also checks, every PEER_CHECK_SECONDS while it sleeps, that its peers' processes
+still live (each rank's pid and start time, from /proc, are exchanged when the group is built): a
+peer that died makes it raise DistributedError naming that rank within about a second, instead of
+waiting PEER_TIMEOUT_SECONDS (topology.py), the bound for a peer that lives but stopped answering.
+
 Results equal the backend's: all_to_all moves the same bytes; all_reduce adds the ranks' tensors in
 rank order on every rank (so every rank holds identical sums).
 """
@@ -40,10 +45,13 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from neorec.distributed.topology import PEER_TIMEOUT_SECONDS
+from neorec.errors import DistributedError
+
 HEADER_SLOTS = 64  # int64 per header: sequence, total bytes, then offsets (max 61 ranks per node)
 SPIN_CHECKS = 200  # busy checks before sleeping on the pipe
 SPIN_SECONDS = 0.02  # and then busy-waiting this long, where each rank has cores of its own
-STALL_SECONDS = 600.0  # a peer silent this long is taken as dead
+PEER_CHECK_SECONDS = 0.5  # how often a sleeping waiter checks that its peers' processes live
 
 
 def available() -> bool:
@@ -62,6 +70,7 @@ class ShmGroup:
         self.seq = 0
         header_bytes = 2 * HEADER_SLOTS * 8
         self._stride = header_bytes + 2 * capacity  # per rank: 2 headers, then 2 buffers
+        self._peers = _live_peers(ranks, self.index, pg)
         name = [f"/dev/shm/neorec-{uuid.uuid4().hex}" if self.index == 0 else None]
         dist.broadcast_object_list(name, src=ranks[0], group=pg)
         path = name[0]
@@ -129,7 +138,8 @@ class ShmGroup:
                 for _ in range(SPIN_CHECKS):
                     if self._all_published(parity):
                         return
-        deadline = time.monotonic() + STALL_SECONDS
+        start = time.monotonic()
+        deadline, next_check = start + PEER_TIMEOUT_SECONDS, start + PEER_CHECK_SECONDS
         while not self._all_published(parity):
             select.select([self._wake_read], [], [], 0.005)
             try:
@@ -137,10 +147,22 @@ class ShmGroup:
                     pass
             except BlockingIOError:
                 pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(
+            now = time.monotonic()
+            if now > next_check:
+                next_check = now + PEER_CHECK_SECONDS
+                self._check_peers()
+            if now > deadline:
+                raise DistributedError(
                     f"shared-memory collective among ranks {self.ranks}: no word from a peer in "
-                    f"{STALL_SECONDS:.0f} s (did a process die?)"
+                    f"{PEER_TIMEOUT_SECONDS:.0f} s (a rank hangs); stopping"
+                )
+
+    def _check_peers(self) -> None:
+        for rank, pid, started in self._peers:
+            if _start_time(pid) != started:
+                raise DistributedError(
+                    f"rank {rank} (pid {pid}) exited during a shared-memory collective among ranks "
+                    f"{self.ranks}; this rank stops too (the rank that failed first reports why)"
                 )
 
     # ---- collectives -----------------------------------------------------------------------------
@@ -274,6 +296,29 @@ class ShmGroup:
             if fd >= 0:
                 os.close(fd)
         self._wake_read, self._wake_write = -1, []
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _live_peers(ranks: list[int], index: int, pg) -> list[tuple[int, int, int]]:
+    """(rank, pid, start time) of the peers whose processes this one can see (collective over `pg`).
+    A peer in another pid namespace is left out: only the timeout bounds a wait on it."""
+    mine = (os.getpid(), _start_time(os.getpid()))
+    everyone: list = [None] * len(ranks)
+    dist.all_gather_object(everyone, mine, group=pg)
+    return [
+        (ranks[k], pid, started)
+        for k, (pid, started) in enumerate(everyone)
+        if k != index and started is not None and _start_time(pid) == started
+    ]
 
 
 def spin_seconds(ranks_here: int) -> float:

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from neorec.errors import ConfigError
+
+# A rank that waits this long on a peer in a collective (gloo, or shared memory: shm.py) gives up
+# with an error. A peer whose process died is noticed sooner: within about a second.
+PEER_TIMEOUT_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,10 @@ def init_distributed(device: torch.device, backend: str = "auto") -> Topology:
         chosen = choose_backend(backend, device.type, topo.local_world_size, num_gpus)
         store = _restart_store(topo)
         kwargs = {"device_id": device} if chosen == "nccl" else {}
-        dist.init_process_group(backend=chosen, rank=topo.rank, world_size=topo.world_size, store=store, **kwargs)
+        dist.init_process_group(
+            backend=chosen, rank=topo.rank, world_size=topo.world_size, store=store,
+            timeout=timedelta(seconds=PEER_TIMEOUT_SECONDS), **kwargs,
+        )  # fmt: skip
     return topo
 
 

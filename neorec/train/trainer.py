@@ -16,6 +16,7 @@ from torch import nn
 from neorec.checkpoint import load_checkpoint
 from neorec.checkpoint.files import CheckpointError
 from neorec.checkpoint.periodic import PeriodicCheckpoints
+from neorec.checkpoint.save import checkpoint_name
 from neorec.checkpoint.stream import save_model_state
 from neorec.config.load import dump_config
 from neorec.config.schema import RunConfig
@@ -41,6 +42,7 @@ from neorec.train.build import (
 from neorec.train.logger import MetricsLogger, read_metrics
 from neorec.train.pipeline import pipelined
 from neorec.train.schedule import lr_multiplier
+from neorec.train.signals import StopSignals, TrainingStopped
 from neorec.utils.host import keep_freed_memory
 from neorec.utils.json_values import strict_dumps
 
@@ -190,6 +192,13 @@ class Trainer:
         return loss.detach()
 
     def fit(self) -> RunResult:
+        """Train to the end and evaluate. SIGTERM or SIGINT (in the main thread) stop training at the
+        next step boundary, on every rank alike, with a checkpoint of that step, and raise
+        TrainingStopped (neorec/train/signals.py); a second signal ends the process at once."""
+        with StopSignals(self.comms) as stop:
+            return self._fit(stop)
+
+    def _fit(self, stop: StopSignals) -> RunResult:
         cfg, t = self.cfg, self.cfg.train
         logger: MetricsLogger | _NoLogger = _NoLogger()
         if self.is_main:
@@ -244,6 +253,9 @@ class Trainer:
                     if bar is not None:
                         bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{sps:,.0f}")
                     window_samples, window_start, window_wait = 0, now, 0.0
+                if signum := stop.agreed():  # collective: every rank stops after the same step
+                    running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
+                    self._stop(signum, step, epoch, in_epoch, logger, running, bar)
                 if t.eval_every and step % t.eval_every == 0 and (t.max_steps is None or step < t.max_steps):
                     self._eval(logger, step, t.eval_max_batches, teacher_auc)
                 if self.checkpoints.enabled and self.checkpoints.due(step):
@@ -284,6 +296,17 @@ class Trainer:
         return result
 
     # ---- checkpoints ---------------------------------------------------------------------------------
+    def _stop(self, signum: int, step: int, epoch: int, in_epoch: int, logger, running: float | None, bar) -> None:
+        """A stop was requested: save step `step` (unless just saved), close the logs, raise."""
+        if hasattr(self.embeddings, "clear_prefetched"):
+            self.embeddings.clear_prefetched()
+        if self.checkpoints.last_step != step:
+            self._save_checkpoint(step, epoch, in_epoch, logger, running)
+        if bar is not None:
+            bar.close()
+        logger.close()
+        raise TrainingStopped(signum, step, self.checkpoints.root / checkpoint_name(step))
+
     def _save_checkpoint(self, step: int, epoch: int, in_epoch: int, logger, running: float | None) -> None:
         """Collective: tables (sharded), dense model, both optimizers, RNG and the data position:
         `in_epoch` batches of epoch `epoch` are trained (the schedule position is the step), with the

@@ -1,0 +1,214 @@
+"""Preemption and failures of real processes: SIGTERM/SIGINT stop `neorec train` at a step boundary
+with a checkpoint and the command that resumes (1 process and `--nproc 2`), the resumed run ends
+exactly where an uninterrupted one does; a second signal ends a process at once; a rank that dies
+makes the others stop with an error naming it."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from test_checkpoint import _children, _metrics
+
+from neorec.checkpoint import list_checkpoints
+from neorec.config.load import load_config
+from neorec.train.trainer import Trainer
+
+RUN = [
+    "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 1000]", "data.synthetic.num_sparse=4",
+    "data.synthetic.train_samples=20000", "data.synthetic.eval_samples=500", "data.batch_size=64",
+    "train.progress=false", "logging.plot=false", "logging.tensorboard=false", "train.log_every=1",
+    "train.max_steps=300", "train.threads=1", "embedding.optimizer.name=adam", "embedding.optimizer.lr=0.01",
+    "distributed.forward_precision=fp32", "distributed.backward_precision=fp32",
+]  # fmt: skip
+
+
+def _sets(extra: list[str] = ()) -> list[str]:
+    return [x for kv in [*RUN, *extra] for x in ("--set", kv)]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _start(out, nproc: int = 1, extra: list[str] = (), env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "neorec", "train", "--output-dir", str(out), *_sets(extra)]
+    if nproc > 1:
+        cmd[4:4] = ["--nproc", str(nproc)]
+    return subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_steps(run: subprocess.Popen, out, steps: int) -> None:
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 240
+    while run.poll() is None and time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run logged fewer than {steps} steps: {run.communicate(timeout=60)}")
+
+
+def _stopped(run: subprocess.Popen, code: int) -> tuple[int, list[str]]:
+    """The stopped run's step and the command its message says resumes it."""
+    _, err = run.communicate(timeout=240)
+    assert run.returncode == code, err
+    assert "Traceback" not in err, err
+    line = next(x for x in err.splitlines() if x.startswith("neorec: stopped by"))
+    step = int(line.split(" after step ")[1].split(";")[0])
+    command = shlex.split(line.split("Resume with: ")[1])
+    assert command[:2] == ["neorec", "train"] and command[-1] == "--resume"
+    return step, [sys.executable, "-m", *command]
+
+
+def _resume(command: list[str]) -> None:
+    p = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from" in p.stdout
+
+
+def _same_run(a, b) -> None:
+    assert _metrics(a) == _metrics(b)  # every step's loss, and the evaluation
+    want = torch.load(a / "model.pt", weights_only=True)
+    got = torch.load(b / "model.pt", weights_only=True)
+    for key, value in want.items():
+        assert torch.equal(value, got[key]), key
+
+
+def test_second_signal_ends_the_process_at_once():
+    script = textwrap.dedent("""
+        import os, signal, time
+        from neorec.train.signals import StopSignals
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("asked to stop by", stop.agreed(), flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+            print("still running", flush=True)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGINT, p.stderr
+    assert p.stdout == f"asked to stop by {int(signal.SIGTERM)}\n" and "Traceback" not in p.stderr
+
+
+def test_sigint_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    """No periodic checkpoints: the signal's checkpoint is the only one."""
+    Trainer(load_config("default", RUN), tmp_path / "whole").fit()
+    run = _start(tmp_path / "run")
+    _wait_for_steps(run, tmp_path / "run", 3)
+    run.send_signal(signal.SIGINT)
+    step, command = _stopped(run, 128 + signal.SIGINT)
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [f"step-{step:08d}"]
+    assert 3 <= step < 300
+    _resume(command)
+    _same_run(tmp_path / "whole", tmp_path / "run")
+
+
+def _worker(launcher: int, rank: int) -> int:
+    for pid in _children(launcher):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no worker of rank {rank} under {launcher}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_at_one_step_and_resumes_exactly(tmp_path):
+    """`neorec train --nproc 2`, twice interrupted: SIGTERM to the launcher (torchrun's agent
+    forwards it), then SIGTERM to rank 1 alone (the ranks agree through their flags). Both times
+    every rank stops after the same step with one checkpoint; resumed, the run ends bitwise like an
+    uninterrupted one."""
+    whole = _start(tmp_path / "whole", nproc=2)
+    assert whole.wait(timeout=300) == 0, whole.communicate()[1]
+    run = _start(tmp_path / "run", nproc=2)
+    _wait_for_steps(run, tmp_path / "run", 3)
+    run.send_signal(signal.SIGTERM)
+    first, command = _stopped(run, 128 + signal.SIGTERM)
+    assert "--nproc" in command
+    again = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(again, tmp_path / "run", first + 3)
+    os.kill(_worker(again.pid, 1), signal.SIGTERM)
+    second, command = _stopped(again, 128 + signal.SIGTERM)
+    assert first < second < 300
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / f"step-{second:08d}" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and len(manifest["files"]) == 2  # both ranks wrote their part
+    _resume(command)
+    _same_run(tmp_path / "whole", tmp_path / "run")
+
+
+# ---- a rank that fails ---------------------------------------------------------------------------------
+def _die_in_collective(rank: int, init_file: str, out) -> None:
+    import torch.distributed as dist
+
+    from neorec.distributed.shm import ShmGroup
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    group = ShmGroup([0, 1], rank, None, capacity=1024)
+    group.all_reduce(torch.ones(4))
+    if rank == 1:
+        os._exit(3)  # dies without a word while rank 0 waits for the next exchange
+    try:
+        group.all_reduce(torch.ones(4))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put(f"{type(e).__name__}: {e}")
+
+
+def test_a_rank_dead_in_a_shared_memory_collective_stops_its_peer(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_die_in_collective, args=(r, str(tmp_path / "init"), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        message = out.get(timeout=120)  # the bound is about a second (shm.PEER_CHECK_SECONDS)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    assert message.startswith("DistributedError: rank 1 (pid ") and "exited during a shared-memory" in message
+
+
+SITE = """
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("NEOREC_TEST_FAIL"):
+    from neorec.train.trainer import Trainer
+    step, calls = Trainer.train_step, [0]
+    def failing(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("rank 1 cannot go on (injected)")
+        return step(self, *args, **kwargs)
+    Trainer.train_step = failing
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["raises", "sigkill"])
+def test_a_failing_rank_stops_the_run_and_is_reported_first(tmp_path, how):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITE)
+    env = {**_env(), "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if how == "raises":
+        env["NEOREC_TEST_FAIL"] = "1"
+    run = _start(tmp_path / "run", nproc=2, env=env)
+    if how == "sigkill":
+        _wait_for_steps(run, tmp_path / "run", 3)
+        os.kill(_worker(run.pid, 1), signal.SIGKILL)
+    _, err = run.communicate(timeout=180)  # the bound: torchrun's agent ends the survivors in <= 30 s
+    lines = [x for x in err.splitlines() if x.startswith("neorec: ")]  # the launcher's report
+    assert run.returncode == 1, err
+    want = "RuntimeError: rank 1 cannot go on (injected)" if how == "raises" else "killed by SIGKILL"
+    assert lines[0] == f"neorec: error: rank 1 failed first: {want}", err
+    assert lines[1].startswith("neorec: rank 0 stopped after it: "), err
