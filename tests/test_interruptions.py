@@ -157,3 +157,23 @@ def test_resume_from_a_given_checkpoint_folder(tmp_path, capsys):
     assert main([*args, *[x for kv in TINY for x in ("--set", kv)]]) == 2
     assert "nowhere: does not exist" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()  # refused before anything runs
+
+
+def _file_size_limit(limit: int):
+    def apply() -> None:  # in the child, before exec: both survive exec
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    return apply
+
+
+def test_neorec_train_stops_with_one_line_naming_the_file_it_cannot_write(tmp_path):
+    sets = [x for kv in [*TINY, "checkpoint.every_steps=5"] for x in ("--set", kv)]
+    cmd = [sys.executable, "-m", "neorec", "train", "--output-dir", str(tmp_path / "run"), *sets]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=_file_size_limit(64 << 10))
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("neorec: error: cannot write checkpoint file ") and "Traceback" not in p.stderr
+    assert "step-00000005.tmp/rank-00000.bin: File too large" in p.stderr
+    assert list_checkpoints(tmp_path / "run" / "checkpoints") == []

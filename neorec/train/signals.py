@@ -64,6 +64,8 @@ class StopSignals:
             # the process is on its way out: a signal now (torchrun's agent sends the other workers
             # SIGTERM when one exits) must not cut short the resume message; the handler stays
             return
+        if exc_type is None and self._pending is not None:
+            self._pending.wait()  # the last flags every rank sent: leave nothing in flight
         for s, handler in self._previous.items():
             signal.signal(s, handler)  # type: ignore[arg-type]
         self._previous.clear()
