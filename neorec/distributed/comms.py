@@ -108,10 +108,10 @@ class Comms:
         # The id exchange has its own communicator, so a pipeline can run it on a background thread
         # for the next batch while this thread exchanges the current batch's embeddings.
         self.ids = self.world
-        self.control = None  # the communicator of sum_flags
+        self.control = None  # the communicator of sum_flags: gloo, for host flags beside NCCL too
         if topo.world_size > 1:
             self.ids = Group(list(range(topo.world_size)), topo.rank, dist.new_group(list(range(topo.world_size))))
-            self.control = dist.new_group(list(range(topo.world_size)))
+            self.control = dist.new_group(list(range(topo.world_size)), backend="gloo")
         if transport == "shm" and shm_available() and topo.world_size > 1:
             self._attach_shm()
 
@@ -225,9 +225,10 @@ class Comms:
         return Pending([got], lambda: list(got.wait().split(theirs)))
 
     def sum_flags(self, flags: torch.Tensor) -> Pending:
-        """Start summing a few int64 flags over all ranks (control, such as a stop request); wait()
-        gives the sum. It runs on the backend's own thread and communicator, beside the model's
-        exchanges, so a caller that waits one step later never waits. Not counted in `stats`."""
+        """Start summing a few int64 flags (a CPU tensor) over all ranks (control, such as a stop
+        request); wait() gives the sum. It runs on gloo's own thread and a communicator of its own,
+        beside the model's exchanges, so a caller that waits one step later never waits and no
+        device is synchronised. Not counted in `stats`."""
         if self.world.size == 1:
             return Pending.ready(flags)
         flags = flags.clone()
