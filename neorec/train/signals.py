@@ -92,7 +92,7 @@ class StopSignals:
 
 def resume_command(argv: list[str]) -> str:
     """The command that continues the run `neorec <argv>` from its newest checkpoint: the same
-    arguments with --resume (any --resume PATH replaced). The launcher of `neorec train --nproc N`
+    arguments with --resume (any --resume PATH replaced, --overwrite dropped). The launcher of `neorec train --nproc N`
     passes the user's own arguments to its workers in NEOREC_ARGV."""
     if os.environ.get("NEOREC_ARGV"):
         argv = shlex.split(os.environ["NEOREC_ARGV"])
@@ -102,7 +102,7 @@ def resume_command(argv: list[str]) -> str:
         if a == "--resume":
             i += 2 if i + 1 < len(argv) and not argv[i + 1].startswith("-") else 1
             continue
-        if not a.startswith("--resume="):
+        if not a.startswith("--resume=") and a != "--overwrite":  # resuming keeps the run folder
             out.append(a)
         i += 1
     prefix = "neorec"
