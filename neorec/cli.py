@@ -9,6 +9,7 @@ from pathlib import Path
 
 from neorec.cli_args import count, output_folder, positive_int, seconds
 from neorec.errors import NeorecError
+from neorec.utils.logging import setup_logging
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -330,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging()  # rank 0 at INFO, the other ranks of a torchrun launch only warnings, prefixed
     try:
         return args.func(args)
     except NeorecError as e:
