@@ -28,9 +28,20 @@ def epoch_ends(records: list[dict]) -> list[int]:
 
 
 def plot_curves(records: list[dict], out_path: Path, title: str = "") -> Path:
+    """Write curves.png of a run's metrics records; title: the run's name (its folder's)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(records, title)
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path
+
+
+def curves_figure(records: list[dict], title: str = ""):
+    """The matplotlib figure of plot_curves."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -80,9 +91,7 @@ def plot_curves(records: list[dict], out_path: Path, title: str = "") -> Path:
         fig.text(0.5, 0.87, note, ha="center", va="top", fontsize=10, color="darkred",
                  bbox={"facecolor": "lightyellow", "edgecolor": "grey"})  # fmt: skip
     fig.tight_layout(rect=(0, 0, 1, 0.82) if note else None)
-    fig.savefig(out_path, dpi=100)
-    plt.close(fig)
-    return out_path
+    return fig
 
 
 def _too_short(train_points: int, eval_points: int) -> str | None:
