@@ -104,7 +104,7 @@ def test_train_line_shows_learning_rates_and_cache():
     line = train_line(20, 733, 0.43219, 41234.5, {"lr_dense": 0.002, "lr_embedding": 0.05}, cache)
     assert line == (
         "step 20/733 | loss 0.4322 | 41,234 samples/s | lr dense 0.002 embedding 0.05 | "
-        "cache hit rate 0.912, 2.0 MiB moved"
+        "cache hit rate 0.912, 2.0 MiB moved (since the start)"
     )
     assert train_line(5, 0, 1.0, 10.0, {"lr_dense": 1e-4}, None) == "step 5 | loss 1.0000 | 10 samples/s | lr dense 0.0001"
 

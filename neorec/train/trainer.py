@@ -477,14 +477,15 @@ def _same(batch):
 def train_line(
     step: int, total: int, loss: float, samples_per_s: float, lrs: dict[str, float], cache: dict | None
 ) -> str:
-    """The console line of a log step: loss, speed, learning rates, the caches' hit rate and traffic."""
+    """The console line of a log step: loss, speed, learning rates, the caches' hit rate and traffic
+    (`cache`: cache.stats.log_values, cumulative)."""
     parts = [f"step {step:,}/{total:,}" if total else f"step {step:,}", f"loss {loss:.4f}", f"{samples_per_s:,.0f} samples/s"]
     parts.append("lr " + " ".join(f"{k.removeprefix('lr_')} {v:.3g}" for k, v in lrs.items()))
     if cache:
         hit = cache.get("hit_rate")
         moved = sum(v for k, v in cache.items() if "/" not in k and k.startswith("mib_"))
         rate = "n/a" if hit is None or hit != hit else f"{hit:.3f}"
-        parts.append(f"cache hit rate {rate}, {moved:,.1f} MiB moved")
+        parts.append(f"cache hit rate {rate}, {moved:,.1f} MiB moved (since the start)")
     return " | ".join(parts)
 
 
