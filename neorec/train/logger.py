@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+from neorec.utils.json_values import strict_dumps
+
 log = logging.getLogger(__name__)
 
 
@@ -51,8 +53,8 @@ class MetricsLogger:
 
     def log(self, split: str, step: int, values: dict[str, float]) -> None:
         record = {"split": split, "step": step, "time": round(time.time() - self._start, 3)}
-        record.update({k: finite_or_none(v) for k, v in values.items()})
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        record.update(values)
+        self._file.write(strict_dumps(record) + "\n")
         self._file.flush()
         self.num_lines += 1
         if self._tb is not None:
@@ -64,17 +66,6 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
-
-
-def finite_or_none(value):
-    """`value` with every float that is not finite (NaN, inf) replaced by None, inside lists and dicts too."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_none(v) for v in value]
-    return value
 
 
 def _kept_lines(path: Path, step: int, lines: int | None) -> list[str]:
