@@ -338,7 +338,7 @@ class TrainConfig(Strict):
     def _eval_every(cls, v):
         if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             return v
-        raise ValueError("expected a positive number of steps, 'auto' or null")
+        raise ValueError("expected a number of steps (> 0), 'auto' or null")
 
 
 class TableShardingConfig(Strict):
