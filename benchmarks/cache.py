@@ -8,6 +8,7 @@ RESULTS.md and a plot next to it (cache.png).
 
     python benchmarks/cache.py                                   # the sweep
     python benchmarks/cache.py --demo --table-gib 12 --budget-gib 4 --steps 300
+    python benchmarks/cache.py --replot cache.png                # redraw a plot from its RESULTS.md table
 
 Demo: tables + Adam state of `--table-gib` GiB in files under --dir, a cache sized to fit a
 `--budget-gib` memory budget, trained for --steps; reports samples/s, hit rate and peak RSS (VmHWM),
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import shutil
 import sys
 import time
@@ -91,7 +93,11 @@ def train(cfg, batches: list, warmup: int, out_dir: Path) -> dict:
     log_gib = sum(log.appended * log.record_bytes for log in logs) / 2**30  # since the files were made
     after = summarize(emb.cache_stats())
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if k != "hit_rate"}
-    hit = 1 - delta["misses"] / delta["lookups"] if delta.get("lookups") else float("nan")
+    # Rows brought in per unique row looked up: above 1 when a cache too small for a batch's rows
+    # brings some in more than once in a step; the hit rate is then 0, as the caches report it
+    # (neorec/embedding/cache/stats.py).
+    brought_in = delta["misses"] / delta["lookups"] if delta.get("lookups") else float("nan")
+    hit = max(0.0, 1 - brought_in) if delta.get("lookups") else float("nan")
     samples = sum(len(b) for b in batches[warmup:])
     return {
         "samples_per_s": samples / seconds,
@@ -99,6 +105,7 @@ def train(cfg, batches: list, warmup: int, out_dir: Path) -> dict:
         # of which reading and writing the files (ssd; the worker thread's share, mostly)
         "io_cpu_ms_per_step": 1e3 * io_seconds / max(len(batches) - warmup, 1) if io_cpu else None,
         "hit_rate": hit,
+        "brought_in_per_lookup": brought_in,
         "mib_from_tier_per_step": sum(v for k, v in delta.items() if k.startswith("mib_from_"))
         / max(len(batches) - warmup, 1),
         "build_s": build_s,
@@ -187,8 +194,8 @@ def sweep(args) -> None:
         "in windows). Files in "
         f"{args.dir}, dropped from the page cache once written: a miss is a random read from the disk "
         "until the page cache holds the page again. "
-        "Hit rate = 1 - rows brought in / unique rows looked up (below 0: a batch's unique rows do not fit "
-        "in the cache, so some are brought in more than once within the step). CPU ms / step: CPU time of "
+        "Hit rate = 1 - rows brought in / unique rows looked up, at least 0 (0 where a batch's unique rows do not "
+        "fit in the cache, so some are brought in more than once within the step). CPU ms / step: CPU time of "
         "all the process's threads per timed step (less sensitive than samples/s to other jobs on the machine); "
         "of which file I/O: the part spent reading and writing the ssd files (SsdBacking.cpu_seconds, "
         "folding the write log included). Plot: "
@@ -200,13 +207,40 @@ def sweep(args) -> None:
     print(markdown_table(header, rows))
 
 
+def recorded_results(plot_name: str, stamp: str | None = None, path: Path = RESULTS) -> list[dict]:
+    """The rows of the last RESULTS.md table plotted to benchmarks/<plot_name> (with `stamp`: the one
+    whose heading holds it, e.g. "2026-11-22 16:09"), as `plot` takes them."""
+    for section in reversed(path.read_text().split("\n## ")):
+        if f"Plot: benchmarks/{plot_name}" not in section or (stamp and stamp not in section.splitlines()[0]):
+            continue
+        lines = [line.strip().strip("|") for line in section.splitlines() if line.startswith("|")]
+        header = [c.strip() for c in lines[0].split("|")]
+        rows = []
+        for line in lines[2:]:
+            cells = dict(zip(header, (c.strip() for c in line.split("|")), strict=True))
+            case = cells["tables"]
+            cached = re.search(r"([\d.]+)% cached", case)
+            rows.append({
+                "zipf": float(cells["Zipf"]), "case": case,
+                "fraction": float(cached.group(1)) / 100 if cached else None,
+                "variant": case.split(", ", 1)[1] if ", " in case else "",
+                "samples_per_s": float(cells["samples/s"].replace(",", "")),
+                "hit_rate": float(cells["hit rate"]) if cells["hit rate"] != "-" else None,
+            })  # fmt: skip
+        return rows
+    sys.exit(f"{path} has no table plotted to benchmarks/{plot_name}" + (f" at {stamp}" if stamp else ""))
+
+
 def plot(results: list[dict], path: Path) -> None:
+    """samples/s and hit rate against the cache size. A hit rate recorded below 0 (rows brought in
+    more than once in a step, by tables written before it was clamped) is drawn as 0, hollow."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    clamped = False
     for zipf in sorted({r["zipf"] for r in results}):
         mine = [r for r in results if r["zipf"] == zipf]
         ram = next(r for r in mine if r["fraction"] is None)["samples_per_s"]
@@ -217,8 +251,17 @@ def plot(results: list[dict], path: Path) -> None:
                 f", {cached[0]['case'].split(', ', 1)[1]}" if len(cached) < len(mine) - 1 else ""
             )
             line = ax1.plot(x, [r["samples_per_s"] for r in cached], "o-", label=f"{label}: cached")[0]
-            ax2.plot(x, [r["hit_rate"] for r in cached], "o-", color=line.get_color(), label=label)
+            hits = [r["hit_rate"] for r in cached]
+            ax2.plot(x, [max(0.0, h) for h in hits], "o-", color=line.get_color(), label=label)
+            low = [(xi, 0.0) for xi, h in zip(x, hits, strict=True) if h <= 0]
+            if low:
+                clamped = True
+                ax2.plot(*zip(*low, strict=True), "o", color=line.get_color(), markerfacecolor="white")
         ax1.axhline(ram, color=line.get_color(), ls="--", lw=1, label=f"Zipf {zipf}: all in RAM")
+    ax2.set_ylim(-0.03, 1.03)  # a share of the rows looked up
+    if clamped:
+        ax2.text(0.98, 0.02, "hollow: 0, the cache cannot hold a batch's rows\n(some brought in twice in a step)",
+                 transform=ax2.transAxes, ha="right", va="bottom", fontsize=7)  # fmt: skip
     for ax, label in ((ax1, "samples/s"), (ax2, "hit rate")):
         ax.set_xscale("log")
         ax.set_xlabel("rows cached (% of each table)")
@@ -228,6 +271,7 @@ def plot(results: list[dict], path: Path) -> None:
     fig.suptitle("Training through the row cache (tables in files)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def demo(args) -> None:
@@ -327,7 +371,13 @@ def main() -> None:
     )
     p.add_argument("--note", default="", help="appended to the RESULTS notes (e.g. other load seen)")
     p.add_argument("--no-append", action="store_true", help="print only (no RESULTS.md, no plot)")
+    p.add_argument("--replot", default=None, metavar="PNG",
+                   help="redraw benchmarks/PNG from the last RESULTS.md table plotted to it, and stop")  # fmt: skip
+    p.add_argument("--replot-stamp", default=None, help="--replot: the table whose heading has this date and time")
     args = p.parse_args()
+    if args.replot:
+        plot(recorded_results(args.replot, args.replot_stamp), RESULTS.parent / args.replot)
+        return
     torch.set_num_threads(args.threads)
     demo(args) if args.demo else sweep(args)
 

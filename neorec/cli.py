@@ -9,6 +9,7 @@ from pathlib import Path
 
 from neorec.cli_args import count, output_folder, positive_int, seconds
 from neorec.errors import NeorecError
+from neorec.utils.logging import setup_logging
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # the command as typed, to resume it
+    setup_logging()  # rank 0 at INFO, the other ranks of a torchrun launch only warnings, prefixed
     try:
         return args.func(args)
     except NeorecError as e:

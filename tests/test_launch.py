@@ -75,6 +75,9 @@ def test_nproc_convenience_flag_and_bad_plan(tmp_path):
               *_sets(["distributed.sharding={C1: {kind: rw, ranks: [0, 1]}, C2: {kind: cw, ranks: [1, 0]}}"])])  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file()
+    # rank 0 logs progress, prefixed with its rank; rank 1 only warnings (neorec/utils/logging.py)
+    assert "[rank 0] neorec: step 4/12 | loss " in p.stderr, p.stderr[-3000:]
+    assert "[rank 1] neorec: step" not in p.stderr
     bad = _run([sys.executable, "-m", "neorec", "train", "--nproc", "2", "--output-dir", str(tmp_path / "bad"),
                 *_sets(["distributed.sharding={C3: {kind: tw, ranks: [5]}}"])])  # fmt: skip
     assert bad.returncode != 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from neorec.config.base import Strict
 from neorec.embedding.tables import EmbeddingOptimizerConfig
@@ -310,7 +310,11 @@ class ScheduleConfig(Strict):
 class TrainConfig(Strict):
     epochs: int = Field(1, gt=0, description="passes over the training data")
     max_steps: int | None = Field(None, gt=0, description="stop after this many steps (None: all epochs)")
-    eval_every: int | None = Field(None, gt=0, description="evaluate every N steps (None: after each epoch)")
+    eval_every: int | Literal["auto"] | None = Field(
+        "auto",
+        description="evaluate every N steps; auto: about 5 times per run (mid-run on about "
+        "32k samples unless eval_max_batches is set); None: after each epoch",
+    )
     eval_max_batches: int | None = Field(None, gt=0, description="cap on mid-training evaluation batches")
     log_every: int = Field(50, gt=0, description="write a metrics line every N steps")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (None: torch's default)")
@@ -328,6 +332,13 @@ class TrainConfig(Strict):
     )
     dense_optimizer: DenseOptimizerConfig = Field(default_factory=DenseOptimizerConfig, description="MLP optimizer")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="learning-rate schedule")
+
+    @field_validator("eval_every", mode="before")
+    @classmethod
+    def _eval_every(cls, v):
+        if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError("expected a number of steps (> 0), 'auto' or null")
 
 
 class TableShardingConfig(Strict):

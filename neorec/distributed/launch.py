@@ -42,7 +42,7 @@ def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     cmd = ["--standalone", f"--nproc-per-node={nproc}", "-m", "neorec", *argv]
-    print("launching: torchrun " + shlex.join(cmd), flush=True)
+    logging.getLogger("neorec").info("launching: torchrun " + shlex.join(cmd))
     # the agent's own log lines (closing signals, "failed (exitcode: ...)") would bury the report
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):

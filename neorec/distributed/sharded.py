@@ -75,10 +75,11 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         stochastic_rounding: bool = False,
         tiers: dict[str, str] | None = None,
         cache: CacheSettings | None = None,
+        progress: bool = False,
     ) -> None:
         """tiers: storage tier by table name ("memory", "dram", "ssd"), overriding the plan's tier
         (plan.STORAGE_TIERS); cache: size, policy and directory of the cached tables' row caches
-        (size_mib is per process here)."""
+        (size_mib is per process here); progress: bars of the rows filled (pass it on rank 0 only)."""
         super().__init__(tables, optimizer)
         self.comms, self.topo, self.plan = comms, comms.topo, plan
         self.layout = ShardLayout(self.tables, plan, comms.topo)
@@ -98,10 +99,11 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         factory = self._cache_factory({**local_tiers, **dp_tiers}, cache, units, dp, device)
         self.local = FusedEmbeddingCollection(
             self.layout.local_tables(rank), optimizer, seed, device, stochastic_rounding, row_init=shard_rows,
-            group_storage_factory=factory, table_tiers=local_tiers,
+            group_storage_factory=factory, table_tiers=local_tiers, progress=progress,
         )  # fmt: skip
         self.replicated = FusedEmbeddingCollection(
-            dp, optimizer, seed, device, stochastic_rounding, group_storage_factory=factory, table_tiers=dp_tiers
+            dp, optimizer, seed, device, stochastic_rounding, group_storage_factory=factory, table_tiers=dp_tiers,
+            progress=progress,
         )
         self._local_cached = any(hasattr(w, "prefetch") for w in self.local.weights)
         self._replicas = ReplicaSync(self.replicated, comms, self.codecs[1])

@@ -114,46 +114,77 @@ def comparison(results: list[PlanResult], cluster: Cluster) -> str:
 
 
 def plot(results: list[PlanResult], cluster: Cluster, path: str | Path) -> Path:
-    """Stacked seconds per stage and memory per tier, per rank, one column per plan."""
+    """plan.png: see plan_figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(results)
+    fig = plan_figure(results, cluster)
+    out = Path(path)
+    fig.savefig(out, dpi=90, bbox_inches="tight")  # the legends right of the bars included
+    plt.close(fig)
+    return out
+
+
+def plan_figure(results: list[PlanResult], cluster: Cluster):
+    """Stacked seconds per stage and memory per tier, per rank, one column per plan (one scale for all
+    plans). Legends sit right of the bars and give each stage's largest value, so that a stage too small
+    to see in the bars is still read; a capacity far above every bar is named, not drawn."""
+    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, n, figsize=(6 * n, 7), squeeze=False)
+    n = len(results)
+    all_ranks = [r for res in results for r in res.estimate.ranks]
+    per_plan = min(14.0, 5 + 0.05 * cluster.world_size)  # inches: many ranks get room
+    fig, axes = plt.subplots(2, n, figsize=(per_plan * n + 1.5, 7), squeeze=False)
+    top_ms = max((r.total for r in all_ranks), default=0.0) * 1e3
+    stage_max = {s: max((r.stages[s] for r in all_ranks), default=0.0) * 1e3 for s in STAGES}
+    used_gb = max((r.memory.get(t.name, 0) for r in all_ranks for t in cluster.tiers), default=0) / 1e9
+    on_scale = [t for t in cluster.tiers if t.capacity / 1e9 <= 4 * max(used_gb, 1e-9)]  # else named only
+    top_gb = max([used_gb] + [t.capacity / 1e9 for t in on_scale]) or 1.0
+    label_bars = all(len(res.estimate.ranks) <= 16 for res in results)  # values on the bars while they fit
     for col, res in enumerate(results):
         ranks = [r.rank for r in res.estimate.ranks]
         ax = axes[0][col]
         bottom = [0.0] * len(ranks)
         for s in STAGES:
             values = [r.stages[s] * 1e3 for r in res.estimate.ranks]
-            ax.bar(ranks, values, bottom=bottom, label=STAGE_LABELS[s], width=0.85)
+            label = f"{STAGE_LABELS[s]} (up to {stage_max[s]:.2f} ms)"
+            edge = {"edgecolor": "white", "linewidth": 0.3} if label_bars else {}  # stages apart, while bars are wide
+            bars = ax.bar(ranks, values, bottom=bottom, label=label, width=0.85, **edge)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        if label_bars:
+            ax.bar_label(bars, labels=[f"{b:.2f}" for b in bottom], fontsize=7, padding=2)
         if res.bound is not None:
             ax.axhline(res.bound.value * 1e3, color="black", linestyle="--", linewidth=1, label="lower bound")
+        ax.set_ylim(0, 1.15 * max(top_ms, res.bound.value * 1e3 if res.bound is not None else 0.0, 1e-9))
         ax.set_title(f"{res.name}: cost per rank (max/mean {res.estimate.imbalance:.3f})")
-        ax.set_ylabel("ms per step")
-        ax.legend(fontsize=8)
+        ax.set_ylabel("estimated ms per step")
         ax = axes[1][col]
-        bottom = [0.0] * len(ranks)
+        width = 0.85 / len(cluster.tiers)
         for i, tier in enumerate(cluster.tiers):
             values = [r.memory.get(tier.name, 0) / 1e9 for r in res.estimate.ranks]
-            ax.bar(ranks, values, bottom=bottom if i == 0 else [0.0] * len(ranks), alpha=0.7 if i else 1.0,
-                   label=f"{tier.name}", width=0.85)  # fmt: skip
-            ax.axhline(
-                tier.capacity / 1e9, color=f"C{i}", linestyle=":", linewidth=1, label=f"{tier.name} capacity"
-            )
-        ax.set_xlabel("rank")
-        for a in (axes[0][col], ax):  # ranks are whole numbers
-            a.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("GB")
+            x = [rank + (i - (len(cluster.tiers) - 1) / 2) * width for rank in ranks]
+            name = tier.name if tier in on_scale else f"{tier.name} (capacity {tier.capacity / 1e9:.1f} GB, off the scale)"
+            bars = ax.bar(x, values, width=width, color=f"C{i}", label=name)
+            if label_bars:
+                ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=7, padding=2)
+            if tier in on_scale:
+                ax.axhline(tier.capacity / 1e9, color=f"C{i}", linestyle=":", linewidth=1.2,
+                           label=f"{tier.name} capacity {tier.capacity / 1e9:.1f} GB")  # fmt: skip
+        ax.set_ylim(0, 1.15 * top_gb)
+        ax.set_ylabel("GB per rank")
         ax.set_title("memory per rank and tier")
-        ax.legend(fontsize=8)
+        for a in (axes[0][col], ax):  # ranks are whole numbers
+            a.set_xlabel("rank")
+            a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for row in axes:  # one legend per row (every plan's entries), right of the last plan's bars
+        entries: dict[str, object] = {}
+        for a in row:
+            for handle, label in zip(*a.get_legend_handles_labels(), strict=True):
+                entries.setdefault(label, handle)
+        row[-1].legend(entries.values(), entries.keys(), loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8,
+                       borderaxespad=0)  # fmt: skip
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return fig

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,8 +15,12 @@ from neorec.planner.hardware import Cluster, preset, this_machine
 from neorec.planner.planner import PlanResult, plan_sharding
 from neorec.planner.workload import Workload, build_workload, measure_access
 from neorec.utils.json_values import strict_dumps
+from neorec.utils.progress import phase
 
 SAMPLE_BATCHES = 2  # training batches read to measure ids per sample and the id distribution
+TRAIN_PLAN_SECONDS = 10.0  # the planner's time budget when `neorec train` plans
+
+log = logging.getLogger(__name__)
 
 
 def workload_for_run(
@@ -71,9 +76,13 @@ def default_plan_for_run(cfg: RunConfig, tables: list[TableConfig], topo: Topolo
     message: dict = {}
     if topo.rank == 0:
         try:
-            workload = workload_for_run(cfg, tables, one_machine=topo.num_nodes == 1)
-            cluster = cluster_for_run(cfg, topo.world_size, topo.local_world_size)
-            message = {"plan": plan_sharding(workload, cluster, time_budget=10.0).plan.to_dict()}
+            with phase("planning the sharding", cfg.train.progress, budget_seconds=TRAIN_PLAN_SECONDS):
+                workload = workload_for_run(cfg, tables, one_machine=topo.num_nodes == 1)
+                cluster = cluster_for_run(cfg, topo.world_size, topo.local_world_size)
+                result = plan_sharding(workload, cluster, time_budget=TRAIN_PLAN_SECONDS)
+            message = {"plan": result.plan.to_dict()}
+            log.info(f"planned the sharding of {len(tables)} tables over {topo.world_size} processes in "
+                     f"{result.seconds:.1f} s (`neorec plan` shows the plan)")  # fmt: skip
         except ConfigError as e:
             message = {"error": str(e)}
     if topo.world_size > 1 and dist.is_initialized():
@@ -135,7 +144,8 @@ def plan_command(
         )
     else:
         raise ConfigError(f"neorec plan: --model must be 'config' or '12t', got {model!r}")
-    result = plan_sharding(workload, cluster, kinds, time_budget)
+    with phase("planning the sharding", budget_seconds=time_budget):
+        result = plan_sharding(workload, cluster, kinds, time_budget)
     results = [result]
     if baselines:
         results += [round_robin(workload, cluster), size_greedy(workload, cluster)]

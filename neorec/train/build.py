@@ -165,6 +165,7 @@ def build_embeddings(
     e = cfg.embedding
     device = device if device is not None else cfg.train.device
     sharded = comms is not None and comms.topo.world_size > 1
+    progress = cfg.train.progress and (comms is None or comms.topo.rank == 0)  # bars of the rows filled
     plan = build_plan(cfg, tables, comms.topo) if sharded and e.engine == "fused" else None
     tiers = storage_tiers(cfg, tables, plan)
     cached = sorted(n for n, tier in tiers.items() if tier != "memory")
@@ -190,7 +191,7 @@ def build_embeddings(
         forward, backward = run_wire_precisions(cfg, one_machine=comms.topo.num_nodes == 1)
         return ShardedEmbeddingCollection(
             tables, e.optimizer, plan, comms, seed=cfg.seed, forward_precision=forward, backward_precision=backward,
-            device=device, stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings,
+            device=device, stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings, progress=progress,
         )  # fmt: skip
     on_ssd = sorted(n for n in cached if tiers[n] == "ssd")
     if torch.device(device).type == "cuda" and on_ssd:
@@ -212,7 +213,7 @@ def build_embeddings(
         factory = cached_storage_factory(tiers, settings, total)
     return FusedEmbeddingCollection(
         tables, e.optimizer, seed=cfg.seed, stochastic_rounding=e.stochastic_rounding,
-        group_storage_factory=factory, table_tiers=tiers, device=device,
+        group_storage_factory=factory, table_tiers=tiers, device=device, progress=progress,
     )  # fmt: skip
 
 

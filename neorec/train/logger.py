@@ -1,5 +1,8 @@
 """Where metrics go: one JSON object per line (always), TensorBoard events (when installed).
 
+Each line is strict JSON: a value that is not a finite number (an AUC of a one-class set, say) is
+written as null, so any JSON reader can read the file.
+
 A resumed run continues the same metrics.jsonl: it keeps the lines written up to the checkpoint it
 resumed from (the checkpoint records how many there were) and drops the lines written after it, which
 the resumed run writes again; TensorBoard hides the events after the checkpoint's step (purge_step).
@@ -8,10 +11,15 @@ the resumed run writes again; TensorBoard hides the events after the checkpoint'
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from pathlib import Path
+
+from neorec.utils.json_values import strict_dumps
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -38,18 +46,20 @@ class MetricsLogger:
                 # resumed: TensorBoard hides the events of steps after the checkpoint
                 purge = resume["step"] + 1 if resume is not None else None
                 self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=purge)
-            except ImportError:  # tensorboard is optional
+            except ImportError as e:  # tensorboard is optional
+                log.warning(f"logging.tensorboard is on but TensorBoard cannot be imported ({e}); "
+                            "metrics go to metrics.jsonl only (pip install tensorboard, or set logging.tensorboard: false)")
                 self._tb = None
 
     def log(self, split: str, step: int, values: dict[str, float]) -> None:
         record = {"split": split, "step": step, "time": round(time.time() - self._start, 3)}
-        record.update({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in values.items()})
-        self._file.write(json.dumps(record) + "\n")
+        record.update(values)
+        self._file.write(strict_dumps(record) + "\n")
         self._file.flush()
         self.num_lines += 1
         if self._tb is not None:
             for k, v in values.items():
-                if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
+                if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(f"{split}/{k}", v, step)
 
     def close(self) -> None:

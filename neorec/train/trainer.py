@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -45,6 +46,12 @@ from neorec.train.schedule import lr_multiplier
 from neorec.train.signals import StopSignals, TrainingStopped
 from neorec.utils.host import keep_freed_memory
 from neorec.utils.json_values import strict_dumps
+from neorec.utils.progress import progress_bar
+
+log = logging.getLogger(__name__)
+
+AUTO_EVALS = 5  # train.eval_every auto: evaluations per run, the final one included
+AUTO_EVAL_SAMPLES = 32768  # ... and held-out samples scored by each mid-run one (eval_max_batches unset)
 
 
 @dataclass
@@ -70,20 +77,30 @@ def embedding_collection(model: nn.Module) -> EmbeddingCollection:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, source: DataSource, batch_size: int, max_batches: int | None = None, comms: Comms | None = None
+    model: nn.Module,
+    source: DataSource,
+    batch_size: int,
+    max_batches: int | None = None,
+    comms: Comms | None = None,
+    progress: bool = False,
 ) -> dict[str, float]:
-    """Metrics of `model` on the source's whole held-out set. Over W processes (`comms`) each rank
-    scores its rows of every batch (neorec/data/ranks.py) and scores and labels are gathered, so
-    every rank computes the metrics of the whole set."""
+    """Metrics of `model` on the source's whole held-out set (its first `max_batches` batches). Over
+    W processes (`comms`) each rank scores its rows of every batch (neorec/data/ranks.py) and scores
+    and labels are gathered, so every rank computes the metrics of the whole set. progress: a bar on
+    rank 0 when the pass takes more than a second."""
     was_training = model.training
     model.eval()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))  # train.device
     probs, labels = [], []
     world = comms.topo.world_size if comms is not None else 1
-    data = RankData(source, batch_size, comms.topo.rank if comms is not None else 0, world)
+    rank = comms.topo.rank if comms is not None else 0
+    data = RankData(source, batch_size, rank, world)
+    bar = progress_bar(max_batches, "evaluation", progress and rank == 0, unit="batch", delay=1.0, leave=False)
     for i, (batch, n) in enumerate(data.eval_slices(batch_size)):
         if max_batches is not None and i >= max_batches:
             break
+        if bar is not None:
+            bar.update(1)
         scores = torch.sigmoid(model(batch.to(device) if device.type != "cpu" else batch)).cpu()
         if world == 1:
             probs.append(scores)
@@ -91,6 +108,8 @@ def evaluate(
         else:
             probs.append(comms.all_gather(scores, "eval")[:n])
             labels.append(comms.all_gather(batch.labels.cpu(), "eval")[:n])
+    if bar is not None:
+        bar.close()
     model.train(was_training)
     if not probs:
         return {}
@@ -161,6 +180,24 @@ class Trainer:
         per_epoch = self.data.steps_per_epoch()
         return t.epochs * per_epoch if per_epoch else 0
 
+    def _eval_schedule(self, total: int) -> tuple[int | None, int | None]:
+        """(steps between mid-run evaluations, None: after each epoch; batches each of them scores).
+        train.eval_every auto: AUTO_EVALS evaluations over a run of known length, the final one on
+        the whole held-out set, the others on about AUTO_EVAL_SAMPLES samples; a run too short for
+        that evaluates at its end only."""
+        t = self.cfg.train
+        if t.eval_every != "auto":
+            return t.eval_every, t.eval_max_batches
+        if not total:  # length unknown (a stream): after each epoch
+            return None, t.eval_max_batches
+        every = math.ceil(total / AUTO_EVALS) if total >= 2 * AUTO_EVALS else total
+        batches = t.eval_max_batches or max(1, AUTO_EVAL_SAMPLES // self.cfg.data.eval_batch_size)
+        return every, batches
+
+    def _learning_rates(self) -> dict[str, float]:
+        """The learning rates in use (the first parameter group of each optimizer)."""
+        return {"lr_dense": self.dense_opt.param_groups[0]["lr"], "lr_embedding": self.emb_opt.param_groups[0]["lr"]}
+
     def _set_lr(self, step: int, total: int) -> None:
         m = lr_multiplier(self.cfg.train.schedule, step, total)
         for opt, bases in zip((self.dense_opt, self.emb_opt), self._base_lrs, strict=True):
@@ -211,7 +248,8 @@ class Trainer:
         teacher_auc = self.source.teacher_auc() if hasattr(self.source, "teacher_auc") else None
         total = self.total_steps()
         result = RunResult(0, 0, 0.0, teacher_auc=teacher_auc, out_dir=self.out_dir)
-        bar = _progress(total, t.progress and self.is_main)
+        every, mid_batches = self._eval_schedule(total)
+        bar = progress_bar(total, None, t.progress and self.is_main, unit="step")
         if bar is not None and step:
             bar.update(step)
         running = position.get("running_loss") if position is not None else None  # the logged loss average
@@ -246,18 +284,23 @@ class Trainer:
                     now = time.perf_counter()
                     sps = window_samples / (now - window_start)
                     wait_ms = 1000 * window_wait / t.log_every  # waited for data, per step
+                    lrs = self._learning_rates()
                     logger.log("train", step, {"loss": running, "samples_per_s": sps, "epoch": epoch,
-                                               "data_wait_ms": wait_ms})  # fmt: skip
+                                               "data_wait_ms": wait_ms, **lrs})  # fmt: skip
+                    cache = None
                     if getattr(self.embeddings, "cache_stats", None) and (cache := self.embeddings.cache_stats()):
-                        logger.log("cache", step, log_values(cache))  # hit rate, MiB per tier, per table
+                        cache = log_values(cache)
+                        logger.log("cache", step, cache)  # hit rate, MiB per tier, per table
+                    if self.is_main:
+                        log.info(train_line(step, total, running, sps, lrs, cache))
                     if bar is not None:
                         bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{sps:,.0f}")
                     window_samples, window_start, window_wait = 0, now, 0.0
                 if signum := stop.agreed():  # collective: every rank stops after the same step
                     running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
                     self._stop(signum, step, epoch, in_epoch, logger, running, bar)
-                if t.eval_every and step % t.eval_every == 0 and (t.max_steps is None or step < t.max_steps):
-                    self._eval(logger, step, t.eval_max_batches, teacher_auc)
+                if every and step % every == 0 and (not total or step < total):  # the last step: the final one
+                    self._eval(logger, step, mid_batches, teacher_auc)
                 if self.checkpoints.enabled and self.checkpoints.due(step):
                     running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
                     self._save_checkpoint(step, epoch, in_epoch, logger, running)
@@ -266,8 +309,10 @@ class Trainer:
                     break
             if done:
                 break
-            if not t.eval_every and epoch < t.epochs - 1:
-                self._eval(logger, step, t.eval_max_batches, teacher_auc)
+            if epoch < t.epochs - 1:
+                logger.log("epoch_end", step, {"epoch": epoch})  # curves.png marks the boundary
+                if not every:
+                    self._eval(logger, step, mid_batches, teacher_auc)
         running = self._read_losses(unread, step, result, running)
         if step == 0:  # the data had no batch in it: a run without training is a mistake, not a result
             raise DataError(
@@ -289,7 +334,7 @@ class Trainer:
         if bar is not None:
             bar.close()
         result.steps = step
-        result.eval = self._eval(logger, step, None, teacher_auc)
+        result.eval = self._eval(logger, step, None, teacher_auc, progress=t.progress)
         result.skipped_lines = int(getattr(self.source, "num_skipped", 0) or 0)
         logger.close()
         self._finish(result)
@@ -322,7 +367,7 @@ class Trainer:
         path = self.checkpoints.to_resume(self.resume)
         if path is None:
             if self.is_main:
-                print(f"neorec: no checkpoint in {self.checkpoints.root}; starting from step 0", flush=True)
+                log.info(f"no checkpoint in {self.checkpoints.root}; starting from step 0")
             return 0, 0, None
         optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
         manifest = load_checkpoint(path, self.embeddings, self.model, optimizers)
@@ -335,7 +380,7 @@ class Trainer:
                 )
         self.checkpoints.last_step = manifest["step"]
         if self.is_main:
-            print(f"neorec: resumed from {path} (step {manifest['step']})", flush=True)
+            log.info(f"resumed from {path} (step {manifest['step']})")
         return manifest["step"], state["epoch"], state
 
     def _read_losses(
@@ -392,8 +437,16 @@ class Trainer:
         every = self.comms.all_gather(mine, "eval") if self.comms is not None else mine
         return [round(x, 1) for x in every.tolist()]
 
-    def _eval(self, logger: MetricsLogger, step: int, max_batches: int | None, teacher_auc: float | None) -> dict:
-        metrics = evaluate(self.model, self.source, self.cfg.data.eval_batch_size, max_batches, self.comms)
+    def _eval(
+        self,
+        logger: MetricsLogger | _NoLogger,
+        step: int,
+        max_batches: int | None,
+        teacher_auc: float | None,
+        progress: bool = False,
+    ) -> dict:
+        batch_size = self.cfg.data.eval_batch_size
+        metrics = evaluate(self.model, self.source, batch_size, max_batches, self.comms, progress and self.is_main)
         if not metrics:  # no held-out samples: nothing to log or plot
             return metrics
         if teacher_auc is not None:
@@ -424,7 +477,7 @@ class Trainer:
         if self.cfg.logging.plot:
             from neorec.metrics.plot import plot_curves
 
-            plot_curves(read_metrics(self.out_dir / "metrics.jsonl"), self.out_dir / "curves.png", self.cfg.name)
+            plot_curves(read_metrics(self.out_dir / "metrics.jsonl"), self.out_dir / "curves.png", self.out_dir.name)
 
 
 def _training_device(cfg: RunConfig) -> torch.device:
@@ -445,12 +498,19 @@ def _same(batch):
     return batch
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total or None, unit="step", dynamic_ncols=True, mininterval=1.0)
+def train_line(
+    step: int, total: int, loss: float, samples_per_s: float, lrs: dict[str, float], cache: dict | None
+) -> str:
+    """The console line of a log step: loss, speed, learning rates, the caches' hit rate and traffic
+    (`cache`: cache.stats.log_values, cumulative)."""
+    parts = [f"step {step:,}/{total:,}" if total else f"step {step:,}", f"loss {loss:.4f}", f"{samples_per_s:,.0f} samples/s"]
+    parts.append("lr " + " ".join(f"{k.removeprefix('lr_')} {v:.3g}" for k, v in lrs.items()))
+    if cache:
+        hit = cache.get("hit_rate")
+        moved = sum(v for k, v in cache.items() if "/" not in k and k.startswith("mib_"))
+        rate = "n/a" if hit is None or hit != hit else f"{hit:.3f}"
+        parts.append(f"cache hit rate {rate}, {moved:,.1f} MiB moved (since the start)")
+    return " | ".join(parts)
 
 
 def summary_table(result: RunResult) -> str:

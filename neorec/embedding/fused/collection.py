@@ -51,6 +51,7 @@ from neorec.embedding.init import init_rows, table_seed
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, check_tables
 from neorec.errors import DataError
 from neorec.sparse import SparseBatch
+from neorec.utils.progress import progress_bar
 
 
 @dataclass
@@ -61,6 +62,19 @@ class _GroupConstants:
     mean: torch.Tensor | None  # [F_g] mean pooling per feature; None when all sum
     row_starts: torch.Tensor  # [T_g] first global row of each table
     table_seeds: torch.Tensor  # [T_g] seed of each table, for stochastic rounding
+
+
+def _counted(init: RowInit, bar) -> RowInit:
+    """`init` that advances the progress bar `bar` (None: no bar) by the rows it makes."""
+    if bar is None:
+        return init
+
+    def counted(start: int, end: int) -> torch.Tensor:
+        rows = init(start, end)
+        bar.update(end - start)
+        return rows
+
+    return counted
 
 
 class FusedEmbeddingCollection(EmbeddingCollection):
@@ -78,6 +92,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         group_storage_factory: GroupStorageFactory | None = None,
         table_tiers: dict[str, str] | None = None,
         kernels: str = "auto",
+        progress: bool = False,
     ) -> None:
         """storage_factory builds each row storage (default: a plain tensor on `device`);
         group_storage_factory, when given, builds all storages of a group at once instead (caches).
@@ -91,6 +106,9 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         update, triton_kernels.py; needs a GPU or TRITON_INTERPRET=1), or "auto" (Triton on CUDA when
         it is importable, else torch). Groups the kernels do not cover (caches, adam, stochastic
         rounding, per-table hyper-parameters, a gradient hook) take the torch path either way.
+
+        progress: a bar of the rows filled while the storages are built (shown when that takes more
+        than a second and stderr is a terminal; neorec/utils/progress.py).
         """
         super().__init__(tables, optimizer)
         check_tables(self.tables)
@@ -122,8 +140,10 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         self.weights: list[RowStorage] = []
         self.states: list[dict[str, RowStorage]] = []
         self._constants: list[_GroupConstants] = []
+        num_rows = sum(g.num_rows for g in self.layout.groups)
+        bar = progress_bar(num_rows, "initialising tables", progress, unit="row", delay=1.0, unit_scale=True)
         for g in self.layout.groups:
-            specs = {"weight": StorageSpec(g.num_rows, g.dim, g.dtype, self._weight_init(g))}
+            specs = {"weight": StorageSpec(g.num_rows, g.dim, g.dtype, _counted(self._weight_init(g), bar))}
             for name, per_element in RULES[g.optimizer].state.items():
                 width = g.dim if per_element else 0
                 specs[name] = StorageSpec(g.num_rows, width, torch.float32, self._state_init(g, per_element))
@@ -148,6 +168,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
                 )
             )
 
+        if bar is not None:  # a cache that fills rows later no longer counts them (tqdm: closed = disabled)
+            bar.close()
         self._cached = any(hasattr(w, "prefetch") for w in self.weights)
         # prefetched batches not yet looked up, with their prepared rows (the forward reuses them)
         self._prefetched: deque[tuple[SparseBatch, list[GroupBatch]]] = deque(maxlen=8)

@@ -1,0 +1,37 @@
+"""plan.png: readable for a small model on this machine (bars far below capacity, tiny stages)."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from neorec.config.load import load_config  # noqa: E402
+from neorec.planner.report import plan_figure  # noqa: E402
+from neorec.planner.run import cluster_for_run, plan_command  # noqa: E402
+
+
+def test_legends_outside_bars_labelled_axes_and_small_values_readable():
+    cfg = load_config("default", ["data.synthetic.max_rows=500", "data.batch_size=256"])
+    out = plan_command(cfg, "this", 2, baselines=True, batches=1, time_budget=1.0)
+    fig = plan_figure(out.results, cluster_for_run(cfg, 2))
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        rows = [fig.axes[: len(out.results)], fig.axes[len(out.results) :]]
+        for row in rows:
+            legends = [a.get_legend() for a in row if a.get_legend() is not None]
+            assert len(legends) == 1  # one per row
+            box = legends[0].get_window_extent(renderer)
+            for a in row:  # right of every plan's bars
+                assert box.x0 >= a.get_window_extent(renderer).x1
+            for a in row:
+                assert a.get_xlabel() == "rank" and a.get_ylabel()
+        labels = [t.get_text() for t in rows[0][-1].get_legend().get_texts()]
+        assert any(t.startswith("ids (up to ") and t.endswith(" ms)") for t in labels), labels
+        memory_labels = [t.get_text() for t in rows[1][-1].get_legend().get_texts()]
+        # the model's few MB are drawn on their own scale, the capacity named instead of drawn
+        assert any("off the scale" in t for t in memory_labels), memory_labels
+        top = max(p.get_height() for p in rows[1][0].patches)
+        assert top > 0.5 * rows[1][0].get_ylim()[1]
+    finally:
+        plt.close(fig)
