@@ -71,7 +71,7 @@ def _stopped(run: subprocess.Popen, code: int) -> tuple[int, list[str]]:
 def _resume(command: list[str]) -> None:
     p = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "resumed from" in p.stdout
+    assert "resumed from" in p.stderr  # a log line (console messages go to stderr)
 
 
 def _same_run(a, b) -> None:
@@ -207,7 +207,8 @@ def test_a_failing_rank_stops_the_run_and_is_reported_first(tmp_path, how):
         _wait_for_steps(run, tmp_path / "run", 3)
         os.kill(_worker(run.pid, 1), signal.SIGKILL)
     _, err = run.communicate(timeout=180)  # the bound: torchrun's agent ends the survivors in <= 30 s
-    lines = [x for x in err.splitlines() if x.startswith("neorec: ")]  # the launcher's report
+    # the launcher's report (log lines of the run, "neorec: step ...", come before it)
+    lines = [x for x in err.splitlines() if x.startswith(("neorec: error: ", "neorec: rank "))]
     assert run.returncode == 1, err
     want = "RuntimeError: rank 1 cannot go on (injected)" if how == "raises" else "killed by SIGKILL"
     assert lines[0] == f"neorec: error: rank 1 failed first: {want}", err
