@@ -40,13 +40,18 @@ def test_the_readers_error_reaches_the_consumer():
 
 
 def test_a_consumer_that_stops_early_ends_the_worker():
+    import threading
+
+    def workers() -> int:
+        return sum(t.name == "neorec-prefetch" and t.is_alive() for t in threading.enumerate())
+
+    before = workers()
     feed = DeviceFeed(iter(make_batches(make_tables(), 50, 4)), "cpu", depth=2, worker=True)
     it = iter(feed)
     next(it)
+    assert workers() == before + 1
     it.close()  # the generator's finally stops and joins the worker
-    import threading
-
-    assert not any(t.name == "neorec-device-feed" and t.is_alive() for t in threading.enumerate())
+    assert workers() == before
 
 
 @pytest.mark.gpu

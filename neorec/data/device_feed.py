@@ -13,8 +13,6 @@ prefetch thread makes them ahead) and only the wait is counted.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
@@ -22,6 +20,7 @@ from contextlib import nullcontext
 import torch
 
 from neorec.data.batch import Batch
+from neorec.data.prefetch import prefetch
 from neorec.utils import streams
 
 _DONE = object()
@@ -61,56 +60,33 @@ class DeviceFeed:
         return batch
 
     def __iter__(self) -> Iterator[Batch]:
-        return self._fed() if self._worker else self._timed()
+        return self._fed() if self._worker else self._timed(self.batches)
 
-    def _timed(self) -> Iterator[Batch]:
-        """The host path: batches as they come, the wait for each one counted."""
-        it = iter(self.batches)
+    def _timed(self, items: Iterable) -> Iterator:
+        """`items` as they come, the wait for each one counted."""
+        it = iter(items)
         while True:
             t0 = time.perf_counter()
-            batch = next(it, _DONE)
+            item = next(it, _DONE)
             self.wait_seconds += time.perf_counter() - t0
-            if batch is _DONE:
+            if item is _DONE:
                 return
-            yield batch
+            yield item
+
+    def _copies(self) -> Iterator[tuple[Batch, object]]:
+        """Run on the prefetch thread: every batch's copy started on a copy stream of its own."""
+        stream = None
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for batch in self.batches:
+                yield self._copy(batch, stream)
 
     def _fed(self) -> Iterator[Batch]:
-        q: queue.Queue = queue.Queue(maxsize=self.depth)
-        stop = threading.Event()
-
-        def produce() -> None:
-            try:
-                stream = None
-                if self._cuda:
-                    torch.cuda.set_device(self.device)
-                    stream = torch.cuda.Stream(self.device)
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    for batch in self.batches:
-                        item = self._copy(batch, stream)
-                        while not stop.is_set():
-                            try:
-                                q.put(item, timeout=0.1)
-                                break
-                            except queue.Full:
-                                continue
-                        if stop.is_set():
-                            return
-                q.put(_DONE)
-            except BaseException as e:  # handed to the consumer
-                q.put(e)
-
-        worker = threading.Thread(target=produce, name="neorec-device-feed", daemon=True)
-        worker.start()
+        copies = prefetch(self._copies(), self.depth)  # the worker thread, `depth` copies ahead
         try:
-            while True:
-                t0 = time.perf_counter()
-                item = q.get()
-                self.wait_seconds += time.perf_counter() - t0
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
+            for item in self._timed(copies):
                 yield self._hand_over(*item)
         finally:
-            stop.set()
-            worker.join(timeout=5)
+            copies.close()  # stops and joins the worker when the consumer stops early
