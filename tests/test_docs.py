@@ -176,7 +176,7 @@ def test_parse_page_joins_continuations_and_skips_text_blocks(tmp_path: Path) ->
 
 
 # Words that number rounds of work on the project: a sitting of work with its number or as "this"
-# or "last" one, "round" or "iteration" with a number. A process session (setsid) is not one of them.
+# or "last" one, "round" or "iteration" with a number. The process sense of the word (setsid) is not.
 # Built from pieces so that this file does not match itself.
 _SITTING = "sess" + "ions?"
 _WORK = "|".join([

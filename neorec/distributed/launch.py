@@ -1,6 +1,6 @@
 """`neorec train --nproc N`: torchrun's elastic agent, run in this process, and one clear report.
 
-The agent starts N workers (`python -m neorec train ...`, each in a session of its own) and watches
+The agent starts N workers (`python -m neorec train ...`, each detached from the terminal by setsid) and watches
 them. When one fails, the agent sends the others SIGTERM and, 30 s later (its shutdown timeout),
 SIGKILL; a rank that loses a peer also stops by itself: within about a second when the peer's
 process is gone (neorec/distributed/shm.py checks that its peers live; gloo sees their sockets

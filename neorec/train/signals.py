@@ -11,7 +11,7 @@ ended by that signal, so schedulers and scripts can tell a stop from a failure (
 
 The handler puts the signals' default action back at once: a second SIGTERM or SIGINT ends the
 process immediately, also while it waits inside a collective, where no Python handler would run.
-torchrun starts every worker in a session of its own and forwards a signal it receives once, so a
+torchrun detaches every worker from the terminal (setsid) and forwards a signal it receives once, so a
 Ctrl-C in the terminal reaches each worker once.
 """
 
