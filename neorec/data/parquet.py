@@ -53,6 +53,7 @@ from neorec.data.batch import Batch
 from neorec.data.columns import Columns, cut_batches
 from neorec.data.parquet_columns import ColumnMap, held_out
 from neorec.data.prefetch import prefetch
+from neorec.data.sharded_reader import checked_position
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.data.vocab import load_vocabs
 from neorec.errors import ConfigError, DataError
@@ -220,15 +221,7 @@ class ParquetSource:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Make the next `train_batches(.., state["epoch"])` continue after `state["samples"]` samples."""
-        for key in _LAYOUT_KEYS:
-            if key in state and state[key] != getattr(self, key):
-                raise ConfigError(
-                    f"reader state has {key}={state[key]!r} but this reader has {getattr(self, key)!r}: "
-                    "resuming exactly needs the same seed, ranks and shuffle setting"
-                )
-        epoch, samples = int(state["epoch"]), int(state["samples"])
-        if not 0 <= samples <= self.num_samples("train"):
-            raise DataError(f"reader state: samples {samples} is outside [0, {self.num_samples('train')}]")
+        epoch, samples = checked_position(self, state, _LAYOUT_KEYS)
         self._resume = (epoch, samples)
         self._epoch, self._position = epoch, samples
 

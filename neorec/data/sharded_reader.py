@@ -189,15 +189,7 @@ class PreprocessedSource:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Make the next `train_batches(.., state["epoch"])` continue after `state["samples"]` samples."""
-        for key in _LAYOUT_KEYS:
-            if key in state and state[key] != getattr(self, key):
-                raise ConfigError(
-                    f"reader state has {key}={state[key]!r} but this reader has {getattr(self, key)!r}: "
-                    "resuming exactly needs the same seed, ranks and shuffle settings"
-                )
-        epoch, samples = int(state["epoch"]), int(state["samples"])
-        if not 0 <= samples <= self.num_samples("train"):
-            raise DataError(f"reader state: samples {samples} is outside [0, {self.num_samples('train')}]")
+        epoch, samples = checked_position(self, state, _LAYOUT_KEYS)
         self._resume = (epoch, samples)
         self._epoch, self._position = epoch, samples
 
@@ -274,3 +266,19 @@ class PreprocessedSource:
                     self._open.popitem(last=False)
             self._open.move_to_end(folder)
             return part
+
+
+def checked_position(reader: Any, state: dict[str, Any], layout_keys: tuple[str, ...]) -> tuple[int, int]:
+    """(epoch, samples) of a saved reader position, after checking that `reader` has the layout
+    (`layout_keys`: seed, ranks, shuffle settings) the position is valid for and that the position
+    lies within its training samples."""
+    for key in layout_keys:
+        if key in state and state[key] != getattr(reader, key):
+            raise ConfigError(
+                f"reader state has {key}={state[key]!r} but this reader has {getattr(reader, key)!r}: "
+                "resuming exactly needs the same seed, ranks and shuffle settings"
+            )
+    epoch, samples = int(state["epoch"]), int(state["samples"])
+    if not 0 <= samples <= reader.num_samples("train"):
+        raise DataError(f"reader state: samples {samples} is outside [0, {reader.num_samples('train')}]")
+    return epoch, samples
