@@ -169,13 +169,17 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
         cfg = load_config(args.config or "default", args.overrides)
         if cfg.data.parquet is None:
             raise NeorecError("--parquet needs a data.parquet section (paths, features, ...) in --config or --set")
-        result = preprocess_parquet(cfg.data.parquet, args.out, shard_rows=args.shard_lines, **common)
+        result = preprocess_parquet(
+            cfg.data.parquet, args.out, shard_rows=args.shard_lines, vocab_threshold=args.vocab_threshold, **common
+        )
     elif args.synthetic:
         from neorec.config.load import load_config
         from neorec.data.synthetic import spec_from_config
 
         if args.inputs:
             raise NeorecError("--synthetic takes no input files; the data comes from --config/--set")
+        if args.vocab_threshold is not None:
+            raise NeorecError("--vocab-threshold applies to Criteo TSV and Parquet input; synthetic ids need no vocabulary")
         cfg = load_config(args.config or "default", args.overrides)
         result = preprocess_synthetic(spec_from_config(cfg.data.synthetic, cfg.seed), args.out, **common)
     else:
@@ -322,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hashing", default="modulo", choices=["modulo", "hash"], help="how a hex value maps into its table")
     p.add_argument("--table-rows", default="100000", help="rows per table: one number or 26, comma-separated")
     p.add_argument("--vocab-threshold", type=int, default=None,
-                   help="instead of hashing: ids for values seen at least this often in training lines, 0 for the rest")  # fmt: skip
+                   help="instead of hashing: ids for values seen at least this often in training lines, 0 for the rest "
+                        "(Parquet: the features with hashing vocab, counted into OUT/vocab = data.parquet.vocab_dir)")  # fmt: skip
     p.add_argument("--bad-lines", default="fail", choices=["fail", "skip"], help="stop with file:line, or skip and count")
     p.add_argument("--shard-lines", type=int, default=1_000_000, help="input lines per shard")
     p.add_argument("--workers", type=positive_int, default=1, help="processes that write shards in parallel")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import pytest
 import yaml
 from test_parquet import FIXTURE, SPEC, criteo_config, tsv_to_parquet
 from test_preprocess import tree_digest
@@ -14,10 +16,11 @@ from neorec.cli import main
 from neorec.config.schema import ParquetConfig
 from neorec.data.criteo import CATEGORICAL_NAMES, CriteoTSVSource
 from neorec.data.parquet import ParquetSource
-from neorec.data.preprocess import load_manifest, preprocess_synthetic
+from neorec.data.preprocess import load_manifest, preprocess_criteo, preprocess_synthetic
 from neorec.data.preprocess_parquet import preprocess_parquet
 from neorec.data.sharded_reader import PreprocessedSource
 from neorec.data.synthetic import SyntheticSource
+from neorec.errors import ConfigError
 
 
 def same_batches(got, want) -> None:
@@ -116,3 +119,35 @@ def test_the_commands_of_docs_data_parquet_run(tmp_path, monkeypatch, capsys):
         assert args[0] == "neorec" and main(args[1:]) == 0, command
     assert "samples: eval 200, train 600" in capsys.readouterr().out
     assert (tmp_path / "prepared" / "parquet" / "train" / "00000.parquet").is_file()
+
+
+def test_vocabulary_counted_from_parquet_matches_the_criteo_tsv_one(tmp_path):
+    """--vocab-threshold on Parquet input counts the training rows' raw values (held-out rows excluded) and
+    gives the shards, vocabularies and table sizes that Criteo TSV preprocessing with the same threshold
+    gives; a Parquet source reading the files through the counted vocabularies reads the same ids."""
+    path = tsv_to_parquet(FIXTURE, tmp_path / "c.parquet", 3)
+    out = tmp_path / "out"
+    cfg = criteo_config([path], hashing="vocab", vocab_dir=str(out / "vocab"))
+    preprocess_parquet(cfg, out, shard_rows=7, progress=False, vocab_threshold=2, workers=2)
+    preprocess_criteo([FIXTURE], tmp_path / "tsv", vocab_threshold=2, progress=False)
+    for name in CATEGORICAL_NAMES:
+        assert np.array_equal(np.load(out / "vocab" / f"{name}.npy"), np.load(tmp_path / "tsv" / "vocab" / f"{name}.npy"))
+    want = PreprocessedSource(tmp_path / "tsv", shuffle=False)
+    got = PreprocessedSource(out, shuffle=False)
+    assert [f.num_ids for f in got.info.features] == [f.num_ids for f in want.info.features]
+    assert max(f.num_ids for f in got.info.features) > 1  # some value occurs twice in the training rows
+    same_batches(got.train_batches(5), want.train_batches(5))
+    same_batches(got.eval_batches(5), want.eval_batches(5))
+    same_batches(ParquetSource(cfg).train_batches(5), want.train_batches(5))
+
+
+def test_vocabulary_threshold_errors_name_the_setting(tmp_path):
+    path = tsv_to_parquet(FIXTURE, tmp_path / "c.parquet", 3)
+    with pytest.raises(ConfigError, match="set data.parquet.vocab_dir to that folder"):
+        cfg = criteo_config([path], hashing="vocab", vocab_dir=str(tmp_path / "elsewhere"))
+        preprocess_parquet(cfg, tmp_path / "out", progress=False, vocab_threshold=2)
+    with pytest.raises(ConfigError, match="has none"):
+        preprocess_parquet(criteo_config([path]), tmp_path / "out", progress=False, vocab_threshold=2)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        preprocess_parquet(criteo_config([path]), tmp_path / "out", progress=False, vocab_threshold=0)
+    assert not (tmp_path / "out").exists()  # nothing started

@@ -93,11 +93,12 @@ def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
 
 
-def column_map(config: ParquetConfig) -> ColumnMap:
-    """The config's columns, with every feature's settings and vocabulary (hashing vocab) resolved."""
+def column_map(config: ParquetConfig, with_vocabs: bool = True) -> ColumnMap:
+    """The config's columns, with every feature's settings and vocabulary (hashing vocab) resolved
+    (`with_vocabs=False`: vocabularies not loaded, for checking files before they are counted)."""
     features = config.feature_configs()
     names = [f.name for f in features if f.hashing == "vocab"]
-    loaded = dict(zip(names, load_vocabs(Path(config.vocab_dir), names), strict=True)) if names else {}
+    loaded = dict(zip(names, load_vocabs(Path(config.vocab_dir), names), strict=True)) if names and with_vocabs else {}
     vocabs = [loaded.get(f.name) for f in features]
     return ColumnMap(config.label, list(config.dense), config.dense_log1p, features, vocabs, config.eval_column)
 

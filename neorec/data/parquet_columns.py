@@ -145,28 +145,44 @@ def _numbers(column: pa.ChunkedArray, where: str, name: str, nulls: str) -> np.n
     return values.view(np.uint8) if values.dtype == np.bool_ else values
 
 
-def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray | None) -> tuple:
-    """(int64 rows, lengths or None) of one feature's column."""
-    lengths = None
+def _flatten(arr: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
+    """(the values, lengths or None): a list column's flattened values and list lengths (null -> empty)."""
     if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
         lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
-        arr = pc.list_flatten(arr)
+        return pc.list_flatten(arr), lengths
+    return arr, None
+
+
+def _raw_values(arr: pa.Array, where: str, f: ParquetFeatureConfig, lengths: np.ndarray | None) -> np.ndarray:
+    """The uint64 raw values of flattened ids, which hashing modulo, hash and vocab map to rows."""
     if pa.types.is_integer(arr.type):
         raw = (pc.fill_null(arr, 0) if arr.null_count else arr).to_numpy()
-        if f.hashing == "none":  # ids kept in their own integer type: the batch's concatenation widens them
-            low, high = pc.min_max(arr).values()
-            if raw.size and (low.as_py() < 0 or high.as_py() >= f.rows):
-                i = int(np.flatnonzero((raw < 0) | (raw >= f.rows))[0])
-                raise DataError(
-                    f"{where}, row {_row(i, lengths)}: column {f.column!r} holds id {raw[i]}, outside "
-                    f"[0, {f.rows}) of feature {f.name}'s table (hashing none); set its rows, or hashing modulo/hash"
-                )
-            return raw, lengths
         # the value's bits as an unsigned integer of its width: a hash stored as int32 keeps its 32-bit value
-        raw = raw.view(f"u{raw.dtype.itemsize}").astype(np.uint64)
-    else:
-        raw = _string_values(arr, where, f, lengths)
-    return _rows(raw, f, vocab), lengths
+        return raw.view(f"u{raw.dtype.itemsize}").astype(np.uint64)
+    return _string_values(arr, where, f, lengths)
+
+
+def raw_ids(column: pa.ChunkedArray, where: str, f: ParquetFeatureConfig) -> np.ndarray:
+    """All raw values of one feature's column (the ids of every row, lists flattened): what a vocabulary
+    counts."""
+    arr, lengths = _flatten(column.combine_chunks())
+    return _raw_values(arr, where, f, lengths)
+
+
+def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray | None) -> tuple:
+    """(int64 rows, lengths or None) of one feature's column."""
+    arr, lengths = _flatten(arr)
+    if f.hashing == "none" and pa.types.is_integer(arr.type):
+        raw = (pc.fill_null(arr, 0) if arr.null_count else arr).to_numpy()
+        low, high = pc.min_max(arr).values()
+        if raw.size and (low.as_py() < 0 or high.as_py() >= f.rows):
+            i = int(np.flatnonzero((raw < 0) | (raw >= f.rows))[0])
+            raise DataError(
+                f"{where}, row {_row(i, lengths)}: column {f.column!r} holds id {raw[i]}, outside "
+                f"[0, {f.rows}) of feature {f.name}'s table (hashing none); set its rows, or hashing modulo/hash"
+            )
+        return raw, lengths  # ids kept in their own integer type: the batch's concatenation widens them
+    return _rows(_raw_values(arr, where, f, lengths), f, vocab), lengths
 
 
 def _row(i: int, lengths: np.ndarray | None) -> int:

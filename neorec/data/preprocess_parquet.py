@@ -6,7 +6,9 @@ rest of the file), so that the plan depends on the files alone, whatever the num
 become samples exactly as the Parquet source reads them (neorec/data/parquet_columns.py: the same id
 mapping, held-out files or the held-out column), written with the same shard writer, manifest and resume
 as Criteo input (neorec/data/preprocess.py). A feature with `hashing: vocab` uses the vocabulary files of
-`vocab_dir` (written, for instance, by a Criteo preprocessing run with a vocabulary threshold).
+`vocab_dir`; with `vocab_threshold`, a first pass counts them from the training rows (values seen at least
+that often get ids 1..V, neorec/data/vocab.py) into `<out>/vocab`, which `vocab_dir` must then name, so
+that a `data.parquet` section reading the same files trains with the same ids.
 
 Output (`parquet_output`): each shard's samples of a split are also written to
 `<out>/parquet/<split>/<shard>.parquet`: `label`, the dense columns (Criteo's I1..I13, the input's dense
@@ -25,13 +27,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from neorec.config.schema import ParquetConfig
+from neorec.data import vocab as vocab_io
 from neorec.data.columns import Columns
 from neorec.data.parquet import column_map, file_uri, list_files, open_parquet, open_uri
-from neorec.data.parquet_columns import held_out
+from neorec.data.parquet_columns import held_out, raw_ids
 from neorec.data.preprocess import (
     SPLITS,
     PreprocessResult,
     ShardPlan,
+    _map,
     _resume_or_start,
     _start_manifest,
     _write_shards,
@@ -51,11 +55,14 @@ def preprocess_parquet(
     progress: bool = True,
     max_shards: int | None = None,
     parquet_output: bool = False,
+    vocab_threshold: int | None = None,
 ) -> PreprocessResult:
     """The Parquet files of `config` (paths and eval_paths) -> shards of at least `shard_rows` rows."""
     if shard_rows < 1:
         raise ConfigError(f"shard_rows must be >= 1, got {shard_rows}")
-    cmap = column_map(config)
+    out = Path(out)
+    counted = _vocab_features(config, out, vocab_threshold)
+    cmap = column_map(config, with_vocabs=False)
     plan: list[ShardPlan] = []
     sizes: list[int] = []
     multi_hot: list[bool] = []
@@ -76,8 +83,12 @@ def preprocess_parquet(
     settings: dict = {"input": "parquet", "parquet": parquet, "sizes": sizes, "shard_rows": shard_rows}
     if parquet_output:
         settings["parquet_output"] = True
-    out = Path(out)
+    if counted:
+        settings["vocab_threshold"] = vocab_threshold
     manifest = _resume_or_start(out, settings)
+    if counted and vocab_io.saved_settings(out / "vocab") != settings:  # else counted by an interrupted run
+        _count_vocabs(out, settings, [s for s in plan if s.role != "eval"], counted, workers, progress)
+    cmap = column_map(config)
     if manifest is None:
         features = [
             {"name": f.name, "num_ids": int(f.rows if v is None else v.size + 1), "multi_hot": hot,
@@ -86,6 +97,58 @@ def preprocess_parquet(
         ]  # fmt: skip
         manifest = _start_manifest(out, settings, plan, len(config.dense), features, {"dense": list(config.dense)})
     return _write_shards(out, manifest, workers, progress, max_shards)
+
+
+def _vocab_features(config: ParquetConfig, out: Path, threshold: int | None) -> list[str]:
+    """The features whose vocabularies this run counts (none without a threshold), after checking that
+    the config reads them where they will be written."""
+    if threshold is None:
+        return []
+    if threshold < 1:
+        raise ConfigError(f"vocab_threshold must be >= 1, got {threshold}")
+    names = [f.name for f in config.feature_configs() if f.hashing == "vocab"]
+    if not names:
+        raise ConfigError("--vocab-threshold counts vocabularies of features with hashing vocab; data.parquet has none")
+    if config.vocab_dir is None or Path(config.vocab_dir).resolve() != (out / "vocab").resolve():
+        raise ConfigError(
+            f"--vocab-threshold writes the vocabularies to {out / 'vocab'}; set data.parquet.vocab_dir to that "
+            f"folder (it is {config.vocab_dir})"
+        )
+    return names
+
+
+def _count_job(job: tuple[dict, ShardPlan]) -> list[vocab_io.Counts]:
+    """Per counted feature: the distinct raw values of one shard's training rows and their counts."""
+    settings, shard = job
+    config = ParquetConfig(**settings["parquet"])
+    features = [f for f in config.feature_configs() if f.hashing == "vocab"]
+    by_column = shard.role == "column"
+    columns = [f.column for f in features] + ([config.eval_column] if by_column else [])
+    pf = open_uri(shard.file)
+    parts: list[list[vocab_io.Counts]] = [[] for _ in features]
+    for g in range(shard.first, shard.first + shard.count):
+        table = pf.read_row_group(g, columns=list(dict.fromkeys(columns)), use_threads=False)
+        keep = None if not by_column else ~held_out(table.column(config.eval_column))
+        for f, part in zip(features, parts, strict=True):
+            where = f"{shard.file}, row group {g}"
+            column = table.column(f.column)
+            if keep is not None:
+                column = column.filter(pa.array(keep))
+            part.append(vocab_io.count_values(raw_ids(column, where, f)))
+    return [vocab_io.merge_counts(p) for p in parts]
+
+
+def _count_vocabs(
+    out: Path, settings: dict, train: list[ShardPlan], names: list[str], workers: int, progress: bool
+) -> None:
+    per_feature: list[list[vocab_io.Counts]] = [[] for _ in names]
+    for counts in _map(_count_job, [(settings, s) for s in train], workers, progress, "counting"):
+        for f, c in enumerate(counts):
+            per_feature[f].append(c)
+            if len(per_feature[f]) > 64:  # bound memory: fold the parts
+                per_feature[f] = [vocab_io.merge_counts(per_feature[f])]
+    vocabs = [vocab_io.build_vocab(vocab_io.merge_counts(p), settings["vocab_threshold"]) for p in per_feature]
+    vocab_io.save_vocabs(out / "vocab", names, vocabs, settings)
 
 
 def parquet_shard_columns(settings: dict, shard: ShardPlan) -> dict[str, dict[str, np.ndarray]]:
