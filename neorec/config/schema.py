@@ -359,6 +359,11 @@ class DistributedConfig(Strict):
         "auto", description="embedding gradient all-to-all (auto: fp32 in shared memory, else bf16)"
     )
     dense_precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="dense gradient all-reduce")
+    dense_bucket_mib: float = Field(
+        1.0, ge=0,
+        description="dense gradients are averaged in buckets of this many MiB, each starting as backward "
+        "completes it (over the process group, fp32); 0 = one all-reduce after backward",
+    )
     transport: Literal["shm", "backend"] = Field(
         "shm",
         description="between ranks of one machine: shared memory (CPU tensors) or the process group's own (gloo/NCCL)",

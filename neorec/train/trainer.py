@@ -162,7 +162,8 @@ class Trainer:
         self.dense_opt = build_dense_optimizer(cfg.train.dense_optimizer, dense)
         self.dense_sync = None
         if self.comms is not None:
-            self.dense_sync = DenseGradSync(dense, self.comms, cfg.distributed.dense_precision)
+            d = cfg.distributed
+            self.dense_sync = DenseGradSync(dense, self.comms, d.dense_precision, d.dense_bucket_mib)
             self.dense_sync.broadcast_parameters()
         self.timings: dict[str, float] = defaultdict(float)  # seconds per stage, summed over steps
         self.emb_opt = self.embeddings.build_optimizer()
@@ -219,6 +220,8 @@ class Trainer:
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         self.dense_opt.zero_grad(set_to_none=True)
         self.emb_opt.zero_grad(set_to_none=True)
+        if self.dense_sync is not None:
+            self.dense_sync.arm()  # dense gradients start their all-reduce during backward
         loss.backward()  # the fused engine updates embedding rows here
         if self.dense_sync is not None:
             t0 = time.perf_counter()
