@@ -56,6 +56,20 @@ def test_schedule():
     assert lr_multiplier(c, 5, 10) == pytest.approx(0.5)
 
 
+def test_total_steps_is_what_the_data_allows_when_max_steps_is_larger(tmp_path):
+    """6000 samples / 256 = 24 steps an epoch: max_steps beyond two epochs ends with the data, and the
+    decay schedule (and the auto evaluation spacing) runs over the 48 steps actually trained."""
+    extra = ["train.epochs=2", "train.max_steps=1000", "train.schedule.decay=linear", "train.schedule.min_ratio=0.1"]
+    trainer = Trainer(load_config("default", TINY + extra), tmp_path / "r")
+    assert trainer.total_steps() == 48
+    result = trainer.fit()
+    assert result.steps == 48
+    last = 1 - 0.9 * 47 / 48  # the multiplier of the last step, 47 of 48: near the floor, not 1 - 0.9 * 47/1000
+    assert trainer.dense_opt.param_groups[0]["lr"] == pytest.approx(last * trainer._base_lrs[0][0])
+    capped = Trainer(load_config("default", TINY + ["train.epochs=2", "train.max_steps=30"]), tmp_path / "c")
+    assert capped.total_steps() == 30
+
+
 def neorec(*args, cwd):
     return subprocess.run([sys.executable, "-m", "neorec", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 

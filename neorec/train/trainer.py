@@ -175,10 +175,12 @@ class Trainer:
         self.checkpoints = PeriodicCheckpoints(cfg.checkpoint, root, self.topo)
 
     def total_steps(self) -> int:
+        """Steps the run will train: all epochs, or max_steps where that comes first (0: unknown, a
+        stream of unknown length without max_steps)."""
         t = self.cfg.train
-        if t.max_steps is not None:
-            return t.max_steps
         per_epoch = self.data.steps_per_epoch()
+        if t.max_steps is not None:
+            return min(t.max_steps, t.epochs * per_epoch) if per_epoch else t.max_steps
         return t.epochs * per_epoch if per_epoch else 0
 
     def _eval_schedule(self, total: int) -> tuple[int | None, int | None]:
