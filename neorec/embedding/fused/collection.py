@@ -104,8 +104,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
 
         kernels: "torch" (torch ops, any device), "triton" (Triton kernels for the lookup and the fused
         update, triton_kernels.py; needs a GPU or TRITON_INTERPRET=1), or "auto" (Triton on CUDA when
-        it is importable, else torch). Groups the kernels do not cover (caches, adam, stochastic
-        rounding, per-table hyper-parameters, a gradient hook) take the torch path either way.
+        it is importable, else torch). Groups the kernels do not cover (caches, a gradient hook, dims
+        above triton_kernels.MAX_UPDATE_DIM for the update) take the torch path either way.
 
         progress: a bar of the rows filled while the storages are built (shown when that takes more
         than a second and stderr is a terminal; neorec/utils/progress.py).
@@ -373,19 +373,30 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         """Whether group gi's lookup runs as one Triton kernel (plain storage only)."""
         return isinstance(self.weights[gi], TensorStorage) and self._triton(device)
 
-    def triton_update(self, gi: int, device: torch.device, hparams: dict[str, float | torch.Tensor]) -> bool:
+    def triton_update(self, gi: int, device: torch.device) -> bool:
         """Whether group gi's backward runs as one fused Triton kernel: plain storage, a rule the
-        kernel has, no gradient hook, no stochastic rounding, the same hyper-parameters for all tables."""
+        kernel has, rows it can hold, no gradient hook (whose exchange needs the sums by themselves)."""
         g = self.layout.groups[gi]
         return (
             g.optimizer in triton_kernels.RULE_IDS
+            and g.dim <= triton_kernels.MAX_UPDATE_DIM
             and self.grad_hook is None
-            and not (self.stochastic_rounding and g.dtype != torch.float32)
             and isinstance(self.weights[gi], TensorStorage)
             and all(isinstance(s, TensorStorage) for s in self.states[gi].values())
-            and all(isinstance(v, float) for v in hparams.values())
             and self._triton(device)
         )
+
+    def triton_update_args(self, gi: int) -> dict[str, torch.Tensor | None]:
+        """What triton_kernels.fused_update needs of group gi beyond the batch: its buffers' tensors,
+        each table's first row and, with stochastic rounding of fp16/bf16 rows, each table's seed."""
+        c = self._constants[gi]
+        rounds = self.stochastic_rounding and self.layout.groups[gi].dtype != torch.float32
+        return {
+            "weight": self.weights[gi].tensor,
+            "state": {name: s.tensor for name, s in self.states[gi].items()},
+            "row_starts": c.row_starts,
+            "table_seeds": c.table_seeds if rounds else None,
+        }
 
     def chunk_rows(self, gi: int, device: torch.device) -> int | None:
         """Rows per block of work on CPU, so temporaries stay cache-sized (see lookup.row_gradients);

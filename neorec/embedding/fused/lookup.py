@@ -329,13 +329,10 @@ class FusedLookup(torch.autograd.Function):
                 continue
             grad_bags = group_gradient(grad_out, group.output_columns, group.dim)
             hparams = engine.group_hparams(gi, grad_out.device)
-            if engine.triton_update(gi, grad_out.device, hparams):  # sums and updates in one kernel
-                unique_rows, offsets, bags, scales = sort_by_row(gb)
-                state = engine.states[gi].get("momentum1")
+            if engine.triton_update(gi, grad_out.device):  # sums and updates in one kernel
                 triton_kernels.fused_update(
-                    group.optimizer, unique_rows, offsets, bags, scales, grad_bags, engine.weights[gi].tensor,
-                    state.tensor if state is not None else None,
-                    hparams["lr"], hparams["eps"], hparams["weight_decay"],
+                    group.optimizer, sort_by_row(gb), grad_bags, hparams=hparams, step=step,
+                    **engine.triton_update_args(gi),
                 )  # fmt: skip
                 continue
             id_scale = engine.folded_lr(gi, hparams, grad_out.device)

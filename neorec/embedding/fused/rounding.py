@@ -29,10 +29,15 @@ def _fold(x: torch.Tensor) -> torch.Tensor:
     return (x & _MASK) ^ mix32((x >> 32) & _MASK)
 
 
+def step_keys(table_seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """The hash of (table seed, step) for each table seed: the part of the noise that all rows of a
+    table share in one step (the Triton update takes one per table, triton_rules.uniform_noise)."""
+    return mix32(_fold(table_seeds) ^ mix32(torch.full_like(table_seeds, step & _MASK)))
+
+
 def uniform_noise(table_seeds: torch.Tensor, rows: torch.Tensor, step: int, width: int) -> torch.Tensor:
     """[U, width] floats in [0, 1) from (table seed [U], row within the table [U], step, column)."""
-    h = mix32(_fold(table_seeds) ^ mix32(torch.full_like(rows, step & _MASK)))
-    h = mix32(h ^ _fold(rows))
+    h = mix32(step_keys(table_seeds, step) ^ _fold(rows))
     cols = torch.arange(width, dtype=torch.int64, device=rows.device) * 0x9E3779B9 & _MASK
     h = mix32(h.unsqueeze(1) ^ cols)
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
