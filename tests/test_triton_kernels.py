@@ -1,0 +1,338 @@
+"""The Triton kernels (neorec/embedding/fused/triton_kernels.py) against the float64 reference, the
+torch path's rounding, and themselves (bitwise determinism).
+
+On a machine with a CUDA device they run there; without one they run on CPU tensors through Triton's
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1 there). Skipped where triton is not installed
+(scripts/install-test-deps.sh installs it). The interpreter runs every program in Python, so sizes
+here are tiny; hot rows are split into many chunks by lowering the chunk size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_fused_engine import assert_matches, make_tables, train_both
+
+from neorec.embedding.fused import FusedEmbeddingCollection, rounding, triton_kernels
+from neorec.embedding.fused.lookup import GroupBatch, sort_by_row
+from neorec.embedding.fused.optimizers import RULES, Hparams
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.sparse import SparseBatch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="needs triton (scripts/install-test-deps.sh)"
+    ),
+    # the interpreter computes with NumPy, which warns about the inf and NaN that rounding meets on purpose
+    pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning"),
+]
+RULE_NAMES = ["sgd", "adagrad", "rowwise_adagrad", "adam"]
+HOT_IDS = 100_000 if CUDA else 1 << 13  # ids of one row in a batch; the interpreter is slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def numpy_scalars_for_the_interpreter():
+    """Triton's interpreter turns scalars into ints with int(array of one element), which NumPy >= 2.4
+    refuses; while this module runs, it reads the element instead. (tests/conftest.py sets
+    TRITON_INTERPRET=1 where there is no GPU, so that the kernels are built for the interpreter.)"""
+    if CUDA:
+        yield
+        return
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    try:
+        yield
+    finally:
+        interpreter._patch_lang_tensor = patch_tensor
+
+
+def torch_path_update(*args, **kwargs) -> None:
+    """Stands in for FusedEmbeddingCollection.apply_update where every group must take the kernel."""
+    raise AssertionError("a group was updated by the torch path, not the fused kernel")
+
+
+def low_precision_tol(dtype: str) -> dict[str, float]:
+    """Weights stored in fp16/bf16 are rounded at every step, the float64 reference never is: a few
+    units in the last place of the storage type (as tests/test_fused_engine.py allows the torch path)."""
+    return {"fp32": {"rtol": 1e-5, "atol": 1e-6}, "fp16": {"rtol": 4e-3, "atol": 1e-3},
+            "bf16": {"rtol": 3e-2, "atol": 4e-3}}[dtype]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("name", RULE_NAMES)
+def test_kernels_match_float64_reference(name: str, dtype: str, monkeypatch) -> None:
+    """Every rule and dtype: mixed dims (3, 8, 16; the dim-8 group holds two tables), mean and sum
+    pooling, per-sample weights, empty bags, duplicate ids, weight decay, a decaying lr schedule."""
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, weight_decay=0.01, initial_accumulator=0.01)
+    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
+    engine, ref, outputs = train_both(
+        make_tables(dtype), opt, steps=3, seed=7, device=DEVICE, kernels="triton"
+    )
+    assert all(engine.triton_update(gi, torch.device(DEVICE)) for gi in range(len(engine.layout.groups)))
+    # the first lookup reads the initial rows, which the reference holds exactly
+    torch.testing.assert_close(outputs[0][0].double(), outputs[0][1], rtol=1e-5, atol=1e-6)
+    assert_matches(engine, ref, outputs, **low_precision_tol(dtype))
+
+
+def test_kernels_per_table_hyperparameters_and_one_hot(monkeypatch) -> None:
+    """Two adam tables with different lr, betas, eps and weight decay in one buffer (one group, a row
+    of hyper-parameters per table), one id per bag, no weights."""
+    overrides = {
+        "users": EmbeddingOptimizerConfig(name="adam", lr=0.02, beta1=0.8, beta2=0.99),
+        "cats": EmbeddingOptimizerConfig(name="adam", lr=0.05, weight_decay=0.01, eps=1e-6),
+        "tags": EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1, initial_accumulator=0.1),
+    }
+    opt = EmbeddingOptimizerConfig(name="sgd", lr=0.1)
+    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
+    engine, ref, outputs = train_both(
+        make_tables(overrides=overrides), opt, steps=3, seed=3, weighted=False, one_hot=True,
+        device=DEVICE, kernels="triton",
+    )  # fmt: skip
+    assert len(engine.layout.groups[0].tables) == 2
+    assert isinstance(engine.group_hparams(0, torch.device(DEVICE))["lr"], torch.Tensor)
+    assert_matches(engine, ref, outputs)
+
+
+def test_pool_kernel_empty_bags_weights_and_low_precision() -> None:
+    """Every output element is written (the output starts as garbage), empty bags give zeros; fp16
+    and bf16 rows are summed in fp32. dim 200: two column blocks, the second one masked."""
+    gen = torch.Generator().manual_seed(9)
+    lengths = torch.tensor([0, 3, 0, 1, 5, 0, 2])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    rows = torch.randint(0, 40, (int(lengths.sum()),), generator=gen)
+    scales = torch.rand(rows.numel(), generator=gen) + 0.5
+    for dtype, dim in [(torch.float32, 13), (torch.float16, 200), (torch.bfloat16, 5)]:
+        weight = torch.randn(40, dim, generator=gen).to(dtype)
+        out = triton_kernels.pool(weight.to(DEVICE), rows.to(DEVICE), offsets.to(DEVICE), scales.to(DEVICE))
+        expected = torch.zeros(lengths.numel(), dim, dtype=torch.float64)
+        w64, s64, pos = weight.double(), scales.double(), 0
+        for b, n in enumerate(lengths.tolist()):
+            for i in range(pos, pos + n):
+                expected[b] += s64[i] * w64[rows[i]]
+            pos += n
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out.cpu()[lengths == 0], torch.zeros(3, dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_is_bitwise_the_torch_paths(dtype: torch.dtype) -> None:
+    """The kernel's hash and rounding give rounding.py's bits for the same fp32 values: signed zeros,
+    values beyond the format's range, subnormals, rows past 2^32, negative and 64-bit seeds."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 37, generator=gen) * torch.logspace(-9, 5, 8).unsqueeze(1)
+    x[0, :4] = torch.tensor([0.0, -0.0, -1e-30, 3e-8])
+    x[1, :2] = torch.tensor([1e6, -7e4])
+    seeds = torch.tensor([123456789012345, 5, -3, 2**40 + 7, 0, 99, 1, 2], dtype=torch.int64)
+    rows = torch.tensor([0, 1, 2**33 + 5, 17, 12345678, 3, 4, 4], dtype=torch.int64)
+    for step in (1, 7, 2**32 + 3):
+        expected = rounding.stochastic_round(x, dtype, rounding.uniform_noise(seeds, rows, step, x.shape[1]))
+        keys = rounding.step_keys(seeds, step)
+        got = triton_kernels.stochastic_round_rows(
+            x.to(DEVICE), dtype, keys.to(DEVICE), rows.to(DEVICE)
+        ).cpu()
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+        assert not torch.equal(got, x.to(dtype))  # it is not round-to-nearest
+
+
+def dyadic_batches(
+    tables: list[TableConfig], gen: torch.Generator, steps: int
+) -> list[tuple[SparseBatch, torch.Tensor]]:
+    """Sum-pooled bags with weights and output gradients that are powers of two: every fp32 sum and
+    SGD step is then exact on either path, so both round the same fp32 values."""
+    out = []
+    for _ in range(steps):
+        features = {}
+        for t in tables:
+            for f in t.features:
+                lengths = torch.randint(0, 3, (6,), generator=gen)
+                n = int(lengths.sum())
+                weights = 2.0 ** torch.randint(-2, 1, (n,), generator=gen).float()
+                features[f] = (torch.randint(0, t.rows, (n,), generator=gen), lengths, weights)
+        sparse = SparseBatch.from_features(features)
+        width = sum(t.dim * len(t.features) for t in tables)
+        signs = torch.randint(0, 2, (6, width), generator=gen).float() * 2 - 1
+        out.append((sparse, signs * 2.0 ** torch.randint(-3, 0, (6, width), generator=gen).float()))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_stochastic_rounding_in_the_update_equals_the_torch_path(dtype: str) -> None:
+    """SGD steps far below half a unit in the last place: round-to-nearest would lose them, stochastic
+    rounding moves rows; with exact fp32 updates the kernel's rows are bitwise the torch path's."""
+    tables = [TableConfig(name="a", rows=9, dim=5, features=["a", "a2"], dtype=dtype),
+              TableConfig(name="b", rows=7, dim=5, features=["b"], dtype=dtype)]  # fmt: skip
+    opt = EmbeddingOptimizerConfig(name="sgd", lr=2.0**-14)
+    batches = dyadic_batches(tables, torch.Generator().manual_seed(4), steps=3)
+    results = {}
+    for kernels in ("torch", "triton"):
+        engine = FusedEmbeddingCollection(
+            tables, opt, device=DEVICE, kernels=kernels, stochastic_rounding=True
+        )
+        start = engine.table_weights()["a"].clone()
+        for sparse, grad in batches:
+            engine(sparse.to(DEVICE)).backward(grad.to(DEVICE))
+        results[kernels] = {k: v.cpu() for k, v in engine.table_weights().items()}
+    for name in results["torch"]:
+        assert torch.equal(
+            results["triton"][name].view(torch.int16), results["torch"][name].view(torch.int16)
+        )
+    assert not torch.equal(results["triton"]["a"].cpu(), start.cpu())
+
+
+def update_once(name: str, dtype: torch.dtype, rows: torch.Tensor, chunk: int | None, seed: int = 0):
+    """One fused_update of a [6, 7] table from ids `rows` (one bag each, weighted); returns the
+    weights, the state and the inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(6, 7, generator=gen).to(dtype)
+    state = {
+        k: torch.rand((6, 7) if per_element else (6,), generator=gen)
+        for k, per_element in RULES[name].state.items()
+    }
+    grad = torch.randn(rows.numel(), 7, generator=gen)
+    scales = torch.rand(rows.numel(), generator=gen) + 0.5
+    batch = GroupBatch(
+        rows, torch.arange(rows.numel()), torch.arange(rows.numel() + 1), scales, rows.numel(), 1
+    )
+    inputs = (weight.clone(), {k: v.clone() for k, v in state.items()}, grad, scales)
+    hp = {"lr": 0.05, "eps": 1e-8, "weight_decay": 0.01, "beta1": 0.9, "beta2": 0.999}
+    w, s = weight.to(DEVICE), {k: v.to(DEVICE) for k, v in state.items()}
+    on_device = GroupBatch(
+        *(t.to(DEVICE) for t in (batch.rows, batch.bags, batch.offsets, batch.scales)), rows.numel(), 1
+    )
+    triton_kernels.fused_update(
+        name, sort_by_row(on_device), grad.to(DEVICE), w, s, hp, step=3,
+        row_starts=torch.zeros(1, dtype=torch.int64, device=DEVICE), chunk=chunk,
+    )  # fmt: skip
+    return w.cpu(), {k: v.cpu() for k, v in s.items()}, inputs, hp
+
+
+@pytest.mark.parametrize("name", RULE_NAMES)
+def test_hot_row_split_over_programs_matches_reference_and_repeats_bitwise(name: str) -> None:
+    """Row 2 takes 3,000 of 3,006 ids; chunks of 64 ids (47 partial sums added in chunk order) give
+    one update with the whole row's sum, equal to float64 to fp32 rounding, bitwise the same twice."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.cat([torch.full((3000,), 2), torch.tensor([0, 5, 5, 1, 4, 0])])[
+        torch.randperm(3006, generator=gen)
+    ]
+    w, s, (w0, s0, grad, scales), hp = update_once(name, torch.float32, rows, chunk=64)
+    w_again, s_again, *_ = update_once(name, torch.float32, rows, chunk=64)
+    assert torch.equal(w, w_again) and all(torch.equal(s[k], s_again[k]) for k in s)
+
+    g = torch.zeros(6, 7, dtype=torch.float64).index_add_(
+        0, rows, scales.double().unsqueeze(1) * grad.double()
+    )
+    touched = torch.unique(rows)
+    w64, s64 = w0.double()[touched], {k: v.double()[touched] for k, v in s0.items()}
+    hp64 = Hparams(**hp)
+    w64, s64 = RULES[name].update(w64, g[touched], s64, 3, hp64)
+    torch.testing.assert_close(w[touched].double(), w64, rtol=1e-5, atol=1e-6)
+    for k in s:
+        torch.testing.assert_close(s[k][touched].double(), s64[k], rtol=1e-5, atol=1e-6)
+    untouched = torch.tensor([3])
+    assert torch.equal(w[untouched], w0[untouched])
+
+
+def test_hot_row_in_default_chunks_is_deterministic() -> None:
+    """The hot-row case at the default chunk size (1,024 ids): 10^5 ids of one row on a GPU, 2^13
+    under the interpreter (8 chunks); bitwise the same on two runs, equal to the float64 sum to
+    fp32 rounding."""
+    rows = torch.full((HOT_IDS,), 4)
+    w, s, (w0, s0, grad, scales), hp = update_once("rowwise_adagrad", torch.float32, rows, chunk=None)
+    w_again, s_again, *_ = update_once("rowwise_adagrad", torch.float32, rows, chunk=None)
+    assert torch.equal(w, w_again) and torch.equal(s["momentum1"], s_again["momentum1"])
+    g = (scales.double().unsqueeze(1) * grad.double()).sum(0, keepdim=True)
+    w64, s64 = RULES["rowwise_adagrad"].update(
+        w0.double()[4:5], g, {"momentum1": s0["momentum1"].double()[4:5]}, 3, Hparams(**hp)
+    )
+    torch.testing.assert_close(w[4:5].double(), w64, rtol=1e-5, atol=1e-6)
+
+
+def zipf_batch(tables: list[TableConfig], gen: torch.Generator, batch: int, max_len: int) -> SparseBatch:
+    """Bags of 0..max_len ids, most of them a handful of hot rows."""
+    features = {}
+    for t in tables:
+        for f in t.features:
+            lengths = torch.randint(0, max_len + 1, (batch,), generator=gen)
+            n = int(lengths.sum())
+            ids = torch.where(torch.rand(n, generator=gen) < 0.6, torch.randint(0, 3, (n,), generator=gen),
+                              torch.randint(0, t.rows, (n,), generator=gen))  # fmt: skip
+            features[f] = (ids, lengths, torch.rand(n, generator=gen) + 0.5)
+    return SparseBatch.from_features(features)
+
+
+def test_engine_is_bitwise_deterministic_with_hot_rows_and_every_feature(monkeypatch) -> None:
+    """Adam on bf16 rows with stochastic rounding, row-wise adagrad on fp16, adagrad on fp32 with odd
+    dims, mean pooling, hot rows split into chunks of 8 ids: two runs give bitwise the same."""
+    monkeypatch.setattr(triton_kernels, "LONG_ROW_CHUNK", 8)
+    tables = [
+        TableConfig(name="a", rows=30, dim=5, features=["a", "a2"], pooling="mean", dtype="bf16",
+                    optimizer=EmbeddingOptimizerConfig(name="adam", lr=0.01, weight_decay=0.01)),
+        TableConfig(name="b", rows=20, dim=12, features=["b"], dtype="fp16",
+                    optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05)),
+        TableConfig(name="c", rows=10, dim=3, features=["c"]),
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    batches = [zipf_batch(tables, gen, batch=12, max_len=6) for _ in range(2)]
+    grads = [torch.randn(b.batch_size, 25, generator=gen) for b in batches]
+
+    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
+
+    def run():
+        engine = FusedEmbeddingCollection(
+            tables, EmbeddingOptimizerConfig(name="adagrad", lr=0.05), device=DEVICE, kernels="triton",
+            stochastic_rounding=True,
+        )  # fmt: skip
+        outs = []
+        for sparse, g in zip(batches, grads, strict=True):
+            pooled = engine(sparse.to(DEVICE))
+            outs.append(pooled.detach().cpu())
+            pooled.backward(g.to(DEVICE))
+        return outs, {k: v.cpu() for k, v in engine.state_dict().items()}
+
+    first, second = run(), run()
+    for a, b in zip(first[0], second[0], strict=True):
+        assert torch.equal(a, b)
+    for key in first[1]:
+        assert torch.equal(first[1][key], second[1][key]), key
+
+
+def test_wide_rows_take_the_torch_path(monkeypatch) -> None:
+    """A group wider than the update kernel takes is updated by the torch path, and still matches."""
+    monkeypatch.setattr(triton_kernels, "MAX_UPDATE_DIM", 8)
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05)
+    engine, ref, outputs = train_both(make_tables(), opt, steps=2, seed=5, device=DEVICE, kernels="triton")
+    dims = [g.dim for g in engine.layout.groups]
+    assert [engine.triton_update(gi, torch.device(DEVICE)) for gi in range(len(dims))] == [
+        d <= 8 for d in dims
+    ]
+    assert_matches(engine, ref, outputs)
+
+
+def test_kernels_compile_for_h100(tmp_path) -> None:
+    """What the interpreter never does, generating GPU code: every kernel, each update rule with the
+    options that change its code, compiles for sm_90 with Triton's compiler and ptxas
+    (tests/compile_kernels.py, in a process of its own without TRITON_INTERPRET)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile, rather than find an earlier run's binaries
+    script = Path(__file__).resolve().parent / "compile_kernels.py"
+    result = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled for sm_90") == 8, result.stdout
