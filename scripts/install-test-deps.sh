@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs everything the test suite needs: neorec itself (editable) with its `test` extra, then
-# TorchRec for tests/test_torchrec_interop.py. TorchRec goes in with --no-deps because its declared
-# dependency on the CUDA build of fbgemm-gpu would replace the CPU torch; the CPU build fbgemm-gpu-cpu,
-# matched to torch 2.13, and TorchRec's few pure-Python dependencies are installed explicitly instead.
+# Installs everything the test suite needs: neorec itself (editable) with its `test` extra, Triton
+# for tests/test_triton_kernels.py (it runs the GPU kernels through Triton's interpreter where there
+# is no GPU), then TorchRec for tests/test_torchrec_interop.py. TorchRec goes in with --no-deps
+# because its declared dependency on the CUDA build of fbgemm-gpu would replace the CPU torch; the CPU
+# build fbgemm-gpu-cpu, matched to torch 2.13, and TorchRec's few pure-Python dependencies are
+# installed explicitly instead.
 # Safe to rerun: when the pinned versions are already there it only refreshes the editable install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +28,12 @@ for spec in sys.argv[1:]:
 PY
 }
 
+# The version constraints.txt pins (the one CUDA builds of torch 2.13 require); a Triton already
+# there, such as the one a CUDA build of torch brought, is kept.
+if ! have triton; then
+    "${PIP[@]}" "$(grep '^triton==' constraints.txt)"
+fi
+python3 -c "import triton" || { echo "install-test-deps: triton does not import" >&2; exit 1; }
 if ! have fbgemm-gpu-cpu==1.8.0; then
     "${PIP[@]}" fbgemm-gpu-cpu==1.8.0
 fi
