@@ -45,7 +45,9 @@ CASES = {
     "onehot": {"tables": 26, "rows": 1_000_000, "dim": 64, "batch": 8192, "bags": [1] * 26},
     "multihot": {"tables": 26, "rows": 1_000_000, "dim": 128, "batch": 2048, "bags": MLPERF_MULTI_HOT},
 }
-STATE_FLOATS_PER_ROW = {"sgd": lambda d: 0, "adagrad": lambda d: d, "rowwise_adagrad": lambda d: 1}
+STATE_FLOATS_PER_ROW = {
+    "sgd": lambda d: 0, "adagrad": lambda d: d, "rowwise_adagrad": lambda d: 1, "adam": lambda d: 2 * d
+}  # fmt: skip
 LABELS = {
     "neorec": "neorec fused TBE",
     "torch": "nn.EmbeddingBag x T + torch.optim (sparse grads)",

@@ -5,7 +5,8 @@ The GPU counterpart of embedding_ops.py (same cases, same Zipf ids, same byte co
   the backward fused with the update: neorec/embedding/fused/triton_kernels.py);
 - torch ops: the same engine with kernels="torch" (sort, embedding_bag segment sums, the rule in
   torch ops, index_copy_ back);
-- nn.EmbeddingBag: one nn.EmbeddingBag(sparse=True) per table + torch.optim SGD / Adagrad.
+- nn.EmbeddingBag: one nn.EmbeddingBag(sparse=True) per table + torch.optim SGD / Adagrad (not run
+  for row-wise adagrad and adam).
 FBGEMM_GPU is not on the lent GPU machines (and too large to carry there), so it is not compared.
 
 Every case is also run at 8x the batch (GPU batches are larger than CPU ones). Each timed batch is
@@ -113,7 +114,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="onehot,multihot")
     p.add_argument("--scales", default="1,8", help="batch multipliers of each case")
-    p.add_argument("--optimizers", default="sgd,adagrad,rowwise_adagrad")
+    p.add_argument("--optimizers", default="sgd,adagrad,rowwise_adagrad,adam")
     p.add_argument("--impls", default="triton,torch_ops,embeddingbag")
     p.add_argument("--rows", type=int, help="rows per table instead of the case's 1M")
     p.add_argument("--batches", type=int, default=20, help="timed batches (median shown)")
@@ -151,7 +152,7 @@ def main() -> None:
                 results, firsts = {}, {}
                 for impl in args.impls.split(","):
                     if impl == "embeddingbag" and opt not in ("sgd", "adagrad"):
-                        continue  # torch.optim has no row-wise adagrad
+                        continue  # torch.optim has no row-wise adagrad; the baseline steps SGD or Adagrad only
                     results[impl], firsts[impl] = run(impl, opt, case, batches, args.warmup)
                     print(
                         case_name,
