@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Everything neorec checks and measures on a GPU, in one command that fits a short lease on a machine
+# with one NVIDIA GPU, a CUDA build of torch and Triton, and no network (nothing is installed):
+#
+#   OUT=/some/folder bash scripts/gpu-session.sh            # all steps
+#   OUT=/some/folder bash scripts/gpu-session.sh tests kaggle   # only the named steps
+#
+# Steps (each under its own time limit, its log in $OUT/<step>.log, its rc in $OUT/summary.txt):
+#   env      versions, the GPU, the imports neorec needs
+#   tests    the tests that need a GPU (they skip elsewhere): kernels against float64, training on
+#            CUDA, ranks sharing the GPU over gloo, the device data feed, the GPU row cache
+#   kaggle   criteo_kaggle at batch 16,384 on the GPU: samples/s and data wait per step
+#   dcnv2    mlperf_dcnv2 with bf16 dense math: samples/s
+#   ranks    criteo_kaggle with 2 ranks sharing the GPU over gloo, against one rank
+#   ops      benchmarks/embedding_ops_gpu.py (kernels against the device copy bandwidth)
+#   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory)
+# The figures go to $OUT/gpu-results.md (benchmarks append there instead of benchmarks/RESULTS.md);
+# copy what holds into RESULTS.md with the date, command and GPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/neorec-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+PY=${PYTHON:-python3}
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests kaggle dcnv2 ranks ops cache)
+COMMON=(--set train.progress=false --set logging.plot=false --set logging.tensorboard=false --set train.eval_every=null)
+
+run() {  # run NAME SECONDS COMMAND...: the command's output to $OUT/NAME.log, its tail on the console
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+    tail -n 12 "$OUT/$name.log"
+}
+
+summary() {  # summary RUN_FOLDER: the figures of a training run's summary.json
+    $PY - "$1" <<'PY'
+import json, sys
+from pathlib import Path
+s = json.loads((Path(sys.argv[1]) / "summary.json").read_text())
+keys = ["steps", "processes", "samples_per_s", "data_wait_ms_per_step", "train_seconds", "device_peak_mib_per_rank"]
+print({k: s.get(k) for k in keys})
+PY
+}
+
+for step in "${STEPS[@]}"; do
+    case $step in
+    env)
+        run env 120 bash -c "nvidia-smi; $PY -c 'import torch, triton, numpy, pyarrow, yaml, pydantic, tqdm; \
+print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(0))'"
+        ;;
+    tests)
+        run tests 540 $PY -m pytest -q -x -p no:cacheprovider tests/test_fused_cuda.py tests/test_train_cuda.py \
+            tests/test_train_cuda_ranks.py tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py
+        ;;
+    kaggle)
+        run kaggle 420 $PY -m neorec train --config criteo_kaggle --set train.device=cuda \
+            --set data.batch_size=16384 --set train.max_steps=400 "${COMMON[@]}" --out "$OUT/kaggle"
+        summary "$OUT/kaggle" | tee -a "$OUT/summary.txt"
+        ;;
+    dcnv2)
+        run dcnv2 420 $PY -m neorec train --config mlperf_dcnv2 --set train.device=cuda \
+            --set model.precision=bf16 --set train.max_steps=200 "${COMMON[@]}" --out "$OUT/dcnv2"
+        summary "$OUT/dcnv2" | tee -a "$OUT/summary.txt"
+        ;;
+    ranks)
+        run ranks1 300 $PY -m neorec train --config criteo_kaggle --set train.device=cuda \
+            --set train.max_steps=200 "${COMMON[@]}" --out "$OUT/ranks1"
+        run ranks2 300 $PY -m neorec train --config criteo_kaggle --nproc 2 --set train.device=cuda \
+            --set distributed.backend=gloo --set train.max_steps=200 "${COMMON[@]}" --out "$OUT/ranks2"
+        summary "$OUT/ranks1" | tee -a "$OUT/summary.txt"
+        summary "$OUT/ranks2" | tee -a "$OUT/summary.txt"
+        ;;
+    ops)
+        run ops 540 $PY benchmarks/embedding_ops_gpu.py --optimizers sgd,rowwise_adagrad,adam \
+            --results "$OUT/gpu-results.md"
+        ;;
+    cache)
+        run cache 540 $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
+            --repeats 1 --dir "$OUT/tables" --no-append
+        ;;
+    *)
+        echo "unknown step $step (env tests kaggle dcnv2 ranks ops cache)" >&2
+        exit 2
+        ;;
+    esac
+done
+echo "== summary"
+cat "$OUT/summary.txt"
