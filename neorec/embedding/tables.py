@@ -23,6 +23,20 @@ class EmbeddingOptimizerConfig(NumbersNotBool):
     initial_accumulator: float = Field(0.0, ge=0, description="starting value of adagrad state")
 
 
+class ManagedCollisionConfig(BaseModel):
+    """A table whose rows are handed out to raw ids by an id map (neorec/embedding/id_map.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    eviction: Literal["lru", "lfu"] = Field(
+        "lru", description="which id a full bucket gives up: least recently used, or least frequently used"
+    )
+    buckets: int = Field(
+        1, gt=0, description="the map is cut into this many equal parts by a hash of the id (row-wise "
+        "sharding over N ranks needs a multiple of N); each part evicts on its own"
+    )
+
+
 class TableConfig(BaseModel):
     """One embedding table; several features may look it up."""
 
@@ -35,6 +49,9 @@ class TableConfig(BaseModel):
     pooling: Literal["sum", "mean"] = Field("sum", description="how the ids of one bag are combined")
     dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="storage type of the weights")
     optimizer: EmbeddingOptimizerConfig | None = Field(None, description="per-table optimizer override")
+    managed_collision: ManagedCollisionConfig | None = Field(
+        None, description="ids are raw 63-bit ids mapped to rows by an id map of `rows` capacity (no collisions)"
+    )
 
     @model_validator(mode="after")
     def _unique_features(self) -> TableConfig:
@@ -62,3 +79,9 @@ def check_tables(tables: list[TableConfig]) -> None:
             if f in seen:
                 raise ConfigError(f"feature {f!r} is looked up by both table {seen[f]!r} and table {t.name!r}")
             seen[f] = t.name
+        mc = t.managed_collision
+        if mc is not None and t.rows % mc.buckets:
+            raise ConfigError(
+                f"table {t.name!r}: managed_collision.buckets {mc.buckets} must divide its {t.rows} rows "
+                "(every bucket holds rows / buckets rows)"
+            )

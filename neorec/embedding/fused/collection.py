@@ -47,9 +47,11 @@ from neorec.embedding.fused.storage import (
     TensorStorage,
     build_tensor_storage,
 )
-from neorec.embedding.init import init_rows, table_seed
+from neorec.embedding.id_map import IdMap, MapShard
+from neorec.embedding.init import init_rows, init_rows_at, table_seed
+from neorec.embedding.remap import MappedTable, map_stats, remap_batch
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, check_tables
-from neorec.errors import DataError
+from neorec.errors import ConfigError, DataError
 from neorec.sparse import SparseBatch
 from neorec.utils.progress import progress_bar
 
@@ -93,6 +95,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         table_tiers: dict[str, str] | None = None,
         kernels: str = "auto",
         progress: bool = False,
+        map_shards: dict[str, MapShard] | None = None,
     ) -> None:
         """storage_factory builds each row storage (default: a plain tensor on `device`);
         group_storage_factory, when given, builds all storages of a group at once instead (caches).
@@ -109,6 +112,9 @@ class FusedEmbeddingCollection(EmbeddingCollection):
 
         progress: a bar of the rows filled while the storages are built (shown when that takes more
         than a second and stderr is a terminal; neorec/utils/progress.py).
+
+        map_shards: for managed-collision tables that are shards of a larger table (the sharded
+        collection), which buckets and global rows each holds; default: the whole table.
         """
         super().__init__(tables, optimizer)
         check_tables(self.tables)
@@ -171,8 +177,51 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         if bar is not None:  # a cache that fills rows later no longer counts them (tqdm: closed = disabled)
             bar.close()
         self._cached = any(hasattr(w, "prefetch") for w in self.weights)
+        self.mapped = self._build_maps(map_shards or {}, table_tiers or {}, device)
         # prefetched batches not yet looked up, with their prepared rows (the forward reuses them)
         self._prefetched: deque[tuple[SparseBatch, list[GroupBatch]]] = deque(maxlen=8)
+
+    # ---- managed-collision tables ------------------------------------------------------------------
+    def _build_maps(
+        self, shards: dict[str, MapShard], tiers: dict[str, str], device: torch.device
+    ) -> list[MappedTable]:
+        """An IdMap per managed-collision table; its evicted rows go back to their initial values."""
+        out = []
+        for ti, t in enumerate(self.tables):
+            mc = t.managed_collision
+            if mc is None:
+                continue
+            if tiers.get(t.name, "memory") != "memory" or self._cached:
+                raise ConfigError(
+                    f"table {t.name!r}: managed-collision tables keep their rows in memory and share no engine "
+                    "with cached tables (tier dram/ssd); set the tiers to memory"
+                )
+            shard = shards.get(t.name) or MapShard(0, mc.buckets, mc.buckets, t, 0)
+            id_map = IdMap(t.rows, mc.eviction, shard, device)
+            out.append(MappedTable(t.name, id_map, list(t.features), self._row_reset(ti, shard)))
+        return out
+
+    def _row_reset(self, ti: int, shard: MapShard) -> Callable[[torch.Tensor], None]:
+        """reset(rows): rows of table ti back to their initial weights and optimizer state."""
+        gi, start, _ = self._table_range(self.tables[ti].name)
+        g = self.layout.groups[gi]
+        value = initial_state_value(g.optimizer, self._configs[ti].initial_accumulator)
+
+        def reset(rows: torch.Tensor) -> None:
+            rows = torch.sort(rows).values
+            weights = init_rows_at(shard.table, self.seed, rows + shard.row_offset)
+            where = rows + start
+            self.weights[gi].write(where, to_storage(weights, g.dtype, None))
+            for s in self.states[gi].values():
+                width = (rows.numel(), s.width) if s.width else (rows.numel(),)
+                s.write(where, torch.full(width, value, dtype=s.dtype, device=rows.device))
+
+        return reset
+
+    def id_map_stats(self) -> dict[str, dict[str, float]]:
+        """Per managed-collision table (cumulative): hits, misses, inserts, evictions, dropped ids,
+        occupied rows and capacity (see neorec/embedding/id_map.py)."""
+        return map_stats(self.mapped)
 
     # ---- initial values -----------------------------------------------------------------------
     def _weight_init(self, g: TableGroup) -> RowInit:
@@ -207,6 +256,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         """[B, output_dim] fp32 pooled vectors in feature_names order; trains the rows on backward."""
         if not self.layout.groups or sparse.batch_size == 0:  # e.g. a rank that holds no shard
             return torch.zeros(sparse.batch_size, self.output_dim, device=sparse.values.device)
+        if self.mapped:  # raw ids -> rows; a training batch's step is the update it will make
+            sparse = remap_batch(sparse, self.mapped, self.num_updates + 1, self.training)
         batches = None
         if self._cached:  # bring the whole batch in at once (one eviction round), then read it
             for i, (ahead, prepared) in enumerate(self._prefetched):
@@ -447,6 +498,9 @@ class FusedEmbeddingCollection(EmbeddingCollection):
             for name, s in self.states[gi].items():
                 destination[key + name] = _read_range(s, start, end, copy=True)
             destination[key + "step"] = torch.tensor(self.num_updates, dtype=torch.int64)
+        for m in self.mapped:
+            for name, storage in m.id_map.storages().items():
+                destination[f"{prefix}tables.{m.name}.{name}"] = storage.tensor.clone()
 
     def _load_from_state_dict(
         self,
@@ -479,6 +533,16 @@ class FusedEmbeddingCollection(EmbeddingCollection):
             expected.add(key + "step")
             if key + "step" in state_dict:
                 steps.append(int(state_dict[key + "step"]))
+        for m in self.mapped:
+            for name, storage in m.id_map.storages().items():
+                key = f"{prefix}tables.{m.name}.{name}"
+                expected.add(key)
+                if key not in state_dict:
+                    missing_keys.append(key)
+                elif tuple(state_dict[key].shape) != tuple(storage.tensor.shape):
+                    error_msgs.append(f"{key}: shape {tuple(state_dict[key].shape)}, the map needs {tuple(storage.tensor.shape)}")
+                else:
+                    storage.tensor.copy_(state_dict[key])
         if steps:
             self.num_updates = max(steps)
         if strict:
@@ -498,6 +562,8 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         for storage in [*self.weights, *(s for st in self.states for s in st.values())]:
             if isinstance(storage, TensorStorage):
                 storage.tensor = keep(storage.tensor)
+        for m in self.mapped:
+            m.id_map.to(keep(m.id_map.keys.tensor).device)
         for c in self._constants:
             for f in fields(c):
                 value = getattr(c, f.name)

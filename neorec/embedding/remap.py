@@ -1,0 +1,67 @@
+"""Raw ids of managed-collision tables -> their rows, inside an embedding collection before the lookup.
+
+Every engine (reference, fused, and the fused engine of each rank under sharding) calls
+`remap_batch` first thing in forward: the ids of each managed-collision table's features are
+mapped by the table's IdMap (id_map.py), the rows whose ids were evicted are handed to the engine
+to re-initialise (weights and optimizer state), and ids that got no row are left out of their
+bags (lengths shrink; a mean then averages the ids that remain).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from neorec.embedding.id_map import FREE, IdMap
+from neorec.errors import DataError
+from neorec.sparse import SparseBatch
+
+
+@dataclass
+class MappedTable:
+    """One managed-collision table of an engine: its map, its features, and what resets evicted rows."""
+
+    name: str
+    id_map: IdMap
+    features: list[str]
+    reset_rows: Callable[[torch.Tensor], None]  # rows of the table (0-based) whose id was evicted
+
+
+def remap_batch(sparse: SparseBatch, tables: list[MappedTable], step: int, train: bool) -> SparseBatch:
+    """`sparse` with the ids of `tables`' features replaced by rows (train: the maps learn the batch)."""
+    if not tables or sparse.values.numel() == 0:
+        return sparse
+    bounds = sparse.offset_per_key()
+    position = {k: i for i, k in enumerate(sparse.keys)}
+    values = sparse.values.clone()
+    for t in tables:
+        spans = [(bounds[position[f]], bounds[position[f] + 1]) for f in t.features if f in position]
+        ids = torch.cat([sparse.values[a:b] for a, b in spans]) if spans else sparse.values[:0]
+        if ids.numel() and bool((ids < 0).any()):
+            raise DataError(
+                f"table {t.name!r} has managed collision and takes raw ids in [0, 2^63); the batch has a "
+                f"negative id ({int(ids.min())})"
+            )
+        rows, evicted = t.id_map.remap(ids, step, train)
+        if evicted.numel():
+            t.reset_rows(evicted)
+        at = 0
+        for a, b in spans:
+            values[a:b] = rows[at : at + b - a]
+            at += b - a
+    keep = values != FREE
+    if bool(keep.all()):
+        return SparseBatch(sparse.keys, values, sparse.lengths, sparse.weights)
+    bags = torch.arange(sparse.lengths.numel(), device=values.device).repeat_interleave(sparse.lengths)
+    lengths = torch.bincount(bags[keep], minlength=sparse.lengths.numel()).to(sparse.lengths.dtype)
+    weights = sparse.weights[keep] if sparse.weights is not None else None
+    return SparseBatch(sparse.keys, values[keep], lengths, weights)
+
+
+def map_stats(tables: list[MappedTable]) -> dict[str, dict[str, float]]:
+    """Per table (cumulative): hits, misses, inserts, evictions, dropped, occupied rows, capacity."""
+    return {
+        t.name: {**t.id_map.stats, "occupied": t.id_map.occupied, "capacity": t.id_map.capacity} for t in tables
+    }
