@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from neorec.config.base import Strict
-from neorec.embedding.tables import EmbeddingOptimizerConfig
+from neorec.embedding.tables import EmbeddingOptimizerConfig, ManagedCollisionConfig
 
 
 # ---- data ----------------------------------------------------------------------------------------
@@ -215,6 +215,12 @@ class TableOverride(Strict):
     dtype: Literal["fp32", "fp16", "bf16"] | None = Field(None, description="weight storage type")
     optimizer: EmbeddingOptimizerConfig | None = Field(None, description="optimizer for this table")
     tier: Literal["memory", "dram", "ssd"] | None = Field(None, description="where this table's rows live")
+    managed_collision: ManagedCollisionConfig | None = Field(
+        None, description="the reader passes raw ids and an id map gives each its own row (docs/managed-collision.md)"
+    )
+    rows: int | None = Field(
+        None, gt=0, description="managed-collision tables: rows (the id map's capacity; default: the data's id count)"
+    )
 
 
 class CacheConfig(Strict):

@@ -22,6 +22,10 @@ sample k's draws start depends on how many draws the samples before it used, and
 costs making rows [0, b). Drawing per sample would change the data. Blocks are cached, so each one is
 drawn once per process.
 
+Managed-collision tables (`raw_features`): their ids are not reduced to [0, rows) but passed as raw
+63-bit ids, a bijection of the in-table id (`raw_ids`), so the data, the labels and the number of
+distinct ids are the same and only the id values differ.
+
 Resume: `load_state({"epoch": e, "samples": s})` makes the next `train_batches`/`train_slices` of
 epoch e start after its first s samples without drawing the blocks before them.
 """
@@ -203,21 +207,40 @@ def _draw(teacher: Teacher, rng: np.random.Generator, n: int):
 
 
 _SPLITS = {"train": 1, "eval": 2}
+_RAW_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd: x -> x * m + k is a bijection modulo 2^63
+
+
+def raw_ids(ids: np.ndarray, key: int) -> np.ndarray:
+    """In-table ids -> distinct raw ids in [0, 2^63), scattered over the whole range."""
+    with np.errstate(over="ignore"):
+        raw = ids.astype(np.uint64) * _RAW_MULTIPLIER + np.uint64(key)
+    return (raw & np.uint64((1 << 63) - 1)).astype(np.int64)
 
 
 class SyntheticSource:
     """A DataSource of synthetic Criteo-like data (see the module docstring)."""
 
-    def __init__(self, spec: SyntheticSpec, cache: bool = True, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        spec: SyntheticSpec,
+        cache: bool = True,
+        device: torch.device | str = "cpu",
+        raw_features: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
         """cache: keep every block once drawn. device: where the kept blocks live, so that on a GPU
         batches are cut from device memory with no host-to-device copy per step (the first pass
-        draws each block on the host and moves it once)."""
+        draws each block on the host and moves it once). raw_features: features that carry raw
+        63-bit ids (managed-collision tables) instead of ids in [0, rows)."""
         self.spec = spec
         self.device = torch.device(device)
         self.teacher = Teacher(spec)
         self.cache = cache
         self._blocks: dict[tuple[str, int], Block] = {}
         self.keys = [f"C{i + 1}" for i in range(spec.num_sparse)]
+        unknown = sorted(set(raw_features) - set(self.keys))
+        if unknown:
+            raise ConfigError(f"raw-id features {unknown} are not features of the synthetic data: {self.keys}")
+        self.raw = [k in raw_features for k in self.keys]
         multi = spec.bag_sizes is not None
         features = [FeatureSpec(k, r, multi_hot=multi, weighted=spec.weighted) for k, r in zip(self.keys, spec.rows, strict=True)]
         self.info = SourceInfo(num_dense=spec.num_dense, features=features, num_train_samples=spec.train_samples)
@@ -241,7 +264,10 @@ class SyntheticSource:
             torch.from_numpy(dense_log),
             torch.from_numpy(labels),
             torch.from_numpy(probs.astype(np.float32)),
-            [torch.from_numpy(ids) for ids, _, _ in bags],
+            [
+                torch.from_numpy(raw_ids(ids, self.teacher.key[t]) if self.raw[t] else ids)
+                for t, (ids, _, _) in enumerate(bags)
+            ],
             [torch.from_numpy(ln) for _, ln, _ in bags],
             [torch.from_numpy(w) for _, _, w in bags] if self.spec.weighted else None,
         )

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from neorec.embedding.collection import EmbeddingCollection
-from neorec.embedding.init import init_rows
+from neorec.embedding.id_map import IdMap, MapShard
+from neorec.embedding.init import init_rows, init_rows_at
+from neorec.embedding.remap import MappedTable, map_stats, remap_batch
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import ConfigError
 from neorec.sparse import SparseBatch
@@ -33,8 +35,48 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
         )
         self._index = {t.name: i for i, t in enumerate(tables)}
         self._table_of = {f: self._index[t.name] for t in tables for f in t.features}
+        self.seed = seed
+        self._torch_optimizer: torch.optim.Optimizer | None = None
+        self.mapped = [
+            MappedTable(
+                t.name,
+                IdMap(t.rows, t.managed_collision.eviction, MapShard(0, t.managed_collision.buckets,
+                                                                    t.managed_collision.buckets, t, 0)),
+                list(t.features),
+                self._row_reset(i),
+            )
+            for i, t in enumerate(tables)
+            if t.managed_collision is not None
+        ]  # fmt: skip
+        self.map_step = 0  # training batches remapped so far
+
+    def _row_reset(self, ti: int):
+        """reset(rows): rows of table ti back to their initial weights and optimizer state."""
+        t = self.tables[ti]
+
+        def reset(rows: torch.Tensor) -> None:
+            weight = self.bags[ti].weight
+            with torch.no_grad():
+                weight[rows] = init_rows_at(t, self.seed, rows)
+            state = self._torch_optimizer.state.get(weight, {}) if self._torch_optimizer is not None else {}
+            accumulator = (t.optimizer or self.optimizer_config).initial_accumulator
+            for name, value in state.items():
+                if name == "sum":  # adagrad
+                    value[rows] = accumulator
+                elif name in ("exp_avg", "exp_avg_sq"):  # sparse adam
+                    value[rows] = 0.0
+
+        return reset
+
+    def id_map_stats(self) -> dict[str, dict[str, float]]:
+        """Per managed-collision table: hits, misses, inserts, evictions, dropped, occupied, capacity."""
+        return map_stats(self.mapped)
 
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
+        if self.mapped:
+            if self.training:
+                self.map_step += 1
+            sparse = remap_batch(sparse, self.mapped, self.map_step, self.training)
         b = sparse.batch_size
         offsets = sparse.offsets()
         bounds = sparse.offset_per_key()
@@ -65,16 +107,19 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
                 group.update(eps=c.eps, betas=(c.beta1, c.beta2))
             groups.append(group)
         if name == "sgd":
-            return torch.optim.SGD(groups, lr=self.optimizer_config.lr)
-        if name == "adagrad":
+            opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=self.optimizer_config.lr)
+        elif name == "adagrad":
             inits = {c.initial_accumulator for c in configs.values()}
             if len(inits) > 1:
                 raise ConfigError("the reference engine needs one adagrad initial_accumulator for all tables")
             # torch.optim.Adagrad reads the starting accumulator from its constructor only
-            return torch.optim.Adagrad(groups, lr=self.optimizer_config.lr, initial_accumulator_value=inits.pop())
-        if name == "adam":
-            return torch.optim.SparseAdam(groups, lr=self.optimizer_config.lr)
-        raise ConfigError(f"the reference engine has no {name!r} optimizer; use embedding.engine: fused")
+            opt = torch.optim.Adagrad(groups, lr=self.optimizer_config.lr, initial_accumulator_value=inits.pop())
+        elif name == "adam":
+            opt = torch.optim.SparseAdam(groups, lr=self.optimizer_config.lr)
+        else:
+            raise ConfigError(f"the reference engine has no {name!r} optimizer; use embedding.engine: fused")
+        self._torch_optimizer = opt  # evictions reset the state of their rows
+        return opt
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         return {t.name: self.bags[i].weight.detach() for i, t in enumerate(self.tables)}

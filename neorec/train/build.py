@@ -23,7 +23,7 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
         from neorec.data.synthetic import SyntheticSource, spec_from_config
 
         device = device_of_rank if d.synthetic.on_device and device_of_rank is not None else "cpu"
-        return SyntheticSource(spec_from_config(d.synthetic, cfg.seed), device=device)
+        return SyntheticSource(spec_from_config(d.synthetic, cfg.seed), device=device, raw_features=raw_features(cfg))
     if d.source == "criteo_tsv":
         from neorec.data.criteo import CriteoTSVSource
 
@@ -69,6 +69,11 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
     raise ConfigError(f"data.source {d.source!r} is not known")  # pragma: no cover - Literal checked
 
 
+def raw_features(cfg: RunConfig) -> set[str]:
+    """Features whose tables have managed collision: their readers pass raw ids, not ids modulo rows."""
+    return {name for name, o in cfg.embedding.tables.items() if o.managed_collision is not None}
+
+
 def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
     """One table per feature, named like the feature, with `embedding.tables` overrides applied."""
     e = cfg.embedding
@@ -82,15 +87,21 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
     tables = []
     for f in info.features:
         o = e.tables.get(f.name)
+        if o is not None and o.rows is not None and o.managed_collision is None:
+            raise ConfigError(
+                f"embedding.tables.{f.name}.rows: only managed-collision tables set their rows (the others "
+                f"take the data's {f.num_ids} ids); set embedding.tables.{f.name}.managed_collision or drop rows"
+            )
         tables.append(
             TableConfig(
                 name=f.name,
-                rows=f.num_ids,
+                rows=(o.rows if o and o.rows else f.num_ids),
                 dim=(o.dim if o and o.dim else e.dim),
                 features=[f.name],
                 pooling=(o.pooling if o and o.pooling else e.pooling),
                 dtype=(o.dtype if o and o.dtype else e.dtype),
                 optimizer=(o.optimizer if o else None),
+                managed_collision=(o.managed_collision if o else None),
             )
         )
     check_tables(tables)

@@ -1,0 +1,218 @@
+"""Managed-collision tables: the id map's eviction rules, its determinism, the re-initialisation of
+evicted rows in both engines, and configuration errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neorec.embedding.fused import FusedEmbeddingCollection
+from neorec.embedding.fused.optimizers import initial_state_value
+from neorec.embedding.id_map import FREE, IdMap, MapShard, bucket_of
+from neorec.embedding.init import init_rows, init_rows_at
+from neorec.embedding.reference import ReferenceEmbeddingCollection
+from neorec.embedding.tables import (
+    EmbeddingOptimizerConfig,
+    ManagedCollisionConfig,
+    TableConfig,
+    check_tables,
+)
+from neorec.errors import ConfigError, DataError
+from neorec.sparse import SparseBatch
+
+
+def mc_table(rows: int = 8, eviction: str = "lru", buckets: int = 1, name: str = "t") -> TableConfig:
+    mc = ManagedCollisionConfig(eviction=eviction, buckets=buckets)
+    return TableConfig(name=name, rows=rows, dim=4, features=[f"{name}_f"], managed_collision=mc)
+
+
+def one_map(capacity: int, eviction: str) -> IdMap:
+    return IdMap(capacity, eviction, MapShard(0, 1, 1, mc_table(capacity, eviction), 0))
+
+
+def feed(m: IdMap, stream: list[list[int]]) -> list[list[int]]:
+    return [m.remap(torch.tensor(ids), step, True)[0].tolist() for step, ids in enumerate(stream, 1)]
+
+
+def held(m: IdMap) -> set[int]:
+    return {k for k in m.keys.tensor.tolist() if k != FREE}
+
+
+def test_lru_and_lfu_evict_different_ids():
+    # 1 is used often but long ago, 2 once but recently; 3 and 4 fill the map, then 5 comes
+    stream = [[1, 1, 1, 3], [1, 1, 4], [2, 3, 4], [5, 3, 4]]
+    lru, lfu = one_map(4, "lru"), one_map(4, "lfu")
+    feed(lru, stream)
+    feed(lfu, stream)
+    assert held(lru) == {2, 3, 4, 5}  # 1 was seen last at step 2
+    assert held(lfu) == {1, 3, 4, 5}  # 2 was seen once
+    assert lru.stats["evictions"] == lfu.stats["evictions"] == 1
+
+
+def test_ties_go_by_id_and_batch_ids_keep_their_rows():
+    m = one_map(3, "lru")
+    rows = feed(m, [[30, 10, 20], [40, 50, 20]])
+    assert rows[0] == [2, 0, 1]  # free rows in row order, new ids served by id
+    # 10 and 30 tie on last_seen; 10 (row 0) goes first, then 30 (row 2); 20 is in the batch
+    assert rows[1] == [0, 2, 1]
+    assert held(m) == {20, 40, 50}
+
+
+def test_more_new_ids_than_rows_drops_the_rarest_then_largest():
+    m = one_map(2, "lru")
+    (rows,) = feed(m, [[7, 9, 9, 8, 5]])
+    assert rows == [FREE, 0, 0, FREE, 1]  # 9 (twice) first, then 5: the smallest of the rest
+    assert m.stats["dropped"] == 2 and held(m) == {5, 9}
+
+
+def test_buckets_evict_on_their_own_rows():
+    t = mc_table(8, buckets=4)
+    m = IdMap(8, "lru", MapShard(0, 4, 4, t, 0))
+    ids = torch.arange(1000, 1040)
+    rows, _ = m.remap(ids, 1, True)
+    bucket = bucket_of(ids, 4)
+    placed = rows != FREE
+    assert torch.equal(rows[placed] // 2, bucket[placed])  # bucket b holds rows [2b, 2b + 2)
+    assert int(placed.sum()) == 8
+
+
+def test_same_stream_same_map(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    stream = [torch.randint(0, 50, (20,), generator=g) * 7919 for _ in range(30)]
+    maps = []
+    for _ in range(2):
+        m = IdMap(16, "lfu", MapShard(0, 2, 2, mc_table(16, "lfu", 2), 0))
+        for step, ids in enumerate(stream, 1):
+            m.remap(ids, step, True)
+        maps.append(m)
+    for name in ("mc_keys", "mc_last_seen", "mc_counts"):
+        assert torch.equal(maps[0].storages()[name].tensor, maps[1].storages()[name].tensor)
+    assert maps[0].stats == maps[1].stats and maps[0].stats["evictions"] > 0
+
+
+def test_evaluation_does_not_change_the_map():
+    m = one_map(4, "lru")
+    feed(m, [[1, 2]])
+    before = {k: v.tensor.clone() for k, v in m.storages().items()}
+    rows, evicted = m.remap(torch.tensor([2, 99]), 5, train=False)
+    assert rows.tolist() == [1, FREE] and evicted.numel() == 0
+    assert all(torch.equal(before[k], v.tensor) for k, v in m.storages().items())
+
+
+def batches(table: TableConfig, steps: int, vocab: int, seed: int = 0) -> list[SparseBatch]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(0, 4, (6,), generator=g)
+        ids = torch.randint(0, vocab, (int(lengths.sum()),), generator=g) * 1_000_003 + 17
+        out.append(SparseBatch(table.features, ids, lengths))
+    return out
+
+
+def train(engine, data: list[SparseBatch]) -> list[float]:
+    opt = engine.build_optimizer()
+    target = torch.linspace(-1, 1, engine.output_dim)
+    losses = []
+    for sparse in data:
+        loss = ((engine(sparse) - target) ** 2).sum()
+        if hasattr(opt, "zero_grad"):
+            opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_fused_equals_reference_with_evictions(eviction):
+    t = mc_table(6, eviction)
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.1)
+    data = batches(t, 12, vocab=15)
+    fused, ref = FusedEmbeddingCollection([t], opt, seed=1), ReferenceEmbeddingCollection([t], opt, seed=1)
+    lf, lr = train(fused, data), train(ref, data)
+    torch.testing.assert_close(torch.tensor(lf), torch.tensor(lr), rtol=1e-5, atol=1e-6)
+    assert fused.id_map_stats()["t"]["evictions"] > 0
+    assert fused.id_map_stats() == ref.id_map_stats()
+    torch.testing.assert_close(fused.table_weights()["t"], ref.table_weights()["t"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(fused.mapped[0].id_map.keys.tensor, ref.mapped[0].id_map.keys.tensor)
+
+
+def test_same_stream_twice_gives_identical_weights():
+    t = mc_table(6, "lfu")
+    opt = EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1)
+    runs = []
+    for _ in range(2):
+        e = FusedEmbeddingCollection([t], opt, seed=2)
+        train(e, batches(t, 10, vocab=20, seed=5))
+        runs.append(e.state_dict())
+    assert runs[0].keys() == runs[1].keys()
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+@pytest.mark.parametrize("engine", ["fused", "reference"])
+def test_evicted_rows_get_initial_weights_and_state(engine):
+    t = mc_table(2, "lru")
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.5, initial_accumulator=0.25)
+    cls = FusedEmbeddingCollection if engine == "fused" else ReferenceEmbeddingCollection
+    e = cls([t], opt, seed=4)
+    optimizer = e.build_optimizer()
+    first = SparseBatch(t.features, torch.tensor([100, 200]), torch.ones(2, dtype=torch.int64))
+    e(first).sum().backward()
+    optimizer.step()
+    trained = e.table_weights()["t"].clone()
+    assert not torch.equal(trained, init_rows(t, 4))
+    # 300 evicts 100 (row 0; same step as 200, smaller id); look at the row before any update
+    e(SparseBatch(t.features, torch.tensor([300, 200]), torch.ones(2, dtype=torch.int64)))
+    weights = e.table_weights()["t"]
+    torch.testing.assert_close(weights[0], init_rows_at(t, 4, torch.tensor([0]))[0])
+    torch.testing.assert_close(weights[1], trained[1])
+    if engine == "fused":
+        state = e.state_dict()["tables.t.momentum1"]
+    else:
+        state = optimizer.state[e.bags[0].weight]["sum"]
+    assert torch.all(state[0] == initial_state_value("adagrad", 0.25))
+    assert torch.all(state[1] > 0.25)
+
+
+def test_init_rows_of_a_mapped_table_are_the_same_row_by_row():
+    t = mc_table(10)
+    whole = init_rows(t, 7)
+    assert torch.equal(whole[3:6], init_rows(t, 7, 3, 6))
+    assert torch.equal(whole[[8, 1]], init_rows_at(t, 7, torch.tensor([8, 1])))
+    assert whole.abs().max() <= 1 / 10**0.5 and whole.std() > 0.1
+
+
+def test_unknown_ids_in_evaluation_leave_their_bags():
+    t = mc_table(4)
+    e = FusedEmbeddingCollection([t], EmbeddingOptimizerConfig(name="sgd", lr=0.1))
+    e(SparseBatch(t.features, torch.tensor([5, 6]), torch.tensor([1, 1])))
+    e.eval()
+    both = e(SparseBatch(t.features, torch.tensor([5, 99]), torch.tensor([2])))
+    known = e(SparseBatch(t.features, torch.tensor([5]), torch.tensor([1])))
+    torch.testing.assert_close(both, known)
+    assert e.id_map_stats()["t"]["misses"] == 3  # 5 and 6 when first seen, then 99
+
+
+def test_negative_raw_id_is_refused():
+    t = mc_table(4)
+    e = FusedEmbeddingCollection([t], EmbeddingOptimizerConfig(name="sgd", lr=0.1))
+    with pytest.raises(DataError, match="'t'.*negative"):
+        e(SparseBatch(t.features, torch.tensor([-3]), torch.tensor([1])))
+
+
+def test_state_dict_round_trip_restores_the_map():
+    t = mc_table(6, "lfu")
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.1)
+    data = batches(t, 14, vocab=20, seed=9)
+    whole = FusedEmbeddingCollection([t], opt)
+    expected = train(whole, data)
+    first = FusedEmbeddingCollection([t], opt)
+    train(first, data[:7])
+    second = FusedEmbeddingCollection([t], opt)
+    second.load_state_dict(first.state_dict())
+    assert train(second, data[7:]) == expected[7:]
+
+
+def test_buckets_must_divide_rows():
+    with pytest.raises(ConfigError, match="table 'u'.*buckets 4 must divide its 10 rows"):
+        check_tables([mc_table(10, buckets=4, name="u")])
