@@ -216,3 +216,63 @@ def test_state_dict_round_trip_restores_the_map():
 def test_buckets_must_divide_rows():
     with pytest.raises(ConfigError, match="table 'u'.*buckets 4 must divide its 10 rows"):
         check_tables([mc_table(10, buckets=4, name="u")])
+
+
+# ---- the trainer: raw ids from the synthetic source, checkpoints and exact resume ----------------
+TINY = [
+    "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 1000]", "data.synthetic.num_sparse=4",
+    "data.synthetic.train_samples=3000", "data.synthetic.eval_samples=500", "data.batch_size=256",
+    "train.progress=false", "logging.plot=false", "logging.tensorboard=false", "train.log_every=5",
+    "train.epochs=2", "train.max_steps=20", "embedding.optimizer.name=adam", "embedding.optimizer.lr=0.01",
+    "checkpoint.every_steps=7", "checkpoint.keep=2",
+    "embedding.tables.C2.managed_collision.eviction=lru", "embedding.tables.C2.rows=120",
+    "embedding.tables.C4.managed_collision.eviction=lfu", "embedding.tables.C4.managed_collision.buckets=4",
+    "embedding.tables.C4.rows=400",
+]  # fmt: skip
+
+
+def test_trainer_resume_with_id_maps_is_bitwise(tmp_path, monkeypatch):
+    from neorec.checkpoint import latest_checkpoint
+    from neorec.config.load import load_config
+    from neorec.train.trainer import Trainer
+
+    cfg = load_config("default", TINY)
+    whole = Trainer(cfg, tmp_path / "whole")
+    full = whole.fit()
+    stats = whole.embeddings.id_map_stats()
+    assert set(stats) == {"C2", "C4"} and stats["C2"]["evictions"] > 0 and stats["C4"]["evictions"] > 0
+    logged = (tmp_path / "whole" / "metrics.jsonl").read_text()
+    assert '"C2/evictions"' in logged
+
+    crashing = Trainer(cfg, tmp_path / "run")
+    step = Trainer.train_step
+    calls = [0]
+
+    def crash_at_17(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 17:
+            raise KeyboardInterrupt("killed")
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_17)
+    with pytest.raises(KeyboardInterrupt):
+        crashing.fit()
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step-00000014"
+    resumed = Trainer(cfg, tmp_path / "run", resume=True)
+    assert resumed.fit().losses == full.losses[14:]
+    final = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    for key, value in torch.load(tmp_path / "whole" / "model.pt", weights_only=True).items():
+        assert torch.equal(value, final[key]), key
+    assert any(k.endswith("C4.mc_keys") for k in final)
+
+
+def test_rows_only_for_managed_collision_tables():
+    from neorec.config.load import load_config
+    from neorec.data.synthetic import SyntheticSource, spec_from_config
+    from neorec.train.build import build_tables
+
+    cfg = load_config("default", [*TINY[:5], "embedding.tables.C1.rows=10"])
+    info = SyntheticSource(spec_from_config(cfg.data.synthetic, 0)).info
+    with pytest.raises(ConfigError, match="embedding.tables.C1.rows: only managed-collision tables"):
+        build_tables(cfg, info)

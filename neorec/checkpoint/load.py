@@ -84,6 +84,12 @@ def check_tables(manifest: dict, embeddings: EmbeddingCollection, where: Path) -
             raise CheckpointError(
                 f"checkpoint {where}: table {name!r} is {s['rows']} x {s['dim']} there but {t.rows} x {t.dim} in the model"
             )
+        mc = t.managed_collision.model_dump(mode="json") if t.managed_collision is not None else None
+        if s.get("managed_collision") != mc:
+            raise CheckpointError(
+                f"checkpoint {where}: table {name!r} has managed_collision {s.get('managed_collision')} there but "
+                f"{mc} in the model; its rows and id map only fit the same setting"
+            )
 
 
 def load_checkpoint(
@@ -105,9 +111,8 @@ def load_checkpoint(
     engine_steps: dict[int, int] = {}
     try:
         for slot in slots(embeddings):
-            start, stores = storages(slot)
             num_rows = slot.rows[1] - slot.rows[0]
-            for state, storage in stores.items():
+            for state, (storage, start) in storages(slot).items():
                 for a, b in windows(num_rows, storage):
                     rows = (slot.rows[0] + a, slot.rows[0] + b)
                     values = reader.read(slot.table, state, rows, slot.cols, per_row=storage.width == 0)

@@ -62,11 +62,16 @@ def slots(embeddings: EmbeddingCollection) -> list[Slot]:
     )
 
 
-def storages(slot: Slot) -> tuple[int, dict[str, RowStorage]]:
-    """(first row of the slot in its engine's group, {"weight" or state name: storage})."""
+def storages(slot: Slot) -> dict[str, tuple[RowStorage, int]]:
+    """{"weight", an optimizer state name, or an id map's state name: (storage, first row of the
+    slot in it)}. A managed-collision table's id map (mc_keys, ...) is per-row state of its rows."""
     gi, index = slot.engine.layout.table_slot[slot.local_name]
     start = slot.engine.layout.groups[gi].row_starts[index]
-    return start, {"weight": slot.engine.weights[gi], **slot.engine.states[gi]}
+    out = {name: (s, start) for name, s in {"weight": slot.engine.weights[gi], **slot.engine.states[gi]}.items()}
+    for m in slot.engine.mapped:
+        if m.name == slot.local_name:
+            out.update({name: (s, 0) for name, s in m.id_map.storages().items()})
+    return out
 
 
 def windows(num_rows: int, storage: RowStorage) -> list[tuple[int, int]]:
@@ -144,11 +149,16 @@ class PieceReader:
                 )
             f, path = self._file(p["file"])
             part = read_rows(f, path, p["offset"], p["shape"], DTYPES[p["dtype"]], (a - pr0, b - pr0))
+            exact = part.dtype == torch.int64  # an id map's state: values, not means
             if (a, b, pc0, pc1) == (r0, r1, c0, c1):  # the piece holds exactly what is asked: no copy
-                return part.float() if per_row else part
+                return part.float() if per_row and not exact else part
             if out is None:
                 shape = (r1 - r0,) if per_row else (r1 - r0, c1 - c0)
-                out = torch.zeros(shape, dtype=torch.float32 if per_row else part.dtype)
+                out = torch.zeros(shape, dtype=torch.float32 if per_row and not exact else part.dtype)
+            if exact:  # whole rows (a managed-collision table has no column split)
+                out[a - r0 : b - r0] = part
+                covered += (b - a) * (c1 - c0)
+                continue
             if per_row:  # the overlap-width-weighted mean over column slices
                 out[a - r0 : b - r0] += part.float() * ((cb - ca) / (c1 - c0))
             else:

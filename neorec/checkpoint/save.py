@@ -119,9 +119,8 @@ def _write_shards(folder: Path, rank: int, embeddings: EmbeddingCollection):
         nonlocal writer
         writer = RawWriter(f)
         for s in owned:
-            start, stores = storages(s)
             num_rows = s.rows[1] - s.rows[0]
-            for state, storage in stores.items():
+            for state, (storage, start) in storages(s).items():
                 offset = writer.offset
                 for a, b in windows(num_rows, storage):
                     writer.append(read_storage(storage, start + a, start + b))

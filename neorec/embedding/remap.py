@@ -65,3 +65,13 @@ def map_stats(tables: list[MappedTable]) -> dict[str, dict[str, float]]:
     return {
         t.name: {**t.id_map.stats, "occupied": t.id_map.occupied, "capacity": t.id_map.capacity} for t in tables
     }
+
+
+def map_log_values(per_table: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Flat values for the training log (cumulative): totals, then `<table>/<stat>` per table."""
+    out: dict[str, float] = {}
+    for table, stats in per_table.items():
+        for k, v in stats.items():
+            out[k] = out.get(k, 0) + v
+            out[f"{table}/{k}"] = v
+    return out

@@ -30,6 +30,7 @@ from neorec.distributed.dense import DenseGradSync
 from neorec.distributed.topology import Topology, choose_backend, init_distributed, rank_device
 from neorec.embedding.cache.stats import log_values
 from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.remap import map_log_values
 from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.metrics.evaluation import binary_metrics
 from neorec.train.build import (
@@ -296,6 +297,8 @@ class Trainer:
                     if getattr(self.embeddings, "cache_stats", None) and (cache := self.embeddings.cache_stats()):
                         cache = log_values(cache)
                         logger.log("cache", step, cache)  # hit rate, MiB per tier, per table
+                    if getattr(self.embeddings, "id_map_stats", None) and (maps := self.embeddings.id_map_stats()):
+                        logger.log("id_map", step, map_log_values(maps))  # inserts, evictions, per table
                     if self.is_main:
                         log.info(train_line(step, total, running, sps, lrs, cache))
                     if bar is not None:
