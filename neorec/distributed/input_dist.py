@@ -7,6 +7,9 @@ to the shard, for row-split shards (rw, twrw). Then two all-to-alls: lengths fir
 known from the layout), then ids and weights (sizes from the lengths). The receiver regroups what
 the W ranks sent into one feature-major SparseBatch of W * B samples, samples of rank 0 first.
 
+Managed-collision tables (raw ids): a row-split table's ids go to the rank that holds their bucket
+(id_map.bucket_of), unchanged; that rank's id map turns them into its rows in the lookup.
+
 Mean pooling under a row split: each shard sees only part of a bag, so the bag's 1/length (of the
 whole bag) becomes a per-id weight before the split and the shard pools by sum.
 All ranks must agree on whether batches carry weights (they read the same kind of data).
@@ -18,6 +21,7 @@ import torch
 
 from neorec.distributed.comms import Comms, Pending
 from neorec.distributed.layout import ROW_SPLIT, ShardLayout
+from neorec.embedding.id_map import bucket_of
 from neorec.sparse import SparseBatch
 from neorec.utils import index_ops
 
@@ -54,8 +58,13 @@ class InputDist:
                         if with_weights and unit.table.pooling == "mean":
                             w = w * lens.clamp(min=1).to(torch.float32).reciprocal().index_select(0, bag_of_id[f])
                         starts = [s.rows[0] for s in self.layout.plan.shards(unit.table, self.comms.topo)]
-                        inner = torch.tensor(starts[1:], dtype=ids.dtype, device=ids.device)
-                        owner = torch.bucketize(ids, inner, right=True)
+                        mc = unit.table.managed_collision
+                        if mc is not None:  # raw ids: the id's bucket decides, the owner's map gives the row
+                            owner = bucket_of(ids, mc.buckets) // (mc.buckets // len(starts))
+                            starts = [0] * len(starts)
+                        else:
+                            inner = torch.tensor(starts[1:], dtype=ids.dtype, device=ids.device)
+                            owner = torch.bucketize(ids, inner, right=True)
                         split_cache[key] = (owner, w, torch.tensor(starts, device=ids.device))
                     owner, w, starts = split_cache[key]
                     mine = owner == unit.index

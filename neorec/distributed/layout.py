@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from neorec.distributed.plan import Shard, ShardingPlan
 from neorec.distributed.topology import Topology
+from neorec.embedding.id_map import MapShard
 from neorec.embedding.tables import TableConfig, feature_order
 
 ROW_SPLIT = ("rw", "twrw")
@@ -45,7 +46,18 @@ class Unit:
             pooling="sum" if self.kind in ROW_SPLIT else t.pooling,
             dtype=t.dtype,
             optimizer=t.optimizer,
+            managed_collision=self.map_shard().config() if t.managed_collision is not None else None,
         )
+
+    def map_shard(self) -> MapShard:
+        """The buckets of a managed-collision table this shard holds: rw shards hold equal runs of
+        buckets (plan.validate checks that the shards divide them), tw the whole map."""
+        mc = self.table.managed_collision
+        assert mc is not None and self.kind in ("tw", "rw")
+        rows = self.shard.rows[1] - self.shard.rows[0]
+        per_bucket = self.table.rows // mc.buckets
+        first, count = self.shard.rows[0] // per_bucket, rows // per_bucket
+        return MapShard(first, count, mc.buckets, self.table, self.shard.rows[0], mc.eviction)
 
 
 class ShardLayout:

@@ -28,6 +28,7 @@ from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError
 
 KINDS = ("tw", "rw", "cw", "twrw", "twcw", "dp")
+MANAGED_COLLISION_KINDS = ("tw", "rw")  # the kinds that keep an id map with its rows
 TIERS = ("device", "host", "cached", "ssd")
 # plan tier -> how training stores the rows (neorec/embedding/cache TIERS): a plain tensor, or a
 # row cache over a host-memory tensor ("dram") or over files ("ssd")
@@ -146,6 +147,17 @@ class ShardingPlan:
                 raise ConfigError(f"{where}: {n} row shards but the table has only {t.rows} rows")
             if p.kind in ("cw", "twcw") and t.dim % n:
                 raise ConfigError(f"{where}: {n} column shards do not divide the dim {t.dim}")
+            mc = t.managed_collision
+            if mc is not None and p.kind not in MANAGED_COLLISION_KINDS:
+                raise ConfigError(
+                    f"{where}: a managed-collision table is sharded tw or rw only (its id map lives with its rows); "
+                    "give it kind tw or rw"
+                )
+            if mc is not None and p.kind == "rw" and mc.buckets % n:
+                raise ConfigError(
+                    f"{where}: {n} row shards need managed_collision.buckets to be a multiple of {n}, got "
+                    f"{mc.buckets}; set embedding.tables.{t.name}.managed_collision.buckets (each rank owns whole buckets)"
+                )
 
 
 def even_splits(total: int, parts: int) -> list[int]:

@@ -97,9 +97,10 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         local_tiers = {u.local_table().name: self.tiers[u.table.name] for u in units}
         dp_tiers = {t.name: self.tiers[t.name] for t in dp}
         factory = self._cache_factory({**local_tiers, **dp_tiers}, cache, units, dp, device)
+        map_shards = {u.local_table().name: u.map_shard() for u in units if u.table.managed_collision is not None}
         self.local = FusedEmbeddingCollection(
             self.layout.local_tables(rank), optimizer, seed, device, stochastic_rounding, row_init=shard_rows,
-            group_storage_factory=factory, table_tiers=local_tiers, progress=progress,
+            group_storage_factory=factory, table_tiers=local_tiers, progress=progress, map_shards=map_shards,
         )  # fmt: skip
         self.replicated = FusedEmbeddingCollection(
             dp, optimizer, seed, device, stochastic_rounding, group_storage_factory=factory, table_tiers=dp_tiers,
@@ -167,6 +168,16 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         """This rank's cached shards (`<table>#<shard>`) and replicated tables: hit rate, rows and
         bytes moved from/to the backing tier, evictions (see neorec/embedding/cache/stats.py)."""
         return {**self.local.cache_stats(), **self.replicated.cache_stats()}
+
+    def id_map_stats(self) -> dict[str, dict[str, float]]:
+        """This rank's managed-collision shards, summed per table: hits, misses, inserts, evictions,
+        dropped ids, occupied rows and capacity (see neorec/embedding/id_map.py)."""
+        out: dict[str, dict[str, float]] = {}
+        for name, stats in self.local.id_map_stats().items():
+            total = out.setdefault(name.split("#")[0], {})
+            for k, v in stats.items():
+                total[k] = total.get(k, 0) + v
+        return out
 
     # ---- the three stages ------------------------------------------------------------------------
     def input_dist(self, sparse: SparseBatch) -> Pending:
@@ -299,6 +310,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                         out[name][k] = torch.zeros(shape, dtype=v.dtype)
                     if v.dim() == 2:
                         out[name][k][r0:r1, c0:c1] = v
+                    elif not v.is_floating_point():  # id map state of whole rows
+                        out[name][k][r0:r1] = v
                     else:
                         out[name][k][r0:r1] += v * ((c1 - c0) / t.dim)
         self.sync_replica_state()

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from neorec.embedding.fused.storage import TensorStorage
-from neorec.embedding.tables import TableConfig
+from neorec.embedding.tables import ManagedCollisionConfig, TableConfig
 
 FREE = -1
 STATE = ("mc_keys", "mc_last_seen", "mc_counts")
@@ -82,6 +81,11 @@ class MapShard:
     total: int
     table: TableConfig
     row_offset: int
+    eviction: str = "lru"
+
+    def config(self) -> ManagedCollisionConfig:
+        """The setting of the shard as a table of its own: its buckets, the table's eviction."""
+        return ManagedCollisionConfig(eviction=self.eviction, buckets=self.count)
 
 
 class IdMap:
@@ -94,6 +98,8 @@ class IdMap:
             raise ValueError(f"{shard.count} buckets do not divide {capacity} rows")
         self.capacity, self.eviction, self.shard = capacity, eviction, shard
         self.bucket_rows = capacity // shard.count
+        from neorec.embedding.fused.storage import TensorStorage  # not at the top: fused imports this module
+
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.keys = TensorStorage(torch.full((capacity,), FREE, dtype=torch.int64, device=device))
         self.last_seen = TensorStorage(torch.zeros(capacity, dtype=torch.int64, device=device))
@@ -102,7 +108,8 @@ class IdMap:
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted keys, their rows
         self._index_version = -1
 
-    def storages(self) -> dict[str, TensorStorage]:
+    def storages(self) -> dict:
+        """{state name: TensorStorage}: the per-row state, as the checkpoint code reads and writes it."""
         return dict(zip(STATE, (self.keys, self.last_seen, self.counts), strict=True))
 
     def to(self, device: torch.device) -> None:

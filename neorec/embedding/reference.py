@@ -41,9 +41,11 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
             MappedTable(
                 t.name,
                 IdMap(t.rows, t.managed_collision.eviction, MapShard(0, t.managed_collision.buckets,
-                                                                    t.managed_collision.buckets, t, 0)),
+                                                                    t.managed_collision.buckets, t, 0,
+                                                                    t.managed_collision.eviction)),
                 list(t.features),
                 self._row_reset(i),
+                mean=t.pooling == "mean",
             )
             for i, t in enumerate(tables)
             if t.managed_collision is not None

@@ -4,7 +4,10 @@ Every engine (reference, fused, and the fused engine of each rank under sharding
 `remap_batch` first thing in forward: the ids of each managed-collision table's features are
 mapped by the table's IdMap (id_map.py), the rows whose ids were evicted are handed to the engine
 to re-initialise (weights and optimizer state), and ids that got no row are left out of their
-bags (lengths shrink; a mean then averages the ids that remain).
+bags (lengths shrink). A mean-pooled bag still divides by the number of ids it was given: the
+ids that remain carry the weight (kept / given), which the engine's 1 / kept then turns into
+1 / given. That is what a row-wise shard computes too (its ids carry 1 / given, input_dist.py), so
+sharded and single-process training agree when ids are left out.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class MappedTable:
     id_map: IdMap
     features: list[str]
     reset_rows: Callable[[torch.Tensor], None]  # rows of the table (0-based) whose id was evicted
+    mean: bool = False  # mean pooling: a bag's mean still divides by all its ids, those left out too
 
 
 def remap_batch(sparse: SparseBatch, tables: list[MappedTable], step: int, train: bool) -> SparseBatch:
@@ -56,7 +60,16 @@ def remap_batch(sparse: SparseBatch, tables: list[MappedTable], step: int, train
         return SparseBatch(sparse.keys, values, sparse.lengths, sparse.weights)
     bags = torch.arange(sparse.lengths.numel(), device=values.device).repeat_interleave(sparse.lengths)
     lengths = torch.bincount(bags[keep], minlength=sparse.lengths.numel()).to(sparse.lengths.dtype)
-    weights = sparse.weights[keep] if sparse.weights is not None else None
+    weights = sparse.weights
+    mean_features = [position[f] for t in tables if t.mean for f in t.features if f in position]
+    if mean_features:
+        b = sparse.batch_size
+        of_mean = torch.zeros(sparse.num_features, dtype=torch.bool, device=values.device)
+        of_mean[mean_features] = True
+        ratio = lengths.to(torch.float32) / sparse.lengths.clamp(min=1).to(torch.float32)
+        ratio = torch.where(of_mean.repeat_interleave(b), ratio, 1.0).index_select(0, bags)
+        weights = ratio if weights is None else weights * ratio
+    weights = weights[keep] if weights is not None else None
     return SparseBatch(sparse.keys, values[keep], lengths, weights)
 
 

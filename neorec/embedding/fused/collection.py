@@ -196,9 +196,10 @@ class FusedEmbeddingCollection(EmbeddingCollection):
                     f"table {t.name!r}: managed-collision tables keep their rows in memory and share no engine "
                     "with cached tables (tier dram/ssd); set the tiers to memory"
                 )
-            shard = shards.get(t.name) or MapShard(0, mc.buckets, mc.buckets, t, 0)
+            shard = shards.get(t.name) or MapShard(0, mc.buckets, mc.buckets, t, 0, mc.eviction)
             id_map = IdMap(t.rows, mc.eviction, shard, device)
-            out.append(MappedTable(t.name, id_map, list(t.features), self._row_reset(ti, shard)))
+            reset = self._row_reset(ti, shard)
+            out.append(MappedTable(t.name, id_map, list(t.features), reset, mean=t.pooling == "mean"))
         return out
 
     def _row_reset(self, ti: int, shard: MapShard) -> Callable[[torch.Tensor], None]:
