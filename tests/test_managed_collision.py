@@ -276,3 +276,25 @@ def test_rows_only_for_managed_collision_tables():
     info = SyntheticSource(spec_from_config(cfg.data.synthetic, 0)).info
     with pytest.raises(ConfigError, match="embedding.tables.C1.rows: only managed-collision tables"):
         build_tables(cfg, info)
+
+
+# ---- the planner ----------------------------------------------------------------------------------
+def test_planner_counts_the_id_map_and_keeps_it_with_its_rows():
+    from neorec.distributed.plan import ShardingPlan, TablePlan
+    from neorec.embedding.id_map import BYTES_PER_ROW
+    from neorec.planner import build_workload, estimate_plan, plan_sharding, this_machine
+    from neorec.planner.hardware import CALIBRATED_CPU
+
+    plain = TableConfig(name="t", rows=1000, dim=16, features=["f"])
+    mapped = plain.model_copy(update={"managed_collision": ManagedCollisionConfig(buckets=2)})
+    cluster = this_machine(4, calibration=dict(CALIBRATED_CPU), memory=2**34)
+    weights = []
+    for t in (plain, mapped):
+        wl = build_workload([t], "sgd", 64)
+        plan = estimate_plan(ShardingPlan({"t": TablePlan("rw", [0, 1])}), wl, cluster)
+        weights.append([r.weights["device"] for r in plan.ranks[:2]])
+    assert weights[1] == [w + 500 * BYTES_PER_ROW for w in weights[0]]
+    result = plan_sharding(build_workload([mapped], "sgd", 64), cluster, time_budget=2.0)
+    entry = result.plan.tables["t"]
+    assert entry.kind in ("tw", "rw") and (entry.kind == "tw" or 2 % len(entry.ranks) == 0)
+    assert entry.tier in (None, "device", "host")

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from neorec.distributed.plan import even_splits
+from neorec.distributed.plan import MANAGED_COLLISION_KINDS, even_splits
 from neorec.planner.cost import owner_work, shard_work, wire_element_bytes
 from neorec.planner.hardware import Cluster
-from neorec.planner.tiers import placements
+from neorec.planner.tiers import PLACEMENTS, placements
 from neorec.planner.workload import TableLoad, Workload
 
 ROW_KINDS = ("rw", "twrw")
@@ -95,7 +95,13 @@ def table_options(
     out = []
     L, W = cluster.ranks_per_node, cluster.world_size
     splits = split_counts(load, cluster)
-    for tier in tiers or placements(cluster):
+    tiers = tiers or placements(cluster)
+    mc = load.table.managed_collision
+    if mc is not None:  # its id map lives with its rows: tw, or rw over whole buckets, in plain memory
+        kinds = tuple(k for k in kinds if k in MANAGED_COLLISION_KINDS)
+        splits["rw"] = [k for k in splits["rw"] if mc.buckets % k == 0]
+        tiers = tuple(t for t in tiers if PLACEMENTS[t].cache_in is None)
+    for tier in tiers:
         if "tw" in kinds:
             out.append(_flat(load, "tw", 1, tier, workload, cluster))
         for kind in ("rw", "cw"):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from neorec.embedding.id_map import BYTES_PER_ROW as ID_MAP_BYTES_PER_ROW
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import ConfigError
 
@@ -57,9 +58,11 @@ class TableLoad:
         return WEIGHT_BYTES[self.table.dtype]
 
     def row_bytes(self, width: int | None = None) -> int:
-        """Weights plus optimizer state of one row of `width` columns."""
+        """Weights plus optimizer state of one row of `width` columns, plus its id map's entry
+        (managed-collision tables: key, last use, count and the sorted index; id_map.BYTES_PER_ROW)."""
         w = self.table.dim if width is None else width
-        return w * self.weight_bytes + state_bytes_per_row(self.optimizer, w)
+        id_map = ID_MAP_BYTES_PER_ROW if self.table.managed_collision is not None else 0
+        return w * self.weight_bytes + state_bytes_per_row(self.optimizer, w) + id_map
 
     def share(self, lo: int, hi: int) -> float:
         """Fraction of the table's ids in rows [lo, hi)."""
