@@ -298,3 +298,19 @@ def test_planner_counts_the_id_map_and_keeps_it_with_its_rows():
     entry = result.plan.tables["t"]
     assert entry.kind in ("tw", "rw") and (entry.kind == "tw" or 2 % len(entry.ranks) == 0)
     assert entry.tier in (None, "device", "host")
+
+
+def test_criteo_reader_passes_raw_ids_for_managed_collision_features():
+    from pathlib import Path
+
+    from neorec.data.criteo import CATEGORICAL_NAMES, CriteoTSVReader
+
+    fixture = Path(__file__).parent / "fixtures" / "criteo_20.tsv"
+    batches = list(CriteoTSVReader([fixture], table_rows=7, raw_features=["C3"]).batches(64))
+    ids = torch.cat([b.sparse.values.view(len(CATEGORICAL_NAMES), -1).t() for b in batches])
+    lines = [x.split("\t") for x in fixture.read_text().splitlines() if x.strip()]
+    hex_c3 = torch.tensor([int(f[1 + 13 + 2] or "0", 16) for f in lines])
+    assert torch.equal(ids[:, 2], hex_c3) and int(hex_c3.max()) >= 7
+    assert int(ids[:, [0, 1, 3]].max()) < 7
+    with pytest.raises(ConfigError, match="raw-id features \\['X9'\\]"):
+        CriteoTSVReader([fixture], table_rows=7, raw_features=["X9"])

@@ -13,6 +13,8 @@ Preprocessing (as dlrm's `getCriteoAdData` + `--max-ind-range`):
     "hash":   id = splitmix64(value) % rows, which spreads values that share low bits across the table.
   `splitmix64` is the finaliser of Steele et al.'s SplitMix64 on uint64 (constants below), fixed so
   that ids are stable across runs, machines and versions.
+  Features of managed-collision tables (`raw_features`) keep the integer itself, a raw id that no
+  other value shares; the table's id map gives it a row (neorec/embedding/id_map.py).
 
 Bad lines (wrong field count, label not 0/1, non-integer dense value, categorical value with non-hex
 characters or more than 8 digits) raise a DataError naming `path:line` under `bad_lines="fail"`, or are
@@ -59,14 +61,21 @@ _HEX_SHIFTS = np.arange(4 * (MAX_HEX_DIGITS - 1), -1, -4, dtype=np.uint64)
 PathLike = str | Path
 
 
-def map_categorical(raw: np.ndarray, table_rows: np.ndarray, hashing: str) -> np.ndarray:
-    """Raw hash values [B, 26] (uint64) -> int64 ids in [0, table_rows[f]) for each column f."""
+def map_categorical(
+    raw: np.ndarray, table_rows: np.ndarray, hashing: str, keep_raw: np.ndarray | None = None
+) -> np.ndarray:
+    """Raw hash values [B, 26] (uint64) -> int64 ids in [0, table_rows[f]) for each column f; columns
+    where `keep_raw` [26] is true keep the raw value (an id for a managed-collision table)."""
     rows = table_rows.astype(np.uint64)
     if hashing == "modulo":
-        return (raw % rows).astype(np.int64)
-    if hashing == "hash":
-        return (splitmix64(raw) % rows).astype(np.int64)
-    raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
+        ids = (raw % rows).astype(np.int64)
+    elif hashing == "hash":
+        ids = (splitmix64(raw) % rows).astype(np.int64)
+    else:
+        raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
+    if keep_raw is not None and keep_raw.any():
+        ids[:, keep_raw] = raw[:, keep_raw].astype(np.int64)  # at most 32 bits: a valid raw id
+    return ids
 
 
 def _byte_matrix(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -142,8 +151,13 @@ class CriteoTSVReader:
         bad_lines: str = "fail",
         keep_line: Callable[[int], bool] | None = None,
         chunk_lines: int = 16384,
+        raw_features: Sequence[str] = (),
     ) -> None:
         self.paths = [Path(p) for p in paths]
+        unknown = sorted(set(raw_features) - set(CATEGORICAL_NAMES))
+        if unknown:
+            raise ConfigError(f"raw-id features {unknown} are not Criteo features {CATEGORICAL_NAMES}")
+        self.keep_raw = np.array([n in raw_features for n in CATEGORICAL_NAMES])
         self.table_rows = resolve_table_rows(table_rows)
         if hashing not in HASHINGS:
             raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
@@ -251,7 +265,7 @@ class CriteoTSVReader:
 
         labels = (cells[ok, 0] == b"1").astype(np.float32)
         dense = np.log1p(np.maximum(dense_raw[ok], 0).astype(np.float64)).astype(np.float32)
-        ids = map_categorical(cat_raw[ok], self.table_rows, self.hashing)
+        ids = map_categorical(cat_raw[ok], self.table_rows, self.hashing, self.keep_raw)
         return labels, dense, ids
 
 
@@ -315,7 +329,10 @@ class CriteoTSVSource:
         bad_lines: str = "fail",
         eval_every: int = 10,
         chunk_lines: int = 16384,
+        raw_features: Sequence[str] = (),
     ) -> None:
+        """raw_features: features of managed-collision tables, which get the raw hash value as id."""
+        self.raw_features = sorted(raw_features)
         self.train_paths = _as_paths(train_paths)
         self.eval_paths = _as_paths(eval_paths) if eval_paths is not None else None
         if not self.train_paths:
@@ -359,7 +376,7 @@ class CriteoTSVSource:
 
     def _reader(self, split: str, paths: list[Path], keep: Callable[[int], bool] | None) -> CriteoTSVReader:
         reader = CriteoTSVReader(
-            paths, self.table_rows.tolist(), self.hashing, self.bad_lines, keep, self.chunk_lines
+            paths, self.table_rows.tolist(), self.hashing, self.bad_lines, keep, self.chunk_lines, self.raw_features
         )
         self.skipped[split] = reader.skipped  # the reader counts into it as the pass goes
         return reader

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ from neorec.data.source import DataSource, SourceInfo
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.tables import TableConfig, check_tables
 from neorec.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None = None) -> DataSource:
@@ -36,6 +39,13 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
             hashing=c.hashing,
             bad_lines=c.bad_lines,
             eval_every=c.eval_every,
+            raw_features=sorted(raw_features(cfg)),
+        )
+    if raw_features(cfg):  # ids arrive reduced into [0, num_ids): valid raw ids, but collided already
+        log.warning(
+            "data.source %s reduces ids modulo the data's table sizes before the tables; the managed-collision "
+            "tables %s then give each reduced id its own row (only the synthetic and criteo_tsv sources pass "
+            "raw ids)", d.source, sorted(raw_features(cfg)),
         )
     if d.source == "shards":
         from neorec.data.shards import ShardSource
