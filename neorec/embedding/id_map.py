@@ -175,8 +175,11 @@ class IdMap:
         if bool(((bucket < 0) | (bucket >= num_buckets)).any()):
             raise RuntimeError("an id reached a map shard that does not hold its bucket")
         # new ids in serving order: bucket, then count in the batch descending, then id ascending
-        order = torch.sort(-counts, stable=True).indices
-        order = order.index_select(0, torch.sort(bucket.index_select(0, order), stable=True).indices)
+        # (new ids come sorted by id: their position breaks ties; one sort of packed keys)
+        n = new.numel()
+        most = int(counts.max())
+        position = torch.arange(n, device=device)
+        order = _lexsort([position, most - counts, bucket], [n, most + 1, num_buckets])
         sorted_bucket = bucket.index_select(0, order)
         first_of_bucket = torch.searchsorted(sorted_bucket, torch.arange(num_buckets, device=device))
         rank = torch.arange(new.numel(), device=device) - first_of_bucket.index_select(0, sorted_bucket)
@@ -207,24 +210,27 @@ class IdMap:
         """Per bucket, its rows in the order new ids take them ([B, per]: free rows by row, then the
         other ids' rows in eviction order, then rows the batch uses), and how many may be taken."""
         b, per = self.shard.count, self.bucket_rows
-        keys = self.keys.tensor.view(b, per)
-        in_use = torch.zeros(self.capacity, dtype=torch.bool, device=keys.device)
+        keys = self.keys.tensor
+        device = keys.device
+        in_use = torch.zeros(self.capacity, dtype=torch.bool, device=device)
         in_use[used] = True
-        in_use = in_use.view(b, per)
-        order = torch.arange(per, device=keys.device).expand(b, per)
-        # least significant key first, each sort stable: a lexicographic order
-        sort_keys = [keys]
-        if self.eviction == "lfu":
-            sort_keys.append(self.last_seen.tensor.view(b, per))
-            sort_keys.append(self.counts.tensor.view(b, per))
-        else:
-            sort_keys.append(self.last_seen.tensor.view(b, per))
-        sort_keys.append(torch.where(keys == FREE, 0, 1) + in_use.to(torch.int64) * 2)
-        for k in sort_keys:
-            k = torch.gather(k, 1, order)
-            order = torch.gather(order, 1, torch.sort(k, dim=1, stable=True).indices)
-        rows = order + torch.arange(b, device=keys.device).view(b, 1) * per
-        return rows, per - in_use.sum(dim=1)
+        occupied = keys != FREE
+        # ties go by id: a row's place in the sorted index (free rows: their row, and they tie on nothing)
+        _, sorted_rows = self._index if self._index is not None else self._sorted()
+        by_id = torch.arange(self.capacity, device=device)
+        by_id[sorted_rows] = torch.arange(sorted_rows.numel(), device=device)
+        cls = occupied.to(torch.int64) + in_use.to(torch.int64)  # 0 free, 1 evictable, 2 used by the batch
+        last_seen = self.last_seen.tensor
+        steps = int(last_seen.max()) + 1 if self.capacity else 1
+        # least significant first: id, (lfu) last use, then lru: last use, lfu: count; then the class
+        sort_keys = [by_id, last_seen] if self.eviction == "lru" else [by_id, last_seen, self.counts.tensor]
+        sizes = [self.capacity, steps] if self.eviction == "lru" else [self.capacity, steps, int(self.counts.tensor.max()) + 1]
+        sort_keys.append(cls)
+        sizes.append(3)
+        view = [k.view(b, per) for k in sort_keys]
+        order = _lexsort(view, sizes)
+        rows = order + torch.arange(b, device=device).view(b, 1) * per
+        return rows, per - in_use.view(b, per).sum(dim=1)
 
     def _merge_index(self, evicted: torch.Tensor, new_keys: torch.Tensor, new_rows: torch.Tensor) -> None:
         """Drop the evicted ids from the sorted index and merge the new ones in (linear, no re-sort)."""
@@ -246,3 +252,22 @@ class IdMap:
         out_keys[at_old], out_rows[at_old] = sorted_keys, sorted_rows
         self._index = (out_keys, out_rows)
         self._index_version = self.keys.tensor._version
+
+
+def _lexsort(keys: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """Indices that sort along the last dim by keys[-1], then keys[-2], ... (each in [0, size)); the
+    first key is unique per row, so the order is total. One sort of packed int64 keys where they fit
+    in 63 bits, else one stable sort per key."""
+    bits = [max(1, (size - 1).bit_length()) for size in sizes]
+    if sum(bits) <= 63:
+        packed = torch.zeros_like(keys[0])
+        shift = 0
+        for k, nbits in zip(keys, bits, strict=True):
+            packed |= k << shift
+            shift += nbits
+        return torch.sort(packed, dim=-1).indices
+    order = torch.arange(keys[0].shape[-1], device=keys[0].device).expand_as(keys[0])
+    for k in keys:
+        k = torch.gather(k, -1, order)
+        order = torch.gather(order, -1, torch.sort(k, dim=-1, stable=True).indices)
+    return order

@@ -81,6 +81,12 @@ def load_trained(path: str | Path, config: str | Path | None = None) -> TrainedM
     cfg = load_config(str(cfg_path))
     source = build_source(cfg)
     tables = build_tables(cfg, source.info)
+    mapped = [t.name for t in tables if t.managed_collision is not None]
+    if mapped:
+        raise NeorecError(
+            f"{path}: tables {mapped} have managed collision; an exported model has no id maps to turn raw ids "
+            "into rows, so export and predict do not take such runs"
+        )
     if is_run and (path / "model.pt").is_file():
         state = _load_state(path / "model.pt")
         origin = path / "model.pt"
