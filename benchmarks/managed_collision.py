@@ -155,7 +155,7 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=2.5, help="std of the id part of the logit")
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: no spinning barriers on a shared machine)")
-    p.add_argument("--no-append", action="store_true", help="print only; do not append to RESULTS.md")
+    p.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -191,7 +191,7 @@ def main() -> None:
     )
     print(table)
     print(notes)
-    if not args.no_append:
+    if not args.no_record:
         append_results("Managed-collision tables vs modulo hashing on a moving vocabulary", table, notes)
 
 

@@ -23,7 +23,7 @@ class EmbeddingOptimizerConfig(NumbersNotBool):
     initial_accumulator: float = Field(0.0, ge=0, description="starting value of adagrad state")
 
 
-class ManagedCollisionConfig(BaseModel):
+class ManagedCollisionConfig(NumbersNotBool):
     """A table whose rows are handed out to raw ids by an id map (neorec/embedding/id_map.py)."""
 
     model_config = ConfigDict(extra="forbid")
