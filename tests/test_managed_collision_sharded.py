@@ -1,6 +1,6 @@
 """Managed-collision tables on 2 gloo ranks (tw and rw) against one process: the same losses, weights
-and id maps; a checkpoint of 2 ranks loaded into one process continues the same way; kinds that
-cannot hold an id map are refused."""
+and id maps, with and without the pipelined id exchange; a checkpoint of 2 ranks loaded into one
+process continues the same way; kinds that cannot hold an id map are refused."""
 
 from __future__ import annotations
 
@@ -77,7 +77,10 @@ def sharded_run(topo: Topology, root: str) -> tuple:
     batches = make_raw_batches()
     losses = run_steps(model, emb, emb_opt, dense_opt, batches[:BEFORE], topo.rank, topo.world_size, comms)
     save_checkpoint(root, BEFORE, emb, model, {"dense": dense_opt, "embedding": emb_opt})
-    losses += run_steps(model, emb, emb_opt, dense_opt, batches[BEFORE:], topo.rank, topo.world_size, comms)
+    # pipelined: each next batch's ids are exchanged before this step; they are mapped in its lookup
+    losses += run_steps(
+        model, emb, emb_opt, dense_opt, batches[BEFORE:], topo.rank, topo.world_size, comms, pipeline=True
+    )
     full = emb.gather_tables()
     return losses, {name: {k: v for k, v in entries.items()} for name, entries in full.items()}, emb.id_map_stats()
 
