@@ -314,3 +314,28 @@ def test_criteo_reader_passes_raw_ids_for_managed_collision_features():
     assert int(ids[:, [0, 1, 3]].max()) < 7
     with pytest.raises(ConfigError, match="raw-id features \\['X9'\\]"):
         CriteoTSVReader([fixture], table_rows=7, raw_features=["X9"])
+
+
+def test_preprocessed_criteo_keeps_raw_ids_for_managed_collision_features(tmp_path):
+    from pathlib import Path
+
+    from neorec.config.load import load_config
+    from neorec.data.preprocess import preprocess_criteo
+    from neorec.train.build import build_source, build_tables
+
+    fixture = Path(__file__).parent / "fixtures" / "criteo_20.tsv"
+    out = tmp_path / "pre"
+    preprocess_criteo([fixture], out, table_rows=7, eval_every=5, raw_features=["C3"], progress=False)
+    data = ["data.source=preprocessed", f"data.preprocessed.path={out}", "data.preprocessed.shuffle=false"]
+    mapped = ["embedding.tables.C3.managed_collision.eviction=lru", "embedding.tables.C3.rows=16"]
+    cfg = load_config(None, [*data, *mapped])
+    source = build_source(cfg)
+    (batch,) = list(source.train_batches(64))
+    ids, _, _ = batch.sparse.feature("C3")
+    lines = [x.split("\t") for x in fixture.read_text().splitlines() if x.strip()]
+    train_lines = [f for i, f in enumerate(lines, 1) if i % 5]
+    assert sorted(ids.tolist()) == sorted(int(f[16] or "0", 16) for f in train_lines)
+    assert int(batch.sparse.feature("C4")[0].max()) < 7
+    assert [t.rows for t in build_tables(cfg, source.info) if t.name == "C3"] == [16]
+    with pytest.raises(ConfigError, match=r"holds raw ids for \['C3'\]: give their tables"):
+        build_source(load_config(None, data))

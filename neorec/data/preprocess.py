@@ -121,9 +121,11 @@ def preprocess_criteo(
     progress: bool = True,
     max_shards: int | None = None,
     parquet_output: bool = False,
+    raw_features: Sequence[str] = (),
 ) -> PreprocessResult:
     """Criteo TSV files (plain or .gz) -> shards. Held-out set: `eval_paths`, or every `eval_every`-th
     line of each file. `vocab_threshold` set: vocabulary ids (table_rows and hashing are not used).
+    `raw_features`: features stored as the raw hash value (int64), for managed-collision tables.
     `max_shards`: write at most this many shards, then stop (a later call resumes). `parquet_output`:
     also write the samples as Parquet files (neorec/data/preprocess_parquet.py)."""
     train = [str(p) for p in paths]
@@ -143,6 +145,11 @@ def preprocess_criteo(
     if vocab_threshold is not None and vocab_threshold < 1:
         raise ConfigError(f"vocab_threshold must be >= 1, got {vocab_threshold}")
     rows = resolve_table_rows(table_rows).tolist()
+    unknown = sorted(set(raw_features) - set(CATEGORICAL_NAMES))
+    if unknown:
+        raise ConfigError(f"raw_features {unknown} are not Criteo features {CATEGORICAL_NAMES}")
+    if raw_features and (vocab_threshold or parquet_output):
+        raise ConfigError("raw_features keep raw hash values: they take neither a vocabulary nor a Parquet copy")
     settings = {
         "input": "criteo",
         "paths": train,
@@ -157,6 +164,8 @@ def preprocess_criteo(
     }
     if parquet_output:
         settings["parquet_output"] = True
+    if raw_features:  # only when set: settings of earlier outputs stay equal, so they resume
+        settings["categorical"]["raw_features"] = sorted(raw_features)
     out = Path(out)
     manifest = _resume_or_start(out, settings)
     if manifest is None:
@@ -481,7 +490,8 @@ def _map_ids(out: Path, settings: dict, raw: np.ndarray) -> list[np.ndarray]:
         if key not in _VOCABS:
             _VOCABS[key] = vocab_io.load_vocabs(out / "vocab", CATEGORICAL_NAMES)
         return [vocab_io.apply_vocab(raw[:, f], v) for f, v in enumerate(_VOCABS[key])]
-    ids = map_categorical(raw.astype(np.uint64), np.asarray(cat["table_rows"], np.int64), cat["hashing"])
+    keep_raw = np.array([n in cat.get("raw_features", ()) for n in CATEGORICAL_NAMES])
+    ids = map_categorical(raw.astype(np.uint64), np.asarray(cat["table_rows"], np.int64), cat["hashing"], keep_raw)
     return [ids[:, f] for f in range(ids.shape[1])]
 
 
@@ -555,7 +565,8 @@ def _write_shard(
     if tmp.exists():  # left by an interrupted run
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    id_types = {f["name"]: np.int32 if f["num_ids"] < 2**31 else np.int64 for f in features}
+    raw = set(settings.get("categorical", {}).get("raw_features", ()))
+    id_types = {f["name"]: np.int32 if f["num_ids"] < 2**31 and f["name"] not in raw else np.int64 for f in features}
     samples = {}
     for split, cols in columns.items():
         (tmp / split).mkdir()

@@ -41,6 +41,8 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
             eval_every=c.eval_every,
             raw_features=sorted(raw_features(cfg)),
         )
+    if d.source == "preprocessed":
+        return _preprocessed_source(cfg, topo)
     if raw_features(cfg):  # ids arrive reduced into [0, num_ids): valid raw ids, but collided already
         log.warning(
             "data.source %s reduces ids modulo the data's table sizes before the tables; the managed-collision "
@@ -51,20 +53,6 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
         from neorec.data.shards import ShardSource
 
         return ShardSource(d.shards_dir)
-    if d.source == "preprocessed":
-        from neorec.data.sharded_reader import PreprocessedSource
-
-        p = d.preprocessed
-        assert p is not None  # checked by the config validator
-        if not (Path(p.path) / "manifest.json").is_file():
-            raise ConfigError(
-                f"data.preprocessed.path: {p.path} has no manifest.json; write it with `neorec data preprocess`"
-            )
-        rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
-        return PreprocessedSource(
-            p.path, rank=rank, world_size=world, seed=cfg.seed, shuffle=p.shuffle,
-            shuffle_window=p.shuffle_window, prefetch=p.prefetch,
-        )  # fmt: skip
     if d.source == "parquet":
         from neorec.data.parquet import ParquetSource
 
@@ -77,6 +65,37 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
         m = d.movielens
         return MovieLensSource(m.root, seed=cfg.seed, val_fraction=m.val_fraction, split=m.split)
     raise ConfigError(f"data.source {d.source!r} is not known")  # pragma: no cover - Literal checked
+
+
+def _preprocessed_source(cfg: RunConfig, topo) -> DataSource:
+    """Preprocessed shards; features stored as raw hash values must be (and only they may be) the
+    features of managed-collision tables."""
+    from neorec.data.sharded_reader import PreprocessedSource
+
+    p = cfg.data.preprocessed
+    assert p is not None  # checked by the config validator
+    if not (Path(p.path) / "manifest.json").is_file():
+        raise ConfigError(
+            f"data.preprocessed.path: {p.path} has no manifest.json; write it with `neorec data preprocess`"
+        )
+    rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
+    source = PreprocessedSource(
+        p.path, rank=rank, world_size=world, seed=cfg.seed, shuffle=p.shuffle,
+        shuffle_window=p.shuffle_window, prefetch=p.prefetch,
+    )  # fmt: skip
+    stored = set(source.info.notes.get("settings", {}).get("categorical", {}).get("raw_features", ()))
+    mapped = raw_features(cfg)
+    if stored - mapped:
+        raise ConfigError(
+            f"data.preprocessed.path {p.path} holds raw ids for {sorted(stored - mapped)}: give their tables "
+            "embedding.tables.<name>.managed_collision (and rows)"
+        )
+    if mapped - stored:
+        log.warning(
+            "data.preprocessed.path %s holds ids reduced modulo the table sizes for %s; preprocess with "
+            "--raw-features to give the managed-collision tables raw ids", p.path, sorted(mapped - stored),
+        )
+    return source
 
 
 def raw_features(cfg: RunConfig) -> set[str]:
