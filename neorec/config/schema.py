@@ -189,8 +189,44 @@ class DataConfig(Strict):
 
 
 # ---- model ---------------------------------------------------------------------------------------
+class TaskConfig(Strict):
+    """One head of a multi-task model: a label the data source makes, and its weight in the loss."""
+
+    name: str = Field(min_length=1, description="the label (movielens: like, love, ok; synthetic: click, conversion)")
+    weight: float = Field(1.0, ge=0, description="weight of this task's mean BCE in the summed loss")
+
+
+class TwoTowerConfig(Strict):
+    """Which features feed which tower of `model.arch: two_tower`, and the softmax's settings."""
+
+    user_features: list[str] = Field(["user"], min_length=1, description="features of the user tower")
+    item_features: list[str] = Field(
+        ["movie", "genres", "year"], min_length=1, description="features of the item tower"
+    )
+    item_id: str | None = Field(
+        None, description="the feature whose id names the item (logQ counts, recall); default: the first item feature"
+    )
+    tower_mlp: list[int] = Field([64, 32], min_length=1, description="layer sizes of each tower (the last: output dim)")
+    temperature: float = Field(0.05, gt=0, description="scores are cosine similarities divided by this")
+
+    @model_validator(mode="after")
+    def _towers(self) -> TwoTowerConfig:
+        both = sorted(set(self.user_features) & set(self.item_features))
+        if both:
+            raise ValueError(f"features {both} are in both user_features and item_features; give each to one tower")
+        if self.item_id is not None and self.item_id not in self.item_features:
+            raise ValueError(f"item_id {self.item_id!r} must be one of item_features {self.item_features}")
+        if any(s <= 0 for s in self.tower_mlp):
+            raise ValueError("tower_mlp layer sizes must be > 0")
+        return self
+
+
 class ModelConfig(Strict):
-    arch: Literal["dlrm", "dcnv2"] = Field("dlrm", description="dot-interaction DLRM or DCNv2 cross network")
+    arch: Literal["dlrm", "dcnv2", "deepfm", "multitask", "two_tower"] = Field(
+        "dlrm",
+        description="dot-interaction DLRM, DCNv2 cross network, DeepFM, multi-task heads on a dlrm/dcnv2 trunk, "
+        "or two-tower retrieval",
+    )
     bottom_mlp: list[int] = Field([512, 256, 64, 16], min_length=1, description="bottom MLP layer sizes")
     top_mlp: list[int] = Field([512, 256], description="top MLP hidden sizes (a final 1-unit layer is added)")
     self_interaction: bool = Field(False, description="dlrm: include each vector's dot with itself")
@@ -199,12 +235,30 @@ class ModelConfig(Strict):
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="MLP and interaction math: fp32, or bf16 autocast (weights and gradients stay fp32)"
     )
+    trunk: Literal["dlrm", "dcnv2"] = Field("dlrm", description="multitask: the shared trunk's architecture")
+    tasks: list[TaskConfig] = Field([], description="multitask: one head per task, in this order")
+    two_tower: TwoTowerConfig = Field(default_factory=TwoTowerConfig, description="two_tower: towers and loss")
 
     @model_validator(mode="after")
     def _positive(self) -> ModelConfig:
         if any(s <= 0 for s in self.bottom_mlp + self.top_mlp):
             raise ValueError("layer sizes must be > 0")
+        if self.arch == "multitask":
+            names = [t.name for t in self.tasks]
+            if not names:
+                raise ValueError("model.arch multitask needs model.tasks, e.g. [{name: like}, {name: ok, weight: 0.5}]")
+            if len(set(names)) != len(names):
+                raise ValueError(f"model.tasks names must be unique, got {names}")
+            if not any(t.weight > 0 for t in self.tasks):
+                raise ValueError("model.tasks: at least one task needs a weight > 0")
+        elif self.tasks:
+            raise ValueError(f"model.tasks is for model.arch multitask, not {self.arch}")
         return self
+
+    @property
+    def interaction(self) -> str:
+        """The interaction that sets the embedding dim rules: the trunk's for multitask."""
+        return self.trunk if self.arch == "multitask" else self.arch
 
 
 class TableOverride(Strict):
@@ -421,13 +475,14 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _dlrm_dims(self) -> RunConfig:
-        if self.model.arch == "dlrm":
+        if self.model.interaction in ("dlrm", "deepfm"):
+            arch = self.model.arch
             dims = {self.embedding.dim} | {o.dim for o in self.embedding.tables.values() if o.dim is not None}
             if len(dims) > 1:
-                raise ValueError(f"model.arch dlrm needs one embedding dim for all tables, got {sorted(dims)}")
+                raise ValueError(f"model.arch {arch} needs one embedding dim for all tables, got {sorted(dims)}")
             if self.model.bottom_mlp[-1] != self.embedding.dim:
                 raise ValueError(
-                    f"model.bottom_mlp must end in embedding.dim ({self.embedding.dim}) for dlrm's dot "
+                    f"model.bottom_mlp must end in embedding.dim ({self.embedding.dim}) for {arch}'s pairwise "
                     f"interaction, got {self.model.bottom_mlp}"
                 )
         return self

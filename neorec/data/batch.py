@@ -13,10 +13,10 @@ from neorec.sparse import SparseBatch
 class Batch:
     dense: torch.Tensor  # [B, num_dense] float32
     sparse: SparseBatch  # feature-major keyed jagged ids
-    labels: torch.Tensor  # [B] float32 in {0, 1}
+    labels: torch.Tensor  # [B] float32 in {0, 1}; [B, T] with one column per task (multi-task heads)
 
     def __len__(self) -> int:
-        return self.labels.numel()
+        return self.labels.shape[0]
 
     def slice(self, start: int, end: int) -> Batch:
         """Samples [start, end)."""

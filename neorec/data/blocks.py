@@ -19,7 +19,7 @@ class Block:
     block into batches never reads a size back from the device."""
 
     dense: torch.Tensor  # [n, d] float32, log(1 + count) like preprocessed Criteo
-    labels: torch.Tensor  # [n] float32
+    labels: torch.Tensor  # [n] float32, or [n, T] for several tasks
     probs: torch.Tensor  # [n] float32: the teacher's click probability
     values: list[torch.Tensor]  # per feature, int64 ids
     lengths: list[torch.Tensor]  # per feature, [n] int64
@@ -32,7 +32,7 @@ class Block:
             self.offsets = [_host_offsets(ln) for ln in self.lengths]
 
     def __len__(self) -> int:
-        return self.labels.numel()
+        return self.labels.shape[0]
 
     def to(self, device: torch.device | str) -> Block:
         """The same samples with their tensors on `device` (host offsets kept)."""

@@ -15,6 +15,11 @@ Dense features (no label leakage: none is derived from any rating value):
 - rating time, the timestamp min-max scaled to [0, 1] over all of ratings.csv;
 - movie age when rated, (rating year - release year) / 100, clipped to [0, 1]; unknown year -> 0.
 
+Labels by name (`labels`, for multi-task heads; default: `like` alone, [B]), as [B, T] in the order
+given: `like` = rating >= 4 (liked), `love` = rating >= 4.5 (among the favourites: about a fifth of
+ratings), `ok` = rating >= 3 (not disliked: about four fifths). Each is a threshold of the same
+rating, so the tasks share what the trunk learns and differ in where they cut.
+
 Splits (`split`), each a pure function of the data (and the seed for `random`); both sets are kept
 in file order:
 - user_time: every user's last fraction of ratings, ordered by (timestamp, movieId), is held out
@@ -45,6 +50,7 @@ from neorec.errors import ConfigError, DataError
 from neorec.sparse import SparseBatch
 
 FEATURES = ("user", "movie", "genres", "year")
+LABELS = {"like": 4.0, "love": 4.5, "ok": 3.0}  # label name -> the rating threshold it is 1 from
 DENSE_NAMES = ["release_year", "rating_time", "age_when_rated"]
 NO_GENRES = "(no genres listed)"
 YEAR_MIN, YEAR_MAX = 1900, 2020
@@ -138,7 +144,17 @@ def _numbers(path: Path, lines: list[int], column: str, values: list[str], dtype
 class MovieLensSource:
     """DataSource over MovieLens latest-small (see the module docstring for features and split)."""
 
-    def __init__(self, root: str | Path, seed: int = 0, val_fraction: float = 0.1, split: str = "user_time") -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        seed: int = 0,
+        val_fraction: float = 0.1,
+        split: str = "user_time",
+        labels: list[str] | None = None,
+    ) -> None:
+        unknown = [name for name in labels or () if name not in LABELS]
+        if unknown:
+            raise ConfigError(f"model.tasks names labels {unknown} that MovieLens does not make; it has {list(LABELS)}")
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
         if split not in SPLITS:
@@ -151,7 +167,7 @@ class MovieLensSource:
         self.seed = seed
         self.val_fraction = val_fraction
         self._load_movies(self.root / "movies.csv")
-        self._load_ratings(self.root / "ratings.csv")
+        self._load_ratings(self.root / "ratings.csv", labels)
 
         self.split = split
         if split == "user_time":
@@ -163,7 +179,7 @@ class MovieLensSource:
                 self.timestamp.numpy(), self.movie.numpy(), val_fraction
             )
         else:
-            self.train_index, self.val_index = split_ratings(self.labels.numel(), seed, val_fraction)
+            self.train_index, self.val_index = split_ratings(len(self.rating), seed, val_fraction)
 
         self.info = SourceInfo(
             num_dense=len(DENSE_NAMES),
@@ -210,7 +226,7 @@ class MovieLensSource:
         self.movie_year_known = torch.tensor([y is not None for y in years], dtype=torch.bool)
         self.movie_year = torch.tensor([mean_year if y is None else y for y in years], dtype=torch.float64)
 
-    def _load_ratings(self, path: Path) -> None:
+    def _load_ratings(self, path: Path, labels: list[str] | None) -> None:
         columns = ["userId", "movieId", "rating", "timestamp"]
         lines, (users, movies, ratings, times) = _read_csv(path, columns)
         if not lines:
@@ -232,6 +248,8 @@ class MovieLensSource:
         self.rating = torch.from_numpy(ratings)
         self.timestamp = torch.from_numpy(times)
         self.labels = (self.rating >= 4.0).to(torch.float32)
+        if labels is not None:
+            self.labels = torch.stack([(self.rating >= LABELS[name]).to(torch.float32) for name in labels], dim=1)
 
         t = torch.from_numpy(times).to(torch.float64)
         rating_time = (t - t.min()) / max(float(t.max() - t.min()), 1.0)
@@ -259,19 +277,28 @@ class MovieLensSource:
 
     def batch(self, rows: torch.Tensor) -> Batch:
         """The Batch of the given rating rows (indices into ratings.csv order)."""
-        movie = self.movie[rows]
         ones = torch.ones(len(rows), dtype=torch.int64)
+        sparse = self._features(self.user[rows], ones, self.movie[rows])
+        return Batch(self.dense[rows], sparse, self.labels[rows])
+
+    def item_catalog(self) -> SparseBatch:
+        """Every movie once, in movie index order: its movie, genres and year, and an empty user bag
+        (what a two-tower model's item tower reads to score the whole item set)."""
+        movie = torch.arange(len(self.movie_ids))
+        return self._features(torch.zeros(0, dtype=torch.int64), torch.zeros(len(movie), dtype=torch.int64), movie)
+
+    def _features(self, users: torch.Tensor, user_lengths: torch.Tensor, movie: torch.Tensor) -> SparseBatch:
+        ones = torch.ones(len(movie), dtype=torch.int64)
         # Gather each movie's genre bag: position k of the output belongs to bag b = owner[k].
         lengths = self.movie_genre_lengths[movie]
-        owner = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        owner = torch.repeat_interleave(torch.arange(len(movie)), lengths)
         first = torch.cumsum(lengths, 0) - lengths  # output offset of each bag
         pos = torch.arange(int(lengths.sum())) - first[owner] + self.movie_genre_offsets[movie][owner]
-        sparse = SparseBatch.from_features(
+        return SparseBatch.from_features(
             {
-                "user": (self.user[rows], ones),
+                "user": (users, user_lengths),
                 "movie": (movie, ones),
                 "genres": (self.movie_genre_values[pos], lengths),
                 "year": (self.movie_year_id[movie], ones),
             }
         )
-        return Batch(self.dense[rows], sparse, self.labels[rows])

@@ -10,6 +10,12 @@ the latent vectors of the ids of chosen feature pairs, and dense x id interactio
 the embeddings to do well. The teacher's own AUC on the held-out set (scoring with the true click
 probabilities) is the ceiling a model can reach; it is reported in `info.notes["teacher_auc"]`.
 
+Labels by name (`labels`, for multi-task heads; default: the click label alone, [n]): `click` is the
+teacher's label; `conversion` is a click followed by a second, independent draw at the same
+probability (a purchase needs the click and a second decision driven by the same taste: P = p^2).
+Asked for by name, labels are [n, T] in the order given; the second draw comes after all other
+draws of a block, so the samples and click labels do not change.
+
 Everything is a pure function of (seed, split, block index): data is made in fixed blocks of
 `BLOCK` samples, so the samples do not depend on the batch size or on how many processes read them.
 Per-id teacher parameters are hashed from (seed, table, id), never stored, so tables of any size cost
@@ -83,6 +89,7 @@ class SyntheticSpec:
     train_samples: int = 1_000_000
     eval_samples: int = 100_000
     seed: int = 0
+    labels: tuple[str, ...] | None = None  # None: the click label [n]; else these by name, [n, T]
 
     @property
     def num_sparse(self) -> int:
@@ -260,6 +267,8 @@ class SyntheticSource:
         dense_std, dense_log, bags = _draw(self.teacher, rng, n)
         probs = 1.0 / (1.0 + np.exp(-self.teacher.logits(dense_std, bags)))
         labels = (rng.random(n) < probs).astype(np.float32)
+        if self.spec.labels is not None:
+            labels = task_labels(self.spec.labels, labels, rng.random(n) < probs)
         block = Block(
             torch.from_numpy(dense_log),
             torch.from_numpy(labels),
@@ -347,12 +356,24 @@ class SyntheticSource:
 
             blocks = [self.block("eval", i) for i in range(self.num_blocks("eval"))]
             probs, labels = (torch.cat([getattr(b, k) for b in blocks]).cpu() for k in ("probs", "labels"))
+            if labels.dim() == 2:  # the teacher's probabilities are the click label's
+                names = list(self.spec.labels or ())
+                labels = labels[:, names.index("click")] if "click" in names else torch.zeros(0)
             self._teacher_auc = auc(probs, labels)
             self.info.notes["teacher_auc"] = self._teacher_auc
         return self._teacher_auc
 
 
-def spec_from_config(c, seed: int) -> SyntheticSpec:
+LABELS = ("click", "conversion")
+
+
+def task_labels(names: tuple[str, ...], click: np.ndarray, again: np.ndarray) -> np.ndarray:
+    """Labels [n, T] of `names` (see the module docstring) from the click labels and a second draw."""
+    columns = {"click": click, "conversion": click * again.astype(np.float32)}
+    return np.stack([columns[name] for name in names], axis=1).astype(np.float32)
+
+
+def spec_from_config(c, seed: int, labels: list[str] | None = None) -> SyntheticSpec:
     """SyntheticSpec from the config's `data.synthetic` section (a neorec.config.schema.SyntheticConfig)."""
     if c.preset == "criteo_kaggle":
         rows = list(CRITEO_KAGGLE_ROWS)
@@ -383,4 +404,5 @@ def spec_from_config(c, seed: int) -> SyntheticSpec:
         train_samples=c.train_samples,
         eval_samples=c.eval_samples,
         seed=seed,
+        labels=tuple(labels) if labels is not None else None,
     )

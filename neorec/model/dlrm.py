@@ -1,7 +1,8 @@
 """The two ranking models: DLRM (dot interaction) and DCNv2 (cross network).
 
 Both read dense features through a bottom MLP, pooled embeddings through an EmbeddingCollection
-(any engine: reference, fused, sharded), combine them, and end in a top MLP producing one logit.
+(any engine: reference, fused, sharded), combine them, and end in a top MLP producing one logit
+(`num_outputs` logits for multi-task heads: neorec/model/multitask.py).
 
 `precision="bf16"` runs the MLPs and the interaction under bf16 autocast (mixed precision: weights,
 gradients and the dense optimizer stay fp32; matrix products take bf16 inputs and accumulate in
@@ -31,9 +32,10 @@ def dense_autocast(device: torch.device, precision: str) -> AbstractContextManag
 
 
 def last_layer(top: nn.Sequential, hidden: torch.Tensor) -> torch.Tensor:
-    """The top MLP's final 1-unit layer in fp32, outside any autocast: logits [B]."""
+    """The top MLP's final layer in fp32, outside any autocast: logits [B] (one output unit) or [B, T]."""
     with torch.autocast(hidden.device.type, enabled=False):
-        return top[-1](hidden.float()).squeeze(1)
+        out = top[-1](hidden.float())
+    return out.squeeze(1) if out.shape[1] == 1 else out
 
 
 class DLRM(nn.Module):
@@ -47,6 +49,7 @@ class DLRM(nn.Module):
         top_mlp: list[int],
         self_interaction: bool = False,
         precision: str = "fp32",
+        num_outputs: int = 1,
     ) -> None:
         super().__init__()
         self.precision = precision
@@ -61,10 +64,10 @@ class DLRM(nn.Module):
         self.embeddings = embeddings
         self.bottom = build_mlp(num_dense, bottom_mlp)
         self.interaction = DotInteraction(1 + len(embeddings.feature_names), self_interaction)
-        self.top = build_mlp(dim + self.interaction.num_pairs, top_mlp + [1], last_activation=False)
+        self.top = build_mlp(dim + self.interaction.num_pairs, top_mlp + [num_outputs], last_activation=False)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits [B]."""
+        """Logits [B] ([B, num_outputs] for several outputs)."""
         device = batch.dense.device
         with dense_autocast(device, self.precision):
             dense_out = self.bottom(batch.dense)
@@ -86,6 +89,7 @@ class DCNv2(nn.Module):
         cross_layers: int = 3,
         low_rank: int | None = None,
         precision: str = "fp32",
+        num_outputs: int = 1,
     ) -> None:
         super().__init__()
         self.precision = precision
@@ -93,7 +97,7 @@ class DCNv2(nn.Module):
         self.bottom = build_mlp(num_dense, bottom_mlp)
         width = bottom_mlp[-1] + embeddings.output_dim
         self.cross = CrossNetwork(width, cross_layers, low_rank)
-        self.top = build_mlp(width, top_mlp + [1], last_activation=False)
+        self.top = build_mlp(width, top_mlp + [num_outputs], last_activation=False)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         device = batch.dense.device

@@ -22,11 +22,13 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
     (`preprocessed`, `parquet`: this rank's part of the data only). `device_of_rank`: the rank's training
     device, where the synthetic source keeps its samples (data.synthetic.on_device)."""
     d = cfg.data
+    labels = task_labels(cfg)
     if d.source == "synthetic":
         from neorec.data.synthetic import SyntheticSource, spec_from_config
 
         device = device_of_rank if d.synthetic.on_device and device_of_rank is not None else "cpu"
-        return SyntheticSource(spec_from_config(d.synthetic, cfg.seed), device=device, raw_features=raw_features(cfg))
+        spec = spec_from_config(d.synthetic, cfg.seed, labels)
+        return SyntheticSource(spec, device=device, raw_features=raw_features(cfg))
     if d.source == "criteo_tsv":
         from neorec.data.criteo import CriteoTSVSource
 
@@ -63,7 +65,7 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
         from neorec.data.movielens import MovieLensSource
 
         m = d.movielens
-        return MovieLensSource(m.root, seed=cfg.seed, val_fraction=m.val_fraction, split=m.split)
+        return MovieLensSource(m.root, seed=cfg.seed, val_fraction=m.val_fraction, split=m.split, labels=labels)
     raise ConfigError(f"data.source {d.source!r} is not known")  # pragma: no cover - Literal checked
 
 
@@ -101,6 +103,26 @@ def _preprocessed_source(cfg: RunConfig, topo) -> DataSource:
 def raw_features(cfg: RunConfig) -> set[str]:
     """Features whose tables have managed collision: their readers pass raw ids, not ids modulo rows."""
     return {name for name, o in cfg.embedding.tables.items() if o.managed_collision is not None}
+
+
+def task_labels(cfg: RunConfig) -> list[str] | None:
+    """The labels a multi-task model asks its source for, by name (None: the source's one label);
+    checked against what the source can make before it reads anything."""
+    if cfg.model.arch != "multitask":
+        return None
+    names = [t.name for t in cfg.model.tasks]
+    if cfg.data.source == "synthetic":
+        from neorec.data.synthetic import LABELS
+
+        unknown = [n for n in names if n not in LABELS]
+        if unknown:
+            raise ConfigError(f"model.tasks names labels {unknown} that synthetic data does not make; it has {list(LABELS)}")
+    elif cfg.data.source != "movielens":
+        raise ConfigError(
+            f"model.arch multitask needs a source that makes several labels (synthetic, movielens); "
+            f"data.source {cfg.data.source} has one"
+        )
+    return names
 
 
 def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
@@ -146,6 +168,8 @@ def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
         raise ConfigError(
             f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over {num_processes} processes"
         )
+    check_model_processes(cfg, num_processes)
+    task_labels(cfg)
     d = cfg.distributed
     if not (d.plan or d.sharding or cfg.embedding.tables):
         return
@@ -159,6 +183,15 @@ def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
             plan.tables[name] = TablePlan(entry.kind, list(entry.ranks), entry.node)
         planned = tables if d.plan else [t for t in tables if t.name in plan.tables]  # the planner does the rest
         plan.validate(planned, Topology(num_processes, 0, num_processes))
+
+
+def check_model_processes(cfg: RunConfig, num_processes: int) -> None:
+    """Refuse an architecture that does not train over several processes yet."""
+    if cfg.model.arch == "two_tower" and num_processes > 1:
+        raise ConfigError(
+            "model.arch two_tower trains in one process only (its in-batch softmax and whole-catalogue "
+            f"evaluation are not distributed); run it without --nproc, not over {num_processes} processes"
+        )
 
 
 def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
@@ -277,14 +310,37 @@ def storage_tiers(cfg: RunConfig, tables: list[TableConfig], plan=None) -> dict[
     return out
 
 
-def build_model(cfg: RunConfig, info: SourceInfo, embeddings: EmbeddingCollection) -> nn.Module:
+def build_model(
+    cfg: RunConfig, info: SourceInfo, embeddings: EmbeddingCollection, source: DataSource | None = None
+) -> nn.Module:
+    """The configured architecture over `embeddings`. `source`: the training data, which two_tower
+    counts its items in (without it, the counts stay zero until a state dict loads them)."""
     from neorec.model.dlrm import DLRM, DCNv2
 
     m = cfg.model
     torch.manual_seed(cfg.seed)  # MLP init depends on the seed alone
-    if m.arch == "dlrm":
-        return DLRM(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.self_interaction, m.precision)
-    return DCNv2(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.cross_layers, m.low_rank, m.precision)
+    if m.arch == "deepfm":
+        from neorec.model.deepfm import DeepFM
+
+        return DeepFM(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.precision)
+    if m.arch == "two_tower":
+        from neorec.model.two_tower import build_two_tower
+
+        return build_two_tower(m.two_tower, embeddings, info, source)
+    dlrm, dcnv2, outputs = DLRM, DCNv2, 1
+    if m.arch == "multitask":  # the same trunk with one output per task, and the tasks' loss and metrics
+        from neorec.model.multitask import MultiTaskDCNv2, MultiTaskDLRM
+
+        dlrm, dcnv2, outputs = MultiTaskDLRM, MultiTaskDCNv2, len(m.tasks)
+    if m.interaction == "dlrm":
+        model = dlrm(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.self_interaction, m.precision, outputs)
+    else:
+        model = dcnv2(
+            info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.cross_layers, m.low_rank, m.precision, outputs
+        )
+    if m.arch == "multitask":
+        model.set_tasks([t.name for t in m.tasks], [t.weight for t in m.tasks])
+    return model
 
 
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:

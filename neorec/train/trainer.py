@@ -39,6 +39,7 @@ from neorec.train.build import (
     build_model,
     build_source,
     build_tables,
+    check_model_processes,
     dense_parameters,
 )
 from neorec.train.logger import MetricsLogger, read_metrics
@@ -88,9 +89,14 @@ def evaluate(
     """Metrics of `model` on the source's whole held-out set (its first `max_batches` batches). Over
     W processes (`comms`) each rank scores its rows of every batch (neorec/data/ranks.py) and scores
     and labels are gathered, so every rank computes the metrics of the whole set. progress: a bar on
-    rank 0 when the pass takes more than a second."""
+    rank 0 when the pass takes more than a second. A model may score the set itself (`evaluate_held_out`:
+    two-tower retrieval) or turn scores and labels into its own metrics (`held_out_metrics`: per task)."""
     was_training = model.training
     model.eval()
+    if (own := getattr(model, "evaluate_held_out", None)) is not None:
+        metrics = own(source, batch_size, max_batches)
+        model.train(was_training)
+        return metrics
     device = next((p.device for p in model.parameters()), torch.device("cpu"))  # train.device
     probs, labels = [], []
     world = comms.topo.world_size if comms is not None else 1
@@ -114,7 +120,14 @@ def evaluate(
     model.train(was_training)
     if not probs:
         return {}
-    return binary_metrics(torch.cat(probs), torch.cat(labels))
+    return getattr(model, "held_out_metrics", binary_metrics)(torch.cat(probs), torch.cat(labels))
+
+
+def model_loss(model: nn.Module, outputs: torch.Tensor, batch) -> torch.Tensor:
+    """The model's own `loss(outputs, batch)` where it has one (multi-task, two-tower), else BCE of
+    one logit per sample."""
+    own = getattr(model, "loss", None)
+    return own(outputs, batch) if own is not None else F.binary_cross_entropy_with_logits(outputs, batch.labels)
 
 
 class TrainingDiverged(NeorecError, FloatingPointError):
@@ -154,11 +167,12 @@ class Trainer:
                 f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over "
                 f"{self.topo.world_size} processes"
             )
+        check_model_processes(cfg, self.topo.world_size)
         self.source = build_source(cfg, self.topo, self.device)  # a per-rank reader where the source has one
         self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
         self.tables = build_tables(cfg, self.source.info)
         self.embeddings = build_embeddings(cfg, self.tables, self.comms, self.device)
-        self.model = build_model(cfg, self.source.info, self.embeddings).to(self.device)
+        self.model = build_model(cfg, self.source.info, self.embeddings, self.source).to(self.device)
         dense = dense_parameters(self.model)
         self.dense_opt = build_dense_optimizer(cfg.train.dense_optimizer, dense)
         self.dense_sync = None
@@ -219,8 +233,7 @@ class Trainer:
             batch = self.local_batch(batch)
         if self.device.type != "cpu":
             batch = batch.to(self.device, non_blocking=True)
-        logits = self.model(batch)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        loss = model_loss(self.model, self.model(batch), batch)
         self.dense_opt.zero_grad(set_to_none=True)
         self.emb_opt.zero_grad(set_to_none=True)
         if self.dense_sync is not None:

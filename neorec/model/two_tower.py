@@ -1,0 +1,157 @@
+"""Two-tower retrieval (`model.arch: two_tower`): a user tower and an item tower, scored by a dot product.
+
+Each tower is an MLP over the pooled embeddings of its features (`model.two_tower.user_features`,
+`item_features`); its output is L2-normalised, and a score is the cosine of the two divided by
+`temperature`. Dense features are not used (they describe the rating event, not the user or item).
+
+Loss: in-batch sampled softmax with logQ correction (Yi et al. 2019). For the B rows of a batch,
+row i's user is scored against the items of all B rows; the positive is its own item, the other
+rows' items are the negatives. Rows count in the loss by their label (the positives of a batch:
+on MovieLens, ratings >= 4); every row's item is a candidate. Popular items turn up as in-batch
+negatives more often than uniform sampling would draw them, so each candidate's score loses
+log q_j, q_j the share of training rows holding item j, counted over the training data once when the
+model is built: (count_j + 1) / (N + num_items), +1 so that unseen items stay finite. The counts are
+a buffer of the model, saved with it. A candidate that is the same item as row i's positive (the item
+twice in a batch) is masked out, so an item is never its own negative.
+
+Held-out evaluation (`evaluate_held_out`) scores every item once with the item tower (the source's
+`item_catalog`), then, for every held-out row with label 1, ranks the whole item set by the user's
+score: recall@K is the share of those rows whose item is in the top K. Items the user rated in
+training are not removed from the ranking.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neorec.data.batch import Batch
+from neorec.data.source import DataSource, SourceInfo
+from neorec.embedding.collection import EmbeddingCollection
+from neorec.errors import ConfigError
+from neorec.model.mlp import build_mlp
+
+RECALL_AT = (10, 100)
+
+
+def logq_softmax_loss(
+    user: torch.Tensor, item: torch.Tensor, item_ids: torch.Tensor, log_q: torch.Tensor, weights: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:  # fmt: skip
+    """In-batch softmax with logQ correction: user, item [B, k] (row i's pair is the positive), item_ids
+    [B], log_q [B] (of each row's item), weights [B] (0 leaves a row out) -> the weighted mean loss."""
+    logits = user @ item.T / temperature - log_q[None, :]
+    same = item_ids[:, None] == item_ids[None, :]
+    same.fill_diagonal_(False)  # the same item in another row is not a negative of this one
+    logits = logits.masked_fill(same, float("-inf"))
+    per_row = F.cross_entropy(logits, torch.arange(len(logits), device=logits.device), reduction="none")
+    return (per_row * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def recall_at(scores: torch.Tensor, targets: torch.Tensor, ks: tuple[int, ...]) -> dict[int, int]:
+    """Hits at each K: rows of scores [Q, num_items] whose target item is among the K highest."""
+    top = scores.topk(min(max(ks), scores.shape[1]), dim=1).indices
+    found = top == targets[:, None]
+    return {k: int(found[:, :k].any(dim=1).sum()) for k in ks}
+
+
+class TwoTower(nn.Module):
+    """User tower and item tower over pooled embeddings; forward gives (user, item) unit vectors [B, k]."""
+
+    def __init__(
+        self,
+        embeddings: EmbeddingCollection,
+        user_features: list[str],
+        item_features: list[str],
+        item_id: str,
+        num_items: int,
+        tower_mlp: list[int],
+        temperature: float,
+    ) -> None:
+        super().__init__()
+        width = dict(zip(embeddings.feature_names, embeddings.feature_dims, strict=True))
+        self.embeddings = embeddings
+        self.user_features, self.item_features, self.item_id = user_features, item_features, item_id
+        self.temperature = temperature
+        self.user_tower = build_mlp(sum(width[f] for f in user_features), tower_mlp, last_activation=False)
+        self.item_tower = build_mlp(sum(width[f] for f in item_features), tower_mlp, last_activation=False)
+        self.register_buffer("item_counts", torch.zeros(num_items, dtype=torch.float64))
+
+    def towers(self, pooled: torch.Tensor, which: str) -> torch.Tensor:
+        """One tower's unit vectors from pooled embeddings [B, sum dims] ('user' or 'item')."""
+        by_feature = self.embeddings.split(pooled)
+        names, tower = (self.user_features, self.user_tower) if which == "user" else (self.item_features, self.item_tower)
+        return F.normalize(tower(torch.cat([by_feature[f] for f in names], dim=1)), dim=1)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.embeddings(batch.sparse)
+        return self.towers(pooled, "user"), self.towers(pooled, "item")
+
+    def log_q(self, item_ids: torch.Tensor) -> torch.Tensor:
+        """log of each item's estimated share of the training rows (see the module docstring)."""
+        counts = self.item_counts + 1.0
+        return (counts[item_ids] / counts.sum()).log().to(torch.float32)
+
+    def loss(self, outputs: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
+        user, item = outputs
+        ids = batch.sparse.feature(self.item_id)[0]
+        return logq_softmax_loss(user, item, ids, self.log_q(ids), batch.labels, self.temperature)
+
+    @torch.no_grad()
+    def evaluate_held_out(self, source: DataSource, batch_size: int, max_batches: int | None = None) -> dict:
+        """recall@10 and recall@100 over the whole item set (see the module docstring)."""
+        catalog = source.item_catalog()  # type: ignore[attr-defined]
+        device = self.item_counts.device
+        items = []
+        for start in range(0, catalog.batch_size, batch_size):
+            part = catalog.slice_samples(start, min(start + batch_size, catalog.batch_size)).to(device)
+            items.append(self.towers(self.embeddings(part), "item"))
+        items = torch.cat(items)
+        hits, queries = dict.fromkeys(RECALL_AT, 0), 0
+        for i, batch in enumerate(source.eval_batches(batch_size)):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = batch.to(device)
+            liked = batch.labels > 0.5
+            user = self.towers(self.embeddings(batch.sparse), "user")[liked]
+            targets = batch.sparse.feature(self.item_id)[0][liked]
+            for k, n in recall_at(user @ items.T, targets, RECALL_AT).items():
+                hits[k] += n
+            queries += len(targets)
+        if not queries:
+            return {}
+        return {**{f"recall@{k}": hits[k] / queries for k in RECALL_AT}, "num_queries": queries,
+                "num_items": len(items)}  # fmt: skip
+
+
+def build_two_tower(c, embeddings: EmbeddingCollection, info: SourceInfo, source: DataSource | None) -> TwoTower:
+    """A TwoTower from `model.two_tower` (a TwoTowerConfig), its item counts taken from the training
+    data of `source` (without a source they stay zero until a state dict loads them)."""
+    features = {f.name: f for f in info.features}
+    unknown = [f for f in c.user_features + c.item_features if f not in features]
+    if unknown:
+        raise ConfigError(f"model.two_tower names features {unknown} that the data lacks; features: {list(features)}")
+    item_id = c.item_id or c.item_features[0]
+    if features[item_id].multi_hot:
+        raise ConfigError(f"model.two_tower.item_id {item_id!r} must be a one-id feature (it names the item)")
+    if source is not None and not hasattr(source, "item_catalog"):
+        raise ConfigError(
+            "model.arch two_tower evaluates recall over the whole item set, which needs a source that lists its "
+            "items (data.source: movielens)"
+        )
+    model = TwoTower(
+        embeddings, c.user_features, c.item_features, item_id, features[item_id].num_ids, c.tower_mlp, c.temperature
+    )
+    if source is not None:
+        model.item_counts.copy_(item_counts(source, item_id, features[item_id].num_ids))
+    return model
+
+
+def item_counts(source: DataSource, item_id: str, num_items: int) -> torch.Tensor:
+    """How many training rows hold each item (one pass over epoch 0 of the training data)."""
+    counts = torch.zeros(num_items, dtype=torch.float64)
+    for batch in source.train_batches(65536, 0):
+        ids = batch.sparse.feature(item_id)[0].cpu()
+        counts += torch.bincount(ids, minlength=num_items).to(torch.float64)
+    return counts
