@@ -547,6 +547,9 @@ def summary_table(result: RunResult) -> str:
                        ("accuracy", "accuracy"), ("calibration", "calibration (pred/obs CTR)")]:  # fmt: skip
         if key in e and e[key] is not None:
             rows.append((f"eval {label}", f"{e[key]:.4f}"))
+    for key, value in e.items():  # per task (multi-task heads) and retrieval metrics
+        if (key.endswith(("/auc", "/log_loss")) or key.startswith("recall@")) and value is not None:
+            rows.append((f"eval {key}", f"{value:.4f}"))
     if result.teacher_auc is not None:
         rows.append(("teacher AUC (ceiling)", f"{result.teacher_auc:.4f}"))
         if "auc" in e:

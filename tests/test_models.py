@@ -1,0 +1,230 @@
+"""DeepFM, multi-task heads and two-tower retrieval: their math against float64 references, their
+training through the Trainer, and the mistakes their configs can hold."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neorec.config.load import load_config
+from neorec.data.batch import Batch
+from neorec.errors import ConfigError
+from neorec.metrics.evaluation import binary_metrics
+from neorec.model.deepfm import fm_interaction
+from neorec.model.multitask import MultiTaskDLRM
+from neorec.model.two_tower import logq_softmax_loss, recall_at
+from neorec.train.trainer import Trainer
+
+ML_ROOT = Path(__file__).parents[2] / "shared" / "data" / "ml-latest-small"
+needs_movielens = pytest.mark.skipif(
+    not (ML_ROOT / "ratings.csv").is_file(), reason=f"shared MovieLens latest-small not found at {ML_ROOT}"
+)
+TINY = [
+    "data.synthetic.train_samples=4096", "data.synthetic.eval_samples=1024", "data.synthetic.max_rows=300",
+    "data.synthetic.num_sparse=4", "data.synthetic.num_dense=3", "data.batch_size=256", "data.eval_batch_size=512",
+    "model.bottom_mlp=[16,8]", "model.top_mlp=[16]", "embedding.dim=8", "train.progress=false",
+    "logging.plot=false", "logging.tensorboard=false", "train.eval_every=null",
+]  # fmt: skip
+
+
+def train(tmp_path: Path, extra: list[str], name: str = "run", base: str | None = None):
+    trainer = Trainer(load_config(base, (TINY if base is None else []) + extra), tmp_path / name)
+    return trainer, trainer.fit()
+
+
+# ---- DeepFM --------------------------------------------------------------------------------------
+def test_fm_term_equals_the_pairwise_sum_of_dot_products():
+    fields = torch.randn(5, 6, 4, dtype=torch.float64)
+    explicit = sum(
+        (fields[:, i] * fields[:, j]).sum(dim=1) for i, j in itertools.combinations(range(fields.shape[1]), 2)
+    )
+    torch.testing.assert_close(fm_interaction(fields), explicit, rtol=1e-12, atol=1e-12)
+
+
+def test_deepfm_trains_and_beats_chance(tmp_path):
+    _, result = train(tmp_path, ["model.arch=deepfm", "train.epochs=2"])
+    assert sum(result.losses[-4:]) < sum(result.losses[:4])
+    assert result.eval["auc"] > 0.6
+
+
+def test_deepfm_needs_one_dim_ending_the_bottom_mlp():
+    with pytest.raises(ConfigError, match="model.bottom_mlp must end in embedding.dim .8. for deepfm"):
+        load_config(None, [*TINY, "model.arch=deepfm", "model.bottom_mlp=[16,4]"])
+
+
+# ---- multi-task heads ----------------------------------------------------------------------------
+def test_one_task_trains_bitwise_like_the_single_task_model(tmp_path):
+    """The multi-task model of one task (labels [B, 1], weight 1) is the DLRM of the same trunk."""
+    _, single = train(tmp_path, ["model.arch=dlrm"], "single")
+    trainer, multi = train(tmp_path, ["model.arch=multitask", "model.tasks=[{name: click}]"], "multi")
+    assert next(iter(trainer.source.train_batches(8, 0))).labels.shape == (8, 1)
+    assert multi.losses == single.losses
+    a = torch.load(tmp_path / "single" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "multi" / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert multi.eval["click/auc"] == multi.eval["auc"] == single.eval["auc"]
+
+
+def test_multitask_loss_and_metrics_per_task():
+    model = MultiTaskDLRM.__new__(MultiTaskDLRM)  # the heads' loss and metrics need no trunk
+    model.task_names, model.task_weights = ["a", "b"], [1.0, 0.25]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 2, generator=g)
+    labels = (torch.rand(64, 2, generator=g) < 0.4).float()
+    batch = Batch(torch.zeros(64, 1), None, labels)
+    y, z = labels.double(), logits.double()
+    bce = -(y * torch.sigmoid(z).log() + (1 - y) * (1 - torch.sigmoid(z)).log()).mean(dim=0)
+    assert model.loss(logits, batch).item() == pytest.approx(float(bce[0] + 0.25 * bce[1]), rel=1e-6)
+    metrics = model.held_out_metrics(torch.sigmoid(logits), labels)
+    for t, name in enumerate("ab"):
+        expected = binary_metrics(torch.sigmoid(logits)[:, t], labels[:, t])
+        assert metrics[f"{name}/auc"] == expected["auc"] and metrics[f"{name}/log_loss"] == expected["log_loss"]
+    pos, neg = torch.sigmoid(logits[:, 1])[labels[:, 1] == 1], torch.sigmoid(logits[:, 1])[labels[:, 1] == 0]
+    by_hand = ((pos[:, None] > neg[None, :]).double().mean()).item()  # no ties among random floats
+    assert metrics["b/auc"] == pytest.approx(by_hand, abs=1e-12)
+    assert metrics["auc"] == metrics["a/auc"]
+    assert metrics["weighted_log_loss"] == pytest.approx(metrics["a/log_loss"] + 0.25 * metrics["b/log_loss"])
+
+
+def test_multitask_trains_and_reports_every_task(tmp_path):
+    tasks = "model.tasks=[{name: click}, {name: conversion, weight: 0.5}]"
+    trainer, result = train(tmp_path, ["model.arch=multitask", "model.trunk=dcnv2", "model.low_rank=4", tasks])
+    labels = next(iter(trainer.source.eval_batches(1024))).labels
+    assert labels.shape == (1024, 2) and bool((labels[:, 1] <= labels[:, 0]).all())  # converting needs a click
+    assert result.eval["click/auc"] > 0.55 and result.eval["conversion/auc"] > 0.55
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    assert '"eval_conversion/auc"' in summary and '"eval_click/log_loss"' in summary
+
+
+def test_multitask_config_mistakes_are_named():
+    with pytest.raises(ConfigError, match="model.arch multitask needs model.tasks"):
+        load_config(None, ["model.arch=multitask"])
+    with pytest.raises(ConfigError, match="names must be unique"):
+        load_config(None, ["model.arch=multitask", "model.tasks=[{name: a}, {name: a}]"])
+    with pytest.raises(ConfigError, match="model.tasks is for model.arch multitask"):
+        load_config(None, ["model.tasks=[{name: a}]"])
+    cfg = load_config(None, [*TINY, "model.arch=multitask", "model.tasks=[{name: click}, {name: purchase}]"])
+    with pytest.raises(ConfigError, match=r"labels \['purchase'\] that synthetic data does not make"):
+        Trainer(cfg)
+
+
+@needs_movielens
+def test_movielens_makes_its_labels_by_name():
+    from neorec.data.movielens import MovieLensSource
+
+    src = MovieLensSource(ML_ROOT, labels=["ok", "like", "love"])
+    rows = torch.arange(0, len(src.rating), 97)
+    labels = src.batch(rows).labels
+    rating = src.rating[rows]
+    assert torch.equal(labels, torch.stack([rating >= 3, rating >= 4, rating >= 4.5], dim=1).float())
+    with pytest.raises(ConfigError, match=r"\['hate'\] that MovieLens does not make"):
+        MovieLensSource(ML_ROOT, labels=["hate"])
+
+
+@pytest.mark.distributed
+def test_multitask_over_two_processes_matches_one(tmp_path):
+    import subprocess
+    import sys
+
+    sets = [*TINY, "model.arch=multitask", "model.tasks=[{name: click}, {name: conversion, weight: 0.5}]",
+            "train.max_steps=8", "embedding.optimizer={name: sgd, lr: 0.5}", "train.dense_optimizer={name: sgd, lr: 0.05}",
+            "distributed.forward_precision=fp32", "distributed.backward_precision=fp32"]  # fmt: skip
+    args = [a for s in sets for a in ("--set", s)]
+    outs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"n{nproc}"
+        p = subprocess.run([sys.executable, "-m", "neorec", "train", "--nproc", str(nproc), "--output-dir", str(out),
+                            *args], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs[nproc] = out
+    a, b = (torch.load(outs[n] / "model.pt", weights_only=True) for n in (1, 2))
+    assert a.keys() == b.keys()
+    for k in a:
+        if not k.endswith(".step"):
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    import json
+
+    one, two = (json.loads((outs[n] / "summary.json").read_text()) for n in (1, 2))
+    assert two["eval_conversion/auc"] == pytest.approx(one["eval_conversion/auc"], abs=1e-3)
+
+
+# ---- two-tower retrieval -------------------------------------------------------------------------
+def test_logq_softmax_loss_equals_a_float64_hand_computation():
+    g = torch.Generator().manual_seed(0)
+    user = F.normalize(torch.randn(5, 3, generator=g), dim=1)
+    item = F.normalize(torch.randn(5, 3, generator=g), dim=1)
+    ids = torch.tensor([7, 2, 7, 4, 1])  # item 7 twice: rows 0 and 2 are not each other's negatives
+    log_q = torch.log(torch.tensor([0.3, 0.1, 0.3, 0.05, 0.2]))
+    weights = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])  # row 1 is not a positive
+    temperature = 0.5
+    total, count = 0.0, 0
+    for i in range(5):
+        if weights[i] == 0:
+            continue
+        terms = {
+            j: float(user[i].double() @ item[j].double()) / temperature - float(log_q[j].double())
+            for j in range(5) if j == i or ids[j] != ids[i]
+        }  # fmt: skip
+        total += -(terms[i] - math.log(sum(math.exp(v) for v in terms.values())))
+        count += 1
+    got = logq_softmax_loss(user, item, ids, log_q, weights, temperature)
+    assert got.item() == pytest.approx(total / count, rel=1e-6)
+
+
+def test_recall_at_k_on_a_hand_made_case():
+    scores = torch.tensor([
+        [0.9, 0.1, 0.5, 0.3],  # ranking 0, 2, 3, 1
+        [0.2, 0.8, 0.7, 0.1],  # ranking 1, 2, 0, 3
+        [0.0, 0.1, 0.2, 0.3],  # ranking 3, 2, 1, 0
+    ])  # fmt: skip
+    targets = torch.tensor([2, 1, 0])  # ranks 2, 1 and 4
+    assert recall_at(scores, targets, (1, 2, 3, 10)) == {1: 1, 2: 2, 3: 2, 10: 3}
+
+
+def tiny_movielens(tmp_path: Path, ratings: int = 6000) -> Path:
+    root = tmp_path / "ml"
+    root.mkdir()
+    lines = (ML_ROOT / "ratings.csv").read_text().splitlines()[: ratings + 1]
+    (root / "ratings.csv").write_text("\n".join(lines) + "\n")
+    shutil.copy(ML_ROOT / "movies.csv", root / "movies.csv")
+    return root
+
+
+@needs_movielens
+def test_two_tower_training_lowers_the_loss_and_reports_recall(tmp_path):
+    root = tiny_movielens(tmp_path)
+    sets = [f"data.movielens.root={root}", "train.epochs=3", "train.progress=false", "logging.plot=false",
+            "logging.tensorboard=false", "data.batch_size=256", "train.eval_every=null"]  # fmt: skip
+    trainer, result = train(tmp_path, sets, base="movielens_two_tower")
+    per_epoch = len(result.losses) // 3
+    assert sum(result.losses[-per_epoch:]) < 0.95 * sum(result.losses[:per_epoch])
+    model = trainer.model
+    assert float(model.item_counts.sum()) == len(trainer.source.train_index)
+    e = result.eval
+    assert e["num_items"] == len(trainer.source.movie_ids)
+    assert e["num_queries"] == int(trainer.source.labels[trainer.source.val_index].sum())
+    assert 0 <= e["recall@10"] <= e["recall@100"] <= 1
+    assert e["recall@100"] > 2 * 100 / e["num_items"]  # well above a random ranking's
+
+
+def test_two_tower_mistakes_are_named(tmp_path, capsys):
+    from neorec.cli import main
+
+    with pytest.raises(ConfigError, match=r"features \['movie'\] are in both"):
+        load_config(None, ["model.arch=two_tower", "model.two_tower.user_features=[user, movie]"])
+    cfg = load_config(None, [*TINY, "model.arch=two_tower"])
+    with pytest.raises(ConfigError, match=r"names features \['user', 'movie', 'genres', 'year'\] that the data lacks"):
+        Trainer(cfg)
+    cfg = load_config(None, [*TINY, "model.arch=two_tower", "model.two_tower.user_features=[C1]",
+                             "model.two_tower.item_features=[C2, C3]"])  # fmt: skip
+    with pytest.raises(ConfigError, match="needs a source that lists its items"):
+        Trainer(cfg)
+    assert main(["train", "--config", "movielens_two_tower", "--nproc", "2", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "model.arch two_tower trains in one process only" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
