@@ -47,10 +47,14 @@ def test_fm_term_equals_the_pairwise_sum_of_dot_products():
     torch.testing.assert_close(fm_interaction(fields), explicit, rtol=1e-12, atol=1e-12)
 
 
-def test_deepfm_trains_and_beats_chance(tmp_path):
+def test_deepfm_trains_beats_chance_and_exports(tmp_path):
+    from neorec.serving.export import export_model
+
     _, result = train(tmp_path, ["model.arch=deepfm", "train.epochs=2"])
     assert sum(result.losses[-4:]) < sum(result.losses[:4])
     assert result.eval["auc"] > 0.6
+    report = export_model(tmp_path / "run", tmp_path / "model.nrx")
+    assert report.eval["fp32"]["auc"] == pytest.approx(result.eval["auc"], abs=1e-6)
 
 
 def test_deepfm_needs_one_dim_ending_the_bottom_mlp():
@@ -100,6 +104,10 @@ def test_multitask_trains_and_reports_every_task(tmp_path):
     assert result.eval["click/auc"] > 0.55 and result.eval["conversion/auc"] > 0.55
     summary = (tmp_path / "run" / "summary.json").read_text()
     assert '"eval_conversion/auc"' in summary and '"eval_click/log_loss"' in summary
+    from neorec.serving.export import ExportError, export_model
+
+    with pytest.raises(ExportError, match="model.arch multitask cannot be exported yet"):
+        export_model(tmp_path / "run", tmp_path / "model.nrx")
 
 
 def test_multitask_config_mistakes_are_named():

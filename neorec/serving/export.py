@@ -185,6 +185,9 @@ def tsv_mapping(cfg: RunConfig) -> tuple[str | None, str]:
     return None, f"{d.source} data (data.source: {d.source})"
 
 
+EXPORTABLE = ("dlrm", "dcnv2", "deepfm")
+
+
 def export_model(
     path: str | Path,
     out: str | Path,
@@ -207,6 +210,11 @@ def export_model(
     check_output_file(out, "--out")
     trained = load_trained(path, config)
     cfg = trained.config
+    if cfg.model.arch not in EXPORTABLE:  # serving scores one click probability per sample
+        raise ExportError(
+            f"{path}: model.arch {cfg.model.arch} cannot be exported yet; export serves {', '.join(EXPORTABLE)} "
+            "(one probability per sample)"
+        )
     weights: dict = trained.weights
     if int8:
         weights = quantize_tables(trained.weights, scale_dtype)
