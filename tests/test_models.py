@@ -135,6 +135,14 @@ def test_movielens_makes_its_labels_by_name():
         MovieLensSource(ML_ROOT, labels=["hate"])
 
 
+@needs_movielens
+def test_data_inspect_gives_each_task_its_positive_rate():
+    from neorec.data.inspect import inspect_source
+
+    text = inspect_source("movielens_multitask", [f"data.movielens.root={ML_ROOT}"], num_batches=2)
+    assert "sampled 512 training samples: positive rate like 0." in text and " love 0." in text and " ok 0." in text
+
+
 @pytest.mark.distributed
 def test_multitask_over_two_processes_matches_one(tmp_path):
     import subprocess

@@ -21,7 +21,11 @@ def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> s
     if batches:
         labels = torch.cat([b.labels for b in batches])
         dense = torch.cat([b.dense for b in batches])
-        lines.append(f"sampled {len(labels):,} training samples: CTR {float(labels.mean()):.4f}")
+        if labels.dim() == 1:
+            lines.append(f"sampled {len(labels):,} training samples: CTR {float(labels.mean()):.4f}")
+        else:  # one column per task, in the order of model.tasks
+            rates = " ".join(f"{t.name} {float(r):.4f}" for t, r in zip(cfg.model.tasks, labels.mean(0), strict=True))
+            lines.append(f"sampled {len(labels):,} training samples: positive rate {rates}")
         lines.append("dense mean " + " ".join(f"{x:.2f}" for x in dense.mean(0).tolist()))
     header = f"{'feature':<10} {'ids (rows)':>12} {'ids/sample':>10} {'distinct':>9} {'top1% share':>11}"
     lines += ["", header, "-" * len(header)]
