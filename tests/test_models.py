@@ -203,6 +203,25 @@ def test_recall_at_k_on_a_hand_made_case():
     assert recall_at(scores, targets, (1, 2, 3, 10)) == {1: 1, 2: 2, 3: 2, 10: 3}
 
 
+def test_seen_items_leave_the_ranking_but_the_held_out_item_stays():
+    from neorec.model.two_tower import SeenItems
+    from neorec.sparse import SparseBatch
+
+    class Train:  # user 0 rated items 1 and 3 in training, user 2 item 0, user 1 nothing
+        def train_batches(self, batch_size, epoch):
+            one = torch.ones(3, dtype=torch.int64)
+            sparse = SparseBatch.from_features({"u": (torch.tensor([2, 0, 0]), one), "i": (torch.tensor([0, 3, 1]), one)})
+            yield Batch(torch.zeros(3, 1), sparse, torch.ones(3))
+
+    seen = SeenItems(Train(), "u", "i", num_users=3)
+    scores = torch.tensor([[0.1, 0.9, 0.2, 0.8], [0.1, 0.9, 0.2, 0.8], [0.5, 0.4, 0.3, 0.2]])
+    users, targets = torch.tensor([0, 1, 2]), torch.tensor([2, 2, 0])  # user 2's held-out item is a seen one
+    inf = float("inf")
+    expected = torch.tensor([[0.1, -inf, 0.2, -inf], [0.1, 0.9, 0.2, 0.8], [0.5, 0.4, 0.3, 0.2]])
+    assert torch.equal(seen.mask(scores, users, targets), expected)
+    assert recall_at(seen.mask(scores, users, targets), targets, (1,)) == {1: 2}  # user 0's item 2 now first
+
+
 def tiny_movielens(tmp_path: Path, ratings: int = 6000) -> Path:
     root = tmp_path / "ml"
     root.mkdir()
@@ -234,6 +253,8 @@ def test_two_tower_mistakes_are_named(tmp_path, capsys):
 
     with pytest.raises(ConfigError, match=r"features \['movie'\] are in both"):
         load_config(None, ["model.arch=two_tower", "model.two_tower.user_features=[user, movie]"])
+    with pytest.raises(ConfigError, match=r"user_id 'movie' must be one of user_features \['user'\]"):
+        load_config(None, ["model.arch=two_tower", "model.two_tower.user_id=movie"])
     cfg = load_config(None, [*TINY, "model.arch=two_tower"])
     with pytest.raises(ConfigError, match=r"names features \['user', 'movie', 'genres', 'year'\] that the data lacks"):
         Trainer(cfg)

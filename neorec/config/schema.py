@@ -206,6 +206,12 @@ class TwoTowerConfig(Strict):
     item_id: str | None = Field(
         None, description="the feature whose id names the item (logQ counts, recall); default: the first item feature"
     )
+    user_id: str | None = Field(
+        None, description="the feature whose id names the user (exclude_seen); default: the first user feature"
+    )
+    exclude_seen: bool = Field(
+        True, description="recall ranks only the items a user did not rate in training (besides the held-out one)"
+    )
     tower_mlp: list[int] = Field([64, 32], min_length=1, description="layer sizes of each tower (the last: output dim)")
     temperature: float = Field(0.05, gt=0, description="scores are cosine similarities divided by this")
 
@@ -216,6 +222,8 @@ class TwoTowerConfig(Strict):
             raise ValueError(f"features {both} are in both user_features and item_features; give each to one tower")
         if self.item_id is not None and self.item_id not in self.item_features:
             raise ValueError(f"item_id {self.item_id!r} must be one of item_features {self.item_features}")
+        if self.user_id is not None and self.user_id not in self.user_features:
+            raise ValueError(f"user_id {self.user_id!r} must be one of user_features {self.user_features}")
         if any(s <= 0 for s in self.tower_mlp):
             raise ValueError("tower_mlp layer sizes must be > 0")
         return self

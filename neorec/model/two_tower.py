@@ -16,8 +16,9 @@ twice in a batch) is masked out, so an item is never its own negative.
 
 Held-out evaluation (`evaluate_held_out`) scores every item once with the item tower (the source's
 `item_catalog`), then, for every held-out row with label 1, ranks the whole item set by the user's
-score: recall@K is the share of those rows whose item is in the top K. Items the user rated in
-training are not removed from the ranking.
+score: recall@K is the share of those rows whose item is in the top K. With `exclude_seen` (the
+default), the items the user (the `user_id` feature) rated in training are left out of that user's
+ranking, as a deployed retriever would filter them; the held-out item itself always stays in.
 """
 
 from __future__ import annotations
@@ -49,6 +50,32 @@ def logq_softmax_loss(
     return (per_row * weights).sum() / weights.sum().clamp(min=1.0)
 
 
+class SeenItems:
+    """The items each user has in the training data, as CSR over user ids: one pass over the data."""
+
+    def __init__(self, source: DataSource, user_id: str, item_id: str, num_users: int) -> None:
+        users, items = [], []
+        for batch in source.train_batches(65536, 0):
+            users.append(batch.sparse.feature(user_id)[0].cpu())
+            items.append(batch.sparse.feature(item_id)[0].cpu())
+        user, item = torch.cat(users), torch.cat(items)
+        order = torch.argsort(user, stable=True)
+        self.items = item[order]
+        self.counts = torch.bincount(user, minlength=num_users)
+        self.starts = torch.cumsum(self.counts, 0) - self.counts
+
+    def mask(self, scores: torch.Tensor, users: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """scores [Q, num_items] with each query user's seen items at -inf, its target kept."""
+        users = users.cpu()
+        lengths = self.counts[users]
+        query = torch.repeat_interleave(torch.arange(len(users)), lengths)
+        at = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[query] + self.starts[users][query]
+        kept = scores.gather(1, targets[:, None])
+        scores = scores.index_put((query.to(scores.device), self.items[at].to(scores.device)),
+                                  torch.tensor(float("-inf"), device=scores.device))  # fmt: skip
+        return scores.scatter(1, targets[:, None], kept)
+
+
 def recall_at(scores: torch.Tensor, targets: torch.Tensor, ks: tuple[int, ...]) -> dict[int, int]:
     """Hits at each K: rows of scores [Q, num_items] whose target item is among the K highest."""
     top = scores.topk(min(max(ks), scores.shape[1]), dim=1).indices
@@ -68,12 +95,17 @@ class TwoTower(nn.Module):
         num_items: int,
         tower_mlp: list[int],
         temperature: float,
+        exclude_seen: tuple[str, int] | None = None,
     ) -> None:
+        """exclude_seen: (the user id feature, its number of ids) to leave each user's training items
+        out of its held-out ranking; None keeps every item."""
         super().__init__()
         width = dict(zip(embeddings.feature_names, embeddings.feature_dims, strict=True))
         self.embeddings = embeddings
         self.user_features, self.item_features, self.item_id = user_features, item_features, item_id
         self.temperature = temperature
+        self.exclude_seen = exclude_seen
+        self._seen: SeenItems | None = None  # made at the first evaluation
         self.user_tower = build_mlp(sum(width[f] for f in user_features), tower_mlp, last_activation=False)
         self.item_tower = build_mlp(sum(width[f] for f in item_features), tower_mlp, last_activation=False)
         self.register_buffer("item_counts", torch.zeros(num_items, dtype=torch.float64))
@@ -108,6 +140,8 @@ class TwoTower(nn.Module):
             part = catalog.slice_samples(start, min(start + batch_size, catalog.batch_size)).to(device)
             items.append(self.towers(self.embeddings(part), "item"))
         items = torch.cat(items)
+        if self.exclude_seen is not None and self._seen is None:
+            self._seen = SeenItems(source, self.exclude_seen[0], self.item_id, self.exclude_seen[1])
         hits, queries = dict.fromkeys(RECALL_AT, 0), 0
         for i, batch in enumerate(source.eval_batches(batch_size)):
             if max_batches is not None and i >= max_batches:
@@ -116,7 +150,10 @@ class TwoTower(nn.Module):
             liked = batch.labels > 0.5
             user = self.towers(self.embeddings(batch.sparse), "user")[liked]
             targets = batch.sparse.feature(self.item_id)[0][liked]
-            for k, n in recall_at(user @ items.T, targets, RECALL_AT).items():
+            scores = user @ items.T
+            if self._seen is not None:
+                scores = self._seen.mask(scores, batch.sparse.feature(self.exclude_seen[0])[0][liked], targets)
+            for k, n in recall_at(scores, targets, RECALL_AT).items():
                 hits[k] += n
             queries += len(targets)
         if not queries:
@@ -132,17 +169,20 @@ def build_two_tower(c, embeddings: EmbeddingCollection, info: SourceInfo, source
     unknown = [f for f in c.user_features + c.item_features if f not in features]
     if unknown:
         raise ConfigError(f"model.two_tower names features {unknown} that the data lacks; features: {list(features)}")
-    item_id = c.item_id or c.item_features[0]
-    if features[item_id].multi_hot:
-        raise ConfigError(f"model.two_tower.item_id {item_id!r} must be a one-id feature (it names the item)")
+    item_id, user_id = c.item_id or c.item_features[0], c.user_id or c.user_features[0]
+    for key, name in (("item_id", item_id), ("user_id", user_id))[: 2 if c.exclude_seen else 1]:
+        if features[name].multi_hot:
+            raise ConfigError(f"model.two_tower.{key} {name!r} must be a one-id feature (it names the {key[:4]})")
     if source is not None and not hasattr(source, "item_catalog"):
         raise ConfigError(
             "model.arch two_tower evaluates recall over the whole item set, which needs a source that lists its "
             "items (data.source: movielens)"
         )
+    exclude = (user_id, features[user_id].num_ids) if c.exclude_seen else None
     model = TwoTower(
-        embeddings, c.user_features, c.item_features, item_id, features[item_id].num_ids, c.tower_mlp, c.temperature
-    )
+        embeddings, c.user_features, c.item_features, item_id, features[item_id].num_ids, c.tower_mlp, c.temperature,
+        exclude,
+    )  # fmt: skip
     if source is not None:
         model.item_counts.copy_(item_counts(source, item_id, features[item_id].num_ids))
     return model
