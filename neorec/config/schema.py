@@ -273,7 +273,9 @@ class TableOverride(Strict):
     """Per-table settings that differ from the `embedding` defaults."""
 
     dim: int | None = Field(None, gt=0, description="embedding dimension")
-    pooling: Literal["sum", "mean"] | None = Field(None, description="bag pooling")
+    pooling: Literal["sum", "mean", "none"] | None = Field(
+        None, description="bag pooling; none: one row per id (a sequence feature, for sequential models)"
+    )
     dtype: Literal["fp32", "fp16", "bf16"] | None = Field(None, description="weight storage type")
     optimizer: EmbeddingOptimizerConfig | None = Field(None, description="optimizer for this table")
     tier: Literal["memory", "dram", "ssd"] | None = Field(None, description="where this table's rows live")

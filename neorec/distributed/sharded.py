@@ -46,7 +46,7 @@ from neorec.embedding.fused.param_groups import FusedEmbeddingOptimizer
 from neorec.embedding.init import init_rows
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import ConfigError
-from neorec.sparse import SparseBatch
+from neorec.sparse import JaggedRows, SparseBatch
 from neorec.utils import streams
 
 
@@ -231,6 +231,11 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         local, done = work.result()
         streams.hand_over(done, (local.values, local.lengths, local.weights))
         return local
+
+    def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+        if self.sequence_names:
+            raise ConfigError(f"sharded tables cannot have pooling none: {self.sequence_names}")
+        return self.forward(sparse), {}
 
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
         return self.pooled_after(None, sparse)

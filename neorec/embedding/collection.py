@@ -5,6 +5,11 @@ collection) takes a SparseBatch and returns pooled vectors [B, sum of feature di
 `feature_names` order (`pooled_after` puts the model's dense vector in front). The model never
 sees how rows are stored or updated.
 
+Tables with `pooling: none` are not pooled: their features (`sequence_names`, dims
+`sequence_dims`) come out as JaggedRows, one row per id. `embed(sparse)` returns both, the pooled
+vectors and the sequences, from one lookup (and, sharded, one exchange); `forward(sparse)` is its
+pooled part, so `feature_names`, `feature_dims` and `output_dim` speak of pooled features only.
+
 Embedding rows have their own optimizer: `build_optimizer()` returns an object with the
 torch.optim.Optimizer surface (`step`, `zero_grad`, `param_groups`, `state_dict`,
 `load_state_dict`) so the trainer drives the learning-rate schedule the same way for every engine.
@@ -16,27 +21,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, feature_order
-from neorec.sparse import SparseBatch
+from neorec.embedding.tables import (
+    EmbeddingOptimizerConfig,
+    TableConfig,
+    feature_order,
+    pooled_tables,
+    sequence_tables,
+)
+from neorec.sparse import JaggedRows, SparseBatch
 
 
 class EmbeddingCollection(nn.Module):
-    """Base class: pooled lookups of many features from many tables."""
+    """Base class: pooled lookups (and unpooled sequences) of many features from many tables."""
 
     def __init__(self, tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig) -> None:
         super().__init__()
         self.tables = list(tables)
         self.optimizer_config = optimizer
-        self.feature_names = feature_order(self.tables)
         dims = {f: t.dim for t in self.tables for f in t.features}
+        self.feature_names = feature_order(pooled_tables(self.tables))
         self.feature_dims = [dims[f] for f in self.feature_names]
+        self.sequence_names = feature_order(sequence_tables(self.tables))
+        self.sequence_dims = [dims[f] for f in self.sequence_names]
 
     @property
     def output_dim(self) -> int:
+        """Width of the pooled output (sequence features not included)."""
         return sum(self.feature_dims)
 
-    def forward(self, sparse: SparseBatch) -> torch.Tensor:  # [B, output_dim]
+    def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+        """(pooled [B, output_dim] in feature_names order, {sequence feature: its rows}) in one pass."""
         raise NotImplementedError
+
+    def forward(self, sparse: SparseBatch) -> torch.Tensor:  # [B, output_dim]
+        return self.embed(sparse)[0]
 
     def pooled_after(self, prefix: torch.Tensor, sparse: SparseBatch) -> torch.Tensor:
         """[prefix | pooled]: [B, prefix width + output_dim], the models' input to their interaction

@@ -15,7 +15,7 @@ from neorec.embedding.init import init_rows, init_rows_at
 from neorec.embedding.remap import MappedTable, map_stats, remap_batch
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import ConfigError
-from neorec.sparse import SparseBatch
+from neorec.sparse import JaggedRows, SparseBatch
 
 
 class ReferenceEmbeddingCollection(EmbeddingCollection):
@@ -26,10 +26,15 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
         for t in tables:
             if t.dtype != "fp32":
                 raise ConfigError(f"table {t.name!r}: the reference engine stores fp32 only, got {t.dtype!r}")
-        # a list, not a ModuleDict: table names such as "items" or "keys" would clash with its methods
+        # a list, not a ModuleDict: table names such as "items" or "keys" would clash with its methods.
+        # A sequence table is a bag per id, summed: its row times the id's weight.
         self.bags = nn.ModuleList(
             nn.EmbeddingBag.from_pretrained(
-                init_rows(t, seed), freeze=False, mode=t.pooling, sparse=True, include_last_offset=True
+                init_rows(t, seed),
+                freeze=False,
+                mode="sum" if t.pooling == "none" else t.pooling,
+                sparse=True,
+                include_last_offset=True,
             )
             for t in tables
         )
@@ -74,7 +79,7 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
         """Per managed-collision table: hits, misses, inserts, evictions, dropped, occupied, capacity."""
         return map_stats(self.mapped)
 
-    def forward(self, sparse: SparseBatch) -> torch.Tensor:
+    def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
         if self.mapped:
             if self.training:
                 self.map_step += 1
@@ -89,7 +94,14 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
             off = offsets[i * b : (i + 1) * b + 1] - bounds[i]
             w = sparse.weights[bounds[i] : bounds[i + 1]] if sparse.weights is not None else None
             pooled.append(self.bags[self._table_of[f]](values, off, per_sample_weights=w))
-        return torch.cat(pooled, dim=1)
+        out = torch.cat(pooled, dim=1) if pooled else torch.zeros(b, 0, device=sparse.values.device)
+        sequences = {}
+        for f in self.sequence_names:
+            values, lengths, w = sparse.feature(f)
+            one_per_id = torch.arange(values.numel() + 1, device=values.device)
+            rows = self.bags[self._table_of[f]](values, one_per_id, per_sample_weights=w)
+            sequences[f] = JaggedRows(rows, lengths)
+        return out, sequences
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         configs = {t.name: t.optimizer or self.optimizer_config for t in self.tables}

@@ -46,7 +46,9 @@ class TableConfig(BaseModel):
     rows: int = Field(gt=0, description="number of rows (ids lie in [0, rows))")
     dim: int = Field(gt=0, description="embedding dimension")
     features: list[str] = Field(min_length=1, description="features that look up this table")
-    pooling: Literal["sum", "mean"] = Field("sum", description="how the ids of one bag are combined")
+    pooling: Literal["sum", "mean", "none"] = Field(
+        "sum", description="how the ids of one bag are combined; none: one row per id (a sequence feature)"
+    )
     dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="storage type of the weights")
     optimizer: EmbeddingOptimizerConfig | None = Field(None, description="per-table optimizer override")
     managed_collision: ManagedCollisionConfig | None = Field(
@@ -61,8 +63,18 @@ class TableConfig(BaseModel):
 
 
 def feature_order(tables: list[TableConfig]) -> list[str]:
-    """The order in which pooled features come out of an embedding collection: table by table."""
+    """The order in which features come out of an embedding collection: table by table."""
     return [f for t in tables for f in t.features]
+
+
+def pooled_tables(tables: list[TableConfig]) -> list[TableConfig]:
+    """The tables whose features are pooled into bags (the collection's `feature_names`)."""
+    return [t for t in tables if t.pooling != "none"]
+
+
+def sequence_tables(tables: list[TableConfig]) -> list[TableConfig]:
+    """The tables with pooling none: one row per id (the collection's `sequence_names`)."""
+    return [t for t in tables if t.pooling == "none"]
 
 
 def check_tables(tables: list[TableConfig]) -> None:

@@ -31,6 +31,16 @@ def dense_autocast(device: torch.device, precision: str) -> AbstractContextManag
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
+def check_pooled_only(embeddings: EmbeddingCollection, arch: str) -> None:
+    """DLRM and DCNv2 read pooled vectors only: a table with pooling none would be looked up for nothing."""
+    if embeddings.sequence_names:
+        tables = [t.name for t in embeddings.tables if t.pooling == "none"]
+        raise ConfigError(
+            f"model.arch={arch} reads pooled embeddings only, but table(s) {tables} have pooling none "
+            "(sequence features); set embedding.tables.<name>.pooling to sum or mean, or use a sequential model"
+        )
+
+
 def last_layer(top: nn.Sequential, hidden: torch.Tensor) -> torch.Tensor:
     """The top MLP's final layer in fp32, outside any autocast: logits [B] (one output unit) or [B, T]."""
     with torch.autocast(hidden.device.type, enabled=False):
@@ -53,6 +63,7 @@ class DLRM(nn.Module):
     ) -> None:
         super().__init__()
         self.precision = precision
+        check_pooled_only(embeddings, "dlrm")
         dims = set(embeddings.feature_dims)
         if len(dims) != 1:
             raise ConfigError(f"model.arch=dlrm needs one embedding dim for all tables, got {sorted(dims)}")
@@ -93,6 +104,7 @@ class DCNv2(nn.Module):
     ) -> None:
         super().__init__()
         self.precision = precision
+        check_pooled_only(embeddings, "dcnv2")
         self.embeddings = embeddings
         self.bottom = build_mlp(num_dense, bottom_mlp)
         width = bottom_mlp[-1] + embeddings.output_dim

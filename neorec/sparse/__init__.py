@@ -1,3 +1,4 @@
 from neorec.sparse.batch import SparseBatch, lengths_to_offsets
+from neorec.sparse.jagged import JaggedRows
 
-__all__ = ["SparseBatch", "lengths_to_offsets"]
+__all__ = ["JaggedRows", "SparseBatch", "lengths_to_offsets"]

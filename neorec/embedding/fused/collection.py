@@ -52,7 +52,7 @@ from neorec.embedding.init import init_rows, init_rows_at, table_seed
 from neorec.embedding.remap import MappedTable, map_stats, remap_batch
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, check_tables
 from neorec.errors import ConfigError, DataError
-from neorec.sparse import SparseBatch
+from neorec.sparse import JaggedRows, SparseBatch
 from neorec.utils.progress import progress_bar
 
 
@@ -253,6 +253,11 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         return init
 
     # ---- forward --------------------------------------------------------------------------------
+    def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+        if self.sequence_names:
+            raise ConfigError(f"the fused engine cannot look up tables with pooling none: {self.sequence_names}")
+        return self.forward(sparse), {}
+
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
         """[B, output_dim] fp32 pooled vectors in feature_names order; trains the rows on backward."""
         if not self.layout.groups or sparse.batch_size == 0:  # e.g. a rank that holds no shard
