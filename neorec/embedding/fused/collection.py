@@ -1,8 +1,9 @@
 """The fused table-batched embedding collection (single process; the sharded collection uses it too).
 
 All tables live in a few flat buffers (see layout.py), behind storage objects (storage.py). Forward
-pools every feature with one `embedding_bag` per group (lookup.py); backward turns d(pooled) into
-one gradient per unique row and applies the update rule (optimizers.py) to those rows and their
+pools every feature with one `embedding_bag` per group (lookup.py), and gathers one row per id of
+each sequence feature (tables with pooling none; `embed` returns them as JaggedRows); backward turns
+d(pooled) and d(rows) into one gradient per unique row and applies the update rule (optimizers.py) to those rows and their
 state in place. No gradient of a table is ever stored, so `build_optimizer()` returns an object that
 only carries learning rates and counts steps (param_groups.py).
 
@@ -34,7 +35,7 @@ import torch
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.fused import triton_kernels
 from neorec.embedding.fused.layout import TableGroup, build_layout
-from neorec.embedding.fused.lookup import FusedLookup, GroupBatch, prepare_group
+from neorec.embedding.fused.lookup import FusedLookup, GroupBatch, prepare_group, prepare_sequence_group
 from neorec.embedding.fused.optimizers import RULES, Hparams, folded_sgd, initial_state_value
 from neorec.embedding.fused.param_groups import FusedEmbeddingOptimizer
 from neorec.embedding.fused.rounding import to_storage, uniform_noise
@@ -253,15 +254,15 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         return init
 
     # ---- forward --------------------------------------------------------------------------------
-    def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
-        if self.sequence_names:
-            raise ConfigError(f"the fused engine cannot look up tables with pooling none: {self.sequence_names}")
-        return self.forward(sparse), {}
-
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
         """[B, output_dim] fp32 pooled vectors in feature_names order; trains the rows on backward."""
+        return self.embed(sparse)[0]
+
+    def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+        """The pooled vectors and, per sequence feature, its fp32 rows (times the ids' weights) from
+        one fused lookup; backward trains the rows of both."""
         if not self.layout.groups or sparse.batch_size == 0:  # e.g. a rank that holds no shard
-            return torch.zeros(sparse.batch_size, self.output_dim, device=sparse.values.device)
+            return self._empty(sparse)
         if self.mapped:  # raw ids -> rows; a training batch's step is the update it will make
             sparse = remap_batch(sparse, self.mapped, self.num_updates + 1, self.training)
         batches = None
@@ -279,7 +280,33 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         else:
             batches = self._prepare(sparse)
         anchor = torch.empty(0, device=sparse.values.device, requires_grad=True)
-        return FusedLookup.apply(anchor, self, batches)
+        pooled, *rows = FusedLookup.apply(anchor, self, batches, sparse.batch_size)
+        if not self.sequence_names:
+            return pooled, {}
+        return pooled, self._sequences(sparse, batches, rows)
+
+    def _sequences(
+        self, sparse: SparseBatch, batches: list[GroupBatch], rows: list[torch.Tensor]
+    ) -> dict[str, JaggedRows]:
+        """Each sequence feature's rows (views of its group's output) with its lengths."""
+        b = sparse.batch_size
+        out = {}
+        groups = [(g, gb) for g, gb in zip(self.layout.groups, batches, strict=True) if g.sequence]
+        for (g, gb), group_rows in zip(groups, rows, strict=True):
+            assert gb.sequence_counts is not None
+            for f, values in zip(g.features, group_rows.split(gb.sequence_counts), strict=True):
+                i = sparse.keys.index(f)
+                out[f] = JaggedRows(values, sparse.lengths[i * b : (i + 1) * b])
+        return {f: out[f] for f in self.sequence_names}
+
+    def _empty(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+        """Outputs of a batch without samples, or of an engine without tables."""
+        device, b = sparse.values.device, sparse.batch_size
+        sequences = {}
+        for f, d in zip(self.sequence_names, self.sequence_dims, strict=True):
+            lengths = sparse.feature(f)[1] if f in sparse.keys else sparse.lengths.new_zeros(b)
+            sequences[f] = JaggedRows(torch.zeros(0, d, device=device), lengths)
+        return torch.zeros(b, self.output_dim, device=device), sequences
 
     def prefetch(self, sparse: SparseBatch) -> None:
         """Bring the rows a coming batch will look up into the cached storages, before its step
@@ -302,7 +329,11 @@ class FusedEmbeddingCollection(EmbeddingCollection):
 
     def _prepare(self, sparse: SparseBatch) -> list[GroupBatch]:
         out = []
-        for c, (features, indices) in zip(self._constants, self._group_features(sparse), strict=True):
+        groups = zip(self.layout.groups, self._constants, self._group_features(sparse), strict=True)
+        for g, c, (features, indices) in groups:
+            if g.sequence:
+                out.append(prepare_sequence_group(sparse, indices, g.feature_row_offsets))
+                continue
             if len(indices) == sparse.num_features:  # the group has every feature of the batch
                 num_ids = sparse.values.numel()
             else:  # one host sync per batch (cached on the batch), only with several groups
@@ -317,11 +348,12 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         cached = self._feature_cache.get(key)
         if cached is None:
             position = {k: i for i, k in enumerate(sparse.keys)}
-            missing = [f for f in self.feature_names if f not in position]
+            looked_up = self.feature_names + self.sequence_names
+            missing = [f for f in looked_up if f not in position]
             if missing:
                 raise DataError(
                     f"the batch has no feature(s) {missing}; it has {sparse.keys} and the embedding tables "
-                    f"look up {self.feature_names}"
+                    f"look up {looked_up}"
                 )
             cached = []
             for g in self.layout.groups:

@@ -1,6 +1,6 @@
 """How the fused engine packs tables into flat buffers and maps features to output columns.
 
-Tables are grouped by (dim, storage dtype, optimizer name, storage tier); each group's tables are
+Tables are grouped by (dim, storage dtype, optimizer name, storage tier, pooled or not); each group's tables are
 stacked by row in one [sum of rows, dim] buffer, and a table's id `i` is global row `row_start + i` of its group. Why
 this layout rather than one 1-D buffer with per-table element offsets:
 - a 2-D buffer per dim is what `torch.nn.functional.embedding_bag` reads, so a whole group (all 26
@@ -12,7 +12,8 @@ this layout rather than one 1-D buffer with per-table element offsets:
   that differ between tables of a group become per-row tensors.
 Mixed dims or overrides only add groups; the common case stays one group and one call. Tables in
 different storage tiers (plain memory, or behind a row cache over DRAM or SSD: neorec/embedding/cache)
-never share a buffer, since a buffer has one storage.
+never share a buffer, since a buffer has one storage. Tables with pooling none (sequence features,
+one row per id) have groups of their own, which fill no output columns: their lookup is a gather.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass
 class TableGroup:
-    """Tables that share one buffer: same dim, storage dtype, optimizer rule and storage tier."""
+    """Tables that share one buffer: same dim, storage dtype, optimizer rule, storage tier and
+    whether they pool (`sequence`: pooling none, rows come out one per id, not in output columns)."""
 
     dim: int
     dtype: torch.dtype
     optimizer: str
+    sequence: bool = False
     tables: list[int] = field(default_factory=list)  # indices into the collection's table list
     row_starts: list[int] = field(default_factory=list)  # global first row of each table
     num_rows: int = 0
@@ -60,13 +63,14 @@ def build_layout(
 ) -> Layout:
     """Group tables, assign row ranges, and record which output columns each group fills.
     tiers: storage tier by table name (missing: "memory"); only tables of one tier share a group."""
-    by_key: dict[tuple[int, str, str, str], TableGroup] = {}
+    by_key: dict[tuple[int, str, str, str, bool], TableGroup] = {}
     table_slot: dict[str, tuple[int, int]] = {}
     for ti, t in enumerate(tables):
         name = (t.optimizer or optimizer).name
-        key = (t.dim, t.dtype, name, (tiers or {}).get(t.name, "memory"))
+        sequence = t.pooling == "none"
+        key = (t.dim, t.dtype, name, (tiers or {}).get(t.name, "memory"), sequence)
         if key not in by_key:
-            by_key[key] = TableGroup(dim=t.dim, dtype=DTYPES[t.dtype], optimizer=name)
+            by_key[key] = TableGroup(dim=t.dim, dtype=DTYPES[t.dtype], optimizer=name, sequence=sequence)
         g = by_key[key]
         table_slot[t.name] = (list(by_key).index(key), len(g.tables))
         g.tables.append(ti)
@@ -83,6 +87,8 @@ def build_layout(
             g.features.append(f)
             g.feature_tables.append(slot)
             g.feature_mean.append(t.pooling == "mean")
+            if g.sequence:
+                continue
             if g.output_columns and g.output_columns[-1][1] == column:
                 g.output_columns[-1] = (g.output_columns[-1][0], column + t.dim)
             else:

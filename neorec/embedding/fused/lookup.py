@@ -1,6 +1,6 @@
 """The fused lookup: all pooled lookups of a group of tables in one call, and its backward.
 
-Forward reorders each group's ids from the batch's feature-major layout to sample-major bags
+Forward reorders each pooled group's ids from the batch's feature-major layout to sample-major bags
 (bag `b * F + f` is feature f of sample b) and pools them with one `embedding_bag` over the group's
 buffer. Sample-major bags make the pooled [B * F, D] result *be* the [B, F * D] output, so no
 transpose of the output is needed, and the incoming gradient is already one row per bag; permuting
@@ -18,6 +18,11 @@ On CPU the backward (and the lookup of fp16/bf16 or non-plain storage) runs in b
 is plain SGD into a plain fp32 table on CPU: -lr rides along as each id's weight of the sums, and
 one `scatter_add_` adds every unique row's sum to its row (add_row_gradients), which is bitwise
 what the blocked path gives with the same folded learning rate.
+
+Sequence groups (pooling none) are the same machinery with one bag per id: their ids stay in the
+batch's feature-major order, "pooling" each one-id bag is a gather of its row (times its weight),
+and the backward above, with d(rows) as the bags' gradient, sums each unique row's ids in id order
+and applies the same update.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class GroupBatch:
     batch_size: int
     num_features: int
     one_hot: bool = False  # every bag holds exactly one id and there are no scales: bag i is id i
+    # a sequence group (one bag per id, feature-major; batch_size is then the number of ids and
+    # num_features 1, so its "pooled" output is [ids, D]): the ids of each of its features
+    sequence_counts: list[int] | None = None
 
 
 def prepare_group(
@@ -97,6 +105,22 @@ def prepare_group(
     return GroupBatch(rows, bags, offsets, scales, b, nf)
 
 
+def prepare_sequence_group(sparse: SparseBatch, features: list[int], row_offsets: list[int]) -> GroupBatch:
+    """A sequence group's ids (features = their indices in sparse.keys, row_offsets[k] the first
+    global row of feature k's table) as one bag per id, features one after the other, each in the
+    batch's order. Counting each feature's ids costs one host sync per batch (cached on the batch),
+    which splitting the rows by feature needs anyway."""
+    bounds = sparse.offset_per_key()
+    counts = [bounds[i + 1] - bounds[i] for i in features]
+    rows = torch.cat([sparse.values[bounds[i] : bounds[i + 1]] + off for i, off in zip(features, row_offsets, strict=True)])
+    scales = None
+    if sparse.weights is not None:
+        scales = torch.cat([sparse.weights[bounds[i] : bounds[i + 1]] for i in features]).to(torch.float32)
+    n = rows.numel()
+    one_per_id = torch.arange(n + 1, device=rows.device)
+    return GroupBatch(rows, one_per_id[:-1], one_per_id, scales, n, 1, one_hot=scales is None, sequence_counts=counts)
+
+
 def _one_hot_group(
     sparse: SparseBatch, features: torch.Tensor, row_offsets: torch.Tensor, b: int, nf: int
 ) -> GroupBatch:
@@ -122,11 +146,11 @@ def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None, use_tri
     """
     if use_triton:
         pooled = triton_kernels.pool(storage.tensor, batch.rows, batch.offsets, batch.scales)
-        return pooled.view(batch.batch_size, -1)
+        return pooled.view(batch.batch_size, batch.num_features * storage.width)
     if storage.dtype == torch.float32 and batch.one_hot:  # a plain gather (through the cache, if any)
         if isinstance(storage, TensorStorage):
-            return storage.tensor.index_select(0, batch.rows).view(batch.batch_size, -1)
-        return storage.read(batch.rows).view(batch.batch_size, -1)
+            return storage.tensor.index_select(0, batch.rows).view(batch.batch_size, batch.num_features * storage.width)
+        return storage.read(batch.rows).view(batch.batch_size, batch.num_features * storage.width)
     if isinstance(storage, TensorStorage) and storage.dtype == torch.float32:
         pooled = F.embedding_bag(
             batch.rows,
@@ -136,7 +160,7 @@ def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None, use_tri
             per_sample_weights=batch.scales,
             include_last_offset=True,
         )
-        return pooled.view(batch.batch_size, -1)
+        return pooled.view(batch.batch_size, batch.num_features * storage.width)
     num_ids, num_bags = batch.rows.numel(), batch.offsets.numel() - 1
     if num_ids == 0:
         return torch.zeros(batch.batch_size, batch.num_features * storage.width, device=batch.rows.device)
@@ -162,7 +186,7 @@ def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None, use_tri
             )
         )
     pooled = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return pooled.view(batch.batch_size, -1)
+    return pooled.view(batch.batch_size, batch.num_features * storage.width)
 
 
 def sort_by_row(
@@ -293,7 +317,9 @@ def group_gradient(grad_out: torch.Tensor, runs: list[tuple[int, int]], dim: int
 
 
 class FusedLookup(torch.autograd.Function):
-    """Pooled lookup of every group; backward updates the touched rows in place.
+    """Pooled lookup of every pooled group and row gather of every sequence group; backward updates
+    the touched rows in place. Outputs: the pooled [B, output_dim], then one [ids, D] per sequence
+    group (in group order).
 
     `anchor` is an empty tensor that requires grad: the tables are not autograd inputs (no table
     gradient is ever formed), so something must make autograd call backward.
@@ -301,45 +327,66 @@ class FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, anchor: torch.Tensor, engine: FusedEmbeddingCollection, batches: list[GroupBatch]
-    ) -> torch.Tensor:
+        ctx, anchor: torch.Tensor, engine: FusedEmbeddingCollection, batches: list[GroupBatch], batch_size: int
+    ) -> tuple[torch.Tensor, ...]:
         ctx.engine, ctx.batches = engine, batches
+        ctx.set_materialize_grads(False)  # an unused sequence's gradient stays None: nothing to add
         start = time.perf_counter()
         groups = engine.layout.groups
         device = batches[0].rows.device if batches else torch.device("cpu")
-        pooled = [
+        looked_up = [
             pool(engine.weights[gi], gb, engine.chunk_rows(gi, device), engine.triton_lookup(gi, device))
             for gi, gb in enumerate(batches)
         ]
-        out = assemble(pooled, [g.output_columns for g in groups], engine.layout.output_dim)
+        pooled = [p for p, g in zip(looked_up, groups, strict=True) if not g.sequence]
+        if pooled:
+            columns = [g.output_columns for g in groups if not g.sequence]
+            out = assemble(pooled, columns, engine.layout.output_dim)
+        else:
+            out = torch.zeros(batch_size, 0, device=device)
+        sequences = [p for p, g in zip(looked_up, groups, strict=True) if g.sequence]
         if engine.timings is not None:
             engine.timings["lookup"] += time.perf_counter() - start
-        return out
+        return (out, *sequences)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor | None, *grad_rows: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
         engine: FusedEmbeddingCollection = ctx.engine
         start = time.perf_counter()
-        grad_out = grad_out.to(torch.float32)
+        if grad_out is not None:
+            grad_out = grad_out.to(torch.float32)
         step = engine.num_updates + 1
+        sequence = 0
         for gi, (group, gb) in enumerate(zip(engine.layout.groups, ctx.batches, strict=True)):
             hook = engine.grad_hook
-            if gb.rows.numel() == 0 and hook is None:
+            if group.sequence:
+                grad_bags = grad_rows[sequence]
+                sequence += 1
+            else:
+                grad_bags = grad_out
+            if (gb.rows.numel() == 0 or grad_bags is None) and hook is None:
                 continue
-            grad_bags = group_gradient(grad_out, group.output_columns, group.dim)
-            hparams = engine.group_hparams(gi, grad_out.device)
-            if engine.triton_update(gi, grad_out.device):  # sums and updates in one kernel
+            device = gb.rows.device
+            if group.sequence:
+                grad_bags = gb.rows.new_zeros(gb.rows.numel(), group.dim, dtype=torch.float32) if grad_bags is None \
+                    else grad_bags.to(torch.float32).contiguous()  # fmt: skip
+            elif grad_bags is None:  # only sequences were used; the hook still needs its exchange
+                grad_bags = gb.rows.new_zeros(gb.batch_size * gb.num_features, group.dim, dtype=torch.float32)
+            else:
+                grad_bags = group_gradient(grad_bags, group.output_columns, group.dim)
+            hparams = engine.group_hparams(gi, device)
+            if engine.triton_update(gi, device):  # sums and updates in one kernel
                 triton_kernels.fused_update(
                     group.optimizer, sort_by_row(gb), grad_bags, hparams=hparams, step=step,
                     **engine.triton_update_args(gi),
                 )  # fmt: skip
                 continue
-            id_scale = engine.folded_lr(gi, hparams, grad_out.device)
+            id_scale = engine.folded_lr(gi, hparams, device)
             if id_scale is not None and hook is None and engine.adds_in_place(gi):  # plain SGD, fp32 table
                 add_row_gradients(engine.weights[gi].tensor, gb, grad_bags, id_scale)
                 continue
-            chunk_rows = engine.chunk_rows(gi, grad_out.device)
+            chunk_rows = engine.chunk_rows(gi, device)
             folded = id_scale is not None
             if hook is None:
                 for rows, grads in row_gradients(gb, grad_bags, chunk_rows, id_scale):
@@ -357,7 +404,7 @@ class FusedLookup(torch.autograd.Function):
         engine.num_updates = step
         if engine.timings is not None:
             engine.timings["update"] += time.perf_counter() - start
-        return None, None, None
+        return None, None, None, None
 
 
 def _blocks(n: int, size: int | None) -> list[tuple[int, int]]:
