@@ -354,6 +354,41 @@ class Comms:
 
         return Pending([got], finish)
 
+    def exchange_pieces(
+        self,
+        pieces: list[list[torch.Tensor]],
+        recv_shapes: list[list[tuple[int, int]]],
+        codec: Codec,
+        direction: str,
+        group: Group | None = None,
+    ) -> Pending:
+        """Like `exchange`, with several blocks per rank: pieces[k] (fp32 [rows, width] each, any
+        shapes) go to the group's k-th rank, all in one all_to_all; the result lists, per group rank,
+        what it sent us, decoded to fp32 and shaped recv_shapes[k] (e.g. the pooled block and the
+        rows of sequence features)."""
+
+        def size(r: int, c: int) -> int:
+            return r * codec.wire_width(c)
+
+        sizes = [[size(*p.shape) for p in per_rank] for per_rank in pieces]
+        device = next((p.device for per_rank in pieces for p in per_rank), None)
+        send = torch.empty(sum(map(sum, sizes)), dtype=codec.wire_dtype, device=device)
+        parts = send.split([n for per_rank in sizes for n in per_rank])
+        flat_pieces = [p for per_rank in pieces for p in per_rank]
+        for p, part in zip(flat_pieces, parts, strict=True):  # encode straight into the send buffer
+            codec.encode(p, part.view(p.shape[0], codec.wire_width(p.shape[1])))
+        recv_splits = [sum(size(r, c) for r, c in shapes) for shapes in recv_shapes]
+        got = self.all_to_all(send, [sum(s) for s in sizes], recv_splits, direction, group)
+
+        def finish() -> list[list[torch.Tensor]]:
+            out = []
+            for block, shapes in zip(got.wait().split(recv_splits), recv_shapes, strict=True):
+                wires = block.split([size(r, c) for r, c in shapes])
+                out.append([codec.decode(w.view(r, codec.wire_width(c))) for w, (r, c) in zip(wires, shapes, strict=True)])
+            return out
+
+        return Pending([got], finish)
+
     # ---- two hops: inside the node, then across nodes --------------------------------------------
     def two_hop(
         self, rows: torch.Tensor, block: int, combine: str, widths: list[int], codec: Codec, direction: str

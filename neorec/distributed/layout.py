@@ -5,6 +5,9 @@ other rank sends and receives. On a rank, units come in three runs, each in tabl
 flat (tw, cw, rw: exchanged with one all-to-all), twrw, twcw (exchanged in two hops); replicated
 (dp) tables are kept apart. A unit is looked up by the rank's local fused engine as a table of its
 own, named `<table>#<shard index>`, with features `<feature>#<shard index>`.
+
+Sequence tables (pooling none) fill no columns of the pooled output: their units' rows travel one
+per id (`sequences`, `sequence_features`), in tw, rw, cw or dp tables only.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from neorec.distributed.plan import Shard, ShardingPlan
 from neorec.distributed.topology import Topology
 from neorec.embedding.id_map import MapShard
-from neorec.embedding.tables import TableConfig, feature_order
+from neorec.embedding.tables import TableConfig, feature_order, pooled_tables
 
 ROW_SPLIT = ("rw", "twrw")
 
@@ -34,6 +37,11 @@ class Unit:
     def features(self) -> list[str]:
         return [f"{f}#{self.index}" for f in self.table.features]
 
+    @property
+    def sequence(self) -> bool:
+        """A shard of a table with pooling none: rows per id, no pooled columns."""
+        return self.table.pooling == "none"
+
     def local_table(self) -> TableConfig:
         """The shard as a table of the local engine. Row-split shards pool by sum: mean pooling is
         turned into per-id weights 1/(whole bag length) before the ids are split (input_dist)."""
@@ -43,7 +51,7 @@ class Unit:
             rows=self.shard.rows[1] - self.shard.rows[0],
             dim=self.width,
             features=self.features,
-            pooling="sum" if self.kind in ROW_SPLIT else t.pooling,
+            pooling="sum" if self.kind in ROW_SPLIT and t.pooling == "mean" else t.pooling,
             dtype=t.dtype,
             optimizer=t.optimizer,
             managed_collision=self.map_shard().config() if t.managed_collision is not None else None,
@@ -80,7 +88,7 @@ class ShardLayout:
         self.units = [self.flat[r] + self.twrw[r] + self.twcw[r] for r in range(W)]
 
         def width(units: list[Unit]) -> int:
-            return sum(u.width * len(u.table.features) for u in units)
+            return sum(u.width * len(u.table.features) for u in units if not u.sequence)
 
         self.flat_width = [width(self.flat[r]) for r in range(W)]
         # per node: the width of a twrw block (same on all its ranks) and of a combined twcw block
@@ -88,7 +96,17 @@ class ShardLayout:
         self.twcw_width = [L * width(self.twcw[topo.node_ranks(n)[0]]) for n in range(topo.num_nodes)]
         self.has_twrw = any(self.twrw_width)
         self.has_twcw = any(self.twcw_width)
-        self.dp_width = sum(t.dim * len(t.features) for t in self.dp_tables)
+        self.dp_width = sum(t.dim * len(t.features) for t in self.dp_tables if t.pooling != "none")
+        # per rank: the (unit, feature) pairs of its sequence shards, in its local order; their rows
+        # go back to the samples' ranks in the same exchange as the pooled blocks
+        self.sequences = [[(u, f) for u in self.flat[r] if u.sequence for f in u.table.features] for r in range(W)]
+        self.has_sequences = any(self.sequences)
+
+    def sequence_features(self) -> list[str]:
+        """The sequence features that go through the exchange (those of dp tables do not), in the
+        collection's sequence order."""
+        return [f for t in self.tables if t.pooling == "none" and self.plan.tables[t.name].kind != "dp"
+                for f in t.features]  # fmt: skip
 
     def local_tables(self, rank: int) -> list[TableConfig]:
         return [u.local_table() for u in self.units[rank]]
@@ -104,10 +122,11 @@ class ShardLayout:
         adds the k-th row shard of row-split tables (partial sums, added in shard order)."""
         topo, L = self.topo, self.topo.local_world_size
         out_off, off = {}, 0
-        for table in self.tables:
+        pooled = pooled_tables(self.tables)
+        for table in pooled:
             for f in table.features:
                 out_off[f], off = off, off + table.dim
-        assert list(out_off) == feature_order(self.tables)
+        assert list(out_off) == feature_order(pooled)
         terms: dict[int, tuple[list[int], list[int]]] = {}
 
         def add(term: int, dst: int, src: int, n: int) -> None:
@@ -119,6 +138,8 @@ class ShardLayout:
         for r in range(topo.world_size):
             col = base
             for u in self.flat[r]:
+                if u.sequence:
+                    continue
                 for f in u.table.features:
                     add(u.index if u.kind == "rw" else 0, out_off[f] + u.shard.cols[0], col, u.width)
                     col += u.width
@@ -139,7 +160,7 @@ class ShardLayout:
                         add(0, out_off[f] + u.shard.cols[0], col, u.width)
                         col += u.width
             base += self.twcw_width[n]
-        for t in self.dp_tables:
+        for t in pooled_tables(self.dp_tables):
             for f in t.features:
                 add(0, out_off[f], base, t.dim)
                 base += t.dim

@@ -6,7 +6,10 @@ Forward, from the local pooled [W * B, local width] (rows of rank s's samples at
 - flat shards (tw, cw, rw): one all-to-all; rank s gets [B, flat width of j] from every rank j;
 - twrw: two hops, partial sums added inside the node before crossing nodes;
 - twcw: two hops, column slices joined inside the node before crossing nodes;
-- dp: nothing to send (the replicated tables looked up the local batch).
+- dp: nothing to send (the replicated tables looked up the local batch);
+- sequence shards (pooling none): one row per id, back to the rank of the id's sample, in the flat
+  all-to-all next to the pooled block (sequence_dist.py says how many rows and how they are put
+  back in order). The function then also returns the received rows.
 The received blocks are placed straight into the output [B, sum of feature dims] (feature order)
 by column segments (`Assembly`): one concatenation of the runs of columns, after the model's dense
 vector when it passes one (EmbeddingCollection.pooled_after, so that the interaction's input is not
@@ -31,6 +34,7 @@ from torch.autograd.function import once_differentiable
 from neorec.distributed.codecs import Codec
 from neorec.distributed.comms import Comms
 from neorec.distributed.layout import ShardLayout
+from neorec.distributed.sequence_dist import SequenceRoutes
 
 
 class OutputDist(torch.autograd.Function):
@@ -47,19 +51,35 @@ class OutputDist(torch.autograd.Function):
         batch_size: int,
         timings: dict[str, float],
         assembly: Assembly,
-    ) -> torch.Tensor:
-        """-> [B, output width] in feature order, after `prefix` [B, P] when one is given."""
+        routes: SequenceRoutes | None = None,
+        *rows: torch.Tensor,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """-> [B, output width] in feature order, after `prefix` [B, P] when one is given.
+        With sequence shards (routes given, `rows` this rank's looked-up rows in layout.sequences
+        order): that, then the rows every rank sent back (by rank, in its layout.sequences order)."""
         topo, b = comms.topo, batch_size
         fwd = codecs[0]
         ctx.layout, ctx.comms, ctx.codecs, ctx.b, ctx.timings = layout, comms, codecs, b, timings
-        ctx.assembly = assembly
+        ctx.assembly, ctx.routes, ctx.device = assembly, routes, local.device
         ctx.prefix_width = prefix.shape[1] if prefix is not None else 0
         me = topo.rank
         fw, rw = layout.flat_width[me], layout.twrw_width[topo.node]
         flat = local[:, :fw]
         ctx.widths = (fw, rw, local.shape[1] - fw - rw)
         blocks = list(flat.reshape(topo.world_size, b, fw))
-        if any(layout.flat_width):
+        received: list[torch.Tensor] = []
+        if routes is not None:
+            ctx.set_materialize_grads(False)  # unused rows: no gradient to send but zeros
+            pieces = [[blocks[s], *_cut(rows, routes.send, s)] for s in range(topo.world_size)]
+            shapes = [
+                [(b, layout.flat_width[j]), *((n, u.width) for n, (u, _) in zip(routes.recv[j], layout.sequences[j], strict=True))]
+                for j in range(topo.world_size)
+            ]  # fmt: skip
+            got = []
+            for per_rank in comms.exchange_pieces(pieces, shapes, fwd, "fwd").wait():
+                got.append(per_rank[0])
+                received += per_rank[1:]
+        elif any(layout.flat_width):
             got = comms.exchange(blocks, [(b, w) for w in layout.flat_width], fwd, "fwd").wait()
         else:  # no flat shard anywhere (e.g. every table replicated): nothing to wait for
             got = [local.new_empty((b, 0)) for _ in layout.flat_width]
@@ -67,22 +87,41 @@ class OutputDist(torch.autograd.Function):
             got += comms.two_hop(local[:, fw : fw + rw], b, "sum", layout.twrw_width, fwd, "fwd")
         if layout.has_twcw:
             got += comms.two_hop(local[:, fw + rw :], b, "cat", layout.twcw_width, fwd, "fwd")
-        return assembly.place([*got, dp], b, prefix)
+        out = assembly.place([*got, dp], b, prefix)
+        return out if routes is None else (out, *received)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor | None, *grad_received: torch.Tensor | None):  # type: ignore[override]
         layout: ShardLayout = ctx.layout
         comms: Comms = ctx.comms
         topo, b, bwd = comms.topo, ctx.b, ctx.codecs[1]
+        routes: SequenceRoutes | None = ctx.routes
         start = time.perf_counter()
         p = ctx.prefix_width
+        if grad is None:  # only sequences were used
+            grad = torch.zeros(b, p + ctx.assembly.width, device=ctx.device)
         grad_prefix = grad[:, :p] if p else None
         pieces = ctx.assembly.cut(grad[:, p:], 1.0 / topo.world_size)
         grad_dp = pieces.pop()
         fw, rw, cw = ctx.widths
         w = topo.world_size
-        if any(layout.flat_width):  # decoded straight into this rank's [W * B, flat width] gradient
+        grad_rows: list[torch.Tensor] = []
+        if routes is not None:  # the rows' gradients go back with the pooled blocks' in one exchange
+            k, back = 0, []
+            for j in range(w):
+                mine = []
+                for n, (u, _) in zip(routes.recv[j], layout.sequences[j], strict=True):
+                    g = grad_received[k]
+                    mine.append(grad.new_zeros(n, u.width) if g is None else g * (1.0 / w))
+                    k += 1
+                back.append([pieces[j], *mine])
+            me = layout.sequences[topo.rank]
+            shapes = [[(b, fw), *((n, u.width) for n, (u, _) in zip(routes.send[s], me, strict=True))] for s in range(w)]
+            got = comms.exchange_pieces(back, shapes, bwd, "bwd").wait()
+            flat = torch.cat([per_rank[0] for per_rank in got]) if w > 1 else got[0][0]
+            grad_rows = [torch.cat([per_rank[1 + i] for per_rank in got]) for i in range(len(me))]
+        elif any(layout.flat_width):  # decoded straight into this rank's [W * B, flat width] gradient
             into = grad.new_empty((w * b, fw))
             flat = comms.exchange(pieces[:w], [(b, fw)] * w, bwd, "bwd", out=into).wait()
         else:
@@ -99,7 +138,17 @@ class OutputDist(torch.autograd.Function):
             parts.append(comms.two_hop_backward(pieces[k : k + n], b, "cat", slice_width, bwd, "bwd"))
         grad_local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         ctx.timings["output_dist_bwd"] += time.perf_counter() - start
-        return None, grad_local, grad_dp, grad_prefix, None, None, None, None, None, None
+        return None, grad_local, grad_dp, grad_prefix, None, None, None, None, None, None, None, *grad_rows
+
+
+def _cut(rows: list[torch.Tensor], send: list[list[int]], s: int) -> list[torch.Tensor]:
+    """The rows of rank s's ids, one block per sequence (unit, feature): each local batch holds
+    the ranks' ids one rank after another."""
+    out = []
+    for k, r in enumerate(rows):
+        start = sum(send[q][k] for q in range(s))
+        out.append(r[start : start + send[s][k]])
+    return out
 
 
 class Assembly:

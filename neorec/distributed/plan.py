@@ -140,6 +140,10 @@ class ShardingPlan:
                     raise ConfigError(f"{where}: 'node' must be in [0, {topo.num_nodes}), got {p.node}")
             elif p.node is not None:
                 raise ConfigError(f"{where}: 'node' only applies to twrw and twcw")
+            if t.pooling == "none" and p.kind in ("twrw", "twcw"):
+                raise ConfigError(
+                    f"{where}: a table with pooling none (rows per id) is sharded tw, rw, cw or dp, not {p.kind}"
+                )
             if p.kind in ("dp",) and p.ranks:
                 raise ConfigError(f"{where}: data-parallel tables live on every rank; drop 'ranks'")
             n = topo.local_world_size if p.kind in ("twrw", "twcw") else len(p.ranks)

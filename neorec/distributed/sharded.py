@@ -4,6 +4,7 @@ Per batch (each rank holds B samples of the global batch of W * B):
     input_dist(sparse)            ids to the ranks that hold their rows       (input_dist.py)
     lookup(local batch)           this rank's shards, one fused engine call   (fused engine)
     output_dist(local pooled)     pooled rows back to the samples' ranks      (output_dist.py)
+                                  (and sequence features' rows, one per id:   sequence_dist.py)
 and in backward the reverse exchange, then the fused update of the owned rows. Replicated (dp)
 tables are looked up locally; inside the fused backward their row gradients are summed over ranks
 and the copies kept equal (replicas.py: every rank applies the same SGD step, or each row's owner
@@ -38,6 +39,12 @@ from neorec.distributed.layout import ShardLayout
 from neorec.distributed.output_dist import Assembly, OutputDist
 from neorec.distributed.plan import STORAGE_TIERS, ShardingPlan
 from neorec.distributed.replicas import ReplicaSync
+from neorec.distributed.sequence_dist import (
+    ScaleGradient,
+    assemble_sequences,
+    build_routes,
+    local_sequence_rows,
+)
 from neorec.embedding.cache import TIERS as CACHE_TIERS
 from neorec.embedding.cache import CacheSettings, cached_storage_factory
 from neorec.embedding.collection import EmbeddingCollection
@@ -189,19 +196,43 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     def output(
         self, pooled_local: torch.Tensor, sparse: SparseBatch, prefix: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """output_dist + assembly: [B, output_dim] in feature order (after `prefix`, if given)."""
+        """output_dist + assembly: [B, output_dim] in feature order (after `prefix`, if given).
+        Pooled outputs only; `embed` exchanges sequence rows too."""
+        return self.exchange_outputs(pooled_local, sparse, prefix)[0]
+
+    def exchange_outputs(
+        self,
+        pooled_local: torch.Tensor,
+        sparse: SparseBatch,
+        prefix: torch.Tensor | None = None,
+        local: SparseBatch | None = None,
+        rows: dict[str, JaggedRows] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+        """output_dist + assembly: the pooled [B, output_dim] (after `prefix`, if given) and, when the
+        local batch and its looked-up sequence rows are given, every sequence feature's rows."""
         b = sparse.batch_size
         if self.dp_features:
-            dp = self.replicated(sparse)
+            dp, dp_rows = self.replicated.embed(sparse)
         else:
-            dp = torch.zeros(b, 0, device=sparse.values.device)
+            dp, dp_rows = torch.zeros(b, 0, device=sparse.values.device), {}
         start = time.perf_counter()
         anchor = torch.empty(0, device=dp.device, requires_grad=True)
+        exchanged = self.layout.has_sequences and local is not None and rows is not None
+        routes = build_routes(self.layout, sparse, local) if exchanged else None
+        sent = local_sequence_rows(self.layout, rows) if exchanged else []
         out = OutputDist.apply(
-            anchor, pooled_local, dp, prefix, self.layout, self.comms, self.codecs, b, self.timings, self._assembly
+            anchor, pooled_local, dp, prefix, self.layout, self.comms, self.codecs, b, self.timings, self._assembly,
+            routes, *sent,
         )  # fmt: skip
+        sequences: dict[str, JaggedRows] = {}
+        if exchanged:
+            out, *received = out
+            sequences = assemble_sequences(self.layout, routes, received, sparse)
         self.timings["output_dist"] += time.perf_counter() - start
-        return out
+        scale = 1.0 / self.topo.world_size  # as the exchanged outputs' gradients (output_dist.py)
+        for f, r in dp_rows.items():
+            sequences[f] = JaggedRows(ScaleGradient.apply(r.values, scale), r.lengths)
+        return out, {f: sequences[f] for f in self.sequence_names if f in sequences}
 
     def prefetch(self, sparse: SparseBatch) -> None:
         """Start the id exchange of a coming batch on a background thread (on its own communicator);
@@ -233,15 +264,19 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         return local
 
     def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
-        if self.sequence_names:
-            raise ConfigError(f"sharded tables cannot have pooling none: {self.sequence_names}")
-        return self.forward(sparse), {}
+        """The pooled vectors and the sequences: one id exchange, one lookup, one output exchange."""
+        return self._embed(None, sparse)
 
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
-        return self.pooled_after(None, sparse)
+        return self._embed(None, sparse)[0]
 
     def pooled_after(self, prefix: torch.Tensor | None, sparse: SparseBatch) -> torch.Tensor:
         """[prefix | pooled] assembled in one pass (see EmbeddingCollection.pooled_after)."""
+        return self._embed(prefix, sparse)[0]
+
+    def _embed(
+        self, prefix: torch.Tensor | None, sparse: SparseBatch
+    ) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
         start = time.perf_counter()
         if self._ahead and self._ahead[0][0] is sparse:
             local = self._exchanged(self._ahead.popleft()[1])  # "input_dist" is then the time spent waiting
@@ -252,7 +287,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 work.result()
             local = self.input_dist_(sparse).wait()
         self.timings["input_dist"] += time.perf_counter() - start
-        return self.output(self.lookup(local), sparse, prefix)
+        pooled_local, rows = self.local.embed(local)
+        return self.exchange_outputs(pooled_local, sparse, prefix, local, rows)
 
     def _prefetch_rows(self) -> None:
         """Bring the local rows of every prefetched batch not yet brought in into the shards' caches
