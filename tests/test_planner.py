@@ -56,6 +56,39 @@ def no_dp(plan: dict) -> dict:
 B_ON_3 = {"input_dist": 3 * (2 * 4 + 2 * 8), "bwd": 2 * 12 * 2}  # rank 0 -> 3: b (2 features) and c; grads
 
 
+def test_sequence_tables_are_costed_by_rows_per_id():
+    """A table with pooling none sends one row per id: its exchange grows with the bag size, a
+    pooled table's does not; their weights and state take the same memory; no two-hop options."""
+    tables = [
+        TableConfig(name="p", rows=100, dim=4, features=["fp"]),
+        TableConfig(name="s", rows=100, dim=4, features=["fs"], pooling="none"),
+    ]
+    plan = ShardingPlan.from_dict({"tables": {"p": {"kind": "tw", "ranks": [1]}, "s": {"kind": "tw", "ranks": [2]}}})
+    cluster = this_machine(4, calibration=dict(CALIBRATED_CPU), memory=2**34).with_ranks(4, 2)
+
+    def costs(ids: float) -> dict[str, tuple[float, float, dict]]:
+        workload = build_workload(tables, "adagrad", 8, ids_per_feature={"fp": ids, "fs": ids})
+        traffic = plan_traffic(plan, workload, TOPO)
+        out = {}
+        for name, owner in (("p", 1), ("s", 2)):  # rank 0's 2 samples: rows in (fp16), gradients out (bf16)
+            exchanged = traffic.matrices["fwd"][owner, 0] + traffic.matrices["bwd"][0, owner]
+            (option,) = table_options(workload.by_name[name], workload, cluster, ("tw",), ("device",))
+            out[name] = (exchanged, option.everyone, option.piece_memory[0])
+        return out
+
+    one, five = costs(1.0), costs(5.0)
+    per_row = (4 + 1) * 2 + 4 * 2
+    assert one["p"][0] == five["p"][0] == 2 * per_row  # one pooled row per bag, whatever the bag size
+    empty_block = 2 * 1 * 2  # rank 2's pooled block has no columns, but fp16 sends its scale column
+    assert one["s"][0] == 2 * per_row + empty_block and five["s"][0] == 5 * 2 * per_row + empty_block
+    assert five["s"][1] - one["s"][1] > five["p"][1] - one["p"][1] > 0  # ids cost both; rows only s
+    weights_and_state = {k: v for k, v in one["s"][2].items() if k != "device"}
+    assert weights_and_state == {k: v for k, v in one["p"][2].items() if k != "device"}
+    workload = build_workload(tables, "adagrad", 8)
+    kinds = {o.kind for o in table_options(workload.by_name["s"], workload, cluster, ("tw", "twrw", "twcw", "rw"))}
+    assert kinds == {"tw", "rw"}
+
+
 def test_bytes_table_wise():
     got = sent_by(no_dp({"a": {"kind": "tw", "ranks": [1]}}))
     # ids to rank 1: 2 lengths (int32) + 2 ids (int64); fwd: rank 0 holds nothing, still one fp16 column
@@ -202,6 +235,61 @@ def _count_bytes(topo: Topology):
     out = emb(mixed_local_batch())
     out.backward(torch.ones_like(out))
     return comms.stats.take()
+
+
+SEQUENCE_TABLES = [
+    TableConfig(name="p", rows=20, dim=4, features=["fp"]),
+    TableConfig(name="s", rows=30, dim=4, features=["fs", "fs2"], pooling="none"),
+    TableConfig(name="c", rows=10, dim=8, features=["fc"], pooling="none"),
+]
+SEQUENCE_PLAN = {"tables": {"p": {"kind": "tw", "ranks": [1]}, "s": {"kind": "rw", "ranks": [1, 0]},
+                            "c": {"kind": "cw", "ranks": [0, 1]}}}  # fmt: skip
+
+
+def sequence_local_batch():
+    from neorec.sparse import SparseBatch
+
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.tensor([2, 0, 3, 1])
+    return SparseBatch.from_features(
+        {f: (torch.randint(0, t.rows, (6,), generator=g), lengths) for t in SEQUENCE_TABLES for f in t.features}
+    )
+
+
+def _count_sequence_bytes(topo: Topology):
+    from neorec.distributed.comms import Comms
+    from neorec.distributed.sharded import ShardedEmbeddingCollection
+
+    comms = Comms(topo)
+    emb = ShardedEmbeddingCollection(
+        SEQUENCE_TABLES, EmbeddingOptimizerConfig(name="adagrad", lr=0.1), ShardingPlan.from_dict(SEQUENCE_PLAN),
+        comms, forward_precision="fp16", backward_precision="bf16",
+    )  # fmt: skip
+    emb.build_optimizer()
+    comms.stats.take()
+    pooled, sequences = emb.embed(sequence_local_batch())
+    torch.autograd.backward([pooled, *(r.values for r in sequences.values())],
+                            [torch.ones_like(pooled), *(torch.ones_like(r.values) for r in sequences.values())])  # fmt: skip
+    return comms.stats.take()
+
+
+@pytest.mark.distributed
+def test_predicted_sequence_bytes_equal_counted_bytes_on_two_gloo_processes(tmp_path):
+    from dist_helpers import spawn
+
+    from neorec.planner import measure_access
+    from neorec.sparse import SparseBatch
+
+    counted = spawn(2, _count_sequence_bytes, tmp_path=tmp_path)
+    local = sequence_local_batch()
+    parts = {k: local.feature(k)[:2] for k in local.keys}
+    everyone = SparseBatch.from_features({k: (ids.repeat(2), lengths.repeat(2)) for k, (ids, lengths) in parts.items()})
+    ids, samples, weighted = measure_access(SEQUENCE_TABLES, [everyone])
+    workload = build_workload(SEQUENCE_TABLES, "adagrad", 8, ids, samples, "fp16", "bf16", weighted)
+    traffic = plan_traffic(ShardingPlan.from_dict(SEQUENCE_PLAN), workload, Topology(2, 0, 2))
+    for rank, got in counted.items():
+        for direction in ("input_dist", "fwd", "bwd"):
+            assert traffic.sent(rank, direction) == pytest.approx(got.get(direction, 0), abs=1e-6), (rank, direction)
 
 
 @pytest.mark.distributed

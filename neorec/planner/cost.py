@@ -88,7 +88,8 @@ def shard_work(
     where = PLACEMENTS[tier]
     mem = cluster.tier(where.cache_in or where.rows_in)  # where rows are read and updated
     wb = load.weight_bytes
-    pooled = batch * len(t.features) * width * 4
+    # the output it serves: a pooled row per bag, or one row per id for a sequence table (pooling none)
+    pooled = (ids if t.pooling == "none" else batch * len(t.features)) * width * 4
     stages = dict.fromkeys(STAGES, 0.0)
     stages["lookup"] = ids * cluster.lookup_per_id + (ids * width * wb + pooled) / mem.lookup_bandwidth
     # rows touched anywhere in the global batch (dp: each replica's share of them, see below)
@@ -150,7 +151,8 @@ def owner_work(
     and encoding their gradients. A replicated table is only assembled and scaled."""
     b = workload.batch_size / cluster.world_size
     ids = b * load.ids_per_sample
-    elements = b * len(load.table.features) * load.table.dim
+    sequence = load.table.pooling == "none"  # one row per id instead of a pooled row per bag
+    elements = (ids if sequence else b * len(load.table.features)) * load.table.dim
     fe, be = wire_element_bytes(workload.forward_precision), wire_element_bytes(workload.backward_precision)
     speed = cluster.stream_bandwidth
     out = dict.fromkeys(STAGES, 0.0)
@@ -170,7 +172,8 @@ def owner_work(
         ops += features * (6 + 8 * num_shards)
     out["input_dist"] += ops * cluster.op_overhead
     # every row shard sends a partial sum: decoded and added (forward), gathered and encoded (backward)
-    received = elements * (num_shards if kind in ROW_SPLIT else 1)
+    # (a sequence table's id rows come from one row shard each)
+    received = elements * (num_shards if kind in ROW_SPLIT and not sequence else 1)
     out["output_dist"] = received * ((fe + 4) + 8) / speed  # decode, then assemble
     out["output_dist_bwd"] = elements * 8 / speed + received * (8 + 4 + be) / speed  # scale by 1/W, gather, encode
     return out

@@ -13,7 +13,8 @@ Mirrors, line by line:
   row-split table is mean-pooled;
 - output_dist.py: one flat all-to-all of [B, flat width of the sender] rows (backward: of the
   receiver), then comms.two_hop for twrw / twcw (hop 1 to node peers: [N * B, d]; hop 2 across nodes:
-  [B, d] for sums, [B, L * d] for joined column slices) when any node has such tables;
+  [B, d] for sums, [B, L * d] for joined column slices) when any node has such tables; sequence
+  shards (pooling none) add one row of their width per id they looked up for the receiver's samples;
 - codecs.py: fp32 4 bytes, bf16 2, fp16 2 with one extra column per block;
 - replicas.py `ReplicaSync`: per group of replicated tables, a count, then either the touched rows
   (int64) and their gradients (codec) to every rank, or a dense all-reduce of [rows, dim + 1]; for
@@ -92,6 +93,13 @@ def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology) -> Traf
     flat = np.array(layout.flat_width)
     mats["fwd"] += np.array([wire_bytes(fp, b, w) for w in flat])[:, None]
     mats["bwd"] += np.array([wire_bytes(bp, b, w) for w in flat])[None, :]
+    for src in range(W):  # sequence shards: one row per id of each rank's samples, in the same exchange
+        for unit, f in layout.sequences[src]:
+            load = workload.by_name[unit.table.name]
+            share = load.share(*unit.shard.rows) if unit.kind in ROW_SPLIT else 1.0
+            rows = b * load.ids_per_feature[f] * share
+            mats["fwd"][src, :] += wire_bytes(fp, rows, unit.width)
+            mats["bwd"][:, src] += wire_bytes(bp, rows, unit.width)
     for combine, has, node_widths in (
         ("sum", layout.has_twrw, layout.twrw_width),
         ("cat", layout.has_twcw, layout.twcw_width),

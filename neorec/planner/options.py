@@ -8,7 +8,7 @@ and for dp the whole table's work). The link part is exchanges.py's arithmetic r
 each byte is charged once to sender and once to receiver:
 
 flat shard (tw, rw, cw), X = bytes it exchanges with one peer per step (its ids, pooled rows and
-gradients for that peer's B samples): its rank moves (W - 1) X; every other rank moves X. So each
+gradients for that peer's B samples; a sequence table's rows are one per id, not per bag): its rank moves (W - 1) X; every other rank moves X. So each
 rank pays X in `everyone` and the piece adds (W - 2) X (split intra/inter by the node layout).
 
 Compute and elementwise work come from cost.shard_work, the function the cost model uses.
@@ -101,6 +101,8 @@ def table_options(
         kinds = tuple(k for k in kinds if k in MANAGED_COLLISION_KINDS)
         splits["rw"] = [k for k in splits["rw"] if mc.buckets % k == 0]
         tiers = tuple(t for t in tiers if PLACEMENTS[t].cache_in is None)
+    if load.table.pooling == "none":  # rows per id have no two-hop exchange (plan.validate)
+        kinds = tuple(k for k in kinds if k not in ("twrw", "twcw"))
     for tier in tiers:
         if "tw" in kinds:
             out.append(_flat(load, "tw", 1, tier, workload, cluster))
@@ -169,7 +171,8 @@ def _flat(load: TableLoad, kind: str, k: int, tier: str, workload: Workload, clu
         shards, works = shards[:1], works[:1]
     for (rows, width), work in zip(shards, works, strict=True):
         share = load.share(*rows) if kind in ROW_KINDS else 1.0
-        x = b * (F * 4 + p * share * _id_bytes(load, workload, kind)) + b * F * width * wire
+        rows_out = b * p * share if load.table.pooling == "none" else b * F  # rows per id, or per bag
+        x = b * (F * 4 + p * share * _id_bytes(load, workload, kind)) + rows_out * width * wire
         piece_link = (W - 2) * x if W > 1 else 0.0
         costs.append(
             sum(work.stages.values())
