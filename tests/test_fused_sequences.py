@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fused_cuda import KERNEL_DEVICE, needs_triton
 from test_fused_engine import DTYPES, Float64Reference, random_batch
 
 from neorec.embedding.fused import FusedEmbeddingCollection
@@ -75,24 +76,27 @@ class SequenceReference(Float64Reference):
                 self._update(t.name, row, grads[t.name][row], lrs[t.name])
 
 
-def train(tables, opt, steps: int, seed: int, weighted: bool = True, chunk_elements: int | None = 1 << 17):
-    """Train the engine and the reference side by side; returns both and every step's outputs."""
+def train(tables, opt, steps: int, seed: int, weighted: bool = True, chunk_elements: int | None = 1 << 17,
+          device: str = "cpu", kernels: str = "auto"):  # fmt: skip
+    """Train the engine and the reference side by side; returns both and every step's outputs
+    (on the CPU). device, kernels: where the engine runs and with which kernels."""
     gen = torch.Generator().manual_seed(seed)
-    engine = FusedEmbeddingCollection(tables, opt)
+    engine = FusedEmbeddingCollection(tables, opt, device=device, kernels=kernels)
     engine.chunk_elements = chunk_elements
     ref = SequenceReference(tables, opt)
     optimizer = engine.build_optimizer()
     outputs = []
     for _ in range(steps):
         sparse = random_batch(tables, gen, batch_size=9, weighted=weighted)
-        pooled, seqs = engine.embed(sparse)
-        outputs.append(((pooled.detach(), {f: r.values.detach() for f, r in seqs.items()}), ref.forward(sparse),
-                        ref.sequences(sparse)))  # fmt: skip
+        pooled, seqs = engine.embed(sparse.to(device))
+        outputs.append(((pooled.detach().cpu(), {f: r.values.detach().cpu() for f, r in seqs.items()}),
+                        ref.forward(sparse), ref.sequences(sparse)))  # fmt: skip
         for f, rows in seqs.items():
-            assert torch.equal(rows.lengths, sparse.feature(f)[1])
+            assert torch.equal(rows.lengths.cpu(), sparse.feature(f)[1])
         grad_out = torch.randn(pooled.shape, generator=gen)
         grad_rows = {f: torch.randn(r.values.shape, generator=gen) for f, r in seqs.items()}
-        torch.autograd.backward([pooled, *(seqs[f].values for f in grad_rows)], [grad_out, *grad_rows.values()])
+        torch.autograd.backward([pooled, *(seqs[f].values for f in grad_rows)],
+                                [grad_out.to(device), *(g.to(device) for g in grad_rows.values())])  # fmt: skip
         ref.backward_and_update(sparse, grad_out, grad_rows, {t.name: opt.lr for t in tables})
         optimizer.step()
     return engine, ref, outputs
@@ -103,15 +107,26 @@ def train(tables, opt, steps: int, seed: int, weighted: bool = True, chunk_eleme
 def test_sequences_match_float64_reference(name: str, weighted: bool) -> None:
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, weight_decay=0.01 if name == "adagrad" else 0.0,
                                    initial_accumulator=0.01)  # fmt: skip
-    tables = make_tables()
-    engine, ref, outputs = train(tables, opt, steps=4, seed=len(name) + weighted, weighted=weighted)
+    assert_matches_reference(*train(make_tables(), opt, steps=4, seed=len(name) + weighted, weighted=weighted))
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_triton_kernels_match_float64_reference(name: str) -> None:
+    """The Triton lookup and fused update (on a GPU, or the CPU under TRITON_INTERPRET=1)."""
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
+    assert_matches_reference(*train(make_tables(), opt, steps=3, seed=7, device=KERNEL_DEVICE, kernels="triton"))
+
+
+def assert_matches_reference(engine, ref, outputs) -> None:
+    tables = ref.tables
     for (pooled, seqs), want_pooled, want_seqs in outputs:
         assert list(seqs) == ["clicks", "views", "tag"]
         torch.testing.assert_close(pooled.double(), want_pooled, rtol=1e-5, atol=1e-6)
         for f, rows in seqs.items():
             assert rows.dtype == torch.float32
             torch.testing.assert_close(rows.double(), want_seqs[f], rtol=1e-5, atol=1e-6)
-    state = engine.state_dict()
+    state = {k: v.cpu() for k, v in engine.state_dict().items()}
     for t in tables:
         torch.testing.assert_close(state[f"tables.{t.name}.weight"].double(), ref.weights[t.name], rtol=1e-5, atol=1e-6)
         for k, v in ref.state[t.name].items():
