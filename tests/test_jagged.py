@@ -1,4 +1,5 @@
-"""JaggedRows (the rows of a sequence feature) and the reference engine's unpooled lookups."""
+"""JaggedRows (the rows of a sequence feature), the reference engine's unpooled lookups, and the
+ranking models and configs that refuse tables with pooling none."""
 
 from __future__ import annotations
 
@@ -76,3 +77,11 @@ def test_ranking_models_refuse_sequence_tables():
 
 def test_table_override_accepts_pooling_none():
     assert TableOverride(pooling="none").pooling == "none"
+
+
+def test_config_refuses_pooling_none_for_ranking_models():
+    from neorec.config.load import validate_config
+    from neorec.errors import ConfigError as Error
+
+    with pytest.raises(Error, match=r"dcnv2 reads pooled embeddings only.*\['C3'\].*pooling none"):
+        validate_config({"model": {"arch": "dcnv2"}, "embedding": {"tables": {"C3": {"pooling": "none"}}}})

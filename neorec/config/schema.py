@@ -497,6 +497,16 @@ class RunConfig(Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _pooled_models(self) -> RunConfig:
+        sequences = sorted(n for n, o in self.embedding.tables.items() if o.pooling == "none")
+        if sequences and self.model.arch in ("dlrm", "dcnv2"):
+            raise ValueError(
+                f"model.arch {self.model.arch} reads pooled embeddings only, but embedding.tables {sequences} "
+                "have pooling none; set their pooling to sum or mean"
+            )
+        return self
+
     @property
     def resolved_output_dir(self) -> str:
         return self.output_dir.replace("{name}", self.name)
