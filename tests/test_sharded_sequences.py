@@ -54,19 +54,20 @@ class SequenceModel(nn.Module):
         return self.top(torch.cat(parts, dim=1)).squeeze(1)
 
 
-def train(embeddings, batches, world=1, rank=0, comms=None):
+def train(embeddings, batches, world=1, rank=0, comms=None, pipeline=False):
     model = SequenceModel(embeddings)
     emb_opt = embeddings.build_optimizer()
     dense = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
-    return run_steps(model, embeddings, emb_opt, torch.optim.SGD(dense, lr=0.05), batches, rank, world, comms)
+    opt = torch.optim.SGD(dense, lr=0.05)
+    return run_steps(model, embeddings, emb_opt, opt, batches, rank, world, comms, pipeline=pipeline)
 
 
-def sharded_run(topo: Topology, plan: dict, optimizer_name: str):
+def sharded_run(topo: Topology, plan: dict, optimizer_name: str, pipeline: bool = False):
     tables = make_tables()
     batches = make_batches(tables, STEPS, BATCH)
     comms = Comms(topo)
     emb = ShardedEmbeddingCollection(tables, optimizer_config(optimizer_name), ShardingPlan.from_dict(plan), comms)
-    losses = train(emb, batches, topo.world_size, topo.rank, comms)
+    losses = train(emb, batches, topo.world_size, topo.rank, comms, pipeline)
     return losses, emb.gather_tables()
 
 
@@ -101,6 +102,12 @@ PLANS_2 = {
 def test_two_ranks_match_single_process(kind, tmp_path):
     results = spawn(2, sharded_run, (PLANS_2[kind], "adagrad"), tmp_path=tmp_path)
     check_against_single(results, "adagrad")
+
+
+def test_pipelined_training_matches_single_process(tmp_path):
+    """The next batch's id exchange on a background thread (neorec.train.pipeline) changes nothing."""
+    results = spawn(2, sharded_run, (PLANS_2["rw"], "rowwise_adagrad", True), tmp_path=tmp_path)
+    check_against_single(results, "rowwise_adagrad")
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
