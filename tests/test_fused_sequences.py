@@ -178,3 +178,27 @@ def test_only_sequence_tables_and_empty_batches() -> None:
     seqs["clicks"].to_padded()[0].sum().backward()
     changed = (engine.table_weights()["history"] != before).any(dim=1).nonzero().view(-1).tolist()
     assert changed == [3, 5]
+
+
+@pytest.mark.parametrize("tier", ["dram", "ssd"])
+def test_cached_sequence_tables_train_as_plain_ones(tier: str, tmp_path) -> None:
+    """Sequence tables behind a row cache (a tenth of the rows in RAM, prefetched a batch ahead as
+    the pipeline does) give bitwise the rows and updates of plain tables."""
+    from test_cache import cached_engine
+
+    tables = make_tables()
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.1)
+    plain, cached = FusedEmbeddingCollection(tables, opt), cached_engine(tables, opt, tmp_path, tier=tier)
+    gen = torch.Generator().manual_seed(9)
+    batches = [random_batch(tables, gen, batch_size=9) for _ in range(4)]
+    for i, sparse in enumerate(batches):
+        if i + 1 < len(batches):
+            cached.prefetch(batches[i + 1])
+        (pa, sa), (pb, sb) = plain.embed(sparse), cached.embed(sparse)
+        assert torch.equal(pa, pb) and all(torch.equal(sa[f].values, sb[f].values) for f in sa)
+        grads = [torch.randn(pa.shape, generator=gen), *(torch.randn(r.values.shape, generator=gen) for r in sa.values())]
+        torch.autograd.backward([pa, *(r.values for r in sa.values())], grads)
+        torch.autograd.backward([pb, *(r.values for r in sb.values())], grads)
+    want, got = plain.state_dict(), cached.state_dict()
+    for key, value in want.items():
+        assert torch.equal(torch.as_tensor(got[key]), value), key
