@@ -4,9 +4,10 @@ with duplicate ids, empty samples, weights, odd dims, fp16 storage and small upd
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
-from test_fused_cuda import KERNEL_DEVICE, needs_triton
 from test_fused_engine import DTYPES, Float64Reference, random_batch
 
 from neorec.embedding.fused import FusedEmbeddingCollection
@@ -110,12 +111,18 @@ def test_sequences_match_float64_reference(name: str, weighted: bool) -> None:
     assert_matches_reference(*train(make_tables(), opt, steps=4, seed=len(name) + weighted, weighted=weighted))
 
 
-@needs_triton
-@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad"])
-def test_triton_kernels_match_float64_reference(name: str) -> None:
-    """The Triton lookup and fused update (on a GPU, or the CPU under TRITON_INTERPRET=1)."""
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (scripts/install-test-deps.sh)")
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_triton_kernels_match_float64_reference(name: str, monkeypatch) -> None:
+    """The Triton lookup and fused update of sequence groups (on a GPU, or the CPU through Triton's
+    interpreter: tests/conftest.py), with no group left to the torch path."""
+    from test_triton_kernels import DEVICE, torch_path_update
+
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
-    assert_matches_reference(*train(make_tables(), opt, steps=3, seed=7, device=KERNEL_DEVICE, kernels="triton"))
+    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
+    engine, ref, outputs = train(make_tables(), opt, steps=3, seed=7, device=DEVICE, kernels="triton")
+    assert all(engine.triton_update(gi, torch.device(DEVICE)) for gi in range(len(engine.layout.groups)))
+    assert_matches_reference(engine, ref, outputs)
 
 
 def assert_matches_reference(engine, ref, outputs) -> None:
