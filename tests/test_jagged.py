@@ -85,3 +85,13 @@ def test_config_refuses_pooling_none_for_ranking_models():
 
     with pytest.raises(Error, match=r"dcnv2 reads pooled embeddings only.*\['C3'\].*pooling none"):
         validate_config({"model": {"arch": "dcnv2"}, "embedding": {"tables": {"C3": {"pooling": "none"}}}})
+
+
+def test_sequence_tables_refuse_managed_collision():
+    from neorec.embedding.fused import FusedEmbeddingCollection
+    from neorec.embedding.tables import ManagedCollisionConfig
+
+    table = TableConfig(name="history", rows=8, dim=4, features=["clicks"], pooling="none",
+                        managed_collision=ManagedCollisionConfig())  # fmt: skip
+    with pytest.raises(ConfigError, match=r"'history': managed_collision is for pooled tables"):
+        FusedEmbeddingCollection([table], EmbeddingOptimizerConfig())

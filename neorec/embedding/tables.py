@@ -78,7 +78,7 @@ def sequence_tables(tables: list[TableConfig]) -> list[TableConfig]:
 
 
 def check_tables(tables: list[TableConfig]) -> None:
-    """Unique table names, and each feature served by exactly one table."""
+    """Unique table names, each feature served by exactly one table, managed collision where it applies."""
     from neorec.errors import ConfigError
 
     names = [t.name for t in tables]
@@ -92,6 +92,11 @@ def check_tables(tables: list[TableConfig]) -> None:
                 raise ConfigError(f"feature {f!r} is looked up by both table {seen[f]!r} and table {t.name!r}")
             seen[f] = t.name
         mc = t.managed_collision
+        if mc is not None and t.pooling == "none":
+            raise ConfigError(
+                f"table {t.name!r}: managed_collision is for pooled tables (an id its map drops would vanish "
+                "from a sequence); set pooling to sum or mean, or drop managed_collision"
+            )
         if mc is not None and t.rows % mc.buckets:
             raise ConfigError(
                 f"table {t.name!r}: managed_collision.buckets {mc.buckets} must divide its {t.rows} rows "
