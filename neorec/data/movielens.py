@@ -10,6 +10,15 @@ Features, all ids in [0, num_ids):
             "(no genres listed)" gives an empty bag;
 - "year":   release year from the title's trailing "(1995)" (or "(2006–2007)" -> 2006), clipped to
             [1900, 2020] -> 1 + (year - 1900); 0 is the dedicated "unknown year" id.
+With `history=N` (N > 0), two more, for sequential models (neorec/model/din.py):
+- "history":       the movie indices of the same user's last N ratings strictly before this one in
+                   (timestamp, movieId) order, oldest first; empty for a user's first rating;
+- "history_liked": for each of those, 1 if it was rated >= 4, else 0 (as long as "history").
+A rating's history holds earlier ratings only, never the rating itself or later ones. With
+`history_from="all"` they come from either side of the split: a held-out rating's history includes
+the user's earlier held-out ratings, as a deployed model scoring a movie at that moment would know
+everything the user rated before it. With "train" only training ratings enter histories, so a
+held-out rating's history stops at the split (docs/sequential.md, "What a history may hold").
 Dense features (no label leakage: none is derived from any rating value):
 - release year, (year - 1900) / 120, clipped to [0, 1]; unknown -> the mean over movies with a year;
 - rating time, the timestamp min-max scaled to [0, 1] over all of ratings.csv;
@@ -51,6 +60,7 @@ from neorec.sparse import SparseBatch
 
 FEATURES = ("user", "movie", "genres", "year")
 LABELS = {"like": 4.0, "love": 4.5, "ok": 3.0}  # label name -> the rating threshold it is 1 from
+HISTORY_FROM = ("all", "train")
 DENSE_NAMES = ["release_year", "rating_time", "age_when_rated"]
 NO_GENRES = "(no genres listed)"
 YEAR_MIN, YEAR_MAX = 1900, 2020
@@ -98,6 +108,34 @@ def split_by_global_time(
     order = np.lexsort((movie, timestamp))
     cut = len(order) - round(val_fraction * len(order))
     return torch.from_numpy(np.sort(order[:cut])), torch.from_numpy(np.sort(order[cut:]))
+
+
+def rating_histories(
+    user: np.ndarray, timestamp: np.ndarray, movie: np.ndarray, length: int, eligible: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pool, start, lengths): rating i's history is pool[start[i] : start[i] + lengths[i]], the rows of
+    the same user's last min(length, k) ratings of the k that precede it in (timestamp, movieId)
+    order, oldest first. `eligible` (bool per rating, default all): only those ratings enter
+    histories; `pool` holds them sorted by (user, timestamp, movieId)."""
+    order = np.lexsort((movie, timestamp, user))
+    keep = np.ones(len(order), dtype=bool) if eligible is None else eligible[order]
+    before = np.cumsum(keep) - keep  # eligible ratings before each sorted position: an index into pool
+    counts = np.bincount(user)
+    first = np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)  # user's run start, per sorted row
+    user_start = before[first]
+    sorted_start = np.maximum(user_start, before - length)
+    start = np.empty(len(order), dtype=np.int64)
+    lengths = np.empty(len(order), dtype=np.int64)
+    start[order] = sorted_start
+    lengths[order] = before - sorted_start
+    return order[keep], start, lengths
+
+
+def gather_runs(start: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenated ranges [start[b], start[b] + lengths[b]) of every b: the positions of jagged rows."""
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    first = torch.cumsum(lengths, 0) - lengths  # output offset of each run
+    return torch.arange(int(lengths.sum())) - first[owner] + start[owner]
 
 
 def _read_csv(path: Path, columns: list[str]) -> tuple[list[int], list[list[str]]]:
@@ -151,6 +189,8 @@ class MovieLensSource:
         val_fraction: float = 0.1,
         split: str = "user_time",
         labels: list[str] | None = None,
+        history: int = 0,
+        history_from: str = "all",
     ) -> None:
         unknown = [name for name in labels or () if name not in LABELS]
         if unknown:
@@ -159,6 +199,10 @@ class MovieLensSource:
             raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
         if split not in SPLITS:
             raise ConfigError(f"data.movielens.split must be one of {SPLITS}, got {split!r}")
+        if history < 0:
+            raise ConfigError(f"data.movielens.history must be >= 0 (0: no history features), got {history}")
+        if history_from not in HISTORY_FROM:
+            raise ConfigError(f"data.movielens.history_from must be one of {HISTORY_FROM}, got {history_from!r}")
         self.root = Path(root)
         if not self.root.is_dir():
             raise DataError(
@@ -181,14 +225,33 @@ class MovieLensSource:
         else:
             self.train_index, self.val_index = split_ratings(len(self.rating), seed, val_fraction)
 
+        self.history = history
+        self.history_from = history_from
+        if history:
+            eligible = None
+            if history_from == "train":
+                eligible = np.zeros(len(self.rating), dtype=bool)
+                eligible[self.train_index.numpy()] = True
+            pool, start, lengths = rating_histories(
+                self.user.numpy(), self.timestamp.numpy(), self.movie.numpy(), history, eligible
+            )
+            self.history_movie = self.movie[torch.from_numpy(pool)]
+            self.history_liked = (self.rating[torch.from_numpy(pool)] >= LABELS["like"]).to(torch.int64)
+            self.history_start = torch.from_numpy(start)
+            self.history_lengths = torch.from_numpy(lengths)
+
+        features = [
+            FeatureSpec("user", len(self.user_ids)),
+            FeatureSpec("movie", len(self.movie_ids)),
+            FeatureSpec("genres", len(self.genre_names), multi_hot=True),
+            FeatureSpec("year", YEAR_MAX - YEAR_MIN + 2),
+        ]
+        if history:
+            features += [FeatureSpec("history", len(self.movie_ids), multi_hot=True),
+                         FeatureSpec("history_liked", 2, multi_hot=True)]  # fmt: skip
         self.info = SourceInfo(
             num_dense=len(DENSE_NAMES),
-            features=[
-                FeatureSpec("user", len(self.user_ids)),
-                FeatureSpec("movie", len(self.movie_ids)),
-                FeatureSpec("genres", len(self.genre_names), multi_hot=True),
-                FeatureSpec("year", YEAR_MAX - YEAR_MIN + 2),
-            ],
+            features=features,
             num_train_samples=len(self.train_index),
             notes={"dense": DENSE_NAMES, "num_train": len(self.train_index), "num_val": len(self.val_index)},
         )
@@ -278,27 +341,31 @@ class MovieLensSource:
     def batch(self, rows: torch.Tensor) -> Batch:
         """The Batch of the given rating rows (indices into ratings.csv order)."""
         ones = torch.ones(len(rows), dtype=torch.int64)
-        sparse = self._features(self.user[rows], ones, self.movie[rows])
-        return Batch(self.dense[rows], sparse, self.labels[rows])
+        features = self._features(self.user[rows], ones, self.movie[rows])
+        if self.history:
+            lengths = self.history_lengths[rows]
+            pos = gather_runs(self.history_start[rows], lengths)
+            features["history"] = (self.history_movie[pos], lengths)
+            features["history_liked"] = (self.history_liked[pos], lengths)
+        return Batch(self.dense[rows], SparseBatch.from_features(features), self.labels[rows])
 
     def item_catalog(self) -> SparseBatch:
         """Every movie once, in movie index order: its movie, genres and year, and an empty user bag
         (what a two-tower model's item tower reads to score the whole item set)."""
         movie = torch.arange(len(self.movie_ids))
-        return self._features(torch.zeros(0, dtype=torch.int64), torch.zeros(len(movie), dtype=torch.int64), movie)
+        users = torch.zeros(0, dtype=torch.int64)
+        return SparseBatch.from_features(self._features(users, torch.zeros(len(movie), dtype=torch.int64), movie))
 
-    def _features(self, users: torch.Tensor, user_lengths: torch.Tensor, movie: torch.Tensor) -> SparseBatch:
+    def _features(
+        self, users: torch.Tensor, user_lengths: torch.Tensor, movie: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{feature: (ids, lengths)} of the user and movie features (SparseBatch.from_features' input)."""
         ones = torch.ones(len(movie), dtype=torch.int64)
-        # Gather each movie's genre bag: position k of the output belongs to bag b = owner[k].
         lengths = self.movie_genre_lengths[movie]
-        owner = torch.repeat_interleave(torch.arange(len(movie)), lengths)
-        first = torch.cumsum(lengths, 0) - lengths  # output offset of each bag
-        pos = torch.arange(int(lengths.sum())) - first[owner] + self.movie_genre_offsets[movie][owner]
-        return SparseBatch.from_features(
-            {
-                "user": (users, user_lengths),
-                "movie": (movie, ones),
-                "genres": (self.movie_genre_values[pos], lengths),
-                "year": (self.movie_year_id[movie], ones),
-            }
-        )
+        pos = gather_runs(self.movie_genre_offsets[movie], lengths)  # each movie's genre bag
+        return {
+            "user": (users, user_lengths),
+            "movie": (movie, ones),
+            "genres": (self.movie_genre_values[pos], lengths),
+            "year": (self.movie_year_id[movie], ones),
+        }
