@@ -76,6 +76,17 @@ class MovieLensConfig(Strict):
         description="held-out ratings: each user's last ones by time, the last ones of all, or a seeded random "
         "share (leaks each user's future into training)",
     )
+    history: int = Field(
+        0,
+        ge=0,
+        description="add features history (the movies of the user's last N earlier ratings) and history_liked "
+        "(whether each was rated >= 4), for model.arch din; 0: none",
+    )
+    history_from: Literal["all", "train"] = Field(
+        "all",
+        description="ratings that fill histories: all earlier ones (a held-out rating's history includes the "
+        "user's earlier held-out ratings, known when serving) or training ratings only (stops at the split)",
+    )
 
 
 class PreprocessedConfig(Strict):
@@ -229,11 +240,39 @@ class TwoTowerConfig(Strict):
         return self
 
 
+class DINConfig(Strict):
+    """model.arch din: the target's embedding attends over a history feature (neorec/model/din.py)."""
+
+    target: str = Field("movie", min_length=1, description="pooled feature whose embedding queries the history")
+    history: str = Field(
+        "history", min_length=1, description="sequence feature (its table has pooling none) of the user's past items"
+    )
+    history_side: list[str] = Field(
+        default_factory=lambda: ["history_liked"],
+        description="sequence features aligned with history whose rows are added to its rows position by position",
+    )
+    max_len: int = Field(50, gt=0, description="history positions the attention reads (the most recent ones)")
+    attention_mlp: list[int] = Field([64, 16], description="hidden sizes of the attention unit's MLP")
+    cross_layers: int = Field(
+        0, ge=0, description="DCNv2 cross layers over [dense, pooled, interest] before the top MLP (0: none)"
+    )
+
+    @model_validator(mode="after")
+    def _sizes(self) -> DINConfig:
+        if any(s <= 0 for s in self.attention_mlp):
+            raise ValueError("attention_mlp sizes must be > 0")
+        return self
+
+    @property
+    def sequence_features(self) -> list[str]:
+        return [self.history, *self.history_side]
+
+
 class ModelConfig(Strict):
-    arch: Literal["dlrm", "dcnv2", "deepfm", "multitask", "two_tower"] = Field(
+    arch: Literal["dlrm", "dcnv2", "deepfm", "multitask", "two_tower", "din"] = Field(
         "dlrm",
         description="dot-interaction DLRM, DCNv2 cross network, DeepFM, multi-task heads on a dlrm/dcnv2 trunk, "
-        "or two-tower retrieval",
+        "two-tower retrieval, or DIN target attention over a history",
     )
     bottom_mlp: list[int] = Field([512, 256, 64, 16], min_length=1, description="bottom MLP layer sizes")
     top_mlp: list[int] = Field([512, 256], description="top MLP hidden sizes (a final 1-unit layer is added)")
@@ -246,6 +285,7 @@ class ModelConfig(Strict):
     trunk: Literal["dlrm", "dcnv2"] = Field("dlrm", description="multitask: the shared trunk's architecture")
     tasks: list[TaskConfig] = Field([], description="multitask: one head per task, in this order")
     two_tower: TwoTowerConfig = Field(default_factory=TwoTowerConfig, description="two_tower: towers and loss")
+    din: DINConfig = Field(default_factory=DINConfig, description="din: the target and history features")
 
     @model_validator(mode="after")
     def _positive(self) -> ModelConfig:
@@ -495,7 +535,32 @@ class RunConfig(Strict):
                     f"model.bottom_mlp must end in embedding.dim ({self.embedding.dim}) for {arch}'s pairwise "
                     f"interaction, got {self.model.bottom_mlp}"
                 )
+        if self.model.arch == "din":
+            self._check_din()
         return self
+
+    def _check_din(self) -> None:
+        """What din needs of the data and the tables, said in the keys to set."""
+        din = self.model.din
+        if self.data.source == "movielens" and self.data.movielens.history == 0:
+            raise ValueError(
+                "model.arch din needs a history feature: set data.movielens.history to the number of past "
+                "ratings per sample (e.g. 50)"
+            )
+        for name in din.sequence_features:
+            override = self.embedding.tables.get(name)
+            pooling = override.pooling if override and override.pooling else self.embedding.pooling
+            if pooling != "none":
+                raise ValueError(
+                    f"model.arch din reads feature {name!r} as a sequence (model.din), but its table has "
+                    f"pooling {pooling}: set embedding.tables.{name}.pooling: none"
+                )
+        override = self.embedding.tables.get(din.target)
+        if override and override.pooling == "none":
+            raise ValueError(
+                f"model.din.target {din.target!r} is the query and must be pooled: set "
+                f"embedding.tables.{din.target}.pooling to sum or mean"
+            )
 
     @model_validator(mode="after")
     def _pooled_models(self) -> RunConfig:

@@ -65,7 +65,10 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
         from neorec.data.movielens import MovieLensSource
 
         m = d.movielens
-        return MovieLensSource(m.root, seed=cfg.seed, val_fraction=m.val_fraction, split=m.split, labels=labels)
+        return MovieLensSource(
+            m.root, seed=cfg.seed, val_fraction=m.val_fraction, split=m.split, labels=labels, history=m.history,
+            history_from=m.history_from,
+        )  # fmt: skip
     raise ConfigError(f"data.source {d.source!r} is not known")  # pragma: no cover - Literal checked
 
 
@@ -319,6 +322,14 @@ def build_model(
 
     m = cfg.model
     torch.manual_seed(cfg.seed)  # MLP init depends on the seed alone
+    if m.arch == "din":
+        from neorec.model.din import DIN
+
+        d = m.din
+        return DIN(
+            info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, d.target, d.history, d.history_side, d.max_len,
+            d.attention_mlp, d.cross_layers, m.precision,
+        )  # fmt: skip
     if m.arch == "deepfm":
         from neorec.model.deepfm import DeepFM
 
