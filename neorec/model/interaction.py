@@ -6,33 +6,43 @@ import torch
 from torch import nn
 
 
-class PairwiseDots(torch.autograd.Function):
-    """dots[b, k] = <x[b, i_k], x[b, j_k]> for the (i_k, j_k) pairs given by flat = i * F + j.
+class DotInteractionFn(torch.autograd.Function):
+    """[x[:, 0], dots] with dots[b, k] = <x[b, i_k], x[b, j_k]> for the pairs flat = i * F + j.
 
-    Forward is one batched Gram product and a gather. Backward forms one symmetric matrix
-    S = G + G^T, where G holds each pair's incoming gradient at (i, j), and returns S @ x: one
-    batched product, where autograd through bmm(x, x^T) and the advanced index would take two
-    products, a scatter and a sum of the two operand gradients (about 3x slower on CPU at
-    B=2048, F=27, D=64). A pair on the diagonal (self-interaction) gets 2 * g * x_i, as it must.
+    Forward is one batched Gram product and a gather of the pairs. Backward returns S @ x (one
+    batched product), where S is the symmetric matrix holding each pair's incoming gradient at both
+    (i, j) and (j, i): S is gathered straight from the incoming gradient (`sym`: for each of the
+    F * F positions, the column it reads) in one pass, and the gradient of the x[:, 0] prefix is
+    added to row 0 of the product. Autograd through bmm(x, x^T), an advanced index and a concat would
+    take two products, a scatter, zero-filled buffers for the prefix and the sum of the operand
+    gradients. A pair on the diagonal (self-interaction) reads a doubled copy of its gradient, since
+    d<x_i, x_i>/dx_i = 2 x_i.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        # Under autocast both products run in its dtype; backward (where autocast is off) uses the
+    def forward(
+        ctx, x: torch.Tensor, flat: torch.Tensor, sym: torch.Tensor, diag: torch.Tensor
+    ) -> torch.Tensor:  # type: ignore[override]
+        # Under autocast the products run in its dtype; backward (where autocast is off) uses the
         # same dtype explicitly and hands back a gradient of x's own dtype.
         xc = x.to(autocast_dtype(x))
-        ctx.save_for_backward(xc, flat)
+        ctx.save_for_backward(xc, sym, diag)
         ctx.input_dtype = x.dtype
         b, f, _ = x.shape
-        return torch.bmm(xc, xc.transpose(1, 2)).view(b, f * f).index_select(1, flat)
+        dots = torch.bmm(xc, xc.transpose(1, 2)).view(b, f * f).index_select(1, flat)
+        return torch.cat([x[:, 0], dots.to(x.dtype)], dim=1)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        xc, flat = ctx.saved_tensors
-        b, f, _ = xc.shape
-        sym = xc.new_zeros(b, f * f).index_copy_(1, flat, grad.to(xc.dtype).contiguous()).view(b, f, f)
-        sym = sym + sym.transpose(1, 2)
-        return torch.bmm(sym, xc).to(ctx.input_dtype), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        xc, sym, diag = ctx.saved_tensors
+        b, f, d = xc.shape
+        pairs = grad[:, d:]
+        # the column each diagonal position reads: zeros, or the doubled self-interaction gradients
+        extra = pairs.index_select(1, diag) * 2 if diag.numel() else pairs.new_zeros(b, 1)
+        s = torch.cat([pairs, extra], dim=1).to(xc.dtype).index_select(1, sym).view(b, f, f)
+        dx = torch.bmm(s, xc).to(ctx.input_dtype)
+        dx[:, 0] += grad[:, :d]
+        return dx, None, None, None
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype:
@@ -57,9 +67,24 @@ class DotInteraction(nn.Module):
     def __init__(self, num_vectors: int, self_interaction: bool = False) -> None:
         super().__init__()
         self.num_vectors = num_vectors
-        offset = 0 if self_interaction else -1
-        rows, cols = torch.tril_indices(num_vectors, num_vectors, offset=offset)
-        self.register_buffer("flat", rows * num_vectors + cols, persistent=False)
+        n = num_vectors
+        rows, cols = torch.tril_indices(n, n, offset=0 if self_interaction else -1)
+        self.register_buffer("flat", rows * n + cols, persistent=False)
+        # backward's gather: position (i, j) of the symmetric gradient reads pair (max, min); the
+        # diagonal reads the column after the pairs (zeros), or with self-interaction column
+        # num_pairs + i (its pair's gradient, doubled), whose pairs `diag` lists
+        pair = torch.full((n, n), -1, dtype=torch.long)
+        pair[rows, cols] = torch.arange(rows.numel())
+        pair = torch.maximum(pair, pair.T)
+        diagonal = torch.arange(n)
+        if self_interaction:
+            diag = pair[diagonal, diagonal].clone()
+            pair[diagonal, diagonal] = rows.numel() + diagonal
+        else:
+            diag = torch.zeros(0, dtype=torch.long)
+            pair[diagonal, diagonal] = rows.numel()
+        self.register_buffer("sym", pair.reshape(-1), persistent=False)
+        self.register_buffer("diag", diag, persistent=False)
 
     @property
     def num_pairs(self) -> int:
@@ -70,8 +95,7 @@ class DotInteraction(nn.Module):
         EmbeddingCollection.pooled_after gives them) -> [B, d + num_pairs]."""
         b = vectors.shape[0]
         d = vectors.shape[1] // self.num_vectors
-        dots = PairwiseDots.apply(vectors.view(b, self.num_vectors, d), self.flat)
-        return torch.cat([vectors[:, :d], dots], dim=1)
+        return DotInteractionFn.apply(vectors.view(b, self.num_vectors, d), self.flat, self.sym, self.diag)
 
 
 class CrossNetwork(nn.Module):
