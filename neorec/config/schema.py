@@ -440,6 +440,11 @@ class TrainConfig(Strict):
     keep_freed_memory: bool = Field(
         True, description="glibc keeps freed memory for reuse instead of page-faulting it in anew (neorec/utils/host.py)"
     )
+    compile: bool = Field(
+        False,
+        description="compile the dense stages (MLPs, interaction) with torch.compile; the embeddings stay eager "
+        "(needs a C++ compiler on CPU; the first steps wait for compilation)",
+    )
     dense_optimizer: DenseOptimizerConfig = Field(default_factory=DenseOptimizerConfig, description="MLP optimizer")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="learning-rate schedule")
 

@@ -79,11 +79,18 @@ class DLRM(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [B] ([B, num_outputs] for several outputs)."""
-        device = batch.dense.device
-        with dense_autocast(device, self.precision):
-            dense_out = self.bottom(batch.dense)
+        dense_out = self.bottom_stage(batch.dense)
         vectors = self.embeddings.pooled_after(dense_out, batch.sparse)  # [dense_out | pooled]
-        with dense_autocast(device, self.precision):
+        return self.top_stage(vectors)
+
+    def bottom_stage(self, dense: torch.Tensor) -> torch.Tensor:
+        """The bottom MLP: dense features [B, num_dense] -> [B, d]."""
+        with dense_autocast(dense.device, self.precision):
+            return self.bottom(dense)
+
+    def top_stage(self, vectors: torch.Tensor) -> torch.Tensor:
+        """Interaction and top MLP: [dense_out | pooled] -> logits [B] ([B, num_outputs])."""
+        with dense_autocast(vectors.device, self.precision):
             hidden = self.top[:-1](self.interaction(vectors))
         return last_layer(self.top, hidden)
 
@@ -112,10 +119,18 @@ class DCNv2(nn.Module):
         self.top = build_mlp(width, top_mlp + [num_outputs], last_activation=False)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        device = batch.dense.device
-        with dense_autocast(device, self.precision):
-            dense_out = self.bottom(batch.dense)
-        x0 = self.embeddings.pooled_after(dense_out.float(), batch.sparse)  # [dense_out | pooled]
-        with dense_autocast(device, self.precision):
+        """Logits [B] ([B, num_outputs] for several outputs)."""
+        dense_out = self.bottom_stage(batch.dense)
+        x0 = self.embeddings.pooled_after(dense_out, batch.sparse)  # [dense_out | pooled]
+        return self.top_stage(x0)
+
+    def bottom_stage(self, dense: torch.Tensor) -> torch.Tensor:
+        """The bottom MLP: dense features [B, num_dense] -> [B, bottom_mlp[-1]] in fp32."""
+        with dense_autocast(dense.device, self.precision):
+            return self.bottom(dense).float()
+
+    def top_stage(self, x0: torch.Tensor) -> torch.Tensor:
+        """Cross network and deep MLP: [dense_out | pooled] -> logits [B] ([B, num_outputs])."""
+        with dense_autocast(x0.device, self.precision):
             hidden = self.top[:-1](self.cross(x0))
         return last_layer(self.top, hidden)

@@ -33,6 +33,7 @@ from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.remap import map_log_values
 from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.metrics.evaluation import binary_metrics
+from neorec.model.compile import apply_compile
 from neorec.train.build import (
     build_dense_optimizer,
     build_embeddings,
@@ -173,6 +174,8 @@ class Trainer:
         self.tables = build_tables(cfg, self.source.info)
         self.embeddings = build_embeddings(cfg, self.tables, self.comms, self.device)
         self.model = build_model(cfg, self.source.info, self.embeddings, self.source).to(self.device)
+        if cfg.train.compile:
+            apply_compile(self.model, self.device)
         dense = dense_parameters(self.model)
         self.dense_opt = build_dense_optimizer(cfg.train.dense_optimizer, dense)
         self.dense_sync = None
