@@ -3,6 +3,7 @@
     python benchmarks/vs_torchrec.py --preset kaggle_sgd
     python benchmarks/vs_torchrec.py --preset mlperf_multihot --repeats 3 --steps 100
     python benchmarks/vs_torchrec.py --preset kaggle_rowwise_adagrad --torchrec-python /path/to/venv/bin/python
+    python benchmarks/vs_torchrec.py --preset kaggle_sgd --compile    # neorec eager and with train.compile
 
 TorchRec's side is its DLRM over a FusedEmbeddingBagCollection (FBGEMM's CPU table-batched kernels,
 the optimizer fused into backward); neorec's side is its DLRM over the fused embedding engine. The
@@ -11,7 +12,9 @@ batches are drawn once by neorec's synthetic generator and saved, and every run 
 ...) so that the machine's drift hits both sides alike; each run reports samples/s over its timed
 steps (after `--warmup`), its peak RSS, and the held-out AUC after training. Each side is also run
 dense-only: the same MLPs and interaction with the pooled embeddings replaced by a fixed tensor, so
-that what the embedding part and everything around it cost shows as the difference.
+that what the embedding part and everything around it cost shows as the difference. With --compile
+neorec also runs with its dense stages compiled (train.compile, neorec/model/compile.py); the
+compilation happens in the untimed warm-up steps.
 
 TorchRec may live in a virtual environment of its own (torch 2.13 + fbgemm-gpu-cpu 1.8.0 + torchrec
 1.8.0 installed with --no-deps, then tensordict, torchmetrics==1.0.3, tqdm, pyre-extensions; or
@@ -78,7 +81,7 @@ def make_batches(preset: dict, batch_size: int, steps: int, eval_batches: int, s
 
 
 # ---- one run, in a process of its own ---------------------------------------------------------------
-def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: bool):
+def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: bool, compiled: bool = False):
     from torch import nn
 
     from neorec.embedding import EmbeddingOptimizerConfig, FusedEmbeddingCollection, TableConfig
@@ -100,6 +103,10 @@ def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: boo
         emb = FixedPooled()
     torch.manual_seed(0)
     model = DLRM(13, emb, preset["bottom"], preset["top"])
+    if compiled:
+        from neorec.model.compile import apply_compile
+
+        apply_compile(model, torch.device("cpu"))
     emb_opt = emb.build_optimizer() if not dense_only else None
     dense = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
 
@@ -113,7 +120,7 @@ def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: boo
     return model, dense, emb_opt, step
 
 
-def torchrec_model(preset: dict, rows: list[int], keys: list[str], dense_only: bool):
+def torchrec_model(preset: dict, rows: list[int], keys: list[str], dense_only: bool, compiled: bool = False):
     from torch import nn
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.models.dlrm import DLRM
@@ -152,7 +159,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     preset = PRESETS[args.preset]
     data = torch.load(args.data, weights_only=True)
     build = neorec_model if args.side == "neorec" else torchrec_model
-    model, dense, emb_opt, step = build(preset, data["rows"], data["keys"], args.dense_only)
+    model, dense, emb_opt, step = build(preset, data["rows"], data["keys"], args.dense_only, args.compiled)
     opt_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[preset["dense_opt"]]
     dense_opt = opt_cls(dense, lr=preset["dense_lr"])
     times = []
@@ -190,12 +197,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--torchrec-python", default=sys.executable, help="python of TorchRec's environment")
     p.add_argument("--no-dense-only", action="store_true", help="skip the dense-only runs")
+    p.add_argument("--compile", action="store_true", help="also run neorec with its dense stages compiled")
     p.add_argument("--dir", default="runs/vs_torchrec", help="where the shared batches are written")
     p.add_argument("--no-append", action="store_true")
     # worker mode
     p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--dense-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.side:
         print(json.dumps(run_worker(args)))
@@ -206,19 +215,27 @@ def main() -> None:
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         make_batches(preset, args.batch_size, args.steps, args.eval_batches, 0, path)
-    kinds = [(side, False) for side in SIDES] + ([] if args.no_dense_only else [(s, True) for s in SIDES])
-    runs: dict[tuple[str, bool], list[dict]] = {k: [] for k in kinds}
+    sides = [(side, False) for side in SIDES] + ([("neorec", True)] if args.compile else [])  # (side, compiled)
+    kinds = [(s, False, c) for s, c in sides] + ([] if args.no_dense_only else [(s, True, c) for s, c in sides])
+    runs: dict[tuple[str, bool, bool], list[dict]] = {k: [] for k in kinds}
     for r in range(args.repeats):
-        for side, dense_only in kinds:
+        for kind in kinds:
+            side, dense_only, compiled = kind
             python = args.torchrec_python if side == "torchrec" else sys.executable
             cmd = [python, __file__, "--side", side, "--preset", args.preset, "--data", str(path),
-                   "--threads", str(args.threads), "--warmup", str(args.warmup)] + (["--dense-only"] if dense_only else [])  # fmt: skip
+                   "--threads", str(args.threads), "--warmup", str(args.warmup)]  # fmt: skip
+            cmd += (["--dense-only"] if dense_only else []) + (["--compiled"] if compiled else [])
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 raise SystemExit(f"{side} run failed:\n{out.stderr[-3000:]}")
-            runs[(side, dense_only)].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"repeat {r + 1} {side}{' dense-only' if dense_only else ''}: {runs[(side, dense_only)][-1]}", flush=True)
+            runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"repeat {r + 1} {label(kind)}: {runs[kind][-1]}", flush=True)
     print(report(args, runs))
+
+
+def label(kind: tuple[str, bool, bool]) -> str:
+    side, dense_only, compiled = kind
+    return side + (" compiled" if compiled else "") + (" dense-only" if dense_only else "")
 
 
 def report(args: argparse.Namespace, runs: dict) -> str:
@@ -228,11 +245,11 @@ def report(args: argparse.Namespace, runs: dict) -> str:
         return statistics.median(x[key] for x in rs)
 
     rows = []
-    base = med("samples_per_s", runs[("torchrec", False)])
-    for (side, dense_only), rs in runs.items():
+    base = med("samples_per_s", runs[("torchrec", False, False)])
+    for (side, dense_only, compiled), rs in runs.items():
         sps = [x["samples_per_s"] for x in rs]
         rows.append([
-            side + (" dense-only" if dense_only else ""), round(med("samples_per_s", rs)),
+            label((side, dense_only, compiled)), round(med("samples_per_s", rs)),
             f"{min(sps):,.0f} - {max(sps):,.0f}", f"{med('samples_per_s', rs) / base:.2f}x",
             round(med("ms_per_step", rs), 1), round(med("peak_rss_mib", rs)),
             "-" if dense_only else f"{med('auc', rs):.4f}",
