@@ -74,19 +74,19 @@ def interaction_forms(f: int):
     }
 
 
-def time_rounds(variants: dict, repeats: int, steps: int) -> dict[str, list[float]]:
+def time_rounds(variants: dict, repeats: int, steps: int, clock=time.perf_counter) -> dict[str, list[float]]:
     """Mean ms per call of each variant, one number per round, rounds interleaved."""
     out: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(repeats):
         for name, fn in variants.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(steps):
                 fn()
-            out[name].append(1000 * (time.perf_counter() - t0) / steps)
+            out[name].append(1000 * (clock() - t0) / steps)
     return out
 
 
-def interaction_table(preset: dict, batch: int, repeats: int, steps: int) -> list[list[object]]:
+def interaction_table(preset: dict, batch: int, repeats: int, steps: int, clock) -> list[list[object]]:
     f, d = NUM_FEATURES + 1, preset["dim"]
     v0 = torch.randn(batch, f * d)
     forms = interaction_forms(f)
@@ -107,7 +107,7 @@ def interaction_table(preset: dict, batch: int, repeats: int, steps: int) -> lis
         assert torch.allclose(out, want[0], atol=1e-4) and torch.allclose(g, want[1], atol=1e-3), name
         variants[name] = run
         run()  # warm
-    times = time_rounds(variants, repeats, steps)
+    times = time_rounds(variants, repeats, steps, clock)
     return summarize(times)
 
 
@@ -181,26 +181,33 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="calls timed together in a round")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-interaction", action="store_true", help="skip the interaction table")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with the process's CPU time (all threads) instead of the wall clock: on a machine "
+                   "shared with other work, time spent descheduled does not count (use with --threads 1, "
+                   "where no thread waits for another)")  # fmt: skip
     p.add_argument("--no-append", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     preset = PRESETS[args.preset]
     from common import append_results, markdown_table
 
-    header = ["variant", "ms (median)", "range", "speed vs first"]
+    unit = "CPU ms" if args.cpu_time else "ms"
+    header = ["variant", f"{unit} (median)", "range", "speed vs first"]
     tables = []
     if not args.no_interaction:
-        rows = interaction_table(preset, args.batch_size, args.repeats, args.steps)
+        rows = interaction_table(preset, args.batch_size, args.repeats, args.steps, clock)
         tables.append(("dot interaction forward + backward", markdown_table(header, rows)))
     variants = dense_step_variants(preset, args.batch_size, args.threads)
-    rows = summarize(time_rounds(variants, args.repeats, args.steps))
+    rows = summarize(time_rounds(variants, args.repeats, args.steps, clock))
     tables.append(("dense-only training step", markdown_table(header, rows)))
     for title, table in tables:
         print(f"\n{title}\n{table}")
     if not args.no_append:
         notes = (f"Preset {args.preset} (dim {preset['dim']}, bottom {preset['bottom']}, top {preset['top']}, "
                  f"dense optimizer {preset['dense_opt']}); batch {args.batch_size}; {args.repeats} interleaved "
-                 f"rounds of {args.steps} calls, {args.threads} threads.")  # fmt: skip
+                 f"rounds of {args.steps} calls, {args.threads} threads, "
+                 f"{'process CPU time' if args.cpu_time else 'wall clock'}.")  # fmt: skip
         text = "\n\n".join(f"**{title}**\n\n{table}" for title, table in tables)
         append_results(f"Dense half on the CPU: {args.preset}", text, notes)
 
