@@ -10,7 +10,7 @@ and neorec's DotInteractionFn (gather-built S, prefix gradient added in place). 
 training step (bottom MLP, interaction, top MLP, loss, backward, dense optimizer; the pooled
 embeddings are a fixed tensor) of neorec's DLRM: eager with out-of-place and with in-place ReLUs
 (neorec's MLPs), and with `train.compile` (torch.compile of the dense stages, neorec/model/compile.py),
-the batch size dynamic (neorec's setting) or static.
+the batch size static (neorec's setting) or dynamic.
 
 Everything runs in this one process, in interleaved rounds (each variant once per round), so that
 a shared machine's drift hits every variant alike; the table gives each variant's median over
@@ -115,13 +115,13 @@ def dense_step_variants(preset: dict, batch: int, threads: int) -> dict:
     from neorec.model.compile import apply_compile
 
     out = {}
-    for name in ("eager, ReLU out of place", "eager", "compiled", "compiled, static batch size"):
+    for name in ("eager, ReLU out of place", "eager", "compiled", "compiled, dynamic batch size"):
         model = dense_only_dlrm(preset)
         if name == "eager, ReLU out of place":
             for relu in (m for m in model.modules() if isinstance(m, torch.nn.ReLU)):
                 relu.inplace = False
         elif name != "eager":
-            apply_compile(model, torch.device("cpu"), dynamic=name == "compiled")
+            apply_compile(model, torch.device("cpu"), dynamic=name != "compiled")
         dense = [p for p in model.parameters() if p.requires_grad]
         opt_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[preset["dense_opt"]]
         opt = opt_cls(dense, lr=preset["dense_lr"])

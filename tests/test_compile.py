@@ -26,7 +26,7 @@ def has_cpp_compiler() -> bool:
     return True
 
 
-# 3000 samples in batches of 256: 11 full batches and one of 184, so the dynamic batch size is used
+# 3000 samples in batches of 256: 11 full batches and one of 184, which gets kernels of its own
 TINY = [
     "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 1000]", "data.synthetic.num_sparse=4",
     "data.synthetic.train_samples=3000", "data.synthetic.eval_samples=500", "data.batch_size=256",
@@ -41,7 +41,9 @@ def config(compiled: bool, *extra: str):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not has_cpp_compiler(), reason="torch.compile's CPU kernels need a C++ compiler (g++/clang++)")
+@pytest.mark.skipif(
+    not has_cpp_compiler(), reason="torch.compile's CPU kernels need a C++ compiler (g++/clang++)"
+)
 def test_compiled_training_matches_eager_and_checkpoints_are_interchangeable(tmp_path):
     eager = Trainer(config(False), tmp_path / "eager").fit()
     compiled_trainer = Trainer(config(True), tmp_path / "compiled")
@@ -96,7 +98,7 @@ def test_missing_cpp_compiler_is_a_config_error(monkeypatch):
 
 
 def test_a_failing_compilation_names_the_setting(monkeypatch):
-    def broken_compile(fn, dynamic=True):
+    def broken_compile(fn, dynamic=False):
         def run(x):
             raise RuntimeError("C++ compile error: cannot build the kernel")
 

@@ -8,8 +8,10 @@ evaluation (no gradients, another batch size) would cost compilations of its own
 short next to training. Parameters and buffers are the model's own, so `state_dict` keys do not change
 (no `_orig_mod.` prefixes) and checkpoints move freely between compiled and eager runs.
 
-The batch dimension is compiled dynamic from the first call, so the smaller last batch of an epoch
-(or of a rank's share) reuses the same kernels instead of compiling a second time.
+Each batch size gets kernels of its own (static shapes): the training batch, and the smaller last
+batch of an epoch (or of a rank's share) once more, which is the same size every epoch, so a run
+compiles each stage twice at most and never again after. Kernels compiled for a dynamic batch size
+would spare that second compilation but run slower every step on the CPU (benchmarks/dense_step.py).
 """
 
 from __future__ import annotations
@@ -54,7 +56,11 @@ class CompiledStage:
     """A dense stage that runs compiled while the model trains and eagerly otherwise."""
 
     def __init__(
-        self, model: nn.Module, name: str, eager: Callable[[torch.Tensor], torch.Tensor], dynamic: bool = True
+        self,
+        model: nn.Module,
+        name: str,
+        eager: Callable[[torch.Tensor], torch.Tensor],
+        dynamic: bool = False,
     ) -> None:
         self.model, self.name, self.eager = model, name, eager
         self.compiled = torch.compile(eager, dynamic=dynamic)
@@ -76,9 +82,9 @@ class CompiledStage:
         return out
 
 
-def apply_compile(model: nn.Module, device: torch.device, dynamic: bool = True) -> nn.Module:
-    """Compile the dense stages of `model` (a DLRM or DCNv2) in place; returns the model. dynamic=False
-    compiles for the first batch size seen (another size recompiles)."""
+def apply_compile(model: nn.Module, device: torch.device, dynamic: bool = False) -> nn.Module:
+    """Compile the dense stages of `model` (a DLRM or DCNv2) in place; returns the model. dynamic=True
+    compiles the batch dimension as a symbol (one compilation for every batch size)."""
     check_compiler(device)
     for name in STAGES:
         eager = getattr(model, name, None)
