@@ -11,9 +11,9 @@ from torch import nn
 def build_mlp(in_dim: int, sizes: list[int], last_activation: bool = True) -> nn.Sequential:
     """Linear layers of `sizes`, ReLU after each (after the last too unless last_activation=False).
 
-    The ReLUs work in place (a Linear's backward does not need its output, the ReLU's does), which
-    spares a pass over a fresh [B, out] buffer per layer in eager mode; compiled (train.compile),
-    inductor does the same. Init follows facebookresearch/dlrm: weights N(0, sqrt(2 / (fan_in + fan_out))), bias N(0, sqrt(1 / fan_out)).
+    The ReLUs work in place on their Linear's output (whose backward does not need it): one [B, out]
+    buffer per layer instead of two while a step runs; the step takes as long either way
+    (benchmarks/dense_step.py). Init follows facebookresearch/dlrm: weights N(0, sqrt(2 / (fan_in + fan_out))), bias N(0, sqrt(1 / fan_out)).
     """
     layers: list[nn.Module] = []
     d = in_dim
