@@ -164,7 +164,7 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
 
 def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
     """What every process of a one-machine run of `num_processes` would fail on, checked once before
-    they start: the batch divides over them, and the plan file, `distributed.sharding` and
+    they start: the batch divides over them, train.compile finds its compiler, and the plan file, `distributed.sharding` and
     `embedding.tables` name tables of the data and ranks that exist (the data's feature list is read
     only where the config names a plan or tables)."""
     if cfg.data.batch_size % num_processes:
@@ -173,6 +173,15 @@ def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
         )
     check_model_processes(cfg, num_processes)
     task_labels(cfg)
+    if cfg.train.compile:
+        from neorec.model.compile import check_compiler
+
+        if cfg.model.arch not in ("dlrm", "dcnv2"):
+            raise ConfigError(
+                f"train.compile: true compiles the dense stages of model.arch dlrm and dcnv2, not {cfg.model.arch}; "
+                "set train.compile: false"
+            )
+        check_compiler(torch.device(cfg.train.device))
     d = cfg.distributed
     if not (d.plan or d.sharding or cfg.embedding.tables):
         return
