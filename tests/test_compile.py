@@ -112,3 +112,10 @@ def test_a_failing_compilation_names_the_setting(monkeypatch):
     apply_compile(model, torch.device("cpu"))
     with pytest.raises(CompileError, match=r"train.compile.*bottom_stage.*cannot build the kernel"):
         model.bottom_stage(torch.ones(2))
+
+
+def test_an_architecture_without_dense_stages_is_refused_before_launch():
+    from neorec.train.build import check_before_launch
+
+    with pytest.raises(ConfigError, match="train.compile.*deepfm"):
+        check_before_launch(config(True, "model.arch=deepfm"), 1)
