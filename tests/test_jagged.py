@@ -1,5 +1,5 @@
 """JaggedRows (the rows of a sequence feature), the reference engine's unpooled lookups, and the
-ranking models and configs that refuse tables with pooling none."""
+models and configs that refuse tables with pooling none."""
 
 from __future__ import annotations
 
@@ -67,12 +67,19 @@ def test_reference_engine_returns_pooled_and_sequences():
     torch.testing.assert_close(emb(batch), pooled)
 
 
-def test_ranking_models_refuse_sequence_tables():
+def test_pooled_models_refuse_sequence_tables():
+    from neorec.model.deepfm import DeepFM
+    from neorec.model.two_tower import TwoTower
+
     emb = ReferenceEmbeddingCollection(sequence_tables(), EmbeddingOptimizerConfig())
     with pytest.raises(ConfigError, match=r"dlrm.*\['history'\].*pooling none"):
         DLRM(2, emb, [4], [4])
     with pytest.raises(ConfigError, match=r"dcnv2.*\['history'\].*pooling none"):
         DCNv2(2, emb, [4], [4])
+    with pytest.raises(ConfigError, match=r"deepfm.*\['history'\].*pooling none"):
+        DeepFM(2, emb, [4], [4])
+    with pytest.raises(ConfigError, match=r"two_tower.*\['history'\].*pooling none"):
+        TwoTower(emb, ["user"], ["user"], "user", 10, [4], 0.1)
 
 
 def test_table_override_accepts_pooling_none():

@@ -309,6 +309,10 @@ class ModelConfig(Strict):
         return self.trunk if self.arch == "multitask" else self.arch
 
 
+# the architectures that read pooled embeddings only (no table with pooling none)
+POOLED_ARCHS = ("dlrm", "dcnv2", "deepfm", "multitask", "two_tower")
+
+
 class TableOverride(Strict):
     """Per-table settings that differ from the `embedding` defaults."""
 
@@ -570,7 +574,7 @@ class RunConfig(Strict):
     @model_validator(mode="after")
     def _pooled_models(self) -> RunConfig:
         sequences = sorted(n for n, o in self.embedding.tables.items() if o.pooling == "none")
-        if sequences and self.model.arch in ("dlrm", "dcnv2"):
+        if sequences and self.model.arch in POOLED_ARCHS:
             raise ValueError(
                 f"model.arch {self.model.arch} reads pooled embeddings only, but embedding.tables {sequences} "
                 "have pooling none; set their pooling to sum or mean"

@@ -21,7 +21,7 @@ from torch import nn
 from neorec.data.batch import Batch
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError
-from neorec.model.dlrm import dense_autocast, last_layer
+from neorec.model.dlrm import check_pooled_only, dense_autocast, last_layer
 from neorec.model.mlp import build_mlp
 
 
@@ -45,6 +45,7 @@ class DeepFM(nn.Module):
     ) -> None:
         super().__init__()
         self.precision = precision
+        check_pooled_only(embeddings, "deepfm")
         dims = set(embeddings.feature_dims)
         if len(dims) != 1 or bottom_mlp[-1] not in dims:
             raise ConfigError(

@@ -32,7 +32,7 @@ def dense_autocast(device: torch.device, precision: str) -> AbstractContextManag
 
 
 def check_pooled_only(embeddings: EmbeddingCollection, arch: str) -> None:
-    """DLRM and DCNv2 read pooled vectors only: a table with pooling none would be looked up for nothing."""
+    """The ranking models read pooled vectors only: a table with pooling none would be looked up for nothing."""
     if embeddings.sequence_names:
         tables = [t.name for t in embeddings.tables if t.pooling == "none"]
         raise ConfigError(

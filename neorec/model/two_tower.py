@@ -31,6 +31,7 @@ from neorec.data.batch import Batch
 from neorec.data.source import DataSource, SourceInfo
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError
+from neorec.model.dlrm import check_pooled_only
 from neorec.model.mlp import build_mlp
 
 RECALL_AT = (10, 100)
@@ -100,6 +101,7 @@ class TwoTower(nn.Module):
         """exclude_seen: (the user id feature, its number of ids) to leave each user's training items
         out of its held-out ranking; None keeps every item."""
         super().__init__()
+        check_pooled_only(embeddings, "two_tower")
         width = dict(zip(embeddings.feature_names, embeddings.feature_dims, strict=True))
         self.embeddings = embeddings
         self.user_features, self.item_features, self.item_id = user_features, item_features, item_id
