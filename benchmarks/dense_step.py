@@ -151,6 +151,7 @@ class FixedPooled(torch.nn.Module):
         super().__init__()
         self.feature_names = [f"cat_{i}" for i in range(NUM_FEATURES)]
         self.feature_dims = [dim] * NUM_FEATURES
+        self.sequence_names: list[str] = []
         self.width = dim * NUM_FEATURES
 
     def pooled_after(self, prefix: torch.Tensor, sparse) -> torch.Tensor:

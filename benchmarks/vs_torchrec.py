@@ -95,7 +95,7 @@ def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: boo
         class FixedPooled(nn.Module):
             """The dense-only stand-in: fixed pooled vectors after the bottom MLP's output."""
 
-            feature_names, feature_dims = names, dims
+            feature_names, feature_dims, sequence_names = names, dims, []
 
             def pooled_after(self, prefix, sparse):
                 return torch.cat([prefix, torch.full((prefix.shape[0], width), 0.01)], dim=1)
