@@ -113,12 +113,13 @@ def test_the_commands_of_docs_data_parquet_run(tmp_path, monkeypatch, capsys):
         pq.write_table(table, tmp_path / "data" / split / "part-0.parquet", row_group_size=128)
     monkeypatch.chdir(tmp_path)
     commands = re.findall(r"```bash\n(.*?)```", page, re.S)
-    assert len(commands) == 2
+    assert len(commands) == 3
     for command in commands:
         args = shlex.split(command.strip())
         assert args[0] == "neorec" and main(args[1:]) == 0, command
     assert "samples: eval 200, train 600" in capsys.readouterr().out
     assert (tmp_path / "prepared" / "parquet" / "train" / "00000.parquet").is_file()
+    assert sorted(p.name for p in (tmp_path / "counted" / "vocab").glob("*.npy"))  # vocabularies counted
 
 
 def test_vocabulary_counted_from_parquet_matches_the_criteo_tsv_one(tmp_path):
