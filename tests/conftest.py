@@ -1,4 +1,4 @@
-"""Session set-up shared by all tests.
+"""Set-up shared by every test.
 
 Without a CUDA device, Triton's kernels are built for its interpreter, which runs them on CPU tensors
 (tests/test_triton_kernels.py checks the kernels that way). Triton decides this when a kernel is

@@ -2,8 +2,8 @@
 # Everything neorec checks and measures on a GPU, in one command that fits a short lease on a machine
 # with one NVIDIA GPU, a CUDA build of torch and Triton, and no network (nothing is installed):
 #
-#   OUT=/some/folder bash scripts/gpu-session.sh            # all steps
-#   OUT=/some/folder bash scripts/gpu-session.sh tests kaggle   # only the named steps
+#   OUT=/some/folder bash scripts/gpu-check.sh            # all steps
+#   OUT=/some/folder bash scripts/gpu-check.sh tests kaggle   # only the named steps
 #
 # Steps (each under its own time limit, its log in $OUT/<step>.log, its rc in $OUT/summary.txt):
 #   env      versions, the GPU, the imports neorec needs
