@@ -8,7 +8,11 @@
 # Steps (each under its own time limit, its log in $OUT/<step>.log, its rc in $OUT/summary.txt):
 #   env      versions, the GPU, the imports neorec needs
 #   tests    the tests that need a GPU (they skip elsewhere): kernels against float64, training on
-#            CUDA, ranks sharing the GPU over gloo, the device data feed, the GPU row cache
+#            CUDA, the device data feed, the GPU row cache
+#   ranktests  ranks sharing the GPU over gloo against one GPU process (every sharding kind, cache,
+#            checkpoints across world sizes and devices, pipeline on/off)
+#   profile  benchmarks/gpu_step_profile.py on criteo_kaggle at batch 16,384 and mlperf_dcnv2 (bf16):
+#            the feed alone, step time, every host sync site, the top kernels and operators
 #   kaggle   criteo_kaggle at batch 16,384 on the GPU: samples/s and data wait per step
 #   dcnv2    mlperf_dcnv2 with bf16 dense math: samples/s
 #   ranks    criteo_kaggle with 2 ranks sharing the GPU over gloo, against one rank
@@ -20,10 +24,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/neorec-gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests kaggle dcnv2 ranks ops cache)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests ranktests profile kaggle dcnv2 ranks ops cache)
 COMMON=(--set train.progress=false --set logging.plot=false --set logging.tensorboard=false --set train.eval_every=null)
 
 run() {  # run NAME SECONDS COMMAND...: the command's output to $OUT/NAME.log, its tail on the console
@@ -37,13 +41,17 @@ run() {  # run NAME SECONDS COMMAND...: the command's output to $OUT/NAME.log, i
     tail -n 12 "$OUT/$name.log"
 }
 
-summary() {  # summary RUN_FOLDER: the figures of a training run's summary.json
+summary() {  # summary RUN_FOLDER: the figures of a training run's summary.json, and its steady rate
     $PY - "$1" <<'PY'
-import json, sys
+import json, statistics, sys
 from pathlib import Path
-s = json.loads((Path(sys.argv[1]) / "summary.json").read_text())
+run = Path(sys.argv[1])
+s = json.loads((run / "summary.json").read_text())
 keys = ["steps", "processes", "samples_per_s", "data_wait_ms_per_step", "train_seconds", "device_peak_mib_per_rank"]
-print({k: s.get(k) for k in keys})
+lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+train = [x for x in lines if x.get("split") == "train"][1:]  # first: start-up
+steady = {k: round(statistics.median(x[k] for x in train), 1) for k in ("samples_per_s", "data_wait_ms") if train}
+print(run.name, {k: s.get(k) for k in keys}, "steady (median of logged windows after the first):", steady)
 PY
 }
 
@@ -54,37 +62,44 @@ for step in "${STEPS[@]}"; do
 print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(0))'"
         ;;
     tests)
-        run tests 540 $PY -m pytest -q -x -p no:cacheprovider tests/test_fused_cuda.py tests/test_train_cuda.py \
-            tests/test_train_cuda_ranks.py tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py
+        run tests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_fused_cuda.py tests/test_train_cuda.py \
+            tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py
+        ;;
+    ranktests)
+        run ranktests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_train_cuda_ranks.py
+        ;;
+    profile)
+        run profile_kaggle ${PROFILE_LIMIT:-120} $PY benchmarks/gpu_step_profile.py --config criteo_kaggle --set data.batch_size=16384
+        run profile_dcnv2 ${PROFILE_LIMIT:-120} $PY benchmarks/gpu_step_profile.py --config mlperf_dcnv2 --set data.batch_size=16384
         ;;
     kaggle)
-        run kaggle 420 $PY -m neorec train --config criteo_kaggle --set train.device=cuda \
-            --set data.batch_size=16384 --set train.max_steps=400 "${COMMON[@]}" --out "$OUT/kaggle"
+        run kaggle 150 $PY -m neorec train --config criteo_kaggle --set train.device=cuda \
+            --set data.batch_size=16384 --set train.max_steps=400 --set train.log_every=20 "${COMMON[@]}" --output-dir "$OUT/kaggle"
         summary "$OUT/kaggle" | tee -a "$OUT/summary.txt"
         ;;
     dcnv2)
-        run dcnv2 420 $PY -m neorec train --config mlperf_dcnv2 --set train.device=cuda \
-            --set model.precision=bf16 --set train.max_steps=200 "${COMMON[@]}" --out "$OUT/dcnv2"
+        run dcnv2 150 $PY -m neorec train --config mlperf_dcnv2 --set train.device=cuda \
+            --set model.precision=bf16 --set data.batch_size=16384 --set train.max_steps=120 --set train.log_every=10 "${COMMON[@]}" --output-dir "$OUT/dcnv2"
         summary "$OUT/dcnv2" | tee -a "$OUT/summary.txt"
         ;;
     ranks)
-        run ranks1 300 $PY -m neorec train --config criteo_kaggle --set train.device=cuda \
-            --set train.max_steps=200 "${COMMON[@]}" --out "$OUT/ranks1"
-        run ranks2 300 $PY -m neorec train --config criteo_kaggle --nproc 2 --set train.device=cuda \
-            --set distributed.backend=gloo --set train.max_steps=200 "${COMMON[@]}" --out "$OUT/ranks2"
+        run ranks1 100 $PY -m neorec train --config criteo_kaggle --set train.device=cuda \
+            --set train.max_steps=200 "${COMMON[@]}" --output-dir "$OUT/ranks1"
+        run ranks2 100 $PY -m neorec train --config criteo_kaggle --nproc 2 --set train.device=cuda \
+            --set distributed.backend=gloo --set train.max_steps=200 "${COMMON[@]}" --output-dir "$OUT/ranks2"
         summary "$OUT/ranks1" | tee -a "$OUT/summary.txt"
         summary "$OUT/ranks2" | tee -a "$OUT/summary.txt"
         ;;
     ops)
-        run ops 540 $PY benchmarks/embedding_ops_gpu.py --optimizers sgd,rowwise_adagrad,adam \
+        run ops 200 $PY benchmarks/embedding_ops_gpu.py --scales 8 --optimizers rowwise_adagrad,sgd \
             --results "$OUT/gpu-results.md"
         ;;
     cache)
-        run cache 540 $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
+        run cache 150 $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
             --repeats 1 --dir "$OUT/tables" --no-append
         ;;
     *)
-        echo "unknown step $step (env tests kaggle dcnv2 ranks ops cache)" >&2
+        echo "unknown step $step (env tests ranktests profile kaggle dcnv2 ranks ops cache)" >&2
         exit 2
         ;;
     esac

@@ -37,7 +37,10 @@ class DeviceFeed:
     ) -> None:
         """depth: batches on their way to the device at once (at least 1). worker: copy on a worker
         thread (default: on a GPU; tests run the worker on the CPU too, with no streams)."""
-        self.batches, self.device, self.depth = batches, torch.device(device), max(1, depth)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the worker thread sets this device by index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.batches, self.device, self.depth = batches, device, max(1, depth)
         self.wait_seconds = 0.0
         self._cuda = self.device.type == "cuda"
         self._worker = self._cuda if worker is None else worker
