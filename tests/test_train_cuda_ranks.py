@@ -31,7 +31,7 @@ KINDS = {
     "mixed": "{C1: {kind: tw, ranks: [1]}, C2: {kind: rw, ranks: [0, 1]}, C3: {kind: cw, ranks: [1, 0]},"
     " C4: {kind: dp}, C5: {kind: twrw, node: 0}}",
 }
-GPU = ["train.device=cuda", "data.synthetic.on_device=true"]
+GPU = ["train.device=cuda", "data.synthetic.on_device=true", "data.synthetic.generator=host"]  # as the CPU resume
 
 
 def _train(out, nproc: int, extra: list[str], resume: bool = False) -> subprocess.CompletedProcess:
@@ -110,6 +110,16 @@ def test_pipelined_gpu_ranks_train_bitwise_like_unpipelined(tmp_path):
                                        f"distributed.sharding={KINDS['mixed']}"])  # fmt: skip
     a, b = _tables(tmp_path / "True"), _tables(tmp_path / "False")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@needs_cuda
+def test_ranks_drawing_their_data_on_the_gpu_match_one_gpu_process(tmp_path):
+    """data.synthetic.generator: device: every rank draws the same blocks on its GPU and trains its
+    slice of each batch, like one process drawing them."""
+    drawn = ["data.synthetic.generator=device"]
+    _train(tmp_path / "one", 1, drawn)
+    _train(tmp_path / "two", 2, ["distributed.backend=gloo", f"distributed.sharding={KINDS['mixed']}", *drawn])
+    _assert_same_model(tmp_path / "two", tmp_path / "one")
 
 
 @needs_gpus

@@ -37,6 +37,12 @@ class SyntheticConfig(Strict):
     on_device: bool = Field(
         True, description="with train.device cuda: keep the drawn samples in GPU memory and cut batches there"
     )
+    generator: Literal["auto", "host", "device"] = Field(
+        "auto",
+        description="where samples are drawn: host (numpy; the same samples on every device), device (torch where "
+        "they are kept: the same distribution, another random stream, fast enough to feed a GPU); auto = device "
+        "when train.device is cuda and on_device is true, else host",
+    )
 
     @model_validator(mode="after")
     def _lengths(self) -> SyntheticConfig:

@@ -233,14 +233,26 @@ class SyntheticSource:
         cache: bool = True,
         device: torch.device | str = "cpu",
         raw_features: set[str] | frozenset[str] = frozenset(),
+        generator: str = "host",
     ) -> None:
         """cache: keep every block once drawn. device: where the kept blocks live, so that on a GPU
-        batches are cut from device memory with no host-to-device copy per step (the first pass
-        draws each block on the host and moves it once). raw_features: features that carry raw
-        63-bit ids (managed-collision tables) instead of ids in [0, rows)."""
+        batches are cut from device memory with no host-to-device copy per step. generator: host
+        draws each block with numpy (the same samples on every device; on a GPU the first pass
+        moves each block there once); device draws it with torch on `device`
+        (neorec/data/synthetic_device.py: the same distribution, another random stream).
+        raw_features: features that carry raw 63-bit ids (managed-collision tables) instead of ids
+        in [0, rows)."""
+        if generator not in ("host", "device"):
+            raise ConfigError(f"data.synthetic.generator must be host or device, got {generator!r}")
         self.spec = spec
         self.device = torch.device(device)
         self.teacher = Teacher(spec)
+        self.generator = generator
+        self._draw = None
+        if generator == "device":
+            from neorec.data.synthetic_device import DeviceDraw
+
+            self._draw = DeviceDraw(self.teacher, self.device)
         self.cache = cache
         self._blocks: dict[tuple[str, int], Block] = {}
         self.keys = [f"C{i + 1}" for i in range(spec.num_sparse)]
@@ -263,6 +275,11 @@ class SyntheticSource:
         n = min(BLOCK, total - index * BLOCK)
         if n <= 0:
             raise IndexError(f"{split} block {index} is past the end ({total} samples)")
+        if self._draw is not None:
+            block = self._draw.block(_SPLITS[split], index, n, self.raw)
+            if self.cache:
+                self._blocks[key] = block
+            return block
         rng = np.random.default_rng([self.spec.seed, _SPLITS[split], index])
         dense_std, dense_log, bags = _draw(self.teacher, rng, n)
         probs = 1.0 / (1.0 + np.exp(-self.teacher.logits(dense_std, bags)))

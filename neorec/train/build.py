@@ -26,9 +26,12 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
     if d.source == "synthetic":
         from neorec.data.synthetic import SyntheticSource, spec_from_config
 
-        device = device_of_rank if d.synthetic.on_device and device_of_rank is not None else "cpu"
+        device = torch.device(device_of_rank if d.synthetic.on_device and device_of_rank is not None else "cpu")
+        generator = d.synthetic.generator
+        if generator == "auto":
+            generator = "device" if device.type == "cuda" else "host"
         spec = spec_from_config(d.synthetic, cfg.seed, labels)
-        return SyntheticSource(spec, device=device, raw_features=raw_features(cfg))
+        return SyntheticSource(spec, device=device, raw_features=raw_features(cfg), generator=generator)
     if d.source == "criteo_tsv":
         from neorec.data.criteo import CriteoTSVSource
 
