@@ -14,8 +14,9 @@
 #   profile  benchmarks/gpu_step_profile.py on criteo_kaggle at batch 16,384 and mlperf_dcnv2 (bf16):
 #            the feed alone, step time, every host sync site, the top kernels and operators
 #   kaggle   criteo_kaggle at batch 16,384 on the GPU: samples/s and data wait per step
-#   dcnv2    mlperf_dcnv2 with bf16 dense math: samples/s
-#   ranks    criteo_kaggle with 2 ranks sharing the GPU over gloo, against one rank
+#   kaggle_bf16  the same with bf16 dense math
+#   dcnv2    mlperf_dcnv2 at batch 16,384 with bf16 dense math: samples/s
+#   ranks    criteo_kaggle at batch 16,384 with 2 ranks sharing the GPU over gloo, against one rank
 #   ops      benchmarks/embedding_ops_gpu.py (kernels against the device copy bandwidth)
 #   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory)
 # The figures go to $OUT/gpu-results.md (benchmarks append there instead of benchmarks/RESULTS.md);
@@ -27,7 +28,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests ranktests profile kaggle dcnv2 ranks ops cache)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests ranktests profile kaggle kaggle_bf16 dcnv2 ranks ops cache)
 COMMON=(--set train.progress=false --set logging.plot=false --set logging.tensorboard=false --set train.eval_every=null)
 
 run() {  # run NAME SECONDS COMMAND...: the command's output to $OUT/NAME.log, its tail on the console
@@ -63,7 +64,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         ;;
     tests)
         run tests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_fused_cuda.py tests/test_train_cuda.py \
-            tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py
+            tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py tests/test_synthetic_device.py
         ;;
     ranktests)
         run ranktests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_train_cuda_ranks.py
@@ -77,16 +78,23 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             --set data.batch_size=16384 --set train.max_steps=400 --set train.log_every=20 "${COMMON[@]}" --output-dir "$OUT/kaggle"
         summary "$OUT/kaggle" | tee -a "$OUT/summary.txt"
         ;;
+    kaggle_bf16)
+        run kaggle_bf16 150 $PY -m neorec train --config criteo_kaggle --set train.device=cuda --set model.precision=bf16 \
+            --set data.batch_size=16384 --set train.max_steps=400 --set train.log_every=20 "${COMMON[@]}" \
+            --output-dir "$OUT/kaggle_bf16"
+        summary "$OUT/kaggle_bf16" | tee -a "$OUT/summary.txt"
+        ;;
     dcnv2)
         run dcnv2 150 $PY -m neorec train --config mlperf_dcnv2 --set train.device=cuda \
             --set model.precision=bf16 --set data.batch_size=16384 --set train.max_steps=120 --set train.log_every=10 "${COMMON[@]}" --output-dir "$OUT/dcnv2"
         summary "$OUT/dcnv2" | tee -a "$OUT/summary.txt"
         ;;
     ranks)
-        run ranks1 100 $PY -m neorec train --config criteo_kaggle --set train.device=cuda \
-            --set train.max_steps=200 "${COMMON[@]}" --output-dir "$OUT/ranks1"
+        run ranks1 100 $PY -m neorec train --config criteo_kaggle --set train.device=cuda --set data.batch_size=16384 \
+            --set train.max_steps=120 --set train.log_every=10 "${COMMON[@]}" --output-dir "$OUT/ranks1"
         run ranks2 100 $PY -m neorec train --config criteo_kaggle --nproc 2 --set train.device=cuda \
-            --set distributed.backend=gloo --set train.max_steps=200 "${COMMON[@]}" --output-dir "$OUT/ranks2"
+            --set data.batch_size=16384 --set distributed.backend=gloo --set train.max_steps=120 --set train.log_every=10 \
+            "${COMMON[@]}" --output-dir "$OUT/ranks2"
         summary "$OUT/ranks1" | tee -a "$OUT/summary.txt"
         summary "$OUT/ranks2" | tee -a "$OUT/summary.txt"
         ;;
@@ -99,7 +107,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             --repeats 1 --dir "$OUT/tables" --no-append
         ;;
     *)
-        echo "unknown step $step (env tests ranktests profile kaggle dcnv2 ranks ops cache)" >&2
+        echo "unknown step $step (env tests ranktests profile kaggle kaggle_bf16 dcnv2 ranks ops cache)" >&2
         exit 2
         ;;
     esac
