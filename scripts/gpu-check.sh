@@ -15,6 +15,7 @@
 #            the feed alone, step time, every host sync site, the top kernels and operators
 #   kaggle   criteo_kaggle at batch 16,384 on the GPU: samples/s and data wait per step
 #   kaggle_bf16  the same with bf16 dense math
+#   kaggle_compile  the same with train.compile (the dense stages through torch.compile)
 #   dcnv2    mlperf_dcnv2 at batch 16,384 with bf16 dense math: samples/s
 #   ranks    criteo_kaggle at batch 16,384 with 2 ranks sharing the GPU over gloo, against one rank
 #   ops      benchmarks/embedding_ops_gpu.py (kernels against the device copy bandwidth)
@@ -28,7 +29,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests ranktests profile kaggle kaggle_bf16 dcnv2 ranks ops cache)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache)
 COMMON=(--set train.progress=false --set logging.plot=false --set logging.tensorboard=false --set train.eval_every=null)
 
 run() {  # run NAME SECONDS COMMAND...: the command's output to $OUT/NAME.log, its tail on the console
@@ -84,6 +85,12 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             --output-dir "$OUT/kaggle_bf16"
         summary "$OUT/kaggle_bf16" | tee -a "$OUT/summary.txt"
         ;;
+    kaggle_compile)
+        run kaggle_compile 200 $PY -m neorec train --config criteo_kaggle --set train.device=cuda --set train.compile=true \
+            --set data.batch_size=16384 --set train.max_steps=400 --set train.log_every=20 "${COMMON[@]}" \
+            --output-dir "$OUT/kaggle_compile"
+        summary "$OUT/kaggle_compile" | tee -a "$OUT/summary.txt"
+        ;;
     dcnv2)
         run dcnv2 150 $PY -m neorec train --config mlperf_dcnv2 --set train.device=cuda \
             --set model.precision=bf16 --set data.batch_size=16384 --set train.max_steps=120 --set train.log_every=10 "${COMMON[@]}" --output-dir "$OUT/dcnv2"
@@ -107,7 +114,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             --repeats 1 --dir "$OUT/tables" --no-append
         ;;
     *)
-        echo "unknown step $step (env tests ranktests profile kaggle kaggle_bf16 dcnv2 ranks ops cache)" >&2
+        echo "unknown step $step (env tests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache)" >&2
         exit 2
         ;;
     esac

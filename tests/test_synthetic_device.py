@@ -154,14 +154,17 @@ def test_gpu_draws_are_deterministic_on_the_gpu_and_never_wait_on_the_host():
     cfg = load_config("criteo_kaggle", ["train.device=cuda", "data.synthetic.train_samples=50000"])
     s = spec_from_config(cfg.data.synthetic, 0)
     a = SyntheticSource(s, cache=False, device="cuda", generator="device")
+    b = SyntheticSource(s, device="cuda", generator="device")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         blocks = [a.block("train", i) for i in range(2)]
-        batches = list(SyntheticSource(s, device="cuda", generator="device").train_batches(4096))
+        batches = list(b.train_batches(4096))
+        shuffled = list(b.train_batches(4096, epoch=1))  # a later epoch gathers samples in a new order
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert blocks[0].dense.is_cuda and batches[0].sparse.values.is_cuda
+    assert blocks[0].dense.is_cuda and batches[0].sparse.values.is_cuda and shuffled[0].labels.is_cuda
+    assert len(shuffled) == len(batches) and not torch.equal(shuffled[0].labels, batches[0].labels)
     again = SyntheticSource(s, cache=False, device="cuda", generator="device").block("train", 1)
     assert torch.equal(again.labels, blocks[1].labels) and torch.equal(again.values[5], blocks[1].values[5])
     ctr = float(torch.cat([b.labels for b in blocks]).mean())

@@ -45,7 +45,7 @@ class Block:
     def take(self, idx: torch.Tensor) -> Block:
         """Samples `idx` (a host tensor; in that order)."""
         device = self.labels.device
-        on_device = idx.to(device)
+        on_device = _to(idx, device)
         rows = idx.numpy()
         values, lengths, weights = [], [], [] if self.weights is not None else None
         offsets: list[np.ndarray | None] = []
@@ -58,7 +58,7 @@ class Block:
                 new_off = np.zeros(rows.size + 1, np.int64)
                 np.cumsum(sizes, out=new_off[1:])
                 within = np.arange(new_off[-1], dtype=np.int64) - np.repeat(new_off[:-1], sizes)
-                sel = torch.from_numpy(np.repeat(starts, sizes) + within).to(device)
+                sel = _to(torch.from_numpy(np.repeat(starts, sizes) + within), device)
             values.append(v[sel])
             lengths.append(ln[on_device])
             offsets.append(new_off)
@@ -139,6 +139,14 @@ def rebatch(
             yield pending.to_batch(keys)
         elif (b := len(pending) // world_size) > 0:
             yield pending.slice(rank * b, (rank + 1) * b).to_batch(keys)
+
+
+def _to(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on `device`; to a GPU through pinned memory, so the copy does not make
+    the host wait for the device."""
+    if device.type == "cpu":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def _host_offsets(lengths: torch.Tensor) -> np.ndarray | None:

@@ -117,9 +117,8 @@ class DeviceDraw:
             host_lengths = np.repeat(np.asarray(spec.bag_sizes, np.int64)[:, None], n, axis=1)
         per_table = [n] * t if host_lengths is None else [int(x) for x in host_lengths.sum(1)]
         total = sum(per_table)
-        table_of_id = torch.repeat_interleave(
-            torch.arange(t, device=dev), torch.tensor(per_table, device=dev), output_size=total
-        )
+        # each id's table, from sizes already on the device (a host list would be a synchronous copy)
+        table_of_id = torch.repeat_interleave(torch.arange(t, device=dev), lengths.sum(1), output_size=total)
         # Zipf ranks scattered over each table, all tables in one flat run (table-major)
         rows = self.rows.index_select(0, table_of_id)
         u = torch.rand(total, generator=g, dtype=torch.float64, device=dev)
