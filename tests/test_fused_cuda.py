@@ -13,6 +13,7 @@ import torch
 from test_fused_engine import assert_matches, make_tables, train_both
 
 from neorec.embedding.fused import FusedEmbeddingCollection, triton_kernels
+from neorec.embedding.fused.lookup import GroupBatch, sort_by_row
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.sparse import SparseBatch
 
@@ -94,6 +95,45 @@ def test_triton_matches_torch_path_with_hot_rows(name: str, dtype: str, chunk: i
             assert bool((diff <= 3 * ulp).all()), key
         else:
             torch.testing.assert_close(state_k[key].float(), state_t[key].float(), **tol)
+
+
+@needs_cuda
+@pytest.mark.skipif(not triton_kernels.usable(torch.device("cuda")), reason="needs triton")
+def test_fused_update_reads_nothing_back_to_the_host() -> None:
+    """Given sorted ids (sort_by_row's unique_consecutive reads its size back), the update's
+    kernels go out without a host synchronisation, which sync debug mode "error" would raise on:
+    hot rows split into chunks of 64 ids, adam's bias corrections and a new lr at every step. The
+    rows and state are bitwise those of the same steps run outside that mode."""
+    gen = torch.Generator().manual_seed(0)
+    n, dim = 5000, 32
+    hot = torch.rand(n, generator=gen) < 0.5
+    rows = torch.where(
+        hot, torch.randint(0, 3, (n,), generator=gen), torch.randint(0, 1000, (n,), generator=gen)
+    )
+    scales = torch.rand(n, generator=gen) + 0.5
+    bags, offsets = torch.arange(n), torch.arange(n + 1)
+    sorted_ids = sort_by_row(GroupBatch(*(t.cuda() for t in (rows, bags, offsets, scales)), n, 1))
+    grad = torch.randn(n, dim, generator=gen).cuda()
+    weight0 = torch.randn(1000, dim, generator=gen).cuda()
+    row_starts = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+    def run(debug: bool) -> list[torch.Tensor]:
+        weight = weight0.clone()
+        state = {"momentum1": torch.zeros_like(weight), "momentum2": torch.zeros_like(weight)}
+        for step, lr in enumerate([0.1, 0.05, 0.02], start=1):
+            hp = {"lr": lr, "eps": 1e-8, "weight_decay": 0.01, "beta1": 0.9, "beta2": 0.999}
+            torch.cuda.set_sync_debug_mode("error" if debug else 0)
+            try:
+                triton_kernels.fused_update(
+                    "adam", sorted_ids, grad, weight, state, hp, step=step, row_starts=row_starts, chunk=64
+                )
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return [weight, *state.values()]
+
+    expected = run(debug=False)  # also compiles the kernels
+    for got, want in zip(run(debug=True), expected, strict=True):
+        assert torch.equal(got, want)
 
 
 @needs_cuda

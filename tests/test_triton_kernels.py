@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_fused_engine import assert_matches, make_tables, train_both
 
 from neorec.embedding.fused import FusedEmbeddingCollection, rounding, triton_kernels
@@ -172,13 +174,15 @@ def test_stochastic_rounding_in_the_update_equals_the_torch_path(dtype: str) -> 
         assert not torch.equal(results["torch", False][name], expected)  # the rounding was stochastic
 
 
-def update_once(name: str, dtype: torch.dtype, rows: torch.Tensor, chunk: int | None, seed: int = 0):
-    """One fused_update of a [6, 7] table from ids `rows` (one bag each, weighted); returns the
-    weights, the state and the inputs."""
+def update_once(
+    name: str, dtype: torch.dtype, rows: torch.Tensor, chunk: int | None, seed: int = 0, num_rows: int = 6
+):
+    """One fused_update of a [num_rows, 7] table from ids `rows` (one bag each, weighted); returns
+    the weights, the state and the inputs."""
     gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(6, 7, generator=gen).to(dtype)
+    weight = torch.randn(num_rows, 7, generator=gen).to(dtype)
     state = {
-        k: torch.rand((6, 7) if per_element else (6,), generator=gen)
+        k: torch.rand((num_rows, 7) if per_element else (num_rows,), generator=gen)
         for k, per_element in RULES[name].state.items()
     }
     grad = torch.randn(rows.numel(), 7, generator=gen)
@@ -223,6 +227,57 @@ def test_hot_row_split_over_programs_matches_reference_and_repeats_bitwise(name:
         torch.testing.assert_close(s[k][touched].double(), s64[k], rtol=1e-5, atol=1e-6)
     untouched = torch.tensor([3])
     assert torch.equal(w[untouched], w0[untouched])
+
+
+def exact_num_chunks(rows: torch.Tensor, chunk: int) -> int:
+    """The number of chunks fused_update splits the ids `rows` into (rows with more than `chunk` ids)."""
+    counts = torch.bincount(rows)
+    return int(torch.where(counts > chunk, (counts + chunk - 1) // chunk, 0).sum())
+
+
+@pytest.mark.parametrize("name", RULE_NAMES)
+def test_chunk_grid_bound_gives_bitwise_the_exact_grids_result(name: str, monkeypatch) -> None:
+    """Hot rows of 65, 200 and 128 ids (2, 4 and 2 chunks of 64), one of exactly 64 (not split) and
+    400 cold ids over 300 rows: the chunk programs launched over the host's bound (26 for 8 chunks),
+    over the exact count, or over 40 times it give bitwise the same rows and state, within fp32
+    rounding of the float64 sum."""
+    gen = torch.Generator().manual_seed(5)
+    hot = [torch.full((n,), r) for r, n in [(3, 65), (17, 200), (150, 128), (42, 64)]]
+    cold = torch.randint(200, 300, (400,), generator=gen)
+    rows = torch.cat([*hot, cold])[torch.randperm(457 + 400, generator=gen)]
+    exact = exact_num_chunks(rows, 64)
+    assert exact == 8 and triton_kernels.max_chunks(rows.numel(), 64) == 26
+    results = {}
+    for grid in ("bound", exact, 40 * exact):
+        if grid != "bound":
+            monkeypatch.setattr(triton_kernels, "max_chunks", lambda num_ids, chunk, grid=grid: grid)
+        results[grid] = update_once(name, torch.float32, rows, chunk=64, num_rows=300)
+    w, s, (w0, s0, grad, scales), hp = results["bound"]
+    for grid in (exact, 40 * exact):
+        assert torch.equal(results[grid][0], w) and all(torch.equal(results[grid][1][k], s[k]) for k in s)
+
+    g = torch.zeros(300, 7, dtype=torch.float64).index_add_(
+        0, rows, scales.double().unsqueeze(1) * grad.double()
+    )
+    touched = torch.unique(rows)
+    w64, s64 = RULES[name].update(
+        w0.double()[touched], g[touched], {k: v.double()[touched] for k, v in s0.items()}, 3, Hparams(**hp)
+    )
+    torch.testing.assert_close(w[touched].double(), w64, rtol=1e-5, atol=1e-6)
+    for k in s:
+        torch.testing.assert_close(s[k][touched].double(), s64[k], rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 300), max_size=40), st.integers(1, 70))
+def test_max_chunks_bounds_every_split(counts: list[int], chunk: int) -> None:
+    """However the ids fall on rows, the host's bound holds the chunks they split into, and is 0
+    when no row can be split."""
+    num_ids = sum(counts)
+    num_chunks = sum(-(-c // chunk) for c in counts if c > chunk)
+    assert num_chunks <= triton_kernels.max_chunks(num_ids, chunk)
+    if num_ids <= chunk:
+        assert triton_kernels.max_chunks(num_ids, chunk) == 0
 
 
 def test_hot_row_in_default_chunks_is_deterministic() -> None:

@@ -101,11 +101,14 @@ if triton is not None:
 
     @triton.jit
     def _partial_kernel(
-        part_rows, part_index, seg_offsets, bags, scales, grad, partial, dim, g_stride,
+        num_parts, part_rows, part_index, seg_offsets, bags, scales, grad, partial, dim, g_stride,
         HAS_SCALES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        """partial[p] = the summed gradient of ids [CHUNK * k, CHUNK * (k + 1)) of a long row's ids."""
+        """partial[p] = the summed gradient of ids [CHUNK * k, CHUNK * (k + 1)) of a long row's ids.
+        The grid is a bound on the number of chunks known on the host; num_parts holds the real one."""
         p = tl.program_id(0)
+        if p >= tl.load(num_parts):
+            return
         u = tl.load(part_rows + p)
         k = tl.load(part_index + p)
         start = tl.load(seg_offsets + u) + k * CHUNK
@@ -205,7 +208,23 @@ def hparam_table(
         "adam_sqrt_bias2": (1.0 - b2**step).sqrt(),
     }
     table = torch.stack([columns[name] for name in HPARAM_COLUMNS], dim=1).to(torch.float32)
+    if table.device.type == "cpu" and device.type == "cuda":
+        # From pinned memory the copy is queued on the stream and the host goes on; the caching host
+        # allocator records the copy and keeps the pinned block until it has run, so the source may go.
+        return table.pin_memory().to(device, non_blocking=True)
     return table.to(device)
+
+
+def max_chunks(num_ids: int, chunk: int) -> int:
+    """An upper bound on the number of chunks fused_update splits `num_ids` ids into, from sizes alone.
+
+    Only a row with c > chunk ids is split, into ceil(c / chunk) chunks, and ceil(c / chunk) <=
+    2c / (chunk + 1) for every such c (c = k * chunk + r with k >= 1 and 1 <= r <= chunk: the right
+    side less the left is ((k - 1)(chunk - 1) + 2(r - 1)) / (chunk + 1) >= 0). Summed over the split
+    rows, whose ids number at most num_ids, there are at most 2 * num_ids / (chunk + 1) chunks;
+    none when no row can have more than `chunk` ids. The bound is reached by rows of chunk + 1 ids.
+    """
+    return 0 if num_ids <= chunk else 2 * num_ids // (chunk + 1)
 
 
 def fused_update(
@@ -234,8 +253,11 @@ def fused_update(
     A row with more than `chunk` ids (a hot row of a skewed batch can have 100k) would keep one
     program busy long after the others finish; its ids are summed in chunks of `chunk` ids by
     programs of their own first, and its update adds those partial sums in chunk order. The chunks
-    depend only on the ids, so the result is still the same on every run. Costs one host sync (the
-    number of chunks), on top of unique_consecutive's.
+    depend only on the ids, so the result is still the same on every run. The number of chunks
+    stays on the device: the chunk programs are launched over max_chunks(ids, chunk), a bound
+    known on the host, and those past the real count return at once. The hyper-parameters travel
+    by an asynchronous copy (hparam_table), so the update reads nothing back to the host besides
+    sort_by_row's number of unique rows.
     """
     unique_rows, seg_offsets, bags, scales = sorted_ids
     num_unique, dim = unique_rows.numel(), weight.shape[1]
@@ -253,14 +275,18 @@ def fused_update(
     parts = torch.where(counts > chunk, (counts + chunk - 1) // chunk, 0)
     part_offsets = torch.zeros(num_unique + 1, dtype=torch.int64, device=grad.device)
     torch.cumsum(parts, 0, out=part_offsets[1:])
-    num_parts = int(part_offsets[-1])
+    bound = max_chunks(bags.numel(), chunk)
     partial = grad  # any pointer when there are no long rows
-    if num_parts:
-        part_rows = torch.repeat_interleave(torch.arange(num_unique, device=grad.device), parts, output_size=num_parts)
-        part_index = torch.arange(num_parts, device=grad.device) - part_offsets.index_select(0, part_rows)
-        partial = torch.empty(num_parts, dim, dtype=torch.float32, device=grad.device)
-        _partial_kernel[(num_parts,)](
-            part_rows, part_index, seg_offsets, bags, scales, grad, partial, dim, grad.stride(0),
+    if bound:
+        # chunk p belongs to the row u with part_offsets[u] <= p < part_offsets[u + 1]; p past the
+        # real count gets u = num_unique, which its program never reads
+        p = torch.arange(bound, device=grad.device)
+        part_rows = torch.searchsorted(part_offsets[1:], p, right=True)
+        part_index = p - part_offsets.index_select(0, part_rows)
+        partial = torch.empty(bound, dim, dtype=torch.float32, device=grad.device)
+        _partial_kernel[(bound,)](
+            part_offsets[num_unique:], part_rows, part_index, seg_offsets, bags, scales, grad, partial,
+            dim, grad.stride(0),
             HAS_SCALES=has_scales, CHUNK=chunk, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
         )  # fmt: skip
 
