@@ -78,3 +78,28 @@ def test_cuda_training_through_a_gpu_cache_over_host_memory(tmp_path):
     with pytest.raises(ConfigError, match="tier ssd"):
         Trainer(load_config("default", TINY + ["train.device=cuda", "embedding.tier=ssd",
                                                f"embedding.cache.directory={tmp_path / 'ssd'}"]), tmp_path / "s")  # fmt: skip
+
+
+@needs_cuda
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_steady_state_gpu_steps_never_wait_on_the_host(tmp_path, optimizer):
+    """After a few warm-up steps, training steps on one GPU (data drawn on the device, Triton lookup
+    and fused update, dense Adam) run under torch.cuda.set_sync_debug_mode("error"): nothing in a
+    step reads a value or a size back to the host."""
+    from neorec.data.device_feed import DeviceFeed
+    from neorec.train.pipeline import pipelined
+
+    cfg = load_config("default", TINY + ["train.device=cuda", f"embedding.optimizer.name={optimizer}"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    feed = DeviceFeed(trainer.data.train_batches(0, None), trainer.device, depth=2)
+    batches = (local for _, local in pipelined(feed, lambda b: b, trainer.embeddings, 1))
+    for _ in range(3):
+        trainer.train_step(next(batches), is_local=True)
+    ready = [next(batches) for _ in range(3)]  # drawn before the check: the first pass draws blocks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses = [trainer.train_step(b, is_local=True) for b in ready]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(bool(torch.isfinite(x)) for x in losses)

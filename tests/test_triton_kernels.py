@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from test_fused_engine import assert_matches, make_tables, train_both
 
 from neorec.embedding.fused import FusedEmbeddingCollection, rounding, triton_kernels
-from neorec.embedding.fused.lookup import GroupBatch, sort_by_row
+from neorec.embedding.fused.lookup import GroupBatch, sort_by_row, sort_by_row_on_device
 from neorec.embedding.fused.optimizers import RULES, Hparams
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.sparse import SparseBatch
@@ -175,7 +175,8 @@ def test_stochastic_rounding_in_the_update_equals_the_torch_path(dtype: str) -> 
 
 
 def update_once(
-    name: str, dtype: torch.dtype, rows: torch.Tensor, chunk: int | None, seed: int = 0, num_rows: int = 6
+    name: str, dtype: torch.dtype, rows: torch.Tensor, chunk: int | None, seed: int = 0, num_rows: int = 6,
+    sort=sort_by_row,
 ):
     """One fused_update of a [num_rows, 7] table from ids `rows` (one bag each, weighted); returns
     the weights, the state and the inputs."""
@@ -197,7 +198,7 @@ def update_once(
         *(t.to(DEVICE) for t in (batch.rows, batch.bags, batch.offsets, batch.scales)), rows.numel(), 1
     )
     triton_kernels.fused_update(
-        name, sort_by_row(on_device), grad.to(DEVICE), w, s, hp, step=3,
+        name, sort(on_device), grad.to(DEVICE), w, s, hp, step=3,
         row_starts=torch.zeros(1, dtype=torch.int64, device=DEVICE), chunk=chunk,
     )  # fmt: skip
     return w.cpu(), {k: v.cpu() for k, v in s.items()}, inputs, hp
@@ -266,6 +267,35 @@ def test_chunk_grid_bound_gives_bitwise_the_exact_grids_result(name: str, monkey
     torch.testing.assert_close(w[touched].double(), w64, rtol=1e-5, atol=1e-6)
     for k in s:
         torch.testing.assert_close(s[k][touched].double(), s64[k], rtol=1e-5, atol=1e-6)
+
+
+def test_ids_sorted_on_the_device_are_sort_by_rows_padded() -> None:
+    """sort_by_row_on_device: sort_by_row's unique rows, offsets, bags and scales in its first U
+    entries, then padding (row 0, empty runs); U as a tensor."""
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.randint(0, 40, (500,), generator=gen)
+    rows[:90] = 7  # a hot row
+    batch = GroupBatch(rows, torch.randint(0, 64, (500,), generator=gen).sort().values,
+                       torch.arange(65), torch.rand(500, generator=gen), 64, 1)  # fmt: skip
+    unique, offsets, bags, scales = sort_by_row(batch)
+    p_unique, p_offsets, p_bags, p_scales, count = sort_by_row_on_device(batch)
+    u = unique.numel()
+    assert count.shape == (1,) and int(count) == u and p_unique.numel() == 500 and p_offsets.numel() == 501
+    assert torch.equal(p_unique[:u], unique) and torch.equal(p_offsets[: u + 1], offsets)
+    assert torch.equal(p_bags, bags) and torch.equal(p_scales, scales)
+    assert bool((p_unique[u:] == 0).all()) and bool((p_offsets[u:] == 500).all())
+
+
+@pytest.mark.parametrize("name", RULE_NAMES)
+def test_update_over_padded_ids_is_bitwise_the_exact_one(name: str) -> None:
+    """The update launched over one program per id (those past the unique rows return) changes the
+    same rows to bitwise the same values as the one launched over the unique rows."""
+    gen = torch.Generator().manual_seed(12)
+    rows = torch.cat([torch.full((150,), 2), torch.randint(0, 50, (300,), generator=gen)])
+    rows = rows[torch.randperm(rows.numel(), generator=gen)]
+    exact = update_once(name, torch.float32, rows, chunk=64, num_rows=50)
+    padded = update_once(name, torch.float32, rows, chunk=64, num_rows=50, sort=sort_by_row_on_device)
+    assert torch.equal(exact[0], padded[0]) and all(torch.equal(exact[1][k], padded[1][k]) for k in exact[1])
 
 
 @settings(max_examples=200, deadline=None)

@@ -220,6 +220,27 @@ def sort_by_row(
     return unique_rows, lengths_to_offsets(counts), bags, scales
 
 
+def sort_by_row_on_device(
+    batch: GroupBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """sort_by_row without reading the number of unique rows back to the host: (unique rows [n],
+    offsets [n + 1], the bag of each id, its scale or None, the number of unique rows U as a [1]
+    tensor), n the number of ids. Entries past U are padding: rows 0, empty runs of ids (offsets n).
+    The ids of each row are in the same order as sort_by_row's, so sums over them are bitwise the
+    same; a kernel launched over n programs returns at once past U."""
+    n, device = batch.rows.numel(), batch.rows.device
+    sorted_rows, order = torch.sort(batch.rows, stable=True)
+    bags = batch.bags.index_select(0, order)
+    scales = batch.scales.index_select(0, order) if batch.scales is not None else None
+    first = torch.ones(n, dtype=torch.bool, device=device)  # the first id of each row
+    torch.ne(sorted_rows[1:], sorted_rows[:-1], out=first[1:])
+    which = torch.cumsum(first, 0) - 1  # each id's unique-row index
+    unique_rows = torch.zeros(n, dtype=torch.int64, device=device).scatter_(0, which, sorted_rows)
+    offsets = torch.full((n + 1,), n, dtype=torch.int64, device=device)
+    offsets.scatter_reduce_(0, which, torch.arange(n, device=device), reduce="amin")
+    return unique_rows, offsets, bags, scales, which[-1:] + 1
+
+
 def id_weights(
     scales: torch.Tensor | None, bags: torch.Tensor, id_scale: float | None
 ) -> torch.Tensor | None:
@@ -378,7 +399,7 @@ class FusedLookup(torch.autograd.Function):
             hparams = engine.group_hparams(gi, device)
             if engine.triton_update(gi, device):  # sums and updates in one kernel
                 triton_kernels.fused_update(
-                    group.optimizer, sort_by_row(gb), grad_bags, hparams=hparams, step=step,
+                    group.optimizer, sort_by_row_on_device(gb), grad_bags, hparams=hparams, step=step,
                     **engine.triton_update_args(gi),
                 )  # fmt: skip
                 continue

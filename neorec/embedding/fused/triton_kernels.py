@@ -121,11 +121,14 @@ if triton is not None:
     @triton.jit
     def _update_kernel(
         unique_rows, seg_offsets, part_offsets, partial, bags, scales, grad, weight, state1, state2,
-        row_table, hparams, row_starts, keys, dim, w_stride, g_stride,
+        row_table, hparams, row_starts, keys, num_unique, dim, w_stride, g_stride,
         RULE: tl.constexpr, HAS_SCALES: tl.constexpr, MULTI_TABLE: tl.constexpr, STOCHASTIC: tl.constexpr,
-        NUM_HPARAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        NUM_HPARAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BOUNDED: tl.constexpr,
     ):  # fmt: skip
         u = tl.program_id(0)
+        if BOUNDED:  # launched over a bound on the unique rows; num_unique holds the real count
+            if u >= tl.load(num_unique):
+                return
         row = tl.load(unique_rows + u)
         cols = tl.arange(0, BLOCK_D)
         col_ok = cols < dim
@@ -243,7 +246,8 @@ def fused_update(
 
     sorted_ids: lookup.sort_by_row's (unique rows [U] ascending, offsets [U + 1] of each row's
     ids, the bag of each id, its scale or None): the ids of unique row u are [offsets[u],
-    offsets[u+1]), their bags are rows of `grad` [bags, dim]. weight: the group's [rows, dim]
+    offsets[u+1]), their bags are rows of `grad` [bags, dim]; or lookup.sort_by_row_on_device's,
+    padded to one entry per id with U as a fifth, device, entry (the update programs past U return). weight: the group's [rows, dim]
     buffer (fp32, fp16 or bf16); state: the rule's fp32 state by name (optimizers.RULES).
     hparams: the group's (engine.group_hparams: floats, or [T] tensors where its tables differ);
     step: the engine's update count, from 1 (adam's bias correction; stochastic rounding's noise).
@@ -256,10 +260,11 @@ def fused_update(
     depend only on the ids, so the result is still the same on every run. The number of chunks
     stays on the device: the chunk programs are launched over max_chunks(ids, chunk), a bound
     known on the host, and those past the real count return at once. The hyper-parameters travel
-    by an asynchronous copy (hparam_table), so the update reads nothing back to the host besides
-    sort_by_row's number of unique rows.
+    by an asynchronous copy (hparam_table), so with sort_by_row_on_device's ids the update reads
+    nothing back to the host.
     """
-    unique_rows, seg_offsets, bags, scales = sorted_ids
+    unique_rows, seg_offsets, bags, scales = sorted_ids[:4]
+    count = sorted_ids[4] if len(sorted_ids) > 4 else None  # padded: the real number of unique rows
     num_unique, dim = unique_rows.numel(), weight.shape[1]
     chunk = chunk or LONG_ROW_CHUNK
     if num_unique == 0:
@@ -302,9 +307,10 @@ def fused_update(
     _update_kernel[(num_unique,)](
         unique_rows, seg_offsets, part_offsets, partial, bags, scales, grad, weight,
         state1, state.get("momentum2", state1), row_table, hp, row_starts, keys,
-        dim, weight.stride(0), grad.stride(0),
+        count if count is not None else row_starts, dim, weight.stride(0), grad.stride(0),
         RULE=RULE_IDS[rule], HAS_SCALES=has_scales, MULTI_TABLE=multi_table, STOCHASTIC=stochastic,
-        NUM_HPARAMS=len(HPARAM_COLUMNS), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
+        NUM_HPARAMS=len(HPARAM_COLUMNS), BLOCK_N=block_n, BLOCK_D=block_d, BOUNDED=count is not None,
+        num_warps=num_warps,
     )  # fmt: skip
 
 
