@@ -138,10 +138,16 @@ class DeviceDraw:
         params = hash_uniform(ids, self.keys.index_select(0, table_of_id), k + 1)
         if host_lengths is None:
             pooled = params.view(t, n, k + 1)
-        else:
+        elif not spec.variable_bags:  # fixed sizes: each table's ids are [n, size] bags
+            pooled = torch.stack([
+                part.view(n, size, k + 1).mean(1) if size else part.new_zeros(n, k + 1)
+                for part, size in zip(params.split(per_table), spec.bag_sizes, strict=True)
+            ])  # fmt: skip
+        else:  # bag sums as differences of running sums; scanned along the last dim, which CUDA
+            # runs in parallel (a scan along dim 0 of [ids, k + 1] runs k + 1 threads down the ids)
             ends = torch.cumsum(lengths.reshape(-1), 0)
-            sums = torch.cat([params.new_zeros(1, k + 1), torch.cumsum(params, 0)])
-            pooled = sums.index_select(0, ends) - sums.index_select(0, ends - lengths.reshape(-1))
+            sums = torch.cat([params.new_zeros(k + 1, 1), torch.cumsum(params.t(), 1)], 1)
+            pooled = (sums.index_select(1, ends) - sums.index_select(1, ends - lengths.reshape(-1))).t()
             pooled = (pooled / lengths.reshape(-1, 1).clamp_min(1)).view(t, n, k + 1)
         bias = pooled[:, :, 0].sum(0)
         latent = pooled[:, :, 1:]  # [T, n, k]
