@@ -113,12 +113,16 @@ class RankData:
         b = -(-n // self.world_size)
         if (self.rank + 1) * b <= n:
             return batch.slice(self.rank * b, (self.rank + 1) * b), n
-        return take(batch, torch.arange(self.rank * b, (self.rank + 1) * b).clamp_(max=n - 1)), n
+        return take(batch, padded_share(n, self.rank, self.world_size)), n
 
 
 def take(batch: Batch, index: torch.Tensor) -> Batch:
     """Samples `index` of `batch`, in that order (repeats allowed)."""
-    s = batch.sparse
+    return Batch(batch.dense[index], take_samples(batch.sparse, index), batch.labels[index])
+
+
+def take_samples(s: SparseBatch, index: torch.Tensor) -> SparseBatch:
+    """Samples `index` of a sparse batch, in that order (repeats allowed)."""
     feats = {}
     for k in s.keys:
         ids, lengths, weights = s.feature(k)
@@ -128,4 +132,11 @@ def take(batch: Batch, index: torch.Tensor) -> Batch:
         pick = torch.arange(int(picked.sum())) + shift
         part = (ids[pick], lengths[index]) if weights is None else (ids[pick], lengths[index], weights[pick])
         feats[k] = part
-    return Batch(batch.dense[index], SparseBatch.from_features(feats), batch.labels[index])
+    return SparseBatch.from_features(feats)
+
+
+def padded_share(n: int, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s rows of n samples spread over the ranks as `eval_slices` spreads a batch: [r b,
+    (r + 1) b), b = ceil(n / W), rows past n being the last sample again."""
+    b = -(-n // world_size)
+    return torch.arange(rank * b, (rank + 1) * b).clamp_(max=n - 1)

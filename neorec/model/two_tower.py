@@ -14,11 +14,23 @@ model is built: (count_j + 1) / (N + num_items), +1 so that unseen items stay fi
 a buffer of the model, saved with it. A candidate that is the same item as row i's positive (the item
 twice in a batch) is masked out, so an item is never its own negative.
 
+Over W processes (`comms`) the negatives are still the global batch's items: each rank runs both
+towers on its local rows, then gathers every rank's item vectors, item ids and labels
+(neorec/distributed/gather.py: the item vectors' gradient comes back summed over ranks), and scores
+its users against the whole global batch. Its loss is its users' share of the global batch's loss,
+times W: the dense gradients and the embedding rows' gradients are averaged over ranks
+(distributed/dense.py, output_dist.py), so the sum of those shares is what trains, and W ranks train
+the model one process trains on the same global batches. The ranks' losses average to the global
+batch's loss.
+
 Held-out evaluation (`evaluate_held_out`) scores every item once with the item tower (the source's
 `item_catalog`), then, for every held-out row with label 1, ranks the whole item set by the user's
 score: recall@K is the share of those rows whose item is in the top K. With `exclude_seen` (the
 default), the items the user (the `user_id` feature) rated in training are left out of that user's
-ranking, as a deployed retriever would filter them; the held-out item itself always stays in.
+ranking, as a deployed retriever would filter them; the held-out item itself always stays in. Over W
+processes each rank scores its share of the items (gathered, so every rank holds all item vectors)
+and its rows of every held-out batch (neorec/data/ranks.py: eval_slices); the hits and queries are
+summed over ranks, so every rank reports the figures of the whole set.
 """
 
 from __future__ import annotations
@@ -28,7 +40,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from neorec.data.batch import Batch
+from neorec.data.ranks import RankData, padded_share, take_samples
 from neorec.data.source import DataSource, SourceInfo
+from neorec.distributed.comms import Comms
+from neorec.distributed.gather import gather_rows
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError
 from neorec.model.dlrm import check_pooled_only
@@ -39,16 +54,20 @@ RECALL_AT = (10, 100)
 
 def logq_softmax_loss(
     user: torch.Tensor, item: torch.Tensor, item_ids: torch.Tensor, log_q: torch.Tensor, weights: torch.Tensor,
-    temperature: float,
+    temperature: float, first: int = 0, weight_total: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """In-batch softmax with logQ correction: user, item [B, k] (row i's pair is the positive), item_ids
-    [B], log_q [B] (of each row's item), weights [B] (0 leaves a row out) -> the weighted mean loss."""
+    """In-batch softmax with logQ correction over a batch of B rows: user [b, k] (rows first..first+b of
+    the batch: all of it by default), item [B, k], item_ids [B], log_q [B] (of each row's item),
+    weights [b] (0 leaves a row out). Row first+i's positive is item first+i. Returns the weighted sum
+    of the users' losses divided by `weight_total` (default: weights.sum(), the weighted mean)."""
+    rows = torch.arange(first, first + len(user), device=user.device)
     logits = user @ item.T / temperature - log_q[None, :]
-    same = item_ids[:, None] == item_ids[None, :]
-    same.fill_diagonal_(False)  # the same item in another row is not a negative of this one
+    same = item_ids[rows][:, None] == item_ids[None, :]
+    same[torch.arange(len(rows), device=rows.device), rows] = False  # the same item in another row is no negative
     logits = logits.masked_fill(same, float("-inf"))
-    per_row = F.cross_entropy(logits, torch.arange(len(logits), device=logits.device), reduction="none")
-    return (per_row * weights).sum() / weights.sum().clamp(min=1.0)
+    per_row = F.cross_entropy(logits, rows, reduction="none")
+    total = weights.sum() if weight_total is None else weight_total
+    return (per_row * weights).sum() / total.clamp(min=1.0)
 
 
 class SeenItems:
@@ -97,9 +116,11 @@ class TwoTower(nn.Module):
         tower_mlp: list[int],
         temperature: float,
         exclude_seen: tuple[str, int] | None = None,
+        comms: Comms | None = None,
     ) -> None:
         """exclude_seen: (the user id feature, its number of ids) to leave each user's training items
-        out of its held-out ranking; None keeps every item."""
+        out of its held-out ranking; None keeps every item. comms: the run's processes, whose global
+        batch gives the in-batch negatives (None: one process)."""
         super().__init__()
         check_pooled_only(embeddings, "two_tower")
         width = dict(zip(embeddings.feature_names, embeddings.feature_dims, strict=True))
@@ -107,6 +128,7 @@ class TwoTower(nn.Module):
         self.user_features, self.item_features, self.item_id = user_features, item_features, item_id
         self.temperature = temperature
         self.exclude_seen = exclude_seen
+        self.comms = comms if comms is not None and comms.topo.world_size > 1 else None
         self._seen: SeenItems | None = None  # made at the first evaluation
         self.user_tower = build_mlp(sum(width[f] for f in user_features), tower_mlp, last_activation=False)
         self.item_tower = build_mlp(sum(width[f] for f in item_features), tower_mlp, last_activation=False)
@@ -128,45 +150,71 @@ class TwoTower(nn.Module):
         return (counts[item_ids] / counts.sum()).log().to(torch.float32)
 
     def loss(self, outputs: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
+        """This rank's loss on its local rows (see the module docstring for several processes)."""
         user, item = outputs
         ids = batch.sparse.feature(self.item_id)[0]
-        return logq_softmax_loss(user, item, ids, self.log_q(ids), batch.labels, self.temperature)
+        if self.comms is None:
+            return logq_softmax_loss(user, item, ids, self.log_q(ids), batch.labels, self.temperature)
+        world, rank = self.comms.topo.world_size, self.comms.topo.rank
+        items = gather_rows(item, self.comms, "in_batch")
+        all_ids = self.comms.all_gather(ids, "in_batch")
+        total = self.comms.all_gather(batch.labels, "in_batch").sum()  # the global batch's positives
+        share = logq_softmax_loss(user, items, all_ids, self.log_q(all_ids), batch.labels, self.temperature,
+                                  first=rank * len(user), weight_total=total)  # fmt: skip
+        return share * world
 
     @torch.no_grad()
     def evaluate_held_out(self, source: DataSource, batch_size: int, max_batches: int | None = None) -> dict:
-        """recall@10 and recall@100 over the whole item set (see the module docstring)."""
-        catalog = source.item_catalog()  # type: ignore[attr-defined]
+        """recall@10 and recall@100 over the whole item set (see the module docstring). Collective
+        over several processes: every rank returns the same figures."""
+        items = self.item_vectors(source.item_catalog(), batch_size)  # type: ignore[attr-defined]
         device = self.item_counts.device
-        items = []
-        for start in range(0, catalog.batch_size, batch_size):
-            part = catalog.slice_samples(start, min(start + batch_size, catalog.batch_size)).to(device)
-            items.append(self.towers(self.embeddings(part), "item"))
-        items = torch.cat(items)
         if self.exclude_seen is not None and self._seen is None:
             self._seen = SeenItems(source, self.exclude_seen[0], self.item_id, self.exclude_seen[1])
-        hits, queries = dict.fromkeys(RECALL_AT, 0), 0
-        for i, batch in enumerate(source.eval_batches(batch_size)):
+        rank, world = (self.comms.topo.rank, self.comms.topo.world_size) if self.comms is not None else (0, 1)
+        counts = torch.zeros(len(RECALL_AT) + 1, dtype=torch.int64)  # hits at each K, then queries
+        for i, (batch, n) in enumerate(RankData(source, batch_size, rank, world).eval_slices(batch_size)):
             if max_batches is not None and i >= max_batches:
                 break
             batch = batch.to(device)
-            liked = batch.labels > 0.5
+            real = rank * len(batch) + torch.arange(len(batch), device=device) < n  # not a padding copy
+            liked = (batch.labels > 0.5) & real
             user = self.towers(self.embeddings(batch.sparse), "user")[liked]
             targets = batch.sparse.feature(self.item_id)[0][liked]
             scores = user @ items.T
             if self._seen is not None:
                 scores = self._seen.mask(scores, batch.sparse.feature(self.exclude_seen[0])[0][liked], targets)
-            for k, n in recall_at(scores, targets, RECALL_AT).items():
-                hits[k] += n
-            queries += len(targets)
+            counts[:-1] += torch.tensor(list(recall_at(scores, targets, RECALL_AT).values()))
+            counts[-1] += len(targets)
+        if self.comms is not None:
+            counts = self.comms.all_gather(counts, "eval").view(world, -1).sum(dim=0)
+        hits, queries = counts[:-1].tolist(), int(counts[-1])
         if not queries:
             return {}
-        return {**{f"recall@{k}": hits[k] / queries for k in RECALL_AT}, "num_queries": queries,
-                "num_items": len(items)}  # fmt: skip
+        return {**{f"recall@{k}": h / queries for k, h in zip(RECALL_AT, hits, strict=True)},
+                "num_queries": queries, "num_items": len(items)}  # fmt: skip
+
+    def item_vectors(self, catalog, batch_size: int) -> torch.Tensor:
+        """The item tower's vector of every item of `catalog` (a SparseBatch, one sample per item), in
+        its order. Over several processes each rank scores its share and the shares are gathered."""
+        device = self.item_counts.device
+        n = catalog.batch_size
+        if self.comms is not None:  # every rank looks up as many rows, as the sharded embeddings need
+            catalog = take_samples(catalog, padded_share(n, self.comms.topo.rank, self.comms.topo.world_size))
+        items = []
+        for start in range(0, catalog.batch_size, batch_size):
+            part = catalog.slice_samples(start, min(start + batch_size, catalog.batch_size)).to(device)
+            items.append(self.towers(self.embeddings(part), "item"))
+        vectors = torch.cat(items)
+        return self.comms.all_gather(vectors, "eval")[:n] if self.comms is not None else vectors
 
 
-def build_two_tower(c, embeddings: EmbeddingCollection, info: SourceInfo, source: DataSource | None) -> TwoTower:
+def build_two_tower(
+    c, embeddings: EmbeddingCollection, info: SourceInfo, source: DataSource | None, comms: Comms | None = None
+) -> TwoTower:
     """A TwoTower from `model.two_tower` (a TwoTowerConfig), its item counts taken from the training
-    data of `source` (without a source they stay zero until a state dict loads them)."""
+    data of `source` (without a source they stay zero until a state dict loads them); `comms`: the
+    run's processes (None: one)."""
     features = {f.name: f for f in info.features}
     unknown = [f for f in c.user_features + c.item_features if f not in features]
     if unknown:
@@ -183,7 +231,7 @@ def build_two_tower(c, embeddings: EmbeddingCollection, info: SourceInfo, source
     exclude = (user_id, features[user_id].num_ids) if c.exclude_seen else None
     model = TwoTower(
         embeddings, c.user_features, c.item_features, item_id, features[item_id].num_ids, c.tower_mlp, c.temperature,
-        exclude,
+        exclude, comms,
     )  # fmt: skip
     if source is not None:
         model.item_counts.copy_(item_counts(source, item_id, features[item_id].num_ids))

@@ -174,7 +174,6 @@ def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
         raise ConfigError(
             f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over {num_processes} processes"
         )
-    check_model_processes(cfg, num_processes)
     task_labels(cfg)
     if cfg.train.compile:
         from neorec.model.compile import check_compiler
@@ -198,15 +197,6 @@ def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
             plan.tables[name] = TablePlan(entry.kind, list(entry.ranks), entry.node)
         planned = tables if d.plan else [t for t in tables if t.name in plan.tables]  # the planner does the rest
         plan.validate(planned, Topology(num_processes, 0, num_processes))
-
-
-def check_model_processes(cfg: RunConfig, num_processes: int) -> None:
-    """Refuse an architecture that does not train over several processes yet."""
-    if cfg.model.arch == "two_tower" and num_processes > 1:
-        raise ConfigError(
-            "model.arch two_tower trains in one process only (its in-batch softmax and whole-catalogue "
-            f"evaluation are not distributed); run it without --nproc, not over {num_processes} processes"
-        )
 
 
 def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
@@ -326,10 +316,12 @@ def storage_tiers(cfg: RunConfig, tables: list[TableConfig], plan=None) -> dict[
 
 
 def build_model(
-    cfg: RunConfig, info: SourceInfo, embeddings: EmbeddingCollection, source: DataSource | None = None
-) -> nn.Module:
+    cfg: RunConfig, info: SourceInfo, embeddings: EmbeddingCollection, source: DataSource | None = None,
+    comms=None,
+) -> nn.Module:  # fmt: skip
     """The configured architecture over `embeddings`. `source`: the training data, which two_tower
-    counts its items in (without it, the counts stay zero until a state dict loads them)."""
+    counts its items in (without it, the counts stay zero until a state dict loads them). `comms`:
+    the run's processes (a Comms; None: one), which two_tower gathers its in-batch negatives over."""
     from neorec.model.dlrm import DLRM, DCNv2
 
     m = cfg.model
@@ -349,7 +341,7 @@ def build_model(
     if m.arch == "two_tower":
         from neorec.model.two_tower import build_two_tower
 
-        return build_two_tower(m.two_tower, embeddings, info, source)
+        return build_two_tower(m.two_tower, embeddings, info, source, comms)
     dlrm, dcnv2, outputs = DLRM, DCNv2, 1
     if m.arch == "multitask":  # the same trunk with one output per task, and the tasks' loss and metrics
         from neorec.model.multitask import MultiTaskDCNv2, MultiTaskDLRM

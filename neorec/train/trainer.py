@@ -40,7 +40,6 @@ from neorec.train.build import (
     build_model,
     build_source,
     build_tables,
-    check_model_processes,
     dense_parameters,
 )
 from neorec.train.logger import MetricsLogger, read_metrics
@@ -168,12 +167,11 @@ class Trainer:
                 f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over "
                 f"{self.topo.world_size} processes"
             )
-        check_model_processes(cfg, self.topo.world_size)
         self.source = build_source(cfg, self.topo, self.device)  # a per-rank reader where the source has one
         self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
         self.tables = build_tables(cfg, self.source.info)
         self.embeddings = build_embeddings(cfg, self.tables, self.comms, self.device)
-        self.model = build_model(cfg, self.source.info, self.embeddings, self.source).to(self.device)
+        self.model = build_model(cfg, self.source.info, self.embeddings, self.source, self.comms).to(self.device)
         if cfg.train.compile:
             apply_compile(self.model, self.device)
         dense = dense_parameters(self.model)
