@@ -64,3 +64,18 @@ def test_two_tower_over_processes_trains_like_one(tmp_path, world, transport):
             assert r["eval"][k] == pytest.approx(one.eval[k], abs=1.5 / one.eval["num_queries"]), k
     assert ranks[0]["bytes"]["in_batch"] > 0 and ranks[0]["bytes"]["in_batch_bwd"] > 0
 
+
+
+def test_neorec_train_runs_two_tower_over_two_processes(tmp_path):
+    import json
+
+    from neorec.cli import main
+
+    sets = [*SETS, f"data.movielens.root={tiny_movielens(tmp_path)}", "train.max_steps=4", "train.eval_every=null"]
+    out = tmp_path / "run"
+    argv = ["train", "--config", "movielens_two_tower", "--nproc", "2", "--output-dir", str(out)]
+    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 4
+    assert summary["eval_num_queries"] > 0 and 0 <= summary["eval_recall@10"] <= summary["eval_recall@100"] <= 1
+    assert summary["comm_bytes_per_step"]["in_batch"] > 0  # the item vectors crossed
