@@ -48,6 +48,7 @@ from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError
 from neorec.model.dlrm import check_pooled_only
 from neorec.model.mlp import build_mlp
+from neorec.sparse import SparseBatch
 
 RECALL_AT = (10, 100)
 
@@ -194,7 +195,7 @@ class TwoTower(nn.Module):
         return {**{f"recall@{k}": h / queries for k, h in zip(RECALL_AT, hits, strict=True)},
                 "num_queries": queries, "num_items": len(items)}  # fmt: skip
 
-    def item_vectors(self, catalog, batch_size: int) -> torch.Tensor:
+    def item_vectors(self, catalog: SparseBatch, batch_size: int) -> torch.Tensor:
         """The item tower's vector of every item of `catalog` (a SparseBatch, one sample per item), in
         its order. Over several processes each rank scores its share and the shares are gathered."""
         device = self.item_counts.device
