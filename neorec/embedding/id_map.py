@@ -150,19 +150,20 @@ class IdMap:
         unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         rows = self.find(unique)
         found = rows != FREE
-        hits = int(counts[found].sum())
+        hits = int((counts * found).sum())
         self.stats["hits"] += hits
         self.stats["misses"] += ids.numel() - hits
         if not train:
             return rows.index_select(0, inverse), no_rows
-        seen = rows[found]
+        num_found = int(found.sum())
+        seen = rows if num_found == unique.numel() else rows.masked_select(found)
         self.last_seen.tensor.index_fill_(0, seen, step)
-        self.counts.tensor.index_add_(0, seen, counts[found])
-        evicted = no_rows
-        if not bool(found.all()):
-            new = ~found
-            got, evicted = self._insert(unique[new], counts[new], seen, step)
-            rows[new] = got
+        self.counts.tensor.index_add_(0, seen, counts if num_found == unique.numel() else counts.masked_select(found))
+        if num_found == unique.numel():
+            return rows.index_select(0, inverse), no_rows
+        new_at = torch.nonzero(~found).view(-1)
+        got, evicted = self._insert(unique.index_select(0, new_at), counts.index_select(0, new_at), seen, step)
+        rows.index_copy_(0, new_at, got)
         return rows.index_select(0, inverse), evicted
 
     def _insert(
@@ -171,100 +172,125 @@ class IdMap:
         """Rows for new ids (ascending), -1 for those left out; and the rows whose id was evicted."""
         device = new.device
         num_buckets = self.shard.count
-        bucket = bucket_of(new, self.shard.total) - self.shard.first
-        if bool(((bucket < 0) | (bucket >= num_buckets)).any()):
-            raise RuntimeError("an id reached a map shard that does not hold its bucket")
-        # new ids in serving order: bucket, then count in the batch descending, then id ascending
-        # (new ids come sorted by id: their position breaks ties; one sort of packed keys)
         n = new.numel()
-        most = int(counts.max())
-        position = torch.arange(n, device=device)
-        order = _lexsort([position, most - counts, bucket], [n, most + 1, num_buckets])
-        sorted_bucket = bucket.index_select(0, order)
-        first_of_bucket = torch.searchsorted(sorted_bucket, torch.arange(num_buckets, device=device))
-        rank = torch.arange(new.numel(), device=device) - first_of_bucket.index_select(0, sorted_bucket)
+        # new ids in serving order: bucket, then count in the batch descending, then id ascending
+        # (new ids come sorted by id, and a stable sort keeps that order among equal keys)
+        if self.shard.total == 1:
+            order = torch.sort(-counts, stable=True).indices
+            sorted_bucket = torch.zeros_like(order)
+            rank = torch.arange(n, device=device)
+        else:
+            bucket = bucket_of(new, self.shard.total) - self.shard.first
+            if bool(((bucket < 0) | (bucket >= num_buckets)).any()):
+                raise RuntimeError("an id reached a map shard that does not hold its bucket")
+            most = int(counts.max())
+            order = _lexsort([torch.arange(n, device=device), most - counts, bucket], [n, most + 1, num_buckets])
+            sorted_bucket = bucket.index_select(0, order)
+            first_of_bucket = torch.searchsorted(sorted_bucket, torch.arange(num_buckets, device=device))
+            rank = torch.arange(n, device=device) - first_of_bucket.index_select(0, sorted_bucket)
 
-        candidates, available = self._candidates(used)  # [B, per] rows in the order they are taken
+        width = min(n, self.bucket_rows)
+        candidates, available = self._candidates(used, width)  # [B, width] rows in the order they are taken
         fits = rank < available.index_select(0, sorted_bucket)
-        rows_sorted = torch.full_like(sorted_bucket, FREE)
-        take = candidates[sorted_bucket[fits], rank[fits]]
-        rows_sorted[fits] = take
-        rows = torch.empty_like(rows_sorted)
-        rows[order] = rows_sorted
+        take = candidates.view(-1).index_select(0, sorted_bucket * width + rank.clamp(max=width - 1))
+        num_fit = int(fits.sum())
+        if num_fit < n:
+            self.stats["dropped"] += n - num_fit
+            take = torch.where(fits, take, FREE)
+        rows = torch.empty_like(take).index_copy_(0, order, take)  # back to id order
+        if num_fit < n:
+            placed = rows != FREE
+            new_rows, new_keys, new_counts = rows[placed], new[placed], counts[placed]
+            take = take[fits]
+        else:
+            new_rows, new_keys, new_counts = rows, new, counts
 
         keys = self.keys.tensor
         old = keys.index_select(0, take)
-        evicted = take[old != FREE]
-        self.stats["inserts"] += take.numel()
-        self.stats["evictions"] += evicted.numel()
-        self.stats["dropped"] += int((~fits).sum())
-        placed = rows != FREE
-        new_rows, new_keys = rows[placed], new[placed]
+        held = old != FREE
+        num_evicted = int(held.sum())
+        evicted = take if num_evicted == num_fit else take[held]
+        gone = old if num_evicted == num_fit else old[held]
+        self.stats["inserts"] += num_fit
+        self.stats["evictions"] += num_evicted
         keys.index_copy_(0, new_rows, new_keys)
         self.last_seen.tensor.index_fill_(0, new_rows, step)
-        self.counts.tensor.index_copy_(0, new_rows, counts[placed])
-        self._merge_index(evicted, new_keys, new_rows)
+        self.counts.tensor.index_copy_(0, new_rows, new_counts)
+        self._merge_index(gone, new_keys, new_rows)
         return rows, evicted
 
-    def _candidates(self, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per bucket, its rows in the order new ids take them ([B, per]: free rows by row, then the
-        other ids' rows in eviction order, then rows the batch uses), and how many may be taken."""
+    def _candidates(self, used: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per bucket, the first `width` of its rows in the order new ids take them ([B, width]: free
+        rows by row, then the other ids' rows in eviction order, then rows the batch uses), and how many
+        rows of each bucket may be taken. One packed key per row and a partial selection (topk): the keys
+        of the rows that can be taken are distinct, so they come out exactly as a full sort orders them."""
         b, per = self.shard.count, self.bucket_rows
-        keys = self.keys.tensor
+        keys, last_seen, counts = self.keys.tensor, self.last_seen.tensor, self.counts.tensor
         device = keys.device
-        in_use = torch.zeros(self.capacity, dtype=torch.bool, device=device)
-        in_use[used] = True
-        occupied = keys != FREE
         # ties go by id: a row's place in the sorted index (free rows: their row, and they tie on nothing)
-        _, sorted_rows = self._index if self._index is not None else self._sorted()
-        by_id = torch.arange(self.capacity, device=device)
-        by_id[sorted_rows] = torch.arange(sorted_rows.numel(), device=device)
-        cls = occupied.to(torch.int64) + in_use.to(torch.int64)  # 0 free, 1 evictable, 2 used by the batch
-        last_seen = self.last_seen.tensor
-        steps = int(last_seen.max()) + 1 if self.capacity else 1
+        _, sorted_rows = self._sorted()
+        numbers = torch.arange(self.capacity, device=device)
+        by_id = numbers.clone().index_copy_(0, sorted_rows, numbers[: sorted_rows.numel()])
+        occupied = (keys != FREE).to(torch.int64)
         # least significant first: id, (lfu) last use, then lru: last use, lfu: count; then the class
-        sort_keys = [by_id, last_seen] if self.eviction == "lru" else [by_id, last_seen, self.counts.tensor]
-        sizes = [self.capacity, steps] if self.eviction == "lru" else [self.capacity, steps, int(self.counts.tensor.max()) + 1]
-        sort_keys.append(cls)
-        sizes.append(3)
-        view = [k.view(b, per) for k in sort_keys]
-        order = _lexsort(view, sizes)
+        # (0 free, 1 evictable, 2 used by the batch)
+        steps = int(last_seen.max()) + 1
+        sort_keys = [by_id, last_seen] if self.eviction == "lru" else [by_id, last_seen, counts]
+        sizes = [self.capacity, steps] if self.eviction == "lru" else [self.capacity, steps, int(counts.max()) + 1]
+        if b == 1:
+            available = torch.full((1,), per - used.numel(), dtype=torch.int64, device=device)
+        else:
+            available = per - torch.bincount(used // per, minlength=b)
+        packed = _pack([*sort_keys, occupied], [*sizes, 3])
+        if packed is not None:
+            # rows of the batch are never taken: one value after every other row's is all they need
+            packed.index_fill_(0, used, 2 << sum(max(1, (s - 1).bit_length()) for s in sizes))
+            order = torch.topk(packed.view(b, per), width, dim=1, largest=False, sorted=True).indices
+        else:
+            cls = occupied.index_fill_(0, used, 2)
+            order = _lexsort([k.view(b, per) for k in [*sort_keys, cls]], [*sizes, 3])[:, :width]
         rows = order + torch.arange(b, device=device).view(b, 1) * per
-        return rows, per - in_use.view(b, per).sum(dim=1)
+        return rows, available
 
-    def _merge_index(self, evicted: torch.Tensor, new_keys: torch.Tensor, new_rows: torch.Tensor) -> None:
-        """Drop the evicted ids from the sorted index and merge the new ones in (linear, no re-sort)."""
+    def _merge_index(self, gone: torch.Tensor, new_keys: torch.Tensor, new_rows: torch.Tensor) -> None:
+        """Drop the evicted ids from the sorted index and merge the new ones (sorted by id) in: linear
+        in the index, no re-sort."""
         assert self._index is not None  # built by find() before mc_keys changed
         sorted_keys, sorted_rows = self._index
-        if evicted.numel():
-            gone = torch.zeros(self.capacity, dtype=torch.bool, device=evicted.device)
-            gone[evicted] = True
-            keep = ~gone.index_select(0, sorted_rows)
-            sorted_keys, sorted_rows = sorted_keys[keep], sorted_rows[keep]
-        order = torch.argsort(new_keys)
-        new_keys, new_rows = new_keys.index_select(0, order), new_rows.index_select(0, order)
+        device = sorted_keys.device
+        if gone.numel():
+            keep = torch.ones(sorted_keys.numel(), dtype=torch.bool, device=device)
+            keep.index_fill_(0, torch.searchsorted(sorted_keys, gone), False)
+            sorted_keys, sorted_rows = sorted_keys.masked_select(keep), sorted_rows.masked_select(keep)
         n_old, n_new = sorted_keys.numel(), new_keys.numel()
-        out_keys = sorted_keys.new_empty(n_old + n_new)
-        out_rows = sorted_rows.new_empty(n_old + n_new)
-        at_new = torch.searchsorted(sorted_keys, new_keys) + torch.arange(n_new, device=new_keys.device)
-        at_old = torch.searchsorted(new_keys, sorted_keys) + torch.arange(n_old, device=new_keys.device)
-        out_keys[at_new], out_rows[at_new] = new_keys, new_rows
-        out_keys[at_old], out_rows[at_old] = sorted_keys, sorted_rows
-        self._index = (out_keys, out_rows)
+        at_new = torch.searchsorted(sorted_keys, new_keys) + torch.arange(n_new, device=device)
+        is_old = torch.ones(n_old + n_new, dtype=torch.bool, device=device).index_fill_(0, at_new, False)
+        out_keys = sorted_keys.new_empty(n_old + n_new).index_copy_(0, at_new, new_keys)
+        out_rows = sorted_rows.new_empty(n_old + n_new).index_copy_(0, at_new, new_rows)
+        self._index = (out_keys.masked_scatter_(is_old, sorted_keys), out_rows.masked_scatter_(is_old, sorted_rows))
         self._index_version = self.keys.tensor._version
+
+
+def _pack(keys: list[torch.Tensor], sizes: list[int]) -> torch.Tensor | None:
+    """keys[-1], keys[-2], ... (each in [0, size)) packed into one int64 that compares the same way
+    (most significant last), or None where they need more than 63 bits."""
+    bits = [max(1, (size - 1).bit_length()) for size in sizes]
+    if sum(bits) > 63:
+        return None
+    packed = keys[0].clone()
+    shift = bits[0]
+    for k, nbits in zip(keys[1:], bits[1:], strict=True):
+        packed |= k << shift
+        shift += nbits
+    return packed
 
 
 def _lexsort(keys: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
     """Indices that sort along the last dim by keys[-1], then keys[-2], ... (each in [0, size)); the
     first key is unique per row, so the order is total. One sort of packed int64 keys where they fit
     in 63 bits, else one stable sort per key."""
-    bits = [max(1, (size - 1).bit_length()) for size in sizes]
-    if sum(bits) <= 63:
-        packed = torch.zeros_like(keys[0])
-        shift = 0
-        for k, nbits in zip(keys, bits, strict=True):
-            packed |= k << shift
-            shift += nbits
+    packed = _pack(keys, sizes)
+    if packed is not None:
         return torch.sort(packed, dim=-1).indices
     order = torch.arange(keys[0].shape[-1], device=keys[0].device).expand_as(keys[0])
     for k in keys:
