@@ -149,20 +149,23 @@ class IdMap:
             return ids.clone(), no_rows
         unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         rows = self.find(unique)
-        found = rows != FREE
-        hits = int((counts * found).sum())
-        self.stats["hits"] += hits
-        self.stats["misses"] += ids.numel() - hits
+        is_new = rows == FREE
+        new_at = torch.nonzero(is_new).view(-1)
+        new_counts = counts.index_select(0, new_at)
+        misses = int(new_counts.sum()) if new_at.numel() else 0
+        self.stats["hits"] += ids.numel() - misses
+        self.stats["misses"] += misses
         if not train:
             return rows.index_select(0, inverse), no_rows
-        num_found = int(found.sum())
-        seen = rows if num_found == unique.numel() else rows.masked_select(found)
-        self.last_seen.tensor.index_fill_(0, seen, step)
-        self.counts.tensor.index_add_(0, seen, counts if num_found == unique.numel() else counts.masked_select(found))
-        if num_found == unique.numel():
+        if new_at.numel() == 0:
+            self.last_seen.tensor.index_fill_(0, rows, step)
+            self.counts.tensor.index_add_(0, rows, counts)
             return rows.index_select(0, inverse), no_rows
-        new_at = torch.nonzero(~found).view(-1)
-        got, evicted = self._insert(unique.index_select(0, new_at), counts.index_select(0, new_at), seen, step)
+        found = ~is_new
+        seen = rows.masked_select(found)
+        self.last_seen.tensor.index_fill_(0, seen, step)
+        self.counts.tensor.index_add_(0, seen, counts.masked_select(found))
+        got, evicted = self._insert(unique.index_select(0, new_at), new_counts, seen, step)
         rows.index_copy_(0, new_at, got)
         return rows.index_select(0, inverse), evicted
 
@@ -171,14 +174,16 @@ class IdMap:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for new ids (ascending), -1 for those left out; and the rows whose id was evicted."""
         device = new.device
-        num_buckets = self.shard.count
+        num_buckets, per = self.shard.count, self.bucket_rows
         n = new.numel()
         # new ids in serving order: bucket, then count in the batch descending, then id ascending
         # (new ids come sorted by id, and a stable sort keeps that order among equal keys)
-        if self.shard.total == 1:
+        if num_buckets == 1:
             order = torch.sort(-counts, stable=True).indices
-            sorted_bucket = torch.zeros_like(order)
-            rank = torch.arange(n, device=device)
+            # one bucket: the first new ids in that order take its first rows, as many as it has
+            num_fit = min(n, per - used.numel())  # rows of the batch's ids (distinct) are not taken
+            take = self._candidates(used, num_fit).view(-1) if num_fit else used.new_empty(0)
+            by_order = take if num_fit == n else torch.cat([take, take.new_full((n - num_fit,), FREE)])
         else:
             bucket = bucket_of(new, self.shard.total) - self.shard.first
             if bool(((bucket < 0) | (bucket >= num_buckets)).any()):
@@ -188,30 +193,32 @@ class IdMap:
             sorted_bucket = bucket.index_select(0, order)
             first_of_bucket = torch.searchsorted(sorted_bucket, torch.arange(num_buckets, device=device))
             rank = torch.arange(n, device=device) - first_of_bucket.index_select(0, sorted_bucket)
-
-        width = min(n, self.bucket_rows)
-        candidates, available = self._candidates(used, width)  # [B, width] rows in the order they are taken
-        fits = rank < available.index_select(0, sorted_bucket)
-        take = candidates.view(-1).index_select(0, sorted_bucket * width + rank.clamp(max=width - 1))
-        num_fit = int(fits.sum())
-        if num_fit < n:
-            self.stats["dropped"] += n - num_fit
-            take = torch.where(fits, take, FREE)
-        rows = torch.empty_like(take).index_copy_(0, order, take)  # back to id order
+            width = min(n, per)
+            candidates = self._candidates(used, width)  # [B, width] rows in the order they are taken
+            available = per - torch.bincount(torch.div(used, per, rounding_mode="floor"), minlength=num_buckets)
+            fits = rank < available.index_select(0, sorted_bucket)
+            by_order = candidates.view(-1).index_select(0, sorted_bucket * width + rank.clamp(max=width - 1))
+            num_fit = int(fits.sum())
+            if num_fit < n:
+                by_order = torch.where(fits, by_order, FREE)
+            take = by_order if num_fit == n else by_order.masked_select(fits)
+        rows = torch.empty_like(by_order).index_copy_(0, order, by_order)  # back to id order
+        self.stats["inserts"] += num_fit
+        self.stats["dropped"] += n - num_fit
+        if num_fit == 0:
+            return rows, used.new_empty(0)
         if num_fit < n:
             placed = rows != FREE
-            new_rows, new_keys, new_counts = rows[placed], new[placed], counts[placed]
-            take = take[fits]
+            new_rows, new_keys, new_counts = rows.masked_select(placed), new.masked_select(placed), counts.masked_select(placed)
         else:
             new_rows, new_keys, new_counts = rows, new, counts
 
         keys = self.keys.tensor
-        old = keys.index_select(0, take)
+        old = keys.index_select(0, take)  # in serving order: the evicted rows come out in that order
         held = old != FREE
         num_evicted = int(held.sum())
-        evicted = take if num_evicted == num_fit else take[held]
-        gone = old if num_evicted == num_fit else old[held]
-        self.stats["inserts"] += num_fit
+        evicted = take if num_evicted == num_fit else take.masked_select(held)
+        gone = old if num_evicted == num_fit else old.masked_select(held)
         self.stats["evictions"] += num_evicted
         keys.index_copy_(0, new_rows, new_keys)
         self.last_seen.tensor.index_fill_(0, new_rows, step)
@@ -219,11 +226,11 @@ class IdMap:
         self._merge_index(gone, new_keys, new_rows)
         return rows, evicted
 
-    def _candidates(self, used: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _candidates(self, used: torch.Tensor, width: int) -> torch.Tensor:
         """Per bucket, the first `width` of its rows in the order new ids take them ([B, width]: free
-        rows by row, then the other ids' rows in eviction order, then rows the batch uses), and how many
-        rows of each bucket may be taken. One packed key per row and a partial selection (topk): the keys
-        of the rows that can be taken are distinct, so they come out exactly as a full sort orders them."""
+        rows by row, then the other ids' rows in eviction order, then rows the batch uses). One packed
+        key per row and a partial selection (topk): the keys of the rows that can be taken are distinct,
+        so they come out exactly as a full sort orders them."""
         b, per = self.shard.count, self.bucket_rows
         keys, last_seen, counts = self.keys.tensor, self.last_seen.tensor, self.counts.tensor
         device = keys.device
@@ -237,10 +244,6 @@ class IdMap:
         steps = int(last_seen.max()) + 1
         sort_keys = [by_id, last_seen] if self.eviction == "lru" else [by_id, last_seen, counts]
         sizes = [self.capacity, steps] if self.eviction == "lru" else [self.capacity, steps, int(counts.max()) + 1]
-        if b == 1:
-            available = torch.full((1,), per - used.numel(), dtype=torch.int64, device=device)
-        else:
-            available = per - torch.bincount(used // per, minlength=b)
         packed = _pack([*sort_keys, occupied], [*sizes, 3])
         if packed is not None:
             # rows of the batch are never taken: one value after every other row's is all they need
@@ -249,8 +252,7 @@ class IdMap:
         else:
             cls = occupied.index_fill_(0, used, 2)
             order = _lexsort([k.view(b, per) for k in [*sort_keys, cls]], [*sizes, 3])[:, :width]
-        rows = order + torch.arange(b, device=device).view(b, 1) * per
-        return rows, available
+        return order if b == 1 else order + torch.arange(b, device=device).view(b, 1) * per
 
     def _merge_index(self, gone: torch.Tensor, new_keys: torch.Tensor, new_rows: torch.Tensor) -> None:
         """Drop the evicted ids from the sorted index and merge the new ones (sorted by id) in: linear
