@@ -7,15 +7,19 @@ sharding gives every rank whole buckets, so a rank owns the ids of its buckets a
 them exactly as one process holding the whole map would (sharded training equals single-process
 training).
 
-One training batch (`remap` with train=True), all in vectorised torch ops:
+One training batch (`remap` with train=True), all in vectorised torch ops, with no full sort of the
+map's rows (per batch: a sort of the batch's ids and a few passes over the rows):
 1. the batch's distinct ids are looked up in the sorted keys (searchsorted): hits keep their row;
 2. every id of the batch is stamped with the current step (`last_seen`) and its count in the batch
    is added to `counts`;
 3. new ids take rows of their bucket: free rows first (lowest row first), then the rows of the
    bucket's other ids in eviction order, lru: (last_seen, id) ascending, lfu: (counts, last_seen,
-   id) ascending. Rows of ids the batch uses are never taken. New ids are served in the order
-   (count in the batch descending, id ascending). Ties are broken by id, so the result is a pure
-   function of the stream: the same stream gives the same map, on any machine or world size;
+   id) ascending. That order is one packed int64 per row (class, lru: last use / lfu: count and last
+   use, the id's place in the sorted index), and only the rows a bucket's new ids need are selected
+   from it (topk), in exactly the order a full sort would give. Rows of ids the batch uses are never
+   taken. New ids are served in the order (count in the batch descending, id ascending). Ties are
+   broken by id, so the result is a pure function of the stream: the same stream gives the same
+   map, on any machine or world size;
 4. when a bucket gets more new ids than it has rows the batch does not use, the ids at the end of
    that order get no row for this batch: they are left out of their bags (counted as `dropped`)
    and come back as new ids next time. Evaluation (train=False) never changes the map: unknown ids
@@ -24,7 +28,8 @@ The caller re-initialises evicted rows and their optimizer state (the engine tha
 
 State per row (saved in checkpoints with the table's rows, so it reshards with them):
 `mc_keys` (the id on the row, -1 when free), `mc_last_seen` (step of its last batch), `mc_counts`
-(how often it was looked up since it got the row). The sorted index is rebuilt from `mc_keys`.
+(how often it was looked up since it got the row). The sorted index (keys ascending, their rows) is
+rebuilt from `mc_keys` after a load and otherwise kept up to date by a linear merge per batch.
 """
 
 from __future__ import annotations
