@@ -68,7 +68,7 @@ def random_stream(
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @pytest.mark.parametrize(
     "capacity, buckets, vocab, batch",
-    [(64, (0, 1, 1), 300, 50), (256, (0, 4, 4), 2000, 300), (96, (2, 3, 6), 800, 120), (16, (0, 1, 1), 40, 30)],
+    [(64, (0, 1, 1), 300, 50), (256, (0, 4, 4), 2000, 300), (96, (2, 3, 6), 800, 120), (48, (1, 1, 3), 600, 90), (16, (0, 1, 1), 40, 30)],
 )
 def test_random_streams_match_the_reference(eviction, capacity, buckets, vocab, batch):
     m, ref = make_maps(capacity, eviction, *buckets)
@@ -93,3 +93,13 @@ def test_clock_too_large_to_pack_matches_the_reference(eviction):
 def test_small_streams_match_the_reference(eviction, buckets, stream):
     m, ref = make_maps(4, eviction, 0, buckets, buckets)
     drive(m, ref, [(torch.tensor(ids, dtype=torch.int64), True) for ids in stream])
+
+
+@pytest.mark.parametrize("buckets", [(1, 1, 3), (0, 2, 4)])
+def test_an_id_of_another_shard_is_an_internal_error(buckets):
+    m, _ = make_maps(8, "lru", *buckets)
+    ids = torch.arange(100, 140)
+    foreign = ids[(bucket_of(ids, m.shard.total) < m.shard.first)
+                  | (bucket_of(ids, m.shard.total) >= m.shard.first + m.shard.count)]  # fmt: skip
+    with pytest.raises(RuntimeError, match="does not hold its bucket"):
+        m.remap(foreign[:3], 1, True)

@@ -181,6 +181,10 @@ class IdMap:
         device = new.device
         num_buckets, per = self.shard.count, self.bucket_rows
         n = new.numel()
+        if self.shard.total > 1:
+            bucket = bucket_of(new, self.shard.total) - self.shard.first
+            if bool(((bucket < 0) | (bucket >= num_buckets)).any()):
+                raise RuntimeError("an id reached a map shard that does not hold its bucket")
         # new ids in serving order: bucket, then count in the batch descending, then id ascending
         # (new ids come sorted by id, and a stable sort keeps that order among equal keys)
         if num_buckets == 1:
@@ -190,9 +194,6 @@ class IdMap:
             take = self._candidates(used, num_fit).view(-1) if num_fit else used.new_empty(0)
             by_order = take if num_fit == n else torch.cat([take, take.new_full((n - num_fit,), FREE)])
         else:
-            bucket = bucket_of(new, self.shard.total) - self.shard.first
-            if bool(((bucket < 0) | (bucket >= num_buckets)).any()):
-                raise RuntimeError("an id reached a map shard that does not hold its bucket")
             most = int(counts.max())
             order = _lexsort([torch.arange(n, device=device), most - counts, bucket], [n, most + 1, num_buckets])
             sorted_bucket = bucket.index_select(0, order)
