@@ -185,7 +185,23 @@ def tsv_mapping(cfg: RunConfig) -> tuple[str | None, str]:
     return None, f"{d.source} data (data.source: {d.source})"
 
 
-EXPORTABLE = ("dlrm", "dcnv2", "deepfm")
+EXPORTABLE = ("dlrm", "dcnv2", "deepfm", "multitask", "din")
+PT2_EXPORTABLE = ("dlrm", "dcnv2", "deepfm")  # the program's inputs are pooled bags, one output per sample
+
+
+def check_exportable(cfg: RunConfig, path: str | Path, format: str) -> None:
+    """Refuse, naming the arch and what is served, a model that the export format cannot score."""
+    arch = cfg.model.arch
+    if arch not in EXPORTABLE:  # two_tower: retrieval serves embeddings to a nearest-neighbour index
+        raise ExportError(
+            f"{path}: model.arch {arch} cannot be exported yet; export serves {', '.join(EXPORTABLE)} "
+            "(probabilities per sample)"
+        )
+    if format == "pt2" and arch not in PT2_EXPORTABLE:
+        raise ExportError(
+            f"{path}: model.arch {arch} cannot be exported with --format pt2, which serves "
+            f"{', '.join(PT2_EXPORTABLE)}; leave out --format to write an nrx file"
+        )
 
 
 def export_model(
@@ -210,11 +226,7 @@ def export_model(
     check_output_file(out, "--out")
     trained = load_trained(path, config)
     cfg = trained.config
-    if cfg.model.arch not in EXPORTABLE:  # serving scores one click probability per sample
-        raise ExportError(
-            f"{path}: model.arch {cfg.model.arch} cannot be exported yet; export serves {', '.join(EXPORTABLE)} "
-            "(one probability per sample)"
-        )
+    check_exportable(cfg, path, format)
     weights: dict = trained.weights
     if int8:
         weights = quantize_tables(trained.weights, scale_dtype)

@@ -47,8 +47,13 @@ class ExportedModel:
         """A pt2 export: `model` is the torch.export program, scoring plain tensors."""
         return self.header.get("format") == PT2_FORMAT
 
+    @property
+    def task_names(self) -> list[str]:
+        """The tasks a multi-task model scores, one probability column each; [] for one probability."""
+        return [t.name for t in self.config.model.tasks] if self.config.model.arch == "multitask" else []
+
     def probabilities(self, batch: Batch) -> torch.Tensor:
-        """Click probabilities [B] of a batch."""
+        """Click probabilities [B] of a batch ([B, T] for a multi-task model, in `task_names` order)."""
         if self.is_program:
             inputs = self.header["inputs"]
             return self.model(*program_inputs(batch, inputs["feature_names"], inputs["weighted"]))

@@ -1,0 +1,93 @@
+"""Export and predict of the models beyond one pooled click probability: multi-task heads (one
+probability column per task), DIN (the user's history read from the model's own data) and tables with
+managed collision (the id map travels in the file). Each export scores the held-out batches as the
+trained model does; what serving cannot take is refused with a message naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from neorec.cli import main as cli_main
+from neorec.config.load import load_config
+from neorec.serving import ExportError, export_model, load_export, predict_file
+from neorec.train.trainer import Trainer
+
+SYNTHETIC = [
+    "data.synthetic.train_samples=2048", "data.synthetic.eval_samples=600", "data.synthetic.max_rows=300",
+    "data.synthetic.num_sparse=4", "data.synthetic.num_dense=3", "data.batch_size=128", "data.eval_batch_size=256",
+    "model.bottom_mlp=[16,8]", "model.top_mlp=[16]", "embedding.dim=8", "train.progress=false",
+    "logging.plot=false", "logging.tensorboard=false", "train.eval_every=null",
+]  # fmt: skip
+
+
+def train_run(root: Path, base: str | None, sets: list[str]) -> tuple[Trainer, dict[str, float]]:
+    """A trained run under root/run: its trainer and held-out metrics."""
+    trainer = Trainer(load_config(base, sets), root / "run")
+    return trainer, trainer.fit().eval
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module, batches) -> torch.Tensor:
+    return torch.cat([model(b) for b in batches])
+
+
+def check_export_scores_as_trained(trainer: Trainer, metrics: dict, root: Path, int8_atol: float) -> None:
+    """fp32: bit for bit; int8: logits within `int8_atol`, and what export measured is what it scores."""
+    trained = logits_of(trainer.model.eval(), trainer.source.eval_batches(256))
+    fp32 = export_model(root / "run", root / "fp32.nrx")
+    assert torch.equal(logits_of(load_export(root / "fp32.nrx").model, trainer.source.eval_batches(256)), trained)
+    assert fp32.eval["fp32"]["auc"] == pytest.approx(metrics["auc"], abs=1e-12)
+    int8 = export_model(root / "run", root / "int8.nrx", int8=True)
+    got = logits_of(load_export(root / "int8.nrx").model, trainer.source.eval_batches(256))
+    torch.testing.assert_close(got, trained, rtol=0, atol=int8_atol)
+    assert not torch.equal(got, trained) and abs(int8.auc_change) <= 0.01
+
+
+# ---- multi-task -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def multitask(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multitask")
+    tasks = "model.tasks=[{name: click}, {name: conversion, weight: 0.5}]"
+    return root, *train_run(root, None, [*SYNTHETIC, "model.arch=multitask", "model.trunk=dcnv2", tasks])
+
+
+def test_multitask_export_scores_every_task_as_trained(multitask):
+    root, trainer, metrics = multitask
+    check_export_scores_as_trained(trainer, metrics, root, int8_atol=0.05)
+    assert load_export(root / "fp32.nrx").task_names == ["click", "conversion"]
+
+
+def test_multitask_predict_writes_a_column_per_task(multitask, capsys):
+    root, trainer, metrics = multitask
+    out = root / "pred.csv"
+    assert cli_main(["predict", str(root / "fp32.nrx"), "--out", str(out), "--with-labels"]) == 0
+    printed = capsys.readouterr().out
+    assert "click/auc" in printed and "conversion/auc" in printed
+    lines = out.read_text().splitlines()
+    assert lines[0] == "click,conversion,click_label,conversion_label" and len(lines) == 601
+    table = torch.tensor([[float(x) for x in line.split(",")] for line in lines[1:]], dtype=torch.float64)
+    probs = torch.sigmoid(logits_of(trainer.model.eval(), trainer.source.eval_batches(256)))
+    labels = torch.cat([b.labels for b in trainer.source.eval_batches(256)])
+    torch.testing.assert_close(table[:, :2], probs.double(), rtol=1e-8, atol=0)
+    assert torch.equal(table[:, 2:], labels.double())
+    r = predict_file(root / "fp32.nrx", root / "plain.csv")
+    assert (root / "plain.csv").read_text().splitlines()[0] == "click,conversion"
+    for key in ("click/auc", "conversion/auc", "auc"):
+        assert r.metrics[key] == pytest.approx(metrics[key], abs=1e-12)
+
+
+def test_multitask_pt2_is_refused_naming_what_it_serves(multitask):
+    root = multitask[0]
+    with pytest.raises(ExportError, match="model.arch multitask cannot be exported with --format pt2, which serves"):
+        export_model(root / "run", root / "pt2", format="pt2")
+
+
+def test_two_tower_is_refused_naming_what_export_serves():
+    from neorec.serving.export import check_exportable
+
+    cfg = load_config(None, [*SYNTHETIC, "model.arch=two_tower"])
+    with pytest.raises(ExportError, match="model.arch two_tower cannot be exported yet; export serves dlrm, .*multitask"):
+        check_exportable(cfg, "runs/tt", "nrx")
