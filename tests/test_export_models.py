@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from neorec.cli import main as cli_main
 from neorec.config.load import load_config
+from neorec.data.batch import Batch
+from neorec.errors import NeorecError
 from neorec.serving import ExportError, export_model, load_export, predict_file
 from neorec.train.trainer import Trainer
 
@@ -38,7 +41,9 @@ def check_export_scores_as_trained(trainer: Trainer, metrics: dict, root: Path, 
     """fp32: bit for bit; int8: logits within `int8_atol`, and what export measured is what it scores."""
     trained = logits_of(trainer.model.eval(), trainer.source.eval_batches(256))
     fp32 = export_model(root / "run", root / "fp32.nrx")
-    assert torch.equal(logits_of(load_export(root / "fp32.nrx").model, trainer.source.eval_batches(256)), trained)
+    assert torch.equal(
+        logits_of(load_export(root / "fp32.nrx").model, trainer.source.eval_batches(256)), trained
+    )
     assert fp32.eval["fp32"]["auc"] == pytest.approx(metrics["auc"], abs=1e-12)
     int8 = export_model(root / "run", root / "int8.nrx", int8=True)
     got = logits_of(load_export(root / "int8.nrx").model, trainer.source.eval_batches(256))
@@ -81,7 +86,9 @@ def test_multitask_predict_writes_a_column_per_task(multitask, capsys):
 
 def test_multitask_pt2_is_refused_naming_what_it_serves(multitask):
     root = multitask[0]
-    with pytest.raises(ExportError, match="model.arch multitask cannot be exported with --format pt2, which serves"):
+    with pytest.raises(
+        ExportError, match="model.arch multitask cannot be exported with --format pt2, which serves"
+    ):
         export_model(root / "run", root / "pt2", format="pt2")
 
 
@@ -89,5 +96,53 @@ def test_two_tower_is_refused_naming_what_export_serves():
     from neorec.serving.export import check_exportable
 
     cfg = load_config(None, [*SYNTHETIC, "model.arch=two_tower"])
-    with pytest.raises(ExportError, match="model.arch two_tower cannot be exported yet; export serves dlrm, .*multitask"):
+    with pytest.raises(
+        ExportError, match="model.arch two_tower cannot be exported yet; export serves dlrm, .*multitask"
+    ):
         check_exportable(cfg, "runs/tt", "nrx")
+
+
+# ---- DIN --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def din(tmp_path_factory):
+    from tests.test_din import write_tiny_movielens
+
+    root = tmp_path_factory.mktemp("din")
+    data = write_tiny_movielens(root / "ml")
+    sets = [f"data.movielens.root={data}", "data.batch_size=32", "data.eval_batch_size=64", "train.epochs=2",
+            "train.progress=false", "logging.plot=false", "logging.tensorboard=false"]  # fmt: skip
+    return root, *train_run(root, "movielens_seq", sets)
+
+
+def test_din_export_scores_as_trained(din):
+    root, trainer, metrics = din
+    check_export_scores_as_trained(trainer, metrics, root, int8_atol=0.05)
+    histories = torch.cat([b.sparse.feature("history")[1] for b in trainer.source.eval_batches(256)])
+    assert histories.min() > 1
+    # the held-out ratings all have a history; users' first ratings have none
+    src = trainer.source
+    first = src.batch(torch.from_numpy(np.flatnonzero(src.history_lengths.numpy() == 0)))
+    assert len(first) == 24 and not first.sparse.feature("history")[1].any()
+    for name, atol in (("fp32", 0.0), ("int8", 0.05)):
+        exported = logits_of(load_export(root / f"{name}.nrx").model, [first])
+        torch.testing.assert_close(exported, logits_of(trainer.model.eval(), [first]), rtol=0, atol=atol)
+
+
+def test_din_predict_reads_the_histories_of_its_own_data(din, capsys):
+    root, trainer, metrics = din
+    out = root / "pred.txt"
+    assert cli_main(["predict", str(root / "fp32.nrx"), "--out", str(out)]) == 0
+    probs = torch.tensor([float(x) for x in out.read_text().splitlines()], dtype=torch.float64)
+    expected = torch.sigmoid(logits_of(trainer.model.eval(), trainer.source.eval_batches(256)))
+    torch.testing.assert_close(probs, expected.double(), rtol=1e-8, atol=0)
+    assert "auc" in capsys.readouterr().out
+
+
+def test_din_without_its_history_feature_is_refused_naming_it(din):
+    root, trainer, _ = din
+    batch = next(iter(trainer.source.eval_batches(16)))
+    bare = Batch(
+        batch.dense, batch.sparse.select([k for k in batch.sparse.keys if k != "history"]), batch.labels
+    )
+    with pytest.raises(NeorecError, match="sequence feature 'history'.*which this batch does not have"):
+        load_export(root / "fp32.nrx").model(bare)

@@ -1,9 +1,10 @@
-"""The embedding collection of an exported model: pooled lookups only, no optimizer, no gradients.
+"""The embedding collection of an exported model: lookups only, no optimizer, no gradients.
 
 Each table is either float rows in its training storage dtype (fp32, fp16 or bf16) or int8 row-wise
 codes (quantize.py). Lookups go feature by feature and pool in fp32 with the per-id factors of the
 fused training engine (weight, times 1 / bag length for mean pooling), so an fp32 export scores
-exactly as the trained model does.
+exactly as the trained model does. Tables with `pooling: none` (DIN's history) give one fp32 row per
+id, times the id's weight, as the fused engine's sequences do.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import NeorecError
-from neorec.serving.quantize import QuantizedRows, bag_scales, pooled_lookup
-from neorec.sparse import SparseBatch, lengths_to_offsets
+from neorec.serving.quantize import QuantizedRows, bag_scales, dequantize_rows, pooled_lookup
+from neorec.sparse import JaggedRows, SparseBatch, lengths_to_offsets
 
 TableWeights = torch.Tensor | QuantizedRows
 
@@ -65,6 +66,27 @@ class InferenceEmbeddings(EmbeddingCollection):
         if not out:
             return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
         return torch.cat(out, dim=1)
+
+    @torch.no_grad()
+    def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+        """(pooled [B, output_dim], {sequence feature: its fp32 rows, one per id})."""
+        sequences = {}
+        for f in self.sequence_names:
+            if f not in sparse.keys:
+                raise NeorecError(
+                    f"the model reads the sequence feature {f!r} (pooling none, e.g. a user's history), which "
+                    f"this batch does not have (features: {sparse.keys}); score data that carries it"
+                )
+            ids, lengths, weights = sparse.feature(f)
+            table = self.table(self._table_of[f])
+            if isinstance(table, QuantizedRows):
+                rows = dequantize_rows(table, ids)
+            else:
+                rows = table.index_select(0, ids).to(torch.float32)
+            if weights is not None:
+                rows = rows * weights.to(torch.float32).unsqueeze(1)
+            sequences[f] = JaggedRows(rows, lengths)
+        return self(sparse), sequences
 
     @staticmethod
     def _pool(

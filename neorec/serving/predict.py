@@ -112,7 +112,8 @@ def predict_file(
     n = sum(p.numel() for p in probs)
     metrics = {}
     if n:  # a multi-task model's metrics are per task, named <task>/<metric> (neorec.model.multitask)
-        metrics = getattr(exported.model, "held_out_metrics", binary_metrics)(torch.cat(probs), torch.cat(labels))
+        metrics_of = getattr(exported.model, "held_out_metrics", binary_metrics)
+        metrics = metrics_of(torch.cat(probs), torch.cat(labels))
     return PredictResult(out, n, time.perf_counter() - start, metrics, exported.quantized)
 
 
