@@ -146,3 +146,68 @@ def test_din_without_its_history_feature_is_refused_naming_it(din):
     )
     with pytest.raises(NeorecError, match="sequence feature 'history'.*which this batch does not have"):
         load_export(root / "fp32.nrx").model(bare)
+
+
+# ---- managed collision ----------------------------------------------------------------------------------
+MANAGED = [
+    "embedding.tables.C2={managed_collision: {eviction: lru, buckets: 2}, rows: 64, pooling: mean}",
+    "embedding.tables.C4={managed_collision: {eviction: lfu}, rows: 100}",
+    "checkpoint.every_steps=8",
+]
+
+
+@pytest.fixture(scope="module")
+def managed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("managed")
+    return root, *train_run(root, None, [*SYNTHETIC, *MANAGED])
+
+
+def test_managed_collision_export_maps_raw_ids_as_training_evaluates(managed):
+    """Held-out ids the maps do not hold are left out of their bags, as evaluation does in training."""
+    root, trainer, metrics = managed
+    check_export_scores_as_trained(trainer, metrics, root, int8_atol=0.05)
+    model = load_export(root / "fp32.nrx").model
+    trained_maps = {m.name: m.id_map.keys.tensor for m in trainer.model.embeddings.mapped}
+    assert model.embeddings.id_maps().keys() == trained_maps.keys() == {"C2", "C4"}
+    for name, keys in model.embeddings.id_maps().items():
+        assert torch.equal(keys, trained_maps[name])
+    logits_of(model, trainer.source.eval_batches(256))
+    stats = {m.name: dict(m.id_map.stats) for m in model.embeddings.mapped}
+    assert all(s["misses"] > 0 and s["hits"] > 0 and s["inserts"] == 0 for s in stats.values()), stats
+
+
+def test_managed_collision_export_from_a_checkpoint_equals_model_pt(managed):
+    root, trainer, _ = managed
+    export_model(root / "run" / "checkpoints", root / "ckpt.nrx", measure=False)
+    a, b = (load_export(root / f"{n}.nrx").model for n in ("fp32", "ckpt"))
+    assert torch.equal(
+        logits_of(a, trainer.source.eval_batches(256)), logits_of(b, trainer.source.eval_batches(256))
+    )
+
+
+def test_managed_collision_pt2_is_refused_naming_the_tables(managed):
+    root = managed[0]
+    with pytest.raises(
+        ExportError, match=r"tables \['C2', 'C4'\] have managed collision, which --format pt2"
+    ):
+        export_model(root / "run", root / "pt2", format="pt2")
+
+
+CRITEO = Path(__file__).parents[2] / "shared" / "data" / "criteo_sample.tsv"
+
+
+@pytest.mark.skipif(not CRITEO.is_file(), reason=f"shared Criteo sample not found at {CRITEO}")
+def test_managed_collision_predict_maps_raw_criteo_lines(tmp_path):
+    """Raw TSV lines give the managed-collision table its raw hash values, as training read them."""
+    sets = ["data.source=criteo_tsv", f"data.criteo={{train_paths: [{CRITEO}], table_rows: 1000, hashing: hash}}",
+            "embedding.tables.C3={managed_collision: {eviction: lru}, rows: 64}", "data.batch_size=32",
+            "train.max_steps=5", "train.progress=false", "logging.plot=false", "logging.tensorboard=false"]  # fmt: skip
+    Trainer(load_config("default", sets), tmp_path / "run").fit()
+    export_model(tmp_path / "run", tmp_path / "m.nrx", measure=False)
+    held_out = tmp_path / "held_out.tsv"
+    held_out.write_text(
+        "".join(x for i, x in enumerate(CRITEO.read_text().splitlines(True), 1) if i % 10 == 0)
+    )
+    a = predict_file(tmp_path / "m.nrx", tmp_path / "a.txt", data=held_out)
+    predict_file(tmp_path / "m.nrx", tmp_path / "b.txt")
+    assert a.num_samples == 20 and (tmp_path / "a.txt").read_text() == (tmp_path / "b.txt").read_text()

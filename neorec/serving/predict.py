@@ -64,8 +64,12 @@ def data_batches(exported: ExportedModel, batch_size: int, data: str | Path | No
     check_tsv_file(data)
     criteo = exported.config.data.criteo
     bad_lines = criteo.bad_lines if criteo is not None else "fail"
+    from neorec.train.build import raw_features
+
     rows = [f.num_ids for f in info.features]
-    return CriteoTSVReader([data], rows, hashing, bad_lines).batches(batch_size)
+    # managed-collision tables take the raw hash value, as in training; their id maps give the rows
+    raw = sorted(raw_features(exported.config))
+    return CriteoTSVReader([data], rows, hashing, bad_lines, raw_features=raw).batches(batch_size)
 
 
 @torch.no_grad()
