@@ -16,6 +16,7 @@ from neorec.config.load import load_config
 from neorec.data.batch import Batch
 from neorec.errors import NeorecError
 from neorec.serving import ExportError, export_model, load_export, predict_file
+from neorec.serving.export import report_text
 from neorec.train.trainer import Trainer
 
 SYNTHETIC = [
@@ -62,6 +63,8 @@ def multitask(tmp_path_factory):
 def test_multitask_export_scores_every_task_as_trained(multitask):
     root, trainer, metrics = multitask
     check_export_scores_as_trained(trainer, metrics, root, int8_atol=0.05)
+    text = report_text(export_model(root / "run", root / "again.nrx", int8=True))
+    assert "eval conversion/auc fp32" in text and "eval conversion/auc int8" in text, text
     assert load_export(root / "fp32.nrx").task_names == ["click", "conversion"]
 
 
@@ -79,6 +82,7 @@ def test_multitask_predict_writes_a_column_per_task(multitask, capsys):
     torch.testing.assert_close(table[:, :2], probs.double(), rtol=1e-8, atol=0)
     assert torch.equal(table[:, 2:], labels.double())
     r = predict_file(root / "fp32.nrx", root / "plain.csv")
+    assert r.num_samples == 600
     assert (root / "plain.csv").read_text().splitlines()[0] == "click,conversion"
     for key in ("click/auc", "conversion/auc", "auc"):
         assert r.metrics[key] == pytest.approx(metrics[key], abs=1e-12)

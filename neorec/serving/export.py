@@ -338,6 +338,7 @@ def report_text(r: ExportReport) -> str:
         rows.append(("tables fp32 / int8", f"{fp32:.2f} MiB / {int8:.2f} MiB"))
     for kind, m in r.eval.items():
         rows.append((f"eval AUC {kind}", f"{m['auc']:.6f} (log loss {m['log_loss']:.6f})"))
+        rows += [(f"eval {key} {kind}", f"{v:.6f}") for key, v in m.items() if key.endswith("/auc")]  # per task
     if r.auc_change is not None:
         rows.append(("AUC change int8 - fp32", f"{r.auc_change:+.2e}"))
     if r.eval:

@@ -113,7 +113,7 @@ def predict_file(
     except BaseException:
         out.with_name(out.name + ".tmp").unlink(missing_ok=True)  # e.g. a bad line in the data
         raise
-    n = sum(p.numel() for p in probs)
+    n = sum(p.shape[0] for p in probs)
     metrics = {}
     if n:  # a multi-task model's metrics are per task, named <task>/<metric> (neorec.model.multitask)
         metrics_of = getattr(exported.model, "held_out_metrics", binary_metrics)
