@@ -193,7 +193,9 @@ EXPORTABLE = ("dlrm", "dcnv2", "deepfm", "multitask", "din")
 PT2_EXPORTABLE = ("dlrm", "dcnv2", "deepfm")  # the program's inputs are pooled bags, one output per sample
 
 
-def check_exportable(cfg: RunConfig, path: str | Path, format: str, tables: list[TableConfig] = ()) -> None:
+def check_exportable(
+    cfg: RunConfig, path: str | Path, format: str, tables: list[TableConfig] | None = None
+) -> None:
     """Refuse, naming the arch or table and what is served, a model that the export format cannot score."""
     arch = cfg.model.arch
     if arch not in EXPORTABLE:  # two_tower: retrieval serves embeddings to a nearest-neighbour index
@@ -206,7 +208,7 @@ def check_exportable(cfg: RunConfig, path: str | Path, format: str, tables: list
             f"{path}: model.arch {arch} cannot be exported with --format pt2, which serves "
             f"{', '.join(PT2_EXPORTABLE)}; leave out --format to write an nrx file"
         )
-    mapped = [t.name for t in tables if t.managed_collision is not None]
+    mapped = [t.name for t in tables or [] if t.managed_collision is not None]
     if format == "pt2" and mapped:  # the program takes rows; the id maps are looked up by neorec's own code
         raise ExportError(
             f"{path}: tables {mapped} have managed collision, which --format pt2 cannot serve (its program takes "
