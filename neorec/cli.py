@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("predict", help="score data with an exported model and write the predictions")
     p.add_argument("model", help="what `neorec export` wrote: an .nrx file, or a pt2 folder (or its model.pt2)")
-    p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels)")
+    p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels; multitask: a column per task)")
     p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data")
     p.add_argument("--batch-size", type=positive_int, default=None, help="samples per batch (default: data.eval_batch_size)")
     p.add_argument("--with-labels", action="store_true", help="write CSV with a header: probability,label")

@@ -104,10 +104,10 @@ def test_multitask_trains_and_reports_every_task(tmp_path):
     assert result.eval["click/auc"] > 0.55 and result.eval["conversion/auc"] > 0.55
     summary = (tmp_path / "run" / "summary.json").read_text()
     assert '"eval_conversion/auc"' in summary and '"eval_click/log_loss"' in summary
-    from neorec.serving.export import ExportError, export_model
+    from neorec.serving.export import export_model
 
-    with pytest.raises(ExportError, match="model.arch multitask cannot be exported yet"):
-        export_model(tmp_path / "run", tmp_path / "model.nrx")
+    report = export_model(tmp_path / "run", tmp_path / "model.nrx")  # every task's head (test_export_models.py)
+    assert report.eval["fp32"]["conversion/auc"] == pytest.approx(result.eval["conversion/auc"], abs=1e-12)
 
 
 def test_multitask_config_mistakes_are_named():

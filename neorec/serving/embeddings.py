@@ -1,9 +1,14 @@
-"""The embedding collection of an exported model: pooled lookups only, no optimizer, no gradients.
+"""The embedding collection of an exported model: lookups only, no optimizer, no gradients.
 
 Each table is either float rows in its training storage dtype (fp32, fp16 or bf16) or int8 row-wise
 codes (quantize.py). Lookups go feature by feature and pool in fp32 with the per-id factors of the
 fused training engine (weight, times 1 / bag length for mean pooling), so an fp32 export scores
-exactly as the trained model does.
+exactly as the trained model does. Tables with `pooling: none` (DIN's history) give one fp32 row per
+id, times the id's weight, as the fused engine's sequences do.
+
+A table with managed collision takes raw ids and keeps its id map (the row of each raw id, `mc_keys`
+as trained): ids are mapped as evaluation maps them during training (neorec/embedding/remap.py with
+train=False), so an id the map does not hold is left out of its bag and the map never changes.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.id_map import IdMap, MapShard
+from neorec.embedding.remap import MappedTable, remap_batch
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import NeorecError
-from neorec.serving.quantize import QuantizedRows, bag_scales, pooled_lookup
-from neorec.sparse import SparseBatch, lengths_to_offsets
+from neorec.serving.quantize import QuantizedRows, bag_scales, dequantize_rows, pooled_lookup
+from neorec.sparse import JaggedRows, SparseBatch, lengths_to_offsets
 
 TableWeights = torch.Tensor | QuantizedRows
 
@@ -23,8 +30,17 @@ TableWeights = torch.Tensor | QuantizedRows
 class InferenceEmbeddings(EmbeddingCollection):
     """Pooled lookups from fixed tables (float or int8 row-wise), in feature_names order."""
 
-    def __init__(self, tables: list[TableConfig], weights: dict[str, TableWeights]) -> None:
+    def __init__(
+        self,
+        tables: list[TableConfig],
+        weights: dict[str, TableWeights],
+        id_maps: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """id_maps: for each managed-collision table, its `mc_keys` (the raw id on each row, -1: free)."""
         super().__init__(tables, EmbeddingOptimizerConfig())
+        self.mapped = [mapped_table(t, (id_maps or {}).get(t.name)) for t in self.tables if t.managed_collision]
+        for m in self.mapped:  # a buffer, so .to(device) moves the map with the rows
+            self.register_buffer(f"mc_keys_{m.name}", m.id_map.keys.tensor, persistent=False)
         self._table_of = {f: i for i, t in enumerate(self.tables) for f in t.features}
         self._quantized: list[bool] = []
         # Buffers (not saved in state_dict: the export file holds the tables) so .to(device) moves them.
@@ -54,9 +70,25 @@ class InferenceEmbeddings(EmbeddingCollection):
     def table_weights(self) -> dict[str, TableWeights]:
         return {t.name: self.table(i) for i, t in enumerate(self.tables)}
 
+    def id_maps(self) -> dict[str, torch.Tensor]:
+        """{managed-collision table: its mc_keys}."""
+        return {m.name: getattr(self, f"mc_keys_{m.name}") for m in self.mapped}
+
+    def _remap(self, sparse: SparseBatch) -> SparseBatch:
+        """Raw ids of the managed-collision tables -> rows; ids the maps do not hold are left out."""
+        for m in self.mapped:
+            keys = getattr(self, f"mc_keys_{m.name}")
+            if m.id_map.keys.tensor is not keys:  # moved by .to(device): rebuild the sorted index there
+                m.id_map.keys.tensor = keys
+                m.id_map._index = None
+        return remap_batch(sparse, self.mapped, 0, train=False)
+
     @torch.no_grad()
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
         """[B, output_dim] fp32 pooled vectors."""
+        return self._pooled(self._remap(sparse))
+
+    def _pooled(self, sparse: SparseBatch) -> torch.Tensor:
         out = []
         for f in self.feature_names:
             i = self._table_of[f]
@@ -65,6 +97,28 @@ class InferenceEmbeddings(EmbeddingCollection):
         if not out:
             return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
         return torch.cat(out, dim=1)
+
+    @torch.no_grad()
+    def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+        """(pooled [B, output_dim], {sequence feature: its fp32 rows, one per id})."""
+        sparse = self._remap(sparse)
+        sequences = {}
+        for f in self.sequence_names:
+            if f not in sparse.keys:
+                raise NeorecError(
+                    f"the model reads the sequence feature {f!r} (pooling none, e.g. a user's history), which "
+                    f"this batch does not have (features: {sparse.keys}); score data that carries it"
+                )
+            ids, lengths, weights = sparse.feature(f)
+            table = self.table(self._table_of[f])
+            if isinstance(table, QuantizedRows):
+                rows = dequantize_rows(table, ids)
+            else:
+                rows = table.index_select(0, ids).to(torch.float32)
+            if weights is not None:
+                rows = rows * weights.to(torch.float32).unsqueeze(1)
+            sequences[f] = JaggedRows(rows, lengths)
+        return self._pooled(sparse), sequences
 
     @staticmethod
     def _pool(
@@ -88,3 +142,22 @@ class InferenceEmbeddings(EmbeddingCollection):
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         raise NeorecError("an exported model is for inference only; train from the run's checkpoints instead")
+
+
+def mapped_table(table: TableConfig, keys: torch.Tensor | None) -> MappedTable:
+    """The id map of a managed-collision table at inference: its trained `mc_keys`, read only."""
+    mc = table.managed_collision
+    assert mc is not None
+    if keys is None:
+        raise NeorecError(f"table {table.name!r} has managed collision but no id map (mc_keys)")
+    if keys.dtype != torch.int64 or tuple(keys.shape) != (table.rows,):
+        raise NeorecError(
+            f"table {table.name!r}: its id map must be int64 [{table.rows}], got {keys.dtype} {list(keys.shape)}"
+        )
+    id_map = IdMap(table.rows, mc.eviction, MapShard(0, mc.buckets, mc.buckets, table, 0, mc.eviction))
+    id_map.keys.tensor = keys
+
+    def no_evictions(rows: torch.Tensor) -> None:
+        raise AssertionError(f"an inference lookup evicted rows {rows.tolist()} of table {table.name!r}")
+
+    return MappedTable(table.name, id_map, list(table.features), no_evictions, mean=table.pooling == "mean")

@@ -40,10 +40,13 @@ class TrainedModel:
     weights: dict[str, torch.Tensor]  # table name -> rows in the training storage dtype
     dense: dict[str, torch.Tensor]  # the model's state dict without the embedding collection
     origin: Path  # model.pt or the checkpoint folder
+    id_maps: dict[str, torch.Tensor] = field(default_factory=dict)  # managed-collision table -> mc_keys
 
     def inference_model(self, weights: dict | None = None) -> torch.nn.Module:
         w = self.weights if weights is None else weights
-        return build_inference_model(self.config, self.source.info, self.tables, w, self.dense, self.origin)
+        return build_inference_model(
+            self.config, self.source.info, self.tables, w, self.dense, self.origin, self.id_maps
+        )
 
 
 @dataclass
@@ -81,12 +84,6 @@ def load_trained(path: str | Path, config: str | Path | None = None) -> TrainedM
     cfg = load_config(str(cfg_path))
     source = build_source(cfg)
     tables = build_tables(cfg, source.info)
-    mapped = [t.name for t in tables if t.managed_collision is not None]
-    if mapped:
-        raise NeorecError(
-            f"{path}: tables {mapped} have managed collision; an exported model has no id maps to turn raw ids "
-            "into rows, so export and predict do not take such runs"
-        )
     if is_run and (path / "model.pt").is_file():
         state = _load_state(path / "model.pt")
         origin = path / "model.pt"
@@ -108,8 +105,15 @@ def load_trained(path: str | Path, config: str | Path | None = None) -> TrainedM
                 f"{origin}: table {t.name!r} is {tuple(w.shape)} there but {t.rows} x {t.dim} under {cfg_path}"
             )
         weights[t.name] = w
+    id_maps = {}
+    for t in tables:  # the raw id on each row: serving maps ids to the same rows
+        if t.managed_collision is not None:
+            key = f"embeddings.tables.{t.name}.mc_keys"
+            if key not in state:
+                raise ExportError(f"{origin} has no id map for the managed-collision table {t.name!r} (key {key})")
+            id_maps[t.name] = state[key]
     dense = {k: v for k, v in state.items() if not k.startswith("embeddings.")}
-    return TrainedModel(cfg, source, tables, weights, dense, origin)
+    return TrainedModel(cfg, source, tables, weights, dense, origin, id_maps)
 
 
 def _find_config(path: Path) -> Path:
@@ -185,7 +189,31 @@ def tsv_mapping(cfg: RunConfig) -> tuple[str | None, str]:
     return None, f"{d.source} data (data.source: {d.source})"
 
 
-EXPORTABLE = ("dlrm", "dcnv2", "deepfm")
+EXPORTABLE = ("dlrm", "dcnv2", "deepfm", "multitask", "din")
+PT2_EXPORTABLE = ("dlrm", "dcnv2", "deepfm")  # the program's inputs are pooled bags, one output per sample
+
+
+def check_exportable(
+    cfg: RunConfig, path: str | Path, format: str, tables: list[TableConfig] | None = None
+) -> None:
+    """Refuse, naming the arch or table and what is served, a model that the export format cannot score."""
+    arch = cfg.model.arch
+    if arch not in EXPORTABLE:  # two_tower: retrieval serves embeddings to a nearest-neighbour index
+        raise ExportError(
+            f"{path}: model.arch {arch} cannot be exported yet; export serves {', '.join(EXPORTABLE)} "
+            "(probabilities per sample)"
+        )
+    if format == "pt2" and arch not in PT2_EXPORTABLE:
+        raise ExportError(
+            f"{path}: model.arch {arch} cannot be exported with --format pt2, which serves "
+            f"{', '.join(PT2_EXPORTABLE)}; leave out --format to write an nrx file"
+        )
+    mapped = [t.name for t in tables or [] if t.managed_collision is not None]
+    if format == "pt2" and mapped:  # the program takes rows; the id maps are looked up by neorec's own code
+        raise ExportError(
+            f"{path}: tables {mapped} have managed collision, which --format pt2 cannot serve (its program takes "
+            "rows, not raw ids); leave out --format to write an nrx file, which holds the id maps"
+        )
 
 
 def export_model(
@@ -210,11 +238,7 @@ def export_model(
     check_output_file(out, "--out")
     trained = load_trained(path, config)
     cfg = trained.config
-    if cfg.model.arch not in EXPORTABLE:  # serving scores one click probability per sample
-        raise ExportError(
-            f"{path}: model.arch {cfg.model.arch} cannot be exported yet; export serves {', '.join(EXPORTABLE)} "
-            "(one probability per sample)"
-        )
+    check_exportable(cfg, path, format, trained.tables)
     weights: dict = trained.weights
     if int8:
         weights = quantize_tables(trained.weights, scale_dtype)
@@ -243,7 +267,7 @@ def export_model(
         table_bytes["int8"] = sum(q.nbytes for q in weights.values())
     if format == "pt2":
         return _export_pt2(trained, out, header, weights, table_bytes, metrics, scale_dtype if int8 else None, start)
-    tensors = file_tensors(trained.dense, weights)
+    tensors = file_tensors(trained.dense, weights, trained.id_maps)
     fp32_bytes = 0
     if int8:  # the size of the file an fp32 export of the same run writes
         fp32_header = {
@@ -251,7 +275,7 @@ def export_model(
             "quantization": None,
             "eval": {k: v for k, v in metrics.items() if k == "fp32"},
         }
-        fp32_bytes = export_size(fp32_header, file_tensors(trained.dense, trained.weights))
+        fp32_bytes = export_size(fp32_header, file_tensors(trained.dense, trained.weights, trained.id_maps))
     num_bytes = write_export(out, header, tensors)
     return ExportReport(
         Path(out), num_bytes, fp32_bytes or num_bytes, table_bytes, metrics,
@@ -316,6 +340,7 @@ def report_text(r: ExportReport) -> str:
         rows.append(("tables fp32 / int8", f"{fp32:.2f} MiB / {int8:.2f} MiB"))
     for kind, m in r.eval.items():
         rows.append((f"eval AUC {kind}", f"{m['auc']:.6f} (log loss {m['log_loss']:.6f})"))
+        rows += [(f"eval {key} {kind}", f"{v:.6f}") for key, v in m.items() if key.endswith("/auc")]  # per task
     if r.auc_change is not None:
         rows.append(("AUC change int8 - fp32", f"{r.auc_change:+.2e}"))
     if r.eval:

@@ -2,7 +2,8 @@
 file's named tensors and back.
 
 Tensor names in the file: `dense/<state_dict key>` for the MLPs and interaction layers,
-`tables/<table>/weight` for a float table, `tables/<table>/codes|scale|bias` for an int8 one. The
+`tables/<table>/weight` for a float table, `tables/<table>/codes|scale|bias` for an int8 one, and
+`tables/<table>/mc_keys` for the id map of a managed-collision table (the raw id on each row). The
 header holds what is needed to rebuild the model without the training data: the run's config (YAML),
 the features (names, table rows, dense width) and the tables.
 """
@@ -47,8 +48,13 @@ class ExportedModel:
         """A pt2 export: `model` is the torch.export program, scoring plain tensors."""
         return self.header.get("format") == PT2_FORMAT
 
+    @property
+    def task_names(self) -> list[str]:
+        """The tasks a multi-task model scores, one probability column each; [] for one probability."""
+        return [t.name for t in self.config.model.tasks] if self.config.model.arch == "multitask" else []
+
     def probabilities(self, batch: Batch) -> torch.Tensor:
-        """Click probabilities [B] of a batch."""
+        """Click probabilities [B] of a batch ([B, T] for a multi-task model, in `task_names` order)."""
         if self.is_program:
             inputs = self.header["inputs"]
             return self.model(*program_inputs(batch, inputs["feature_names"], inputs["weighted"]))
@@ -62,11 +68,13 @@ def build_inference_model(
     weights: dict[str, TableWeights],
     dense: dict[str, torch.Tensor],
     where: str | Path,
+    id_maps: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
-    """The run's architecture over InferenceEmbeddings, with `dense` loaded; eval mode, frozen."""
+    """The run's architecture over InferenceEmbeddings, with `dense` loaded; eval mode, frozen.
+    id_maps: the mc_keys of each managed-collision table."""
     from neorec.train.build import build_model
 
-    embeddings = InferenceEmbeddings(tables, weights)
+    embeddings = InferenceEmbeddings(tables, weights, id_maps)
     with torch.random.fork_rng(devices=[]):  # build_model seeds the global RNG for its (overwritten) init
         model = build_model(cfg, info, embeddings)
     try:
@@ -80,9 +88,14 @@ def build_inference_model(
     return model
 
 
-def file_tensors(dense: dict[str, torch.Tensor], weights: dict[str, TableWeights]) -> dict[str, torch.Tensor]:
+def file_tensors(
+    dense: dict[str, torch.Tensor],
+    weights: dict[str, TableWeights],
+    id_maps: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """The named tensors of an export file."""
     out = {f"dense/{k}": v for k, v in dense.items()}
+    out.update({f"tables/{name}/mc_keys": keys for name, keys in (id_maps or {}).items()})
     for name, w in weights.items():
         if isinstance(w, QuantizedRows):
             out.update(
@@ -140,9 +153,15 @@ def load_export(path: str | Path) -> ExportedModel:
             raise ExportError(f"export file {path}: table {t.name!r} has no {missing} tensors")
         parts = [tensors[f"tables/{t.name}/{n}"] for n in names]
         weights[t.name] = QuantizedRows(*parts) if quantized else parts[0]
+    id_maps = {}
+    for t in tables:
+        if t.managed_collision is not None:
+            if f"tables/{t.name}/mc_keys" not in tensors:
+                raise ExportError(f"export file {path}: table {t.name!r} has managed collision but no id map (mc_keys)")
+            id_maps[t.name] = tensors[f"tables/{t.name}/mc_keys"]
     dense = {k.removeprefix("dense/"): v for k, v in tensors.items() if k.startswith("dense/")}
     try:
-        model = build_inference_model(cfg, info, tables, weights, dense, f"export file {path}")
+        model = build_inference_model(cfg, info, tables, weights, dense, f"export file {path}", id_maps)
     except ExportError:
         raise
     except (NeorecError, RuntimeError, ValueError) as e:  # e.g. table weights that do not match the header

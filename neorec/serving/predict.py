@@ -6,7 +6,9 @@ preprocessed shards), in the order `neorec eval` reads it; or `data=` a raw Crit
 hashed Criteo data takes one.
 
 Output (written under a temporary name and renamed, so a reader never sees half a file): one
-probability per line, or with `with_labels` a CSV with a header `probability,label`. Probabilities
+probability per line, or with `with_labels` a CSV with a header `probability,label`. A multi-task
+model writes a CSV with one column per task, named by the task (`click,conversion`), and with
+`with_labels` one label column per task after them (`click_label,conversion_label`). Probabilities
 are written with 9 significant digits, which round-trips float32 exactly.
 """
 
@@ -62,8 +64,12 @@ def data_batches(exported: ExportedModel, batch_size: int, data: str | Path | No
     check_tsv_file(data)
     criteo = exported.config.data.criteo
     bad_lines = criteo.bad_lines if criteo is not None else "fail"
+    from neorec.train.build import raw_features
+
     rows = [f.num_ids for f in info.features]
-    return CriteoTSVReader([data], rows, hashing, bad_lines).batches(batch_size)
+    # managed-collision tables take the raw hash value, as in training; their id maps give the rows
+    raw = sorted(raw_features(exported.config))
+    return CriteoTSVReader([data], rows, hashing, bad_lines, raw_features=raw).batches(batch_size)
 
 
 @torch.no_grad()
@@ -90,9 +96,11 @@ def predict_file(
     batches = data_batches(exported, size, data)
     probs, labels = [], []
 
+    tasks = exported.task_names
+
     def write(f: BinaryIO) -> None:
-        if with_labels:
-            f.write(b"probability,label\n")
+        if header := _header(tasks, with_labels):
+            f.write(header)
         for p, y in score(exported, batches):
             probs.append(p)
             labels.append(y)
@@ -105,17 +113,34 @@ def predict_file(
     except BaseException:
         out.with_name(out.name + ".tmp").unlink(missing_ok=True)  # e.g. a bad line in the data
         raise
-    n = sum(p.numel() for p in probs)
-    metrics = binary_metrics(torch.cat(probs), torch.cat(labels)) if n else {}
+    n = sum(p.shape[0] for p in probs)
+    metrics = {}
+    if n:  # a multi-task model's metrics are per task, named <task>/<metric> (neorec.model.multitask)
+        metrics_of = getattr(exported.model, "held_out_metrics", binary_metrics)
+        metrics = metrics_of(torch.cat(probs), torch.cat(labels))
     return PredictResult(out, n, time.perf_counter() - start, metrics, exported.quantized)
 
 
+def _header(tasks: list[str], with_labels: bool) -> bytes:
+    """The CSV header: none for one probability per line, else the columns' names."""
+    if not tasks:
+        return b"probability,label\n" if with_labels else b""
+    names = tasks + ([f"{t}_label" for t in tasks] if with_labels else [])
+    return (",".join(names) + "\n").encode()
+
+
 def _lines(probs: torch.Tensor, labels: torch.Tensor | None) -> bytes:
-    """One line per sample: the probability (9 digits: float32 exactly), then `,label` if given."""
+    """One line per sample: the probability (9 digits: float32 exactly), or one per task [B, T], then
+    the label (or one per task) if given."""
+    rows = probs.reshape(probs.shape[0], -1).tolist()
     if labels is None:
-        text = "".join(f"{p:.9g}\n" for p in probs.tolist())
+        text = "".join(",".join(f"{p:.9g}" for p in r) + "\n" for r in rows)
     else:
-        text = "".join(f"{p:.9g},{int(y)}\n" for p, y in zip(probs.tolist(), labels.tolist(), strict=True))
+        ys = labels.reshape(labels.shape[0], -1).tolist()
+        text = "".join(
+            ",".join([f"{p:.9g}" for p in r] + [str(int(y)) for y in yr]) + "\n"
+            for r, yr in zip(rows, ys, strict=True)
+        )
     return text.encode()
 
 
@@ -129,5 +154,8 @@ def result_text(r: PredictResult) -> str:
     for key in ("auc", "log_loss", "ne", "calibration"):
         if key in r.metrics:
             rows.append((key, f"{r.metrics[key]:.6f}"))
+    for key, value in r.metrics.items():  # a multi-task model's AUC per task
+        if key.endswith("/auc"):
+            rows.append((key, f"{value:.6f}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)} | {v}" for k, v in rows)
