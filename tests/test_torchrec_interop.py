@@ -17,6 +17,7 @@ from neorec.errors import NeorecError  # noqa: E402
 from neorec.interop.torchrec import (  # noqa: E402
     configs_from_tables,
     kjt_from_sparse,
+    load_torchrec_dense,
     load_torchrec_state,
     sparse_from_kjt,
     tables_from_configs,
@@ -209,6 +210,24 @@ def test_trained_neorec_weights_go_back_to_torchrec():
         torchrec_state(ours)["sparse_arch.embedding_bag_collection.embedding_bags.users.weight"],
         torchrec_dlrm().state_dict()["sparse_arch.embedding_bag_collection.embedding_bags.users.weight"],
     )
+
+
+def test_dense_layers_alone_load_and_leave_the_tables():
+    theirs = torchrec_dlrm().state_dict()
+    ours = neorec_dlrm()
+    tables_before = torchrec_state(ours.embeddings)
+    used = load_torchrec_dense(ours, {"model." + k: v for k, v in theirs.items()})
+    assert sorted(used) == sorted("model." + k for k in theirs if "sparse_arch" not in k)
+    back = torchrec_state(ours)
+    for key, value in theirs.items():
+        if "sparse_arch" in key:
+            assert torch.equal(back[key], tables_before[key.removeprefix("sparse_arch.embedding_bag_collection.")])
+        else:
+            assert torch.equal(back[key], value), key  # the top MLP's input columns are permuted back
+    with pytest.raises(NeorecError, match="needs a neorec DLRM"):
+        load_torchrec_dense(ours.embeddings, theirs)
+    with pytest.raises(NeorecError, match="layers of one TorchRec DLRM"):
+        load_torchrec_dense(ours, {"embedding_bags.users.weight": torch.zeros(40, DIM)})
 
 
 def test_embedding_bag_collection_state_and_outer_prefixes():

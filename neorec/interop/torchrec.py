@@ -182,6 +182,25 @@ def load_torchrec_state(model: nn.Module, state_dict: Mapping[str, Any]) -> list
     return used
 
 
+def load_torchrec_dense(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
+    """Copy only the MLP layers of a TorchRec DLRM state_dict into a neorec DLRM in place; returns the
+    TorchRec keys it used. The model's embeddings are left alone, so it may pool them any way (a
+    dense-only stand-in, tables loaded elsewhere); the state_dict's tables, if any, are not read."""
+    from neorec.model.dlrm import DLRM
+
+    if not isinstance(model, DLRM):
+        raise TorchRecInteropError(f"load_torchrec_dense needs a neorec DLRM, not a {type(model).__name__}")
+    outers = {k[: k.index(BOTTOM)] for k in state_dict if BOTTOM in k}
+    if len(outers) != 1:
+        raise TorchRecInteropError(
+            f"expected the layers of one TorchRec DLRM ('...{BOTTOM}<i>._linear.weight'), found "
+            f"{len(outers)} ({sorted(outers)})"
+        )
+    outer = outers.pop()
+    model.load_state_dict(_dlrm_dense_from_torchrec(model, state_dict, outer), strict=False)
+    return [outer + k for k in _dlrm_dense_keys(model)]
+
+
 def gather_torchrec_state(state_dict: Mapping[str, Any], dst: int = 0) -> dict[str, torch.Tensor] | None:
     """Collective, called by every rank: a DistributedModelParallel state_dict with each sharded
     table (ShardedTensor or DTensor) assembled into one full host tensor on rank `dst`, which
