@@ -8,11 +8,20 @@
 TorchRec's side is its DLRM over a FusedEmbeddingBagCollection (FBGEMM's CPU table-batched kernels,
 the optimizer fused into backward); neorec's side is its DLRM over the fused embedding engine. The
 batches are drawn once by neorec's synthetic generator and saved, and every run (a fresh process,
-`--threads` intra-op threads) reads the same file. Runs are interleaved (neorec, TorchRec, neorec,
-...) so that the machine's drift hits both sides alike; each run reports samples/s over its timed
-steps (after `--warmup`), its peak RSS, and the held-out AUC after training. Each side is also run
-dense-only: the same MLPs and interaction with the pooled embeddings replaced by a fixed tensor, so
-that what the embedding part and everything around it cost shows as the difference. With --compile
+`--threads` intra-op threads) reads the same file. Both sides start from the same weights, bit for
+bit: neorec's DLRM for the preset (seed 0) is built once, written under TorchRec DLRM keys by
+neorec.interop.torchrec.torchrec_state (tables, both MLPs, the top MLP's input columns in TorchRec's
+interaction order) to `<preset>-init.pt` next to the batches, and every run loads that file before
+its first step (neorec through load_torchrec_state, TorchRec through its own load_state_dict), so
+that the AUCs of the two sides can be compared. A run reports its loss on the first batch, before
+any step; every run of a kind (full or dense-only) must start from the first run's loss up to 1e-5
+relative, or the comparison stops. Runs are interleaved (neorec, TorchRec, neorec, ...) so that the
+machine's drift hits both sides alike; each run reports samples/s over its timed steps (after
+`--warmup`), its peak RSS (without the load of the initial weights, whose mapped pages are counted
+only while they are read), the held-out AUC after training, and the seconds the load took. Each side
+is also run dense-only: the same MLPs and interaction, from the same initial dense weights, with the
+pooled embeddings replaced by a fixed tensor, so that what the embedding part and everything around
+it cost shows as the difference. With --compile
 neorec also runs with its dense stages compiled (train.compile, neorec/model/compile.py); the
 compilation happens in the untimed warm-up steps.
 
@@ -150,6 +159,46 @@ def torchrec_model(preset: dict, rows: list[int], keys: list[str], dense_only: b
     return model, dense, None, step
 
 
+# ---- the shared initial weights ----------------------------------------------------------------------
+def make_init(preset: dict, rows: list[int], keys: list[str], path: Path) -> None:
+    """neorec's DLRM for the preset (seed 0), saved once under TorchRec DLRM keys for both sides."""
+    from neorec.interop.torchrec import torchrec_state
+
+    model = neorec_model(preset, rows, keys, dense_only=False)[0]
+    state = torchrec_state(model)
+    del model
+    torch.save(state, path)
+
+
+def load_init(model, side: str, dense_only: bool, path: Path, keys: list[str]) -> tuple[float, float]:
+    """Loads the shared initial weights into a worker's model; returns the seconds it took and the peak
+    RSS before it. The file is memory-mapped and its pages count as resident while they are read, so
+    the high-water mark is reset after the load (Linux) and the load left out of the run's peak."""
+    from common import peak_rss_mib
+
+    from neorec.interop.torchrec import DLRM_TABLES, EBC_KEY, load_torchrec_dense, load_torchrec_state
+
+    peak = peak_rss_mib()
+    t0 = time.perf_counter()
+    state = torch.load(path, weights_only=True, mmap=True)
+    if side == "neorec":
+        (load_torchrec_dense if dense_only else load_torchrec_state)(model, state)
+    else:
+        # TorchRec's tables are named t_<feature> (see torchrec_model), neorec's <feature>
+        tables = DLRM_TABLES + EBC_KEY
+        state = {(tables + "t_" + k[len(tables):] if k.startswith(tables) else k): v for k, v in state.items()}
+        if dense_only:
+            state = {k: v for k, v in state.items() if not k.startswith(tables)}
+        model.load_state_dict(state, strict=True)  # FusedEmbeddingBagCollection copies into its own storage
+    seconds = time.perf_counter() - t0
+    del state
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return seconds, peak
+
+
 def run_worker(args: argparse.Namespace) -> dict:
     from common import peak_rss_mib
 
@@ -160,6 +209,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     data = torch.load(args.data, weights_only=True)
     build = neorec_model if args.side == "neorec" else torchrec_model
     model, dense, emb_opt, step = build(preset, data["rows"], data["keys"], args.dense_only, args.compiled)
+    load_s, peak_before_load = load_init(model, args.side, args.dense_only, Path(args.init), data["keys"])
     opt_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[preset["dense_opt"]]
     dense_opt = opt_cls(dense, lr=preset["dense_lr"])
     times = []
@@ -174,14 +224,18 @@ def run_worker(args: argparse.Namespace) -> dict:
             emb_opt.step()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+        if i == 0:
+            initial_loss = loss.detach()
     with torch.no_grad():
         scores, labels = zip(*(step(b) for b in data["eval"]), strict=True)
     batch_size = len(data["train"][0]["labels"])
     return {
         "samples_per_s": batch_size * len(times) / sum(times),
         "ms_per_step": 1000 * statistics.median(times),
-        "peak_rss_mib": peak_rss_mib(),
+        "peak_rss_mib": max(peak_before_load, peak_rss_mib()),
         "auc": float(auc(torch.sigmoid(torch.cat(scores)), torch.cat(labels))),
+        "initial_loss": float(initial_loss),
+        "load_s": round(load_s, 2),
     }
 
 
@@ -203,6 +257,7 @@ def main() -> None:
     # worker mode
     p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
+    p.add_argument("--init", help=argparse.SUPPRESS)
     p.add_argument("--dense-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -215,6 +270,14 @@ def main() -> None:
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         make_batches(preset, args.batch_size, args.steps, args.eval_batches, 0, path)
+    init = Path(args.dir) / f"{args.preset}-init.pt"
+    if not init.is_file():
+        data = torch.load(path, weights_only=True)
+        t0 = time.perf_counter()
+        make_init(preset, data["rows"], data["keys"], init)
+        del data
+        print(f"initial weights built and saved to {init} in {time.perf_counter() - t0:.1f} s", flush=True)
+    initial_loss: dict[bool, float] = {}  # dense_only -> the first run's loss on the first batch
     sides = [(side, False) for side in SIDES] + ([("neorec", True)] if args.compile else [])  # (side, compiled)
     kinds = [(s, False, c) for s, c in sides] + ([] if args.no_dense_only else [(s, True, c) for s, c in sides])
     runs: dict[tuple[str, bool, bool], list[dict]] = {k: [] for k in kinds}
@@ -223,14 +286,28 @@ def main() -> None:
             side, dense_only, compiled = kind
             python = args.torchrec_python if side == "torchrec" else sys.executable
             cmd = [python, __file__, "--side", side, "--preset", args.preset, "--data", str(path),
-                   "--threads", str(args.threads), "--warmup", str(args.warmup)]  # fmt: skip
+                   "--init", str(init), "--threads", str(args.threads), "--warmup", str(args.warmup)]  # fmt: skip
             cmd += (["--dense-only"] if dense_only else []) + (["--compiled"] if compiled else [])
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 raise SystemExit(f"{side} run failed:\n{out.stderr[-3000:]}")
             runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"repeat {r + 1} {label(kind)}: {runs[kind][-1]}", flush=True)
+            check_initial_loss(initial_loss, kind, runs[kind][-1]["initial_loss"])
     print(report(args, runs))
+
+
+def check_initial_loss(seen: dict[bool, float], kind: tuple[str, bool, bool], loss: float) -> None:
+    """Every run of a kind (full or dense-only) starts from the same weights, so its loss on the first
+    batch, before any step, must agree with the first run's up to float rounding."""
+    reference = seen.setdefault(kind[1], loss)
+    if abs(loss - reference) > 1e-5 * abs(reference):
+        raise SystemExit(
+            f"{label(kind)} starts from a loss of {loss!r} on the first batch, the first "
+            f"{'dense-only ' if kind[1] else ''}run from {reference!r}: the two sides do not start from the "
+            f"same weights (relative difference {abs(loss - reference) / abs(reference):.2e} > 1e-5), "
+            f"so their AUCs cannot be compared"
+        )
 
 
 def label(kind: tuple[str, bool, bool]) -> str:
