@@ -58,6 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.comms is not None:
         import torch.distributed as dist
 
+        dist.barrier()  # no rank tears its connections down while another still uses them
         dist.destroy_process_group()
     return code
 
