@@ -143,6 +143,18 @@ def test_data_inspect_gives_each_task_its_positive_rate():
     assert "sampled 512 training samples: positive rate like 0." in text and " love 0." in text and " ok 0." in text
 
 
+@needs_movielens
+def test_data_inspect_table_fits_long_feature_names():
+    from neorec.data.inspect import inspect_source
+
+    text = inspect_source("movielens_seq", [f"data.movielens.root={ML_ROOT}"], num_batches=1)
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("feature "))
+    table = lines[start : start + 2 + 6]  # header, rule, one row per feature
+    assert any(line.startswith("history_liked ") for line in table)
+    assert len({len(line) for line in table}) == 1, table  # every column lines up
+
+
 @pytest.mark.distributed
 def test_multitask_over_two_processes_matches_one(tmp_path):
     import subprocess

@@ -27,7 +27,8 @@ def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> s
             rates = " ".join(f"{t.name} {float(r):.4f}" for t, r in zip(cfg.model.tasks, labels.mean(0), strict=True))
             lines.append(f"sampled {len(labels):,} training samples: positive rate {rates}")
         lines.append("dense mean " + " ".join(f"{x:.2f}" for x in dense.mean(0).tolist()))
-    header = f"{'feature':<10} {'ids (rows)':>12} {'ids/sample':>10} {'distinct':>9} {'top1% share':>11}"
+    w = max([10] + [len(f.name) for f in info.features])  # the feature column fits the longest name
+    header = f"{'feature':<{w}} {'ids (rows)':>12} {'ids/sample':>10} {'distinct':>9} {'top1% share':>11}"
     lines += ["", header, "-" * len(header)]
     for f in info.features:
         if batches:
@@ -38,9 +39,9 @@ def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> s
             top = counts.sort(descending=True).values
             k = max(1, int(0.01 * f.num_ids))
             share = float(top[:k].sum()) / max(values.numel(), 1)
-            lines.append(f"{f.name:<10} {f.num_ids:>12,} {per_sample:>10.2f} {counts.numel():>9,} {share:>11.3f}")
+            lines.append(f"{f.name:<{w}} {f.num_ids:>12,} {per_sample:>10.2f} {counts.numel():>9,} {share:>11.3f}")
         else:
-            lines.append(f"{f.name:<10} {f.num_ids:>12,}")
+            lines.append(f"{f.name:<{w}} {f.num_ids:>12,}")
     if hasattr(source, "teacher_auc"):
         auc = source.teacher_auc()
         if auc is not None:
