@@ -100,6 +100,7 @@ def main() -> None:
         with torch.no_grad():
             assert torch.allclose(single(held_out), trained, atol=1e-5)
         print(f"saved {path}; loaded under another plan and into one process: same scores")
+    dist.barrier()  # rank 1 waits for rank 0's check: no rank tears its connections down early
     dist.destroy_process_group()
 
 
