@@ -5,7 +5,10 @@ the same code for one process (the fused engine on the global batch) and for W g
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -15,6 +18,13 @@ from neorec.sparse import SparseBatch
 
 DIM = 8
 NUM_DENSE = 4
+
+
+def neorec_train(out: Path, sets: list[str], nproc: int = 1, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`neorec train --nproc N --set ... --output-dir out` in a subprocess; its result, not checked."""
+    cmd = [sys.executable, "-m", "neorec", "train", "--nproc", str(nproc)]
+    cmd += [x for kv in sets for x in ("--set", kv)] + ["--output-dir", str(out)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300, check=False)
 
 
 def make_tables(pooling_mean: bool = True) -> list[TableConfig]:

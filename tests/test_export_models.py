@@ -222,24 +222,11 @@ def test_managed_collision_predict_maps_raw_criteo_lines(tmp_path):
 def test_managed_collision_export_of_a_two_process_run_from_its_checkpoint(tmp_path):
     """Each rank keeps the map of its buckets; the checkpoint read into one process gives the same
     file, id maps included, as the model.pt the ranks gathered."""
-    import subprocess
-    import sys
+    from dist_helpers import neorec_train
 
     sets = [*SYNTHETIC, "embedding.tables.C2={managed_collision: {eviction: lru, buckets: 2}, rows: 64}",
             "checkpoint.every_steps=8", "distributed.sharding={C2: {kind: rw, ranks: [0, 1]}}"]  # fmt: skip
-    args = [x for kv in sets for x in ("--set", kv)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "neorec",
-        "train",
-        "--nproc",
-        "2",
-        *args,
-        "--output-dir",
-        str(tmp_path / "run"),
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
+    p = neorec_train(tmp_path / "run", sets, nproc=2, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     export_model(tmp_path / "run", tmp_path / "a.nrx", measure=False)
     export_model(tmp_path / "run" / "checkpoints", tmp_path / "b.nrx", measure=False)
