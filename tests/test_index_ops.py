@@ -26,7 +26,8 @@ def test_index_ops_match_torch() -> None:
     strided = torch.randint(0, 50, (300,), generator=gen)[::7]  # not contiguous
     assert torch.equal(index_ops.sorted_unique(strided), torch.unique(strided))
     assert torch.equal(index_ops.where(strided > 20), (strided > 20).nonzero().flatten())
-    for n, high in ((0, 5), (1, 5), (9, 3), (81_920, 100_000), (5000, 2**62)):  # repeats; too large for keys
+    # repeats; one, two and three 16-bit digits; 0 and 2^16 at a digit's edge; beyond the radix sort's 48 bits
+    for n, high in ((0, 5), (1, 5), (9, 3), (81_920, 100_000), (30_000, 2**16 + 1), (20_000, 2**40), (5000, 2**62)):
         values = torch.randint(0, high, (n,), generator=gen)
         got, expected = index_ops.stable_sort(values), torch.sort(values, stable=True)
         assert torch.equal(got[0], expected.values) and torch.equal(got[1], expected.indices), (n, high)

@@ -391,10 +391,20 @@ class FusedEmbeddingCollection(EmbeddingCollection):
                 table = self._table_of(gi, rows) if table is None else table
                 value = value.index_select(0, table).unsqueeze(1)
             per_row[name] = value
-        weights = storage.read(rows).to(torch.float32)
+        hp = Hparams(**per_row)
         state = {name: s.read(rows) for name, s in state_storage.items()}
+        wd = hp.weight_decay
+        if self.adds_in_place(gi) and rows.device.type == "cpu" and isinstance(wd, float) and wd == 0.0:
+            # the step does not read the weights: add its deltas in place, one pass over the rows
+            # (on CPU index_add_ adds row by row; rows are unique, so no order is involved)
+            delta, state = RULES[g.optimizer].delta(grads, state, step, hp)
+            storage.tensor.index_add_(0, rows, delta)
+            for name, s in state_storage.items():
+                s.write(rows, state[name])
+            return
+        weights = storage.read(rows).to(torch.float32)
         rule = folded_sgd if lr_folded else RULES[g.optimizer].update
-        weights, state = rule(weights, grads, state, step, Hparams(**per_row))
+        weights, state = rule(weights, grads, state, step, hp)
         noise = None
         if self.stochastic_rounding and g.dtype != torch.float32:
             c = self._constants[gi]

@@ -195,27 +195,13 @@ def sort_by_row(
     """The batch's ids grouped by row: (unique rows ascending, offsets [U + 1] of each row's ids,
     the bag of each id, its scale or None), ids of a row in their original order (stable sort).
 
-    On CPU this is index_ops.sort_pairs: one numpy sort of int64 keys `row * 2^k + bag` (`+ id`
-    when ids carry scales) rather than torch's stable key-value sort: about 2 ms instead of 10 for 213k ids on this
-    project's 2-core machine, and no thread team to wait for. Bags ascend with the id, so the keys
-    order the ids exactly as a stable sort by row does; equal keys are the same row and bag with
-    no scale, interchangeable, so the result does not depend on the sort algorithm or thread count.
+    On CPU the stable sort is index_ops.stable_sort's radix sort: about 12 ms for the 438k ids of
+    an MLPerf multi-hot batch of 2048 over 26M rows on this project's 2-core machine, against 23 ms
+    for a numpy sort of (row, bag) keys and 20 ms for torch's stable sort.
     """
-    n = batch.rows.numel()
-    if batch.scales is None:
-        pairs = index_ops.sort_pairs(batch.rows, batch.bags, batch.offsets.numel() - 1)
-    else:
-        pairs = index_ops.sort_pairs(batch.rows, torch.arange(n, device=batch.rows.device), n)
-    if pairs is not None:
-        sorted_rows, low = pairs
-        if batch.scales is None:
-            bags, scales = low, None
-        else:
-            bags, scales = batch.bags.index_select(0, low), batch.scales.index_select(0, low)
-    else:
-        sorted_rows, order = torch.sort(batch.rows, stable=True)
-        bags = batch.bags.index_select(0, order)
-        scales = batch.scales.index_select(0, order) if batch.scales is not None else None
+    sorted_rows, order = index_ops.stable_sort(batch.rows)
+    bags = batch.bags.index_select(0, order)
+    scales = batch.scales.index_select(0, order) if batch.scales is not None else None
     unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
     return unique_rows, lengths_to_offsets(counts), bags, scales
 

@@ -1,11 +1,16 @@
 """Embedding update rules as small pure functions, shared by the CPU torch path and any GPU kernel.
 
-Every rule has the signature `(rows, grads, state, step, hp) -> (rows, state)`:
-- `rows` [U, D] fp32: current weights of the U unique rows touched by the batch;
-- `grads` [U, D] fp32: their gradient, duplicates already summed;
-- `state` {name: [U, D] or [U]} fp32: optimizer state of those rows (see `STATE`);
+Each rule is written as a change to the weights, `delta(grads, state, step, hp) -> (delta, state)`:
+- `grads` [U, D] fp32: the summed gradients of the U unique rows touched by the batch (with
+  weight decay already added, see below);
+- `state` {name: [U, D] or [U]} fp32: optimizer state of those rows (see `RuleSpec.state`);
 - `step`: the engine's update count, starting at 1 (used by adam's bias correction);
-- `hp`: hyper-parameters, each a float or a [U, 1] tensor when tables of one group differ.
+- `hp`: hyper-parameters, each a float or a [U, 1] tensor when tables of one group differ;
+- `delta` [U, D]: what the step adds to the rows' weights.
+`with_weights(delta)` is the rule on weights, `(rows, grads, state, step, hp) -> (rows, state)`:
+g += wd * w, then w += delta. The split lets a plain fp32 table take the step in one pass over the
+touched rows (index_add_ of the deltas, FusedEmbeddingCollection.apply_update) instead of a gather,
+an add and a scatter, with bitwise the same result: both compute w + delta.
 
 The inputs are fresh gathers owned by the caller, so rules update them in place and return them:
 at 26 x 8192 rows x 64 every extra temporary is another pass over ~50 MB. Rules never look outside
@@ -51,78 +56,69 @@ def _add_weight_decay(rows: torch.Tensor, grads: torch.Tensor, wd: Scalar) -> to
     return grads.add_(rows * wd)
 
 
-def _descend(rows: torch.Tensor, lr: Scalar, num: torch.Tensor, denom: torch.Tensor | None = None) -> None:
-    """rows -= lr * num / denom in place, leaving num and denom alone (adam's num is its state)."""
-    if isinstance(lr, float):
-        if denom is None:
-            rows.add_(num, alpha=-lr)
-        else:
-            rows.addcdiv_(num, denom, value=-lr)
-    elif denom is None:
-        rows.sub_(num * lr)
-    else:
-        rows.sub_((num / denom).mul_(lr))
-
-
 def _sqrt(x: Scalar) -> Scalar:
     return math.sqrt(x) if isinstance(x, float) else x.sqrt()
 
 
-def sgd(
-    rows: torch.Tensor, grads: torch.Tensor, state: State, step: int, hp: Hparams
-) -> tuple[torch.Tensor, State]:
-    """w -= lr * g."""
-    grads = _add_weight_decay(rows, grads, hp.weight_decay)
-    _descend(rows, hp.lr, grads)
-    return rows, state
+def sgd_delta(grads: torch.Tensor, state: State, step: int, hp: Hparams) -> tuple[torch.Tensor, State]:
+    """-lr * g."""
+    return grads.mul_(-hp.lr), state
 
 
-def folded_sgd(
-    rows: torch.Tensor, grads: torch.Tensor, state: State, step: int, hp: Hparams
-) -> tuple[torch.Tensor, State]:
-    """w += g, where g already carries -lr (summed with -lr as each id's weight; see
-    FusedEmbeddingCollection.folded_lr): the SGD step of groups without weight decay on CPU."""
-    rows.add_(grads)
-    return rows, state
+def folded_sgd_delta(grads: torch.Tensor, state: State, step: int, hp: Hparams) -> tuple[torch.Tensor, State]:
+    """g itself: it already carries -lr (summed with -lr as each id's weight; see
+    FusedEmbeddingCollection.folded_lr), the SGD step of groups without weight decay on CPU."""
+    return grads, state
 
 
-def adagrad(
-    rows: torch.Tensor, grads: torch.Tensor, state: State, step: int, hp: Hparams
-) -> tuple[torch.Tensor, State]:
-    """G += g^2 per element; w -= lr * g / (sqrt(G) + eps)  (torch.optim.Adagrad without lr decay)."""
-    grads = _add_weight_decay(rows, grads, hp.weight_decay)
+def adagrad_delta(grads: torch.Tensor, state: State, step: int, hp: Hparams) -> tuple[torch.Tensor, State]:
+    """G += g^2 per element; -lr * g / (sqrt(G) + eps)  (torch.optim.Adagrad without lr decay)."""
     acc = state["momentum1"]
     acc.addcmul_(grads, grads)
-    _descend(rows, hp.lr, grads, acc.sqrt().add_(hp.eps))
-    return rows, state
+    return grads.div_(acc.sqrt().add_(hp.eps)).mul_(-hp.lr), state
 
 
-def rowwise_adagrad(
-    rows: torch.Tensor, grads: torch.Tensor, state: State, step: int, hp: Hparams
+def rowwise_adagrad_delta(
+    grads: torch.Tensor, state: State, step: int, hp: Hparams
 ) -> tuple[torch.Tensor, State]:
-    """One accumulator per row: G += mean(g^2 over the row); w -= lr * g / (sqrt(G) + eps).
+    """One accumulator per row: G += mean(g^2 over the row); -lr * g / (sqrt(G) + eps).
 
-    D times less state than adagrad, which is why large tables use it (as FBGEMM does).
+    D times less state than adagrad, which is why large tables use it (as FBGEMM does). The row's
+    factor -lr / (sqrt(G) + eps) is formed once per row, so g is scaled in one pass.
     """
-    grads = _add_weight_decay(rows, grads, hp.weight_decay)
     acc = state["momentum1"]
-    acc.add_(grads.square().mean(dim=1))
-    _descend(rows, hp.lr, grads, acc.sqrt().unsqueeze(1).add_(hp.eps))
-    return rows, state
+    acc.add_(torch.linalg.vecdot(grads, grads).div_(grads.shape[1]))
+    denom = acc.sqrt().unsqueeze(1).add_(hp.eps)  # [U, 1]
+    neg_lr = torch.full_like(denom, -hp.lr) if isinstance(hp.lr, float) else hp.lr.neg()
+    return grads.mul_(neg_lr.div_(denom)), state
 
 
-def adam(
-    rows: torch.Tensor, grads: torch.Tensor, state: State, step: int, hp: Hparams
-) -> tuple[torch.Tensor, State]:
+def adam_delta(grads: torch.Tensor, state: State, step: int, hp: Hparams) -> tuple[torch.Tensor, State]:
     """Lazy adam: m, v of touched rows only; bias correction with the global step."""
-    grads = _add_weight_decay(rows, grads, hp.weight_decay)
     m, v = state["momentum1"], state["momentum2"]
     m.lerp_(grads, 1.0 - hp.beta1)  # m = beta1 * m + (1 - beta1) * g
     v.lerp_(grads.square(), 1.0 - hp.beta2)
     bias1, bias2 = 1.0 - hp.beta1**step, 1.0 - hp.beta2**step
     denom = v.sqrt().div_(_sqrt(bias2)).add_(hp.eps)
-    _descend(rows, hp.lr / bias1, m, denom)
-    return rows, state
+    return torch.div(m, denom, out=grads).mul_(-hp.lr / bias1), state
+
+
+Delta = Callable[[torch.Tensor, State, int, Hparams], tuple[torch.Tensor, State]]
+
+
+def with_weights(delta: Delta) -> Rule:
+    """The rule on weights: g += wd * w, then w += delta(g)."""
+
+    def rule(rows: torch.Tensor, grads: torch.Tensor, state: State, step: int, hp: Hparams):
+        change, state = delta(_add_weight_decay(rows, grads, hp.weight_decay), state, step, hp)
+        return rows.add_(change), state
+
+    rule.__doc__ = delta.__doc__
+    return rule
+
+
+sgd, folded_sgd = with_weights(sgd_delta), with_weights(folded_sgd_delta)
+adagrad, rowwise_adagrad, adam = with_weights(adagrad_delta), with_weights(rowwise_adagrad_delta), with_weights(adam_delta)
 
 
 @dataclass(frozen=True)
@@ -130,14 +126,15 @@ class RuleSpec:
     """An update rule and its state: name -> True if one value per element, False if one per row."""
 
     update: Rule
+    delta: Delta
     state: dict[str, bool]
 
 
 RULES: dict[str, RuleSpec] = {
-    "sgd": RuleSpec(sgd, {}),
-    "adagrad": RuleSpec(adagrad, {"momentum1": True}),
-    "rowwise_adagrad": RuleSpec(rowwise_adagrad, {"momentum1": False}),
-    "adam": RuleSpec(adam, {"momentum1": True, "momentum2": True}),
+    "sgd": RuleSpec(sgd, sgd_delta, {}),
+    "adagrad": RuleSpec(adagrad, adagrad_delta, {"momentum1": True}),
+    "rowwise_adagrad": RuleSpec(rowwise_adagrad, rowwise_adagrad_delta, {"momentum1": False}),
+    "adam": RuleSpec(adam, adam_delta, {"momentum1": True, "momentum2": True}),
 }
 
 
