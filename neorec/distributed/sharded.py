@@ -153,11 +153,6 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         settings = cache or CacheSettings()
         # checked for every table on every rank alike, so that no rank waits for one that stopped
         ssd = sorted(name for name, tier in self.tiers.items() if tier == "ssd")
-        if ssd and device is not None and torch.device(device).type == "cuda":
-            raise ConfigError(
-                f"embedding.tier: tables {ssd} have tier ssd; on a GPU the row cache lives in GPU memory over "
-                "host memory (tier dram) only"
-            )
         if ssd and settings.directory is None:
             raise ConfigError(
                 f"tables {ssd} are in tier ssd: set embedding.cache.directory (a folder for their files)"
