@@ -258,7 +258,7 @@ def test_ssd_tables_with_train_device_cuda_are_built(tmp_path, monkeypatch) -> N
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("name", ["adagrad", "adam"])
-def test_gpu_cache_over_ssd_files_is_bitwise_uncached_and_restores(tmp_path, name, policy) -> None:
+def test_gpu_cache_over_ssd_files_is_bitwise_uncached_and_restores(tmp_path, monkeypatch, name, policy) -> None:
     """The cache in GPU memory (20% of the rows), every row in files, reads ahead staged through
     pinned host buffers on the worker thread: training through it, and through a checkpoint's save
     and load into another GPU cache over other files, is bitwise training the tables in GPU memory."""
@@ -271,24 +271,21 @@ def test_gpu_cache_over_ssd_files_is_bitwise_uncached_and_restores(tmp_path, nam
             super().__init__(read, host, buffer, slots)
             pinned.append(host.is_pinned() and buffer.is_cuda)
 
-    cache_module.StagedRead, original = CheckedRead, cache_module.StagedRead
-    try:
-        ts = tables()
-        opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
-        plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels="torch")
-        cached = cached_engine(ts, opt, tmp_path, policy, tier="ssd", fraction=0.2, device="cuda")
-        cache = cached.weights[0].cache
-        assert cache.records.is_cuda and cache.slot_of.is_cuda and isinstance(cache.backing, SsdBacking)
-        gen = torch.Generator().manual_seed(4)
-        train_both(plain, cached, gen, 10, ts, prefetch=True, device="cuda")
-        assert_same_state(plain, cached)
-        stats = cached.cache_stats()
-        assert sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
-        assert pinned and all(pinned)
-        restored = cached_engine(ts, opt, tmp_path, policy, tier="ssd", fraction=0.2, seed=1, device="cuda")
-        restore_and_continue(plain, cached, restored, gen, 5, ts, opt, "cuda")
-    finally:
-        cache_module.StagedRead = original
+    monkeypatch.setattr(cache_module, "StagedRead", CheckedRead)
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
+    plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels="torch")
+    cached = cached_engine(ts, opt, tmp_path, policy, tier="ssd", fraction=0.2, device="cuda")
+    cache = cached.weights[0].cache
+    assert cache.records.is_cuda and cache.slot_of.is_cuda and isinstance(cache.backing, SsdBacking)
+    gen = torch.Generator().manual_seed(4)
+    train_both(plain, cached, gen, 10, ts, prefetch=True, device="cuda")
+    assert_same_state(plain, cached)
+    stats = cached.cache_stats()
+    assert sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
+    assert pinned and all(pinned)
+    restored = cached_engine(ts, opt, tmp_path, policy, tier="ssd", fraction=0.2, seed=1, device="cuda")
+    restore_and_continue(plain, cached, restored, gen, 5, ts, opt, "cuda")
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
