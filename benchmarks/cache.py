@@ -9,6 +9,7 @@ RESULTS.md and a plot next to it (cache.png).
     python benchmarks/cache.py                                   # the sweep
     python benchmarks/cache.py --demo --table-gib 12 --budget-gib 4 --steps 300
     python benchmarks/cache.py --replot cache.png                # redraw a plot from its RESULTS.md table
+    python benchmarks/cache.py --device cuda --tier ssd          # the sweep with the cache in GPU memory
 
 Demo: tables + Adam state of `--table-gib` GiB in files under --dir, a cache sized to fit a
 `--budget-gib` memory budget, trained for --steps; reports samples/s, hit rate and peak RSS (VmHWM),
@@ -188,7 +189,7 @@ def sweep(args) -> None:
         f"and state), batch {args.batch_size}, {args.steps} timed steps after {args.warmup}, {args.policy}, best of "
         f"{args.repeats} interleaved repeats; "
         "each step first prefetches the next batch's rows (ssd: with the I/O thread on, their reads start on a "
-        f"worker thread; io_thread {'/'.join(args.io_thread)}, auto = {'on' if use_io_thread('auto') else 'off'} "
+        f"worker thread; io_thread {'/'.join(args.io_thread)}, auto = {'on' if use_io_thread('auto', args.device) else 'off'} "
         f"here; release_mib {'/'.join(map(str, release_mibs))} (auto = "
         f"{release_bytes('auto') / 2**20:,.0f} MiB here); rows written back go to a write log of {args.ssd_log:g} x the rows, folded into the table file "
         "in windows). Files in "
@@ -338,7 +339,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="sweep: interleaved repeats, best kept")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="sweep: train.device; cuda: the cache in GPU memory over host memory (--tier dram)")  # fmt: skip
+                   help="sweep: train.device; cuda: the cache in GPU memory over the tables in files (--tier ssd) "
+                        "or in host memory (--tier dram)")  # fmt: skip
     p.add_argument("--dir", default="/work/tmp", help="where table files go")
     p.add_argument("--table-gib", type=float, default=12.0, help="demo: GiB of rows + Adam state")
     p.add_argument("--budget-gib", type=float, default=4.0, help="demo: the memory budget")

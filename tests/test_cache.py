@@ -126,6 +126,168 @@ def test_gpu_cache_over_host_memory_is_bitwise_uncached(tmp_path, name, policy) 
     )
 
 
+@pytest.fixture
+def staged_on_cpu(monkeypatch) -> list[int]:
+    """The device path of the cache (DeviceIO: reads ahead staged through host buffers, records
+    copied across on the training thread) with CPU tensors standing in for device memory, so that it
+    runs without a GPU. Returns the rows of every read ahead staged so far."""
+    from neorec.embedding.cache import cache as cache_module
+
+    staged: list[int] = []
+
+    class CountedRead(cache_module.StagedRead):
+        def __init__(self, read, host, buffer, slots) -> None:
+            super().__init__(read, host, buffer, slots)
+            staged.append(host.shape[0])
+
+    monkeypatch.setattr(cache_module, "stages_through_host", lambda device: True)
+    monkeypatch.setattr(cache_module, "StagedRead", CountedRead)
+    return staged
+
+
+def restore_and_continue(plain, cached, restored, gen, steps, ts, opt, device="cpu") -> None:
+    """Continue `plain` and `cached` for `steps`, then the same batches through `restored` (loaded
+    from `cached`'s checkpoint beforehand) from a plain engine loaded with that checkpoint: all end
+    where `plain` does."""
+    checkpoint = roundtrip(cached.state_dict())
+    restored.load_state_dict(checkpoint)
+    state = gen.get_state()
+    train_both(plain, cached, gen, steps, ts, prefetch=True, device=device)
+    gen.set_state(state)
+    fresh = FusedEmbeddingCollection(ts, opt, device=device, kernels="torch")
+    fresh.load_state_dict(checkpoint)
+    train_both(fresh, restored, gen, steps, ts, prefetch=True, device=device)
+    assert_same_state(plain, restored)
+    assert_same_state(plain, cached)
+
+
+def roundtrip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` through torch.save and torch.load, as a checkpoint holds it."""
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    saved.seek(0)
+    return torch.load(saved)
+
+
+@pytest.mark.parametrize(("fraction", "io_thread"), [(0.2, True), (0.2, False), (0.005, True)])
+def test_ssd_cache_through_the_device_path_is_bitwise_uncached(tmp_path, staged_on_cpu, fraction, io_thread):
+    """What a GPU cache over SSD files runs, on the CPU: training through it, and through a
+    checkpoint's save and load, is bitwise training in memory (0.005: 2 rows, smaller than a batch,
+    so rows also go straight to the files)."""
+    from neorec.embedding.cache.cache import DeviceIO
+
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05, initial_accumulator=0.01)
+    plain = FusedEmbeddingCollection(ts, opt)
+    cached = cached_engine(ts, opt, tmp_path, tier="ssd", fraction=fraction, io_thread=io_thread)
+    caches = [w.cache for w in cached.weights]
+    assert all(isinstance(c.io, DeviceIO) and c.io.background == io_thread for c in caches)
+    gen = torch.Generator().manual_seed(6)
+    train_both(plain, cached, gen, 8, ts, prefetch=True)
+    assert_same_state(plain, cached)
+    assert sum(s["writebacks"] for s in cached.cache_stats().values()) > 0
+    # reads ahead on the worker thread, staged in host buffers (none without the worker; a cache
+    # of 2 rows never has room for a coming batch beside the one in flight)
+    assert bool(staged_on_cpu) == (io_thread and fraction > 0.01)
+    restored = cached_engine(ts, opt, tmp_path, tier="ssd", fraction=fraction, seed=1, io_thread=io_thread)
+    restore_and_continue(plain, cached, restored, gen, 4, ts, opt)
+
+
+def test_device_reads_ahead_land_in_their_slots_only_at_result() -> None:
+    """DeviceIO's read ahead follows the writes submitted before it (one worker, in order), and the
+    worker fills a host buffer only: the records reach their slots when result() is asked, on the
+    caller's thread (on a GPU, in its stream's order)."""
+    import threading
+
+    from neorec.embedding.cache.background import BackgroundIO
+    from neorec.embedding.cache.cache import DeviceIO
+
+    backing = DramBacking.from_tensors({"weight": torch.arange(40, dtype=torch.float32).view(10, 4)})
+    layout = backing.layout
+    io_ = DeviceIO(BackgroundIO(backing, background=True), torch.device("cpu"))
+    release, write = threading.Event(), backing.write
+    backing.write = lambda rows, records: (release.wait(10), write(rows, records))
+    io_.write(torch.tensor([3]), layout.pack({"weight": torch.full((1, 4), -1.0)}))
+    buffer = layout.pack({"weight": torch.zeros(3, 4)})
+    ahead = io_.read_ahead(torch.tensor([2, 3]), buffer, torch.tensor([2, 0]))
+    release.set()
+    io_.drain()  # the worker's read is done...
+    assert not ahead.done() and bool((layout.view(buffer, "weight") == 0).all())  # ...the slots untouched
+    ahead.result()
+    assert ahead.done()
+    assert torch.equal(
+        layout.view(buffer, "weight"), torch.tensor([[-1.0, -1, -1, -1], [0, 0, 0, 0], [8, 9, 10, 11]])
+    )
+    ahead.result()  # once only
+    io_.close()
+
+
+def test_ssd_tables_with_train_device_cuda_are_built(tmp_path, monkeypatch) -> None:
+    """train.device: cuda with tables in tier ssd builds the fused engine over a cache on the GPU of
+    the tables' files, with reads ahead on the worker thread (io_thread auto). No GPU here: the
+    engine and the cache are stand-ins that record what they are given (the GPU tests below and in
+    test_train_cuda.py train through the real ones)."""
+    from types import SimpleNamespace
+
+    import neorec.embedding.cache.build as cache_build
+    import neorec.embedding.fused as fused
+    from neorec.embedding.fused.storage import StorageSpec
+    from neorec.train.build import build_embeddings
+
+    engine: dict = {}
+    monkeypatch.setattr(fused, "FusedEmbeddingCollection", lambda tables, optimizer, **kw: engine.update(kw))
+
+    def row_cache(tables, backing, capacity, policy, device, io_thread):
+        engine["cache"] = (backing, capacity, device, io_thread)
+        return SimpleNamespace(layout=backing.layout, num_rows=backing.num_rows)
+
+    monkeypatch.setattr(cache_build, "RowCache", row_cache)
+    sets = ["train.device=cuda", "embedding.tier=ssd", f"embedding.cache.directory={tmp_path}"]
+    cfg = load_config("default", TINY + sets)
+    build_embeddings(cfg, [TableConfig(name="C1", rows=50, dim=4, features=["C1"])])
+    assert engine["device"] == "cuda" and engine["table_tiers"] == {"C1": "ssd"}
+    specs = {"weight": StorageSpec(50, 4, torch.float32, lambda a, b: torch.zeros(b - a, 4))}
+    storages = engine["group_storage_factory"]([("C1", 0, 50)], specs, torch.device("cuda"))
+    backing, capacity, device, io_thread = engine["cache"]
+    assert isinstance(backing, SsdBacking) and backing.path == tmp_path / "C1.rows.bin"
+    assert (capacity, device, io_thread) == (10, torch.device("cuda"), True)
+    assert set(storages) == {"weight"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("name", ["adagrad", "adam"])
+def test_gpu_cache_over_ssd_files_is_bitwise_uncached_and_restores(tmp_path, monkeypatch, name, policy) -> None:
+    """The cache in GPU memory (20% of the rows), every row in files, reads ahead staged through
+    pinned host buffers on the worker thread: training through it, and through a checkpoint's save
+    and load into another GPU cache over other files, is bitwise training the tables in GPU memory."""
+    from neorec.embedding.cache import cache as cache_module
+
+    pinned: list[bool] = []
+
+    class CheckedRead(cache_module.StagedRead):
+        def __init__(self, read, host, buffer, slots) -> None:
+            super().__init__(read, host, buffer, slots)
+            pinned.append(host.is_pinned() and buffer.is_cuda)
+
+    monkeypatch.setattr(cache_module, "StagedRead", CheckedRead)
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
+    plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels="torch")
+    cached = cached_engine(ts, opt, tmp_path, policy, tier="ssd", fraction=0.2, device="cuda")
+    cache = cached.weights[0].cache
+    assert cache.records.is_cuda and cache.slot_of.is_cuda and isinstance(cache.backing, SsdBacking)
+    gen = torch.Generator().manual_seed(4)
+    train_both(plain, cached, gen, 10, ts, prefetch=True, device="cuda")
+    assert_same_state(plain, cached)
+    stats = cached.cache_stats()
+    assert sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
+    assert pinned and all(pinned)
+    restored = cached_engine(ts, opt, tmp_path, policy, tier="ssd", fraction=0.2, seed=1, device="cuda")
+    restore_and_continue(plain, cached, restored, gen, 5, ts, opt, "cuda")
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize(("tier", "io_thread"), [("dram", False), ("ssd", True), ("ssd", False)])
 def test_one_hot_and_tiny_cache_are_exact(tmp_path, tier, io_thread, prefetch) -> None:
@@ -654,6 +816,8 @@ def test_io_thread_auto_only_where_a_core_is_left(monkeypatch) -> None:
     assert use_io_thread("auto")  # 4 cores, 2 threads
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert not use_io_thread("auto")  # 2 processes x 2 threads on 4 cores
+    assert use_io_thread("auto", "cuda")  # the step runs on the GPU, not on the intra-op threads
+    assert not use_io_thread(False, "cuda")
     with pytest.raises(ConfigError, match="embedding.cache.io_thread"):
         use_io_thread("sometimes")
 

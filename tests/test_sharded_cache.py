@@ -181,6 +181,28 @@ def test_world_of_one_with_every_kind_cached_equals_fused(tmp_path):
     check_against_single({0: out[:4]}, "adam")
 
 
+def test_world_of_one_over_ssd_through_the_device_path_equals_fused(tmp_path, monkeypatch):
+    """Every shard's cache over SSD files on the path a GPU takes (DeviceIO: records cross to the
+    backing store through host buffers), with CPU tensors standing in for device memory."""
+    from neorec.embedding.cache import cache as cache_module
+
+    staged: list[int] = []
+
+    class CountedIO(cache_module.DeviceIO):
+        def __init__(self, io, device) -> None:
+            super().__init__(io, device)
+            staged.append(1)
+
+    monkeypatch.setattr(cache_module, "stages_through_host", lambda device: True)
+    monkeypatch.setattr(cache_module, "DeviceIO", CountedIO)
+    plan = {"tables": {"t0": {"kind": "tw", "ranks": [0], "tier": "ssd"}, "t1": {"kind": "rw", "ranks": [0]},
+                       "t2": {"kind": "cw", "ranks": [0, 0], "tier": "ssd"}, "t3": {"kind": "dp", "tier": "ssd"},
+                       "t4": {"kind": "twrw", "node": 0, "tier": "ssd"}, "t5": {"kind": "twcw", "node": 0}}}  # fmt: skip
+    out = cached_run(Topology(1, 0, 1), plan, "adam", str(tmp_path / "tables"), "lru", True)
+    check_against_single({0: out[:4]}, "adam")
+    assert staged  # one per cache of a group of ssd shards
+
+
 def test_ssd_tier_without_a_directory_names_the_tables():
     plan = {"tables": {t.name: {"kind": "tw", "ranks": [0]} for t in make_tables()}}
     plan["tables"]["t3"]["tier"] = "ssd"

@@ -3,7 +3,7 @@
 On a machine with one GPU the ranks share it over gloo (distributed.backend: gloo; every exchange
 stages its device tensors through pinned host memory). Where the machine has a GPU per rank the
 same runs go over NCCL. Each sharding kind, a mixed plan, cached tables (a GPU cache over host
-memory) and a checkpoint written by 2 GPU ranks and resumed by 4 are compared with one process:
+memory or over SSD files) and a checkpoint written by 2 GPU ranks and resumed by 4 are compared with one process:
 plain SGD and fp32 exchanges, so only the order of float additions differs (1e-4 / 1e-5)."""
 
 from __future__ import annotations
@@ -81,6 +81,15 @@ def test_cached_tables_on_gpu_ranks_match_one_gpu_process(tmp_path, single_gpu):
     _train(tmp_path, 2, ["distributed.backend=gloo", "embedding.tier=dram", "embedding.cache.fraction=0.2",
                          f"distributed.sharding={KINDS['mixed']}"])  # fmt: skip
     _assert_same_model(tmp_path, single_gpu)
+
+
+@needs_cuda
+def test_ssd_tables_on_gpu_ranks_match_one_gpu_process(tmp_path, single_gpu):
+    """Every table in files, each rank's shards behind a cache in GPU memory (files per rank)."""
+    _train(tmp_path, 2, ["distributed.backend=gloo", "embedding.tier=ssd", "embedding.cache.fraction=0.2",
+                         f"embedding.cache.directory={tmp_path / 'tables'}", f"distributed.sharding={KINDS['mixed']}"])  # fmt: skip
+    _assert_same_model(tmp_path, single_gpu)
+    assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == ["rank-00000", "rank-00001"]
 
 
 @needs_cuda

@@ -374,7 +374,8 @@ class CacheConfig(Strict):
         description="ssd: read coming batches' rows ahead and write evicted rows back on a worker thread "
         "(true/on), or on the training thread (false/off); auto: on only when the machine has a core that "
         "torch's threads (x the processes on this node) leave free, since otherwise the worker takes "
-        "cores from the intra-op threads and every parallel operator waits for the one it displaced",
+        "cores from the intra-op threads and every parallel operator waits for the one it displaced; "
+        "with train.device: cuda auto is on (the step runs on the GPU)",
     )
 
     @model_validator(mode="after")

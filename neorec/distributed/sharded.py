@@ -103,7 +103,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         dp = self.layout.dp_tables
         local_tiers = {u.local_table().name: self.tiers[u.table.name] for u in units}
         dp_tiers = {t.name: self.tiers[t.name] for t in dp}
-        factory = self._cache_factory({**local_tiers, **dp_tiers}, cache, units, dp, device)
+        factory = self._cache_factory({**local_tiers, **dp_tiers}, cache, units, dp)
         map_shards = {u.local_table().name: u.map_shard() for u in units if u.table.managed_collision is not None}
         self.local = FusedEmbeddingCollection(
             self.layout.local_tables(rank), optimizer, seed, device, stochastic_rounding, row_init=shard_rows,
@@ -147,17 +147,12 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 raise ConfigError(f"table {t.name!r}: storage tier must be one of {CACHE_TIERS}, got {out[t.name]!r}")
         return out
 
-    def _cache_factory(self, tiers: dict[str, str], cache: CacheSettings | None, units, dp, device):
+    def _cache_factory(self, tiers: dict[str, str], cache: CacheSettings | None, units, dp):
         """The group storage factory of both local engines: plain tensors, or row caches with this
         rank's files in a folder of its own (a replicated table has the same name on every rank)."""
         settings = cache or CacheSettings()
         # checked for every table on every rank alike, so that no rank waits for one that stopped
         ssd = sorted(name for name, tier in self.tiers.items() if tier == "ssd")
-        if ssd and device is not None and torch.device(device).type == "cuda":
-            raise ConfigError(
-                f"embedding.tier: tables {ssd} have tier ssd; on a GPU the row cache lives in GPU memory over "
-                "host memory (tier dram) only"
-            )
         if ssd and settings.directory is None:
             raise ConfigError(
                 f"tables {ssd} are in tier ssd: set embedding.cache.directory (a folder for their files)"

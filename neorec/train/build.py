@@ -271,12 +271,6 @@ def build_embeddings(
             tables, e.optimizer, plan, comms, seed=cfg.seed, forward_precision=forward, backward_precision=backward,
             device=device, stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings, progress=progress,
         )  # fmt: skip
-    on_ssd = sorted(n for n in cached if tiers[n] == "ssd")
-    if torch.device(device).type == "cuda" and on_ssd:
-        raise ConfigError(
-            f"embedding.tier: tables {on_ssd} have tier ssd; with train.device: cuda the row cache lives in "
-            "GPU memory over host memory (tier dram) only for now"
-        )
     if e.engine == "reference":
         from neorec.embedding.reference import ReferenceEmbeddingCollection
 

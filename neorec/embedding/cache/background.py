@@ -2,7 +2,8 @@
 
 One worker thread per cache runs, first in first out, two kinds of job:
 - reads ahead: the rows a coming batch will need and does not have (its prefetch), placed straight
-  into the slots the cache has given them (cache.py), so the disk works while the current batch
+  into the slots the cache has given them (cache.py; a cache in device memory gets them in a host
+  buffer instead, which DeviceIO copies into the slots), so the disk works while the current batch
   computes; the cache touches those slots only once the job is done;
 - write-backs of evicted rows, so the step does not wait for them.
 
@@ -43,9 +44,10 @@ class BackgroundIO:
         self._reads: deque[Future] = deque()
 
     # ---- jobs ------------------------------------------------------------------------------------
-    def read_ahead(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> Future:
-        """Start reading the records of `rows` (sorted, unique) into buffer[slots], after every write
-        submitted so far. Nothing else may touch those slots until the future is done."""
+    def read_ahead(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor | None) -> Future:
+        """Start reading the records of `rows` (sorted, unique) into buffer[slots] (buffer in order if
+        slots is None), after every write submitted so far. Nothing else may touch those slots until
+        the future is done."""
         future = self._submit(self.backing.read_into, rows, buffer, slots)
         self._reads.append(future)
         while self._reads and self._reads[0].done():

@@ -6,7 +6,8 @@ gets plain tensors, as without a cache. Tiers:
 - memory: a plain tensor in RAM, no cache (the default);
 - dram: every row in a host-memory tensor behind a cache: in GPU memory when the engine runs on a
   GPU (the paper's device-memory cache over host DRAM), else in RAM (mostly useful for tests);
-- ssd: every row in a file under `directory`, created window by window (never whole in RAM).
+- ssd: every row in a file under `directory`, created window by window (never whole in RAM), behind
+  a cache in RAM, or in GPU memory when the engine runs on a GPU.
 
 Each group gets one backing store of records (a row's weights and optimizer state side by side,
 records.py): for ssd, one file `<first table>.rows.bin` per group, and its write log
@@ -77,30 +78,28 @@ def cached_storage_factory(
                 f"{by_tier}; give them the same embedding.tables.<name>.tier, or another dtype/optimizer"
             )
         tier = group_tiers.pop()
-        if device.type != "cpu" and tier != "dram":
-            raise ConfigError(
-                f"cached tables {names} have tier {tier}: on a GPU the cache runs over host memory "
-                "(tier dram) only for now; an SSD tier under a GPU cache is not supported yet"
-            )
         backing = _backing(tier, names[0], specs, settings)
         capacity = _capacity(names, specs, settings, total_cached_rows)
-        io_thread = tier != "dram" and use_io_thread(settings.io_thread)
+        io_thread = tier != "dram" and use_io_thread(settings.io_thread, device)
         cache = RowCache(tables, backing, capacity, settings.policy, device=device, io_thread=io_thread)
         return {name: CachedStorage(cache, name) for name in specs}
 
     return build
 
 
-def use_io_thread(setting: bool | str) -> bool:
-    """embedding.cache.io_thread: True, False, or "auto": on when a core is left once torch's
-    intra-op threads of every process on this node (torchrun's LOCAL_WORLD_SIZE) have theirs. On a
-    machine they fill, the worker's reads and writes displace an intra-op thread, and each parallel
-    operator waits for the thread it displaced: measured on 2 cores, that costs more than the reads
-    it hides (benchmarks/RESULTS.md, "Measurements behind design choices")."""
+def use_io_thread(setting: bool | str, device: torch.device | str = "cpu") -> bool:
+    """embedding.cache.io_thread: True, False, or "auto": on a CPU, on when a core is left once
+    torch's intra-op threads of every process on this node (torchrun's LOCAL_WORLD_SIZE) have theirs.
+    On a machine they fill, the worker's reads and writes displace an intra-op thread, and each
+    parallel operator waits for the thread it displaced: measured on 2 cores, that costs more than the
+    reads it hides (benchmarks/RESULTS.md, "Measurements behind design choices"). With the cache on a
+    GPU (`device`) the step's operators run there, not on the intra-op threads, so auto is on."""
     if isinstance(setting, bool):
         return setting
     if setting != "auto":
         raise ConfigError(f"embedding.cache.io_thread must be true, false or auto, got {setting!r}")
+    if torch.device(device).type != "cpu":
+        return True
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores > torch.get_num_threads() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 

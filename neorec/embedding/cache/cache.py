@@ -38,10 +38,13 @@ does not need (one `topk` per call):
   the row's recent uses and rows that were hot long ago do not stay forever;
 Free slots have the smallest key of all, so they fill first.
 
-On a GPU (`device="cuda"`: the paper's cache of hot rows in device memory over host DRAM) the
-records and all the bookkeeping live in device memory and the backing store in host memory; rows
-and records cross between the two only in `DeviceIO` (misses in, write-backs out), so the cache's
-logic, and its exactness, are the same code on both.
+On a GPU (`device="cuda"`: the paper's cache of hot rows in device memory over host DRAM, or over
+the SSD tier's files) the records and all the bookkeeping live in device memory and the backing
+store in host memory or a file; rows and records cross between the two only in `DeviceIO` (misses
+in, write-backs out), so the cache's logic, and its exactness, are the same code on both. The worker
+thread only ever touches host memory: a read ahead lands in a host buffer (pinned on a GPU) and is
+copied into its device slots on the training thread when the batch's lookup waits for it, and a
+write-back's records are copied to host memory before the worker gets them.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class _Ahead:
     rows: torch.Tensor  # its unique rows (the very tensor its lookup passes)
     slots: torch.Tensor  # the slots of its rows: pinned
     victims: torch.Tensor | None = None  # slots given to its missing rows, whose records are coming
-    future: Future | None = None  # -> those records
+    future: Future | StagedRead | None = None  # -> those records
 
 
 class RowCache:
@@ -103,7 +106,7 @@ class RowCache:
         if io_thread is None:
             io_thread = backing.tier != "dram"
         self.io = BackgroundIO(backing, background=io_thread)
-        if device.type != "cpu":
+        if stages_through_host(device):
             self.io = DeviceIO(self.io, device)
         self.records = self.layout.empty(self.capacity, device)
         self.buffers = self.layout.views(self.records)  # per field: a strided view of the records
@@ -433,24 +436,37 @@ def smallest(key: torch.Tensor, k: int) -> torch.Tensor:
     return candidates.index_select(0, chosen)
 
 
+def stages_through_host(device: torch.device) -> bool:
+    """Whether the cache's records on `device` reach the host-side backing store through DeviceIO:
+    on every device but the CPU (tests force it on the CPU to run that path without a GPU)."""
+    return device.type != "cpu"
+
+
 class DeviceIO:
-    """BackgroundIO for a cache in GPU memory over a host-side backing store: the one place where
-    rows and records cross between the device and the host (misses in, write-backs out)."""
+    """BackgroundIO for a cache in device memory over a host-side backing store (host memory or a
+    file): the one place where rows and records cross between the device and the host (misses in,
+    write-backs out). Whatever the worker thread reads or writes is host memory; every copy to or from
+    the device runs on the caller's thread, in its stream's order."""
 
     def __init__(self, io: BackgroundIO, device: torch.device) -> None:
         self.io, self.device, self.background = io, device, io.background
+        self.layout = io.layout
+        # pinned host buffers make the copies to the device asynchronous (torch keeps a pinned block
+        # until the copies that read it are done); only a CUDA device has them
+        self._pin = device.type == "cuda"
 
-    def read_ahead(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> Future:
-        """Records of `rows` into buffer[slots] in device memory now (no worker thread here)."""
-        self.read_into(rows, buffer, slots)
-        future: Future = Future()
-        future.set_result(None)
-        return future
+    def read_ahead(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> StagedRead:
+        """Start reading the records of `rows` (sorted, unique) on the worker thread (after every
+        write submitted so far) into host memory; result() places them in buffer[slots]."""
+        host = self.layout.empty(rows.numel(), pin=self._pin)
+        return StagedRead(self.io.read_ahead(rows.cpu(), host, None), host, buffer, slots)
 
     def read_into(self, rows: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> None:
         _words(buffer).index_copy_(0, slots, _words(self.read(rows)))
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        """The records are copied to host memory here, on the caller's thread (a synchronous copy
+        that waits for the kernels that wrote them); the worker writes that copy."""
         self.io.write(rows.cpu(), records.cpu())
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
@@ -461,6 +477,30 @@ class DeviceIO:
 
     def close(self) -> None:
         self.io.close()
+
+
+class StagedRead:
+    """A read ahead of DeviceIO: records read into a host buffer on the worker thread, placed in
+    the device slots by result() on the caller's thread (the cache calls it at the batch's lookup,
+    or before anything touches those slots)."""
+
+    def __init__(self, read: Future, host: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> None:
+        self._read: Future | None = read
+        self._host, self._buffer, self._slots = host, buffer, slots
+
+    def done(self) -> bool:
+        """Whether the records are in their device slots."""
+        return self._read is None
+
+    def result(self) -> None:
+        """Wait for the worker's read, then copy the records into their slots (once)."""
+        if self._read is None:
+            return
+        self._read.result()
+        staged = _words(self._host).to(self._buffer.device, non_blocking=True)
+        _words(self._buffer).index_copy_(0, self._slots, staged)
+        self._read = None
+        del self._host, self._buffer, self._slots  # the buffers go with the last reference
 
 
 class CachedStorage:

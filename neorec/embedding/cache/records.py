@@ -56,9 +56,9 @@ class RecordLayout:
         self.payload_bytes = sum(f.nbytes for f in self.fields.values())
         self.record_bytes = _round_up(max(offset, 1), _RECORD_ALIGN)
 
-    def empty(self, num_rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Uninitialised records [num_rows, record_bytes] (uint8)."""
-        return torch.empty((num_rows, self.record_bytes), dtype=torch.uint8, device=device)
+    def empty(self, num_rows: int, device: torch.device | str = "cpu", pin: bool = False) -> torch.Tensor:
+        """Uninitialised records [num_rows, record_bytes] (uint8); pin: in pinned host memory."""
+        return torch.empty((num_rows, self.record_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
 
     def view(self, records: torch.Tensor, name: str) -> torch.Tensor:
         """Field `name` of records [n, record_bytes]: [n, width] (or [n]) of its dtype, a view."""
