@@ -12,8 +12,10 @@ are rounded back to the storage dtype, to nearest or stochastically (rounding.py
 is always fp32.
 
 Speed on CPU: the work after the lookup runs in blocks of `chunk_elements` (rows x dim, default
-2^17) so temporaries stay in cache; results do not depend on the block size. Plain SGD on a plain
-fp32 table skips the blocks: one scatter_add_ of the rows' sums (see folded_lr). With several
+2^19: 2 MiB fp32 temporaries) so temporaries stay in cache; results do not depend on the block
+size. On a plain fp32 table a rule that does not read the weights (no weight decay) adds its deltas
+in place (index_add_, one pass over the touched rows); plain SGD there skips the blocks too: one
+scatter_add_ of the rows' sums (see folded_lr). With several
 intra-op threads on a machine whose cores are shared with other busy processes, prefer
 OMP_WAIT_POLICY=PASSIVE (or one thread): spinning OpenMP barriers then dominate every op.
 
@@ -134,7 +136,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         # seconds spent in lookups ("lookup") and fused backward+updates ("update"), when a dict is set
         self.timings: dict[str, float] | None = None
         # elements (rows x dim) per block of the update and of fp16/bf16 lookups on CPU; None = one block
-        self.chunk_elements: int | None = 1 << 17
+        self.chunk_elements: int | None = 1 << 19
         if kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
         self.kernels = kernels
