@@ -18,7 +18,7 @@ from neorec.errors import ConfigError
 from neorec.planner import build_workload, estimate_plan, plan_sharding, this_machine
 from neorec.planner.bounds import lower_bound, lower_hull
 from neorec.planner.exchanges import plan_traffic
-from neorec.planner.hardware import CALIBRATED_CPU, Cluster, MemoryTier, paper_cluster
+from neorec.planner.hardware import CALIBRATED_CPU, Cluster, MemoryTier, paper_cluster, preset
 from neorec.planner.options import table_options
 from neorec.planner.partition import Piece, PlacementError, partition
 from neorec.planner.planner import place, rank_capacity
@@ -416,6 +416,17 @@ def test_bound_is_below_the_best_plan_found_by_exhaustive_search():
     result = plan_sharding(wl, cluster, ("tw", "rw", "cw", "dp"), time_budget=5)
     assert bound.value <= result.additive_max + 1e-12
     assert result.additive_max <= best * 1.10
+
+
+def test_one_rank_pays_no_exchange_and_meets_the_bound():
+    """One process exchanges nothing: its plan (every table whole on the one rank) is exactly at the
+    lower bound, which counts no exchange either."""
+    tables = [TableConfig(name=f"t{i}", rows=r, dim=16, features=[f"f{i}"]) for i, r in enumerate([4000, 900, 50])]
+    wl = build_workload(tables, "rowwise_adagrad", 512, {"f0": 3.0, "f1": 1.0, "f2": 2.0})
+    for cluster in (cpu(1), preset("h100-node", world_size=1, ranks_per_node=1)):
+        result = plan_sharding(wl, cluster, ("tw", "rw", "cw"), time_budget=2)
+        assert result.bound.value <= result.estimate.max_cost * (1 + 1e-9)
+        assert result.estimate.max_cost <= result.bound.value * (1 + 1e-9)
 
 
 def test_plan_respects_memory_and_moves_cold_tables_to_host():

@@ -178,7 +178,8 @@ def _flat(load: TableLoad, kind: str, k: int, tier: str, workload: Workload, clu
             sum(work.stages.values())
             + _link_seconds(piece_link * intra_share, piece_link * (1 - intra_share), cluster)
         )
-        everyone += _link_seconds(x * intra_share, x * (1 - intra_share), cluster)
+        if W > 1:  # one process exchanges nothing
+            everyone += _link_seconds(x * intra_share, x * (1 - intra_share), cluster)
     if len(costs) < k:
         costs, works, everyone = costs * k, works * k, everyone * k
     everyone += sum(owner_work(load, kind, k, workload, cluster).values())

@@ -65,9 +65,10 @@ def summary(result: PlanResult, cluster: Cluster) -> str:
         f"{e.imbalance:.4f}; step estimate (slowest rank per phase) {e.step_time * 1e3:.3f} ms",
     ]
     if result.bound is not None:
+        above = e.max_cost / result.bound.value - 1
+        above = 0.0 if abs(above) < 1e-9 else above  # at the bound: no "-0.00%" from rounding
         lines.append(
-            f"lower bound on the slowest rank: {result.bound.describe()}; this plan is "
-            f"{e.max_cost / result.bound.value - 1:+.2%} above it"
+            f"lower bound on the slowest rank: {result.bound.describe()}; this plan is {above:+.2%} above it"
         )
     kinds = Counter(
         p.kind + ("" if (p.tier or "device") == "device" else f"@{p.tier}")
