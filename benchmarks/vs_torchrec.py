@@ -4,6 +4,7 @@
     python benchmarks/vs_torchrec.py --preset mlperf_multihot --repeats 3 --steps 100
     python benchmarks/vs_torchrec.py --preset kaggle_rowwise_adagrad --torchrec-python /path/to/venv/bin/python
     python benchmarks/vs_torchrec.py --preset kaggle_sgd --compile    # neorec eager and with train.compile
+    python benchmarks/vs_torchrec.py --preset kaggle_sgd --bf16       # also neorec with bf16 dense math
 
 TorchRec's side is its DLRM over a FusedEmbeddingBagCollection (FBGEMM's CPU table-batched kernels,
 the optimizer fused into backward); neorec's side is its DLRM over the fused embedding engine. The
@@ -23,7 +24,10 @@ is also run dense-only: the same MLPs and interaction, from the same initial den
 pooled embeddings replaced by a fixed tensor, so that what the embedding part and everything around
 it cost shows as the difference. With --compile
 neorec also runs with its dense stages compiled (train.compile, neorec/model/compile.py); the
-compilation happens in the untimed warm-up steps.
+compilation happens in the untimed warm-up steps. With --bf16 neorec also runs with its MLPs and
+interaction under bf16 autocast (model.precision: bf16; fp32 weights, fp32 embeddings and last
+layer), which CPUs with AVX512-BF16 or AMX run several times faster; its losses differ from fp32
+by bf16 rounding, so its initial loss is checked against the other bf16 runs only.
 
 TorchRec may live in a virtual environment of its own (torch 2.13 + fbgemm-gpu-cpu 1.8.0 + torchrec
 1.8.0 installed with --no-deps, then tensordict, torchmetrics==1.0.3, tqdm, pyre-extensions; or
@@ -58,6 +62,7 @@ PRESETS = {
                             dense_opt="adagrad", dense_lr=0.001),
 }  # fmt: skip
 SIDES = ("neorec", "torchrec")
+VARIANTS = ("", "compiled", "bf16")  # of neorec: eager fp32, train.compile, model.precision bf16
 
 
 # ---- the shared batches --------------------------------------------------------------------------
@@ -90,7 +95,7 @@ def make_batches(preset: dict, batch_size: int, steps: int, eval_batches: int, s
 
 
 # ---- one run, in a process of its own ---------------------------------------------------------------
-def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: bool, compiled: bool = False):
+def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: bool, variant: str = ""):
     from torch import nn
 
     from neorec.embedding import EmbeddingOptimizerConfig, FusedEmbeddingCollection, TableConfig
@@ -111,8 +116,8 @@ def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: boo
 
         emb = FixedPooled()
     torch.manual_seed(0)
-    model = DLRM(13, emb, preset["bottom"], preset["top"])
-    if compiled:
+    model = DLRM(13, emb, preset["bottom"], preset["top"], precision="bf16" if variant == "bf16" else "fp32")
+    if variant == "compiled":
         from neorec.model.compile import apply_compile
 
         apply_compile(model, torch.device("cpu"))
@@ -129,7 +134,7 @@ def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: boo
     return model, dense, emb_opt, step
 
 
-def torchrec_model(preset: dict, rows: list[int], keys: list[str], dense_only: bool, compiled: bool = False):
+def torchrec_model(preset: dict, rows: list[int], keys: list[str], dense_only: bool, variant: str = ""):
     from torch import nn
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.models.dlrm import DLRM
@@ -211,7 +216,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     preset = PRESETS[args.preset]
     data = torch.load(args.data, weights_only=True)
     build = neorec_model if args.side == "neorec" else torchrec_model
-    model, dense, emb_opt, step = build(preset, data["rows"], data["keys"], args.dense_only, args.compiled)
+    model, dense, emb_opt, step = build(preset, data["rows"], data["keys"], args.dense_only, args.variant)
     load_s, peak_before_load = load_init(model, args.side, args.dense_only, Path(args.init), data["keys"])
     opt_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[preset["dense_opt"]]
     dense_opt = opt_cls(dense, lr=preset["dense_lr"])
@@ -255,6 +260,7 @@ def main() -> None:
     p.add_argument("--torchrec-python", default=sys.executable, help="python of TorchRec's environment")
     p.add_argument("--no-dense-only", action="store_true", help="skip the dense-only runs")
     p.add_argument("--compile", action="store_true", help="also run neorec with its dense stages compiled")
+    p.add_argument("--bf16", action="store_true", help="also run neorec with bf16 dense math (model.precision)")
     p.add_argument("--dir", default="runs/vs_torchrec", help="where the shared batches are written")
     p.add_argument("--no-append", action="store_true")
     # worker mode
@@ -262,7 +268,7 @@ def main() -> None:
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--init", help=argparse.SUPPRESS)
     p.add_argument("--dense-only", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.side:
         print(json.dumps(run_worker(args)))
@@ -281,17 +287,18 @@ def main() -> None:
         del data
         print(f"initial weights built and saved to {init} in {time.perf_counter() - t0:.1f} s "
               f"(the save {save_s:.1f} s)", flush=True)  # fmt: skip
-    initial_loss: dict[bool, float] = {}  # dense_only -> the first run's loss on the first batch
-    sides = [(side, False) for side in SIDES] + ([("neorec", True)] if args.compile else [])  # (side, compiled)
+    initial_loss: dict[tuple[bool, bool], float] = {}  # (dense_only, bf16) -> the first such run's first loss
+    extra = [("neorec", v) for v, on in (("compiled", args.compile), ("bf16", args.bf16)) if on]
+    sides = [(side, "") for side in SIDES] + extra  # (side, variant)
     kinds = [(s, False, c) for s, c in sides] + ([] if args.no_dense_only else [(s, True, c) for s, c in sides])
-    runs: dict[tuple[str, bool, bool], list[dict]] = {k: [] for k in kinds}
+    runs: dict[tuple[str, bool, str], list[dict]] = {k: [] for k in kinds}
     for r in range(args.repeats):
         for kind in kinds:
-            side, dense_only, compiled = kind
+            side, dense_only, variant = kind
             python = args.torchrec_python if side == "torchrec" else sys.executable
             cmd = [python, __file__, "--side", side, "--preset", args.preset, "--data", str(path),
                    "--init", str(init), "--threads", str(args.threads), "--warmup", str(args.warmup)]  # fmt: skip
-            cmd += (["--dense-only"] if dense_only else []) + (["--compiled"] if compiled else [])
+            cmd += (["--dense-only"] if dense_only else []) + (["--variant", variant] if variant else [])
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 raise SystemExit(f"{side} run failed:\n{out.stderr[-3000:]}")
@@ -301,10 +308,11 @@ def main() -> None:
     print(report(args, runs))
 
 
-def check_initial_loss(seen: dict[bool, float], kind: tuple[str, bool, bool], loss: float) -> None:
-    """Every run of a kind (full or dense-only) starts from the same weights, so its loss on the first
-    batch, before any step, must agree with the first run's up to float rounding."""
-    reference = seen.setdefault(kind[1], loss)
+def check_initial_loss(seen: dict[tuple[bool, bool], float], kind: tuple[str, bool, str], loss: float) -> None:
+    """Every run of a kind (full or dense-only; fp32 or bf16 dense math) starts from the same weights,
+    so its loss on the first batch, before any step, must agree with the first run's up to float
+    rounding."""
+    reference = seen.setdefault((kind[1], kind[2] == "bf16"), loss)
     if abs(loss - reference) > 1e-5 * abs(reference):
         raise SystemExit(
             f"{label(kind)} starts from a loss of {loss!r} on the first batch, the first "
@@ -314,9 +322,9 @@ def check_initial_loss(seen: dict[bool, float], kind: tuple[str, bool, bool], lo
         )
 
 
-def label(kind: tuple[str, bool, bool]) -> str:
-    side, dense_only, compiled = kind
-    return side + (" compiled" if compiled else "") + (" dense-only" if dense_only else "")
+def label(kind: tuple[str, bool, str]) -> str:
+    side, dense_only, variant = kind
+    return side + (f" {variant}" if variant else "") + (" dense-only" if dense_only else "")
 
 
 def report(args: argparse.Namespace, runs: dict) -> str:
@@ -326,11 +334,11 @@ def report(args: argparse.Namespace, runs: dict) -> str:
         return statistics.median(x[key] for x in rs)
 
     rows = []
-    base = med("samples_per_s", runs[("torchrec", False, False)])
-    for (side, dense_only, compiled), rs in runs.items():
+    base = med("samples_per_s", runs[("torchrec", False, "")])
+    for (side, dense_only, variant), rs in runs.items():
         sps = [x["samples_per_s"] for x in rs]
         rows.append([
-            label((side, dense_only, compiled)), round(med("samples_per_s", rs)),
+            label((side, dense_only, variant)), round(med("samples_per_s", rs)),
             f"{min(sps):,.0f} - {max(sps):,.0f}", f"{med('samples_per_s', rs) / base:.2f}x",
             round(med("ms_per_step", rs), 1), round(med("peak_rss_mib", rs)),
             "-" if dense_only else f"{med('auc', rs):.4f}",
