@@ -6,8 +6,8 @@ Both read dense features through a bottom MLP, pooled embeddings through an Embe
 
 `precision="bf16"` runs the MLPs and the interaction under bf16 autocast (mixed precision: weights,
 gradients and the dense optimizer stay fp32; matrix products take bf16 inputs and accumulate in
-fp32). On CPUs with AMX (Intel Sapphire Rapids and later) and on GPUs those products are several
-times faster. The embedding lookup stays outside autocast (fp32 pooling), and so does the last
+fp32). On GPUs and on CPUs with bf16 matrix instructions (AMX on Intel Sapphire Rapids and later,
+AVX512-BF16 on AMD Zen 4) those products are several times faster. The embedding lookup stays outside autocast (fp32 pooling), and so does the last
 layer, so that logits keep fp32 resolution: bf16's 8-bit mantissa would tie many scores and blunt
 the AUC.
 """
