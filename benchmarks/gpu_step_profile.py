@@ -31,15 +31,8 @@ import torch  # noqa: E402
 
 
 def batches_of(trainer):
-    """The trainer's own path from data to device: prefetch, DeviceFeed, pipeline."""
-    from neorec.data.device_feed import DeviceFeed
-    from neorec.data.prefetch import prefetch
-    from neorec.train.pipeline import pipelined
-
-    t = trainer.cfg.train
-    feed = DeviceFeed(prefetch(trainer.data.train_batches(0, None), t.prefetch), trainer.device, depth=2)
-    for _, local in pipelined(feed, lambda b: b, trainer.embeddings, int(t.pipeline)):
-        yield local
+    """The trainer's own path from data to device (Trainer.training_batches)."""
+    return trainer.training_batches(0)[1]
 
 
 def sync_sites(trainer, it, steps: int) -> Counter:

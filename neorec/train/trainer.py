@@ -7,6 +7,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,6 +229,16 @@ class Trainer:
         that does not divide over the processes loses its remainder."""
         return self.data.local_batch(batch)
 
+    def training_batches(self, epoch: int, resume_at: dict | None = None) -> tuple[DeviceFeed, Iterator]:
+        """This rank's batches of an epoch, as fit trains on them (train_step with is_local=True):
+        read ahead on a worker thread (train.prefetch), copied to the device two batches ahead
+        (DeviceFeed), and, with train.pipeline, the next batch's id exchange started before this one
+        trains. resume_at: a checkpoint's position, to continue after its batches. Returns the feed
+        too: its wait_seconds is the time the loop has waited for data."""
+        t = self.cfg.train
+        feed = DeviceFeed(prefetch(self.data.train_batches(epoch, resume_at), t.prefetch), self.device, depth=2)
+        return feed, (local for _, local in pipelined(feed, _same, self.embeddings, int(t.pipeline)))
+
     def train_step(self, batch, is_local: bool = False) -> torch.Tensor:
         """One step on a global batch (or on this rank's slice of one); returns this process's loss."""
         if not is_local:
@@ -283,10 +294,9 @@ class Trainer:
                 break
             resume_at = position if epoch == first_epoch else None  # continue after the checkpoint's batches
             in_epoch = resume_at["batches"] if resume_at is not None else 0
-            batches = prefetch(self.data.train_batches(epoch, resume_at), t.prefetch)  # this rank's batches
-            feed = DeviceFeed(batches, self.device, depth=2)  # on a GPU: copied two batches ahead
+            feed, batches = self.training_batches(epoch, resume_at)
             waited = 0.0
-            for _, local in pipelined(feed, _same, self.embeddings, int(t.pipeline)):
+            for local in batches:
                 self.timings["data_wait"] += feed.wait_seconds - waited
                 window_wait += feed.wait_seconds - waited
                 waited = feed.wait_seconds
