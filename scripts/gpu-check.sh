@@ -20,6 +20,7 @@
 #   ranks    criteo_kaggle at batch 16,384 with 2 ranks sharing the GPU over gloo, against one rank
 #   ops      benchmarks/embedding_ops_gpu.py (kernels against the device copy bandwidth)
 #   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory)
+#   cache_ssd  the same with --tier ssd (GPU cache over SSD files, in $SSD_DIR or /tmp/neorec-ssd)
 # The figures go to $OUT/gpu-results.md (benchmarks append there instead of benchmarks/RESULTS.md);
 # copy what holds into RESULTS.md with the date, command and GPU.
 set -uo pipefail
@@ -29,7 +30,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd)
 COMMON=(--set train.progress=false --set logging.plot=false --set logging.tensorboard=false --set train.eval_every=null)
 
 run() {  # run NAME SECONDS COMMAND...: the command's output to $OUT/NAME.log, its tail on the console
@@ -57,6 +58,15 @@ print(run.name, {k: s.get(k) for k in keys}, "steady (median of logged windows a
 PY
 }
 
+kaggle_run() {  # kaggle_run NAME SECONDS [--set ...]: criteo_kaggle at batch 16,384 on the GPU, then its summary
+    local name=$1 limit=$2
+    shift 2
+    run "$name" "$limit" $PY -m neorec train --config criteo_kaggle --set train.device=cuda \
+        --set data.batch_size=16384 --set train.max_steps=400 --set train.log_every=20 "$@" "${COMMON[@]}" \
+        --output-dir "$OUT/$name"
+    summary "$OUT/$name" | tee -a "$OUT/summary.txt"
+}
+
 for step in "${STEPS[@]}"; do
     case $step in
     env)
@@ -75,21 +85,13 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         run profile_dcnv2 ${PROFILE_LIMIT:-120} $PY benchmarks/gpu_step_profile.py --config mlperf_dcnv2 --set data.batch_size=16384
         ;;
     kaggle)
-        run kaggle 150 $PY -m neorec train --config criteo_kaggle --set train.device=cuda \
-            --set data.batch_size=16384 --set train.max_steps=400 --set train.log_every=20 "${COMMON[@]}" --output-dir "$OUT/kaggle"
-        summary "$OUT/kaggle" | tee -a "$OUT/summary.txt"
+        kaggle_run kaggle 150
         ;;
     kaggle_bf16)
-        run kaggle_bf16 150 $PY -m neorec train --config criteo_kaggle --set train.device=cuda --set model.precision=bf16 \
-            --set data.batch_size=16384 --set train.max_steps=400 --set train.log_every=20 "${COMMON[@]}" \
-            --output-dir "$OUT/kaggle_bf16"
-        summary "$OUT/kaggle_bf16" | tee -a "$OUT/summary.txt"
+        kaggle_run kaggle_bf16 150 --set model.precision=bf16
         ;;
     kaggle_compile)
-        run kaggle_compile 200 $PY -m neorec train --config criteo_kaggle --set train.device=cuda --set train.compile=true \
-            --set data.batch_size=16384 --set train.max_steps=400 --set train.log_every=20 "${COMMON[@]}" \
-            --output-dir "$OUT/kaggle_compile"
-        summary "$OUT/kaggle_compile" | tee -a "$OUT/summary.txt"
+        kaggle_run kaggle_compile 200 --set train.compile=true
         ;;
     dcnv2)
         run dcnv2 150 $PY -m neorec train --config mlperf_dcnv2 --set train.device=cuda \
@@ -113,8 +115,12 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         run cache 150 $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
             --repeats 1 --dir "$OUT/tables" --no-append
         ;;
+    cache_ssd)
+        run cache_ssd 200 $PY benchmarks/cache.py --device cuda --tier ssd --zipf 1.05 --fractions 0.2 \
+            --repeats 1 --dir "${SSD_DIR:-/tmp/neorec-ssd}" --no-append
+        ;;
     *)
-        echo "unknown step $step (env tests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache)" >&2
+        echo "unknown step $step (env tests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd)" >&2
         exit 2
         ;;
     esac
