@@ -6,61 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from neorec.embedding.id_map import FREE, STAT_FIELDS, STATE, MapShard, bucket_of
+from neorec.embedding.id_map import FREE, IdMap, bucket_of
 
 
-class ReferenceIdMap:
-    """The map of one table or shard, with a full sort of its rows per batch that brings new ids."""
-
-    def __init__(
-        self, capacity: int, eviction: str, shard: MapShard, device: torch.device | str | None = None
-    ) -> None:
-        if capacity % shard.count:
-            raise ValueError(f"{shard.count} buckets do not divide {capacity} rows")
-        self.capacity, self.eviction, self.shard = capacity, eviction, shard
-        self.bucket_rows = capacity // shard.count
-        from neorec.embedding.fused.storage import TensorStorage  # not at the top: fused imports this module
-
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        self.keys = TensorStorage(torch.full((capacity,), FREE, dtype=torch.int64, device=device))
-        self.last_seen = TensorStorage(torch.zeros(capacity, dtype=torch.int64, device=device))
-        self.counts = TensorStorage(torch.zeros(capacity, dtype=torch.int64, device=device))
-        self.stats = dict.fromkeys(STAT_FIELDS, 0)
-        self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted keys, their rows
-        self._index_version = -1
-
-    def storages(self) -> dict:
-        """{state name: TensorStorage}: the per-row state, as the checkpoint code reads and writes it."""
-        return dict(zip(STATE, (self.keys, self.last_seen, self.counts), strict=True))
-
-    def to(self, device: torch.device) -> None:
-        for s in self.storages().values():
-            s.tensor = s.tensor.to(device)
-        self._index = None
-
-    @property
-    def occupied(self) -> int:
-        return int((self.keys.tensor != FREE).sum())
-
-    # ---- the sorted index ------------------------------------------------------------------------
-    def _sorted(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sorted keys, their rows), rebuilt when mc_keys changed other than through remap (a load)."""
-        keys = self.keys.tensor
-        if self._index is None or keys._version != self._index_version:
-            rows = torch.nonzero(keys != FREE).view(-1)
-            sorted_keys, order = torch.sort(keys.index_select(0, rows))
-            self._index = (sorted_keys, rows.index_select(0, order))
-            self._index_version = keys._version
-        return self._index
-
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
-        """The row of each id, or -1 where the map does not hold it."""
-        sorted_keys, sorted_rows = self._sorted()
-        if sorted_keys.numel() == 0:
-            return torch.full_like(ids, FREE)
-        pos = torch.searchsorted(sorted_keys, ids).clamp_(max=sorted_keys.numel() - 1)
-        found = sorted_keys.index_select(0, pos) == ids
-        return torch.where(found, sorted_rows.index_select(0, pos), FREE)
+class ReferenceIdMap(IdMap):
+    """The map of one table or shard, with a full sort of its rows per batch that brings new ids.
+    Construction, state and the sorted index of held ids (find) are IdMap's; what a batch does
+    (remap, and the choice of rows for new ids) is written plainly here."""
 
     # ---- one batch -----------------------------------------------------------------------------------
     def remap(self, ids: torch.Tensor, step: int, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
