@@ -4,7 +4,14 @@ Implementations, each in its own process (so peak RSS is its own and tables are 
 - neorec: the fused table-batched engine (one lookup for all tables, optimizer fused into backward);
 - torch: one nn.EmbeddingBag(sparse=True) per table + torch.optim SGD / Adagrad (the dlrm way);
 - fbgemm: FBGEMM's CPU TBE, SplitTableBatchedEmbeddingBagsCodegen with the matching exact optimizer,
-  run with `--fbgemm-python` (default this python; skipped when it cannot import fbgemm).
+  run with `--fbgemm-python` (default this python; skipped when it cannot import fbgemm);
+- floor: not an optimizer, a lower bound for any implementation built from torch operators: only
+  the passes none can skip, each one torch call over neorec's huge-page fp32 buffer. Forward: one
+  embedding_bag. Backward: the per-row gradient sums (one embedding_bag over ids grouped by row)
+  and one index_add_ of those sums into the unique rows. The grouping of ids by row is computed
+  before the clock starts, and no rule's arithmetic or optimizer state is touched, so every real
+  optimizer on torch operators costs more. Its total against FBGEMM's says how far ahead of FBGEMM
+  torch operators can get at all.
 
 Cases (ids Zipf-skewed, popular ids scattered over the table, as in the synthetic data):
 - onehot:   26 tables x 1M rows x dim 64, one id per bag, batch 8192;
@@ -52,6 +59,7 @@ LABELS = {
     "neorec": "neorec fused TBE",
     "torch": "nn.EmbeddingBag x T + torch.optim (sparse grads)",
     "fbgemm": "FBGEMM CPU TBE (SplitTableBatchedEmbeddingBagsCodegen)",
+    "floor": "floor of torch operators (pool, row sums, index_add_; grouping untimed)",
 }
 
 
@@ -133,6 +141,9 @@ def worker(impl: str, opt: str, case: dict, data: dict, warmup: int) -> dict:
         def backward(out):
             out.backward(grad)
 
+    elif impl == "floor":
+        inputs, forward, backward = torch_operator_floor(case, batches, grad)
+
     else:
         raise SystemExit(f"unknown implementation {impl!r}")
     setup_s = time.perf_counter() - start
@@ -171,6 +182,41 @@ def embedding_bag_baseline(case: dict, opt: str, lr: float, batches, grad, devic
 
 
 # ---- the driver ---------------------------------------------------------------------------------
+def torch_operator_floor(case: dict, batches, grad: torch.Tensor):
+    """The `floor` implementation (module doc): inputs with the ids already grouped by row, and
+    forward/backward made of the passes no implementation on torch operators can skip."""
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT))
+    from neorec.utils.host import advise_huge_pages, mapped_empty
+
+    t, rows, dim, b = case["tables"], case["rows"], case["dim"], case["batch"]
+    table = mapped_empty((t * rows, dim), torch.float32)  # as neorec's engine allocates a group's buffer
+    advise_huge_pages(table)
+    table.uniform_(-0.01, 0.01, generator=torch.Generator().manual_seed(0))
+    inputs = []
+    for ids, offsets in batches:  # table-major bags: bag k is table k // b
+        bag = torch.repeat_interleave(torch.arange(t * b), torch.diff(offsets))
+        global_rows = ids + (bag // b) * rows
+        sorted_rows, order = torch.sort(global_rows, stable=True)
+        unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+        row_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        inputs.append((global_rows, offsets, unique_rows, row_offsets, bag[order]))
+    # d(pooled) one row per table-major bag, the same values as the other implementations get
+    grad_bags = grad.view(b, t, dim).transpose(0, 1).reshape(t * b, dim)
+
+    def forward(batch):
+        global_rows, offsets, *grouped = batch
+        return F.embedding_bag(global_rows, table, offsets, mode="sum", include_last_offset=True), grouped
+
+    def backward(out):
+        _, (unique_rows, row_offsets, bags) = out
+        sums = F.embedding_bag(bags, grad_bags, row_offsets, mode="sum", include_last_offset=True)
+        table.index_add_(0, unique_rows, sums)
+
+    return inputs, forward, backward
+
+
 def make_batches(case: dict, n: int, zipf: float, seed: int) -> dict:
     """n batches of table-major ids (ids [N], offsets [T * B + 1]) and each batch's unique row count."""
     import numpy as np
@@ -298,6 +344,8 @@ def main() -> None:
                 for impl in impls:
                     if impl == "torch" and opt not in ("sgd", "adagrad"):
                         continue  # torch.optim has no row-wise adagrad
+                    if impl == "floor" and opt != args.optimizers.split(",")[0]:
+                        continue  # the floor has no optimizer: once per case
                     python = fb_python if impl == "fbgemm" else sys.executable
                     results[impl] = run_worker(python, impl, opt, case_name, rows, data_path, args)
                     print(case_name, rows, opt, impl, results[impl], flush=True)

@@ -31,5 +31,12 @@ def test_index_ops_match_torch() -> None:
         values = torch.randint(0, high, (n,), generator=gen)
         got, expected = index_ops.stable_sort(values), torch.sort(values, stable=True)
         assert torch.equal(got[0], expected.values) and torch.equal(got[1], expected.indices), (n, high)
+    # stable by itself, on both sides of TORCH_RADIX_MIN: equal values keep their positions ascending
+    for n in (index_ops.TORCH_RADIX_MIN - 1, 3 * index_ops.TORCH_RADIX_MIN):
+        values = torch.randint(0, 2**25, (n,), generator=gen) // 512
+        ordered, order = index_ops.stable_sort(values)
+        assert torch.equal(ordered, values[order]) and torch.equal(order.sort().values, torch.arange(n))
+        key = ordered * n + order  # strictly ascending exactly when sorted by value, ties by position
+        assert bool((key[1:] > key[:-1]).all()), n
     negative = torch.tensor([-3, 5, -3, 2, 5])
     assert torch.equal(index_ops.stable_sort(negative)[1], torch.sort(negative, stable=True).indices)

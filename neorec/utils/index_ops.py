@@ -5,8 +5,10 @@ hundred thousand entries every step (a batch's unique rows, its misses, the slot
 of replicated tables' gradients). For those sizes torch's CPU kernels for `nonzero`, boolean-mask
 indexing, `sort` and `unique` cost several times numpy's (measured on this project's 2-core machine:
 nonzero of 26k entries 169 us against 30, of 260k 1.3 ms against 0.26; argsort of 7.4k rows 0.50 ms
-against 0.13; unique of 50k ids 3.5 ms against 0.6; a stable sort of 82k rows on one thread 4.9 ms
-against 1.4). On CPU these go through numpy views of the same memory; elsewhere (GPU) through torch.
+against 0.13; unique of 50k ids 3.5 ms against 0.6). On CPU these go through numpy views of the same
+memory; elsewhere (GPU) through torch. The exception is sorting TORCH_RADIX_MIN integers or more:
+there torch's CPU sort is a parallel radix sort, faster than numpy's (benchmarks/index_sorts.py, 2
+threads, values below 26M: the unique values of 438k found in 4.2 ms against numpy's 21.2).
 """
 
 from __future__ import annotations
@@ -30,20 +32,25 @@ def split(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.flatnonzero(m)), torch.from_numpy(np.flatnonzero(~m))
 
 
+# From this many entries torch's CPU sort of integers is a parallel radix sort (FBGEMM's, in builds
+# with OpenMP: at::internal::GRAIN_SIZE); below it, a comparison sort, where numpy's is cheaper.
+TORCH_RADIX_MIN = 32768
+
+
 def sort(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values ascending, their positions) of a 1-D tensor of distinct values (so any sort gives the
     same order), as torch.sort."""
-    if values.device.type != "cpu":
+    if values.device.type != "cpu" or values.numel() >= TORCH_RADIX_MIN:
         return torch.sort(values)
     order = torch.from_numpy(np.argsort(values.numpy()))
     return values.index_select(0, order), order
 
 
 def sorted_unique(rows: torch.Tensor) -> torch.Tensor:
-    """torch.unique(rows) (ascending): one numpy sort and a comparison of neighbours on CPU."""
+    """torch.unique(rows) (ascending): on CPU one sort (see TORCH_RADIX_MIN) and a comparison of neighbours."""
     if rows.device.type != "cpu" or rows.numel() < 2:
         return torch.unique(rows)
-    ordered = np.sort(rows.numpy())
+    ordered = torch.sort(rows).values.numpy() if rows.numel() >= TORCH_RADIX_MIN else np.sort(rows.numpy())
     keep = np.empty(ordered.size, dtype=bool)
     keep[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
@@ -52,12 +59,14 @@ def sorted_unique(rows: torch.Tensor) -> torch.Tensor:
 
 def stable_sort(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.sort(values, stable=True) of 1-D int64 values that may repeat: equal values keep their
-    order. On CPU, for values in [0, 2^48): a least-significant-digit radix sort, one numpy stable
-    argsort of 16-bit digits per 16 bits of the largest value (numpy sorts 16-bit keys by radix, in
-    linear time), which for a few hundred thousand rows of a multi-million-row table costs about
-    half a comparison sort of (value, position) keys; elsewhere torch.sort."""
+    order. On CPU, torch's own radix sort where it uses one (TORCH_RADIX_MIN entries and up: the 438k
+    ids of an MLPerf multi-hot batch of 2048 over 26M rows in 3.5 ms, against 10.8 ms for numpy's
+    radix below, on this project's 2-core machine: benchmarks/index_sorts.py); for fewer values in
+    [0, 2^48), a least-significant-digit radix sort, one numpy stable argsort of 16-bit digits per 16
+    bits of the largest value (numpy sorts 16-bit keys by radix, in linear time): 20k values in
+    0.2 ms against torch's comparison sort's 0.9 ms."""
     n = values.numel()
-    if values.device.type != "cpu" or n < 2:
+    if values.device.type != "cpu" or n < 2 or n >= TORCH_RADIX_MIN:
         return torch.sort(values, stable=True)
     v = values.numpy()
     low, high = int(v.min()), int(v.max())
