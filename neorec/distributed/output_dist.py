@@ -21,6 +21,16 @@ Backward sends each gradient block back the way its rows came, with the backward
 scaling it by 1/W: every rank's loss is a mean over its own B samples, and 1/W makes the update
 the one a single process would make on the global batch of W * B samples (as DDP's averaging
 does for the dense part).
+
+Overlap with the bottom MLP (ShardedEmbeddingCollection.start_pooled, for layouts of flat shards
+and replicated tables only): the flat all-to-all is started (`start_flat`) right after the lookup,
+before the model runs its bottom MLP, and OutputDist waits for it only when it assembles. In
+backward the gradient's all-to-all is started and OutputDist.backward returns at once; the bottom
+MLP's backward, whose gradient OutputDist.backward has just produced, runs while it travels, and
+`AwaitGradient`, between the lookup and OutputDist, waits for it before the fused update reads
+it. The order is autograd's: of two nodes ready together, the one created later in forward runs
+first, and the bottom MLP's nodes are created after the lookup's. Every rank issues the same
+collectives in the same order either way.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from neorec.distributed.codecs import Codec
-from neorec.distributed.comms import Comms
+from neorec.distributed.comms import Comms, Pending
 from neorec.distributed.layout import ShardLayout
 from neorec.distributed.sequence_dist import SequenceRoutes
 
@@ -51,16 +61,21 @@ class OutputDist(torch.autograd.Function):
         batch_size: int,
         timings: dict[str, float],
         assembly: Assembly,
+        started: Pending | None = None,
+        grad_slot: list[Pending] | None = None,
         routes: SequenceRoutes | None = None,
         *rows: torch.Tensor,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """-> [B, output width] in feature order, after `prefix` [B, P] when one is given.
         With sequence shards (routes given, `rows` this rank's looked-up rows in layout.sequences
-        order): that, then the rows every rank sent back (by rank, in its layout.sequences order)."""
+        order): that, then the rows every rank sent back (by rank, in its layout.sequences order).
+        started: start_flat's exchange of `local`, begun earlier (None: exchanged here).
+        grad_slot: given (with `local` from AwaitGradient, flat shards only), backward starts the
+        gradient's exchange, puts it in the slot and returns its unfilled buffer (module doc)."""
         topo, b = comms.topo, batch_size
         fwd = codecs[0]
         ctx.layout, ctx.comms, ctx.codecs, ctx.b, ctx.timings = layout, comms, codecs, b, timings
-        ctx.assembly, ctx.routes, ctx.device = assembly, routes, local.device
+        ctx.assembly, ctx.routes, ctx.device, ctx.grad_slot = assembly, routes, local.device, grad_slot
         ctx.prefix_width = prefix.shape[1] if prefix is not None else 0
         me = topo.rank
         fw, rw = layout.flat_width[me], layout.twrw_width[topo.node]
@@ -79,6 +94,8 @@ class OutputDist(torch.autograd.Function):
             for per_rank in comms.exchange_pieces(pieces, shapes, fwd, "fwd").wait():
                 got.append(per_rank[0])
                 received += per_rank[1:]
+        elif started is not None:
+            got = started.wait()
         elif any(layout.flat_width):
             got = comms.exchange(blocks, [(b, w) for w in layout.flat_width], fwd, "fwd").wait()
         else:  # no flat shard anywhere (e.g. every table replicated): nothing to wait for
@@ -123,7 +140,12 @@ class OutputDist(torch.autograd.Function):
             grad_rows = [torch.cat([per_rank[1 + i] for per_rank in got]) for i in range(len(me))]
         elif any(layout.flat_width):  # decoded straight into this rank's [W * B, flat width] gradient
             into = grad.new_empty((w * b, fw))
-            flat = comms.exchange(pieces[:w], [(b, fw)] * w, bwd, "bwd", out=into).wait()
+            pending = comms.exchange(pieces[:w], [(b, fw)] * w, bwd, "bwd", out=into)
+            if ctx.grad_slot is not None:  # AwaitGradient waits for it (module doc)
+                ctx.grad_slot.append(pending)
+                flat = into
+            else:
+                flat = pending.wait()
         else:
             flat = grad.new_empty((w * b, 0))
         parts = [flat]
@@ -138,7 +160,37 @@ class OutputDist(torch.autograd.Function):
             parts.append(comms.two_hop_backward(pieces[k : k + n], b, "cat", slice_width, bwd, "bwd"))
         grad_local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         ctx.timings["output_dist_bwd"] += time.perf_counter() - start
-        return None, grad_local, grad_dp, grad_prefix, None, None, None, None, None, None, None, *grad_rows
+        return None, grad_local, grad_dp, grad_prefix, None, None, None, None, None, None, None, None, None, *grad_rows
+
+
+def start_flat(local: torch.Tensor, layout: ShardLayout, comms: Comms, codec: Codec, batch_size: int) -> Pending | None:
+    """Start the flat all-to-all of this rank's pooled [W * B, local width] (layouts of flat shards
+    and replicated tables only); OutputDist's `started`. None when no rank holds a flat shard."""
+    if not any(layout.flat_width):
+        return None
+    fw = layout.flat_width[comms.topo.rank]
+    blocks = list(local.detach()[:, :fw].reshape(comms.topo.world_size, batch_size, fw))  # OutputDist differentiates
+    with torch.no_grad():
+        return comms.exchange(blocks, [(batch_size, w) for w in layout.flat_width], codec, "fwd")
+
+
+class AwaitGradient(torch.autograd.Function):
+    """Identity in forward. In backward, waits for the gradient exchange that OutputDist.backward
+    started and left in `slot` (module doc), and passes on the gradient it filled in."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, slot: list[Pending], timings: dict[str, float]) -> torch.Tensor:  # type: ignore[override]
+        ctx.slot, ctx.timings = slot, timings
+        return local.view_as(local)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        start = time.perf_counter()
+        if ctx.slot:
+            grad = ctx.slot.pop().wait()
+        ctx.timings["output_dist_bwd"] += time.perf_counter() - start
+        return grad, None, None
 
 
 def _cut(rows: list[torch.Tensor], send: list[list[int]], s: int) -> list[torch.Tensor]:

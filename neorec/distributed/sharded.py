@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +37,7 @@ from neorec.distributed.codecs import Codec
 from neorec.distributed.comms import Comms, Pending
 from neorec.distributed.input_dist import InputDist
 from neorec.distributed.layout import ShardLayout
-from neorec.distributed.output_dist import Assembly, OutputDist
+from neorec.distributed.output_dist import Assembly, AwaitGradient, OutputDist, start_flat
 from neorec.distributed.plan import STORAGE_TIERS, ShardingPlan
 from neorec.distributed.replicas import ReplicaSync
 from neorec.distributed.sequence_dist import (
@@ -217,7 +218,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         sent = local_sequence_rows(self.layout, rows) if exchanged else []
         out = OutputDist.apply(
             anchor, pooled_local, dp, prefix, self.layout, self.comms, self.codecs, b, self.timings, self._assembly,
-            routes, *sent,
+            None, None, routes, *sent,
         )  # fmt: skip
         sequences: dict[str, JaggedRows] = {}
         if exchanged:
@@ -269,9 +270,36 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         """[prefix | pooled] assembled in one pass (see EmbeddingCollection.pooled_after)."""
         return self._embed(prefix, sparse)[0]
 
-    def _embed(
-        self, prefix: torch.Tensor | None, sparse: SparseBatch
-    ) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+    def start_pooled(self, sparse: SparseBatch) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Look up and start the pooled exchange now; the returned finish(prefix) waits for it and
+        assembles [prefix | pooled]. A model runs its bottom MLP in between, so the exchange and,
+        in backward, the gradient's exchange travel during it (output_dist.py). Layouts with
+        sequence features or two-hop shards exchange at finish instead."""
+        if self.sequence_names or self.layout.has_twrw or self.layout.has_twcw:
+            return super().start_pooled(sparse)
+        pooled_local, _ = self.local.embed(self._local_batch(sparse))
+        b, device = sparse.batch_size, sparse.values.device
+        dp = self.replicated.embed(sparse)[0] if self.dp_features else torch.zeros(b, 0, device=device)
+        start = time.perf_counter()
+        slot: list[Pending] = []
+        pooled_local = AwaitGradient.apply(pooled_local, slot, self.timings)
+        started = start_flat(pooled_local, self.layout, self.comms, self.codecs[0], b)
+        self.timings["output_dist"] += time.perf_counter() - start
+
+        def finish(prefix: torch.Tensor) -> torch.Tensor:
+            start = time.perf_counter()
+            anchor = torch.empty(0, device=device, requires_grad=True)
+            out = OutputDist.apply(
+                anchor, pooled_local, dp, prefix, self.layout, self.comms, self.codecs, b, self.timings,
+                self._assembly, started, slot, None,
+            )  # fmt: skip
+            self.timings["output_dist"] += time.perf_counter() - start
+            return out
+
+        return finish
+
+    def _local_batch(self, sparse: SparseBatch) -> SparseBatch:
+        """This rank's ids of the batch: its prefetched exchange's result, or exchanged now."""
         start = time.perf_counter()
         if self._ahead and self._ahead[0][0] is sparse:
             local = self._exchanged(self._ahead.popleft()[1])  # "input_dist" is then the time spent waiting
@@ -282,6 +310,12 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 work.result()
             local = self.input_dist_(sparse).wait()
         self.timings["input_dist"] += time.perf_counter() - start
+        return local
+
+    def _embed(
+        self, prefix: torch.Tensor | None, sparse: SparseBatch
+    ) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+        local = self._local_batch(sparse)
         pooled_local, rows = self.local.embed(local)
         return self.exchange_outputs(pooled_local, sparse, prefix, local, rows)
 

@@ -18,6 +18,8 @@ A fused engine applies the update inside backward; its optimizer's `step` then o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -61,6 +63,13 @@ class EmbeddingCollection(nn.Module):
         (the bottom MLP's output first). A collection that assembles its output from pieces anyway
         (the sharded one) writes both in the same pass instead of concatenating afterwards."""
         return torch.cat([prefix, self(sparse)], dim=1)
+
+    def start_pooled(self, sparse: SparseBatch) -> Callable[[torch.Tensor], torch.Tensor]:
+        """pooled_after in two halves: this call starts what can start without the prefix, the
+        returned finish(prefix) gives [prefix | pooled]. Models call it before their bottom MLP, so
+        that a collection with an exchange to wait for (the sharded one) overlaps it with that MLP;
+        here everything happens in finish."""
+        return lambda prefix: self.pooled_after(prefix, sparse)
 
     def split(self, pooled: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-feature views of a pooled output."""

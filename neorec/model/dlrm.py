@@ -79,8 +79,8 @@ class DLRM(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [B] ([B, num_outputs] for several outputs)."""
-        dense_out = self.bottom_stage(batch.dense)
-        vectors = self.embeddings.pooled_after(dense_out, batch.sparse)  # [dense_out | pooled]
+        finish = self.embeddings.start_pooled(batch.sparse)  # an exchange travels during the bottom MLP
+        vectors = finish(self.bottom_stage(batch.dense))  # [dense_out | pooled]
         return self.top_stage(vectors)
 
     def bottom_stage(self, dense: torch.Tensor) -> torch.Tensor:
@@ -120,8 +120,8 @@ class DCNv2(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [B] ([B, num_outputs] for several outputs)."""
-        dense_out = self.bottom_stage(batch.dense)
-        x0 = self.embeddings.pooled_after(dense_out, batch.sparse)  # [dense_out | pooled]
+        finish = self.embeddings.start_pooled(batch.sparse)  # an exchange travels during the bottom MLP
+        x0 = finish(self.bottom_stage(batch.dense))  # [dense_out | pooled]
         return self.top_stage(x0)
 
     def bottom_stage(self, dense: torch.Tensor) -> torch.Tensor:
