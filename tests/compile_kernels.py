@@ -21,10 +21,11 @@ from triton.compiler import ASTSource
 from neorec.embedding.fused import triton_kernels as tk
 
 H100 = GPUTarget("cuda", 90, 32)
-INTS = {"dim", "w_stride", "g_stride"}  # the integer (non-pointer) arguments of the kernels
-# pointer element types by argument name; the weights and the rounded output take the variant's dtype
-POINTERS = {"scales": "fp32", "out": "fp32", "partial": "fp32", "grad": "fp32", "state1": "fp32",
-            "state2": "fp32", "hparams": "fp32", "x": "fp32"}  # fmt: skip
+INTS = {"dim", "num_groups", "p_stride"}  # the integer (non-pointer) arguments of the kernels
+# Pointer element types by argument name: `weight` (any group's buffer) and the rounded output take
+# the variant's dtype; every other pointer is to int64 (ids, offsets, or a launch's tables of the
+# groups' pointers, strides and sizes).
+POINTERS = {"partial": "fp32", "x": "fp32"}
 
 
 def compile_kernel(kernel, dtype: str, constexprs: dict[str, object]) -> None:
@@ -37,7 +38,7 @@ def compile_kernel(kernel, dtype: str, constexprs: dict[str, object]) -> None:
             signature[name], values[(i,)] = "constexpr", constexprs[name]
         elif name in INTS:
             signature[name] = "i32"
-        elif name == "weight" or (name == "out" and kernel is tk._round_kernel):
+        elif name in ("weight", "out"):
             signature[name] = f"*{dtype}"
         else:
             signature[name] = f"*{POINTERS.get(name, 'i64')}"

@@ -124,9 +124,10 @@ def test_fused_update_reads_nothing_back_to_the_host() -> None:
             hp = {"lr": lr, "eps": 1e-8, "weight_decay": 0.01, "beta1": 0.9, "beta2": 0.999}
             torch.cuda.set_sync_debug_mode("error" if debug else 0)
             try:
-                triton_kernels.fused_update(
-                    "adam", sorted_ids, grad, weight, state, hp, step=step, row_starts=row_starts, chunk=64
+                group = triton_kernels.UpdateGroup(
+                    "adam", sorted_ids, grad, 1, [0], weight, state, hp, row_starts=row_starts
                 )
+                triton_kernels.fused_update([group], step=step, chunk=64)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         return [weight, *state.values()]

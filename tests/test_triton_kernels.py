@@ -89,24 +89,35 @@ def test_kernels_per_table_hyperparameters_and_one_hot(monkeypatch) -> None:
 
 
 def test_pool_kernel_empty_bags_weights_and_low_precision() -> None:
-    """Every output element is written (the output starts as garbage), empty bags give zeros; fp16
-    and bf16 rows are summed in fp32. dim 200: two column blocks, the second one masked."""
+    """Every output element is written (the output starts as NaN), empty bags give zeros; fp16 and
+    bf16 rows are summed in fp32. Four groups fill one output side by side: fp32 of dims 13 and 3
+    (one launch; the dim-3 group without scales), fp16 of dim 200 (two column blocks, the second one
+    masked) and bf16 of dim 5, each dtype a launch of its own."""
     gen = torch.Generator().manual_seed(9)
     lengths = torch.tensor([0, 3, 0, 1, 5, 0, 2])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     rows = torch.randint(0, 40, (int(lengths.sum()),), generator=gen)
     scales = torch.rand(rows.numel(), generator=gen) + 0.5
-    for dtype, dim in [(torch.float32, 13), (torch.float16, 200), (torch.bfloat16, 5)]:
+    specs = [(torch.float32, 13, True), (torch.float16, 200, True), (torch.bfloat16, 5, True),
+             (torch.float32, 3, False)]  # fmt: skip
+    out = torch.full((lengths.numel(), sum(dim for _, dim, _ in specs)), float("nan"), device=DEVICE)
+    groups, expected, column = [], [], 0
+    for dtype, dim, scaled in specs:
         weight = torch.randn(40, dim, generator=gen).to(dtype)
-        out = triton_kernels.pool(weight.to(DEVICE), rows.to(DEVICE), offsets.to(DEVICE), scales.to(DEVICE))
-        expected = torch.zeros(lengths.numel(), dim, dtype=torch.float64)
-        w64, s64, pos = weight.double(), scales.double(), 0
+        s = scales if scaled else None
+        on_device = [t.to(DEVICE) if t is not None else None for t in (weight, rows, offsets, s)]
+        groups.append(triton_kernels.PoolGroup(*on_device, 1, out, [column]))
+        want = torch.zeros(lengths.numel(), dim, dtype=torch.float64)
+        w64, s64, pos = weight.double(), (scales if scaled else torch.ones(rows.numel())).double(), 0
         for b, n in enumerate(lengths.tolist()):
             for i in range(pos, pos + n):
-                expected[b] += s64[i] * w64[rows[i]]
+                want[b] += s64[i] * w64[rows[i]]
             pos += n
-        torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
-        assert torch.equal(out.cpu()[lengths == 0], torch.zeros(3, dim))
+        expected.append(want)
+        column += dim
+    triton_kernels.pool(groups)
+    torch.testing.assert_close(out.cpu().double(), torch.cat(expected, dim=1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.cpu()[lengths == 0], torch.zeros(3, column))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -197,10 +208,11 @@ def update_once(
     on_device = GroupBatch(
         *(t.to(DEVICE) for t in (batch.rows, batch.bags, batch.offsets, batch.scales)), rows.numel(), 1
     )
-    triton_kernels.fused_update(
-        name, sort(on_device), grad.to(DEVICE), w, s, hp, step=3,
-        row_starts=torch.zeros(1, dtype=torch.int64, device=DEVICE), chunk=chunk,
+    group = triton_kernels.UpdateGroup(
+        name, sort(on_device), grad.to(DEVICE), 1, [0], w, s, hp,
+        row_starts=torch.zeros(1, dtype=torch.int64, device=DEVICE),
     )  # fmt: skip
+    triton_kernels.fused_update([group], step=3, chunk=chunk)
     return w.cpu(), {k: v.cpu() for k, v in s.items()}, inputs, hp
 
 
@@ -325,8 +337,10 @@ def test_hot_row_in_default_chunks_is_deterministic() -> None:
     torch.testing.assert_close(w[4:5].double(), w64, rtol=1e-5, atol=1e-6)
 
 
-def zipf_batch(tables: list[TableConfig], gen: torch.Generator, batch: int, max_len: int) -> SparseBatch:
-    """Bags of 0..max_len ids, most of them a handful of hot rows."""
+def zipf_batch(
+    tables: list[TableConfig], gen: torch.Generator, batch: int, max_len: int, weighted: bool = True
+) -> SparseBatch:
+    """Bags of 0..max_len ids, most of them a handful of hot rows; weighted: with per-sample weights."""
     features = {}
     for t in tables:
         for f in t.features:
@@ -334,8 +348,108 @@ def zipf_batch(tables: list[TableConfig], gen: torch.Generator, batch: int, max_
             n = int(lengths.sum())
             ids = torch.where(torch.rand(n, generator=gen) < 0.6, torch.randint(0, 3, (n,), generator=gen),
                               torch.randint(0, t.rows, (n,), generator=gen))  # fmt: skip
-            features[f] = (ids, lengths, torch.rand(n, generator=gen) + 0.5)
+            weights = torch.rand(n, generator=gen) + 0.5
+            features[f] = (ids, lengths, weights) if weighted else (ids, lengths)
     return SparseBatch.from_features(features)
+
+
+def train_steps(
+    tables: list[TableConfig],
+    opt: EmbeddingOptimizerConfig,
+    batches: list[SparseBatch],
+    grads: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The pooled outputs and the final state of a Triton engine (stochastic rounding) trained on
+    `batches` with output gradients `grads`."""
+    engine = FusedEmbeddingCollection(tables, opt, device=DEVICE, kernels="triton", stochastic_rounding=True)
+    outs = []
+    for sparse, g in zip(batches, grads, strict=True):
+        pooled = engine(sparse.to(DEVICE))
+        outs.append(pooled.detach().cpu())
+        pooled.backward(g.to(DEVICE))
+    return outs, {k: v.cpu() for k, v in engine.state_dict().items()}
+
+
+def assert_bitwise_equal(a: tuple[list[torch.Tensor], dict[str, torch.Tensor]], b) -> None:
+    for x, y in zip(a[0], b[0], strict=True):
+        assert torch.equal(x, y)
+    assert a[1].keys() == b[1].keys()
+    for key in a[1]:
+        assert torch.equal(a[1][key], b[1][key]), key
+
+
+class CountingKernel:
+    """Stands in for a Triton kernel: counts its launches (kernel[grid](...)) and runs them."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def count_launches(monkeypatch) -> dict[str, CountingKernel]:
+    """Counters around the pooling, partial-sum and update kernels, by name."""
+    counters = {}
+    for name in ("_pool_kernel", "_partial_kernel", "_update_kernel"):
+        counters[name] = CountingKernel(getattr(triton_kernels, name))
+        monkeypatch.setattr(triton_kernels, name, counters[name])
+    return counters
+
+
+def test_mixed_dims_take_one_launch_of_each_kernel(monkeypatch) -> None:
+    """make_tables' fp32 groups of dims 8 (two tables, features not adjacent in the output), 3 and
+    16 under one optimizer: each step is one pooling launch, one launch of the hot rows' partial
+    sums (chunks of 4 ids) and one update launch for all three, and the results equal the float64
+    reference."""
+    monkeypatch.setattr(triton_kernels, "LONG_ROW_CHUNK", 4)
+    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
+    counters = count_launches(monkeypatch)
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05, weight_decay=0.01)
+    engine, ref, outputs = train_both(make_tables(), opt, steps=2, seed=13, device=DEVICE, kernels="triton")
+    assert sorted(g.dim for g in engine.layout.groups) == [3, 8, 16]
+    assert {name: c.launches for name, c in counters.items()} == {
+        "_pool_kernel": 2, "_partial_kernel": 2, "_update_kernel": 2
+    }  # fmt: skip
+    assert_matches(engine, ref, outputs)
+
+
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
+def test_one_launch_is_bitwise_one_launch_per_group_and_repeats(name: str, monkeypatch) -> None:
+    """Row-wise adagrad (a sum across the row) and adam on bf16 rows with stochastic rounding, groups
+    of dims 5 (two tables with their own hyper-parameters), 12 and 3, no per-sample weights but one
+    mean-pooled feature (so one group has scales and two have none), hot rows in chunks of 8 ids:
+    all groups in one launch of each kernel give bitwise the outputs, rows and state of a launch per
+    group (with narrower blocks), and two runs give bitwise the same."""
+    monkeypatch.setattr(triton_kernels, "LONG_ROW_CHUNK", 8)
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.01, weight_decay=0.01)
+    tables = [
+        TableConfig(name="a", rows=30, dim=5, features=["a", "a2"], pooling="mean", dtype="bf16"),
+        TableConfig(name="b", rows=20, dim=12, features=["b"], dtype="bf16"),
+        TableConfig(name="c", rows=10, dim=3, features=["c"], dtype="bf16"),
+        TableConfig(name="d", rows=15, dim=5, features=["d"], dtype="bf16",
+                    optimizer=EmbeddingOptimizerConfig(name=name, lr=0.03, beta1=0.8)),
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(6)
+    batches = [zipf_batch(tables, gen, batch=8, max_len=5, weighted=False) for _ in range(2)]
+    grads = [torch.randn(b.batch_size, 30, generator=gen) for b in batches]
+    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
+    counters = count_launches(monkeypatch)
+
+    combined = train_steps(tables, opt, batches, grads)
+    assert [c.launches for c in counters.values()] == [2, 2, 2]
+    assert_bitwise_equal(combined, train_steps(tables, opt, batches, grads))
+
+    pool, update = triton_kernels.pool, triton_kernels.fused_update
+    monkeypatch.setattr(triton_kernels, "pool", lambda groups: [pool([g]) for g in groups])
+    monkeypatch.setattr(
+        triton_kernels, "fused_update", lambda groups, step: [update([g], step) for g in groups]
+    )
+    per_group = train_steps(tables, opt, batches, grads)
+    # two runs of one launch each, then three groups of two steps
+    assert counters["_pool_kernel"].launches == counters["_update_kernel"].launches == 4 + 6
+    assert_bitwise_equal(combined, per_group)
 
 
 def test_engine_is_bitwise_deterministic_with_hot_rows_and_every_feature(monkeypatch) -> None:
@@ -352,26 +466,9 @@ def test_engine_is_bitwise_deterministic_with_hot_rows_and_every_feature(monkeyp
     gen = torch.Generator().manual_seed(2)
     batches = [zipf_batch(tables, gen, batch=12, max_len=6) for _ in range(2)]
     grads = [torch.randn(b.batch_size, 25, generator=gen) for b in batches]
-
     monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
-
-    def run():
-        engine = FusedEmbeddingCollection(
-            tables, EmbeddingOptimizerConfig(name="adagrad", lr=0.05), device=DEVICE, kernels="triton",
-            stochastic_rounding=True,
-        )  # fmt: skip
-        outs = []
-        for sparse, g in zip(batches, grads, strict=True):
-            pooled = engine(sparse.to(DEVICE))
-            outs.append(pooled.detach().cpu())
-            pooled.backward(g.to(DEVICE))
-        return outs, {k: v.cpu() for k, v in engine.state_dict().items()}
-
-    first, second = run(), run()
-    for a, b in zip(first[0], second[0], strict=True):
-        assert torch.equal(a, b)
-    for key in first[1]:
-        assert torch.equal(first[1][key], second[1][key]), key
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05)
+    assert_bitwise_equal(train_steps(tables, opt, batches, grads), train_steps(tables, opt, batches, grads))
 
 
 def test_wide_rows_take_the_torch_path(monkeypatch) -> None:

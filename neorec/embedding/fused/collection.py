@@ -1,11 +1,12 @@
 """The fused table-batched embedding collection (single process; the sharded collection uses it too).
 
 All tables live in a few flat buffers (see layout.py), behind storage objects (storage.py). Forward
-pools every feature with one `embedding_bag` per group (lookup.py), and gathers one row per id of
-each sequence feature (tables with pooling none; `embed` returns them as JaggedRows); backward turns
-d(pooled) and d(rows) into one gradient per unique row and applies the update rule (optimizers.py) to those rows and their
-state in place. No gradient of a table is ever stored, so `build_optimizer()` returns an object that
-only carries learning rates and counts steps (param_groups.py).
+pools every feature with one `embedding_bag` per group (lookup.py; with the Triton kernels,
+triton_kernels.py, one launch for all groups), and gathers one row per id of each sequence feature
+(tables with pooling none; `embed` returns them as JaggedRows); backward turns d(pooled) and
+d(rows) into one gradient per unique row and applies the update rule (optimizers.py) to those rows
+and their state in place. No gradient of a table is ever stored, so `build_optimizer()` returns an
+object that only carries learning rates and counts steps (param_groups.py).
 
 Precision: weights are stored as TableConfig.dtype; lookups and updates run in fp32 and updated rows
 are rounded back to the storage dtype, to nearest or stochastically (rounding.py). Optimizer state
@@ -471,11 +472,11 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         return True
 
     def triton_lookup(self, gi: int, device: torch.device) -> bool:
-        """Whether group gi's lookup runs as one Triton kernel (plain storage only)."""
+        """Whether group gi is pooled by the Triton kernel (plain storage; one launch for all such)."""
         return isinstance(self.weights[gi], TensorStorage) and self._triton(device)
 
     def triton_update(self, gi: int, device: torch.device) -> bool:
-        """Whether group gi's backward runs as one fused Triton kernel: plain storage, a rule the
+        """Whether group gi's backward runs in the fused Triton update kernel: plain storage, a rule the
         kernel has, rows it can hold, no gradient hook (whose exchange needs the sums by themselves)."""
         g = self.layout.groups[gi]
         return (

@@ -48,6 +48,11 @@ class TableGroup:
     def feature_row_offsets(self) -> list[int]:
         return [self.row_starts[t] for t in self.feature_tables]
 
+    @property
+    def feature_columns(self) -> list[int]:
+        """The first output column of each feature, in feature order (pooled groups)."""
+        return [c for start, end in self.output_columns for c in range(start, end, self.dim)]
+
 
 @dataclass
 class Layout:

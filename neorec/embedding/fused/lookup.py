@@ -23,6 +23,12 @@ Sequence groups (pooling none) are the same machinery with one bag per id: their
 batch's feature-major order, "pooling" each one-id bag is a gather of its row (times its weight),
 and the backward above, with d(rows) as the bags' gradient, sums each unique row's ids in id order
 and applies the same update.
+
+With the Triton kernels (triton_kernels.py; plain storage, on a GPU) the same bags and sorted ids
+go to one launch for all groups instead of a call per group: the pooling kernel writes each bag
+straight into its feature's columns of the output (no `assemble`), and the fused update reads each
+bag's gradient straight from d(pooled) (no `group_gradient`). Groups the kernels do not take (a
+row cache, a gradient hook) still run as above and are copied into their columns.
 """
 
 from __future__ import annotations
@@ -135,18 +141,13 @@ def _one_hot_group(
     return GroupBatch(rows, bags, offsets, None, b, nf, one_hot=True)
 
 
-def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None, use_triton: bool = False) -> torch.Tensor:
-    """[B, F * D] fp32 pooled vectors of one group.
-
-    use_triton (plain storage on a GPU): one Triton kernel reads and pools the rows in any dtype.
+def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None) -> torch.Tensor:
+    """[B, F * D] fp32 pooled vectors of one group, with torch ops (see kernel_bags for the Triton kernel).
 
     fp32 plain storage: one embedding_bag straight over the buffer. Otherwise rows are read through
     the storage and widened to fp32 before pooling, so fp16/bf16 tables accumulate in fp32; this is
     done about chunk_rows ids at a time (whole bags) so the fp32 copy stays cache-sized.
     """
-    if use_triton:
-        pooled = triton_kernels.pool(storage.tensor, batch.rows, batch.offsets, batch.scales)
-        return pooled.view(batch.batch_size, batch.num_features * storage.width)
     if storage.dtype == torch.float32 and batch.one_hot:  # a plain gather (through the cache, if any)
         if isinstance(storage, TensorStorage):
             return storage.tensor.index_select(0, batch.rows).view(batch.batch_size, batch.num_features * storage.width)
@@ -300,13 +301,29 @@ def add_row_gradients(
     table.scatter_add_(0, unique_rows.unsqueeze(1).expand(-1, table.shape[1]), sums)
 
 
+def kernel_bags(
+    storage: RowStorage, batch: GroupBatch, out: torch.Tensor, columns: list[int]
+) -> triton_kernels.PoolGroup:
+    """One group's bags for the Triton pooling kernel (plain storage), which writes feature f's sums
+    into `out` from column columns[f] on (a sequence group: its own [ids, D] output, column 0)."""
+    assert isinstance(storage, TensorStorage)
+    return triton_kernels.PoolGroup(
+        storage.tensor, batch.rows, batch.offsets, batch.scales, batch.num_features, out, columns
+    )
+
+
 def assemble(
-    pooled: list[torch.Tensor], columns: list[list[tuple[int, int]]], output_dim: int
+    pooled: list[torch.Tensor],
+    columns: list[list[tuple[int, int]]],
+    output_dim: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Interleave each group's [B, F_g * D_g] output into [B, output_dim] at its runs of columns."""
-    if len(pooled) == 1 and columns[0] == [(0, output_dim)]:
-        return pooled[0]
-    out = pooled[0].new_empty(pooled[0].shape[0], output_dim)
+    """Interleave each group's [B, F_g * D_g] output into [B, output_dim] at its runs of columns:
+    into `out` when given (its other columns are left alone), else into a new tensor."""
+    if out is None:
+        if len(pooled) == 1 and columns[0] == [(0, output_dim)]:
+            return pooled[0]
+        out = pooled[0].new_empty(pooled[0].shape[0], output_dim)
     for p, runs in zip(pooled, columns, strict=True):
         local = 0
         for start, end in runs:
@@ -340,14 +357,28 @@ class FusedLookup(torch.autograd.Function):
         start = time.perf_counter()
         groups = engine.layout.groups
         device = batches[0].rows.device if batches else torch.device("cpu")
-        looked_up = [
-            pool(engine.weights[gi], gb, engine.chunk_rows(gi, device), engine.triton_lookup(gi, device))
-            for gi, gb in enumerate(batches)
-        ]
-        pooled = [p for p, g in zip(looked_up, groups, strict=True) if not g.sequence]
-        if pooled:
-            columns = [g.output_columns for g in groups if not g.sequence]
-            out = assemble(pooled, columns, engine.layout.output_dim)
+        output_dim = engine.layout.output_dim
+        out = None  # the pooled output, made first when the Triton kernel pools into it
+        looked_up: list[torch.Tensor | None] = []
+        kernel_groups: list[triton_kernels.PoolGroup] = []
+        for gi, (group, gb) in enumerate(zip(groups, batches, strict=True)):
+            if not engine.triton_lookup(gi, device):
+                looked_up.append(pool(engine.weights[gi], gb, engine.chunk_rows(gi, device)))
+            elif group.sequence:  # its rows come out as its own [ids, D]
+                rows = torch.empty(gb.batch_size, group.dim, device=device)
+                kernel_groups.append(kernel_bags(engine.weights[gi], gb, rows, [0]))
+                looked_up.append(rows)
+            else:  # pooled straight into the output's columns
+                if out is None:
+                    out = torch.empty(batch_size, output_dim, device=device)
+                kernel_groups.append(kernel_bags(engine.weights[gi], gb, out, group.feature_columns))
+                looked_up.append(None)
+        if kernel_groups:  # one launch per weight dtype, whatever the groups' dims
+            triton_kernels.pool(kernel_groups)
+        pooled = [(p, g.output_columns) for p, g in zip(looked_up, groups, strict=True) if not g.sequence]
+        pooled = [(p, columns) for p, columns in pooled if p is not None]
+        if pooled or out is not None:
+            out = assemble([p for p, _ in pooled], [columns for _, columns in pooled], output_dim, out)
         else:
             out = torch.zeros(batch_size, 0, device=device)
         sequences = [p for p, g in zip(looked_up, groups, strict=True) if g.sequence]
@@ -364,6 +395,7 @@ class FusedLookup(torch.autograd.Function):
             grad_out = grad_out.to(torch.float32)
         step = engine.num_updates + 1
         sequence = 0
+        kernel_groups: list[triton_kernels.UpdateGroup] = []
         for gi, (group, gb) in enumerate(zip(engine.layout.groups, ctx.batches, strict=True)):
             hook = engine.grad_hook
             if group.sequence:
@@ -374,6 +406,18 @@ class FusedLookup(torch.autograd.Function):
             if (gb.rows.numel() == 0 or grad_bags is None) and hook is None:
                 continue
             device = gb.rows.device
+            hparams = engine.group_hparams(gi, device)
+            if engine.triton_update(gi, device):  # (no hook) summed and updated with the others below
+                assert grad_bags is not None
+                # the kernel reads each bag's gradient straight from d(pooled), at its feature's columns
+                columns = [0] if group.sequence else group.feature_columns
+                kernel_groups.append(
+                    triton_kernels.UpdateGroup(
+                        group.optimizer, sort_by_row_on_device(gb), grad_bags.to(torch.float32).contiguous(),
+                        gb.num_features, columns, hparams=hparams, **engine.triton_update_args(gi),
+                    )
+                )  # fmt: skip
+                continue
             if group.sequence:
                 grad_bags = gb.rows.new_zeros(gb.rows.numel(), group.dim, dtype=torch.float32) if grad_bags is None \
                     else grad_bags.to(torch.float32).contiguous()  # fmt: skip
@@ -381,13 +425,6 @@ class FusedLookup(torch.autograd.Function):
                 grad_bags = gb.rows.new_zeros(gb.batch_size * gb.num_features, group.dim, dtype=torch.float32)
             else:
                 grad_bags = group_gradient(grad_bags, group.output_columns, group.dim)
-            hparams = engine.group_hparams(gi, device)
-            if engine.triton_update(gi, device):  # sums and updates in one kernel
-                triton_kernels.fused_update(
-                    group.optimizer, sort_by_row_on_device(gb), grad_bags, hparams=hparams, step=step,
-                    **engine.triton_update_args(gi),
-                )  # fmt: skip
-                continue
             id_scale = engine.folded_lr(gi, hparams, device)
             if id_scale is not None and hook is None and engine.adds_in_place(gi):  # plain SGD, fp32 table
                 add_row_gradients(engine.weights[gi].tensor, gb, grad_bags, id_scale)
@@ -407,6 +444,8 @@ class FusedLookup(torch.autograd.Function):
                 engine.apply_update(gi, rows[lo:hi], grads[lo:hi], step, hparams, lr_folded=folded)
             if engine.update_hook is not None:
                 engine.update_hook(gi, rows)
+        if kernel_groups:  # one launch per (rule, weight dtype), whatever the groups' dims
+            triton_kernels.fused_update(kernel_groups, step)
         engine.num_updates = step
         if engine.timings is not None:
             engine.timings["update"] += time.perf_counter() - start

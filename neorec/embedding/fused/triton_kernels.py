@@ -5,22 +5,32 @@ memory per step (embedding_bag for the segment sums, a gather of rows and state,
 elementwise ops, a scatter back). These kernels do the same work in one pass each:
 
 - `pool`: one program per (bag, block of up to 128 columns) reads the bag's rows straight from the
-  table (fp32, fp16 or bf16; contiguous columns, so loads are coalesced and vectorised) and sums
-  them in fp32, `block_n` ids at a time, each times its scale (per-sample weight, 1/length for
-  mean pooling); writes [bags, dim]. Empty bags give zeros.
+  table (fp32, fp16 or bf16; contiguous columns, so loads are coalesced) and sums them in fp32,
+  each times its scale (per-sample weight, 1/length for mean pooling), then writes the sum straight
+  into the [B, output columns] output at its feature's columns. Empty bags give zeros.
 - `fused_update`: one program per unique row (ids already sorted by row, see
-  lookup.sort_by_row) sums that row's gradient over its ids in id order, then applies SGD,
-  AdaGrad, row-wise AdaGrad or Adam (triton_rules.apply_rule) to the whole row and its state and
-  stores the row back in its dtype, to nearest or stochastically (triton_rules.stochastic_round,
-  bitwise rounding.py's rounding). Hyper-parameters come from a small per-table table, so tables of
-  one group may differ. The gradient never reaches device memory, except the partial sums of hot
-  rows' chunks of ids (see fused_update).
+  lookup.sort_by_row) sums that row's gradient over its ids in id order, reading it straight from
+  d(pooled) at the columns of each id's feature, then applies SGD, AdaGrad, row-wise AdaGrad or
+  Adam (triton_rules.apply_rule) to the whole row and its state and stores the row back in its
+  dtype, to nearest or stochastically (triton_rules.stochastic_round, bitwise rounding.py's
+  rounding). Hyper-parameters come from a small per-table table, so tables of one group may
+  differ. The gradient never reaches device memory, except the partial sums of hot rows' chunks of
+  ids (see fused_update).
 
-Each group (one dim, see layout.py) is one launch of each kernel; a model with mixed dims launches
-them once per group. Both kernels are deterministic: each output element is summed by one program
-in a fixed order, with no atomics, so the same inputs give bitwise the same results on every run.
-They agree with the torch path to fp32 rounding (the sums associate differently), which
-tests/test_triton_kernels.py checks against a float64 reference.
+Groups of mixed dims share launches: `pool` is one launch per weight dtype over all the groups it
+is given, `fused_update` one launch (and one of the hot rows' partial sums) per (rule, weight
+dtype) over its groups. The groups keep their own 2-D buffers (layout.py); a launch gets each
+group's pointers, strides, dims and sizes as small int64 device tensors, one entry per group, and
+its programs find their group from where their index falls among the groups' first bags or first
+unique rows. Columns are blocked for the launch's widest dim and masked for each group's own; a
+launch over one group is the same kernel with one entry.
+
+Both kernels are deterministic and their sums do not depend on the launch: each sum is formed by
+one program in one fixed order, with no atomics: the ids' terms one at a time in id order
+(`_sum_rows`), row-wise adagrad's squares in fixed pairs (triton_rules.pairwise_sum). So a row's
+result is bitwise the same on every run, whichever groups share its launch and whatever the block
+sizes. They agree with the torch path to fp32 rounding, which tests/test_triton_kernels.py checks
+against a float64 reference.
 
 Triton is optional: it ships with CUDA builds of PyTorch. `usable(device)` says whether the kernels
 can run; with TRITON_INTERPRET=1 set before this module is imported they also run on CPU tensors
@@ -31,6 +41,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -62,94 +74,205 @@ def usable(device: torch.device) -> bool:
     return device.type == "cuda" or INTERPRETED
 
 
-def _block_d(dim: int) -> int:
-    return min(triton.next_power_of_2(dim), 128)
+@dataclass
+class PoolGroup:
+    """One group's bags for `pool`: bag k = b * num_features + f (feature f of sample b) holds ids
+    [offsets[k], offsets[k + 1]) of `rows` (int64 rows of `weight`, [rows, dim] with contiguous
+    columns); its sum goes to out[b, columns[f] : columns[f] + dim] (out: fp32, contiguous columns;
+    the pooled [B, output columns] that several groups share, or a sequence group's own [ids, dim])."""
+
+    weight: torch.Tensor
+    rows: torch.Tensor
+    offsets: torch.Tensor
+    scales: torch.Tensor | None  # [ids] fp32 factor of each id; None = all ones
+    num_features: int
+    out: torch.Tensor
+    columns: list[int]  # first column of each feature in `out`
+
+
+@dataclass
+class UpdateGroup:
+    """One group's update for `fused_update`.
+
+    sorted_ids: lookup.sort_by_row's (unique rows [U] ascending, offsets [U + 1] of each row's ids,
+    the bag of each id, its scale or None); or lookup.sort_by_row_on_device's, padded to one entry
+    per id with U as a fifth, device, entry (the update programs past U return). Bag k = b *
+    num_features + f takes its gradient from grad[b, columns[f] : columns[f] + dim] (grad: fp32,
+    contiguous; d(pooled) [B, output columns], or a sequence group's d(rows) [ids, dim] with one
+    feature at column 0). weight: the group's [rows, dim] buffer (fp32, fp16 or bf16); state: the
+    rule's fp32 state by name (optimizers.RULES). hparams: the group's (engine.group_hparams:
+    floats, or [T] tensors where its tables differ). row_starts [T]: each table's first row in the
+    buffer. table_seeds [T]: round fp16/bf16 rows stochastically with these tables' seeds
+    (rounding.py); None rounds to nearest.
+    """
+
+    rule: str
+    sorted_ids: tuple[torch.Tensor, ...]  # (its scales entry may be None)
+    grad: torch.Tensor
+    num_features: int
+    columns: list[int]
+    weight: torch.Tensor
+    state: Mapping[str, torch.Tensor]
+    hparams: Mapping[str, float | torch.Tensor]
+    row_starts: torch.Tensor
+    table_seeds: torch.Tensor | None = None
 
 
 if triton is not None:
 
     @triton.jit
-    def _sum_rows(start, end, index, scales, table, cols, col_ok, stride,
-                  HAS_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-        """fp32 sum over i in [start, end) of scales[i] * table[index[i], cols], BLOCK_N at a time:
-        a bag's pooled rows (index: rows of the table) or a row's gradient (index: bags of d(pooled))."""
+    def _pointer(table, g, TYPE: tl.constexpr):
+        """Group g's pointer from a launch's int64 table of pointers, as a pointer to TYPE."""
+        return tl.load(table + g).to(tl.pointer_type(TYPE))
+
+    @triton.jit
+    def _group_of(k, first, num_groups):
+        """The group g whose items [first[g], first[g + 1]) hold item k (first ascending from 0)."""
+        g = tl.full([], 0, tl.int32)
+        for i in range(1, num_groups):
+            g = tl.where(k >= tl.load(first + i), i, g)
+        return g
+
+    @triton.jit
+    def _sum_rows(start, end, index, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
+                  HAS_SCALES: tl.constexpr, BY_FEATURE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):  # fmt: skip
+        """fp32 sum over i in [start, end), in order, of scales[i] (when `scaled`) times a row of
+        `table` at columns cols: a bag's pooled rows (index: rows of the table), or a row's gradient
+        (BY_FEATURE; index: bags b * num_features + f, read at table[b, feature_cols[f] + cols]).
+
+        The terms are added one at a time in id order, so the sum is the same whatever BLOCK_N,
+        BLOCK_D and the launch; BLOCK_N ids' loads are issued together (the inner loop is unrolled)."""
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for first in range(start, end, BLOCK_N):
-            i = first + tl.arange(0, BLOCK_N)
-            ok = i < end
-            at = tl.load(index + i, mask=ok, other=0)
-            ptrs = table + at[:, None] * stride + cols[None, :]
-            vals = tl.load(ptrs, mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            if HAS_SCALES:
-                s = tl.load(scales + i, mask=ok, other=0.0)
-                vals = vals * s[:, None]
-            acc += tl.sum(vals, axis=0)
+            for j in tl.static_range(BLOCK_N):
+                i = first + j
+                ok = i < end
+                at = tl.load(index + i, mask=ok, other=0)
+                if BY_FEATURE:
+                    feature_col = tl.load(feature_cols + at % num_features, mask=ok, other=0)
+                    base = (at // num_features) * stride + feature_col
+                else:
+                    base = at * stride
+                vals = tl.load(table + base + cols, mask=col_ok & ok, other=0.0).to(tl.float32)
+                if HAS_SCALES:  # an unscaled group's ids count once (x * 1.0 is x)
+                    vals = vals * tl.load(scales + i, mask=ok & scaled, other=1.0)
+                acc += vals
         return acc
 
     @triton.jit
     def _pool_kernel(
-        weight, rows, offsets, scales, out, dim, w_stride,
+        weight, num_groups, first_bags, weights, w_strides, dims, rows, offsets, scales, scaled, outs,
+        out_strides, num_features, first_feature, feature_cols,
         HAS_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        bag = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        """Bag k of the launch (group g's are [first_bags[g], first_bags[g + 1])) into its group's
+        output. weight: any group's buffer, for the element type they all share."""
+        k = tl.program_id(0)
+        g = _group_of(k, first_bags, num_groups)
+        dim = tl.load(dims + g)
+        first_col = tl.program_id(1) * BLOCK_D
+        if first_col >= dim:  # a column block past this group's dim (the launch's widest sets the grid)
+            return
+        cols = first_col + tl.arange(0, BLOCK_D)
         col_ok = cols < dim
-        start = tl.load(offsets + bag)
-        end = tl.load(offsets + bag + 1)
-        acc = _sum_rows(start, end, rows, scales, weight, cols, col_ok, w_stride, HAS_SCALES, BLOCK_N, BLOCK_D)
-        tl.store(out + bag.to(tl.int64) * dim + cols, acc, mask=col_ok)
+        bag = k - tl.load(first_bags + g)
+        bag_offsets = _pointer(offsets, g, tl.int64)
+        start = tl.load(bag_offsets + bag)
+        end = tl.load(bag_offsets + bag + 1)
+        table = _pointer(weights, g, weight.dtype.element_ty)
+        acc = _sum_rows(
+            start, end, _pointer(rows, g, tl.int64), _pointer(scales, g, tl.float32),
+            tl.load(scaled + g) != 0, table, cols, col_ok, tl.load(w_strides + g), 1, feature_cols,
+            HAS_SCALES, False, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+        nf = tl.load(num_features + g)
+        col = tl.load(feature_cols + tl.load(first_feature + g) + bag % nf)
+        out = _pointer(outs, g, tl.float32) + (bag // nf) * tl.load(out_strides + g) + col
+        tl.store(out + cols, acc, mask=col_ok)
+
+    @triton.jit
+    def _row_gradient(g, start, end, bags, scales, scaled, grads, g_strides, num_features, first_feature,
+                      feature_cols, cols, col_ok,
+                      HAS_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+        """Group g's sum over its sorted ids [start, end) of scale * d(pooled) of the id's bag."""
+        return _sum_rows(
+            start, end, _pointer(bags, g, tl.int64), _pointer(scales, g, tl.float32),
+            tl.load(scaled + g) != 0,
+            _pointer(grads, g, tl.float32), cols, col_ok, tl.load(g_strides + g), tl.load(num_features + g),
+            feature_cols + tl.load(first_feature + g), HAS_SCALES, True, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
 
     @triton.jit
     def _partial_kernel(
-        num_parts, part_rows, part_index, seg_offsets, bags, scales, grad, partial, dim, g_stride,
+        num_parts, part_rows, part_index, partial, p_stride, num_groups, first_unique, dims, seg_offsets,
+        bags, scales, scaled, grads, g_strides, num_features, first_feature, feature_cols,
         HAS_SCALES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        """partial[p] = the summed gradient of ids [CHUNK * k, CHUNK * (k + 1)) of a long row's ids.
-        The grid is a bound on the number of chunks known on the host; num_parts holds the real one."""
+        """partial[p] = the summed gradient of ids [CHUNK * k, CHUNK * (k + 1)) of a long row's ids
+        (row u of the launch: group g's are [first_unique[g], first_unique[g + 1])). The grid is a
+        bound on the number of chunks known on the host; num_parts holds the real one."""
         p = tl.program_id(0)
         if p >= tl.load(num_parts):
             return
         u = tl.load(part_rows + p)
         k = tl.load(part_index + p)
-        start = tl.load(seg_offsets + u) + k * CHUNK
-        end = tl.minimum(start + CHUNK, tl.load(seg_offsets + u + 1))
+        g = _group_of(u, first_unique, num_groups)
+        local = u - tl.load(first_unique + g)
+        row_offsets = _pointer(seg_offsets, g, tl.int64)
+        start = tl.load(row_offsets + local) + k * CHUNK
+        end = tl.minimum(start + CHUNK, tl.load(row_offsets + local + 1))
         cols = tl.arange(0, BLOCK_D)
-        col_ok = cols < dim
-        g = _sum_rows(start, end, bags, scales, grad, cols, col_ok, g_stride, HAS_SCALES, BLOCK_N, BLOCK_D)
-        tl.store(partial + p.to(tl.int64) * dim + cols, g, mask=col_ok)
+        col_ok = cols < tl.load(dims + g)
+        grad = _row_gradient(
+            g, start, end, bags, scales, scaled, grads, g_strides, num_features, first_feature, feature_cols,
+            cols, col_ok, HAS_SCALES, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+        tl.store(partial + p.to(tl.int64) * p_stride + cols, grad, mask=col_ok)
 
     @triton.jit
     def _update_kernel(
-        unique_rows, seg_offsets, part_offsets, partial, bags, scales, grad, weight, state1, state2,
-        row_table, hparams, row_starts, keys, num_unique, dim, w_stride, g_stride,
+        weight, num_groups, first_unique, counts, unique_rows, seg_offsets, part_offsets, partial, p_stride,
+        bags, scales, scaled, grads, g_strides, num_features, first_feature, feature_cols, weights, w_strides,
+        dims, states1, states2, hparams, row_tables, row_starts, keys,
         RULE: tl.constexpr, HAS_SCALES: tl.constexpr, MULTI_TABLE: tl.constexpr, STOCHASTIC: tl.constexpr,
-        NUM_HPARAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BOUNDED: tl.constexpr,
+        NUM_HPARAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
+        """Unique row u of the launch (group g's are [first_unique[g], first_unique[g + 1]), of which
+        the first counts[g] are real). weight: any group's buffer, for the element type they share."""
         u = tl.program_id(0)
-        if BOUNDED:  # launched over a bound on the unique rows; num_unique holds the real count
-            if u >= tl.load(num_unique):
-                return
-        row = tl.load(unique_rows + u)
+        g = _group_of(u, first_unique, num_groups)
+        local = u - tl.load(first_unique + g)
+        if local >= tl.load(_pointer(counts, g, tl.int64)):  # padding past the group's unique rows
+            return
+        row = tl.load(_pointer(unique_rows, g, tl.int64) + local)
+        dim = tl.load(dims + g)
         cols = tl.arange(0, BLOCK_D)
         col_ok = cols < dim
         # the row's summed gradient, in id order: straight from its ids, or (a long row) from the
         # partial sums of its chunks of ids, in chunk order
         p0 = tl.load(part_offsets + u)
         p1 = tl.load(part_offsets + u + 1)
-        start = tl.load(seg_offsets + u)
-        end = tl.where(p1 > p0, start, tl.load(seg_offsets + u + 1))
-        g = _sum_rows(start, end, bags, scales, grad, cols, col_ok, g_stride, HAS_SCALES, BLOCK_N, BLOCK_D)
+        row_offsets = _pointer(seg_offsets, g, tl.int64)
+        start = tl.load(row_offsets + local)
+        end = tl.where(p1 > p0, start, tl.load(row_offsets + local + 1))
+        grad = _row_gradient(
+            g, start, end, bags, scales, scaled, grads, g_strides, num_features, first_feature, feature_cols,
+            cols, col_ok, HAS_SCALES, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
         for p in range(p0, p1):
-            g += tl.load(partial + p * dim + cols, mask=col_ok, other=0.0)
-        table = tl.load(row_table + u) if MULTI_TABLE else 0
-        hp = hparams + table * NUM_HPARAMS
-        w_ptrs = weight + row * w_stride + cols
+            grad += tl.load(partial + p * p_stride + cols, mask=col_ok, other=0.0)
+        table = tl.load(_pointer(row_tables, g, tl.int64) + local) if MULTI_TABLE else 0
+        hp = _pointer(hparams, g, tl.float32) + table * NUM_HPARAMS
+        w_ptrs = _pointer(weights, g, weight.dtype.element_ty) + row * tl.load(w_strides + g) + cols
         w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        g = g + tl.load(hp + 2) * w  # weight decay
-        w = apply_rule(w, g, row, cols, col_ok, state1, state2, dim, hp, RULE)
+        grad = grad + tl.load(hp + 2) * w  # weight decay
+        state1 = _pointer(states1, g, tl.float32)
+        state2 = _pointer(states2, g, tl.float32)
+        w = apply_rule(w, grad, row, cols, col_ok, state1, state2, dim, hp, RULE, BLOCK_D)
         if STOCHASTIC:
-            key = tl.load(keys + table).to(tl.uint32)
-            noise = uniform_noise(key, row - tl.load(row_starts + table), cols)
+            key = tl.load(_pointer(keys, g, tl.int64) + table).to(tl.uint32)
+            noise = uniform_noise(key, row - tl.load(_pointer(row_starts, g, tl.int64) + table), cols)
             stored = stochastic_round(w, noise, weight.dtype.element_ty)
         else:
             stored = w.to(weight.dtype.element_ty)
@@ -167,23 +290,97 @@ if triton is not None:
         tl.store(out + u.to(tl.int64) * dim + cols, rounded, mask=col_ok)
 
 
-def pool(
-    weight: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor | None
-) -> torch.Tensor:
-    """[bags, dim] fp32: bag k = sum over ids i in [offsets[k], offsets[k+1]) of scales[i] * weight[rows[i]]."""
-    num_bags, dim = offsets.numel() - 1, weight.shape[1]
-    out = torch.empty(num_bags, dim, dtype=torch.float32, device=weight.device)
-    if num_bags == 0:
-        return out
-    block_d = _block_d(dim)
-    # one id per program step when bags hold about one id (one-hot features), else 16 at a time
-    block_n = 1 if rows.numel() <= num_bags else 16
-    _pool_kernel[(num_bags, triton.cdiv(dim, block_d))](
-        weight, rows, offsets, scales if scales is not None else rows, out, dim, weight.stride(0),
-        HAS_SCALES=scales is not None, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=1 if block_n * block_d <= 256 else 4,
-    )  # fmt: skip
-    return out
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting: from pinned memory the copy is queued on the
+    stream and the host goes on; the caching host allocator records the copy and keeps the pinned
+    block until it has run, so the source may go."""
+    if table.device.type == "cpu" and device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table.to(device)
+
+
+def _int_tables(columns: Mapping[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Small int64 tables (the groups' pointers, strides, sizes) on `device`, all in one copy: views
+    of one tensor, each starting 16 bytes aligned (Triton specialises on aligned pointers)."""
+    flat: list[int] = []
+    spans = {}
+    for name, values in columns.items():
+        spans[name] = (len(flat), len(values))
+        flat += values + [0] * (len(values) % 2)
+    packed = _to_device(torch.tensor(flat, dtype=torch.int64), device)
+    return {name: packed[start : start + n] for name, (start, n) in spans.items()}
+
+
+def _num_warps(block_d: int) -> int:
+    """Warps for a program that works on block_d columns at a time: a column per thread, up to 4 warps."""
+    return max(1, min(4, block_d // 32))
+
+
+def _firsts(sizes: list[int]) -> list[int]:
+    """[0, sizes[0], sizes[0] + sizes[1], ...]: where each group's items start, and the total."""
+    return [0, *accumulate(sizes)]
+
+
+def _gradient_source(groups: list[UpdateGroup]) -> dict[str, list[int]]:
+    """Where each group's ids and gradient are: the int64 tables _row_gradient reads."""
+    return {
+        "bags": [grp.sorted_ids[2].data_ptr() for grp in groups],
+        # an unscaled group's ids read no scale; any pointer does
+        "scales": [
+            (grp.sorted_ids[3] if grp.sorted_ids[3] is not None else grp.sorted_ids[2]).data_ptr()
+            for grp in groups
+        ],
+        "scaled": [int(grp.sorted_ids[3] is not None) for grp in groups],
+        "grads": [grp.grad.data_ptr() for grp in groups],
+        "g_strides": [grp.grad.stride(0) for grp in groups],
+        "num_features": [grp.num_features for grp in groups],
+        "first_feature": _firsts([grp.num_features for grp in groups])[:-1],
+        "feature_cols": [c for grp in groups for c in grp.columns],
+    }
+
+
+def pool(groups: list[PoolGroup]) -> None:
+    """Pool every bag of every group into its output at its feature's columns: out[b, columns[f] +
+    c] = sum over the ids i of bag b * num_features + f of scales[i] * weight[rows[i], c]. One launch
+    per weight dtype among the groups; the outputs' other columns are left alone."""
+    by_dtype: dict[torch.dtype, list[PoolGroup]] = {}
+    for grp in groups:
+        assert grp.weight.stride(1) == 1 and grp.rows.dtype == grp.offsets.dtype == torch.int64
+        assert grp.out.dtype == torch.float32 and grp.out.stride(1) == 1
+        if grp.offsets.numel() > 1:
+            by_dtype.setdefault(grp.weight.dtype, []).append(grp)
+    for same in by_dtype.values():
+        bags = [grp.offsets.numel() - 1 for grp in same]
+        max_dim = max(grp.weight.shape[1] for grp in same)
+        block_d = min(triton.next_power_of_2(max_dim), 128)
+        # ids per program step: one when bags hold about one id (one-hot features), else about a
+        # bag's mean (a power of two, at most 16), so that few of a step's loads are masked off
+        per_bag = max(-(-grp.rows.numel() // n) for grp, n in zip(same, bags, strict=True))
+        block_n = min(16, triton.next_power_of_2(max(1, per_bag)))
+        tables = _int_tables(
+            {
+                "first_bags": _firsts(bags),
+                "weights": [grp.weight.data_ptr() for grp in same],
+                "w_strides": [grp.weight.stride(0) for grp in same],
+                "dims": [grp.weight.shape[1] for grp in same],
+                "rows": [grp.rows.data_ptr() for grp in same],
+                "offsets": [grp.offsets.data_ptr() for grp in same],
+                # an unscaled group's ids read no scale; any pointer does
+                "scales": [(grp.scales if grp.scales is not None else grp.rows).data_ptr() for grp in same],
+                "scaled": [int(grp.scales is not None) for grp in same],
+                "outs": [grp.out.data_ptr() for grp in same],
+                "out_strides": [grp.out.stride(0) for grp in same],
+                "num_features": [grp.num_features for grp in same],
+                "first_feature": _firsts([grp.num_features for grp in same])[:-1],
+                "feature_cols": [c for grp in same for c in grp.columns],
+            },
+            same[0].weight.device,
+        )
+        _pool_kernel[(sum(bags), triton.cdiv(max_dim, block_d))](
+            same[0].weight, len(same), **tables,
+            HAS_SCALES=any(grp.scales is not None for grp in same), BLOCK_N=block_n, BLOCK_D=block_d,
+            num_warps=_num_warps(block_d),
+        )  # fmt: skip
 
 
 def hparam_table(
@@ -211,11 +408,7 @@ def hparam_table(
         "adam_sqrt_bias2": (1.0 - b2**step).sqrt(),
     }
     table = torch.stack([columns[name] for name in HPARAM_COLUMNS], dim=1).to(torch.float32)
-    if table.device.type == "cpu" and device.type == "cuda":
-        # From pinned memory the copy is queued on the stream and the host goes on; the caching host
-        # allocator records the copy and keeps the pinned block until it has run, so the source may go.
-        return table.pin_memory().to(device, non_blocking=True)
-    return table.to(device)
+    return _to_device(table, device)
 
 
 def max_chunks(num_ids: int, chunk: int) -> int:
@@ -230,87 +423,114 @@ def max_chunks(num_ids: int, chunk: int) -> int:
     return 0 if num_ids <= chunk else 2 * num_ids // (chunk + 1)
 
 
-def fused_update(
-    rule: str,
-    sorted_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-    grad: torch.Tensor,
-    weight: torch.Tensor,
-    state: Mapping[str, torch.Tensor],
-    hparams: Mapping[str, float | torch.Tensor],
-    step: int,
-    row_starts: torch.Tensor,
-    table_seeds: torch.Tensor | None = None,
-    chunk: int | None = None,
-) -> None:
-    """Sum each unique row's gradient over its ids and update the row (and state) in place.
+def fused_update(groups: list[UpdateGroup], step: int, chunk: int | None = None) -> None:
+    """Sum each unique row's gradient over its ids and update the row (and state) in place, for
+    every group: one launch per (rule, weight dtype, stochastic rounding or not) among them.
 
-    sorted_ids: lookup.sort_by_row's (unique rows [U] ascending, offsets [U + 1] of each row's
-    ids, the bag of each id, its scale or None): the ids of unique row u are [offsets[u],
-    offsets[u+1]), their bags are rows of `grad` [bags, dim]; or lookup.sort_by_row_on_device's,
-    padded to one entry per id with U as a fifth, device, entry (the update programs past U return). weight: the group's [rows, dim]
-    buffer (fp32, fp16 or bf16); state: the rule's fp32 state by name (optimizers.RULES).
-    hparams: the group's (engine.group_hparams: floats, or [T] tensors where its tables differ);
     step: the engine's update count, from 1 (adam's bias correction; stochastic rounding's noise).
-    row_starts [T]: each table's first row in the buffer. table_seeds [T]: round fp16/bf16 rows
-    stochastically with these tables' seeds (rounding.py); None rounds to nearest.
 
     A row with more than `chunk` ids (a hot row of a skewed batch can have 100k) would keep one
     program busy long after the others finish; its ids are summed in chunks of `chunk` ids by
     programs of their own first, and its update adds those partial sums in chunk order. The chunks
     depend only on the ids, so the result is still the same on every run. The number of chunks
     stays on the device: the chunk programs are launched over max_chunks(ids, chunk), a bound
-    known on the host, and those past the real count return at once. The hyper-parameters travel
-    by an asynchronous copy (hparam_table), so with sort_by_row_on_device's ids the update reads
-    nothing back to the host.
+    known on the host, and those past the real count return at once. The hyper-parameters and the
+    groups' tables travel by asynchronous copies (_to_device), so with sort_by_row_on_device's ids
+    the update reads nothing back to the host.
     """
-    unique_rows, seg_offsets, bags, scales = sorted_ids[:4]
-    count = sorted_ids[4] if len(sorted_ids) > 4 else None  # padded: the real number of unique rows
-    num_unique, dim = unique_rows.numel(), weight.shape[1]
-    chunk = chunk or LONG_ROW_CHUNK
-    if num_unique == 0:
-        return
-    if dim > MAX_UPDATE_DIM:
-        raise ValueError(f"the fused update kernel takes dims up to {MAX_UPDATE_DIM}, got {dim}")
-    block_d = triton.next_power_of_2(dim)
+    launches: dict[tuple[str, torch.dtype, bool], list[UpdateGroup]] = {}
+    for grp in groups:
+        if grp.sorted_ids[0].numel() == 0:
+            continue
+        if grp.weight.shape[1] > MAX_UPDATE_DIM:
+            dim = grp.weight.shape[1]
+            raise ValueError(f"the fused update kernel takes dims up to {MAX_UPDATE_DIM}, got {dim}")
+        assert grp.weight.stride(1) == 1 and grp.grad.stride(1) == 1 and grp.grad.dtype == torch.float32
+        stochastic = grp.table_seeds is not None and grp.weight.dtype != torch.float32
+        launches.setdefault((grp.rule, grp.weight.dtype, stochastic), []).append(grp)
+    for (rule, _, stochastic), same in launches.items():
+        _launch_update(rule, same, step, chunk or LONG_ROW_CHUNK, stochastic)
+
+
+def _launch_update(rule: str, groups: list[UpdateGroup], step: int, chunk: int, stochastic: bool) -> None:
+    """One launch of the update (and one of the long rows' partial sums) over `groups`, which share
+    the rule, the weight dtype and the rounding. The launch's unique rows are the groups' one after
+    the other (padded ones included): the programs of group g are [first_unique[g], first_unique[g + 1])."""
+    device = groups[0].weight.device
+    max_dim = max(grp.weight.shape[1] for grp in groups)
+    block_d = triton.next_power_of_2(max_dim)
     block_n = max(1, min(16, 2048 // block_d))
-    num_warps = 1 if block_n * block_d <= 256 else 4
-    has_scales = scales is not None
-    scales = scales if has_scales else grad  # any pointer; not read
-    counts = seg_offsets[1:] - seg_offsets[:-1]
-    parts = torch.where(counts > chunk, (counts + chunk - 1) // chunk, 0)
-    part_offsets = torch.zeros(num_unique + 1, dtype=torch.int64, device=grad.device)
+    num_warps = _num_warps(block_d)
+    has_scales = any(grp.sorted_ids[3] is not None for grp in groups)
+    first_unique = _firsts([grp.sorted_ids[0].numel() for grp in groups])
+    num_unique, num_ids = first_unique[-1], sum(grp.sorted_ids[2].numel() for grp in groups)
+    # the real number of unique rows of each group: on the device for padded ids, else known here
+    counts = [
+        grp.sorted_ids[4] if len(grp.sorted_ids) > 4
+        else torch.full((1,), grp.sorted_ids[0].numel(), dtype=torch.int64, device=device)
+        for grp in groups
+    ]  # fmt: skip
+
+    hps = [hparam_table(grp.hparams, step, grp.row_starts.numel(), device) for grp in groups]
+    # which table of its group each row belongs to, where tables' hyper-parameters or seeds differ
+    multi_table = any(
+        grp.row_starts.numel() > 1 and (stochastic or hp.shape[0] > 1)
+        for grp, hp in zip(groups, hps, strict=True)
+    )
+    row_tables = [grp.sorted_ids[0] for grp in groups]  # any pointer when every row uses its group's table 0
+    if multi_table:
+        row_tables = [torch.searchsorted(grp.row_starts, grp.sorted_ids[0], right=True) - 1 for grp in groups]
+        hps = [hp.expand(len(grp.row_starts), -1).contiguous() for grp, hp in zip(groups, hps, strict=True)]
+    keys = [rounding.step_keys(grp.table_seeds, step) if stochastic else grp.row_starts for grp in groups]
+
+    # the chunks of long rows, over the launch's unique rows
+    seg_offsets = [grp.sorted_ids[1] for grp in groups]
+    ids_per_row = torch.cat([off[1:] - off[:-1] for off in seg_offsets])
+    parts = torch.where(ids_per_row > chunk, (ids_per_row + chunk - 1) // chunk, 0)
+    part_offsets = torch.zeros(num_unique + 1, dtype=torch.int64, device=device)
     torch.cumsum(parts, 0, out=part_offsets[1:])
-    bound = max_chunks(bags.numel(), chunk)
-    partial = grad  # any pointer when there are no long rows
+
+    source = _gradient_source(groups)
+    tables = _int_tables(
+        {
+            "first_unique": first_unique,
+            "dims": [grp.weight.shape[1] for grp in groups],
+            "seg_offsets": [off.data_ptr() for off in seg_offsets],
+            **source,
+            "counts": [c.data_ptr() for c in counts],
+            "unique_rows": [grp.sorted_ids[0].data_ptr() for grp in groups],
+            "weights": [grp.weight.data_ptr() for grp in groups],
+            "w_strides": [grp.weight.stride(0) for grp in groups],
+            # sgd has no state and only adam a second one: any pointer does, none is read
+            "states1": [grp.state.get("momentum1", grp.weight).data_ptr() for grp in groups],
+            "states2": [grp.state.get("momentum2", grp.weight).data_ptr() for grp in groups],
+            "hparams": [hp.data_ptr() for hp in hps],
+            "row_tables": [t.data_ptr() for t in row_tables],
+            "row_starts": [grp.row_starts.data_ptr() for grp in groups],
+            "keys": [k.data_ptr() for k in keys],
+        },
+        device,
+    )
+    gradient = {name: tables[name] for name in ("first_unique", "dims", "seg_offsets", *source)}
+
+    bound = max_chunks(num_ids, chunk)
+    partial = groups[0].grad  # any fp32 pointer when there are no long rows
     if bound:
         # chunk p belongs to the row u with part_offsets[u] <= p < part_offsets[u + 1]; p past the
         # real count gets u = num_unique, which its program never reads
-        p = torch.arange(bound, device=grad.device)
+        p = torch.arange(bound, device=device)
         part_rows = torch.searchsorted(part_offsets[1:], p, right=True)
         part_index = p - part_offsets.index_select(0, part_rows)
-        partial = torch.empty(bound, dim, dtype=torch.float32, device=grad.device)
+        partial = torch.empty(bound, max_dim, dtype=torch.float32, device=device)
         _partial_kernel[(bound,)](
-            part_offsets[num_unique:], part_rows, part_index, seg_offsets, bags, scales, grad, partial,
-            dim, grad.stride(0),
+            part_offsets[num_unique:], part_rows, part_index, partial, max_dim, len(groups), **gradient,
             HAS_SCALES=has_scales, CHUNK=chunk, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
         )  # fmt: skip
 
-    stochastic = table_seeds is not None and weight.dtype != torch.float32
-    hp = hparam_table(hparams, step, row_starts.numel(), grad.device)
-    multi_table = row_starts.numel() > 1 and (stochastic or hp.shape[0] > 1)
-    row_table = unique_rows  # any pointer when every row uses table 0's values
-    if multi_table:
-        row_table = torch.searchsorted(row_starts, unique_rows, right=True) - 1
-        hp = hp.expand(row_starts.numel(), -1).contiguous()
-    keys = rounding.step_keys(table_seeds, step) if stochastic else row_starts
-    state1 = state.get("momentum1", weight)  # any pointer for sgd
     _update_kernel[(num_unique,)](
-        unique_rows, seg_offsets, part_offsets, partial, bags, scales, grad, weight,
-        state1, state.get("momentum2", state1), row_table, hp, row_starts, keys,
-        count if count is not None else row_starts, dim, weight.stride(0), grad.stride(0),
+        groups[0].weight, len(groups), part_offsets=part_offsets, partial=partial, p_stride=max_dim, **tables,
         RULE=RULE_IDS[rule], HAS_SCALES=has_scales, MULTI_TABLE=multi_table, STOCHASTIC=stochastic,
-        NUM_HPARAMS=len(HPARAM_COLUMNS), BLOCK_N=block_n, BLOCK_D=block_d, BOUNDED=count is not None,
-        num_warps=num_warps,
+        NUM_HPARAMS=len(HPARAM_COLUMNS), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -2,9 +2,10 @@
 rules (optimizers.py) and of stochastic rounding (rounding.py), used by triton_kernels.py.
 
 The rules follow optimizers.py formula for formula (weight decay added to the gradient, adagrad's
-per-element and row-wise sums, lazy adam with the global step's bias correction), in fp32 with
-IEEE square roots; divisions by the rules' denominators may be the GPU's fast division, so the
-weights agree with the torch path to fp32 rounding, not bitwise.
+per-element and row-wise sums, the row-wise one added in a fixed order of pairs (pairwise_sum), lazy
+adam with the global step's bias correction), in fp32 with IEEE square roots; divisions by the
+rules' denominators may be the GPU's fast division, so the weights agree with the torch path to
+fp32 rounding, not bitwise.
 
 Stochastic rounding is bitwise rounding.py's: the same counter-based hash of (table seed, step,
 row within the table, column) in uint32 arithmetic (rounding.py computes it in int64 masked to 32
@@ -81,14 +82,52 @@ if triton is not None:
         return out.to(DTYPE)
 
     @triton.jit
-    def apply_rule(w, g, row, cols, col_ok, state1, state2, dim, hp, RULE: tl.constexpr):
+    def _halve(x, N: tl.constexpr):
+        """[N] -> [N / 2]: each pair of neighbours added."""
+        return tl.sum(tl.reshape(x, [N // 2, 2]), axis=1)
+
+    @triton.jit
+    def pairwise_sum(x, BLOCK_D: tl.constexpr):
+        """The sum of x [BLOCK_D] (a power of two up to 1024) in one fixed order: neighbours in pairs,
+        then pairs of pairs, and so on. Each add is of two values, so the bits do not depend on how the
+        compiler spreads x over threads; and zeros past a row's dim leave them as they are, so a row
+        sums to the same bits in a block of any width (a launch shared with wider groups)."""
+        tl.static_assert(BLOCK_D <= 1024)
+        if BLOCK_D >= 1024:
+            x = _halve(x, 1024)
+        if BLOCK_D >= 512:
+            x = _halve(x, 512)
+        if BLOCK_D >= 256:
+            x = _halve(x, 256)
+        if BLOCK_D >= 128:
+            x = _halve(x, 128)
+        if BLOCK_D >= 64:
+            x = _halve(x, 64)
+        if BLOCK_D >= 32:
+            x = _halve(x, 32)
+        if BLOCK_D >= 16:
+            x = _halve(x, 16)
+        if BLOCK_D >= 8:
+            x = _halve(x, 8)
+        if BLOCK_D >= 4:
+            x = _halve(x, 4)
+        if BLOCK_D >= 2:
+            x = _halve(x, 2)
+        return tl.sum(x, axis=0)
+
+    @triton.jit
+    def apply_rule(w, g, row, cols, col_ok, state1, state2, dim, hp,
+                   RULE: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
         """One row's step of optimizers.py's rule RULE: w, g [BLOCK_D] fp32 (g with weight decay
-        added); updates the row's state in place (state1: adagrad's sum or adam's m, state2: adam's
-        v) and returns the new w. hp points at the row's table's hyper-parameters (HPARAM_COLUMNS)."""
+        added, zero past the row's dim); updates the row's state in place (state1: adagrad's sum or
+        adam's m, state2: adam's v) and returns the new w. hp points at the row's table's
+        hyper-parameters (HPARAM_COLUMNS)."""
         if RULE == 0:  # sgd
             w = w - tl.load(hp) * g
         elif RULE == 1:  # row-wise adagrad: one accumulator per row, the mean of g^2
-            acc = tl.load(state1 + row) + tl.sum(g * g, axis=0) / dim
+            # each square rounded by itself (an fma with a zero addend), so that the compiler cannot
+            # fuse it into the adds that follow, which it could do or not depending on the layout
+            acc = tl.load(state1 + row) + pairwise_sum(tl.fma(g, g, 0.0), BLOCK_D) / dim
             tl.store(state1 + row, acc)
             w = w - tl.load(hp) * g / (tl.sqrt_rn(acc) + tl.load(hp + 1))
         elif RULE == 2:  # adagrad: one accumulator per element
