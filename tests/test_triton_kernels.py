@@ -19,8 +19,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fused_engine import assert_matches, make_tables, train_both
+from test_fused_engine import Float64Reference, assert_matches, make_tables, random_batch, train_both
 
+from neorec.embedding.cache import CacheSettings, cached_storage_factory
 from neorec.embedding.fused import FusedEmbeddingCollection, rounding, triton_kernels
 from neorec.embedding.fused.lookup import GroupBatch, sort_by_row, sort_by_row_on_device
 from neorec.embedding.fused.optimizers import RULES, Hparams
@@ -450,6 +451,31 @@ def test_one_launch_is_bitwise_one_launch_per_group_and_repeats(name: str, monke
     # two runs of one launch each, then three groups of two steps
     assert counters["_pool_kernel"].launches == counters["_update_kernel"].launches == 4 + 6
     assert_bitwise_equal(combined, per_group)
+
+
+def test_cached_group_takes_the_torch_path_next_to_one_launch(monkeypatch) -> None:
+    """make_tables with "tags" (dim 16) behind a row cache over host memory: the kernels take the
+    other two groups in one launch each, the cached group is pooled into its columns and updated by
+    the torch path, and all of it matches the float64 reference."""
+    tables, opt = make_tables(), EmbeddingOptimizerConfig(name="adagrad", lr=0.05)
+    factory = cached_storage_factory({"tags": "dram"}, CacheSettings(fraction=0.5, io_thread=False))
+    engine = FusedEmbeddingCollection(
+        tables, opt, device=DEVICE, kernels="triton", group_storage_factory=factory,
+        table_tiers={"tags": "dram"},
+    )
+    in_kernel = [engine.triton_lookup(gi, torch.device(DEVICE)) for gi in range(len(engine.layout.groups))]
+    assert in_kernel == [g.dim != 16 for g in engine.layout.groups]
+    counters = count_launches(monkeypatch)
+    ref, gen, outputs = Float64Reference(tables, opt), torch.Generator().manual_seed(8), []
+    for _ in range(2):
+        sparse = random_batch(tables, gen)
+        pooled, expected = engine(sparse.to(DEVICE)), ref.forward(sparse)
+        outputs.append((pooled.detach().cpu(), expected))
+        grad = torch.randn(pooled.shape, generator=gen)
+        pooled.backward(grad.to(DEVICE))
+        ref.backward_and_update(sparse, grad, {t.name: opt.lr for t in tables})
+    assert counters["_pool_kernel"].launches == counters["_update_kernel"].launches == 2
+    assert_matches(engine, ref, outputs)
 
 
 def test_engine_is_bitwise_deterministic_with_hot_rows_and_every_feature(monkeypatch) -> None:
