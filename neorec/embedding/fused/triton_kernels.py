@@ -355,7 +355,7 @@ def pool(groups: list[PoolGroup]) -> None:
         block_d = min(triton.next_power_of_2(max_dim), 128)
         # ids per program step: one when bags hold about one id (one-hot features), else about a
         # bag's mean (a power of two, at most 16), so that few of a step's loads are masked off
-        per_bag = max(-(-grp.rows.numel() // n) for grp, n in zip(same, bags, strict=True))
+        per_bag = max((grp.rows.numel() + n - 1) // n for grp, n in zip(same, bags, strict=True))
         block_n = min(16, triton.next_power_of_2(max(1, per_bag)))
         tables = _int_tables(
             {
