@@ -157,6 +157,9 @@ class FixedPooled(torch.nn.Module):
     def pooled_after(self, prefix: torch.Tensor, sparse) -> torch.Tensor:
         return torch.cat([prefix, torch.full((prefix.shape[0], self.width), 0.01)], dim=1)
 
+    def start_pooled(self, sparse):
+        return lambda prefix: self.pooled_after(prefix, sparse)
+
 
 def dense_only_dlrm(preset: dict):
     from neorec.model.dlrm import DLRM

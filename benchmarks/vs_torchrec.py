@@ -114,6 +114,9 @@ def neorec_model(preset: dict, rows: list[int], keys: list[str], dense_only: boo
             def pooled_after(self, prefix, sparse):
                 return torch.cat([prefix, torch.full((prefix.shape[0], width), 0.01)], dim=1)
 
+            def start_pooled(self, sparse):
+                return lambda prefix: self.pooled_after(prefix, sparse)
+
         emb = FixedPooled()
     torch.manual_seed(0)
     model = DLRM(13, emb, preset["bottom"], preset["top"], precision="bf16" if variant == "bf16" else "fp32")

@@ -19,6 +19,8 @@ the values of the inputs, so one exported program takes any batch size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -117,6 +119,9 @@ class _PooledInput(nn.Module):
 
     def pooled_after(self, prefix: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         return torch.cat([prefix, pooled], dim=1)
+
+    def start_pooled(self, pooled: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda prefix: self.pooled_after(prefix, pooled)
 
 
 class ScoringProgram(nn.Module):
