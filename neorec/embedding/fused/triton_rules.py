@@ -93,26 +93,9 @@ if triton is not None:
         compiler spreads x over threads; and zeros past a row's dim leave them as they are, so a row
         sums to the same bits in a block of any width (a launch shared with wider groups)."""
         tl.static_assert(BLOCK_D <= 1024)
-        if BLOCK_D >= 1024:
-            x = _halve(x, 1024)
-        if BLOCK_D >= 512:
-            x = _halve(x, 512)
-        if BLOCK_D >= 256:
-            x = _halve(x, 256)
-        if BLOCK_D >= 128:
-            x = _halve(x, 128)
-        if BLOCK_D >= 64:
-            x = _halve(x, 64)
-        if BLOCK_D >= 32:
-            x = _halve(x, 32)
-        if BLOCK_D >= 16:
-            x = _halve(x, 16)
-        if BLOCK_D >= 8:
-            x = _halve(x, 8)
-        if BLOCK_D >= 4:
-            x = _halve(x, 4)
-        if BLOCK_D >= 2:
-            x = _halve(x, 2)
+        for level in tl.static_range(10):  # unrolled: x holds BLOCK_D >> level values at each level
+            if (BLOCK_D >> level) >= 2:
+                x = _halve(x, BLOCK_D >> level)
         return tl.sum(x, axis=0)
 
     @triton.jit
