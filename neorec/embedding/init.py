@@ -29,7 +29,7 @@ def init_rows(table: TableConfig, seed: int, row_start: int = 0, row_end: int | 
     bound = 1.0 / math.sqrt(table.rows)
     out = torch.empty(row_end - row_start, table.dim, dtype=torch.float32)
     base = table_seed(table, seed)
-    chunk = _CHUNK_ROWS
+    chunk = CHUNK_ROWS
     first, last = row_start // chunk, (row_end - 1) // chunk if row_end > row_start else -1
     gen = torch.Generator()
     for c in range(first, last + 1):
@@ -41,7 +41,7 @@ def init_rows(table: TableConfig, seed: int, row_start: int = 0, row_end: int | 
     return out
 
 
-_CHUNK_ROWS = 65536
+CHUNK_ROWS = 65536
 
 
 def init_rows_at(table: TableConfig, seed: int, rows: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,9 @@ bookkeeping in device memory, every row in the backing tier; tiers.py), plus the
 pooled rows and their gradients, wire copies, the backward's sort, the shared-memory transport's
 pages: transport_bytes) and, while the model is built,
 one initialisation window: storage.py fills each buffer of the fused engine (the shards of one dim,
-dtype and optimizer, stacked) 2^20 rows at a time, from fp32 rows made per table (init.py, plus
-its 65536-row chunk) and then concatenated, so two fp32 windows are alive at once. Buffers and that
+dtype and optimizer, stacked) about 32 MiB of fp32 rows at a time (storage.init_window_rows), from
+fp32 rows made per table (init.py, plus its 65536-row chunk) and, where a window spans tables,
+concatenated: two fp32 windows at most are alive at once. Buffers and that
 window are never alive together, so the peak counts the larger.
 """
 
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from neorec.distributed.layout import ROW_SPLIT, ShardLayout
 from neorec.distributed.plan import ShardingPlan
 from neorec.distributed.replicas import updates_by_owner
+from neorec.embedding.fused.storage import INIT_CHUNK_ROWS, init_window_rows
 from neorec.planner.exchanges import Traffic, plan_traffic
 from neorec.planner.hardware import Cluster
 from neorec.planner.tiers import PLACEMENTS, cache_traffic, record_bytes
@@ -44,8 +46,6 @@ from neorec.planner.workload import TableLoad, Workload, state_bytes_per_row
 
 STAGES = ("input_dist", "lookup", "output_dist", "output_dist_bwd", "update")
 PHASES = (("input_dist",), ("lookup", "output_dist"), ("output_dist_bwd", "update"))
-INIT_WINDOW_ROWS = 1 << 20  # embedding/fused/storage.py _INIT_WINDOW_ROWS
-INIT_CHUNK_ROWS = 65536  # embedding/init.py _CHUNK_ROWS
 SSD_INIT_WINDOW_BYTES = 64 << 20  # embedding/cache/backing.py _WINDOW_BYTES
 BYTES_PER_ID = 64  # step buffers per id looked up: received, regrouped, bag/row indices, the sort
 POOLED_COPIES = 4  # the pooled output, its wire copy, its gradient, the decoded gradient
@@ -139,7 +139,7 @@ def init_window_bytes(rows: int, dim: int, width: int, record: int = 0) -> int:
     initialised: the rows made per table, their concatenation, one chunk of init.py. A table on SSD
     (`record`: bytes of its rows' records) is written to its file in windows of 64 MiB of records,
     each packed from the fp32 rows (embedding/cache/backing.py)."""
-    window = min(rows, max(1, SSD_INIT_WINDOW_BYTES // record) if record else INIT_WINDOW_ROWS)
+    window = min(rows, max(1, SSD_INIT_WINDOW_BYTES // record) if record else init_window_rows(width))
     return window * ((dim + width) * 4 + record) + min(rows, INIT_CHUNK_ROWS) * dim * 4
 
 

@@ -252,7 +252,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
                 a, b = max(start, first), min(end, first + self.tables[ti].rows)
                 if a < b:
                     parts.append(rows_of(ti, a - first, b - first))
-            return torch.cat(parts)
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         return init
 

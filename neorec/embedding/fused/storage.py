@@ -29,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from neorec.embedding.init import CHUNK_ROWS as INIT_CHUNK_ROWS
 from neorec.utils.host import advise_huge_pages, mapped_empty
 
 # init(start, end) -> fp32 rows [end - start, width]: the initial values of global rows [start, end).
@@ -111,11 +112,22 @@ def build_tensor_storage(
     else:
         tensor = torch.empty(shape, dtype=dtype, device=device)
     advise_huge_pages(tensor)
-    window = _INIT_WINDOW_ROWS
+    window = init_window_rows(width)
     for start in range(0, num_rows, window):
         end = min(start + window, num_rows)
         tensor[start:end].copy_(init(start, end).reshape(tensor[start:end].shape))
     return TensorStorage(tensor)
 
 
-_INIT_WINDOW_ROWS = 1 << 20
+# A window's temporaries (the rows drawn per table, their concatenation, one chunk of init.py) come
+# from the heap, which keeps its peak for the rest of the run when freed memory is kept for reuse
+# (utils/host.py). Windows of a fixed 2^20 rows (256 MiB each at dim 64) left a heap of 1.2-1.4 GB
+# after initialising a 5.6M-row table and its AdaGrad state, a different size in each run with how
+# the windows' holes were reused; windows of 32 MiB leave 0.37 GB (benchmarks/init_memory.py).
+INIT_WINDOW_BYTES = 32 << 20
+
+
+def init_window_rows(width: int) -> int:
+    """Rows per initialisation window of a storage `width` fp32 values wide (0: one value per row):
+    about INIT_WINDOW_BYTES, and at least one chunk of init.py, which draws whole chunks."""
+    return max(INIT_CHUNK_ROWS, INIT_WINDOW_BYTES // (4 * max(width, 1)))
