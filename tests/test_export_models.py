@@ -29,9 +29,11 @@ SYNTHETIC = [
 
 
 def train_run(root: Path, base: str | None, sets: list[str]) -> tuple[Trainer, dict[str, float]]:
-    """A trained run under root/run: its trainer and held-out metrics."""
+    """A trained run under root/run and its fp32 export root/fp32.nrx: the trainer and held-out metrics."""
     trainer = Trainer(load_config(base, sets), root / "run")
-    return trainer, trainer.fit().eval
+    metrics = trainer.fit().eval
+    export_model(root / "run", root / "fp32.nrx", measure=False)
+    return trainer, metrics
 
 
 @torch.no_grad()
@@ -42,13 +44,13 @@ def logits_of(model: torch.nn.Module, batches) -> torch.Tensor:
 def check_export_scores_as_trained(trainer: Trainer, metrics: dict, root: Path, int8_atol: float) -> None:
     """fp32: bit for bit; int8: logits within `int8_atol`, and what export measured is what it scores."""
     trained = logits_of(trainer.model.eval(), trainer.source.eval_batches(256))
-    fp32 = export_model(root / "run", root / "fp32.nrx")
+    fp32 = export_model(root / "run", root / "checked.nrx")
     assert torch.equal(
-        logits_of(load_export(root / "fp32.nrx").model, trainer.source.eval_batches(256)), trained
+        logits_of(load_export(root / "checked.nrx").model, trainer.source.eval_batches(256)), trained
     )
     assert fp32.eval["fp32"]["auc"] == pytest.approx(metrics["auc"], abs=1e-12)
-    int8 = export_model(root / "run", root / "int8.nrx", int8=True)
-    got = logits_of(load_export(root / "int8.nrx").model, trainer.source.eval_batches(256))
+    int8 = export_model(root / "run", root / "checked_int8.nrx", int8=True)
+    got = logits_of(load_export(root / "checked_int8.nrx").model, trainer.source.eval_batches(256))
     torch.testing.assert_close(got, trained, rtol=0, atol=int8_atol)
     assert not torch.equal(got, trained) and abs(int8.auc_change) <= 0.01
 
@@ -128,7 +130,7 @@ def test_din_export_scores_as_trained(din):
     src = trainer.source
     first = src.batch(torch.from_numpy(np.flatnonzero(src.history_lengths.numpy() == 0)))
     assert len(first) == 24 and not first.sparse.feature("history")[1].any()
-    for name, atol in (("fp32", 0.0), ("int8", 0.05)):
+    for name, atol in (("fp32", 0.0), ("checked_int8", 0.05)):
         exported = logits_of(load_export(root / f"{name}.nrx").model, [first])
         torch.testing.assert_close(exported, logits_of(trainer.model.eval(), [first]), rtol=0, atol=atol)
 
