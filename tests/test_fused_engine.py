@@ -408,6 +408,54 @@ def test_gradient_hook_sees_whole_groups_and_updates_in_blocks(name: str) -> Non
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_a_hook_that_returns_a_wait_is_applied_at_the_end_of_backward(name: str) -> None:
+    """A gradient hook may return a function that waits for its result (an exchange in flight):
+    the engine then applies that group's update once the rest of the backward pass has run
+    (autograd's final callback), with bitwise the result of a hook that returns at once."""
+    tables = make_tables()
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.1)
+    later, now = FusedEmbeddingCollection(tables, opt), FusedEmbeddingCollection(tables, opt)
+    events: list[str] = []
+
+    def start(gi: int, rows: torch.Tensor, grads: torch.Tensor):
+        events.append(f"started {gi}")
+
+        def finish():
+            events.append(f"finished {gi}")
+            return rows, grads * 1.0
+
+        return finish
+
+    class After(torch.autograd.Function):  # created before the lookup, so its backward runs after it
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            events.append("rest of backward")
+            return g
+
+    later.grad_hook = start
+    now.grad_hook = lambda gi, rows, grads: (rows, grads * 1.0)
+    groups = len(later.layout.groups)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        sparse = random_batch(tables, gen, batch_size=9)
+        grad = torch.randn(9, later.output_dim, generator=gen)
+        events.clear()
+        leaf = torch.ones(1, requires_grad=True)
+        before = After.apply(leaf)
+        (later(sparse) * before).backward(grad)
+        now(sparse).backward(grad)
+        assert events == [f"started {gi}" for gi in range(groups)] + ["rest of backward"] + [
+            f"finished {gi}" for gi in range(groups)
+        ]
+    for a, b in zip(later.state_dict().values(), now.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 def test_in_place_deltas_equal_the_rule_on_gathered_rows(name: str, monkeypatch) -> None:
     """On plain fp32 tables without weight decay the step adds each rule's deltas in place

@@ -180,7 +180,8 @@ class Comms:
     def all_gather_bytes(self, payload: torch.Tensor, direction: str, sizes: list[int] | None = None) -> Pending:
         """Every rank's `payload` (1-D uint8; sizes may differ), as a list in rank order. `sizes`: every
         rank's payload size when the caller already knows them. Otherwise, in shared memory, one
-        exchange (the sizes travel in its header); over the backend the sizes go first."""
+        exchange (the sizes travel in its header); over the backend the sizes go first, and the
+        payload when the result is waited for."""
         if self.world.size > 1 and self.staging.needed(payload):
             device = payload.device
             got = self._all_gather_bytes(self.staging.down(payload), direction, sizes)
@@ -194,11 +195,17 @@ class Comms:
         if sizes is None and world.shm is not None and payload.device.type == "cpu":
             self.stats.add(direction, (world.size - 1) * (payload.numel() + 8))  # + its size, in the header
             return Pending.ready(world.shm.all_gather_bytes(payload.contiguous()))
-        if sizes is None:
-            size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
-            sizes = self.all_to_all(size.repeat(world.size), [1] * world.size, [1] * world.size, direction).wait()
-            sizes = sizes.tolist()
         n = payload.numel()
+        if sizes is None:  # the sizes go first; the payload follows when they are waited for
+            size = torch.tensor([n], dtype=torch.int64, device=payload.device)
+            sized = self.all_to_all(size.repeat(world.size), [1] * world.size, [1] * world.size, direction)
+
+            def rest() -> list[torch.Tensor]:
+                theirs = sized.wait().tolist()
+                got = self.all_to_all(payload.repeat(world.size), [n] * world.size, theirs, direction)
+                return list(got.wait().split(theirs))
+
+            return Pending([], rest)
         got = self.all_to_all(payload.repeat(world.size), [n] * world.size, sizes, direction)
         return Pending([got], lambda: list(got.wait().split(sizes)))
 

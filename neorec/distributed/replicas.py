@@ -1,8 +1,9 @@
 """Replicated (dp) tables: every rank keeps a whole copy, and the copies must stay equal.
 
-Each rank looks its own samples up in its copy. In backward the fused engine calls `sum_gradients`
-once per group of replicated tables with the rank's unique rows and their summed gradients, and
-updates the rows it returns:
+Each rank looks its own samples up in its copy. In backward the fused engine calls `start_gradients`
+once per group of replicated tables with the rank's unique rows and their summed gradients; the
+exchange travels during the rest of backward, and at its end the engine updates the rows that the
+returned function gives:
 
 - Update rules without state (plain SGD): every rank gets every rank's rows and gradients (one
   all-gather), sums them the same way and applies the same update to every row touched anywhere.
@@ -21,6 +22,8 @@ from the ranks' row counts, which every rank knows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +65,17 @@ class ReplicaSync:
         self, gi: int, rows: torch.Tensor, grads: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows this rank updates, their gradients summed over ranks)."""
+        return self.start_gradients(gi, rows, grads)()
+
+    def start_gradients(
+        self, gi: int, rows: torch.Tensor, grads: torch.Tensor
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """Start summing group gi's gradients over ranks; the returned function waits for the
+        exchange and gives (rows this rank updates, their summed gradients). The fused engine calls
+        it at the end of the backward pass, so the exchange travels while the rest of backward (the
+        sharded tables' update) runs. Row counts that decide the path are exchanged here, at once."""
         if self.world == 1:
-            return rows, grads
+            return lambda: (rows, grads)
         group = self.engine.layout.groups[gi]
         wire = self._row_bytes(group.dim)
         dense_bytes = 2 * group.num_rows * (group.dim + 1) * 4
@@ -84,11 +96,16 @@ class ReplicaSync:
             counts = self.comms.all_to_all(count.repeat(self.world), [1] * self.world, [1] * self.world, "dp")
             counts = counts.wait().tolist()
         if counts is not None and dense_bytes <= DENSE_BYTES and dense_bytes < sum(counts) * (wire + 8):
-            rows, sums = self._all_reduce(rows, grads, group.num_rows, group.dim)
-            if matrix is not None:
-                mine = index_ops.where(rows % self.world == self.rank)
-                rows, sums = rows.index_select(0, mine), sums.index_select(0, mine)
-            return rows, sums
+            summed = self._all_reduce(rows, grads, group.num_rows, group.dim)
+            if matrix is None:
+                return summed
+
+            def owned() -> tuple[torch.Tensor, torch.Tensor]:
+                touched, sums = summed()
+                mine = index_ops.where(touched % self.world == self.rank)
+                return touched.index_select(0, mine), sums.index_select(0, mine)
+
+            return owned
         if matrix is not None:
             return self._to_owners(rows, grads, matrix[self.rank], wire)
         return self._gather(rows, grads, wire, counts)
@@ -98,8 +115,9 @@ class ReplicaSync:
         already exchanged (else they travel with the rows: comms.all_gather_bytes)."""
         payload = self._pack(rows, grads, wire)
         sizes = None if counts is None else [_padded(c * (8 + wire)) for c in counts]
-        got = self.comms.all_gather_bytes(payload, "dp", sizes).wait()
-        return self._merge([(part, part.numel() // (8 + wire)) for part in got], grads.shape[1])
+        got = self.comms.all_gather_bytes(payload, "dp", sizes)
+        dim = grads.shape[1]
+        return lambda: self._merge([(part, part.numel() // (8 + wire)) for part in got.wait()], dim)
 
     def _to_owners(self, rows: torch.Tensor, grads: torch.Tensor, per_owner: list[int], wire: int):
         """Rows (ordered by owner, `per_owner` each) and gradients to their owners; this rank's rows
@@ -117,8 +135,9 @@ class ReplicaSync:
                     rows[start : start + c], grads[start : start + c], wire, send[offset : offset + size]
                 )
             start, offset = start + c, offset + size
-        got = self.comms.all_to_all_bytes(send, sizes, "dp").wait()
-        return self._merge([(part, part.numel() // (8 + wire)) for part in got], grads.shape[1], own)
+        got = self.comms.all_to_all_bytes(send, sizes, "dp")
+        dim = grads.shape[1]
+        return lambda: self._merge([(part, part.numel() // (8 + wire)) for part in got.wait()], dim, own)
 
     def _pack(
         self, rows: torch.Tensor, grads: torch.Tensor, wire: int, payload: torch.Tensor | None = None
@@ -167,9 +186,14 @@ class ReplicaSync:
         dense = grads.new_zeros(total_rows, dim + 1)
         dense[rows, :dim] = grads
         dense[rows, dim] = 1.0  # touched by this rank
-        summed = self.comms.all_reduce_sum(dense.view(-1), self.codec, "dp").wait().view(total_rows, dim + 1)
-        touched = index_ops.where(summed[:, dim] > 0)
-        return touched, summed[:, :dim].index_select(0, touched)
+        pending = self.comms.all_reduce_sum(dense.view(-1), self.codec, "dp")
+
+        def finish() -> tuple[torch.Tensor, torch.Tensor]:
+            summed = pending.wait().view(total_rows, dim + 1)
+            touched = index_ops.where(summed[:, dim] > 0)
+            return touched, summed[:, :dim].index_select(0, touched)
+
+        return finish
 
     # ---- updated rows and state -----------------------------------------------------------------
     def share_updated(self, gi: int, rows: torch.Tensor) -> None:

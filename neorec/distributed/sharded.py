@@ -116,7 +116,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         )
         self._local_cached = any(hasattr(w, "prefetch") for w in self.local.weights)
         self._replicas = ReplicaSync(self.replicated, comms, self.codecs[1])
-        self.replicated.grad_hook = self._replicas.sum_gradients
+        self.replicated.grad_hook = self._replicas.start_gradients
         self.replicated.update_hook = self._replicas.share_updated
         self.input_dist_ = InputDist(self.layout, comms)
         self.dp_features = [f for t in dp for f in t.features]

@@ -59,6 +59,10 @@ from neorec.errors import ConfigError, DataError
 from neorec.sparse import JaggedRows, SparseBatch
 from neorec.utils.progress import progress_bar
 
+# grad_hook(group, rows, gradients) -> (rows, gradients) to apply, or a function that waits for them
+Summed = tuple[torch.Tensor, torch.Tensor]
+GradHook = Callable[[int, torch.Tensor, torch.Tensor], Summed | Callable[[], Summed]]
+
 
 @dataclass
 class _GroupConstants:
@@ -127,10 +131,13 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         self.layout = build_layout(self.tables, optimizer, table_tiers)
         self.num_updates = 0
         # Called with (group, unique rows, their summed gradients, times -lr where folded_lr says
-        # so) before each update; returns the rows and gradients to apply. The sharded collection
-        # sums a replicated table's gradients over ranks here. It is called once per group and
-        # backward with all the group's rows, even with none; its result is applied in blocks.
-        self.grad_hook: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # so) before each update; returns the rows and gradients to apply, or a function that waits
+        # for them (an exchange in flight), in which case the update is applied at the end of the
+        # backward pass (autograd's queue_callback) and the exchange travels during the rest of it.
+        # The sharded collection sums a replicated table's gradients over ranks here. It is called
+        # once per group and backward with all the group's rows, even with none; its result is
+        # applied in blocks.
+        self.grad_hook: GradHook | None = None
         # With a grad_hook: called with (group, the rows just updated) after each group's update.
         self.update_hook: Callable[[int, torch.Tensor], None] | None = None
         self._row_init = row_init

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import Variable
 from torch.autograd.function import once_differentiable
 
 from neorec.embedding.fused import triton_kernels
@@ -396,6 +397,7 @@ class FusedLookup(torch.autograd.Function):
         step = engine.num_updates + 1
         sequence = 0
         kernel_groups: list[triton_kernels.UpdateGroup] = []
+        hooked: list = []
         for gi, (group, gb) in enumerate(zip(engine.layout.groups, ctx.batches, strict=True)):
             hook = engine.grad_hook
             if group.sequence:
@@ -437,19 +439,34 @@ class FusedLookup(torch.autograd.Function):
                 continue
             # The hook sees the whole group's sums at once (one exchange per group); its result is
             # then applied in blocks, as above (in place in one pass where SGD's step is a plain add).
-            rows, grads = hook(gi, *next(row_gradients(gb, grad_bags, None, id_scale)))
+            summed = hook(gi, *next(row_gradients(gb, grad_bags, None, id_scale)))
             if folded and engine.adds_in_place(gi):
                 chunk_rows = None
-            for lo, hi in _blocks(rows.numel(), chunk_rows):
-                engine.apply_update(gi, rows[lo:hi], grads[lo:hi], step, hparams, lr_folded=folded)
-            if engine.update_hook is not None:
-                engine.update_hook(gi, rows)
+            hooked.append((gi, summed, hparams, folded, chunk_rows))
         if kernel_groups:  # one launch per (rule, weight dtype), whatever the groups' dims
             triton_kernels.fused_update(kernel_groups, step)
         engine.num_updates = step
+        started = [h for h in hooked if callable(h[1])]
+        _apply_hooked(engine, [h for h in hooked if not callable(h[1])], step)
+        if started:  # their exchanges travel during the rest of backward; applied at its end
+            Variable._execution_engine.queue_callback(lambda: _apply_hooked(engine, started, step))
         if engine.timings is not None:
             engine.timings["update"] += time.perf_counter() - start
         return None, None, None, None
+
+
+def _apply_hooked(engine: FusedEmbeddingCollection, hooked: list, step: int) -> None:
+    """Apply the updates of groups whose gradients went through the engine's grad_hook: each entry
+    (group, (rows, gradients) or a function that waits for them, hparams, lr folded, rows per block)."""
+    start = time.perf_counter()
+    for gi, summed, hparams, folded, chunk_rows in hooked:
+        rows, grads = summed() if callable(summed) else summed
+        for lo, hi in _blocks(rows.numel(), chunk_rows):
+            engine.apply_update(gi, rows[lo:hi], grads[lo:hi], step, hparams, lr_folded=folded)
+        if engine.update_hook is not None:
+            engine.update_hook(gi, rows)
+    if engine.timings is not None and any(callable(h[1]) for h in hooked):
+        engine.timings["update"] += time.perf_counter() - start
 
 
 def _blocks(n: int, size: int | None) -> list[tuple[int, int]]:
