@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_engine import assert_matches, make_tables, train_both
+from test_fused_engine import assert_matches, make_tables, run_steps, train_both
 
 from neorec.embedding.fused import FusedEmbeddingCollection, triton_kernels
 from neorec.embedding.fused.lookup import GroupBatch, sort_by_row
@@ -48,13 +48,7 @@ def _zipf_batch(tables: list[TableConfig], gen: torch.Generator, batch: int, max
 
 
 def _run(kernels: str, tables, opt, batches, grads, device: str) -> tuple[list[torch.Tensor], dict]:
-    engine = FusedEmbeddingCollection(tables, opt, device=device, kernels=kernels)
-    outs = []
-    for sparse, g in zip(batches, grads, strict=True):
-        pooled = engine(sparse.to(device))
-        outs.append(pooled.detach().cpu())
-        pooled.backward(g.to(device))
-    return outs, {k: v.cpu() for k, v in engine.state_dict().items()}
+    return run_steps(FusedEmbeddingCollection(tables, opt, device=device, kernels=kernels), batches, grads, device)
 
 
 @needs_cuda

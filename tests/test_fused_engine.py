@@ -145,6 +145,19 @@ class Float64Reference:
             w[r] = w[r] - lr * m_hat / (v_hat.sqrt() + c.eps)
 
 
+def run_steps(
+    engine: FusedEmbeddingCollection, batches: list[SparseBatch], grads: list[torch.Tensor], device
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Train `engine` on `batches` with output gradients `grads` (on `device`): the pooled outputs
+    and the final state, on the CPU."""
+    outs = []
+    for sparse, g in zip(batches, grads, strict=True):
+        pooled = engine(sparse.to(device))
+        outs.append(pooled.detach().cpu())
+        pooled.backward(g.to(device))
+    return outs, {k: v.cpu() for k, v in engine.state_dict().items()}
+
+
 def train_both(
     tables: list[TableConfig],
     opt: EmbeddingOptimizerConfig,

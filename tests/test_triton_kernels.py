@@ -19,7 +19,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fused_engine import Float64Reference, assert_matches, make_tables, random_batch, train_both
+from test_fused_engine import (
+    Float64Reference,
+    assert_matches,
+    make_tables,
+    random_batch,
+    run_steps,
+    train_both,
+)
 
 from neorec.embedding.cache import CacheSettings, cached_storage_factory
 from neorec.embedding.fused import FusedEmbeddingCollection, rounding, triton_kernels
@@ -363,12 +370,7 @@ def train_steps(
     """The pooled outputs and the final state of a Triton engine (stochastic rounding) trained on
     `batches` with output gradients `grads`."""
     engine = FusedEmbeddingCollection(tables, opt, device=DEVICE, kernels="triton", stochastic_rounding=True)
-    outs = []
-    for sparse, g in zip(batches, grads, strict=True):
-        pooled = engine(sparse.to(DEVICE))
-        outs.append(pooled.detach().cpu())
-        pooled.backward(g.to(DEVICE))
-    return outs, {k: v.cpu() for k, v in engine.state_dict().items()}
+    return run_steps(engine, batches, grads, DEVICE)
 
 
 def assert_bitwise_equal(a: tuple[list[torch.Tensor], dict[str, torch.Tensor]], b) -> None:

@@ -61,12 +61,6 @@ class ReplicaSync:
         return self.codec.wire_width(dim) * torch.empty(0, dtype=self.codec.wire_dtype).element_size()
 
     # ---- gradients ------------------------------------------------------------------------------
-    def sum_gradients(
-        self, gi: int, rows: torch.Tensor, grads: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows this rank updates, their gradients summed over ranks)."""
-        return self.start_gradients(gi, rows, grads)()
-
     def start_gradients(
         self, gi: int, rows: torch.Tensor, grads: torch.Tensor
     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:

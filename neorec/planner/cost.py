@@ -106,7 +106,7 @@ def shard_work(
     ) + received * width * wb
     stages["update"] = ids * cluster.update_per_id + moved / mem.update_bandwidth
     if kind == "dp" and W > 1:
-        # replicas.py sum_gradients: the ranks' unique rows and their gradients gathered (by owner:
+        # replicas.py start_gradients: the ranks' unique rows and their gradients gathered (by owner:
         # each rank gets the rows it owns), sorted again and summed (decode + embedding_bag)
         gathered = load.unique(rows[0], rows[1], ids) * (1 if updates_by_owner(load.optimizer) else W)
         stages["update"] += gathered * cluster.update_per_id + gathered * width * 12 / cluster.stream_bandwidth

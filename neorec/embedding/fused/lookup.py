@@ -449,15 +449,16 @@ class FusedLookup(torch.autograd.Function):
         started = [h for h in hooked if callable(h[1])]
         _apply_hooked(engine, [h for h in hooked if not callable(h[1])], step)
         if started:  # their exchanges travel during the rest of backward; applied at its end
-            Variable._execution_engine.queue_callback(lambda: _apply_hooked(engine, started, step))
+            Variable._execution_engine.queue_callback(lambda: _apply_hooked(engine, started, step, timed=True))
         if engine.timings is not None:
             engine.timings["update"] += time.perf_counter() - start
         return None, None, None, None
 
 
-def _apply_hooked(engine: FusedEmbeddingCollection, hooked: list, step: int) -> None:
+def _apply_hooked(engine: FusedEmbeddingCollection, hooked: list, step: int, timed: bool = False) -> None:
     """Apply the updates of groups whose gradients went through the engine's grad_hook: each entry
-    (group, (rows, gradients) or a function that waits for them, hparams, lr folded, rows per block)."""
+    (group, (rows, gradients) or a function that waits for them, hparams, lr folded, rows per block).
+    timed: add the time to the engine's "update" timing (when called outside backward)."""
     start = time.perf_counter()
     for gi, summed, hparams, folded, chunk_rows in hooked:
         rows, grads = summed() if callable(summed) else summed
@@ -465,7 +466,7 @@ def _apply_hooked(engine: FusedEmbeddingCollection, hooked: list, step: int) -> 
             engine.apply_update(gi, rows[lo:hi], grads[lo:hi], step, hparams, lr_folded=folded)
         if engine.update_hook is not None:
             engine.update_hook(gi, rows)
-    if engine.timings is not None and any(callable(h[1]) for h in hooked):
+    if timed and engine.timings is not None:
         engine.timings["update"] += time.perf_counter() - start
 
 
