@@ -19,7 +19,8 @@
 #   dcnv2    mlperf_dcnv2 at batch 16,384 with bf16 dense math: samples/s
 #   ranks    criteo_kaggle at batch 16,384 with 2 ranks sharing the GPU over gloo, against one rank
 #   ops      benchmarks/embedding_ops_gpu.py (kernels against the device copy bandwidth)
-#   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory)
+#   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory), misses read
+#            ahead on the worker (io thread on) against brought in at the lookup (off)
 #   cache_ssd  the same with --tier ssd (GPU cache over SSD files, in $SSD_DIR or /tmp/neorec-ssd)
 # The figures go to $OUT/gpu-results.md (benchmarks append there instead of benchmarks/RESULTS.md);
 # copy what holds into RESULTS.md with the date, command and GPU.
@@ -75,7 +76,8 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         ;;
     tests)
         run tests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_fused_cuda.py tests/test_train_cuda.py \
-            tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py tests/test_synthetic_device.py
+            tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py tests/test_synthetic_device.py \
+            tests/test_cache.py
         ;;
     ranktests)
         run ranktests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_train_cuda_ranks.py
@@ -113,7 +115,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         ;;
     cache)
         run cache 150 $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
-            --repeats 1 --dir "$OUT/tables" --no-append
+            --io-thread on off --repeats 1 --dir "$OUT/tables" --no-append
         ;;
     cache_ssd)
         run cache_ssd 200 $PY benchmarks/cache.py --device cuda --tier ssd --zipf 1.05 --fractions 0.2 \

@@ -193,6 +193,171 @@ def test_ssd_cache_through_the_device_path_is_bitwise_uncached(tmp_path, staged_
     restore_and_continue(plain, cached, restored, gen, 4, ts, opt)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_dram_cache_through_the_device_path_is_bitwise_uncached(tmp_path, staged_on_cpu, name, policy):
+    """What a GPU cache over host memory runs, on the CPU: coming batches' misses read ahead on the
+    worker, evictions written back by it without a read on the training thread; training through it,
+    and through a checkpoint's save and load (which empties slots that evictions then reuse), is
+    bitwise training in memory."""
+    from neorec.embedding.cache.cache import DeviceIO
+
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, weight_decay=0.01, initial_accumulator=0.01)
+    plain = FusedEmbeddingCollection(ts, opt)
+    # io_thread auto is on with a GPU (the CPU stand-in would pick by cores)
+    cached = cached_engine(ts, opt, tmp_path, policy, tier="dram", fraction=0.2, io_thread=True)
+    caches = [w.cache for w in cached.weights]
+    assert all(isinstance(c.io, DeviceIO) and c.io.background for c in caches)
+    gen = torch.Generator().manual_seed(7)
+    train_both(plain, cached, gen, 10, ts, prefetch=True)
+    assert_same_state(plain, cached)
+    stats = cached.cache_stats()
+    assert sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
+    assert staged_on_cpu  # the misses came in through reads ahead
+    restored = cached_engine(ts, opt, tmp_path, policy, tier="dram", fraction=0.2, seed=1, io_thread=True)
+    restore_and_continue(plain, cached, restored, gen, 4, ts, opt)
+
+
+READS = [  # what reads a device tensor back to the host (numpy: index_ops' CPU path)
+    (torch.Tensor, "cpu"), (torch.Tensor, "item"), (torch.Tensor, "numpy"), (torch.Tensor, "nonzero"),
+    (torch.Tensor, "__bool__"), (torch.Tensor, "__int__"), (torch, "unique"), (torch, "nonzero"),
+]  # fmt: skip
+
+
+def count_host_reads(monkeypatch, cache_cls) -> tuple[dict[str, int], list[str]]:
+    """Host reads of tensors on the training thread, by phase: inside RowCache.prefetch(ahead=True)
+    ('ahead'); else in the phase the caller pushes on the returned list: 'lookup' counts every read,
+    'update' those inside the cache's methods (none pushed: not counted)."""
+    import threading
+
+    main, counts, phase, depth = threading.main_thread(), {"ahead": 0, "lookup": 0, "update": 0}, [], [0]
+
+    def counted(owner, name):
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            if phase and threading.current_thread() is main and (phase[-1] != "update" or depth[0]):
+                counts[phase[-1]] += 1
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for owner, name in READS:
+        counted(owner, name)
+
+    def inside(name):
+        fn = getattr(cache_cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            ahead = name == "prefetch" and kwargs.get("ahead", args[2] if len(args) > 2 else False)
+            phase.append("ahead") if ahead else None
+            depth[0] += 1
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+                phase.pop() if ahead else None
+
+        monkeypatch.setattr(cache_cls, name, wrapper)
+
+    for name in ("prefetch", "read", "write"):
+        inside(name)
+    return counts, phase
+
+
+def test_device_path_reads_one_count_per_read_ahead_and_nothing_else(tmp_path, staged_on_cpu, monkeypatch):
+    """The device path of the cache in the steady state: a coming batch's read ahead reads one thing
+    back to the host (its counts of unique, missing and pinned rows), its lookup and its update none
+    (on a GPU each read is a sync, which stalls the step). Counted on the CPU stand-in: every tensor
+    read the training thread makes in the cache's read ahead, in the forward, and in the cache during
+    the update, with victims chosen by topk as on a GPU."""
+    from neorec.embedding.cache import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "smallest", lambda key, k: torch.topk(key, k, largest=False).indices)
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05, initial_accumulator=0.01)
+    plain = FusedEmbeddingCollection(ts, opt)
+    cached = cached_engine(ts, opt, tmp_path, tier="dram", fraction=0.5, io_thread=True)
+    gen = torch.Generator().manual_seed(11)
+    batches = [batch(gen, ts) for _ in range(16)]
+    grads = [torch.randn(16, plain.output_dim, generator=gen) for _ in batches]
+    for i in range(8):  # fills the caches: evictions from here on
+        cached.prefetch(batches[i + 1])
+        cached(batches[i]).backward(grads[i])
+        plain(batches[i]).backward(grads[i])
+    evictions = sum(s["evictions"] for s in cached.cache_stats().values())
+    assert evictions > 0
+    counts, phase = count_host_reads(monkeypatch, cache_module.RowCache)
+    for i in range(8, len(batches) - 1):
+        cached.prefetch(batches[i + 1])  # as the pipeline does: before batch i runs
+        phase.append("lookup")
+        pooled = cached(batches[i])
+        phase[-1] = "update"
+        pooled.backward(grads[i])
+        phase.pop()
+        plain(batches[i]).backward(grads[i])
+    assert counts == {"ahead": 7 * len(cached.weights), "lookup": 0, "update": 0}
+    monkeypatch.undo()
+    assert sum(s["evictions"] for s in cached.cache_stats().values()) > evictions
+    assert_same_state(plain, cached)  # and the sums without a read of their count are exact
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_gpu_cache_steps_sync_once_per_read_ahead(tmp_path, policy) -> None:
+    """A GPU cache over host memory in the steady state, under torch.cuda.set_sync_debug_mode("warn"),
+    counting the training thread's syncs: one per coming batch's read ahead (its counts), none in
+    the lookup or the update; and still bitwise training the tables in GPU memory."""
+    import threading
+    import warnings
+
+    ts = [  # one group: the engine's own prefetch reads no per-feature sizes
+        TableConfig(name="users", rows=3000, dim=8, features=["user", "friend"]),
+        TableConfig(name="items", rows=2000, dim=8, features=["item"], pooling="mean"),
+    ]
+    opt = EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05, initial_accumulator=0.01)
+    plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels="torch")
+    cached = cached_engine(ts, opt, tmp_path, policy, tier="dram", fraction=0.3, device="cuda", io_thread="auto")
+    assert len(cached.weights) == 1 and cached.weights[0].cache.io.background
+    gen = torch.Generator().manual_seed(12)
+    batches = [batch(gen, ts, batch_size=256).to("cuda") for _ in range(16)]
+    grads = [torch.randn(256, plain.output_dim, generator=gen).to("cuda") for _ in batches]
+    syncs = {"ahead": 0, "lookup": 0, "update": 0}
+    phase: list[str] = []
+    main = threading.main_thread()
+
+    def seen(*args, **kwargs) -> None:
+        if phase and threading.current_thread() is main:
+            syncs[phase[-1]] += 1
+
+    for i in range(len(batches) - 1):
+        counting = i >= 8  # the cache is full by then: evictions every step
+        if counting:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = seen
+            phase.append("ahead")
+            cached.prefetch(batches[i + 1])
+            phase[-1] = "lookup"
+            pooled = cached(batches[i])
+            phase[-1] = "update"
+            pooled.backward(grads[i])
+            phase.pop()
+        torch.cuda.set_sync_debug_mode("default")
+        reference = plain(batches[i])
+        assert torch.equal(pooled, reference), f"step {i}"
+        reference.backward(grads[i])
+        if not counting:
+            syncs = dict.fromkeys(syncs, 0)
+    assert syncs == {"ahead": 7, "lookup": 0, "update": 0}, syncs
+    assert_same_state(plain, cached)
+    assert sum(s["evictions"] for s in cached.cache_stats().values()) > 0
+
+
 def test_device_reads_ahead_land_in_their_slots_only_at_result() -> None:
     """DeviceIO's read ahead follows the writes submitted before it (one worker, in order), and the
     worker fills a host buffer only: the records reach their slots when result() is asked, on the

@@ -29,15 +29,16 @@ def test_memory_of_a_cached_shard_is_exact():
     wl = build_workload([TABLE], "adagrad", 64, cache_fraction=0.1)
     cluster = cpu()
     tw = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0], None, "ssd")}), wl, cluster)
-    # cache: 100 rows x (128 + 26 bytes of bookkeeping) + 4 bytes per row of the table for its slot and
-    # 4 for its place in the write log; files: every row, and a write log as large (ssd_log 1.0)
-    assert tw.ranks[0].weights == {"device": 100 * 154 + 1000 * 8, "ssd": 2 * 1000 * 128}
+    # cache: 100 rows x (128 + 26 bytes of bookkeeping) + 4 bytes per row of the table for its slot
+    # (and a sink entry) and 4 for its place in the write log; files: every row, and a write log as
+    # large (ssd_log 1.0)
+    assert tw.ranks[0].weights == {"device": 100 * 154 + 1001 * 4 + 1000 * 4, "ssd": 2 * 1000 * 128}
     assert tw.ranks[1].weights == {}
     rw = estimate_plan(ShardingPlan({"t": TablePlan("rw", [1, 0], None, "ssd")}), wl, cluster)
-    assert [r.weights for r in rw.ranks] == [{"device": 50 * 154 + 500 * 8, "ssd": 2 * 500 * 128}] * 2
+    assert [r.weights for r in rw.ranks] == [{"device": 50 * 154 + 501 * 4 + 500 * 4, "ssd": 2 * 500 * 128}] * 2
     no_log = build_workload([TABLE], "adagrad", 64, cache_fraction=0.1, ssd_log=0.0)
     tw = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0], None, "ssd")}), no_log, cluster)
-    assert tw.ranks[0].weights == {"device": 100 * 154 + 1000 * 4, "ssd": 1000 * 128}
+    assert tw.ranks[0].weights == {"device": 100 * 154 + 1001 * 4, "ssd": 1000 * 128}
     plain = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0])}), wl, cluster)
     assert plain.ranks[0].weights == {"device": 1000 * 128} and not plain.ranks[0].tier_bytes
 
@@ -95,7 +96,7 @@ def test_bytes_moved_per_step_count_misses_in_pages():
     assert placements(gpu) == ("device", "host", "cached")
     est = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0], None, "cached")}), wl, gpu)
     assert est.ranks[0].tier_bytes["host"] == pytest.approx(2 * 0.9 * touched * 128)
-    assert est.ranks[0].weights == {"device": 100 * 154 + 4000, "host": 128_000}
+    assert est.ranks[0].weights == {"device": 100 * 154 + 1001 * 4, "host": 128_000}
     # the misses cost time in the lookup stage: a miss-free table is faster
     est_device = estimate_plan(ShardingPlan({"t": TablePlan("tw", [0])}), wl, gpu)
     assert est.ranks[0].stages["lookup"] > est_device.ranks[0].stages["lookup"]

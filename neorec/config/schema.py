@@ -371,7 +371,8 @@ class CacheConfig(Strict):
     )
     io_thread: bool | Literal["auto"] = Field(
         "auto",
-        description="ssd: read coming batches' rows ahead and write evicted rows back on a worker thread "
+        description="ssd, or dram behind a cache on a GPU: read coming batches' rows ahead and write "
+        "evicted rows back on a worker thread "
         "(true/on), or on the training thread (false/off); auto: on only when the machine has a core that "
         "torch's threads (x the processes on this node) leave free, since otherwise the worker takes "
         "cores from the intra-op threads and every parallel operator waits for the one it displaced; "

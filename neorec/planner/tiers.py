@@ -86,9 +86,10 @@ def memory(
     if where.cache_in is None:
         return {where.rows_in: num_rows * load.row_bytes(width)}
     slots, record = cache_rows(num_rows, fraction), record_bytes(load, width)
-    cache = slots * (record + SLOT_BYTES) + num_rows * ROW_MAP_BYTES
+    # the per-row maps have one entry more than rows: a sink that evictions of empty slots write to
+    cache = slots * (record + SLOT_BYTES) + (num_rows + 1) * ROW_MAP_BYTES
     if policy == "lfu":
-        cache += num_rows * LFU_ROW_BYTES
+        cache += (num_rows + 1) * LFU_ROW_BYTES
     backing = num_rows * record
     if tier == "ssd" and ssd_log > 0:
         cache += num_rows * ROW_MAP_BYTES

@@ -32,6 +32,16 @@ def split(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.flatnonzero(m)), torch.from_numpy(np.flatnonzero(~m))
 
 
+def compact(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """where(mask) when the number of True entries, `count`, is already known on the host: the
+    positions are scattered to their places without reading anything back (on a GPU, no sync)."""
+    place = torch.cumsum(mask, 0).sub_(1)
+    place = torch.where(mask, place, count)  # the False entries all land in one spare slot
+    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    out.scatter_(0, place, torch.arange(mask.numel(), device=mask.device))
+    return out[:count]
+
+
 # From this many entries torch's CPU sort of integers is a parallel radix sort (FBGEMM's, in builds
 # with OpenMP: at::internal::GRAIN_SIZE); below it, a comparison sort, where numpy's is cheaper.
 TORCH_RADIX_MIN = 32768

@@ -5,20 +5,25 @@ One worker thread per cache runs, first in first out, two kinds of job:
   into the slots the cache has given them (cache.py; a cache in device memory gets them in a host
   buffer instead, which DeviceIO copies into the slots), so the disk works while the current batch
   computes; the cache touches those slots only once the job is done;
-- write-backs of evicted rows, so the step does not wait for them.
+- write-backs of evicted rows, so the step does not wait for them (a cache in device memory hands
+  over records still on their way to host memory: the job waits for them, write_when);
+- any other job that must see every write submitted before it (submit).
 
 Every row has one current value, and these rules keep what the cache gets equal to it:
 - a job sees every write submitted before it (one worker, in order): a row evicted and then read
   ahead again is read after its write-back;
 - a read on the caller's thread takes rows whose write-back is still pending from that write's
-  records, the newest copy, and the others from the backing store, which no pending write touches.
+  records, the newest copy, and the others from the backing store, which no pending write touches
+  (a write whose rows are not known yet, write_when, is waited for first).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,8 +32,8 @@ _MAX_WRITES = 4  # write-backs in flight at most, before a new one waits for the
 
 @dataclass
 class _Write:
-    rows: torch.Tensor  # sorted, unique
-    records: torch.Tensor
+    rows: torch.Tensor | None  # sorted, unique (None: known only when the job runs, write_when)
+    records: torch.Tensor | None
     done: Future
 
 
@@ -48,7 +53,11 @@ class BackgroundIO:
         """Start reading the records of `rows` (sorted, unique) into buffer[slots] (buffer in order if
         slots is None), after every write submitted so far. Nothing else may touch those slots until
         the future is done."""
-        future = self._submit(self.backing.read_into, rows, buffer, slots)
+        return self.submit(self.backing.read_into, rows, buffer, slots)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """fn(*args) on the worker, after every write submitted so far; drain() waits for it too."""
+        future = self._submit(fn, *args)
         self._reads.append(future)
         while self._reads and self._reads[0].done():
             self._reads.popleft()
@@ -56,7 +65,21 @@ class BackgroundIO:
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Write `records` of `rows` (sorted, unique) back; `records` must not change afterwards."""
-        self._writes.append(_Write(rows, records, self._submit(self.backing.write, rows, records)))
+        self._add_write(_Write(rows, records, self._submit(self.backing.write, rows, records)))
+
+    def write_when(self, ready: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A write whose rows and records ready() gives on the worker (it may wait for them, e.g. for
+        a copy from a device to finish); in order with the other jobs."""
+
+        def write() -> None:
+            rows, records = ready()
+            if rows.numel():
+                self.backing.write(rows, records)
+
+        self._add_write(_Write(None, None, self._submit(write)))
+
+    def _add_write(self, w: _Write) -> None:
+        self._writes.append(w)
         self._trim()
         while len(self._writes) > _MAX_WRITES:
             self._writes[0].done.result()
@@ -73,6 +96,9 @@ class BackgroundIO:
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Records of `rows` (sorted, unique) now: pending write-backs first (newest wins), then the
         backing store for the rest."""
+        for w in self._writes:
+            if w.rows is None:  # its rows are known once it has run: wait for it (and those before)
+                w.done.result()
         pending = [w for w in self._writes if not w.done.done()] if self._writes else []
         if not pending:  # finished writes are in the backing store
             return self.backing.read(rows)

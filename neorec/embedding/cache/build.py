@@ -5,7 +5,8 @@ of tables (see neorec/embedding/fused/storage.py); a group whose tables are all 
 gets plain tensors, as without a cache. Tiers:
 - memory: a plain tensor in RAM, no cache (the default);
 - dram: every row in a host-memory tensor behind a cache: in GPU memory when the engine runs on a
-  GPU (the paper's device-memory cache over host DRAM), else in RAM (mostly useful for tests);
+  GPU (the paper's device-memory cache over host DRAM; coming batches' misses are read ahead on the
+  worker thread), else in RAM (mostly useful for tests);
 - ssd: every row in a file under `directory`, created window by window (never whole in RAM), behind
   a cache in RAM, or in GPU memory when the engine runs on a GPU.
 
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from neorec.embedding.cache import cache as cache_module
 from neorec.embedding.cache.backing import DramBacking, SsdBacking, create_ssd_file
 from neorec.embedding.cache.cache import POLICIES, CachedStorage, RowCache
 from neorec.embedding.cache.records import RecordLayout
@@ -80,7 +82,10 @@ def cached_storage_factory(
         tier = group_tiers.pop()
         backing = _backing(tier, names[0], specs, settings)
         capacity = _capacity(names, specs, settings, total_cached_rows)
-        io_thread = tier != "dram" and use_io_thread(settings.io_thread, device)
+        # a cache in RAM over RAM reads nothing ahead (the worker would only add a hand-over); one in
+        # device memory reads ahead so that the copies to and from the host overlap the step
+        ahead = tier != "dram" or cache_module.stages_through_host(device)
+        io_thread = ahead and use_io_thread(settings.io_thread, device)
         cache = RowCache(tables, backing, capacity, settings.policy, device=device, io_thread=io_thread)
         return {name: CachedStorage(cache, name) for name in specs}
 

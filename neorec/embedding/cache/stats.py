@@ -22,35 +22,51 @@ FIELDS = ("lookups", "misses", "evictions", "writebacks", "write_through")
 
 
 class CacheStats:
-    """Counters of one cache (one group of tables), kept per table."""
+    """Counters of one cache (one group of tables), kept per table, on the cache's device: counting
+    never reads anything back to the host (a cache in GPU memory counts without a sync); the
+    counters cross once, when they are reported."""
 
-    def __init__(self, tables: list[str], starts: list[int], row_bytes: int, tier: str) -> None:
+    def __init__(
+        self, tables: list[str], starts: list[int], row_bytes: int, tier: str, device: torch.device | str = "cpu"
+    ) -> None:
         self.tables = tables
-        self.starts = torch.tensor(starts, dtype=torch.int64)
+        self.starts = torch.tensor(starts, dtype=torch.int64, device=device)
         self.row_bytes = row_bytes
         self.tier = tier
-        self.counts = torch.zeros(len(FIELDS), len(tables), dtype=torch.int64)
+        self.counts = torch.zeros(len(FIELDS), len(tables), dtype=torch.int64, device=device)
 
-    def add(self, field: str, rows: torch.Tensor, ascending: bool = False) -> None:
+    def add(
+        self, field: str, rows: torch.Tensor, ascending: bool = False, where: torch.Tensor | None = None
+    ) -> None:
         """Count global `rows` under `field`, each for the table that holds it (ascending: `rows` are
-        sorted, so the tables' first rows split them: a few binary searches instead of one per row)."""
+        sorted, so the tables' first rows split them: a few binary searches instead of one per row).
+        where: a bool mask of the rows that count (the others may be anything, e.g. -1)."""
         if rows.numel() == 0:
             return
-        rows = rows.cpu()  # a cache in GPU memory: the counters stay on the host
         i = FIELDS.index(field)
-        if len(self.tables) == 1:
+        if where is not None:
+            table = self._table_of(rows).clamp_(min=0)
+            self.counts[i].index_add_(0, table, where.to(torch.int64))
+        elif len(self.tables) == 1:
             self.counts[i, 0] += rows.numel()
         elif ascending:
             bounds = torch.searchsorted(rows, self.starts)
-            self.counts[i] += torch.diff(bounds, append=torch.tensor([rows.numel()]))
+            end = torch.full((1,), rows.numel(), dtype=bounds.dtype, device=bounds.device)  # no copy from the host
+            self.counts[i] += torch.diff(bounds, append=end)
         else:
-            table = torch.searchsorted(self.starts, rows, right=True) - 1
-            self.counts[i] += torch.bincount(table, minlength=len(self.tables))
+            table = self._table_of(rows)
+            self.counts[i].index_add_(0, table, torch.ones_like(table))
+
+    def _table_of(self, rows: torch.Tensor) -> torch.Tensor:
+        if len(self.tables) == 1:
+            return torch.zeros_like(rows)
+        return torch.searchsorted(self.starts, rows, right=True) - 1
 
     def by_table(self) -> dict[str, dict[str, float]]:
         out = {}
+        counts = self.counts.cpu()
         for t, name in enumerate(self.tables):
-            c = {f: int(self.counts[i, t]) for i, f in enumerate(FIELDS)}
+            c = {f: int(counts[i, t]) for i, f in enumerate(FIELDS)}
             hit_rate = max(0.0, 1.0 - c["misses"] / c["lookups"]) if c["lookups"] else float("nan")
             out[name] = {
                 **c,
