@@ -126,7 +126,9 @@ class RowCache:
         self.uses = torch.zeros(self.capacity, dtype=torch.int64, device=device)
         # LFU: a row's use count (saturating, decayed with the others) survives its eviction, so a
         # row that comes back resumes its count instead of starting at 1 as a newcomer would
-        self.history = torch.zeros(self.num_rows + 1 if policy == "lfu" else 0, dtype=torch.uint8, device=device)
+        self.history = torch.zeros(
+            self.num_rows + 1 if policy == "lfu" else 0, dtype=torch.uint8, device=device
+        )
         self.tick = 0
         self._fresh = 0  # slots [_fresh, capacity) were never used
         self.lfu_decay_rows = lfu_decay_rows or _LFU_DECAY_TURNOVERS * self.capacity
@@ -194,7 +196,9 @@ class RowCache:
         torch.ne(ordered[1:], ordered[:-1], out=first[1:])
         place = torch.cumsum(first, 0).sub_(1)
         # the unique rows first, then the sink row (never resident) in the places left over
-        padded = torch.full((n,), self.num_rows, dtype=rows.dtype, device=rows.device).scatter_(0, place, ordered)
+        padded = torch.full((n,), self.num_rows, dtype=rows.dtype, device=rows.device).scatter_(
+            0, place, ordered
+        )
         slots = self.slot_of.index_select(0, padded).long()
         cached = slots >= 0
         pinned = torch.zeros(self.capacity + 1, dtype=torch.bool, device=rows.device)  # + a sink
@@ -416,7 +420,9 @@ class RowCache:
         self.io.write_back(rows, dirty, self.records, slots)
         target = torch.where(occupied, rows, self.num_rows)  # empty slots: the sink entry
         if self.policy == "lfu":
-            self.history.index_copy_(0, target, self.uses.index_select(0, slots).clamp_(max=255).to(torch.uint8))
+            self.history.index_copy_(
+                0, target, self.uses.index_select(0, slots).clamp_(max=255).to(torch.uint8)
+            )
         self.slot_of.index_fill_(0, target, -1)
         self.row_of.index_fill_(0, slots, -1)
         self.dirty.index_fill_(0, slots, False)
@@ -614,7 +620,9 @@ class DeviceIO:
 
         return StagedRead(self.io.submit(read), host, buffer, slots)
 
-    def write_back(self, rows: torch.Tensor, dirty: torch.Tensor, records: torch.Tensor, slots: torch.Tensor) -> None:
+    def write_back(
+        self, rows: torch.Tensor, dirty: torch.Tensor, records: torch.Tensor, slots: torch.Tensor
+    ) -> None:
         """Write back the records in `slots` of those `rows` that are `dirty` (rows of empty slots are
         -1 and never dirty), without waiting: the records are gathered now, in the current stream's
         order, and the worker picks the updated ones once the copy to host memory is done."""

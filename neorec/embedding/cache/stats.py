@@ -27,7 +27,12 @@ class CacheStats:
     counters cross once, when they are reported."""
 
     def __init__(
-        self, tables: list[str], starts: list[int], row_bytes: int, tier: str, device: torch.device | str = "cpu"
+        self,
+        tables: list[str],
+        starts: list[int],
+        row_bytes: int,
+        tier: str,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.tables = tables
         self.starts = torch.tensor(starts, dtype=torch.int64, device=device)
@@ -51,7 +56,9 @@ class CacheStats:
             self.counts[i, 0] += rows.numel()
         elif ascending:
             bounds = torch.searchsorted(rows, self.starts)
-            end = torch.full((1,), rows.numel(), dtype=bounds.dtype, device=bounds.device)  # no copy from the host
+            end = torch.full(
+                (1,), rows.numel(), dtype=bounds.dtype, device=bounds.device
+            )  # no copy from the host
             self.counts[i] += torch.diff(bounds, append=end)
         else:
             table = self._table_of(rows)
