@@ -61,8 +61,11 @@ def test_gpu_batches_are_copied_ahead_without_host_syncs():
     feed = DeviceFeed(iter(batches), "cuda", depth=2)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = [b.dense.sum() for b in feed]  # the hand-over waits on events, never on the host
+        # the hand-over waits on events, never on the host; each feature's number of ids was
+        # counted on the host and travels with the batch
+        got = [(b.dense.sum(), b.sparse.length_per_key()) for b in feed]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want = [b.dense.sum() for b in batches]
-    assert [float(x) for x in got] == pytest.approx([float(x) for x in want])
+    assert [float(x) for x, _ in got] == pytest.approx([float(x) for x in want])
+    assert [n for _, n in got] == [b.sparse.length_per_key() for b in batches]

@@ -53,6 +53,14 @@ def test_offsets_and_views():
     assert ln.tolist() == [1, 1, 1] and v.numel() == 3 and w is None
 
 
+def test_length_per_key_given_by_the_maker_is_checked_and_travels():
+    sb = make({"a": [1, 0, 2], "b": [1, 1, 1]})
+    given = SparseBatch(sb.keys, sb.values, sb.lengths, None, [3, 3])
+    assert given.length_per_key() == [3, 3] and given.to("cpu").length_per_key() == [3, 3]
+    with pytest.raises(DataError, match=r"length_per_key \[2, 3\] does not match the 2 features"):
+        SparseBatch(sb.keys, sb.values, sb.lengths, None, [2, 3])
+
+
 def test_from_dense_ids_is_one_hot_feature_major():
     ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
     sb = SparseBatch.from_dense_ids(["x", "y"], ids)

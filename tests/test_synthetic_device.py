@@ -129,6 +129,8 @@ def test_device_batches_do_not_depend_on_the_batch_size_and_raw_ids_map_back():
         return torch.cat(out)
 
     assert all(torch.equal(feature(small, f), feature(big, f)) for f in range(len(s.rows)))
+    for b in small + big:  # each feature's number of ids comes with the batch (from the host offsets)
+        assert b.sparse._length_per_key == b.sparse.lengths.view(len(s.rows), -1).sum(1).tolist()
     block = src.block("train", 0)
     plain = SyntheticSource(s, generator="device").block("train", 0)
     assert torch.equal(block.values[1], sd.raw_ids(plain.values[1], src.teacher.key[1]))
@@ -161,10 +163,12 @@ def test_gpu_draws_are_deterministic_on_the_gpu_and_never_wait_on_the_host():
         blocks = [a.block("train", i) for i in range(2)]
         batches = list(b.train_batches(4096))
         shuffled = list(b.train_batches(4096, epoch=1))  # a later epoch gathers samples in a new order
+        counts = [batch.sparse.length_per_key() for batch in batches + shuffled]  # carried, not read back
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert blocks[0].dense.is_cuda and batches[0].sparse.values.is_cuda and shuffled[0].labels.is_cuda
     assert len(shuffled) == len(batches) and not torch.equal(shuffled[0].labels, batches[0].labels)
+    assert counts[0] == batches[0].sparse.lengths.view(len(s.rows), -1).sum(1).tolist()
     again = SyntheticSource(s, cache=False, device="cuda", generator="device").block("train", 1)
     assert torch.equal(again.labels, blocks[1].labels) and torch.equal(again.values[5], blocks[1].values[5])
     ctr = float(torch.cat([b.labels for b in blocks]).mean())

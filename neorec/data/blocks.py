@@ -107,7 +107,9 @@ class Block:
 
     def to_batch(self, keys: list[str]) -> Batch:
         weights = torch.cat(self.weights) if self.weights is not None else None
-        sparse = SparseBatch(keys, torch.cat(self.values), torch.cat(self.lengths), weights)
+        # each feature's number of ids, from the host offsets: a batch on a GPU never reads them back
+        per_key = [len(self) if off is None else int(off[-1]) for off in self.offsets]
+        sparse = SparseBatch(keys, torch.cat(self.values), torch.cat(self.lengths), weights, per_key)
         return Batch(self.dense, sparse, self.labels)
 
 

@@ -49,6 +49,7 @@ class DeviceFeed:
         """Start `batch`'s copy to the device on `stream`; (device batch, event at its end)."""
         if batch.dense.device == self.device:  # on the device already (the CPU, or data.synthetic.on_device)
             return batch, None
+        batch.sparse.length_per_key()  # counted on the host now, so the device batch never reads them
         if not batch.dense.is_pinned():
             batch = batch.pin_memory()
         with torch.cuda.stream(stream):

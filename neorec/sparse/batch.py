@@ -36,13 +36,23 @@ class SparseBatch:
         values: torch.Tensor,
         lengths: torch.Tensor,
         weights: torch.Tensor | None = None,
+        length_per_key: Sequence[int] | None = None,
     ) -> None:
+        """length_per_key: the number of ids of each feature, where whoever made the batch knows them
+        on the host (a batch on a GPU then never reads them back)."""
         self.keys = list(keys)
         self.values = values
         self.lengths = lengths
         self.weights = weights
         self._offsets: torch.Tensor | None = None
         self._length_per_key: list[int] | None = None
+        if length_per_key is not None:
+            self._length_per_key = [int(n) for n in length_per_key]
+            if len(self._length_per_key) != len(self.keys) or sum(self._length_per_key) != values.numel():
+                raise DataError(
+                    f"SparseBatch length_per_key {self._length_per_key} does not match the {len(self.keys)} "
+                    f"features {self.keys} and their {values.numel()} ids"
+                )
         if len(self.keys) == 0:
             if lengths.numel() != 0:
                 raise DataError("SparseBatch has no features but non-empty lengths")
@@ -231,24 +241,22 @@ class SparseBatch:
 
     # ---- devices -------------------------------------------------------------------------------
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseBatch:
-        out = SparseBatch(
+        return SparseBatch(
             self.keys,
             self.values.to(device, non_blocking=non_blocking),
             self.lengths.to(device, non_blocking=non_blocking),
             self.weights.to(device, non_blocking=non_blocking) if self.weights is not None else None,
+            self._length_per_key,
         )
-        out._length_per_key = self._length_per_key
-        return out
 
     def pin_memory(self) -> SparseBatch:
-        out = SparseBatch(
+        return SparseBatch(
             self.keys,
             self.values.pin_memory(),
             self.lengths.pin_memory(),
             self.weights.pin_memory() if self.weights is not None else None,
+            self._length_per_key,
         )
-        out._length_per_key = self._length_per_key
-        return out
 
     def __repr__(self) -> str:
         w = ", weighted" if self.weights is not None else ""
