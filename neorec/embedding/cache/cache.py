@@ -680,6 +680,8 @@ class StagedRead:
     cache calls it at the batch's lookup, or before anything touches those slots)."""
 
     def __init__(self, read: Future, host: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor) -> None:
+        """read: the worker's job, which gives (the records on the device, an event at the end of
+        their copy); host: the host buffer it reads them into (the job keeps it as long as needed)."""
         self._read: Future | None = read
         self._buffer, self._slots = buffer, slots
 
