@@ -8,7 +8,8 @@
 # Steps (each under its own time limit, its log in $OUT/<step>.log, its rc in $OUT/summary.txt):
 #   env      versions, the GPU, the imports neorec needs
 #   tests    the tests that need a GPU (they skip elsewhere): kernels against float64, training on
-#            CUDA, the device data feed, the GPU row cache
+#            CUDA, the device data feed
+#   cachetests  the GPU row cache's GPU tests: bitwise against tables in GPU memory, syncs counted
 #   ranktests  ranks sharing the GPU over gloo against one GPU process (every sharding kind, cache,
 #            checkpoints across world sizes and devices, pipeline on/off)
 #   profile  benchmarks/gpu_step_profile.py on criteo_kaggle at batch 16,384 and mlperf_dcnv2 (bf16):
@@ -31,7 +32,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests cachetests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd)
 COMMON=(--set train.progress=false --set logging.plot=false --set logging.tensorboard=false --set train.eval_every=null)
 
 run() {  # run NAME SECONDS COMMAND...: the command's output to $OUT/NAME.log, its tail on the console
@@ -76,8 +77,11 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         ;;
     tests)
         run tests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_fused_cuda.py tests/test_train_cuda.py \
-            tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py tests/test_synthetic_device.py \
-            tests/test_cache.py
+            tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py tests/test_synthetic_device.py
+        ;;
+    cachetests)
+        run cachetests ${CACHE_TESTS_LIMIT:-180} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider -m gpu \
+            ${PYTEST_ARGS:-} tests/test_cache.py
         ;;
     ranktests)
         run ranktests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_train_cuda_ranks.py
@@ -122,7 +126,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             --repeats 1 --dir "${SSD_DIR:-/tmp/neorec-ssd}" --no-append
         ;;
     *)
-        echo "unknown step $step (env tests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd)" >&2
+        echo "unknown step $step (env tests cachetests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd)" >&2
         exit 2
         ;;
     esac
