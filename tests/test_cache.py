@@ -322,8 +322,9 @@ def test_gpu_cache_steps_sync_once_per_read_ahead(tmp_path, policy) -> None:
     cached = cached_engine(ts, opt, tmp_path, policy, tier="dram", fraction=0.3, device="cuda", io_thread="auto")
     assert len(cached.weights) == 1 and cached.weights[0].cache.io.background
     gen = torch.Generator().manual_seed(12)
-    batches = [batch(gen, ts, batch_size=256).to("cuda") for _ in range(16)]
-    grads = [torch.randn(256, plain.output_dim, generator=gen).to("cuda") for _ in batches]
+    # 128 samples: two batches' rows fit in the cache beside each other, so every read ahead is complete
+    batches = [batch(gen, ts, batch_size=128).to("cuda") for _ in range(20)]
+    grads = [torch.randn(128, plain.output_dim, generator=gen).to("cuda") for _ in batches]
     syncs = {"ahead": 0, "lookup": 0, "update": 0}
     phase: list[str] = []
     main = threading.main_thread()
@@ -333,7 +334,7 @@ def test_gpu_cache_steps_sync_once_per_read_ahead(tmp_path, policy) -> None:
             syncs[phase[-1]] += 1
 
     for i in range(len(batches) - 1):
-        counting = i >= 8  # the cache is full by then: evictions every step
+        counting = i >= 12  # the cache is full by then: evictions every step
         if counting:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("warn")
