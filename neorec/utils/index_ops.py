@@ -32,6 +32,14 @@ def split(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.flatnonzero(m)), torch.from_numpy(np.flatnonzero(~m))
 
 
+def runs(ordered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of equal values in a sorted 1-D tensor: (whether each entry is its run's first, each
+    entry's run index), without reading anything back (the number of runs is which[-1] + 1)."""
+    first = torch.ones(ordered.numel(), dtype=torch.bool, device=ordered.device)
+    torch.ne(ordered[1:], ordered[:-1], out=first[1:])
+    return first, torch.cumsum(first, 0).sub_(1)
+
+
 def compact(mask: torch.Tensor, count: int) -> torch.Tensor:
     """where(mask) when the number of True entries, `count`, is already known on the host: the
     positions are scattered to their places without reading anything back (on a GPU, no sync)."""

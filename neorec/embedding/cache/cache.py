@@ -152,9 +152,9 @@ class RowCache:
         ahead=True: they are a coming batch's: give the missing ones slots now and read them on the
         worker thread (see the module doc)."""
         split = None
+        if ahead and self.io.background and len(self._ahead) == _MAX_AHEAD:
+            self._finish(self._ahead.popleft())  # its slots are not pinned any more
         if ahead and self.io.background and self._on_device:
-            if len(self._ahead) == _MAX_AHEAD:  # its slots are not pinned any more: count without them
-                self._finish(self._ahead.popleft())
             split = self._classify_on_device(rows)
             unique = split[0]
         else:
@@ -192,9 +192,7 @@ class RowCache:
         the pinned slots for _make_room would each read one)."""
         n = rows.numel()
         ordered = torch.sort(rows).values
-        first = torch.ones(n, dtype=torch.bool, device=rows.device)
-        torch.ne(ordered[1:], ordered[:-1], out=first[1:])
-        place = torch.cumsum(first, 0).sub_(1)
+        _, place = index_ops.runs(ordered)
         # the unique rows first, then the sink row (never resident) in the places left over
         padded = torch.full((n,), self.num_rows, dtype=rows.dtype, device=rows.device).scatter_(
             0, place, ordered
@@ -229,8 +227,6 @@ class RowCache:
         others, never a row of a batch in flight) and start reading their records. A batch that does
         not fit beside the batches in flight is left to its lookup. slots, hit, miss, num_pinned:
         as _classify_on_device gives them, when it has."""
-        if len(self._ahead) == _MAX_AHEAD:
-            self._finish(self._ahead.popleft())
         if slots is None or hit is None or miss is None:
             slots = self.slot_of.index_select(0, rows).long()
             hit, miss = index_ops.split(slots >= 0)

@@ -207,8 +207,7 @@ def sort_by_row(
     bags = batch.bags.index_select(0, order)
     scales = batch.scales.index_select(0, order) if batch.scales is not None else None
     if num_unique is not None and sorted_rows.numel():
-        first = torch.ones(sorted_rows.numel(), dtype=torch.bool, device=sorted_rows.device)
-        torch.ne(sorted_rows[1:], sorted_rows[:-1], out=first[1:])
+        first, _ = index_ops.runs(sorted_rows)
         starts = index_ops.compact(first, num_unique)  # each run's first id
         end = torch.full((1,), sorted_rows.numel(), dtype=starts.dtype, device=starts.device)
         return sorted_rows.index_select(0, starts), torch.cat([starts, end]), bags, scales
@@ -228,9 +227,7 @@ def sort_by_row_on_device(
     sorted_rows, order = torch.sort(batch.rows, stable=True)
     bags = batch.bags.index_select(0, order)
     scales = batch.scales.index_select(0, order) if batch.scales is not None else None
-    first = torch.ones(n, dtype=torch.bool, device=device)  # the first id of each row
-    torch.ne(sorted_rows[1:], sorted_rows[:-1], out=first[1:])
-    which = torch.cumsum(first, 0) - 1  # each id's unique-row index
+    _, which = index_ops.runs(sorted_rows)  # each id's unique-row index
     unique_rows = torch.zeros(n, dtype=torch.int64, device=device).scatter_(0, which, sorted_rows)
     offsets = torch.full((n + 1,), n, dtype=torch.int64, device=device)
     offsets.scatter_reduce_(0, which, torch.arange(n, device=device), reduce="amin")
