@@ -176,9 +176,9 @@ class RowCache:
 
     def _unique(self, rows: torch.Tensor) -> torch.Tensor:
         """torch.unique(rows), once per tensor: a batch's prefetch and its lookup pass the same one."""
-        for seen, unique in self._uniques:
-            if seen is rows:
-                return unique
+        known = self._unique_known(rows)
+        if known is not None:
+            return known
         unique = index_ops.sorted_unique(rows)
         self._uniques.append((rows, unique))
         return unique
