@@ -76,7 +76,21 @@ def timed(inputs, warmup: int, forward, backward) -> dict:
     return {"fwd_ms": 1e3 * sorted(fwd)[mid], "bwd_ms": 1e3 * sorted(bwd)[mid], "total_ms": 1e3 * tot[mid]}
 
 
-def run(impl: str, opt: str, case: dict, batches: list, warmup: int) -> tuple[dict, torch.Tensor]:
+def profile_kernels(inputs, forward, backward, title: str, steps: int = 3) -> None:
+    """Print the kernels of `steps` forward + backward passes by device time, heaviest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for x in inputs[-steps:]:
+            backward(forward(x))
+        torch.cuda.synchronize()
+    print(f"-- kernels of {steps} forward + backward passes, {title}")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=70))
+
+
+def run(
+    impl: str, opt: str, case: dict, batches: list, warmup: int, profile: bool = False
+) -> tuple[dict, torch.Tensor]:
     """Times of one implementation, and its first forward output (to check the two neorec paths agree)."""
     t, rows, dim, b = case["tables"], case["rows"], case["dim"], case["batch"]
     lr = 0.01
@@ -107,6 +121,8 @@ def run(impl: str, opt: str, case: dict, batches: list, warmup: int) -> tuple[di
     first = forward(inputs[0]).detach().clone()  # a first look-up, untimed (compiles the kernels)
     res = timed(inputs, warmup, forward, backward)
     res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if profile:
+        profile_kernels(inputs, forward, backward, f"{impl}, {opt}, batch {case['batch']:,}")
     return res, first
 
 
@@ -121,6 +137,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--results", default=str(RESULTS), help="markdown file to append the table to")
+    p.add_argument(
+        "--profile", action="store_true", help="also print each implementation's kernels by device time"
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("embedding_ops_gpu.py needs a CUDA device")
@@ -153,7 +172,7 @@ def main() -> None:
                 for impl in args.impls.split(","):
                     if impl == "embeddingbag" and opt not in ("sgd", "adagrad"):
                         continue  # torch.optim has no row-wise adagrad; the baseline steps SGD or Adagrad only
-                    results[impl], firsts[impl] = run(impl, opt, case, batches, args.warmup)
+                    results[impl], firsts[impl] = run(impl, opt, case, batches, args.warmup, args.profile)
                     print(
                         case_name,
                         b,

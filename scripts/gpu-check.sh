@@ -9,6 +9,7 @@
 #   env      versions, the GPU, the imports neorec needs
 #   tests    the tests that need a GPU (they skip elsewhere): kernels against float64, training on
 #            CUDA, the device data feed
+#   kernels  the kernel tests alone (Triton kernels and the fused engine on CUDA against float64)
 #   cachetests  the GPU row cache's GPU tests: bitwise against tables in GPU memory, syncs counted
 #   ranktests  ranks sharing the GPU over gloo against one GPU process (every sharding kind, cache,
 #            checkpoints across world sizes and devices, pipeline on/off)
@@ -19,7 +20,8 @@
 #   kaggle_compile  the same with train.compile (the dense stages through torch.compile)
 #   dcnv2    mlperf_dcnv2 at batch 16,384 with bf16 dense math: samples/s
 #   ranks    criteo_kaggle at batch 16,384 with 2 ranks sharing the GPU over gloo, against one rank
-#   ops      benchmarks/embedding_ops_gpu.py (kernels against the device copy bandwidth)
+#   ops      benchmarks/embedding_ops_gpu.py (kernels against the device copy bandwidth, SGD, row-wise
+#            AdaGrad and Adam), with each implementation's kernels by device time
 #   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory), misses read
 #            ahead on the worker (io thread on) against brought in at the lookup (off)
 #   cache_ssd  the same with --tier ssd (GPU cache over SSD files, in $SSD_DIR or /tmp/neorec-ssd)
@@ -79,6 +81,10 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         run tests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_fused_cuda.py tests/test_train_cuda.py \
             tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py tests/test_synthetic_device.py
         ;;
+    kernels)
+        run kernels ${KERNELS_LIMIT:-150} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} \
+            tests/test_triton_kernels.py tests/test_fused_cuda.py
+        ;;
     cachetests)
         run cachetests ${CACHE_TESTS_LIMIT:-180} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider -m gpu \
             ${PYTEST_ARGS:-} tests/test_cache.py
@@ -114,19 +120,19 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         summary "$OUT/ranks2" | tee -a "$OUT/summary.txt"
         ;;
     ops)
-        run ops 200 $PY benchmarks/embedding_ops_gpu.py --scales 8 --optimizers rowwise_adagrad,sgd \
-            --results "$OUT/gpu-results.md"
+        run ops ${OPS_LIMIT:-240} $PY benchmarks/embedding_ops_gpu.py --scales 8 --optimizers rowwise_adagrad,sgd,adam \
+            --profile --results "$OUT/gpu-results.md"
         ;;
     cache)
-        run cache 150 $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
-            --io-thread on off --repeats 1 --dir "$OUT/tables" --no-append
+        run cache ${CACHE_LIMIT:-150} $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
+            --io-thread on off --repeats 1 --dir /tmp/neorec-tables --no-append
         ;;
     cache_ssd)
-        run cache_ssd 200 $PY benchmarks/cache.py --device cuda --tier ssd --zipf 1.05 --fractions 0.2 \
+        run cache_ssd ${SSD_LIMIT:-200} $PY benchmarks/cache.py --device cuda --tier ssd --zipf 1.05 --fractions 0.2 \
             --repeats 1 --dir "${SSD_DIR:-/tmp/neorec-ssd}" --no-append
         ;;
     *)
-        echo "unknown step $step (env tests cachetests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd)" >&2
+        echo "unknown step $step (env tests kernels cachetests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd)" >&2
         exit 2
         ;;
     esac
