@@ -8,10 +8,10 @@ elementwise ops, a scatter back). These kernels do the same work in one pass eac
   table (fp32, fp16 or bf16; contiguous columns, so loads are coalesced) and sums them in fp32,
   each times its scale (per-sample weight, 1/length for mean pooling), then writes the sum straight
   into the [B, output columns] output at its feature's columns. Empty bags give zeros.
-- `fused_update`: one program per unique row (ids already sorted by row, see
-  lookup.sort_by_row) sums that row's gradient over its ids in id order, reading it straight from
-  d(pooled) at the columns of each id's feature, then applies SGD, AdaGrad, row-wise AdaGrad or
-  Adam (triton_rules.apply_rule) to the whole row and its state and stores the row back in its
+- `fused_update`: a grid the size of the device, each program taking unique rows in turn (ids
+  already sorted by row, see lookup.sort_by_row), sums a row's gradient over its ids in id order,
+  reading it straight from d(pooled) at the columns of each id's feature, then applies SGD,
+  AdaGrad, row-wise AdaGrad or Adam (triton_rules.apply_rule) to the whole row and its state and stores the row back in its
   dtype, to nearest or stochastically (triton_rules.stochastic_round, bitwise rounding.py's
   rounding). Hyper-parameters come from a small per-table table, so tables of one group may
   differ. The gradient never reaches device memory, except the partial sums of hot rows' chunks of
@@ -134,6 +134,22 @@ if triton is not None:
         return g
 
     @triton.jit
+    def _term(i, index, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
+              HAS_SCALES: tl.constexpr, BY_FEATURE: tl.constexpr):  # fmt: skip
+        """Term i of _sum_rows, in fp32."""
+        at = tl.load(index + i)
+        if BY_FEATURE:  # int32 division: bags * features stay under 2^31 (fused_update checks)
+            at32 = at.to(tl.int32)
+            nf = num_features.to(tl.int32)
+            base = (at32 // nf).to(tl.int64) * stride + tl.load(feature_cols + at32 % nf)
+        else:
+            base = at * stride
+        vals = tl.load(table + base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if HAS_SCALES:  # an unscaled group's ids count once (x * 1.0 is x)
+            vals = vals * tl.load(scales + i, mask=scaled, other=1.0)
+        return vals
+
+    @triton.jit
     def _sum_rows(start, end, index, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
                   HAS_SCALES: tl.constexpr, BY_FEATURE: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr):  # fmt: skip
@@ -142,22 +158,18 @@ if triton is not None:
         (BY_FEATURE; index: bags b * num_features + f, read at table[b, feature_cols[f] + cols]).
 
         The terms are added one at a time in id order, so the sum is the same whatever BLOCK_N,
-        BLOCK_D and the launch; BLOCK_N ids' loads are issued together (the inner loop is unrolled)."""
+        BLOCK_D and the launch. Whole blocks of BLOCK_N ids have their loads issued together (the
+        inner loop is unrolled); the ids after the last whole block go one at a time, so a row or
+        bag of few ids spends nothing on slots it does not have."""
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for first in range(start, end, BLOCK_N):
+        whole = start + (end - start) // BLOCK_N * BLOCK_N
+        for first in range(start, whole, BLOCK_N):
             for j in tl.static_range(BLOCK_N):
-                i = first + j
-                ok = i < end
-                at = tl.load(index + i, mask=ok, other=0)
-                if BY_FEATURE:
-                    feature_col = tl.load(feature_cols + at % num_features, mask=ok, other=0)
-                    base = (at // num_features) * stride + feature_col
-                else:
-                    base = at * stride
-                vals = tl.load(table + base + cols, mask=col_ok & ok, other=0.0).to(tl.float32)
-                if HAS_SCALES:  # an unscaled group's ids count once (x * 1.0 is x)
-                    vals = vals * tl.load(scales + i, mask=ok & scaled, other=1.0)
-                acc += vals
+                acc += _term(first + j, index, scales, scaled, table, cols, col_ok, stride, num_features,
+                             feature_cols, HAS_SCALES, BY_FEATURE)  # fmt: skip
+        for i in range(whole, end):
+            acc += _term(i, index, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
+                         HAS_SCALES, BY_FEATURE)  # fmt: skip
         return acc
 
     @triton.jit
@@ -238,45 +250,52 @@ if triton is not None:
         RULE: tl.constexpr, HAS_SCALES: tl.constexpr, MULTI_TABLE: tl.constexpr, STOCHASTIC: tl.constexpr,
         NUM_HPARAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        """Unique row u of the launch (group g's are [first_unique[g], first_unique[g + 1]), of which
-        the first counts[g] are real). weight: any group's buffer, for the element type they share."""
-        u = tl.program_id(0)
-        g = _group_of(u, first_unique, num_groups)
-        local = u - tl.load(first_unique + g)
-        if local >= tl.load(_pointer(counts, g, tl.int64)):  # padding past the group's unique rows
-            return
-        row = tl.load(_pointer(unique_rows, g, tl.int64) + local)
-        dim = tl.load(dims + g)
-        cols = tl.arange(0, BLOCK_D)
-        col_ok = cols < dim
-        # the row's summed gradient, in id order: straight from its ids, or (a long row) from the
-        # partial sums of its chunks of ids, in chunk order
-        p0 = tl.load(part_offsets + u)
-        p1 = tl.load(part_offsets + u + 1)
-        row_offsets = _pointer(seg_offsets, g, tl.int64)
-        start = tl.load(row_offsets + local)
-        end = tl.where(p1 > p0, start, tl.load(row_offsets + local + 1))
-        grad = _row_gradient(
-            g, start, end, bags, scales, scaled, grads, g_strides, num_features, first_feature, feature_cols,
-            cols, col_ok, HAS_SCALES, BLOCK_N, BLOCK_D,
-        )  # fmt: skip
-        for p in range(p0, p1):
-            grad += tl.load(partial + p * p_stride + cols, mask=col_ok, other=0.0)
-        table = tl.load(_pointer(row_tables, g, tl.int64) + local) if MULTI_TABLE else 0
-        hp = _pointer(hparams, g, tl.float32) + table * NUM_HPARAMS
-        w_ptrs = _pointer(weights, g, weight.dtype.element_ty) + row * tl.load(w_strides + g) + cols
-        w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        grad = grad + tl.load(hp + 2) * w  # weight decay
-        state1 = _pointer(states1, g, tl.float32)
-        state2 = _pointer(states2, g, tl.float32)
-        w = apply_rule(w, grad, row, cols, col_ok, state1, state2, dim, hp, RULE, BLOCK_D)
-        if STOCHASTIC:
-            key = tl.load(_pointer(keys, g, tl.int64) + table).to(tl.uint32)
-            noise = uniform_noise(key, row - tl.load(_pointer(row_starts, g, tl.int64) + table), cols)
-            stored = stochastic_round(w, noise, weight.dtype.element_ty)
-        else:
-            stored = w.to(weight.dtype.element_ty)
-        tl.store(w_ptrs, stored, mask=col_ok)
+        """The unique rows of every group (group g's are [first_unique[g], first_unique[g + 1]) of the
+        launch, of which the first counts[g] are real), program p taking rows p, p + P, p + 2P, ...
+        of each group for a grid of P programs: the grid fits the device, not the padded row count,
+        so padding costs nothing. weight: any group's buffer, for the element type they share."""
+        pid = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        for g in range(num_groups):
+            first = tl.load(first_unique + g)
+            count = tl.load(_pointer(counts, g, tl.int64)).to(tl.int32)
+            dim = tl.load(dims + g)
+            cols = tl.arange(0, BLOCK_D)
+            col_ok = cols < dim
+            rows = _pointer(unique_rows, g, tl.int64)
+            row_offsets = _pointer(seg_offsets, g, tl.int64)
+            w_stride = tl.load(w_strides + g)
+            table_ptr = _pointer(weights, g, weight.dtype.element_ty)
+            state1 = _pointer(states1, g, tl.float32)
+            state2 = _pointer(states2, g, tl.float32)
+            for local in range(pid, count, num_programs):
+                u = first + local
+                row = tl.load(rows + local)
+                # the row's summed gradient, in id order: straight from its ids, or (a long row) from
+                # the partial sums of its chunks of ids, in chunk order
+                p0 = tl.load(part_offsets + u)
+                p1 = tl.load(part_offsets + u + 1)
+                start = tl.load(row_offsets + local)
+                end = tl.where(p1 > p0, start, tl.load(row_offsets + local + 1))
+                grad = _row_gradient(
+                    g, start, end, bags, scales, scaled, grads, g_strides, num_features, first_feature,
+                    feature_cols, cols, col_ok, HAS_SCALES, BLOCK_N, BLOCK_D,
+                )  # fmt: skip
+                for p in range(p0, p1):
+                    grad += tl.load(partial + p * p_stride + cols, mask=col_ok, other=0.0)
+                table = tl.load(_pointer(row_tables, g, tl.int64) + local) if MULTI_TABLE else 0
+                hp = _pointer(hparams, g, tl.float32) + table * NUM_HPARAMS
+                w_ptrs = table_ptr + row * w_stride + cols
+                w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+                grad = grad + tl.load(hp + 2) * w  # weight decay
+                w = apply_rule(w, grad, row, cols, col_ok, state1, state2, dim, hp, RULE, BLOCK_D)
+                if STOCHASTIC:
+                    key = tl.load(_pointer(keys, g, tl.int64) + table).to(tl.uint32)
+                    noise = uniform_noise(key, row - tl.load(_pointer(row_starts, g, tl.int64) + table), cols)
+                    stored = stochastic_round(w, noise, weight.dtype.element_ty)
+                else:
+                    stored = w.to(weight.dtype.element_ty)
+                tl.store(w_ptrs, stored, mask=col_ok)
 
     @triton.jit
     def _round_kernel(x, keys, rows, out, dim, BLOCK_D: tl.constexpr):
@@ -314,6 +333,17 @@ def _int_tables(columns: Mapping[str, list[int]], device: torch.device) -> dict[
 def _num_warps(block_d: int) -> int:
     """Warps for a program that works on block_d columns at a time: a column per thread, up to 4 warps."""
     return max(1, min(4, block_d // 32))
+
+
+def _resident_programs(device: torch.device, work: int, num_warps: int) -> int:
+    """A grid for a kernel whose programs loop over `work` items: as many programs of `num_warps`
+    warps as the device holds at once (64 warps, at most 32 programs, per multiprocessor), no more
+    than there are items. Launching one program per item instead costs a program start per padded
+    item, which on a padded sort is most of them."""
+    if device.type != "cuda":  # Triton's interpreter runs the programs one after the other
+        return max(1, min(work, 16))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(work, sms * min(32, 64 // num_warps)))
 
 
 def _firsts(sizes: list[int]) -> list[int]:
@@ -446,6 +476,7 @@ def fused_update(groups: list[UpdateGroup], step: int, chunk: int | None = None)
             dim = grp.weight.shape[1]
             raise ValueError(f"the fused update kernel takes dims up to {MAX_UPDATE_DIM}, got {dim}")
         assert grp.weight.stride(1) == 1 and grp.grad.stride(1) == 1 and grp.grad.dtype == torch.float32
+        assert grp.grad.shape[0] * grp.num_features < 2**31  # the kernel's bag indices are int32
         stochastic = grp.table_seeds is not None and grp.weight.dtype != torch.float32
         launches.setdefault((grp.rule, grp.weight.dtype, stochastic), []).append(grp)
     for (rule, _, stochastic), same in launches.items():
@@ -527,7 +558,7 @@ def _launch_update(rule: str, groups: list[UpdateGroup], step: int, chunk: int, 
             HAS_SCALES=has_scales, CHUNK=chunk, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
         )  # fmt: skip
 
-    _update_kernel[(num_unique,)](
+    _update_kernel[(_resident_programs(device, num_unique, num_warps),)](
         groups[0].weight, len(groups), part_offsets=part_offsets, partial=partial, p_stride=max_dim, **tables,
         RULE=RULE_IDS[rule], HAS_SCALES=has_scales, MULTI_TABLE=multi_table, STOCHASTIC=stochastic,
         NUM_HPARAMS=len(HPARAM_COLUMNS), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
