@@ -116,3 +116,15 @@ def test_to_device_keeps_data():
     sb = make({"a": [2, 0], "b": [1, 3]}, weighted=True)
     moved = sb.to("cpu")
     assert moved == sb and moved.length_per_key() == sb.length_per_key()
+
+
+def test_to_where_it_is_returns_the_batch_itself():
+    """As torch.Tensor.to: the embedding cache recognises a prefetched batch at its lookup by
+    identity, and the trainer moves every batch to its device before the lookup."""
+    from neorec.data.batch import Batch
+
+    sb = make({"a": [2, 0], "b": [1, 3]}, weighted=True)
+    assert sb.to("cpu") is sb and sb.to(torch.device("cpu"), non_blocking=True) is sb
+    batch = Batch(torch.randn(2, 3), sb, torch.ones(2))
+    assert batch.to("cpu") is batch
+    assert batch.to("cpu", non_blocking=True).sparse is sb

@@ -23,11 +23,13 @@ class Batch:
         return Batch(self.dense[start:end], self.sparse.slice_samples(start, end), self.labels[start:end])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return Batch(
-            self.dense.to(device, non_blocking=non_blocking),
-            self.sparse.to(device, non_blocking=non_blocking),
-            self.labels.to(device, non_blocking=non_blocking),
-        )
+        """The batch on `device`; the batch itself when it is there already (as torch.Tensor.to)."""
+        dense = self.dense.to(device, non_blocking=non_blocking)
+        sparse = self.sparse.to(device, non_blocking=non_blocking)
+        labels = self.labels.to(device, non_blocking=non_blocking)
+        if dense is self.dense and sparse is self.sparse and labels is self.labels:
+            return self
+        return Batch(dense, sparse, labels)
 
     def pin_memory(self) -> Batch:
         return Batch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory())

@@ -241,13 +241,14 @@ class SparseBatch:
 
     # ---- devices -------------------------------------------------------------------------------
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseBatch:
-        return SparseBatch(
-            self.keys,
-            self.values.to(device, non_blocking=non_blocking),
-            self.lengths.to(device, non_blocking=non_blocking),
-            self.weights.to(device, non_blocking=non_blocking) if self.weights is not None else None,
-            self._length_per_key,
-        )
+        """The batch on `device`; the batch itself when it is there already (as torch.Tensor.to), so
+        that a batch prefetched by the embedding cache is recognised at its lookup."""
+        values = self.values.to(device, non_blocking=non_blocking)
+        lengths = self.lengths.to(device, non_blocking=non_blocking)
+        weights = self.weights.to(device, non_blocking=non_blocking) if self.weights is not None else None
+        if values is self.values and lengths is self.lengths and weights is self.weights:
+            return self
+        return SparseBatch(self.keys, values, lengths, weights, self._length_per_key)
 
     def pin_memory(self) -> SparseBatch:
         return SparseBatch(
