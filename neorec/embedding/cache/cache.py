@@ -203,7 +203,7 @@ class RowCache:
         for e in self._ahead:
             pinned.index_fill_(0, e.slots, True)
         pinned.index_fill_(0, torch.where(cached, slots, self.capacity), True)
-        pinned[self.capacity] = False
+        pinned[self.capacity :].zero_()  # the sink (a kernel: setting an element copies from the host)
         num_unique = place[-1:] + 1 if n else place.new_zeros(1)
         counts = torch.cat([num_unique, cached.sum().view(1), pinned.sum().view(1)]).cpu()  # the one read
         num_unique, num_cached, num_pinned = counts.tolist()
