@@ -115,6 +115,68 @@ def train(cfg, batches: list, warmup: int, out_dir: Path) -> dict:
     }
 
 
+def profile(cfg, batches: list, warmup: int, out_dir: Path, title: str) -> None:
+    """Print where a step's time goes: the training thread's host syncs (each site's stack, under
+    torch.cuda's sync debug mode, over 2 steps), then the operators by host time and the kernels by
+    device time over 5 steps (torch.profiler), with the prefetch and the step marked."""
+    import collections
+    import threading
+    import traceback
+    import warnings
+
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    from neorec.train.trainer import Trainer
+
+    gc.collect()
+    trainer = Trainer(cfg, out_dir)
+    emb = trainer.embeddings
+    batches = [b.to(trainer.device) for b in batches]
+    cuda = trainer.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    debug = torch.cuda.set_sync_debug_mode if cuda else (lambda mode: None)
+
+    def step(i: int) -> None:
+        with record_function("prefetch next"):
+            if i + 1 < len(batches):
+                emb.prefetch(batches[i + 1].sparse)
+        with record_function("train step"):
+            trainer.train_step(batches[i])
+
+    for i in range(warmup):
+        step(i)
+    sync()
+    sites: collections.Counter = collections.Counter()
+    main = threading.main_thread()
+
+    def seen(message, *args, **kwargs) -> None:
+        if threading.current_thread() is main and "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/neorec/" in f.filename]
+            sites["\n".join(f"    {Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-5:])] += 1
+
+    debug("warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        for i in range(warmup, warmup + 2):
+            step(i)
+    debug("default")
+    print(f"-- {title}: host syncs on the training thread over 2 steps, by site (innermost last)")
+    for site, n in sites.most_common():
+        print(f"  {n} x\n{site}")
+    sync()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(warmup + 2, min(warmup + 7, len(batches))):
+            step(i)
+        sync()
+    table = prof.key_averages()
+    print(f"-- {title}: operators by host time over 5 steps (the worker thread's included)")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(f"-- {title}: kernels by device time over 5 steps")
+    print(table.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+
+
 def sweep(args) -> None:
     fractions = args.fractions
     release_mibs = args.release_mib or ["auto"]
@@ -147,6 +209,13 @@ def sweep(args) -> None:
                 shutil.rmtree(directory, ignore_errors=True)
                 if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
                     best[key] = r
+        if args.profile:  # the first fraction's cases, and the tables all in GPU memory
+            for key, cfg in cases:
+                if key is None or key[0] == fractions[0]:
+                    title = "all in memory" if key is None else f"{args.tier} + {key[0]:.0%} cached"
+                    title += "" if key is None else f", io thread {key[1]}"
+                    profile(cfg, batches, args.warmup, Path("/tmp/neorec-cache-bench/run"), title)
+                    shutil.rmtree(directory, ignore_errors=True)
         ram = best[None]
         for key, _ in cases:
             r = best[key]
@@ -372,6 +441,7 @@ def main() -> None:
         "demo: the first, default 256, so that the maps' pages stay within the budget)",
     )
     p.add_argument("--note", default="", help="appended to the RESULTS notes (e.g. other load seen)")
+    p.add_argument("--profile", action="store_true", help="sweep on cuda: also print where the time goes")
     p.add_argument("--no-append", action="store_true", help="print only (no RESULTS.md, no plot)")
     p.add_argument("--replot", default=None, metavar="PNG",
                    help="redraw benchmarks/PNG from the last RESULTS.md table plotted to it, and stop")  # fmt: skip
