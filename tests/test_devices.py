@@ -119,7 +119,7 @@ def test_gpu_runs_plan_against_the_gpus_free_memory(monkeypatch):
     assert own.tiers[0].capacity == pytest.approx(0.9 * 78 * gib, rel=1e-6)
     assert shared.intra_node_bandwidth < own.intra_node_bandwidth
     assert shared.tiers[1].name == "host" and shared.tiers[1].capacity == pytest.approx(0.9 * 64 * gib, rel=1e-6)
-    assert hardware.gpu_kind("NVIDIA A100-SXM4-80GB") == "a100" and hardware.gpu_kind("NVIDIA H200") == "h100"
+    assert hardware.gpu_kind("NVIDIA A100-SXM4-80GB") == "a100" and hardware.gpu_kind("NVIDIA H200") == "h200"
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (40 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")

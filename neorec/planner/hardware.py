@@ -12,10 +12,11 @@ Presets:
   the values measured on this project's 2-core VM (CALIBRATED_CPU below). Memory: the host's RAM,
   and, when given a folder for table files (embedding.cache.directory), an SSD tier: the free space
   of that folder's filesystem, at the calibrated random-page speeds of calibrate.measure_ssd.
-- `gpu_node("a100" | "h100")`: one 8-GPU node (80 GB per GPU, NVLink inside the node).
+- `gpu_node("a100" | "h100" | "h200")`: one 8-GPU node (80 GB per GPU, NVLink inside the node).
 - `paper_cluster`: 16 nodes x 8 A100 80 GB with 200 Gb/s RDMA per GPU and 2 TB of host DRAM per
-  node, the cluster of Mudigere et al. GPU speeds are data-sheet figures times an efficiency we
-  state (GPU_EFFICIENCY); they are estimates, not measurements.
+  node, the cluster of Mudigere et al. GPU speeds are data-sheet figures times the share of them
+  neorec's work reaches (GPU_EFFICIENCY): measured on an H100 and an H200 for the embedding kernels
+  and the row cache, stated assumptions for the links.
 
 Memory tiers, fastest first: "device" (memory next to the compute: GPU HBM, or DRAM for a CPU),
 "host" (host DRAM read by a GPU over PCIe) and "ssd" (files on a local SSD, read and written in
@@ -207,14 +208,34 @@ def this_machine(
 
 
 # ---- GPUs -----------------------------------------------------------------------------------------
-# Share of the data-sheet rate that neorec's work reaches (random rows of 128-512 bytes, all-to-alls
-# of mid-size messages). Stated assumptions, to be replaced by `--calibrate` on the GPU machine.
-GPU_EFFICIENCY = {"hbm_lookup": 0.6, "hbm_update": 0.35, "pcie": 0.5, "nvlink": 0.7, "rdma": 0.8}
+# Share of the data-sheet rate that neorec's work reaches. Measured (benchmarks/RESULTS.md,
+# 2026-11-26; 26 tables of 1M rows, Zipf 1.05):
+# - hbm_lookup: the Triton pooling kernel, multi-hot batch 16,384, dim 128, on an H100: 0.95 ms for
+#   2.0 GB of rows read and output written, 2.1 TB/s of 3.35 (benchmarks/embedding_ops_gpu.py --profile).
+# - hbm_update: the fused backward+update (sort, gradient sums, row-wise AdaGrad) on an H200, timed
+#   from the host: 4.2 ms for 1.07 GB of gradient, rows and state, 252 GB/s of 4.8 TB/s.
+# - host_cache: a row cache in GPU memory over host memory, 20% of rows cached, batch 2,048, dim 64,
+#   AdaGrad, on an H200 (benchmarks/cache.py --device cuda --tier dram): 2.55 ms more per step than
+#   the tables in GPU memory for 5.08 MiB of records brought in and as much written back. Costed
+#   as the host tier's lookup rate L and update rate L / 2 (tiers.cache_traffic: 3 x 5.33 MB / L =
+#   2.55 ms), L = 6.3 GB/s of the 64 GB/s of PCIe 5 x16. At this batch both runs are bound by host
+#   time, so this is mostly the cache's bookkeeping, not the link.
+# Assumed (not measured here: the lent machines have one GPU): nvlink, rdma, and pcie for ranks that
+# share a GPU and exchange through pinned host memory.
+GPU_EFFICIENCY = {
+    "hbm_lookup": 0.63,
+    "hbm_update": 0.053,
+    "host_cache": 0.098,
+    "pcie": 0.5,
+    "nvlink": 0.7,
+    "rdma": 0.8,
+}
 
 _GPUS = {
     # HBM bytes/s, NVLink bytes/s (both directions), PCIe bytes/s (one direction), host DRAM per node
     "a100": {"hbm": 2.039e12, "nvlink": 600e9, "pcie": 32e9, "host": 2 * 10**12},
     "h100": {"hbm": 3.35e12, "nvlink": 900e9, "pcie": 64e9, "host": 2 * 10**12},
+    "h200": {"hbm": 4.8e12, "nvlink": 900e9, "pcie": 64e9, "host": 2 * 10**12},
 }
 
 
@@ -230,9 +251,10 @@ def _gpu_cluster(
         raise ConfigError(f"unknown GPU {gpu!r}; known: {sorted(_GPUS)}")
     g, e = _GPUS[gpu], GPU_EFFICIENCY
     device = MemoryTier("device", int(device_gb * GB), g["hbm"] * e["hbm_lookup"], g["hbm"] * e["hbm_update"])
-    # host DRAM through UVM: rows cross PCIe once for the lookup, twice (read + write back) for the update
+    # host DRAM behind a row cache in GPU memory: records cross PCIe once for the lookup, twice
+    # (read + write back) for the update, at the measured rate of the cache's transfers
     host = MemoryTier(
-        "host", int(g["host"] / ranks_per_node), g["pcie"] * e["pcie"], g["pcie"] * e["pcie"] / 2
+        "host", int(g["host"] / ranks_per_node), g["pcie"] * e["host_cache"], g["pcie"] * e["host_cache"] / 2
     )
     return Cluster(
         name=name or f"{nodes} x {ranks_per_node} {gpu.upper()}",
@@ -246,15 +268,15 @@ def _gpu_cluster(
         lookup_per_id=2e-12,
         update_per_id=1e-11,
         reserved=8 * GB,  # CUDA context, NCCL buffers, dense model and optimizer, activations
-        notes={"speeds": f"data sheet x efficiency {GPU_EFFICIENCY} (estimates, not measured)"},
+        notes={"speeds": f"data sheet x efficiency {GPU_EFFICIENCY} (links assumed)"},
     )
 
 
 def gpu_kind(device_name: str) -> str:
     """The _GPUS entry for a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100"); an unknown GPU
-    is costed as an A100, the slower of the two."""
+    is costed as an A100, the slowest of them."""
     name = device_name.lower()
-    return "h100" if "h100" in name or "h200" in name else "a100"
+    return next((kind for kind in ("h200", "h100") if kind in name), "a100")
 
 
 def gpu_machine(
