@@ -25,6 +25,8 @@
 #   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory), misses read
 #            ahead on the worker (io thread on) against brought in at the lookup (off)
 #   cache_ssd  the same with --tier ssd (GPU cache over SSD files, in $SSD_DIR or /tmp/neorec-ssd)
+# Packages the machine lacks (pydantic, tqdm) come from .whl/site when it is there: build it here with
+# `bash scripts/gpu-wheels.sh 3.12` (the other machine's Python) and copy it along with the tree.
 # The figures go to $OUT/gpu-results.md (benchmarks append there instead of benchmarks/RESULTS.md);
 # copy what holds into RESULTS.md with the date, command and GPU.
 set -uo pipefail
@@ -32,6 +34,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/neorec-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+[ -d .whl/site ] && export PYTHONPATH=$PWD/.whl/site:$PYTHONPATH
 PY=${PYTHON:-python3}
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests cachetests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd)
