@@ -54,7 +54,16 @@ def batch(
 
 
 def cached_engine(
-    ts, opt, tmp_path, policy="lru", tier="ssd", fraction=0.1, seed=0, device="cpu", io_thread=True
+    ts,
+    opt,
+    tmp_path,
+    policy="lru",
+    tier="ssd",
+    fraction=0.1,
+    seed=0,
+    device="cpu",
+    io_thread=True,
+    kernels="auto",
 ) -> FusedEmbeddingCollection:
     # a write log of 5% of the rows: its halves swap and are folded into the files all the time;
     # reads ahead and write-backs on the worker thread unless io_thread=False (auto would pick by cores)
@@ -66,7 +75,9 @@ def cached_engine(
         io_thread=io_thread,
     )
     factory = cached_storage_factory({t.name: tier for t in ts}, settings)
-    return FusedEmbeddingCollection(ts, opt, seed=seed, group_storage_factory=factory, device=device)
+    return FusedEmbeddingCollection(
+        ts, opt, seed=seed, group_storage_factory=factory, device=device, kernels=kernels
+    )
 
 
 def train_both(a, b, gen, steps, ts, prefetch=False, one_hot=False, device="cpu") -> None:
@@ -108,15 +119,19 @@ def test_cached_training_is_bitwise_uncached_training(tmp_path, name, policy) ->
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_gpu_cache_over_host_memory_is_bitwise_uncached(tmp_path, name, policy) -> None:
+def test_gpu_cache_over_host_memory_is_bitwise_uncached(tmp_path, name, policy, kernels) -> None:
     """The cache in GPU memory (records and bookkeeping on the device), every row in host memory:
-    training through it is bitwise training the tables in GPU memory, under eviction pressure."""
+    training through it is bitwise training the tables in GPU memory, under eviction pressure, with
+    the torch path or the Triton kernels (reading and updating the cache's records in place)."""
     ts = tables()
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
-    plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels="torch")
-    cached = cached_engine(ts, opt, tmp_path, policy, tier="dram", fraction=0.1, device="cuda")
+    plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels=kernels)
+    cached = cached_engine(
+        ts, opt, tmp_path, policy, tier="dram", fraction=0.1, device="cuda", kernels=kernels
+    )
     assert cached.weights[0].cache.records.is_cuda and cached.weights[0].cache.slot_of.is_cuda
     train_both(plain, cached, torch.Generator().manual_seed(4), 12, ts, prefetch=True, device="cuda")
     assert_same_state(plain, cached)
@@ -126,26 +141,7 @@ def test_gpu_cache_over_host_memory_is_bitwise_uncached(tmp_path, name, policy) 
     )
 
 
-@pytest.fixture
-def staged_on_cpu(monkeypatch) -> list[int]:
-    """The device path of the cache (DeviceIO: reads ahead staged through host buffers, records
-    copied across on the training thread) with CPU tensors standing in for device memory, so that it
-    runs without a GPU. Returns the rows of every read ahead staged so far."""
-    from neorec.embedding.cache import cache as cache_module
-
-    staged: list[int] = []
-
-    class CountedRead(cache_module.StagedRead):
-        def __init__(self, read, host, buffer, slots) -> None:
-            super().__init__(read, host, buffer, slots)
-            staged.append(host.shape[0])
-
-    monkeypatch.setattr(cache_module, "stages_through_host", lambda device: True)
-    monkeypatch.setattr(cache_module, "StagedRead", CountedRead)
-    return staged
-
-
-def restore_and_continue(plain, cached, restored, gen, steps, ts, opt, device="cpu") -> None:
+def restore_and_continue(plain, cached, restored, gen, steps, ts, opt, device="cpu", kernels="torch") -> None:
     """Continue `plain` and `cached` for `steps`, then the same batches through `restored` (loaded
     from `cached`'s checkpoint beforehand) from a plain engine loaded with that checkpoint: all end
     where `plain` does."""
@@ -154,7 +150,7 @@ def restore_and_continue(plain, cached, restored, gen, steps, ts, opt, device="c
     state = gen.get_state()
     train_both(plain, cached, gen, steps, ts, prefetch=True, device=device)
     gen.set_state(state)
-    fresh = FusedEmbeddingCollection(ts, opt, device=device, kernels="torch")
+    fresh = FusedEmbeddingCollection(ts, opt, device=device, kernels=kernels)
     fresh.load_state_dict(checkpoint)
     train_both(fresh, restored, gen, steps, ts, prefetch=True, device=device)
     assert_same_state(plain, restored)
@@ -213,7 +209,9 @@ def test_dram_cache_through_the_device_path_is_bitwise_uncached(tmp_path, staged
     train_both(plain, cached, gen, 10, ts, prefetch=True)
     assert_same_state(plain, cached)
     stats = cached.cache_stats()
-    assert sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
+    assert (
+        sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
+    )
     assert staged_on_cpu  # the misses came in through reads ahead
     restored = cached_engine(ts, opt, tmp_path, policy, tier="dram", fraction=0.2, seed=1, io_thread=True)
     restore_and_continue(plain, cached, restored, gen, 4, ts, opt)
@@ -318,8 +316,10 @@ def test_gpu_cache_steps_sync_once_per_read_ahead(tmp_path, policy) -> None:
         TableConfig(name="items", rows=2000, dim=8, features=["item"], pooling="mean"),
     ]
     opt = EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05, initial_accumulator=0.01)
-    plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels="torch")
-    cached = cached_engine(ts, opt, tmp_path, policy, tier="dram", fraction=0.3, device="cuda", io_thread="auto")
+    plain = FusedEmbeddingCollection(ts, opt, device="cuda")  # the Triton kernels, as the cached engine
+    cached = cached_engine(
+        ts, opt, tmp_path, policy, tier="dram", fraction=0.3, device="cuda", io_thread="auto"
+    )
     assert len(cached.weights) == 1 and cached.weights[0].cache.io.background
     gen = torch.Generator().manual_seed(12)
     # 128 samples: two batches' rows fit in the cache beside each other, so every read ahead is complete
@@ -422,9 +422,12 @@ def test_ssd_tables_with_train_device_cuda_are_built(tmp_path, monkeypatch) -> N
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("name", ["adagrad", "adam"])
-def test_gpu_cache_over_ssd_files_is_bitwise_uncached_and_restores(tmp_path, monkeypatch, name, policy) -> None:
+def test_gpu_cache_over_ssd_files_is_bitwise_uncached_and_restores(
+    tmp_path, monkeypatch, name, policy, kernels
+) -> None:
     """The cache in GPU memory (20% of the rows), every row in files, reads ahead staged through
     pinned host buffers on the worker thread: training through it, and through a checkpoint's save
     and load into another GPU cache over other files, is bitwise training the tables in GPU memory."""
@@ -440,18 +443,24 @@ def test_gpu_cache_over_ssd_files_is_bitwise_uncached_and_restores(tmp_path, mon
     monkeypatch.setattr(cache_module, "StagedRead", CheckedRead)
     ts = tables()
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
-    plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels="torch")
-    cached = cached_engine(ts, opt, tmp_path, policy, tier="ssd", fraction=0.2, device="cuda")
+    plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels=kernels)
+    cached = cached_engine(
+        ts, opt, tmp_path, policy, tier="ssd", fraction=0.2, device="cuda", kernels=kernels
+    )
     cache = cached.weights[0].cache
     assert cache.records.is_cuda and cache.slot_of.is_cuda and isinstance(cache.backing, SsdBacking)
     gen = torch.Generator().manual_seed(4)
     train_both(plain, cached, gen, 10, ts, prefetch=True, device="cuda")
     assert_same_state(plain, cached)
     stats = cached.cache_stats()
-    assert sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
+    assert (
+        sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
+    )
     assert pinned and all(pinned)
-    restored = cached_engine(ts, opt, tmp_path, policy, tier="ssd", fraction=0.2, seed=1, device="cuda")
-    restore_and_continue(plain, cached, restored, gen, 5, ts, opt, "cuda")
+    restored = cached_engine(
+        ts, opt, tmp_path, policy, tier="ssd", fraction=0.2, seed=1, device="cuda", kernels=kernels
+    )
+    restore_and_continue(plain, cached, restored, gen, 5, ts, opt, "cuda", kernels)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])

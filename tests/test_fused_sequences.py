@@ -187,15 +187,26 @@ def test_only_sequence_tables_and_empty_batches() -> None:
     assert changed == [3, 5]
 
 
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        "torch",
+        pytest.param(
+            "triton", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+        ),
+    ],
+)
 @pytest.mark.parametrize("tier", ["dram", "ssd"])
-def test_cached_sequence_tables_train_as_plain_ones(tier: str, tmp_path) -> None:
+def test_cached_sequence_tables_train_as_plain_ones(tier: str, kernels: str, tmp_path) -> None:
     """Sequence tables behind a row cache (a tenth of the rows in RAM, prefetched a batch ahead as
-    the pipeline does) give bitwise the rows and updates of plain tables."""
+    the pipeline does) give bitwise the rows and updates of plain tables, on the torch path and
+    through the Triton kernels (Triton's interpreter without a GPU)."""
     from test_cache import cached_engine
 
     tables = make_tables()
     opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.1)
-    plain, cached = FusedEmbeddingCollection(tables, opt), cached_engine(tables, opt, tmp_path, tier=tier)
+    plain = FusedEmbeddingCollection(tables, opt, kernels=kernels)
+    cached = cached_engine(tables, opt, tmp_path, tier=tier, kernels=kernels)
     gen = torch.Generator().manual_seed(9)
     batches = [random_batch(tables, gen, batch_size=9) for _ in range(4)]
     for i, sparse in enumerate(batches):

@@ -194,7 +194,12 @@ def test_stochastic_rounding_in_the_update_equals_the_torch_path(dtype: str) -> 
 
 
 def update_once(
-    name: str, dtype: torch.dtype, rows: torch.Tensor, chunk: int | None, seed: int = 0, num_rows: int = 6,
+    name: str,
+    dtype: torch.dtype,
+    rows: torch.Tensor,
+    chunk: int | None,
+    seed: int = 0,
+    num_rows: int = 6,
     sort=sort_by_row,
 ):
     """One fused_update of a [num_rows, 7] table from ids `rows` (one bag each, weighted); returns
@@ -455,18 +460,23 @@ def test_one_launch_is_bitwise_one_launch_per_group_and_repeats(name: str, monke
     assert_bitwise_equal(combined, per_group)
 
 
-def test_cached_group_takes_the_torch_path_next_to_one_launch(monkeypatch) -> None:
-    """make_tables with "tags" (dim 16) behind a row cache over host memory: the kernels take the
-    other two groups in one launch each, the cached group is pooled into its columns and updated by
-    the torch path, and all of it matches the float64 reference."""
+def test_cached_group_joins_the_launches_and_updates_its_records_in_place(monkeypatch) -> None:
+    """make_tables with "tags" (dim 16) behind a row cache over host memory that holds every row of a
+    batch: the kernels take it with the other two groups, one launch each, reading and updating the
+    cache's records at the rows' slots (nothing goes through the torch path), the slots are marked
+    for write-back, and all of it matches the float64 reference."""
+    from neorec.embedding.fused import lookup
+
     tables, opt = make_tables(), EmbeddingOptimizerConfig(name="adagrad", lr=0.05)
-    factory = cached_storage_factory({"tags": "dram"}, CacheSettings(fraction=0.5, io_thread=False))
+    factory = cached_storage_factory({"tags": "dram"}, CacheSettings(fraction=1.0, io_thread=False))
     engine = FusedEmbeddingCollection(
         tables, opt, device=DEVICE, kernels="triton", group_storage_factory=factory,
         table_tiers={"tags": "dram"},
-    )
-    in_kernel = [engine.triton_lookup(gi, torch.device(DEVICE)) for gi in range(len(engine.layout.groups))]
-    assert in_kernel == [g.dim != 16 for g in engine.layout.groups]
+    )  # fmt: skip
+    cached = [gi for gi, g in enumerate(engine.layout.groups) if g.dim == 16]
+    assert len(cached) == 1 and not engine.triton_lookup(cached[0], torch.device(DEVICE))
+    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
+    monkeypatch.setattr(lookup, "pool", lambda *args: pytest.fail("a group was pooled by the torch path"))
     counters = count_launches(monkeypatch)
     ref, gen, outputs = Float64Reference(tables, opt), torch.Generator().manual_seed(8), []
     for _ in range(2):
@@ -477,7 +487,82 @@ def test_cached_group_takes_the_torch_path_next_to_one_launch(monkeypatch) -> No
         pooled.backward(grad.to(DEVICE))
         ref.backward_and_update(sparse, grad, {t.name: opt.lr for t in tables})
     assert counters["_pool_kernel"].launches == counters["_update_kernel"].launches == 2
+    cache = engine.weights[cached[0]].cache
+    assert bool(cache.dirty.any()) and int(cache.dirty.sum()) <= int((cache.row_of >= 0).sum())
     assert_matches(engine, ref, outputs)
+
+
+def test_cached_group_with_more_rows_than_its_cache_goes_through_copies(monkeypatch) -> None:
+    """A cache of 3 rows for "tags": a batch's rows do not all get slots, so the kernels pool copies
+    of its rows read through the cache and update copies of its unique rows, which go back through
+    the cache's writes (the cached ones to their slots, the others to host memory); nothing takes
+    the torch path, and it matches the float64 reference."""
+    from neorec.embedding.cache.cache import CachedStorage
+    from neorec.embedding.fused import lookup
+
+    tables, opt = make_tables(), EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    factory = cached_storage_factory({"tags": "dram"}, CacheSettings(fraction=0.1, io_thread=False))
+    engine = FusedEmbeddingCollection(
+        tables, opt, device=DEVICE, kernels="triton", group_storage_factory=factory,
+        table_tiers={"tags": "dram"},
+    )  # fmt: skip
+    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
+    monkeypatch.setattr(lookup, "pool", lambda *args: pytest.fail("a group was pooled by the torch path"))
+    written = []
+    write = CachedStorage.write
+
+    def counted(self, rows, values) -> None:
+        written.append(self.name)
+        write(self, rows, values)
+
+    monkeypatch.setattr(CachedStorage, "write", counted)
+    ref, gen, outputs = Float64Reference(tables, opt), torch.Generator().manual_seed(9), []
+    for _ in range(2):
+        sparse = random_batch(tables, gen)
+        pooled, expected = engine(sparse.to(DEVICE)), ref.forward(sparse)
+        outputs.append((pooled.detach().cpu(), expected))
+        grad = torch.randn(pooled.shape, generator=gen)
+        pooled.backward(grad.to(DEVICE))
+        ref.backward_and_update(sparse, grad, {t.name: opt.lr for t in tables})
+    assert written == ["weight", "momentum1"] * 2  # each step's copies of the weights and the state
+    assert_matches(engine, ref, outputs)
+
+
+@pytest.mark.parametrize(
+    ("name", "policy"), [("rowwise_adagrad", "lru"), ("adam", "lfu"), ("adagrad", "lru")]
+)
+def test_kernels_through_the_gpu_cache_path_are_bitwise_uncached(
+    tmp_path, staged_on_cpu, monkeypatch, name, policy
+):
+    """What a GPU cache over host memory runs with the Triton kernels (reads ahead on the worker,
+    write-backs without a host read; CPU tensors standing in for device memory), under eviction
+    pressure: the cached groups' batches go through the kernels at their slots, and training is
+    bitwise training the tables in memory with the same kernels."""
+    from test_cache import assert_same_state, cached_engine
+    from test_cache import tables as cache_tables
+    from test_cache import train_both as train_cached
+
+    ts = cache_tables()
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, weight_decay=0.01, initial_accumulator=0.01)
+    plain = FusedEmbeddingCollection(ts, opt, kernels="triton")
+    cached = cached_engine(
+        ts, opt, tmp_path, policy, tier="dram", fraction=0.3, io_thread=True, kernels="triton"
+    )
+    in_place = []
+    update = triton_kernels.fused_update
+
+    def seen(groups, step):
+        in_place.extend(g.addresses is not None for g in groups)
+        return update(groups, step)
+
+    monkeypatch.setattr(triton_kernels, "fused_update", seen)
+    train_cached(plain, cached, torch.Generator().manual_seed(5), 8, ts, prefetch=True)
+    assert_same_state(plain, cached)
+    stats = cached.cache_stats()
+    assert (
+        sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
+    )
+    assert staged_on_cpu and any(in_place)
 
 
 def test_engine_is_bitwise_deterministic_with_hot_rows_and_every_feature(monkeypatch) -> None:

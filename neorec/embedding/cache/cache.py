@@ -466,6 +466,21 @@ class RowCache:
         self._slot_memo = (rows, slots, all_cached, self._moves)
         return slots, all_cached
 
+    def resident_slots(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The slots of `rows` when every one of them has a slot, its record in place in stream order
+        (the kernels then read and update the records where they are), else None. No host read for
+        the rows of the batch just looked up (see _slots)."""
+        slots, all_cached = self._slots(rows)
+        return slots if all_cached else None
+
+    def slot_index(self, rows: torch.Tensor) -> torch.Tensor:
+        """slot_of[rows] as int64, unchecked (-1 for a row without a slot)."""
+        return self.slot_of.index_select(0, rows).long()
+
+    def mark_updated(self, slots: torch.Tensor) -> None:
+        """The records of `slots` were updated in place: write them back when they are evicted."""
+        self.dirty.index_fill_(0, slots, True)
+
     def read(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         slots, all_cached = self._slots(rows)
         if not all_cached:  # not prefetched: bring them in now, in one eviction round
@@ -704,6 +719,14 @@ class CachedStorage:
         self.cache, self.name = cache, name
         field = cache.layout.fields[name]
         self.num_rows, self.width, self.dtype = cache.num_rows, field.width, field.dtype
+
+    @property
+    def view(self) -> torch.Tensor:
+        """The field in the cache's records: [slots, width] (or [slots]), a strided view."""
+        return self.cache.buffers[self.name]
+
+    def resident_slots(self, rows: torch.Tensor) -> torch.Tensor | None:
+        return self.cache.resident_slots(rows)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         return self.cache.read(self.name, rows)

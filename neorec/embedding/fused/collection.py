@@ -495,14 +495,36 @@ class FusedEmbeddingCollection(EmbeddingCollection):
             and self._triton(device)
         )
 
+    def cached_kernels(self, gi: int, device: torch.device, update: bool = False) -> bool:
+        """Whether group gi is held in a row cache and goes through the Triton kernels (update: its
+        backward too: a rule the kernel has, rows it can hold, no gradient hook). The kernels then
+        read and update the cache's records in place at the rows' slots, or, for a batch whose rows
+        do not all have one, copies of its rows read and written through the cache (lookup.py)."""
+        storage = self.weights[gi]
+        if not hasattr(storage, "resident_slots") or storage.cache.device != device:
+            return False
+        if not self._triton(device):
+            return False
+        if not update:
+            return True
+        g = self.layout.groups[gi]
+        return (
+            g.optimizer in triton_kernels.RULE_IDS
+            and g.dim <= triton_kernels.MAX_UPDATE_DIM
+            and self.grad_hook is None
+            and all(getattr(s, "cache", None) is storage.cache for s in self.states[gi].values())
+        )
+
     def triton_update_args(self, gi: int) -> dict[str, torch.Tensor | None]:
-        """What triton_kernels.fused_update needs of group gi beyond the batch: its buffers' tensors,
-        each table's first row and, with stochastic rounding of fp16/bf16 rows, each table's seed."""
+        """What triton_kernels.fused_update needs of group gi beyond the batch: its buffers' tensors
+        (a row cache's views of its records), each table's first row and, with stochastic rounding of
+        fp16/bf16 rows, each table's seed."""
         c = self._constants[gi]
         rounds = self.stochastic_rounding and self.layout.groups[gi].dtype != torch.float32
+        field = "view" if hasattr(self.weights[gi], "cache") else "tensor"  # a cache's records, in place
         return {
-            "weight": self.weights[gi].tensor,
-            "state": {name: s.tensor for name, s in self.states[gi].items()},
+            "weight": getattr(self.weights[gi], field),
+            "state": {name: getattr(s, field) for name, s in self.states[gi].items()},
             "row_starts": c.row_starts,
             "table_seeds": c.table_seeds if rounds else None,
         }

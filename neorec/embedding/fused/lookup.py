@@ -24,11 +24,15 @@ batch's feature-major order, "pooling" each one-id bag is a gather of its row (t
 and the backward above, with d(rows) as the bags' gradient, sums each unique row's ids in id order
 and applies the same update.
 
-With the Triton kernels (triton_kernels.py; plain storage, on a GPU) the same bags and sorted ids
-go to one launch for all groups instead of a call per group: the pooling kernel writes each bag
-straight into its feature's columns of the output (no `assemble`), and the fused update reads each
-bag's gradient straight from d(pooled) (no `group_gradient`). Groups the kernels do not take (a
-row cache, a gradient hook) still run as above and are copied into their columns.
+With the Triton kernels (triton_kernels.py; on a GPU) the same bags and sorted ids go to one launch
+for all groups instead of a call per group: the pooling kernel writes each bag straight into its
+feature's columns of the output (no `assemble`), and the fused update reads each bag's gradient
+straight from d(pooled) (no `group_gradient`). A group in a row cache goes too: when every row of
+the batch has a slot (a batch its prefetch brought in) the kernels read and update the cache's
+records in place at the rows' slots, which are then marked for write-back; otherwise they work on
+copies of the rows read through the cache, and the updated copies are written back through it
+(cached_update). Groups the kernels do not take (a gradient hook, a rule or width they lack) still
+run as above and are copied into their columns.
 """
 
 from __future__ import annotations
@@ -316,12 +320,45 @@ def add_row_gradients(
 def kernel_bags(
     storage: RowStorage, batch: GroupBatch, out: torch.Tensor, columns: list[int]
 ) -> triton_kernels.PoolGroup:
-    """One group's bags for the Triton pooling kernel (plain storage), which writes feature f's sums
-    into `out` from column columns[f] on (a sequence group: its own [ids, D] output, column 0)."""
-    assert isinstance(storage, TensorStorage)
-    return triton_kernels.PoolGroup(
-        storage.tensor, batch.rows, batch.offsets, batch.scales, batch.num_features, out, columns
-    )
+    """One group's bags for the Triton pooling kernel, which writes feature f's sums into `out` from
+    column columns[f] on (a sequence group: its own [ids, D] output, column 0): from plain storage's
+    tensor at the batch's rows; from a row cache's records at the rows' slots, when every row has
+    one; else from the batch's rows read through the cache, one per id."""
+    if isinstance(storage, TensorStorage):
+        weight, rows = storage.tensor, batch.rows
+    else:
+        rows = storage.resident_slots(batch.rows)
+        weight = storage.view
+        if rows is None:
+            weight = storage.read(batch.rows)
+            rows = torch.arange(batch.rows.numel(), device=weight.device)
+    b = batch
+    return triton_kernels.PoolGroup(weight, rows, b.offsets, b.scales, b.num_features, out, columns)
+
+
+def cached_update(
+    engine: FusedEmbeddingCollection, gi: int, batch: GroupBatch
+) -> tuple[dict[str, torch.Tensor | None], tuple[torch.Tensor, ...], torch.Tensor, list[torch.Tensor]]:
+    """What the fused update kernel needs of group gi, held in a row cache, for `batch`: (its
+    buffers' arguments, the sorted ids, each unique row's address in those buffers, and copies
+    to write back through the cache once the kernel has run). When every row of the batch has a
+    slot, the buffers are the cache's records (views), the addresses the rows' slots, and the slots
+    are marked for write-back. Otherwise each unique row's weights and state are read through the
+    cache into tensors of their own (the unique rows counted on the host), updated there, and
+    written back through it, as the torch path's reads and writes do."""
+    storage = engine.weights[gi]
+    args = engine.triton_update_args(gi)
+    slots = storage.resident_slots(batch.rows)
+    if slots is not None:
+        sorted_ids = sort_by_row_on_device(batch)
+        storage.cache.mark_updated(slots)
+        return args, sorted_ids, storage.cache.slot_index(sorted_ids[0]), []  # padding's are never read
+    sorted_ids = sort_by_row(batch)
+    unique = sorted_ids[0]
+    args["weight"] = storage.read(unique)
+    args["state"] = {name: state.read(unique) for name, state in engine.states[gi].items()}
+    copies = [args["weight"], *args["state"].values()]
+    return args, sorted_ids, torch.arange(unique.numel(), device=unique.device), copies
 
 
 def assemble(
@@ -374,7 +411,7 @@ class FusedLookup(torch.autograd.Function):
         looked_up: list[torch.Tensor | None] = []
         kernel_groups: list[triton_kernels.PoolGroup] = []
         for gi, (group, gb) in enumerate(zip(groups, batches, strict=True)):
-            if not engine.triton_lookup(gi, device):
+            if not (engine.triton_lookup(gi, device) or engine.cached_kernels(gi, device)):
                 looked_up.append(pool(engine.weights[gi], gb, engine.chunk_rows(gi, device)))
             elif group.sequence:  # its rows come out as its own [ids, D]
                 rows = torch.empty(gb.batch_size, group.dim, device=device)
@@ -408,6 +445,7 @@ class FusedLookup(torch.autograd.Function):
         step = engine.num_updates + 1
         sequence = 0
         kernel_groups: list[triton_kernels.UpdateGroup] = []
+        copies: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []  # written back after the kernel
         hooked: list = []
         for gi, (group, gb) in enumerate(zip(engine.layout.groups, ctx.batches, strict=True)):
             hook = engine.grad_hook
@@ -420,14 +458,21 @@ class FusedLookup(torch.autograd.Function):
                 continue
             device = gb.rows.device
             hparams = engine.group_hparams(gi, device)
-            if engine.triton_update(gi, device):  # (no hook) summed and updated with the others below
+            cached = grad_bags is not None and engine.cached_kernels(gi, device, update=True)
+            if cached or engine.triton_update(gi, device):  # (no hook) updated with the others below
                 assert grad_bags is not None
+                if cached:
+                    args, sorted_ids, addresses, written = cached_update(engine, gi, gb)
+                    if written:
+                        copies.append((gi, sorted_ids[0], written))
+                else:
+                    args, sorted_ids, addresses = engine.triton_update_args(gi), sort_by_row_on_device(gb), None
                 # the kernel reads each bag's gradient straight from d(pooled), at its feature's columns
                 columns = [0] if group.sequence else group.feature_columns
                 kernel_groups.append(
                     triton_kernels.UpdateGroup(
-                        group.optimizer, sort_by_row_on_device(gb), grad_bags.to(torch.float32).contiguous(),
-                        gb.num_features, columns, hparams=hparams, **engine.triton_update_args(gi),
+                        group.optimizer, sorted_ids, grad_bags.to(torch.float32).contiguous(), gb.num_features,
+                        columns, hparams=hparams, addresses=addresses, **args,
                     )
                 )  # fmt: skip
                 continue
@@ -462,6 +507,10 @@ class FusedLookup(torch.autograd.Function):
             hooked.append((gi, summed, hparams, folded, chunk_rows))
         if kernel_groups:  # one launch per (rule, weight dtype), whatever the groups' dims
             triton_kernels.fused_update(kernel_groups, step)
+        for gi, rows, written in copies:  # rows updated outside their cache's slots go back through it
+            storages = [engine.weights[gi], *engine.states[gi].values()]
+            for storage, values in zip(storages, written, strict=True):
+                storage.write(rows, values)
         engine.num_updates = step
         started = [h for h in hooked if callable(h[1])]
         _apply_hooked(engine, [h for h in hooked if not callable(h[1])], step)

@@ -100,10 +100,12 @@ class UpdateGroup:
     num_features + f takes its gradient from grad[b, columns[f] : columns[f] + dim] (grad: fp32,
     contiguous; d(pooled) [B, output columns], or a sequence group's d(rows) [ids, dim] with one
     feature at column 0). weight: the group's [rows, dim] buffer (fp32, fp16 or bf16); state: the
-    rule's fp32 state by name (optimizers.RULES). hparams: the group's (engine.group_hparams:
-    floats, or [T] tensors where its tables differ). row_starts [T]: each table's first row in the
-    buffer. table_seeds [T]: round fp16/bf16 rows stochastically with these tables' seeds
-    (rounding.py); None rounds to nearest.
+    rule's fp32 state by name (optimizers.RULES), [rows] or [rows, dim]. hparams: the group's
+    (engine.group_hparams: floats, or [T] tensors where its tables differ). row_starts [T]: each
+    table's first row in the buffer. table_seeds [T]: round fp16/bf16 rows stochastically with these
+    tables' seeds (rounding.py); None rounds to nearest. addresses: where each unique row is in
+    weight and state, one entry per sorted_ids[0] entry, when not at the row itself: a row cache's
+    slots, with weight and state strided views of its records (contiguous columns).
     """
 
     rule: str
@@ -116,6 +118,7 @@ class UpdateGroup:
     hparams: Mapping[str, float | torch.Tensor]
     row_starts: torch.Tensor
     table_seeds: torch.Tensor | None = None
+    addresses: torch.Tensor | None = None
 
 
 if triton is not None:
@@ -244,16 +247,18 @@ if triton is not None:
 
     @triton.jit
     def _update_kernel(
-        weight, num_groups, first_unique, counts, unique_rows, seg_offsets, part_offsets, partial, p_stride,
-        bags, scales, scaled, grads, g_strides, num_features, first_feature, feature_cols, weights, w_strides,
-        dims, states1, states2, hparams, row_tables, row_starts, keys,
+        weight, num_groups, first_unique, counts, unique_rows, addresses, seg_offsets, part_offsets, partial,
+        p_stride, bags, scales, scaled, grads, g_strides, num_features, first_feature, feature_cols, weights,
+        w_strides, dims, states1, states2, s_strides, hparams, row_tables, row_starts, keys,
         RULE: tl.constexpr, HAS_SCALES: tl.constexpr, MULTI_TABLE: tl.constexpr, STOCHASTIC: tl.constexpr,
         NUM_HPARAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         """The unique rows of every group (group g's are [first_unique[g], first_unique[g + 1]) of the
         launch, of which the first counts[g] are real), program p taking rows p, p + P, p + 2P, ...
         of each group for a grid of P programs: the grid fits the device, not the padded row count,
-        so padding costs nothing. weight: any group's buffer, for the element type they share."""
+        so padding costs nothing. A row's weights and state are at its address (addresses: its row,
+        or a cache's slot of it) in its group's buffers. weight: any group's buffer, for the element
+        type they share."""
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
         for g in range(num_groups):
@@ -263,14 +268,17 @@ if triton is not None:
             cols = tl.arange(0, BLOCK_D)
             col_ok = cols < dim
             rows = _pointer(unique_rows, g, tl.int64)
+            at = _pointer(addresses, g, tl.int64)
             row_offsets = _pointer(seg_offsets, g, tl.int64)
             w_stride = tl.load(w_strides + g)
             table_ptr = _pointer(weights, g, weight.dtype.element_ty)
             state1 = _pointer(states1, g, tl.float32)
             state2 = _pointer(states2, g, tl.float32)
+            s_stride = tl.load(s_strides + g)
             for local in range(pid, count, num_programs):
                 u = first + local
                 row = tl.load(rows + local)
+                address = tl.load(at + local)
                 # the row's summed gradient, in id order: straight from its ids, or (a long row) from
                 # the partial sums of its chunks of ids, in chunk order
                 p0 = tl.load(part_offsets + u)
@@ -285,10 +293,13 @@ if triton is not None:
                     grad += tl.load(partial + p * p_stride + cols, mask=col_ok, other=0.0)
                 table = tl.load(_pointer(row_tables, g, tl.int64) + local) if MULTI_TABLE else 0
                 hp = _pointer(hparams, g, tl.float32) + table * NUM_HPARAMS
-                w_ptrs = table_ptr + row * w_stride + cols
+                w_ptrs = table_ptr + address * w_stride + cols
                 w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
                 grad = grad + tl.load(hp + 2) * w  # weight decay
-                w = apply_rule(w, grad, row, cols, col_ok, state1, state2, dim, hp, RULE, BLOCK_D)
+                state_at = address * s_stride
+                w = apply_rule(
+                    w, grad, cols, col_ok, state1 + state_at, state2 + state_at, dim, hp, RULE, BLOCK_D
+                )
                 if STOCHASTIC:
                     key = tl.load(_pointer(keys, g, tl.int64) + table).to(tl.uint32)
                     noise = uniform_noise(key, row - tl.load(_pointer(row_starts, g, tl.int64) + table), cols)
@@ -477,6 +488,8 @@ def fused_update(groups: list[UpdateGroup], step: int, chunk: int | None = None)
             raise ValueError(f"the fused update kernel takes dims up to {MAX_UPDATE_DIM}, got {dim}")
         assert grp.weight.stride(1) == 1 and grp.grad.stride(1) == 1 and grp.grad.dtype == torch.float32
         assert grp.grad.shape[0] * grp.num_features < 2**31  # the kernel's bag indices are int32
+        assert len({t.stride(0) for t in grp.state.values()}) <= 1  # one state stride per group
+        assert all(t.dim() == 1 or t.stride(1) == 1 for t in grp.state.values())
         stochastic = grp.table_seeds is not None and grp.weight.dtype != torch.float32
         launches.setdefault((grp.rule, grp.weight.dtype, stochastic), []).append(grp)
     for (rule, _, stochastic), same in launches.items():
@@ -530,11 +543,20 @@ def _launch_update(rule: str, groups: list[UpdateGroup], step: int, chunk: int, 
             **source,
             "counts": [c.data_ptr() for c in counts],
             "unique_rows": [grp.sorted_ids[0].data_ptr() for grp in groups],
+            "addresses": [
+                (grp.addresses if grp.addresses is not None else grp.sorted_ids[0]).data_ptr()
+                for grp in groups
+            ],
             "weights": [grp.weight.data_ptr() for grp in groups],
             "w_strides": [grp.weight.stride(0) for grp in groups],
             # sgd has no state and only adam a second one: any pointer does, none is read
             "states1": [grp.state.get("momentum1", grp.weight).data_ptr() for grp in groups],
             "states2": [grp.state.get("momentum2", grp.weight).data_ptr() for grp in groups],
+            # values from one row's state to the next's: dim for [rows, dim], 1 for [rows], a
+            # record's for a cache's views (a rule's states share their layout)
+            "s_strides": [
+                grp.state["momentum1"].stride(0) if "momentum1" in grp.state else 0 for grp in groups
+            ],
             "hparams": [hp.data_ptr() for hp in hps],
             "row_tables": [t.data_ptr() for t in row_tables],
             "row_starts": [grp.row_starts.data_ptr() for grp in groups],

@@ -99,28 +99,28 @@ if triton is not None:
         return tl.sum(x, axis=0)
 
     @triton.jit
-    def apply_rule(w, g, row, cols, col_ok, state1, state2, dim, hp,
+    def apply_rule(w, g, cols, col_ok, state1, state2, dim, hp,
                    RULE: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
         """One row's step of optimizers.py's rule RULE: w, g [BLOCK_D] fp32 (g with weight decay
         added, zero past the row's dim); updates the row's state in place (state1: adagrad's sum or
-        adam's m, state2: adam's v) and returns the new w. hp points at the row's table's
-        hyper-parameters (HPARAM_COLUMNS)."""
+        adam's m, state2: adam's v, each pointing at the row's first value) and returns the new w.
+        hp points at the row's table's hyper-parameters (HPARAM_COLUMNS)."""
         if RULE == 0:  # sgd
             w = w - tl.load(hp) * g
         elif RULE == 1:  # row-wise adagrad: one accumulator per row, the mean of g^2
             # each square rounded by itself (an fma with a zero addend), so that the compiler cannot
             # fuse it into the adds that follow, which it could do or not depending on the layout
-            acc = tl.load(state1 + row) + pairwise_sum(tl.fma(g, g, 0.0), BLOCK_D) / dim
-            tl.store(state1 + row, acc)
+            acc = tl.load(state1) + pairwise_sum(tl.fma(g, g, 0.0), BLOCK_D) / dim
+            tl.store(state1, acc)
             w = w - tl.load(hp) * g / (tl.sqrt_rn(acc) + tl.load(hp + 1))
         elif RULE == 2:  # adagrad: one accumulator per element
-            ptrs = state1 + row * dim + cols
+            ptrs = state1 + cols
             acc = tl.load(ptrs, mask=col_ok, other=0.0) + g * g
             tl.store(ptrs, acc, mask=col_ok)
             w = w - tl.load(hp) * g / (tl.sqrt_rn(acc) + tl.load(hp + 1))
         else:  # lazy adam: m, v lerp towards g, g^2; bias corrections of the global step
-            m_ptrs = state1 + row * dim + cols
-            v_ptrs = state2 + row * dim + cols
+            m_ptrs = state1 + cols
+            v_ptrs = state2 + cols
             m = tl.load(m_ptrs, mask=col_ok, other=0.0)
             v = tl.load(v_ptrs, mask=col_ok, other=0.0)
             m = m + tl.load(hp + 3) * (g - m)
