@@ -23,7 +23,8 @@
 #   ops      benchmarks/embedding_ops_gpu.py (kernels against the device copy bandwidth, SGD, row-wise
 #            AdaGrad and Adam), with each implementation's kernels by device time
 #   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory), misses read
-#            ahead on the worker (io thread on) against brought in at the lookup (off)
+#            ahead on the worker (io thread on) against brought in at the lookup (off), then where
+#            each one's step time goes (host syncs by site, operators by host and device time)
 #   cache_ssd  the same with --tier ssd (GPU cache over SSD files, in $SSD_DIR or /tmp/neorec-ssd)
 # Packages the machine lacks (pydantic, tqdm) come from .whl/site when it is there: build it here with
 # `bash scripts/gpu-wheels.sh 3.12` (the other machine's Python) and copy it along with the tree.
@@ -128,7 +129,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         ;;
     cache)
         run cache ${CACHE_LIMIT:-150} $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
-            --io-thread on off --repeats 1 --dir /tmp/neorec-tables --no-append
+            --io-thread on off --repeats 1 --dir /tmp/neorec-tables --no-append --profile
         ;;
     cache_ssd)
         run cache_ssd ${SSD_LIMIT:-200} $PY benchmarks/cache.py --device cuda --tier ssd --zipf 1.05 --fractions 0.2 \
