@@ -4,6 +4,7 @@ process on the same global batches."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -75,6 +76,8 @@ def test_nproc_convenience_flag_and_bad_plan(tmp_path):
               *_sets(["distributed.sharding={C1: {kind: rw, ranks: [0, 1]}, C2: {kind: cw, ranks: [1, 0]}}"])])  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file()
+    planned = json.loads((out / "summary.json").read_text())["planned_device_mib_per_rank"]
+    assert len(planned) == 2 and all(mib > 0 for mib in planned)  # the planner's estimate, per rank
     # rank 0 logs progress, prefixed with its rank; rank 1 only warnings (neorec/utils/logging.py)
     assert "[rank 0] neorec: step 4/12 | loss " in p.stderr, p.stderr[-3000:]
     assert "[rank 1] neorec: step" not in p.stderr

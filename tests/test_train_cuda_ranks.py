@@ -8,6 +8,7 @@ plain SGD and fp32 exchanges, so only the order of float additions differs (1e-4
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -74,6 +75,10 @@ def test_ranks_sharing_one_gpu_over_gloo_match_one_gpu_process(tmp_path, single_
         pytest.skip("hierarchical kinds are covered with 2 ranks on one node")
     _train(tmp_path, nproc, ["distributed.backend=gloo", f"distributed.sharding={KINDS[kind]}"])
     _assert_same_model(tmp_path, single_gpu)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    peaks, planned = summary["device_peak_mib_per_rank"], summary["planned_device_mib_per_rank"]
+    assert len(peaks) == len(planned) == nproc
+    assert all(peak <= plan for peak, plan in zip(peaks, planned, strict=True)), (peaks, planned)
 
 
 @needs_cuda

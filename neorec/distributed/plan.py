@@ -63,6 +63,10 @@ class TablePlan:
 @dataclass
 class ShardingPlan:
     tables: dict[str, TablePlan]
+    # the planner's estimate of each rank's device memory at its peak (weights, optimizer state, row
+    # caches, step buffers and the runtime it sets aside), in bytes; None for a plan from a file.
+    # Training reports it next to the measured peaks (summary.json); plan files do not hold it.
+    device_bytes: list[int] | None = field(default=None, compare=False)
 
     # ---- serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -80,7 +80,8 @@ def default_plan_for_run(cfg: RunConfig, tables: list[TableConfig], topo: Topolo
                 workload = workload_for_run(cfg, tables, one_machine=topo.num_nodes == 1)
                 cluster = cluster_for_run(cfg, topo.world_size, topo.local_world_size)
                 result = plan_sharding(workload, cluster, time_budget=TRAIN_PLAN_SECONDS)
-            message = {"plan": result.plan.to_dict()}
+            device = [r.memory.get("device", 0) for r in result.estimate.ranks]
+            message = {"plan": result.plan.to_dict(), "device_bytes": device}
             log.info(f"planned the sharding of {len(tables)} tables over {topo.world_size} processes in "
                      f"{result.seconds:.1f} s (`neorec plan` shows the plan)")  # fmt: skip
         except ConfigError as e:
@@ -91,7 +92,9 @@ def default_plan_for_run(cfg: RunConfig, tables: list[TableConfig], topo: Topolo
         message = box[0]
     if "error" in message:
         raise ConfigError(f"sharding planner: {message['error']}")
-    return ShardingPlan.from_dict(message["plan"], "planner")
+    plan = ShardingPlan.from_dict(message["plan"], "planner")
+    plan.device_bytes = message["device_bytes"]
+    return plan
 
 
 @dataclass

@@ -491,6 +491,13 @@ class Trainer:
         peaks = self._device_peaks()
         if not self.is_main:
             return
+        planned = getattr(getattr(self.embeddings, "plan", None), "device_bytes", None)
+        planned = [round(b / 2**20, 1) for b in planned] if planned else None
+        if peaks and planned:
+            over = [r for r, (peak, plan) in enumerate(zip(peaks, planned, strict=True)) if peak > plan]
+            if over:
+                log.warning(f"rank(s) {over} used more device memory than the sharding planner estimated "
+                            f"(peaks {peaks} MiB against {planned} MiB): its plans may not fit this GPU")  # fmt: skip
         if state is not None:
             save_model_state(state, self.out_dir / "model.pt", self.model)  # cached tables: streamed
         summary = {
@@ -503,6 +510,7 @@ class Trainer:
             "processes": self.topo.world_size,
             "comm_bytes_per_step": {k: round(v) for k, v in result.comm_bytes_per_step.items()},
             **({"device_peak_mib_per_rank": peaks} if peaks else {}),
+            **({"planned_device_mib_per_rank": planned} if planned else {}),
             **{f"eval_{k}": v for k, v in result.eval.items()},
         }
         (self.out_dir / "summary.json").write_text(strict_dumps(summary, indent=2))  # NaN/inf: null
