@@ -107,17 +107,21 @@ def test_all_gather_and_broadcast_through_staging(tmp_path):
 
 def test_gpu_runs_plan_against_the_gpus_free_memory(monkeypatch):
     """A cuda run's planner cluster is this machine's GPUs (torch.cuda.mem_get_info): ranks that
-    share a GPU split its memory and exchange over host memory; ranks with GPUs of their own get
-    all of theirs and NVLink."""
+    share a GPU split its memory and exchange through host memory over gloo; ranks with GPUs of
+    their own get all of theirs and NVLink."""
     from neorec.planner import hardware
     from neorec.planner.run import cluster_for_run
 
     gib = 2**30
+    monkeypatch.setattr(hardware, "load_calibration", lambda: {})  # this VM's figures, not a file's
     shared = hardware.gpu_machine(2, 2, "NVIDIA H100 80GB HBM3", 78 * gib, 1, 128 * gib)
     own = hardware.gpu_machine(2, 2, "NVIDIA H100 80GB HBM3", 78 * gib, 2, 128 * gib)
     assert shared.tiers[0].capacity == pytest.approx(0.9 * 78 * gib / 2, rel=1e-6)
     assert own.tiers[0].capacity == pytest.approx(0.9 * 78 * gib, rel=1e-6)
     assert shared.intra_node_bandwidth < own.intra_node_bandwidth
+    # ranks sharing a GPU exchange over gloo between processes: its calibrated link and latency
+    assert shared.intra_node_bandwidth == hardware.CALIBRATED_CPU["link_bandwidth"]
+    assert shared.latency == hardware.CALIBRATED_CPU["latency"] > own.latency
     assert shared.tiers[1].name == "host" and shared.tiers[1].capacity == pytest.approx(0.9 * 64 * gib, rel=1e-6)
     assert hardware.gpu_kind("NVIDIA A100-SXM4-80GB") == "a100" and hardware.gpu_kind("NVIDIA H200") == "h200"
 

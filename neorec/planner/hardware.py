@@ -289,8 +289,9 @@ def gpu_machine(
 ) -> Cluster:
     """One node of `num_gpus` GPUs and `ranks_per_node` ranks: each rank's device tier is its share of
     the GPU memory free now (ranks that share a GPU split it), its host tier its share of the RAM.
-    Ranks on GPUs of their own exchange over NVLink; ranks that share a GPU over pinned host memory
-    (gloo), costed at the PCIe rate."""
+    Ranks on GPUs of their own exchange over NVLink; ranks that share a GPU through pinned host
+    memory and gloo between processes, costed at the slower of PCIe and this machine's gloo link
+    (its `neorec plan --calibrate` figures, else CALIBRATED_CPU's), with gloo's latency."""
     if num_gpus < 1:
         raise ConfigError("a GPU machine needs at least one GPU")
     gpu = gpu_kind(device_name)
@@ -299,9 +300,13 @@ def gpu_machine(
     nodes = max(1, world_size // ranks_per_node)
     c = _gpu_cluster(gpu, nodes, ranks_per_node, 200.0, device_gb, name=f"this machine ({device_name})")
     host = replace(c.tiers[1], capacity=int(0.9 * host_bytes / ranks_per_node))
-    link = c.intra_node_bandwidth if per_gpu == 1 else _GPUS[gpu]["pcie"] * GPU_EFFICIENCY["pcie"]
+    link, latency = c.intra_node_bandwidth, c.latency
+    if per_gpu > 1:
+        gloo = {**CALIBRATED_CPU, **load_calibration()}
+        link = min(_GPUS[gpu]["pcie"] * GPU_EFFICIENCY["pcie"], gloo["link_bandwidth"])
+        latency = max(latency, gloo["latency"])
     reserved = min(c.reserved, device_free_bytes // (4 * per_gpu))  # a shared GPU holds each rank's runtime
-    return replace(c, tiers=(c.tiers[0], host), intra_node_bandwidth=link, reserved=reserved)
+    return replace(c, tiers=(c.tiers[0], host), intra_node_bandwidth=link, latency=latency, reserved=reserved)
 
 
 def this_gpu_machine(world_size: int, ranks_per_node: int | None = None) -> Cluster:
