@@ -193,15 +193,16 @@ def train_both(
     return engine, ref, outputs
 
 
-def step_with_reference(engine, ref: Float64Reference, batches, gen: torch.Generator) -> list:
-    """Train `engine` and `ref` on the same batches and random output gradients at each table's
-    configured (constant) learning rate; returns (pooled, expected) per batch for assert_matches."""
+def step_with_reference(engine, ref: Float64Reference, batches, gen: torch.Generator, device: str = "cpu") -> list:
+    """Train `engine` (its batches moved to `device`) and `ref` on the same batches and random output
+    gradients at each table's configured (constant) learning rate; returns (pooled, expected) per
+    batch for assert_matches."""
     outputs = []
     for sparse in batches:
-        pooled, expected = engine(sparse), ref.forward(sparse)
-        outputs.append((pooled.detach().clone(), expected))
+        pooled, expected = engine(sparse.to(device)), ref.forward(sparse)
+        outputs.append((pooled.detach().cpu().clone(), expected))
         grad = torch.randn(pooled.shape, generator=gen)
-        pooled.backward(grad)
+        pooled.backward(grad.to(device))
         ref.backward_and_update(sparse, grad, {t.name: ref.configs[t.name].lr for t in ref.tables})
     return outputs
 

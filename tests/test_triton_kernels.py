@@ -25,6 +25,7 @@ from test_fused_engine import (
     make_tables,
     random_batch,
     run_steps,
+    step_with_reference,
     train_both,
 )
 
@@ -478,14 +479,8 @@ def test_cached_group_joins_the_launches_and_updates_its_records_in_place(monkey
     monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
     monkeypatch.setattr(lookup, "pool", lambda *args: pytest.fail("a group was pooled by the torch path"))
     counters = count_launches(monkeypatch)
-    ref, gen, outputs = Float64Reference(tables, opt), torch.Generator().manual_seed(8), []
-    for _ in range(2):
-        sparse = random_batch(tables, gen)
-        pooled, expected = engine(sparse.to(DEVICE)), ref.forward(sparse)
-        outputs.append((pooled.detach().cpu(), expected))
-        grad = torch.randn(pooled.shape, generator=gen)
-        pooled.backward(grad.to(DEVICE))
-        ref.backward_and_update(sparse, grad, {t.name: opt.lr for t in tables})
+    ref, gen = Float64Reference(tables, opt), torch.Generator().manual_seed(8)
+    outputs = step_with_reference(engine, ref, [random_batch(tables, gen) for _ in range(2)], gen, DEVICE)
     assert counters["_pool_kernel"].launches == counters["_update_kernel"].launches == 2
     cache = engine.weights[cached[0]].cache
     assert bool(cache.dirty.any()) and int(cache.dirty.sum()) <= int((cache.row_of >= 0).sum())
@@ -516,14 +511,8 @@ def test_cached_group_with_more_rows_than_its_cache_goes_through_copies(monkeypa
         write(self, rows, values)
 
     monkeypatch.setattr(CachedStorage, "write", counted)
-    ref, gen, outputs = Float64Reference(tables, opt), torch.Generator().manual_seed(9), []
-    for _ in range(2):
-        sparse = random_batch(tables, gen)
-        pooled, expected = engine(sparse.to(DEVICE)), ref.forward(sparse)
-        outputs.append((pooled.detach().cpu(), expected))
-        grad = torch.randn(pooled.shape, generator=gen)
-        pooled.backward(grad.to(DEVICE))
-        ref.backward_and_update(sparse, grad, {t.name: opt.lr for t in tables})
+    ref, gen = Float64Reference(tables, opt), torch.Generator().manual_seed(9)
+    outputs = step_with_reference(engine, ref, [random_batch(tables, gen) for _ in range(2)], gen, DEVICE)
     assert written == ["weight", "momentum1"] * 2  # each step's copies of the weights and the state
     assert_matches(engine, ref, outputs)
 
