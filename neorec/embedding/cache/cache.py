@@ -197,7 +197,7 @@ class RowCache:
         padded = torch.full((n,), self.num_rows, dtype=rows.dtype, device=rows.device).scatter_(
             0, place, ordered
         )
-        slots = self.slot_of.index_select(0, padded).long()
+        slots = self.slot_index(padded)
         cached = slots >= 0
         pinned = torch.zeros(self.capacity + 1, dtype=torch.bool, device=rows.device)  # + a sink
         for e in self._ahead:
@@ -228,7 +228,7 @@ class RowCache:
         not fit beside the batches in flight is left to its lookup. slots, hit, miss, num_pinned:
         as _classify_on_device gives them, when it has."""
         if slots is None or hit is None or miss is None:
-            slots = self.slot_of.index_select(0, rows).long()
+            slots = self.slot_index(rows)
             hit, miss = index_ops.split(slots >= 0)
         resident = slots.index_select(0, hit)
         self._touch(resident, rows.numel())
@@ -260,7 +260,7 @@ class RowCache:
         if ahead is not None and ahead.complete:  # its read ahead gave every row a slot
             self._set_resident(rows)
             return
-        slots = self.slot_of.index_select(0, rows).long()
+        slots = self.slot_index(rows)
         hit, miss = index_ops.split(slots >= 0)
         resident = slots.index_select(0, hit)
         if ahead is None:  # a prefetched batch was touched then
@@ -452,7 +452,7 @@ class RowCache:
         memo = self._slot_memo
         if memo is not None and memo[0] is rows and memo[3] == self._moves:
             return memo[1], memo[2]
-        slots = self.slot_of.index_select(0, rows).long()
+        slots = self.slot_index(rows)
         if self._all_resident(rows):
             # rows of the batch just looked up, all given slots, nothing moved since; its records
             # were placed when its lookup took it from the batches in flight
@@ -474,7 +474,7 @@ class RowCache:
         return slots if all_cached else None
 
     def slot_index(self, rows: torch.Tensor) -> torch.Tensor:
-        """slot_of[rows] as int64, unchecked (-1 for a row without a slot)."""
+        """slot_of[rows] as int64, unchecked: -1 for a row without a slot."""
         return self.slot_of.index_select(0, rows).long()
 
     def mark_updated(self, slots: torch.Tensor) -> None:
@@ -547,7 +547,7 @@ class RowCache:
         (after a flush, so the other fields of those rows lose nothing)."""
         self.flush()
         rows = torch.arange(start, end, device=self.device)
-        slots = self.slot_of.index_select(0, rows).long()
+        slots = self.slot_index(rows)
         resident = slots >= 0
         slots = slots[resident]
         self.slot_of.index_fill_(0, rows[resident], -1)
