@@ -53,7 +53,7 @@ def no_dp(plan: dict) -> dict:
     return {"b": {"kind": "tw", "ranks": [3]}, "c": {"kind": "tw", "ranks": [3]}, **plan}
 
 
-B_ON_3 = {"input_dist": 3 * (2 * 4 + 2 * 8), "bwd": 2 * 12 * 2}  # rank 0 -> 3: b (2 features) and c; grads
+B_ON_3 = {"input_dist": 3 * (8 + 2 * 4 + 2 * 8), "bwd": 2 * 12 * 2}  # rank 0 -> 3: b (2 features) and c; grads
 
 
 def test_sequence_tables_are_costed_by_rows_per_id():
@@ -91,10 +91,10 @@ def test_sequence_tables_are_costed_by_rows_per_id():
 
 def test_bytes_table_wise():
     got = sent_by(no_dp({"a": {"kind": "tw", "ranks": [1]}}))
-    # ids to rank 1: 2 lengths (int32) + 2 ids (int64); fwd: rank 0 holds nothing, still one fp16 column
+    # ids to rank 1: their count (int64) + 2 lengths (int32) + 2 ids (int64); fwd: rank 0 holds nothing, still one fp16 column
     # per block to each of 3 ranks; bwd: gradients of a (width 4) to rank 1, of b+c (width 12) to rank 3
     assert got == {
-        "input_dist": 2 * 4 + 2 * 8 + B_ON_3["input_dist"],
+        "input_dist": 8 + 2 * 4 + 2 * 8 + B_ON_3["input_dist"],
         "fwd": 3 * 2 * 1 * 2,
         "bwd": 2 * 4 * 2 + B_ON_3["bwd"],
     }
@@ -106,7 +106,7 @@ def test_bytes_row_wise_and_mean_pooling_weights():
     got = sent_by(no_dp({"a": {"kind": "rw", "ranks": [0, 2]}}))
     # half the ids (rows [5, 10)) go to rank 2; rank 0 pools its own rows: width 4 to 3 ranks
     assert got == {
-        "input_dist": 2 * 4 + 1 * 8 + B_ON_3["input_dist"],
+        "input_dist": 8 + 2 * 4 + 1 * 8 + B_ON_3["input_dist"],
         "fwd": 3 * 2 * 5 * 2,
         "bwd": 2 * 4 * 2 + B_ON_3["bwd"],
     }
@@ -119,7 +119,7 @@ def test_bytes_column_wise():
     got = sent_by(no_dp({"a": {"kind": "cw", "ranks": [0, 1]}}))
     # rank 1 needs all ids; rank 0 pools a 2-column slice for 3 ranks; gradients of the slice to rank 1
     assert got == {
-        "input_dist": 2 * 4 + 2 * 8 + B_ON_3["input_dist"],
+        "input_dist": 8 + 2 * 4 + 2 * 8 + B_ON_3["input_dist"],
         "fwd": 3 * 2 * 3 * 2,
         "bwd": 2 * 2 * 2 + B_ON_3["bwd"],
     }
@@ -130,7 +130,7 @@ def test_bytes_table_row_wise_two_hops():
     # ids: half to rank 2, half to rank 3. fwd: empty flat blocks (3 x 2 bytes x 2 samples), hop 1 to
     # peer rank 1 ([2 nodes x 2 samples, 0 + 1 columns]), hop 2 to rank 2 ([2, 0 + 1]); bwd: node 1's
     # sums (width 4) back to rank 2
-    assert got == {"input_dist": 2 * (2 * 4 + 1 * 8) + B_ON_3["input_dist"], "fwd": 12 + 2 * 2 * 1 * 2 + 2 * 1 * 2,
+    assert got == {"input_dist": 2 * (8 + 2 * 4 + 1 * 8) + B_ON_3["input_dist"], "fwd": 12 + 2 * 2 * 1 * 2 + 2 * 1 * 2,
                    "bwd": 2 * 4 * 2 + B_ON_3["bwd"]}  # fmt: skip
     holder = sent_by(no_dp({"a": {"kind": "twrw", "node": 1}}), rank=2)
     # rank 2 sends its partial sums for rank 3's samples of both nodes (hop 1) and node 1's sums for rank 0
@@ -141,7 +141,7 @@ def test_bytes_table_column_wise_two_hops():
     got = sent_by(no_dp({"a": {"kind": "twcw", "node": 0}}))
     # rank 0 holds columns 0-1: hop 1 sends its slice for rank 1's samples of both nodes, hop 2 the
     # joined 4 columns to rank 2; bwd: the slice gradient back from hop 1 to rank 1
-    assert got == {"input_dist": 2 * 4 + 2 * 8 + B_ON_3["input_dist"], "fwd": 12 + 2 * 2 * 3 * 2 + 2 * 5 * 2,
+    assert got == {"input_dist": 8 + 2 * 4 + 2 * 8 + B_ON_3["input_dist"], "fwd": 12 + 2 * 2 * 3 * 2 + 2 * 5 * 2,
                    "bwd": 2 * 2 * 2 * 2 + B_ON_3["bwd"]}  # fmt: skip
 
 

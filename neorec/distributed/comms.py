@@ -108,10 +108,15 @@ class Comms:
         # The id exchange has its own communicator, so a pipeline can run it on a background thread
         # for the next batch while this thread exchanges the current batch's embeddings.
         self.ids = self.world
+        # The id exchange's sizes (host counts) go beside it on the same thread, over gloo even where
+        # the model's exchanges use NCCL, so that reading them never waits for a GPU.
+        self.ids_host = self.world
         self.control = None  # the communicator of sum_flags: gloo, for host flags beside NCCL too
         if topo.world_size > 1:
-            self.ids = Group(list(range(topo.world_size)), topo.rank, dist.new_group(list(range(topo.world_size))))
-            self.control = dist.new_group(list(range(topo.world_size)), backend="gloo")
+            everyone = list(range(topo.world_size))
+            self.ids = Group(everyone, topo.rank, dist.new_group(everyone))
+            self.ids_host = self.ids if backend != "nccl" else Group(everyone, topo.rank, dist.new_group(everyone, backend="gloo"))
+            self.control = dist.new_group(everyone, backend="gloo")
         if transport == "shm" and shm_available() and topo.world_size > 1:
             self._attach_shm()
 
@@ -161,6 +166,20 @@ class Comms:
             recv, send.contiguous(), recv_splits, send_splits, group=group.pg, async_op=True
         )
         return Pending([work], lambda: recv)
+
+    def all_to_all_host(
+        self, sizes: list[int], send_splits: list[int], recv_splits: list[int], direction: str
+    ) -> list[int]:
+        """all_to_all of a few host integers (the sizes of an exchange that follows): sizes[a:b] of
+        each split to the group's ranks in order; what every rank sent here, in rank order. On the id
+        exchange's host communicator (`ids_host`), so the result is known on the host without
+        reading anything back from a GPU."""
+        group = self.ids_host
+        self.stats.add(direction, (sum(send_splits) - send_splits[group.index]) * 8)
+        send = torch.tensor(sizes, dtype=torch.int64)
+        if group.size == 1:
+            return [int(n) for n in sizes]
+        return self._all_to_all_wire(send, send_splits, recv_splits, group).wait().tolist()
 
     def all_gather(self, mine: torch.Tensor, direction: str) -> torch.Tensor:
         """Every rank's `mine` (all of one shape), concatenated in rank order along dim 0."""

@@ -3,9 +3,17 @@
 Each rank has the ids of its own B samples for every feature. For each destination rank it builds
 the jagged ids of the features that rank's shards look up, in that rank's local order: all ids of
 the feature for whole-row shards (tw, cw, twcw), only the ids inside the shard's row range, rebased
-to the shard, for row-split shards (rw, twrw). Then two all-to-alls: lengths first (their sizes are
-known from the layout), then ids and weights (sizes from the lengths). The receiver regroups what
-the W ranks sent into one feature-major SparseBatch of W * B samples, samples of rank 0 first.
+to the shard, for row-split shards (rw, twrw). The receiver regroups what the W ranks sent into one
+feature-major SparseBatch of W * B samples, samples of rank 0 first.
+
+Sizes travel on the host, ahead of the ids. Every rank knows its own ids per feature on the host
+(SparseBatch.length_per_key: the reader counted them before the batch went to the device); a
+row-split feature's ids per shard are counted on the device and read back together, once per batch
+for all such features (none without row-split shards). First one small all-to-all of these counts
+over a host communicator (Comms.all_to_all_host), then the bag lengths, ids and weights, all three
+started at once with sizes every rank already knows. The local batch carries its per-feature counts
+too, so the lookup reads nothing back either. On a GPU the exchange thus never waits for the device
+except for that one read of row-split counts.
 
 Managed-collision tables (raw ids): a row-split table's ids go to the rank that holds their bucket
 (id_map.bucket_of), unchanged; that rank's id map turns them into its rows in the lookup.
@@ -38,80 +46,126 @@ class InputDist:
 
     def __call__(self, sparse: SparseBatch) -> Pending:
         """Start the exchange; wait() gives the local SparseBatch of W * B samples."""
-        b, world = sparse.batch_size, self.comms.topo.world_size
+        b, world, device = sparse.batch_size, self.comms.topo.world_size, sparse.values.device
         with_weights = sparse.weights is not None or self.mean_row_split
+        per_key = dict(zip(sparse.keys, sparse.length_per_key(), strict=True))
         parts = {k: sparse.feature(k) for k in {f for feats in self.features for _, f in feats}}
-        bag_of_id: dict[str, torch.Tensor] = {}
-        split_cache: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        lengths, values, weights, counts = [], [], [], []
+        splits = self._row_splits(sparse, parts, with_weights)
+        lengths, values, weights, sizes = [], [], [], []  # sizes: ids per (destination, its feature)
         for dest in range(world):
-            n = 0
             for unit, f in self.features[dest]:
                 ids, lens, w = parts[f]
-                if with_weights and w is None:
-                    w = torch.ones(ids.numel(), dtype=torch.float32, device=ids.device)
                 if unit.kind in ROW_SPLIT:
-                    key = (unit.table.name, f)
-                    if key not in split_cache:
-                        if f not in bag_of_id:
-                            bag_of_id[f] = torch.arange(b, device=ids.device).repeat_interleave(lens)
-                        if with_weights and unit.table.pooling == "mean":
-                            w = w * lens.clamp(min=1).to(torch.float32).reciprocal().index_select(0, bag_of_id[f])
-                        starts = [s.rows[0] for s in self.layout.plan.shards(unit.table, self.comms.topo)]
-                        mc = unit.table.managed_collision
-                        if mc is not None:  # raw ids: the id's bucket decides, the owner's map gives the row
-                            owner = bucket_of(ids, mc.buckets) // (mc.buckets // len(starts))
-                            starts = [0] * len(starts)
-                        else:
-                            inner = torch.tensor(starts[1:], dtype=ids.dtype, device=ids.device)
-                            owner = torch.bucketize(ids, inner, right=True)
-                        split_cache[key] = (owner, w, torch.tensor(starts, device=ids.device))
-                    owner, w, starts = split_cache[key]
-                    mine = owner == unit.index
-                    sel = index_ops.where(mine)
+                    owner, w, starts, shard_lengths, shard_counts = splits[(unit.table.name, f)]
+                    n = shard_counts[unit.index]
+                    sel = index_ops.compact(owner == unit.index, n)
                     ids = ids.index_select(0, sel) - starts[unit.index]
-                    lens = torch.bincount(bag_of_id[f].index_select(0, sel), minlength=b)
+                    lens = shard_lengths[unit.index]
                     w = w.index_select(0, sel) if w is not None else None
+                else:
+                    n = per_key[f]
+                    if with_weights and w is None:
+                        w = torch.ones(n, dtype=torch.float32, device=device)
                 lengths.append(lens.to(torch.int32))
                 values.append(ids)
                 if with_weights:
                     weights.append(w.to(torch.float32))
-                n += ids.numel()
-            counts.append(n)
-        device = sparse.values.device
-        send_len = torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int32, device=device)
+                sizes.append(n)
         n_local = len(self.local_keys)
+        got = self.comms.all_to_all_host(
+            sizes, [len(f) for f in self.features], [n_local] * world, "input_dist"
+        )
+        got_sizes = [got[s * n_local : (s + 1) * n_local] for s in range(world)]  # [source][local feature]
+        send_counts, start = [], 0
+        for feats in self.features:
+            send_counts.append(sum(sizes[start : start + len(feats)]))
+            start += len(feats)
+        recv_counts = [sum(row) for row in got_sizes]
+        send_len = torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int32, device=device)
         got_len = self.comms.all_to_all(
             send_len, [len(f) * b for f in self.features], [n_local * b] * world, "input_dist", self.comms.ids
         )
         send_val = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=device)
-        send_w = torch.cat(weights) if with_weights and weights else None
+        got_val = self.comms.all_to_all(send_val, send_counts, recv_counts, "input_dist", self.comms.ids)
+        got_w = None
+        if with_weights:
+            send_w = torch.cat(weights) if weights else torch.empty(0, device=device)
+            got_w = self.comms.all_to_all(send_w, send_counts, recv_counts, "input_dist", self.comms.ids)
 
         def finish() -> SparseBatch:
             recv_len = got_len.wait().view(world, n_local, b).to(torch.int64)
-            per_source = recv_len.sum(dim=(1, 2)).tolist()
-            got_val = self.comms.all_to_all(send_val, counts, per_source, "input_dist", self.comms.ids)
-            got_w = None
-            if with_weights:
-                w = send_w if send_w is not None else torch.empty(0, device=device)
-                got_w = self.comms.all_to_all(w, counts, per_source, "input_dist", self.comms.ids)
-            return regroup(self.local_keys, recv_len, got_val.wait(), got_w.wait() if got_w else None)
+            return regroup(
+                self.local_keys, recv_len, got_val.wait(), got_w.wait() if got_w else None, got_sizes
+            )
 
-        return Pending([got_len], finish)
+        return Pending([], finish)
+
+    def _row_splits(
+        self, sparse: SparseBatch, parts: dict, with_weights: bool
+    ) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor | None, list[int], torch.Tensor, list[int]]]:
+        """Per row-split (table, feature): (the shard of each id, the ids' weights (mean pooling
+        folded in), each shard's first row, bag lengths per shard [S, B], ids per shard). The ids
+        per shard of every such feature are read back to the host in one go."""
+        b, device = sparse.batch_size, sparse.values.device
+        per_key = dict(zip(sparse.keys, sparse.length_per_key(), strict=True))
+        out: dict = {}
+        counted = []
+        for dest_features in self.features:
+            for unit, f in dest_features:
+                key = (unit.table.name, f)
+                if unit.kind not in ROW_SPLIT or key in out:
+                    continue
+                ids, lens, w = parts[f]
+                n = per_key[f]
+                if with_weights and w is None:
+                    w = torch.ones(n, dtype=torch.float32, device=device)
+                bag_of_id = torch.arange(b, device=device).repeat_interleave(lens, output_size=n)
+                if with_weights and unit.table.pooling == "mean":
+                    w = w * lens.clamp(min=1).to(torch.float32).reciprocal().index_select(0, bag_of_id)
+                starts = [s.rows[0] for s in self.layout.plan.shards(unit.table, self.comms.topo)]
+                num_shards = len(starts)
+                mc = unit.table.managed_collision
+                if mc is not None:  # raw ids: the id's bucket decides, the owner's map gives the row
+                    owner = bucket_of(ids, mc.buckets) // (mc.buckets // num_shards)
+                    starts = [0] * num_shards
+                else:
+                    inner = torch.tensor(starts[1:], dtype=ids.dtype, device=device)
+                    owner = torch.bucketize(ids, inner, right=True)
+                ones = torch.ones(n, dtype=torch.int64, device=device)
+                # one scatter per feature: each shard's ids per bag, and (summed) per shard
+                shard_lengths = torch.zeros(num_shards * b, dtype=torch.int64, device=device)
+                shard_lengths.index_add_(0, owner * b + bag_of_id, ones)
+                shard_lengths = shard_lengths.view(num_shards, b)
+                counted.append(shard_lengths.sum(dim=1))
+                out[key] = [owner, w, starts, shard_lengths, None]
+        if counted:
+            per_shard = torch.cat(counted).tolist()  # the one read back of the batch
+            start = 0
+            for entry in out.values():
+                k = entry[3].shape[0]
+                entry[4] = per_shard[start : start + k]
+                start += k
+        return {key: tuple(entry) for key, entry in out.items()}
 
 
 def regroup(
-    keys: list[str], lengths: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None
+    keys: list[str],
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    sizes: list[list[int]],
 ) -> SparseBatch:
     """lengths [W, F, B] and values in (source, feature, sample) order -> a feature-major batch of
-    W * B samples, (feature, source, sample) order."""
+    W * B samples, (feature, source, sample) order. sizes[s][f]: the ids source s sent of feature f
+    (on the host)."""
     world, nf, b = lengths.shape
-    segment = lengths.sum(dim=2)  # [W, F]
     order = [s * nf + f for f in range(nf) for s in range(world)]
+    flat = [n for row in sizes for n in row]
     if world > 1 and nf > 1:
-        pieces = values.split(segment.reshape(-1).tolist())
+        pieces = values.split(flat)
         values = torch.cat([pieces[k] for k in order]) if pieces else values
         if weights is not None:
-            wp = weights.split(segment.reshape(-1).tolist())
+            wp = weights.split(flat)
             weights = torch.cat([wp[k] for k in order]) if wp else weights
-    return SparseBatch(keys, values, lengths.permute(1, 0, 2).reshape(-1), weights)
+    per_key = [sum(sizes[s][f] for s in range(world)) for f in range(nf)]
+    return SparseBatch(keys, values, lengths.permute(1, 0, 2).reshape(-1), weights, per_key)

@@ -163,8 +163,9 @@ def owner_work(
     masks = num_shards if kind in ROW_SPLIT else 0
     out["input_dist"] = (ids * 8 * 3 + masks * ids * 8 * 2) / speed
     # input_dist.py, per feature: the lengths cast for every destination, and on arrival a split
-    # and a copy per piece; row splits also make the bag index and bucketize once (about 6 small
-    # ops) and, per shard, mask, select, rebase and count the ids per bag (about 8)
+    # and a copy per piece; row splits also make the bag index, bucketize and count the ids per
+    # shard and bag once (about 6 small ops) and, per shard, mask, compact, select and rebase the
+    # ids (about 8)
     features = len(load.table.features)
     pieces = num_shards if kind in ("cw", "twcw", *ROW_SPLIT) else 1
     ops = features * pieces * 3
@@ -181,13 +182,13 @@ def owner_work(
 
 def collective_calls(kinds: set[str], dp_groups: int, weighted: bool, owner_groups: int = 0) -> dict[str, int]:
     """Collective calls per stage and step (each costs the cluster's latency): the id exchange
-    (lengths, ids, weights), the pooled exchange and its gradient (flat, plus two hops per
+    (its sizes on the host, lengths, ids, weights), the pooled exchange and its gradient (flat, plus two hops per
     hierarchical kind present), and per group of replicated tables one all-gather of its rows and
     gradients (replicas.py; a group small enough for a dense all-reduce also sends its counts),
     and for the `owner_groups` among them (rules with state) the counts and the updated rows."""
     two_hop = 2 * (("twrw" in kinds) + ("twcw" in kinds))
     return {
-        "input_dist": 2 + int(weighted),
+        "input_dist": 3 + int(weighted),
         "output_dist": 1 + two_hop,
         "output_dist_bwd": 1 + two_hop,
         "update": dp_groups + 2 * owner_groups,

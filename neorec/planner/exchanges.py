@@ -8,9 +8,9 @@ per bag, ids falling into a row shard, distinct rows of a replicated table), the
 statistics give the expected value.
 
 Mirrors, line by line:
-- input_dist.py: per destination and (unit, feature) it looks up, int32 lengths of the B local bags,
-  int64 ids (only the shard's rows for row splits), fp32 weights when the batches carry weights or any
-  row-split table is mean-pooled;
+- input_dist.py: per destination and (unit, feature) it looks up, its id count (int64, on the host
+  communicator), int32 lengths of the B local bags, int64 ids (only the shard's rows for row
+  splits), fp32 weights when the batches carry weights or any row-split table is mean-pooled;
 - output_dist.py: one flat all-to-all of [B, flat width of the sender] rows (backward: of the
   receiver), then comms.two_hop for twrw / twcw (hop 1 to node peers: [N * B, d]; hop 2 across nodes:
   [B, d] for sums, [B, L * d] for joined column slices) when any node has such tables; sequence
@@ -85,7 +85,7 @@ def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology) -> Traf
         for unit, f in layout.send_features(dst):
             load = workload.by_name[unit.table.name]
             share = load.share(*unit.shard.rows) if unit.kind in ROW_SPLIT else 1.0
-            total += b * 4 + b * load.ids_per_feature[f] * share * id_bytes
+            total += 8 + b * 4 + b * load.ids_per_feature[f] * share * id_bytes
         mats["input_dist"][:, dst] += total
 
     # ---- pooled rows and their gradients -------------------------------------------------------------

@@ -209,7 +209,8 @@ class SparseBatch:
         weights = None
         if self.weights is not None:
             weights = _cat([self.weights[a:z] for a, z in zip(firsts, lasts, strict=True)], self.weights)
-        return SparseBatch(self.keys, _cat(values, self.values), lengths, weights)
+        per_key = [z - a for a, z in zip(firsts, lasts, strict=True)]
+        return SparseBatch(self.keys, _cat(values, self.values), lengths, weights, per_key)
 
     def permute(self, order: Sequence[int]) -> SparseBatch:
         """Reorder features: result feature j is this batch's feature order[j]."""
@@ -235,8 +236,10 @@ class SparseBatch:
             weights = torch.cat(
                 [b.weights if b.weights is not None else torch.ones(b.values.numel(), device=b.device) for b in batches]
             )
+        known = all(b._length_per_key is not None for b in batches)
+        per_key = [n for b in batches for n in b._length_per_key] if known else None  # type: ignore[union-attr]
         return SparseBatch(
-            keys, torch.cat([b.values for b in batches]), torch.cat([b.lengths for b in batches]), weights
+            keys, torch.cat([b.values for b in batches]), torch.cat([b.lengths for b in batches]), weights, per_key
         )
 
     # ---- devices -------------------------------------------------------------------------------
