@@ -192,3 +192,72 @@ def spawn(world: int, fn, args=(), local_world: int | None = None, tmp_path=None
     if errors:
         raise AssertionError("\n".join(errors))
     return results
+
+
+# Calls that, on a GPU, read a tensor's values back to the host or size their output by them (the
+# host then waits for the device). CPU-only branches (numpy views of host tensors) are not listed:
+# they never run on a GPU.
+def _read_calls() -> list[tuple[object, str]]:
+    from neorec.utils import index_ops
+
+    return [
+        (torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "nonzero"),
+        (torch.Tensor, "__bool__"), (torch.Tensor, "__int__"), (torch.Tensor, "__index__"), (torch, "nonzero"),
+        (torch, "unique"), (torch, "unique_consecutive"), (torch, "bincount"), (index_ops, "where"),
+        (index_ops, "split"),
+    ]  # fmt: skip
+
+
+def count_host_reads(inside=None, outside=(), main_thread_only: bool = False) -> tuple[list[int], list[str]]:
+    """Patch (for the rest of this process) the calls that read a GPU tensor back, and
+    repeat_interleave without output_size, to count themselves; returns ([count], [names called]).
+    Only calls made while inside one of `inside` ((owner, function name) pairs; None: anywhere), and
+    not inside one of `outside`, count; functions returned by an `inside` one count as inside too.
+    main_thread_only: calls on other threads (a pipeline's) do not count."""
+    import threading
+
+    count, calls, depth, shut = [0], [], [0 if inside else 1], [0]
+
+    def note(name: str) -> None:
+        if depth[0] and not shut[0] and (not main_thread_only or threading.current_thread() is threading.main_thread()):
+            count[0] += 1
+            calls.append(name)
+
+    def counted(owner, name):
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            note(name)
+            return fn(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+    for owner, name in _read_calls():
+        counted(owner, name)
+    for owner in (torch, torch.Tensor):
+        fn = owner.repeat_interleave
+
+        def repeat(*args, _fn=fn, **kwargs):
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+            if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
+                note("repeat_interleave")
+            return _fn(*args, **kwargs)
+
+        owner.repeat_interleave = repeat
+
+    def scoped(fn, counter):
+        def wrapper(*args, **kwargs):
+            counter[0] += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                counter[0] -= 1
+            return scoped(out, counter) if callable(out) and counter is depth else out
+
+        return wrapper
+
+    for owner, name in inside or ():
+        setattr(owner, name, scoped(getattr(owner, name), depth))
+    for owner, name in outside:
+        setattr(owner, name, scoped(getattr(owner, name), shut))
+    return count, calls

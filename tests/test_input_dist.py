@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_helpers import make_batches, make_tables, optimizer_config, spawn
+from dist_helpers import count_host_reads, make_batches, make_tables, optimizer_config, spawn
 from test_distributed import PLAN_4, PLANS_2
 
 from neorec.distributed.comms import Comms
@@ -21,57 +21,6 @@ from neorec.sparse import SparseBatch
 pytestmark = pytest.mark.distributed
 
 BATCH = 24  # global: 12 samples a rank with 2 ranks, 6 with 4
-
-# (owner, name): calls that read a tensor's values back to the host on a GPU (or size their output
-# by them, which is the same wait)
-READS = [
-    (torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "numpy"),
-    (torch.Tensor, "nonzero"), (torch.Tensor, "__bool__"), (torch.Tensor, "__int__"),
-    (torch.Tensor, "__index__"), (torch, "nonzero"), (torch, "unique"), (torch, "bincount"),
-    (torch, "unique_consecutive"),
-]  # fmt: skip
-
-
-def counting_reads() -> tuple[list[int], list[str]]:
-    """Patch READS (and repeat_interleave without output_size) to count calls made outside
-    Comms.all_to_all_host; returns ([count], [what was called])."""
-    count, calls, inside = [0], [], [0]
-
-    def counted(owner, name):
-        fn = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            if not inside[0]:
-                count[0] += 1
-                calls.append(name)
-            return fn(*args, **kwargs)
-
-        setattr(owner, name, wrapper)
-
-    for owner, name in READS:
-        counted(owner, name)
-    for owner in (torch, torch.Tensor):
-        fn = owner.repeat_interleave
-
-        def repeat(*args, _fn=fn, **kwargs):
-            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
-            if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None and not inside[0]:
-                count[0] += 1
-                calls.append("repeat_interleave")
-            return _fn(*args, **kwargs)
-
-        owner.repeat_interleave = repeat
-    host = Comms.all_to_all_host
-
-    def host_exchange(self, *args, **kwargs):
-        inside[0] += 1
-        try:
-            return host(self, *args, **kwargs)
-        finally:
-            inside[0] -= 1
-
-    Comms.all_to_all_host = host_exchange
-    return count, calls
 
 
 def local_ids(batch: SparseBatch, rank: int, world: int) -> SparseBatch:
@@ -113,7 +62,7 @@ def exchange_reads(topo, plans: dict) -> dict:
     tables = make_tables()
     batches = make_batches(tables, 3, BATCH)
     comms = Comms(topo, transport="backend")
-    count, calls = counting_reads()
+    count, calls = count_host_reads(outside=[(Comms, "all_to_all_host")])
     out = {}
     for name, plan_dict in plans.items():
         plan = ShardingPlan.from_dict(plan_dict)

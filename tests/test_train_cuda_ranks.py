@@ -140,3 +140,66 @@ def test_ranks_drawing_their_data_on_the_gpu_match_one_gpu_process(tmp_path):
 def test_nccl_ranks_match_one_gpu_process(tmp_path, single_gpu):
     _train(tmp_path, 2, ["distributed.backend=nccl", f"distributed.sharding={KINDS['mixed']}"])
     _assert_same_model(tmp_path, single_gpu)
+
+
+def _steady_state_reads(topo, optimizer_name: str, device: str = "cuda") -> tuple[int, list[str], list[float]]:
+    """Ranks sharing the GPU train the mixed plan (tw, rw, cw, dp, twrw) with the pipeline; the host
+    reads of device values on the training thread in steps 4-8, outside gloo's staging copies
+    (which a GPU per rank and NCCL do without): (count, what was called, losses)."""
+    from dist_helpers import build_model, count_host_reads, make_batches, make_tables, optimizer_config
+    from test_distributed import PLANS_2
+
+    from neorec.data.batch import Batch
+    from neorec.distributed.comms import Comms
+    from neorec.distributed.dense import DenseGradSync
+    from neorec.distributed.plan import ShardingPlan
+    from neorec.distributed.sharded import ShardedEmbeddingCollection
+    from neorec.distributed.staging import Staging
+    from neorec.train.pipeline import pipelined
+
+    device = torch.device(device, 0 if device == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tables = make_tables()
+    comms = Comms(topo, transport="backend")
+    plan = ShardingPlan.from_dict(PLANS_2["mixed"])
+    emb = ShardedEmbeddingCollection(tables, optimizer_config(optimizer_name), plan, comms, seed=0, device=device)
+    model = build_model(emb).to(device)
+    dense = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
+    opt, emb_opt = torch.optim.SGD(dense, lr=0.05), emb.build_optimizer()
+    sync = DenseGradSync(dense, comms, "fp32")
+    b, batches = 32, []
+    for batch in make_batches(tables, 8, b * topo.world_size):  # each rank's slice, its counts known (as DeviceFeed's)
+        s = batch.sparse.slice_samples(topo.rank * b, (topo.rank + 1) * b)
+        s.length_per_key()
+        rows = slice(topo.rank * b, (topo.rank + 1) * b)
+        batches.append(Batch(batch.dense[rows], s, batch.labels[rows]).to(device))
+    count, calls = count_host_reads(outside=[(Staging, "down"), (Staging, "up")], main_thread_only=True)
+    before, losses = 0, []
+    for step, (_, batch) in enumerate(pipelined(batches, lambda x: x, emb, 1)):
+        if step == 3:
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            before = count[0]
+            calls.clear()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(batch), batch.labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sync.start().wait()
+        opt.step()
+        emb_opt.step()
+        losses.append(loss.detach())
+    return count[0] - before, sorted(set(calls)), [float(x) for x in losses]
+
+
+@needs_cuda
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adagrad"])
+def test_steady_state_steps_of_gpu_ranks_read_nothing_back(tmp_path, optimizer_name):
+    """No size or value read back on the training thread of 2 ranks sharing the GPU: the id
+    exchange's sizes travel on the host, row-split counts and the replicated tables' row counts are
+    read one batch ahead on the id exchange's thread (neorec/distributed/input_dist.py, replicas.py)."""
+    from dist_helpers import spawn
+
+    results = spawn(2, _steady_state_reads, (optimizer_name,), tmp_path=tmp_path)
+    for rank, (reads, calls, losses) in results.items():
+        assert all(x == x for x in losses), f"rank {rank}: a loss is NaN"
+        assert reads == 0, f"rank {rank}: {reads} reads back on the training thread ({calls})"

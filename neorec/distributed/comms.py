@@ -115,7 +115,9 @@ class Comms:
         if topo.world_size > 1:
             everyone = list(range(topo.world_size))
             self.ids = Group(everyone, topo.rank, dist.new_group(everyone))
-            self.ids_host = self.ids if backend != "nccl" else Group(everyone, topo.rank, dist.new_group(everyone, backend="gloo"))
+            self.ids_host = self.ids
+            if backend == "nccl":
+                self.ids_host = Group(everyone, topo.rank, dist.new_group(everyone, backend="gloo"))
             self.control = dist.new_group(everyone, backend="gloo")
         if transport == "shm" and shm_available() and topo.world_size > 1:
             self._attach_shm()
@@ -228,25 +230,33 @@ class Comms:
         got = self.all_to_all(payload.repeat(world.size), [n] * world.size, sizes, direction)
         return Pending([got], lambda: list(got.wait().split(sizes)))
 
-    def all_to_all_bytes(self, payload: torch.Tensor, sizes: list[int], direction: str) -> Pending:
+    def all_to_all_bytes(
+        self, payload: torch.Tensor, sizes: list[int], direction: str, recv_sizes: list[int] | None = None
+    ) -> Pending:
         """Parts of `payload` (1-D uint8) of `sizes` bytes to the ranks in order; the part every rank
-        sent here, as a list in rank order. In shared memory one exchange (the sizes travel in its
-        header); over the backend the sizes go first."""
+        sent here, as a list in rank order. recv_sizes: the bytes every rank sends here, when the
+        caller knows them. Otherwise in shared memory one exchange (the sizes travel in its header);
+        over the backend the sizes go first."""
         if self.world.size > 1 and self.staging.needed(payload):
             device = payload.device
-            got = self._all_to_all_bytes(self.staging.down(payload), sizes, direction)
+            got = self._all_to_all_bytes(self.staging.down(payload), sizes, direction, recv_sizes)
             return Pending([got], lambda: [self.staging.up(p, device) for p in got.wait()])
-        return self._all_to_all_bytes(payload, sizes, direction)
+        return self._all_to_all_bytes(payload, sizes, direction, recv_sizes)
 
-    def _all_to_all_bytes(self, payload: torch.Tensor, sizes: list[int], direction: str) -> Pending:
+    def _all_to_all_bytes(
+        self, payload: torch.Tensor, sizes: list[int], direction: str, recv_sizes: list[int] | None
+    ) -> Pending:
         world = self.world
         if world.size == 1:
             return Pending.ready([payload])
-        if world.shm is not None and payload.device.type == "cpu":  # + each size, in the header
+        if recv_sizes is None and world.shm is not None and payload.device.type == "cpu":
+            # one exchange, each size in its header
             self.stats.add(direction, sum(sizes) - sizes[world.index] + 8 * (world.size - 1))
             return Pending.ready(world.shm.all_to_all_bytes(payload.contiguous(), sizes))
-        mine = torch.tensor(sizes, dtype=torch.int64, device=payload.device)
-        theirs = self.all_to_all(mine, [1] * world.size, [1] * world.size, direction).wait().tolist()
+        theirs = recv_sizes
+        if theirs is None:
+            mine = torch.tensor(sizes, dtype=torch.int64, device=payload.device)
+            theirs = self.all_to_all(mine, [1] * world.size, [1] * world.size, direction).wait().tolist()
         got = self.all_to_all(payload, sizes, theirs, direction)
         return Pending([got], lambda: list(got.wait().split(theirs)))
 

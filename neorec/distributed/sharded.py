@@ -118,6 +118,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self._replicas = ReplicaSync(self.replicated, comms, self.codecs[1])
         self.replicated.grad_hook = self._replicas.start_gradients
         self.replicated.update_hook = self._replicas.share_updated
+        self.replicated.counted_ahead = self._replicas.unique_count
         self.input_dist_ = InputDist(self.layout, comms)
         self.dp_features = [f for t in dp for f in t.features]
         lay = self.layout
@@ -244,13 +245,17 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self._prefetch_rows()
         ready = streams.mark(device)
         work = self._pool.submit(streams.run_on, self._id_stream, ready, lambda: self.input_dist_(sparse).wait())
-        self._ahead.append([sparse, work, False])
+        # then, on the same thread, the rows the replicated tables' backward will exchange (replicas.py)
+        counts = self._pool.submit(streams.run_on, self._id_stream, ready, lambda: self._replicas.count_ahead(sparse))
+        self._ahead.append([sparse, work, False, counts])
         self.replicated.prefetch(sparse)  # a no-op without cached replicated tables
 
     def clear_prefetched(self) -> None:
         """Finish and forget prefetched exchanges that will not be trained (a run that stops early)."""
         while self._ahead:
-            self._exchanged(self._ahead.popleft()[1])
+            entry = self._ahead.popleft()
+            self._exchanged(entry[1])
+            entry[3].result()
 
     @staticmethod
     def _exchanged(work) -> SparseBatch:
@@ -302,13 +307,17 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         """This rank's ids of the batch: its prefetched exchange's result, or exchanged now."""
         start = time.perf_counter()
         if self._ahead and self._ahead[0][0] is sparse:
-            local = self._exchanged(self._ahead.popleft()[1])  # "input_dist" is then the time spent waiting
+            entry = self._ahead.popleft()
+            local = self._exchanged(entry[1])  # "input_dist" is then the time spent waiting
+            self._replicas.current = entry[3].result()[0]  # its replicated rows, counted ahead (or None)
         else:
             # Exchanges already started on the background thread go first, on every rank alike, so
             # that the id communicator sees the same order everywhere (e.g. evaluation mid-training).
-            for _, work, _ in self._ahead:
-                work.result()
+            for entry in self._ahead:
+                entry[1].result()
+                entry[3].result()
             local = self.input_dist_(sparse).wait()
+            self._replicas.current = None
         self.timings["input_dist"] += time.perf_counter() - start
         return local
 

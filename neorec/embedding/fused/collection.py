@@ -140,6 +140,10 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         self.grad_hook: GradHook | None = None
         # With a grad_hook: called with (group, the rows just updated) after each group's update.
         self.update_hook: Callable[[int, torch.Tensor], None] | None = None
+        # With a grad_hook: the number of unique rows of group gi in the batch being trained, when
+        # known ahead (else None). Nothing is then read back to sum its gradients, and the hook may
+        # return rows that repeat: copies of one row with the same gradient, updated alike.
+        self.counted_ahead: Callable[[int], int | None] | None = None
         self._row_init = row_init
         # seconds spent in lookups ("lookup") and fused backward+updates ("update"), when a dict is set
         self.timings: dict[str, float] | None = None
@@ -337,6 +341,11 @@ class FusedEmbeddingCollection(EmbeddingCollection):
                 out.update(storage.stats_by_table())
         return out
 
+    def prepare(self, sparse: SparseBatch) -> list[GroupBatch]:
+        """Each group's ids of `sparse`, as its lookup takes them (ids of managed-collision tables
+        not yet mapped to rows)."""
+        return self._prepare(sparse)
+
     def _prepare(self, sparse: SparseBatch) -> list[GroupBatch]:
         out = []
         groups = zip(self.layout.groups, self._constants, self._group_features(sparse), strict=True)
@@ -383,15 +392,18 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         step: int,
         hparams: dict[str, float | torch.Tensor],
         lr_folded: bool = False,
+        unique: bool = True,
     ) -> None:
         """Update unique global rows `rows` of group gi with their summed gradients `grads`.
 
         hparams comes from group_hparams, resolved once per backward rather than once per chunk.
         lr_folded: the sums already carry SGD's -lr (see folded_lr); the step only adds them.
+        unique=False: rows may repeat, as copies of one row with the same gradient; every copy is
+        then read, updated and written alike (never added in place), which leaves the row as once.
         """
         g = self.layout.groups[gi]
         storage, state_storage = self.weights[gi], self.states[gi]
-        if lr_folded and self.adds_in_place(gi):  # w += g in one pass (rows are unique: no order)
+        if lr_folded and unique and self.adds_in_place(gi):  # w += g in one pass (rows are unique: no order)
             storage.tensor.index_add_(0, rows, grads)
             return
         table = None  # which table of the group each row belongs to, when needed
@@ -404,7 +416,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         hp = Hparams(**per_row)
         state = {name: s.read(rows) for name, s in state_storage.items()}
         wd = hp.weight_decay
-        if self.adds_in_place(gi) and rows.device.type == "cpu" and isinstance(wd, float) and wd == 0.0:
+        if unique and self.adds_in_place(gi) and rows.device.type == "cpu" and isinstance(wd, float) and wd == 0.0:
             # the step does not read the weights: add its deltas in place, one pass over the rows
             # (on CPU index_add_ adds row by row; rows are unique, so no order is involved)
             delta, state = RULES[g.optimizer].delta(grads, state, step, hp)

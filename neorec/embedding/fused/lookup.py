@@ -501,10 +501,11 @@ class FusedLookup(torch.autograd.Function):
                 continue
             # The hook sees the whole group's sums at once (one exchange per group); its result is
             # then applied in blocks, as above (in place in one pass where SGD's step is a plain add).
-            summed = hook(gi, *next(row_gradients(gb, grad_bags, None, id_scale)))
-            if folded and engine.adds_in_place(gi):
+            known = engine.counted_ahead(gi) if engine.counted_ahead is not None else None
+            summed = hook(gi, *next(row_gradients(gb, grad_bags, None, id_scale, known)))
+            if (folded and engine.adds_in_place(gi)) or known is not None:  # (rows may repeat: one block)
                 chunk_rows = None
-            hooked.append((gi, summed, hparams, folded, chunk_rows))
+            hooked.append((gi, summed, hparams, folded, chunk_rows, known is None))
         if kernel_groups:  # one launch per (rule, weight dtype), whatever the groups' dims
             triton_kernels.fused_update(kernel_groups, step)
         for gi, rows, written in copies:  # rows updated outside their cache's slots go back through it
@@ -523,13 +524,14 @@ class FusedLookup(torch.autograd.Function):
 
 def _apply_hooked(engine: FusedEmbeddingCollection, hooked: list, step: int, timed: bool = False) -> None:
     """Apply the updates of groups whose gradients went through the engine's grad_hook: each entry
-    (group, (rows, gradients) or a function that waits for them, hparams, lr folded, rows per block).
-    timed: add the time to the engine's "update" timing (when called outside backward)."""
+    (group, (rows, gradients) or a function that waits for them, hparams, lr folded, rows per block,
+    whether the rows are unique). timed: add the time to the engine's "update" timing (when called
+    outside backward)."""
     start = time.perf_counter()
-    for gi, summed, hparams, folded, chunk_rows in hooked:
+    for gi, summed, hparams, folded, chunk_rows, unique in hooked:
         rows, grads = summed() if callable(summed) else summed
         for lo, hi in _blocks(rows.numel(), chunk_rows):
-            engine.apply_update(gi, rows[lo:hi], grads[lo:hi], step, hparams, lr_folded=folded)
+            engine.apply_update(gi, rows[lo:hi], grads[lo:hi], step, hparams, lr_folded=folded, unique=unique)
         if engine.update_hook is not None:
             engine.update_hook(gi, rows)
     if timed and engine.timings is not None:
