@@ -173,3 +173,51 @@ def test_checkpoint_of_sharded_sequence_tables_loads_in_one_process(tmp_path):
         for key in ("weight", "momentum1", "momentum2"):
             torch.testing.assert_close(torch.as_tensor(ref_tables[t.name][key]), state[f"tables.{t.name}.{key}"],
                                        rtol=1e-5, atol=1e-6, msg=f"{t.name}.{key}")  # fmt: skip
+
+
+def routes_run(topo: Topology, plan: dict):
+    """Per batch: whether the sequence routes built from the exchanged batch (its host counts) equal
+    those counted from the tensors, and the reads back the former made."""
+    from dist_helpers import count_host_reads
+
+    from neorec.distributed.sequence_dist import build_routes
+    from neorec.sparse import SparseBatch
+
+    tables = make_tables()
+    comms = Comms(topo)
+    emb = ShardedEmbeddingCollection(tables, optimizer_config("adagrad"), ShardingPlan.from_dict(plan), comms)
+    b = BATCH // topo.world_size
+    out = []
+    for batch in make_batches(tables, 3, BATCH):
+        sparse = batch.sparse.slice_samples(topo.rank * b, (topo.rank + 1) * b)
+        local = emb.input_dist(sparse).wait()
+        plain = SparseBatch(local.keys, local.values, local.lengths, local.weights)
+        counted = build_routes(emb.layout, sparse, plain)
+        count, _ = count_host_reads()
+        known = build_routes(emb.layout, sparse, local)
+        reads = count[0]
+        same = known.recv == counted.recv and known.send == counted.send
+        same &= all(torch.equal(known.restore[f], counted.restore[f]) for f in counted.restore)
+        out.append((same, reads))
+    return out
+
+
+ROUTES_4 = {
+    "tables": {
+        "t0": {"kind": "cw", "ranks": [2, 3]},
+        "t1": {"kind": "rw", "ranks": [1, 2, 0]},
+        "s0": {"kind": "rw", "ranks": [3, 1, 0, 2]},
+        "s1": {"kind": "cw", "ranks": [1, 2]},
+    }
+}
+
+
+@pytest.mark.parametrize("world, plan", [(2, PLANS_2["rw"]), (4, ROUTES_4)])
+def test_sequence_routes_come_from_the_input_distributions_host_counts(world, plan, tmp_path):
+    """Row counts of the sequence exchange: taken from what the id exchange knows on the host
+    (input_dist.ExchangedBatch), the same as counted from the tensors, with nothing read back."""
+    results = spawn(world, routes_run, (plan,), tmp_path=tmp_path)
+    for rank, batches in results.items():
+        for same, reads in batches:
+            assert same, f"rank {rank}: the routes differ"
+            assert reads == 0, f"rank {rank}: {reads} reads back"

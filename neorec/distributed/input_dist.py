@@ -34,6 +34,24 @@ from neorec.sparse import SparseBatch
 from neorec.utils import index_ops
 
 
+class ExchangedBatch(SparseBatch):
+    """A rank's local batch as the input distribution assembled it, with what it knows on the host
+    of where the ids came from and went: ids_per_source[s][f], the ids rank s sent of local feature f;
+    ids_per_shard[(table, feature)], the ids this rank sent to each row shard of a row-split table.
+    The sequence exchange (sequence_dist.py) reads its row counts here."""
+
+    __slots__ = ("ids_per_source", "ids_per_shard")
+
+    def __init__(
+        self,
+        batch: SparseBatch,
+        ids_per_source: list[list[int]],
+        ids_per_shard: dict[tuple[str, str], list[int]],
+    ) -> None:
+        super().__init__(batch.keys, batch.values, batch.lengths, batch.weights, batch.length_per_key())
+        self.ids_per_source, self.ids_per_shard = ids_per_source, ids_per_shard
+
+
 class InputDist:
     def __init__(self, layout: ShardLayout, comms: Comms) -> None:
         self.layout, self.comms = layout, comms
@@ -94,9 +112,8 @@ class InputDist:
 
         def finish() -> SparseBatch:
             recv_len = got_len.wait().view(world, n_local, b).to(torch.int64)
-            return regroup(
-                self.local_keys, recv_len, got_val.wait(), got_w.wait() if got_w else None, got_sizes
-            )
+            local = regroup(self.local_keys, recv_len, got_val.wait(), got_w.wait() if got_w else None, got_sizes)
+            return ExchangedBatch(local, got_sizes, {key: split[4] for key, split in splits.items()})
 
         return Pending([], finish)
 

@@ -8,7 +8,9 @@ batch's samples rebuilds each feature's rows in the order of its ids:
 - rw: each id went to the shard that holds its row (input_dist.py), so the shards' rows, one after
   the other, are the ids grouped by shard; one gather puts them back in id order.
 Row counts cross no process boundary: the samples' owner knows how many ids it sent where, and a
-shard knows how many it got from each rank (the lengths of its local batch).
+shard knows how many it got from each rank (the lengths of its local batch). Both are on the host
+already when the input distribution made the local batch (input_dist.ExchangedBatch); otherwise
+they are counted here, with a read back to the host.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from neorec.distributed.input_dist import ExchangedBatch
 from neorec.distributed.layout import ShardLayout
 from neorec.sparse import JaggedRows, SparseBatch
 
@@ -43,6 +46,7 @@ def row_shard(layout: ShardLayout, table_name: str, ids: torch.Tensor) -> torch.
 def build_routes(layout: ShardLayout, sparse: SparseBatch, local: SparseBatch) -> SequenceRoutes:
     """Routes of one batch: `sparse` holds this rank's samples, `local` the ids its shards received."""
     me, world = layout.topo.rank, layout.topo.world_size
+    exchanged = isinstance(local, ExchangedBatch)
     per_key = dict(zip(sparse.keys, sparse.length_per_key(), strict=True))
     shard_counts: dict[tuple[str, str], list[int]] = {}
     restore: dict[str, torch.Tensor] = {}
@@ -52,7 +56,10 @@ def build_routes(layout: ShardLayout, sparse: SparseBatch, local: SparseBatch) -
         num_shards = len(layout.plan.shards(t, layout.topo))
         for f in t.features:
             owner = row_shard(layout, t.name, sparse.feature(f)[0])
-            shard_counts[(t.name, f)] = torch.bincount(owner, minlength=num_shards).tolist()
+            if exchanged:
+                shard_counts[(t.name, f)] = local.ids_per_shard[(t.name, f)]
+            else:
+                shard_counts[(t.name, f)] = torch.bincount(owner, minlength=num_shards).tolist()
             # a stable sort by shard lists the ids as the shards' rows arrive; its inverse restores them
             order = torch.sort(owner, stable=True)[1]
             restore[f] = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
@@ -65,12 +72,16 @@ def build_routes(layout: ShardLayout, sparse: SparseBatch, local: SparseBatch) -
     mine = layout.sequences[me]
     send: list[list[int]] = [[] for _ in range(world)]
     if mine:
-        b = local.batch_size // world
         position = {k: i for i, k in enumerate(local.keys)}
-        lengths = local.lengths.view(len(local.keys), world, b)
-        index = torch.tensor([position[f"{f}#{u.index}"] for u, f in mine], device=lengths.device)
-        per_source = lengths.index_select(0, index).sum(dim=2).t().tolist()  # [W][K], one host sync
-        send = [list(row) for row in per_source]
+        columns = [position[f"{f}#{u.index}"] for u, f in mine]
+        if exchanged:
+            send = [[row[c] for c in columns] for row in local.ids_per_source]
+        else:
+            b = local.batch_size // world
+            lengths = local.lengths.view(len(local.keys), world, b)
+            index = torch.tensor(columns, device=lengths.device)
+            per_source = lengths.index_select(0, index).sum(dim=2).t().tolist()  # [W][K], one host read
+            send = [list(row) for row in per_source]
     return SequenceRoutes(recv, send, restore)
 
 
