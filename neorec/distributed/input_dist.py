@@ -146,8 +146,7 @@ class InputDist:
                     owner = bucket_of(ids, mc.buckets) // (mc.buckets // num_shards)
                     starts = [0] * num_shards
                 else:
-                    inner = torch.tensor(starts[1:], dtype=ids.dtype, device=device)
-                    owner = torch.bucketize(ids, inner, right=True)
+                    owner = self.layout.row_shard(unit.table, ids)
                 ones = torch.ones(n, dtype=torch.int64, device=device)
                 # one scatter per feature: each shard's ids per bag, and (summed) per shard
                 shard_lengths = torch.zeros(num_shards * b, dtype=torch.int64, device=device)

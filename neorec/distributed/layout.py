@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from neorec.distributed.plan import Shard, ShardingPlan
 from neorec.distributed.topology import Topology
 from neorec.embedding.id_map import MapShard
@@ -101,6 +103,18 @@ class ShardLayout:
         # go back to the samples' ranks in the same exchange as the pooled blocks
         self.sequences = [[(u, f) for u in self.flat[r] if u.sequence for f in u.table.features] for r in range(W)]
         self.has_sequences = any(self.sequences)
+        self._row_bounds: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def row_shard(self, table: TableConfig, ids: torch.Tensor) -> torch.Tensor:
+        """The row shard of a row-split table that holds each row in `ids` (its position among the
+        table's shards). The shards' first rows go to the ids' device once per table: a copy from
+        host memory waits for the device."""
+        key = (table.name, ids.device)
+        bounds = self._row_bounds.get(key)
+        if bounds is None:
+            starts = [s.rows[0] for s in self.plan.shards(table, self.topo)]
+            bounds = self._row_bounds[key] = torch.tensor(starts[1:], dtype=torch.int64, device=ids.device)
+        return torch.bucketize(ids, bounds, right=True)
 
     def sequence_features(self) -> list[str]:
         """The sequence features that go through the exchange (those of dp tables do not), in the

@@ -36,13 +36,6 @@ class SequenceRoutes:
     restore: dict[str, torch.Tensor]
 
 
-def row_shard(layout: ShardLayout, table_name: str, ids: torch.Tensor) -> torch.Tensor:
-    """The row shard of a row-split table that holds each id (as input_dist routes them)."""
-    table = next(t for t in layout.tables if t.name == table_name)
-    starts = [s.rows[0] for s in layout.plan.shards(table, layout.topo)]
-    return torch.bucketize(ids, torch.tensor(starts[1:], dtype=ids.dtype, device=ids.device), right=True)
-
-
 def build_routes(layout: ShardLayout, sparse: SparseBatch, local: SparseBatch) -> SequenceRoutes:
     """Routes of one batch: `sparse` holds this rank's samples, `local` the ids its shards received."""
     me, world = layout.topo.rank, layout.topo.world_size
@@ -55,7 +48,7 @@ def build_routes(layout: ShardLayout, sparse: SparseBatch, local: SparseBatch) -
             continue
         num_shards = len(layout.plan.shards(t, layout.topo))
         for f in t.features:
-            owner = row_shard(layout, t.name, sparse.feature(f)[0])
+            owner = layout.row_shard(t, sparse.feature(f)[0])
             if exchanged:
                 shard_counts[(t.name, f)] = local.ids_per_shard[(t.name, f)]
             else:
