@@ -221,7 +221,9 @@ def mixed_local_batch(b: int = 4):
     return SparseBatch.from_features(feats)
 
 
-def _count_bytes(topo: Topology):
+def _count_bytes(topo: Topology, counted_ahead: bool = False):
+    """Bytes of one step; counted_ahead: the replicated rows counted one batch ahead (forced on, as
+    on a GPU), the batch prefetched as the pipeline does."""
     from neorec.distributed.comms import Comms
     from neorec.distributed.sharded import ShardedEmbeddingCollection
 
@@ -230,10 +232,16 @@ def _count_bytes(topo: Topology):
         mixed_tables(), EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1), ShardingPlan.from_dict(MIXED_PLAN),
         comms, forward_precision="fp16", backward_precision="bf16",
     )  # fmt: skip
+    emb._replicas.read_ahead = counted_ahead
+    emb.replicated.chunk_elements = None if counted_ahead else emb.replicated.chunk_elements
     emb.build_optimizer()
     comms.stats.take()
-    out = emb(mixed_local_batch())
+    local = mixed_local_batch()
+    if counted_ahead:
+        emb.prefetch(local)
+    out = emb(local)
     out.backward(torch.ones_like(out))
+    assert (emb._replicas.current is not None) == counted_ahead
     return comms.stats.take()
 
 
@@ -293,13 +301,14 @@ def test_predicted_sequence_bytes_equal_counted_bytes_on_two_gloo_processes(tmp_
 
 
 @pytest.mark.distributed
-def test_predicted_bytes_equal_counted_bytes_on_four_gloo_processes(tmp_path):
+@pytest.mark.parametrize("counted_ahead", [False, True])
+def test_predicted_bytes_equal_counted_bytes_on_four_gloo_processes(tmp_path, counted_ahead):
     from dist_helpers import spawn
 
     from neorec.planner import measure_access
     from neorec.sparse import SparseBatch
 
-    counted = spawn(4, _count_bytes, local_world=2, tmp_path=tmp_path)
+    counted = spawn(4, _count_bytes, (counted_ahead,), local_world=2, tmp_path=tmp_path)
     local = mixed_local_batch()  # the global batch: every rank's (identical) samples, rank 0's first
     parts = {k: local.feature(k)[:2] for k in local.keys}
     everyone = SparseBatch.from_features(
@@ -307,7 +316,7 @@ def test_predicted_bytes_equal_counted_bytes_on_four_gloo_processes(tmp_path):
     )
     ids, samples, weighted = measure_access(mixed_tables(), [everyone])
     workload = build_workload(mixed_tables(), "rowwise_adagrad", 16, ids, samples, "fp16", "bf16", weighted)
-    traffic = plan_traffic(ShardingPlan.from_dict(MIXED_PLAN), workload, Topology(4, 0, 2))
+    traffic = plan_traffic(ShardingPlan.from_dict(MIXED_PLAN), workload, Topology(4, 0, 2), counted_ahead)
     for rank, got in counted.items():
         for direction in ("input_dist", "fwd", "bwd"):
             assert traffic.sent(rank, direction) == pytest.approx(got.get(direction, 0), abs=1e-6), (

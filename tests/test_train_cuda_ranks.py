@@ -142,10 +142,13 @@ def test_nccl_ranks_match_one_gpu_process(tmp_path, single_gpu):
     _assert_same_model(tmp_path, single_gpu)
 
 
-def _steady_state_reads(topo, optimizer_name: str, device: str = "cuda") -> tuple[int, list[str], list[float]]:
-    """Ranks sharing the GPU train the mixed plan (tw, rw, cw, dp, twrw) with the pipeline; the host
-    reads of device values on the training thread in steps 4-8, outside gloo's staging copies
-    (which a GPU per rank and NCCL do without): (count, what was called, losses)."""
+def _steady_state_reads(
+    topo, optimizer_name: str, read_ahead: bool, device: str = "cuda"
+) -> tuple[int, list[str], list[float]]:
+    """Ranks sharing the GPU train the mixed plan (tw, rw, cw, dp, twrw) with the pipeline, the
+    replicated rows counted ahead or not (on by default over NCCL only); the host reads of device
+    values on the training thread in steps 4-8, outside gloo's staging copies (which a GPU per rank
+    and NCCL do without): (count, what was called, losses)."""
     from dist_helpers import build_model, count_host_reads, make_batches, make_tables, optimizer_config
     from test_distributed import PLANS_2
 
@@ -164,6 +167,7 @@ def _steady_state_reads(topo, optimizer_name: str, device: str = "cuda") -> tupl
     comms = Comms(topo, transport="backend")
     plan = ShardingPlan.from_dict(PLANS_2["mixed"])
     emb = ShardedEmbeddingCollection(tables, optimizer_config(optimizer_name), plan, comms, seed=0, device=device)
+    emb._replicas.read_ahead = read_ahead
     model = build_model(emb).to(device)
     dense = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
     opt, emb_opt = torch.optim.SGD(dense, lr=0.05), emb.build_optimizer()
@@ -196,10 +200,13 @@ def _steady_state_reads(topo, optimizer_name: str, device: str = "cuda") -> tupl
 def test_steady_state_steps_of_gpu_ranks_read_nothing_back(tmp_path, optimizer_name):
     """No size or value read back on the training thread of 2 ranks sharing the GPU: the id
     exchange's sizes travel on the host, row-split counts and the replicated tables' row counts are
-    read one batch ahead on the id exchange's thread (neorec/distributed/input_dist.py, replicas.py)."""
+    read one batch ahead on the id exchange's thread (neorec/distributed/input_dist.py, replicas.py);
+    the losses bitwise those of the replicas' exact path."""
     from dist_helpers import spawn
 
-    results = spawn(2, _steady_state_reads, (optimizer_name,), tmp_path=tmp_path)
+    results = spawn(2, _steady_state_reads, (optimizer_name, True), tmp_path=tmp_path / "ahead")
+    exact = spawn(2, _steady_state_reads, (optimizer_name, False), tmp_path=tmp_path / "exact")
     for rank, (reads, calls, losses) in results.items():
         assert all(x == x for x in losses), f"rank {rank}: a loss is NaN"
+        assert losses == exact[rank][2], f"rank {rank}: counting ahead changed the losses"
         assert reads == 0, f"rank {rank}: {reads} reads back on the training thread ({calls})"

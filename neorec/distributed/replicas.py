@@ -20,10 +20,10 @@ path). A group so small that its whole gradient is fewer bytes than the touched 
 one dense all-reduce of [rows, dim + 1] instead (the extra column marks the touched rows), chosen
 from the ranks' row counts, which every rank knows.
 
-Counts read one batch ahead (`count_ahead`, on a GPU): the rows each rank touches in a batch are
-known when its ids are, a step before its backward. The training pipeline counts them then, on the
-id exchange's thread and stream (one read of the counts of every group), and the ranks swap them
-over the host communicator. The backward then knows every size on the host: this rank's unique
+Counts read one batch ahead (`count_ahead`, on GPUs over NCCL): the rows each rank touches in a
+batch are known when its ids are, a step before its backward. The training pipeline counts them
+then, on the id exchange's thread and stream (one read of the counts of every group), and the ranks
+swap them over the host communicator. The backward then knows every size on the host: this rank's unique
 rows, every exchange's parts, and a bound on the rows each owner updates (the rows it receives).
 The rows merged from several ranks come out padded to that bound with copies of the first row and
 its sum, so their number is never read back either. The update reads, computes and writes every
@@ -72,8 +72,10 @@ class ReplicaSync:
     def __init__(
         self, engine: FusedEmbeddingCollection, comms: Comms, codec: Codec, read_ahead: bool | None = None
     ) -> None:
-        """read_ahead: count each batch's rows ahead (count_ahead); default on a GPU, where a count
-        read in the backward pass would stop the host until the device catches up."""
+        """read_ahead: count each batch's rows ahead (count_ahead). Default: on GPUs that exchange
+        over NCCL, where a count read in the backward pass would stop the host until the device
+        catches up. Ranks sharing a GPU stage every exchange through host memory anyway (a wait for
+        the device each), and there the padding's extra bytes through gloo cost more."""
         self.engine, self.comms, self.codec = engine, comms, codec
         self.world, self.rank = comms.topo.world_size, comms.topo.rank
         self.read_ahead = read_ahead
@@ -96,7 +98,9 @@ class ReplicaSync:
         engine = self.engine
         if self.world == 1 or not engine.layout.groups or sparse.batch_size == 0:
             return None
-        read_ahead = self.read_ahead if self.read_ahead is not None else sparse.values.device.type == "cuda"
+        read_ahead = self.read_ahead
+        if read_ahead is None:
+            read_ahead = sparse.values.device.type == "cuda" and not self.comms.staging.needed(sparse.values)
         plain = all(
             isinstance(storage, TensorStorage) and all(isinstance(s, TensorStorage) for s in states.values())
             for storage, states in zip(engine.weights, engine.states, strict=True)
@@ -192,8 +196,8 @@ class ReplicaSync:
                 return self._all_reduce(rows, grads, group.num_rows, group.dim, bound=bound)
             return self._gather(rows, grads, wire, totals, padded=True)
         received = [sum(line[k] for line in counts) for k in range(self.world)]  # rows sent to each owner
-        if dense:
-            self._updated[gi] = [min(n, group.num_rows) for n in received]
+        if dense:  # at most the rows it owns
+            self._updated[gi] = [min(n, len(range(k, group.num_rows, self.world))) for k, n in enumerate(received)]
             bound = self._updated[gi][self.rank]
             return self._all_reduce(rows, grads, group.num_rows, group.dim, bound=bound, owned=True)
         self._updated[gi] = received

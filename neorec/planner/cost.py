@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neorec.distributed.layout import ROW_SPLIT, ShardLayout
-from neorec.distributed.plan import ShardingPlan
+from neorec.distributed.plan import STORAGE_TIERS, ShardingPlan
 from neorec.distributed.replicas import updates_by_owner
 from neorec.embedding.fused.storage import INIT_CHUNK_ROWS, init_window_rows
 from neorec.planner.exchanges import Traffic, plan_traffic
@@ -246,11 +246,19 @@ class PlanEstimate:
         return {s: max(r.stages[s] for r in self.ranks) for s in STAGES}
 
 
+def counts_replicas_ahead(plan: ShardingPlan, cluster: Cluster) -> bool:
+    """Whether training counts the replicated tables' rows one batch ahead (replicas.py): on GPUs of
+    the ranks' own (NCCL), with every replicated table's rows in a plain tensor (no row cache)."""
+    dp = [p for p in plan.tables.values() if p.kind == "dp"]
+    plain = all(STORAGE_TIERS[p.tier or "device"] == "memory" for p in dp)
+    return cluster.has_host_tier and not cluster.staged and plain
+
+
 def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> PlanEstimate:
     """Seconds per stage and memory per tier of every rank under `plan`."""
     topo = cluster.topology()
     layout = ShardLayout(workload.table_configs, plan, topo)
-    traffic = plan_traffic(plan, workload, topo)
+    traffic = plan_traffic(plan, workload, topo, counted_ahead=counts_replicas_ahead(plan, cluster))
     W = cluster.world_size
     owner = dict.fromkeys(STAGES, 0.0)
     for load in workload.tables:

@@ -19,7 +19,10 @@ Mirrors, line by line:
 - replicas.py `ReplicaSync`: per group of replicated tables, a count, then either the touched rows
   (int64) and their gradients (codec) to every rank, or a dense all-reduce of [rows, dim + 1]; for
   update rules with state, W counts, each touched row to its owner only, then each owner's updated
-  rows (int64 + the storage dtype) to every rank.
+  rows (int64 + the storage dtype) to every rank. With the counts read one batch ahead (on a GPU,
+  the replicated rows in plain tensors: `counted_ahead`), the counts go ahead over the host
+  communicator, no size travels with a part, and each owner sends the rows it received, padded,
+  instead of their union.
 """
 
 from __future__ import annotations
@@ -68,7 +71,9 @@ class Traffic:
         return (both * same).sum(axis=1), (both * ~same).sum(axis=1)
 
 
-def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology) -> Traffic:
+def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology, counted_ahead: bool = False) -> Traffic:
+    """counted_ahead: the replicated tables' rows are counted one batch ahead (a GPU run:
+    ReplicaSync.count_ahead), which changes what their exchanges send."""
     layout = ShardLayout(workload.table_configs, plan, topo)
     W, L, N = topo.world_size, topo.local_world_size, topo.num_nodes
     b = workload.batch_size / W
@@ -129,6 +134,9 @@ def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology) -> Traf
             touched = sum(x.unique(0, x.table.rows, b * x.ids_per_sample, 1 / W) for x in loads)
             by_owner = updates_by_owner(optimizer)
             choose = 2 * rows * (dim + 1) * 4 <= DENSE_BYTES  # small enough for a dense all-reduce
+            if counted_ahead:
+                mats["dp"] += _counted_ahead_bytes(rows, dim, touched, by_owner, choose, loads, bp, W)
+                continue
             # when choosing, the counts go first: one per rank (by owner: one per owner and rank)
             per_peer = (8.0 * W if by_owner else 8.0) if choose else 0.0
             if not choose or W * touched * (wire_bytes(bp, 1, dim) + 8) <= 2 * rows * (dim + 1) * 4:
@@ -144,6 +152,23 @@ def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology) -> Traf
     for m in mats.values():
         np.fill_diagonal(m, 0.0)
     return Traffic(mats, topo)
+
+
+def _counted_ahead_bytes(rows, dim, touched, by_owner: bool, choose: bool, loads, bp: str, W: int) -> float:
+    """Bytes to each peer of one replicated group whose rows were counted ahead (ReplicaSync's
+    _start_counted): its counts in the batch's host exchange, the same choice of path, parts without
+    their sizes, and each owner's received rows (the padded bound of its updated rows)."""
+    per_peer = 8.0 * (W if by_owner else 1)
+    dense = choose and W * touched * (wire_bytes(bp, 1, dim) + 8) > 2 * rows * (dim + 1) * 4
+    if dense:
+        per_peer += dense_all_reduce_bytes(bp, rows * (dim + 1), W) / (W - 1)
+    else:
+        sent = touched / W if by_owner else touched
+        per_peer += sent * 8 + wire_bytes(bp, sent, dim)
+    if by_owner:  # the owner's rows, padded to what it received: touched / W from each of W ranks
+        bound = min(touched, rows / W) if dense else touched  # (dense: at most the rows it owns)
+        per_peer += bound * (8 + dim * loads[0].weight_bytes)
+    return per_peer
 
 
 def dense_all_reduce_bytes(precision: str, numel: int, world: int) -> float:

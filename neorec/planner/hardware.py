@@ -63,6 +63,7 @@ class Cluster:
     update_per_id: float  # seconds per id in backward (sort, segment sums)
     op_overhead: float = 0.0  # seconds of fixed cost per small tensor op on the host (routing ids)
     reserved: int = 0  # device bytes per rank kept for the runtime, the dense model and activations
+    staged: bool = False  # ranks share GPUs: every exchange goes through host memory over gloo
     notes: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -306,7 +307,9 @@ def gpu_machine(
         link = min(_GPUS[gpu]["pcie"] * GPU_EFFICIENCY["pcie"], gloo["link_bandwidth"])
         latency = max(latency, gloo["latency"])
     reserved = min(c.reserved, device_free_bytes // (4 * per_gpu))  # a shared GPU holds each rank's runtime
-    return replace(c, tiers=(c.tiers[0], host), intra_node_bandwidth=link, latency=latency, reserved=reserved)
+    return replace(
+        c, tiers=(c.tiers[0], host), intra_node_bandwidth=link, latency=latency, reserved=reserved, staged=per_gpu > 1
+    )
 
 
 def this_gpu_machine(world_size: int, ranks_per_node: int | None = None) -> Cluster:
