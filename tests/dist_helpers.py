@@ -208,26 +208,34 @@ def _read_calls() -> list[tuple[object, str]]:
     ]  # fmt: skip
 
 
-def count_host_reads(inside=None, outside=(), main_thread_only: bool = False) -> tuple[list[int], list[str]]:
+def count_host_reads(
+    inside=None, outside=(), main_thread_only: bool = False, device_only: bool = False
+) -> tuple[list[int], list[str]]:
     """Patch (for the rest of this process) the calls that read a GPU tensor back, and
     repeat_interleave without output_size, to count themselves; returns ([count], [names called]).
     Only calls made while inside one of `inside` ((owner, function name) pairs; None: anywhere), and
     not inside one of `outside`, count; functions returned by an `inside` one count as inside too.
-    main_thread_only: calls on other threads (a pipeline's) do not count."""
+    main_thread_only: calls on other threads (a pipeline's) do not count. device_only: only calls
+    on tensors in device memory count (on a GPU; without it CPU tensors stand in for them)."""
     import threading
 
     count, calls, depth, shut = [0], [], [0 if inside else 1], [0]
 
-    def note(name: str) -> None:
-        if depth[0] and not shut[0] and (not main_thread_only or threading.current_thread() is threading.main_thread()):
-            count[0] += 1
-            calls.append(name)
+    def note(name: str, args) -> None:
+        if not depth[0] or shut[0]:
+            return
+        if main_thread_only and threading.current_thread() is not threading.main_thread():
+            return
+        if device_only and not any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args[:2]):
+            return
+        count[0] += 1
+        calls.append(name)
 
     def counted(owner, name):
         fn = getattr(owner, name)
 
         def wrapper(*args, **kwargs):
-            note(name)
+            note(name, args)
             return fn(*args, **kwargs)
 
         setattr(owner, name, wrapper)
@@ -240,7 +248,7 @@ def count_host_reads(inside=None, outside=(), main_thread_only: bool = False) ->
         def repeat(*args, _fn=fn, **kwargs):
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
             if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
-                note("repeat_interleave")
+                note("repeat_interleave", (repeats,))
             return _fn(*args, **kwargs)
 
         owner.repeat_interleave = repeat

@@ -178,7 +178,9 @@ def _steady_state_reads(
         s.length_per_key()
         rows = slice(topo.rank * b, (topo.rank + 1) * b)
         batches.append(Batch(batch.dense[rows], s, batch.labels[rows]).to(device))
-    count, calls = count_host_reads(outside=[(Staging, "down"), (Staging, "up")], main_thread_only=True)
+    count, calls = count_host_reads(
+        outside=[(Staging, "down"), (Staging, "up")], main_thread_only=True, device_only=device.type == "cuda"
+    )
     before, losses = 0, []
     for step, (_, batch) in enumerate(pipelined(batches, lambda x: x, emb, 1)):
         if step == 3:
