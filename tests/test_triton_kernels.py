@@ -461,23 +461,31 @@ def test_one_launch_is_bitwise_one_launch_per_group_and_repeats(name: str, monke
     assert_bitwise_equal(combined, per_group)
 
 
+def kernels_only_with_cached_tags(monkeypatch, tables, opt, fraction: float) -> FusedEmbeddingCollection:
+    """The Triton engine with "tags" behind a row cache over host memory of `fraction` of its rows;
+    the torch path's update and pooling fail the test if anything takes them."""
+    from neorec.embedding.fused import lookup
+
+    factory = cached_storage_factory({"tags": "dram"}, CacheSettings(fraction=fraction, io_thread=False))
+    engine = FusedEmbeddingCollection(
+        tables, opt, device=DEVICE, kernels="triton", group_storage_factory=factory,
+        table_tiers={"tags": "dram"},
+    )  # fmt: skip
+    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
+    monkeypatch.setattr(lookup, "pool", lambda *args: pytest.fail("a group was pooled by the torch path"))
+    return engine
+
+
 def test_cached_group_joins_the_launches_and_updates_its_records_in_place(monkeypatch) -> None:
     """make_tables with "tags" (dim 16) behind a row cache over host memory that holds every row of a
     batch: the kernels take it with the other two groups, one launch each, reading and updating the
     cache's records at the rows' slots (nothing goes through the torch path), the slots are marked
     for write-back, and all of it matches the float64 reference."""
-    from neorec.embedding.fused import lookup
 
     tables, opt = make_tables(), EmbeddingOptimizerConfig(name="adagrad", lr=0.05)
-    factory = cached_storage_factory({"tags": "dram"}, CacheSettings(fraction=1.0, io_thread=False))
-    engine = FusedEmbeddingCollection(
-        tables, opt, device=DEVICE, kernels="triton", group_storage_factory=factory,
-        table_tiers={"tags": "dram"},
-    )  # fmt: skip
+    engine = kernels_only_with_cached_tags(monkeypatch, tables, opt, fraction=1.0)
     cached = [gi for gi, g in enumerate(engine.layout.groups) if g.dim == 16]
     assert len(cached) == 1 and not engine.triton_lookup(cached[0], torch.device(DEVICE))
-    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
-    monkeypatch.setattr(lookup, "pool", lambda *args: pytest.fail("a group was pooled by the torch path"))
     counters = count_launches(monkeypatch)
     ref, gen = Float64Reference(tables, opt), torch.Generator().manual_seed(8)
     outputs = step_with_reference(engine, ref, [random_batch(tables, gen) for _ in range(2)], gen, DEVICE)
@@ -493,16 +501,9 @@ def test_cached_group_with_more_rows_than_its_cache_goes_through_copies(monkeypa
     the cache's writes (the cached ones to their slots, the others to host memory); nothing takes
     the torch path, and it matches the float64 reference."""
     from neorec.embedding.cache.cache import CachedStorage
-    from neorec.embedding.fused import lookup
 
     tables, opt = make_tables(), EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05)
-    factory = cached_storage_factory({"tags": "dram"}, CacheSettings(fraction=0.1, io_thread=False))
-    engine = FusedEmbeddingCollection(
-        tables, opt, device=DEVICE, kernels="triton", group_storage_factory=factory,
-        table_tiers={"tags": "dram"},
-    )  # fmt: skip
-    monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
-    monkeypatch.setattr(lookup, "pool", lambda *args: pytest.fail("a group was pooled by the torch path"))
+    engine = kernels_only_with_cached_tags(monkeypatch, tables, opt, fraction=0.1)
     written = []
     write = CachedStorage.write
 
