@@ -40,3 +40,17 @@ def test_index_ops_match_torch() -> None:
         assert bool((key[1:] > key[:-1]).all()), n
     negative = torch.tensor([-3, 5, -3, 2, 5])
     assert torch.equal(index_ops.stable_sort(negative)[1], torch.sort(negative, stable=True).indices)
+
+
+def test_padded_runs_are_unique_consecutive_without_a_read():
+    g = torch.Generator().manual_seed(5)
+    for n in (0, 1, 7, 300):
+        ordered = torch.sort(torch.randint(0, max(n // 3, 1), (n,), generator=g)).values
+        values, starts, count = index_ops.padded_runs(ordered)
+        unique, per_run = torch.unique_consecutive(ordered, return_counts=True)
+        u = unique.numel()
+        assert values.shape == (n,) and starts.shape == (n + 1,)
+        assert count.tolist() == ([u] if n else [])
+        assert torch.equal(values[:u], unique) and not values[u:].any()
+        assert torch.equal(starts[: u + 1], torch.cat([torch.zeros(1, dtype=torch.int64), per_run.cumsum(0)]))
+        assert (starts[u:] == n).all()

@@ -299,13 +299,10 @@ class ReplicaSync:
             n = all_rows.numel()
             if n == 0:
                 return all_rows, all_grads
-            _, which = index_ops.runs(order_rows)  # each entry's unique row
-            unique = torch.zeros(n, dtype=torch.int64, device=all_rows.device).scatter_(0, which, order_rows)
-            offsets = torch.full((n + 1,), n, dtype=torch.int64, device=all_rows.device)
-            offsets.scatter_reduce_(0, which, torch.arange(n, device=all_rows.device), reduce="amin")
+            unique, offsets, num_unique = index_ops.padded_runs(order_rows)
         summed = F.embedding_bag(order, all_grads, offsets, mode="sum", include_last_offset=True)
         if padded:  # past the unique rows: empty bags; make them copies of the first
-            real = torch.arange(n, device=all_rows.device) <= which[-1:]
+            real = torch.arange(n, device=all_rows.device) < num_unique
             unique = torch.where(real, unique, unique[:1])
             summed = torch.where(real.unsqueeze(1), summed, summed[:1])
         return unique, summed

@@ -40,6 +40,18 @@ def runs(ordered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, torch.cumsum(first, 0).sub_(1)
 
 
+def padded_runs(ordered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs of equal values in a sorted 1-D tensor of n int64 values, without reading anything back:
+    (each run's value [n], where each run starts [n + 1], the number of runs U as a [1] tensor).
+    Entries past U are padding: values 0, empty runs starting at n."""
+    n, device = ordered.numel(), ordered.device
+    _, which = runs(ordered)  # each entry's run
+    values = torch.zeros(n, dtype=torch.int64, device=device).scatter_(0, which, ordered)
+    starts = torch.full((n + 1,), n, dtype=torch.int64, device=device)
+    starts.scatter_reduce_(0, which, torch.arange(n, device=device), reduce="amin")
+    return values, starts, which[-1:] + 1
+
+
 def compact(mask: torch.Tensor, count: int) -> torch.Tensor:
     """where(mask) when the number of True entries, `count`, is already known on the host: the
     positions are scattered to their places without reading anything back (on a GPU, no sync)."""

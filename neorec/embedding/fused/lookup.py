@@ -227,15 +227,11 @@ def sort_by_row_on_device(
     tensor), n the number of ids. Entries past U are padding: rows 0, empty runs of ids (offsets n).
     The ids of each row are in the same order as sort_by_row's, so sums over them are bitwise the
     same; a kernel launched over n programs returns at once past U."""
-    n, device = batch.rows.numel(), batch.rows.device
     sorted_rows, order = torch.sort(batch.rows, stable=True)
     bags = batch.bags.index_select(0, order)
     scales = batch.scales.index_select(0, order) if batch.scales is not None else None
-    _, which = index_ops.runs(sorted_rows)  # each id's unique-row index
-    unique_rows = torch.zeros(n, dtype=torch.int64, device=device).scatter_(0, which, sorted_rows)
-    offsets = torch.full((n + 1,), n, dtype=torch.int64, device=device)
-    offsets.scatter_reduce_(0, which, torch.arange(n, device=device), reduce="amin")
-    return unique_rows, offsets, bags, scales, which[-1:] + 1
+    unique_rows, offsets, num_unique = index_ops.padded_runs(sorted_rows)
+    return unique_rows, offsets, bags, scales, num_unique
 
 
 def id_weights(
