@@ -70,6 +70,7 @@ class CriteoConfig(Strict):
     hashing: Literal["modulo", "hash"] = Field("modulo", description="how a hex id maps into its table")
     bad_lines: Literal["fail", "skip"] = Field("fail", description="malformed lines: stop with file:line, or skip and count")
     eval_every: int = Field(10, ge=2, description="without eval_paths, hold out lines whose number is a multiple of this")
+    max_line_bytes: int = Field(4096, gt=0, description="longer lines are malformed (bad_lines); a Criteo line is under 500 bytes")
 
 
 class MovieLensConfig(Strict):

@@ -1,8 +1,10 @@
 """Streaming reader for raw Criteo TSV files (plain or .gz), with the preprocessing of facebookresearch/dlrm.
 
 A line is `label \\t I1..I13 \\t C1..C26`: 40 tab-separated fields, no header, an empty field is a
-missing value. The file is read in chunks of lines; each chunk is split per line in Python and then
-validated and converted with numpy over the whole chunk, so the whole file is never in memory.
+missing value. The file is read in chunks of lines, each split into cells, validated and converted
+with numpy over the whole chunk. Memory is bounded by the chunk whatever the input: a line longer than
+`max_line_bytes` is read past in blocks, never held whole, and cells are held at fixed widths that fit
+every valid value (label 1 byte, dense a sign and 18 digits, categorical 8 hex digits).
 
 Preprocessing (as dlrm's `getCriteoAdData` + `--max-ind-range`):
 - dense: missing -> 0, negative -> 0, then log(1 + x), float32, in the order I1..I13;
@@ -16,22 +18,24 @@ Preprocessing (as dlrm's `getCriteoAdData` + `--max-ind-range`):
   Features of managed-collision tables (`raw_features`) keep the integer itself, a raw id that no
   other value shares; the table's id map gives it a row (neorec/embedding/id_map.py).
 
-Bad lines (wrong field count, label not 0/1, non-integer dense value, categorical value with non-hex
-characters or more than 8 digits) raise a DataError naming `path:line` under `bad_lines="fail"`, or are
-skipped and counted per reason under `bad_lines="skip"`. Blank lines at the end of a file are ignored.
+Bad lines (longer than `max_line_bytes`, wrong field count, label not 0/1, non-integer dense value,
+categorical value with non-hex characters or more than 8 digits) raise a DataError naming `path:line`
+under `bad_lines="fail"`, or are skipped and counted per reason under `bad_lines="skip"`; messages quote
+at most the first bytes of a bad value. Blank lines at the end of a file are ignored.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from neorec.data.batch import Batch
 from neorec.data.hashing import splitmix64
@@ -48,6 +52,11 @@ HASHINGS = ("modulo", "hash")
 BAD_LINE_POLICIES = ("fail", "skip")
 MAX_DENSE_DIGITS = 18  # keeps every accepted dense value inside int64
 MAX_HEX_DIGITS = 8
+DEFAULT_MAX_LINE_BYTES = 4096  # a valid Criteo line is under 500 bytes
+_DENSE_WIDTH = 1 + MAX_DENSE_DIGITS  # bytes of the widest valid dense value: a sign and 18 digits
+_DENSE, _HEX = slice(1, 1 + NUM_DENSE), slice(1 + NUM_DENSE, NUM_FIELDS)  # their fields in a line
+_QUOTE_BYTES = 40  # messages quote at most this many bytes of a bad value
+_READ_BYTES = 1 << 18  # lines are read in blocks of at most this size
 
 # ASCII byte -> hex digit value, 255 for anything that is not a hex digit.
 _HEX_LUT = np.full(256, 255, dtype=np.uint8)
@@ -55,8 +64,6 @@ for _c in b"0123456789abcdef":
     _HEX_LUT[_c] = int(chr(_c), 16)
 for _c in b"ABCDEF":
     _HEX_LUT[_c] = int(chr(_c), 16)
-
-_HEX_SHIFTS = np.arange(4 * (MAX_HEX_DIGITS - 1), -1, -4, dtype=np.uint64)
 
 PathLike = str | Path
 
@@ -97,10 +104,13 @@ def parse_dense(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     char_ok[:, 0] |= sign
     num_digits = length - sign
     valid = char_ok.all(1) & ((length == 0) | ((num_digits >= 1) & (num_digits <= MAX_DENSE_DIGITS)))
-    flat = cells.reshape(-1)
-    values = np.zeros(flat.shape, dtype=np.int64)
-    present = valid & (length > 0)
-    values[present] = flat[present].astype(np.int64)
+    # Horner's rule over the digits (faster than numpy's bytes -> int cast); invalid cells end as 0
+    values = np.zeros(len(u), dtype=np.int64)
+    take = digit & inside
+    for k in range(min(u.shape[1], MAX_DENSE_DIGITS + 1, int(length.max(initial=0)))):
+        values = np.where(take[:, k], values * 10 + (u[:, k] - ord("0")), values)
+    values[u[:, 0] == ord("-")] *= -1
+    values[~valid] = 0
     return values.reshape(cells.shape), valid.reshape(cells.shape)
 
 
@@ -114,8 +124,9 @@ def parse_hex(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     nibble = _HEX_LUT[u]
     inside = np.arange(MAX_HEX_DIGITS) < length[:, None]
     valid = (length <= MAX_HEX_DIGITS) & ((nibble != 255) | ~inside).all(1)
-    # Read the cell as if left-aligned in 8 digits, then shift out the padding of shorter cells.
-    left = (np.where(inside, nibble, 0).astype(np.uint64) << _HEX_SHIFTS).sum(1, dtype=np.uint64)
+    # The cell as 8 digits left-aligned (2 per byte: a big-endian uint32), then shorter ones shifted back
+    nibble[~inside] = 0
+    left = ((nibble[:, 0::2] << 4) | nibble[:, 1::2]).view(">u4")[:, 0].astype(np.uint64)
     values = left >> (4 * (MAX_HEX_DIGITS - np.minimum(length, MAX_HEX_DIGITS))).astype(np.uint64)
     return np.where(valid, values, 0).reshape(cells.shape), valid.reshape(cells.shape)
 
@@ -131,9 +142,53 @@ def check_tsv_file(path: PathLike) -> None:
         raise DataError(f"{path}: empty file; expected Criteo TSV lines (label, I1..I13, C1..C26)")
 
 
-def _open(path: Path) -> IO[bytes]:
+def _open(path: Path) -> io.BufferedIOBase:
     check_tsv_file(path)
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+class LongLine(bytes):
+    """Stands for a line over the limit, never held whole: empty (one field, so a bad line), it keeps the
+    line's `length`, whether it is `blank` (whitespace only) and its first bytes (`head`, for messages)."""
+
+    def __new__(cls, start: bytes) -> LongLine:
+        return super().__new__(cls)
+
+    def __init__(self, start: bytes) -> None:
+        self.length, self.blank, self.head = 0, True, b""
+        self.add(start)
+
+    def add(self, piece: bytes) -> None:
+        self.length += len(piece)
+        self.blank = self.blank and (not piece or piece.isspace())
+        self.head += piece[: _QUOTE_BYTES - len(self.head)]
+
+
+def read_lines(f: io.BufferedIOBase, max_line_bytes: int) -> Iterator[bytes]:
+    """The lines of a binary file, split at b"\\n" as `for line in f` splits them, without the b"\\n".
+
+    A line longer than `max_line_bytes` comes as a LongLine: it is read past in blocks, so memory stays
+    within a block and one line of `max_line_bytes`, even for a file without any newline."""
+    head = b""  # the start of a line that goes on in the next block
+    while block := f.read1(_READ_BYTES):  # one raw read at most: a corrupt end loses no line before it
+        *lines, rest = block.split(b"\n")  # no newline after the rest in this block
+        if lines:
+            lines[0], head = _extend(head, lines[0], max_line_bytes), b""
+            if max(map(len, lines)) > max_line_bytes:  # a LongLine has length 0
+                lines = [line if len(line) <= max_line_bytes else LongLine(line) for line in lines]
+            yield from lines
+        head = _extend(head, rest, max_line_bytes)
+    if head or isinstance(head, LongLine):
+        yield head
+
+
+def _extend(head: bytes, piece: bytes, max_line_bytes: int) -> bytes:
+    """The start of a line and its next piece, as one line or, once too long, as a LongLine."""
+    if isinstance(head, LongLine):
+        head.add(piece)
+        return head
+    line = head + piece
+    return line if len(line) <= max_line_bytes else LongLine(line)
 
 
 class CriteoTSVReader:
@@ -152,7 +207,9 @@ class CriteoTSVReader:
         keep_line: Callable[[int], bool] | None = None,
         chunk_lines: int = 16384,
         raw_features: Sequence[str] = (),
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     ) -> None:
+        """max_line_bytes: longer lines (without the newline) are bad lines, never held whole."""
         self.paths = [Path(p) for p in paths]
         unknown = sorted(set(raw_features) - set(CATEGORICAL_NAMES))
         if unknown:
@@ -165,10 +222,13 @@ class CriteoTSVReader:
             raise ConfigError(f"bad_lines must be one of {BAD_LINE_POLICIES}, got {bad_lines!r}")
         if chunk_lines < 1:
             raise ConfigError(f"chunk_lines must be >= 1, got {chunk_lines}")
+        if max_line_bytes < 1:
+            raise ConfigError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
         self.hashing = hashing
         self.bad_lines = bad_lines
         self.keep_line = keep_line
         self.chunk_lines = chunk_lines
+        self.max_line_bytes = max_line_bytes
         self.skipped: Counter[str] = Counter()  # reason -> lines skipped so far in this pass
 
     @property
@@ -213,10 +273,11 @@ class CriteoTSVReader:
         number = 0
         with _open(path) as f:
             try:
-                for number, line in enumerate(f, start=1):
+                for number, line in enumerate(read_lines(f, self.max_line_bytes), start=1):
                     if keep is not None and not keep(number):
                         continue
-                    if not line.strip():
+                    # blank: empty or whitespace (as strip() sees it); a LongLine is empty, and says
+                    if (not line or line.isspace()) and getattr(line, "blank", True):
                         blank.append((number, line))
                         continue
                     if blank:
@@ -229,31 +290,30 @@ class CriteoTSVReader:
     def _parse_chunk(
         self, path: Path, chunk: list[tuple[int, bytes]]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        bad: list[tuple[int, str, str]] = []  # (line number, reason, message)
-        rows: list[list[bytes]] = []
-        numbers: list[int] = []
-        for number, line in chunk:
-            fields = line.rstrip(b"\r\n").split(b"\t")
-            if len(fields) != NUM_FIELDS:
-                msg = (
-                    f"{path}:{number}: expected {NUM_FIELDS} tab-separated fields "
-                    f"(label, I1..I13, C1..C26), got {len(fields)}"
-                )
-                bad.append((number, "field_count", msg))
-                continue
-            rows.append(fields)
-            numbers.append(number)
-
-        if rows:
-            cells = np.array(rows, dtype=np.bytes_)
-            label_ok = (cells[:, 0] == b"0") | (cells[:, 0] == b"1")
-            dense_raw, dense_ok = parse_dense(cells[:, 1 : 1 + NUM_DENSE])
-            cat_raw, cat_ok = parse_hex(cells[:, 1 + NUM_DENSE :])
+        """(labels, dense, ids) of the valid lines of a chunk of (line number, line without its newline,
+        as read_lines gives it); bad lines raise or are counted, by the policy."""
+        lines = [line for _, line in chunk]
+        num_tabs = np.fromiter(map(bytes.count, lines, itertools.repeat(b"\t")), np.int64, len(lines))
+        bad = [
+            _describe_shape(path, *chunk[i], num_tabs[i] + 1, self.max_line_bytes)
+            for i in np.flatnonzero(num_tabs != NUM_FIELDS - 1)
+        ]
+        rows = np.flatnonzero(num_tabs == NUM_FIELDS - 1)  # chunk position of each line parsed below
+        ok = np.zeros(0, dtype=bool)
+        if len(rows):
+            buf, starts, lengths = _split_cells([lines[i] for i in rows] if len(rows) < len(lines) else lines)
+            label, label_cut = _cells(buf, starts[:, 0], lengths[:, 0], 1)
+            dense_cells, dense_cut = _cells(buf, starts[:, _DENSE], lengths[:, _DENSE], _DENSE_WIDTH)
+            hex_cells, hex_cut = _cells(buf, starts[:, _HEX], lengths[:, _HEX], MAX_HEX_DIGITS)
+            label_ok = ((label == b"0") | (label == b"1")) & ~label_cut
+            dense_raw, dense_ok = parse_dense(dense_cells)
+            cat_raw, cat_ok = parse_hex(hex_cells)
+            dense_ok &= ~dense_cut
+            cat_ok &= ~hex_cut
             ok = label_ok & dense_ok.all(1) & cat_ok.all(1)
             for i in np.flatnonzero(~ok):
-                bad.append(_describe(path, numbers[i], cells[i], label_ok[i], dense_ok[i], cat_ok[i]))
-        else:
-            ok = np.zeros(0, dtype=bool)
+                fields = [buf[a : a + n].tobytes() for a, n in zip(starts[i], lengths[i], strict=True)]
+                bad.append(_describe(path, chunk[rows[i]][0], fields, label_ok[i], dense_ok[i], cat_ok[i]))
 
         if bad:
             if self.bad_lines == "fail":
@@ -263,27 +323,74 @@ class CriteoTSVReader:
             empty = np.zeros(0, dtype=np.float32)
             return empty, np.zeros((0, NUM_DENSE), np.float32), np.zeros((0, NUM_CATEGORICAL), np.int64)
 
-        labels = (cells[ok, 0] == b"1").astype(np.float32)
+        labels = (label[ok] == b"1").astype(np.float32)
         dense = np.log1p(np.maximum(dense_raw[ok], 0).astype(np.float64)).astype(np.float32)
         ids = map_categorical(cat_raw[ok], self.table_rows, self.hashing, self.keep_raw)
         return labels, dense, ids
 
 
-def _describe(
-    path: Path, number: int, cells: np.ndarray, label_ok: bool, dense_ok: np.ndarray, cat_ok: np.ndarray
+def _split_cells(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lines of 40 fields -> (their bytes: joined by newlines, then zero padding; starts [n, 40] and
+    lengths [n, 40] of their fields). Carriage returns that end a line are not part of its last field."""
+    buf = np.frombuffer(b"\n".join(lines) + b"\n" + bytes(_DENSE_WIDTH), np.uint8)
+    ends = np.flatnonzero((buf == ord("\t")) | (buf == ord("\n"))).reshape(len(lines), NUM_FIELDS)
+    starts = np.concatenate(([0], ends.reshape(-1)[:-1] + 1)).reshape(ends.shape)  # each after a separator
+    last, first = ends[:, -1], starts[:, -1]  # views: the last field of each line
+    while (cr := (buf[last - 1] == ord("\r")) & (last > first)).any():
+        last[cr] -= 1
+    return buf, starts, ends - starts
+
+
+def _cells(
+    buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fields of buf cut to `width` bytes (an S<width> array, shaped as starts), and which fields were
+    cut: those longer than `width`, trailing NUL bytes not counted (numpy's bytes type drops them, so a
+    field that is not cut reads as it would whole)."""
+    u = sliding_window_view(buf, width)[starts]  # [..., width]: the bytes from each start
+    u *= np.arange(width) < lengths[..., None]  # zero what lies past the field
+    cut = lengths > width
+    if cut.any():
+        for i in np.flatnonzero(cut & (buf[starts + lengths - 1] == 0)):
+            a = starts.flat[i]
+            cut.flat[i] = len(buf[a : a + lengths.flat[i]].tobytes().rstrip(b"\0")) > width
+    return u.view(f"S{width}")[..., 0], cut
+
+
+def _quote(value: bytes) -> str:
+    """A bad value for a message: whole when short, else its first bytes and its length."""
+    value = value.rstrip(b"\0")  # as numpy's bytes type, which the parse reads
+    if len(value) <= _QUOTE_BYTES:
+        return repr(value.decode(errors="replace"))
+    return f"{value[:_QUOTE_BYTES].decode(errors='replace')!r}... ({len(value)} bytes)"
+
+
+def _describe_shape(
+    path: Path, number: int, line: bytes, num_fields: int, max_line_bytes: int
 ) -> tuple[int, str, str]:
-    """The first problem of one line, as (line number, reason, message)."""
+    """A line that is too long or has not 40 fields, as (line number, reason, message)."""
+    if isinstance(line, LongLine):
+        why = f"line of {line.length} bytes (starting {_quote(line.head)}) is longer than max_line_bytes={max_line_bytes}"
+        return number, "line_length", f"{path}:{number}: {why}; a valid Criteo line is under 500 bytes"
+    msg = f"{path}:{number}: expected {NUM_FIELDS} tab-separated fields (label, I1..I13, C1..C26), got {num_fields}"
+    return number, "field_count", msg
+
+
+def _describe(
+    path: Path, number: int, fields: list[bytes], label_ok: bool, dense_ok: np.ndarray, cat_ok: np.ndarray
+) -> tuple[int, str, str]:
+    """The first problem of one line of 40 fields, as (line number, reason, message)."""
     where = f"{path}:{number}"
     if not label_ok:
-        return number, "label", f"{where}: label {cells[0].decode(errors='replace')!r} is not 0 or 1"
+        return number, "label", f"{where}: label {_quote(fields[0])} is not 0 or 1"
     if not dense_ok.all():
         j = int(np.flatnonzero(~dense_ok)[0])
-        value = cells[1 + j].decode(errors="replace")
-        msg = f"{where}: dense feature {DENSE_NAMES[j]} = {value!r} is not an integer (or empty)"
+        value = _quote(fields[1 + j])
+        msg = f"{where}: dense feature {DENSE_NAMES[j]} = {value} is not an integer (or empty)"
         return number, "dense", msg
     j = int(np.flatnonzero(~cat_ok)[0])
-    value = cells[1 + NUM_DENSE + j].decode(errors="replace")
-    msg = f"{where}: categorical feature {CATEGORICAL_NAMES[j]} = {value!r} is not a hex hash of at most 8 digits (or empty)"
+    value = _quote(fields[1 + NUM_DENSE + j])
+    msg = f"{where}: categorical feature {CATEGORICAL_NAMES[j]} = {value} is not a hex hash of at most 8 digits (or empty)"
     return number, "categorical", msg
 
 
@@ -330,8 +437,10 @@ class CriteoTSVSource:
         eval_every: int = 10,
         chunk_lines: int = 16384,
         raw_features: Sequence[str] = (),
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     ) -> None:
-        """raw_features: features of managed-collision tables, which get the raw hash value as id."""
+        """raw_features: features of managed-collision tables, which get the raw hash value as id;
+        max_line_bytes: longer lines are bad lines."""
         self.raw_features = sorted(raw_features)
         self.train_paths = _as_paths(train_paths)
         self.eval_paths = _as_paths(eval_paths) if eval_paths is not None else None
@@ -346,8 +455,9 @@ class CriteoTSVSource:
         self.bad_lines = bad_lines
         self.eval_every = eval_every
         self.chunk_lines = chunk_lines
+        self.max_line_bytes = max_line_bytes
         self.skipped: dict[str, Counter[str]] = {"train": Counter(), "eval": Counter()}
-        self._reader("train", [], None)  # checks hashing, bad_lines and chunk_lines now
+        self._reader("train", [], None)  # checks hashing, bad_lines, chunk_lines and max_line_bytes now
         self.info = SourceInfo(
             num_dense=NUM_DENSE,
             features=[
@@ -376,8 +486,9 @@ class CriteoTSVSource:
 
     def _reader(self, split: str, paths: list[Path], keep: Callable[[int], bool] | None) -> CriteoTSVReader:
         reader = CriteoTSVReader(
-            paths, self.table_rows.tolist(), self.hashing, self.bad_lines, keep, self.chunk_lines, self.raw_features
-        )
+            paths, self.table_rows.tolist(), self.hashing, self.bad_lines, keep, self.chunk_lines, self.raw_features,
+            self.max_line_bytes,
+        )  # fmt: skip
         self.skipped[split] = reader.skipped  # the reader counts into it as the pass goes
         return reader
 

@@ -40,7 +40,7 @@ import json
 import multiprocessing
 import os
 import shutil
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
@@ -51,14 +51,14 @@ import numpy as np
 
 from neorec.data import vocab as vocab_io
 from neorec.data.criteo import (
-    BAD_LINE_POLICIES,
     CATEGORICAL_NAMES,
+    DEFAULT_MAX_LINE_BYTES,
     DENSE_NAMES,
-    HASHINGS,
     NUM_DENSE,
     CriteoTSVReader,
     check_tsv_file,
     map_categorical,
+    read_lines,
     resolve_table_rows,
 )
 from neorec.data.synthetic import SyntheticSource, SyntheticSpec
@@ -122,22 +122,21 @@ def preprocess_criteo(
     max_shards: int | None = None,
     parquet_output: bool = False,
     raw_features: Sequence[str] = (),
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> PreprocessResult:
     """Criteo TSV files (plain or .gz) -> shards. Held-out set: `eval_paths`, or every `eval_every`-th
     line of each file. `vocab_threshold` set: vocabulary ids (table_rows and hashing are not used).
     `raw_features`: features stored as the raw hash value (int64), for managed-collision tables.
     `max_shards`: write at most this many shards, then stop (a later call resumes). `parquet_output`:
-    also write the samples as Parquet files (neorec/data/preprocess_parquet.py)."""
+    also write the samples as Parquet files (neorec/data/preprocess_parquet.py). `max_line_bytes`: longer
+    lines are bad lines (as `bad_lines` says), never held whole."""
     train = [str(p) for p in paths]
     evals = [str(p) for p in eval_paths] if eval_paths else []
     if not train:
         raise ConfigError("paths is empty: give at least one Criteo TSV file")
     for p in train + evals:
         check_tsv_file(p)
-    if hashing not in HASHINGS:
-        raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
-    if bad_lines not in BAD_LINE_POLICIES:
-        raise ConfigError(f"bad_lines must be one of {BAD_LINE_POLICIES}, got {bad_lines!r}")
+    CriteoTSVReader([], _RAW_ROWS, hashing, bad_lines, max_line_bytes=max_line_bytes)  # checks its arguments now
     if not evals and eval_every < 2:
         raise ConfigError(f"eval_every must be >= 2 when no eval_paths are given, got {eval_every}")
     if shard_lines < 1:
@@ -160,6 +159,7 @@ def preprocess_criteo(
         if vocab_threshold
         else {"hashing": hashing, "table_rows": rows},
         "bad_lines": bad_lines,
+        "max_line_bytes": max_line_bytes,
         "shard_lines": shard_lines,
     }
     if parquet_output:
@@ -260,9 +260,11 @@ def _resume_or_start(out: Path, settings: dict) -> dict | None:
         out.mkdir(parents=True, exist_ok=True)
         return None
     manifest = load_manifest(out)
-    if manifest["settings"] != settings:
-        keys = sorted(k for k in set(settings) | set(manifest["settings"])
-                      if settings.get(k) != manifest["settings"].get(k))  # fmt: skip
+    stored = manifest["settings"]
+    if "bad_lines" in stored:  # a TSV run written before max_line_bytes was recorded read lines with its default
+        stored = {"max_line_bytes": DEFAULT_MAX_LINE_BYTES, **stored}
+    if stored != settings:
+        keys = sorted(k for k in set(settings) | set(stored) if settings.get(k) != stored.get(k))
         raise DataError(
             f"{out}: holds preprocessing with other settings ({', '.join(keys)} differ); "
             "rerun with the same arguments to resume, or choose a new folder"
@@ -431,18 +433,18 @@ def _parsed_chunks(
         if shards[0].offset >= 0:
             f.seek(shards[0].offset)
             line = shards[0].first
+        lines = read_lines(f, reader.max_line_bytes)
         try:
             for shard in shards:
-                deque(itertools.islice(f, shard.first - line), maxlen=0)  # skip lines (.gz only)
-                numbered = zip(itertools.count(shard.first), itertools.islice(f, shard.count), strict=False)
+                skip = shard.first - line  # lines of shards done before (.gz only)
+                numbered = enumerate(itertools.islice(lines, skip, skip + shard.count), shard.first)
                 line = shard.first + shard.count
                 while chunk := list(itertools.islice(numbered, CHUNK_LINES)):
                     if shard.role == "split":
                         assert eval_every is not None
                         k = -chunk[0][0] % eval_every  # chunk lines are consecutive: every k-th is held out
-                        held = chunk[k::eval_every]
+                        yield shard, "eval", reader._parse_chunk(path, chunk[k::eval_every])
                         del chunk[k::eval_every]
-                        yield shard, "eval", reader._parse_chunk(path, held)
                     yield shard, "train" if shard.role != "eval" else "eval", reader._parse_chunk(path, chunk)
                 yield shard, None, None
         except (OSError, EOFError) as e:  # truncated or corrupt gzip
@@ -450,7 +452,7 @@ def _parsed_chunks(
 
 
 def _raw_reader(settings: dict) -> CriteoTSVReader:
-    return CriteoTSVReader([], _RAW_ROWS, "modulo", settings["bad_lines"])
+    return CriteoTSVReader([], _RAW_ROWS, "modulo", settings["bad_lines"], max_line_bytes=settings.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES))
 
 
 def _count_job(job: tuple[dict, list[ShardPlan]]) -> list[vocab_io.Counts]:

@@ -45,7 +45,13 @@ def data_batches(exported: ExportedModel, batch_size: int, data: str | Path | No
         from neorec.train.build import build_source
 
         return build_source(exported.config).eval_batches(batch_size)
-    from neorec.data.criteo import CATEGORICAL_NAMES, NUM_DENSE, CriteoTSVReader, check_tsv_file
+    from neorec.data.criteo import (
+        CATEGORICAL_NAMES,
+        DEFAULT_MAX_LINE_BYTES,
+        NUM_DENSE,
+        CriteoTSVReader,
+        check_tsv_file,
+    )
 
     info, path = exported.info, exported.path
     if info.num_dense != NUM_DENSE or info.feature_names != CATEGORICAL_NAMES:
@@ -64,12 +70,14 @@ def data_batches(exported: ExportedModel, batch_size: int, data: str | Path | No
     check_tsv_file(data)
     criteo = exported.config.data.criteo
     bad_lines = criteo.bad_lines if criteo is not None else "fail"
+    max_line_bytes = criteo.max_line_bytes if criteo is not None else DEFAULT_MAX_LINE_BYTES
     from neorec.train.build import raw_features
 
     rows = [f.num_ids for f in info.features]
     # managed-collision tables take the raw hash value, as in training; their id maps give the rows
     raw = sorted(raw_features(exported.config))
-    return CriteoTSVReader([data], rows, hashing, bad_lines, raw_features=raw).batches(batch_size)
+    reader = CriteoTSVReader([data], rows, hashing, bad_lines, raw_features=raw, max_line_bytes=max_line_bytes)
+    return reader.batches(batch_size)
 
 
 @torch.no_grad()

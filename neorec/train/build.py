@@ -45,6 +45,7 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
             bad_lines=c.bad_lines,
             eval_every=c.eval_every,
             raw_features=sorted(raw_features(cfg)),
+            max_line_bytes=c.max_line_bytes,
         )
     if d.source == "preprocessed":
         return _preprocessed_source(cfg, topo)
