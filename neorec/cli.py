@@ -111,7 +111,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from neorec.serving.predict import predict_file, result_text
 
-    result = predict_file(args.model, args.out, args.data, args.batch_size, with_labels=args.with_labels)
+    result = predict_file(
+        args.model, args.out, args.data, args.batch_size, with_labels=args.with_labels, bounds_check=args.bounds_check
+    )
     print(result_text(result))
     return 0
 
@@ -277,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data")
     p.add_argument("--batch-size", type=positive_int, default=None, help="samples per batch (default: data.eval_batch_size)")
     p.add_argument("--with-labels", action="store_true", help="write CSV with a header: probability,label")
+    p.add_argument("--bounds-check", default="error", choices=["error", "warn", "off"],
+                   help="an id outside its table: stop naming it (error), drop it from its bag and count it (warn), or no check (off)")  # fmt: skip
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("plan", help="plan the sharding of the embedding tables: cost and memory per rank, plan file, chart")

@@ -37,3 +37,18 @@ def staged_on_cpu(monkeypatch) -> list[int]:
     monkeypatch.setattr(cache_module, "stages_through_host", lambda device: True)
     monkeypatch.setattr(cache_module, "StagedRead", CountedRead)
     return staged
+
+
+@pytest.fixture
+def neorec_warnings(caplog, monkeypatch):
+    """caplog receiving the warnings of neorec's loggers whatever an earlier test did to logging: a
+    command run in this process (neorec/utils/logging.py) stops the "neorec" logger propagating to the
+    root logger, where caplog listens."""
+    import logging
+
+    logger = logging.getLogger("neorec")
+    logger.addHandler(caplog.handler)
+    monkeypatch.setattr(logger, "propagate", False)  # each record once, whatever the root has
+    caplog.handler.setLevel(logging.WARNING)
+    yield caplog
+    logger.removeHandler(caplog.handler)

@@ -64,8 +64,11 @@ def test_gpu_batches_are_copied_ahead_without_host_syncs():
         # the hand-over waits on events, never on the host; each feature's number of ids was
         # counted on the host and travels with the batch
         got = [(b.dense.sum(), b.sparse.length_per_key()) for b in feed]
+        fed = list(DeviceFeed(iter(batches), "cuda", depth=2))
+        limits = [b.sparse.id_limits() for b in fed]  # counted on the host too, for the engines' id check
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert limits == [b.sparse.id_limits() for b in batches]
     want = [b.dense.sum() for b in batches]
     assert [float(x) for x, _ in got] == pytest.approx([float(x) for x in want])
     assert [n for _, n in got] == [b.sparse.length_per_key() for b in batches]

@@ -24,11 +24,12 @@ BATCH = 24  # global: 12 samples a rank with 2 ranks, 6 with 4
 
 
 def local_ids(batch: SparseBatch, rank: int, world: int) -> SparseBatch:
-    """The rank's samples of a global batch, its per-feature id counts known on the host (as a
-    reader's batch, which DeviceFeed counts before the copy to the GPU)."""
+    """The rank's samples of a global batch, its per-feature id counts and id limits known on the host
+    (as a reader's batch, which DeviceFeed counts before the copy to the GPU)."""
     b = batch.batch_size // world
     local = batch.slice_samples(rank * b, (rank + 1) * b)
     local.length_per_key()
+    local.id_limits()
     return local
 
 

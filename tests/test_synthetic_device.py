@@ -164,8 +164,10 @@ def test_gpu_draws_are_deterministic_on_the_gpu_and_never_wait_on_the_host():
         batches = list(b.train_batches(4096))
         shuffled = list(b.train_batches(4096, epoch=1))  # a later epoch gathers samples in a new order
         counts = [batch.sparse.length_per_key() for batch in batches + shuffled]  # carried, not read back
+        limits = [batch.sparse.id_limits() for batch in batches + shuffled]  # the generator's: no read either
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert limits[0] == ([0] * len(s.rows), [r - 1 for r in s.rows])
     assert blocks[0].dense.is_cuda and batches[0].sparse.values.is_cuda and shuffled[0].labels.is_cuda
     assert len(shuffled) == len(batches) and not torch.equal(shuffled[0].labels, batches[0].labels)
     assert counts[0] == batches[0].sparse.lengths.view(len(s.rows), -1).sum(1).tolist()

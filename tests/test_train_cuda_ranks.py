@@ -176,6 +176,7 @@ def _steady_state_reads(
     for batch in make_batches(tables, 8, b * topo.world_size):  # each rank's slice, its counts known (as DeviceFeed's)
         s = batch.sparse.slice_samples(topo.rank * b, (topo.rank + 1) * b)
         s.length_per_key()
+        s.id_limits()  # as DeviceFeed's: the id check then reads nothing back
         rows = slice(topo.rank * b, (topo.rank + 1) * b)
         batches.append(Batch(batch.dense[rows], s, batch.labels[rows]).to(device))
     count, calls = count_host_reads(

@@ -402,6 +402,16 @@ class EmbeddingConfig(Strict):
         "memory", description="where rows live: RAM (no cache), or behind a RAM cache in host memory or on disk"
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="the row cache of dram/ssd tables")
+    bounds_check: Literal["error", "warn", "off"] = Field(
+        "error",
+        description="ids outside their table (< 0 or >= rows): stop naming feature, table, id and where; warn: drop "
+        "each such id from its bag, counted per feature and logged; off: no check (docs/data.md)",
+    )
+
+    @field_validator("bounds_check", mode="before")
+    @classmethod
+    def _bounds_check_off(cls, v):
+        return "off" if v is False else v  # YAML reads a bare `off` as false
 
     @model_validator(mode="after")
     def _cache_directory(self) -> EmbeddingConfig:

@@ -26,6 +26,10 @@ class Block:
     weights: list[torch.Tensor] | None
     # per feature, on the host: [n + 1] cumulative bag sizes, or None where every bag has one id
     offsets: list[np.ndarray | None] | None = None
+    # (lows, highs): bounds every id of each feature lies within, where the block's maker knows them
+    # (the generator draws ids in their tables), so the engines' id check reads nothing back for its
+    # batches on a GPU (SparseBatch.id_limits); any subset of the block keeps them
+    id_limits: tuple[list[int], list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.offsets is None:
@@ -40,6 +44,7 @@ class Block:
         return Block(
             self.dense.to(device), self.labels.to(device), self.probs.to(device),
             [v.to(device) for v in self.values], [ln.to(device) for ln in self.lengths], weights, self.offsets,
+            self.id_limits,
         )  # fmt: skip
 
     def take(self, idx: torch.Tensor) -> Block:
@@ -65,8 +70,9 @@ class Block:
             if weights is not None:
                 weights.append(self.weights[f][sel])
         return Block(
-            self.dense[on_device], self.labels[on_device], self.probs[on_device], values, lengths, weights, offsets
-        )
+            self.dense[on_device], self.labels[on_device], self.probs[on_device], values, lengths, weights, offsets,
+            self.id_limits,
+        )  # fmt: skip
 
     def slice(self, start: int, end: int) -> Block:
         """Samples [start, end) without gathering: views of every feature's ids."""
@@ -84,8 +90,9 @@ class Block:
             if weights is not None:
                 weights.append(self.weights[f][a:b])
         return Block(
-            self.dense[start:end], self.labels[start:end], self.probs[start:end], values, lengths, weights, offsets
-        )
+            self.dense[start:end], self.labels[start:end], self.probs[start:end], values, lengths, weights, offsets,
+            self.id_limits,
+        )  # fmt: skip
 
     @staticmethod
     def cat(blocks: list[Block]) -> Block:
@@ -103,13 +110,14 @@ class Block:
             [torch.cat([b.lengths[f] for b in blocks]) for f in range(nf)],
             weights,
             [_cat_offsets([(b.offsets[f], len(b)) for b in blocks]) for f in range(nf)],
+            _cat_limits([b.id_limits for b in blocks]),
         )
 
     def to_batch(self, keys: list[str]) -> Batch:
         weights = torch.cat(self.weights) if self.weights is not None else None
         # each feature's number of ids, from the host offsets: a batch on a GPU never reads them back
         per_key = [len(self) if off is None else int(off[-1]) for off in self.offsets]
-        sparse = SparseBatch(keys, torch.cat(self.values), torch.cat(self.lengths), weights, per_key)
+        sparse = SparseBatch(keys, torch.cat(self.values), torch.cat(self.lengths), weights, per_key, self.id_limits)
         return Batch(self.dense, sparse, self.labels)
 
 
@@ -171,3 +179,12 @@ def _cat_offsets(parts: list[tuple[np.ndarray | None, int]]) -> np.ndarray | Non
         out.append(off[1:] + last)
         last += int(off[-1])
     return np.concatenate(out)
+
+
+def _cat_limits(parts: list[tuple[list[int], list[int]] | None]) -> tuple[list[int], list[int]] | None:
+    """Id limits of blocks laid end to end: known when every block's are."""
+    if any(p is None for p in parts):
+        return None
+    lows = [min(col) for col in zip(*(p[0] for p in parts), strict=True)]  # type: ignore[index]
+    highs = [max(col) for col in zip(*(p[1] for p in parts), strict=True)]  # type: ignore[index]
+    return lows, highs

@@ -50,6 +50,7 @@ class DeviceFeed:
         if batch.dense.device == self.device:  # on the device already (the CPU, or data.synthetic.on_device)
             return batch, None
         batch.sparse.length_per_key()  # counted on the host now, so the device batch never reads them
+        batch.sparse.id_limits()  # likewise each feature's smallest and largest id, for the id check
         if not batch.dense.is_pinned():
             batch = batch.pin_memory()
         with torch.cuda.stream(stream):

@@ -263,6 +263,9 @@ class SyntheticSource:
         multi = spec.bag_sizes is not None
         features = [FeatureSpec(k, r, multi_hot=multi, weighted=spec.weighted) for k, r in zip(self.keys, spec.rows, strict=True)]
         self.info = SourceInfo(num_dense=spec.num_dense, features=features, num_train_samples=spec.train_samples)
+        # every drawn id lies in its table (raw ids: in [0, 2^63)), which the engines' id check trusts
+        highs = [(1 << 63) - 1 if raw else rows - 1 for raw, rows in zip(self.raw, spec.rows, strict=True)]
+        self._id_limits = ([0] * spec.num_sparse, highs)
         self._teacher_auc: float | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, samples) to start the next pass of that epoch at
 
@@ -277,6 +280,7 @@ class SyntheticSource:
             raise IndexError(f"{split} block {index} is past the end ({total} samples)")
         if self._draw is not None:
             block = self._draw.block(_SPLITS[split], index, n, self.raw)
+            block.id_limits = self._id_limits
             if self.cache:
                 self._blocks[key] = block
             return block
@@ -297,6 +301,7 @@ class SyntheticSource:
             [torch.from_numpy(ln) for _, ln, _ in bags],
             [torch.from_numpy(w) for _, _, w in bags] if self.spec.weighted else None,
         )
+        block.id_limits = self._id_limits
         if self.device.type != "cpu":
             block = block.to(self.device)
         if self.cache:

@@ -84,11 +84,15 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         tiers: dict[str, str] | None = None,
         cache: CacheSettings | None = None,
         progress: bool = False,
+        bounds_check: str = "error",
     ) -> None:
         """tiers: storage tier by table name ("memory", "dram", "ssd"), overriding the plan's tier
         (plan.STORAGE_TIERS); cache: size, policy and directory of the cached tables' row caches
-        (size_mib is per process here); progress: bars of the rows filled (pass it on rank 0 only)."""
-        super().__init__(tables, optimizer)
+        (size_mib is per process here); progress: bars of the rows filled (pass it on rank 0 only).
+        bounds_check: what an id outside its table does (neorec/sparse/bounds.py). Each rank checks
+        its own batch against the whole tables before the id exchange routes anything, so the shards'
+        engines, which see rebased ids of checked batches only, do not check again."""
+        super().__init__(tables, optimizer, bounds_check)
         self.comms, self.topo, self.plan = comms, comms.topo, plan
         self.layout = ShardLayout(self.tables, plan, comms.topo)
         self.codecs = (Codec(forward_precision), Codec(backward_precision))
@@ -109,10 +113,11 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.local = FusedEmbeddingCollection(
             self.layout.local_tables(rank), optimizer, seed, device, stochastic_rounding, row_init=shard_rows,
             group_storage_factory=factory, table_tiers=local_tiers, progress=progress, map_shards=map_shards,
+            bounds_check="off",
         )  # fmt: skip
         self.replicated = FusedEmbeddingCollection(
             dp, optimizer, seed, device, stochastic_rounding, group_storage_factory=factory, table_tiers=dp_tiers,
-            progress=progress,
+            progress=progress, bounds_check="off",
         )
         self._local_cached = any(hasattr(w, "prefetch") for w in self.local.weights)
         self._replicas = ReplicaSync(self.replicated, comms, self.codecs[1])
@@ -132,7 +137,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.local.timings = self.replicated.timings = self.timings
         self._pool: ThreadPoolExecutor | None = None
         self._id_stream: torch.cuda.Stream | None = None
-        # prefetched batches: (batch, its id exchange, whether its local rows are in the caches yet)
+        # prefetched batches: [batch, its id exchange, whether its local rows are in the caches yet, its
+        # replicated rows counted ahead, the batch as checked (bounds_check warn drops ids)]
         self._ahead: deque[list] = deque()
 
     # ---- cached tables ---------------------------------------------------------------------------
@@ -185,7 +191,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
     # ---- the three stages ------------------------------------------------------------------------
     def input_dist(self, sparse: SparseBatch) -> Pending:
-        return self.input_dist_(sparse)
+        return self.input_dist_(self._checked(sparse))
 
     def lookup(self, local: SparseBatch) -> torch.Tensor:
         return self.local(local)
@@ -195,7 +201,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     ) -> torch.Tensor:
         """output_dist + assembly: [B, output_dim] in feature order (after `prefix`, if given).
         Pooled outputs only; `embed` exchanges sequence rows too."""
-        return self.exchange_outputs(pooled_local, sparse, prefix)[0]
+        return self.exchange_outputs(pooled_local, self._checked(sparse), prefix)[0]
 
     def exchange_outputs(
         self,
@@ -243,12 +249,22 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             # on a GPU the exchange runs on a stream of its own, after the batch's ids are ready
             self._id_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._prefetch_rows()
+        checked = self.bounds.check(sparse)
         ready = streams.mark(device)
-        work = self._pool.submit(streams.run_on, self._id_stream, ready, lambda: self.input_dist_(sparse).wait())
+        work = self._pool.submit(streams.run_on, self._id_stream, ready, lambda: self.input_dist_(checked).wait())
         # then, on the same thread, the rows the replicated tables' backward will exchange (replicas.py)
-        counts = self._pool.submit(streams.run_on, self._id_stream, ready, lambda: self._replicas.count_ahead(sparse))
-        self._ahead.append([sparse, work, False, counts])
-        self.replicated.prefetch(sparse)  # a no-op without cached replicated tables
+        counts = self._pool.submit(
+            streams.run_on, self._id_stream, ready, lambda: self._replicas.count_ahead(checked)
+        )
+        self._ahead.append([sparse, work, False, counts, checked])
+        self.replicated.prefetch(checked)  # a no-op without cached replicated tables
+
+    def _checked(self, sparse: SparseBatch) -> SparseBatch:
+        """The batch as its id check leaves it: checked when it was prefetched, or now."""
+        for entry in self._ahead:
+            if entry[0] is sparse:
+                return entry[4]
+        return self.bounds.check(sparse)
 
     def clear_prefetched(self) -> None:
         """Finish and forget prefetched exchanges that will not be trained (a run that stops early)."""
@@ -282,7 +298,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         sequence features or two-hop shards exchange at finish instead."""
         if self.sequence_names or self.layout.has_twrw or self.layout.has_twcw:
             return super().start_pooled(sparse)
-        pooled_local, _ = self.local.embed(self._local_batch(sparse))
+        checked = self._checked(sparse)
+        pooled_local, _ = self.local.embed(self._local_batch(sparse, checked))
+        sparse = checked
         b, device = sparse.batch_size, sparse.values.device
         dp = self.replicated.embed(sparse)[0] if self.dp_features else torch.zeros(b, 0, device=device)
         start = time.perf_counter()
@@ -303,8 +321,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
         return finish
 
-    def _local_batch(self, sparse: SparseBatch) -> SparseBatch:
-        """This rank's ids of the batch: its prefetched exchange's result, or exchanged now."""
+    def _local_batch(self, sparse: SparseBatch, checked: SparseBatch) -> SparseBatch:
+        """This rank's ids of the batch (`checked`: as its id check left it): its prefetched
+        exchange's result, or exchanged now."""
         start = time.perf_counter()
         if self._ahead and self._ahead[0][0] is sparse:
             entry = self._ahead.popleft()
@@ -316,7 +335,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             for entry in self._ahead:
                 entry[1].result()
                 entry[3].result()
-            local = self.input_dist_(sparse).wait()
+            local = self.input_dist_(checked).wait()
             self._replicas.current = None
         self.timings["input_dist"] += time.perf_counter() - start
         return local
@@ -324,9 +343,10 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     def _embed(
         self, prefix: torch.Tensor | None, sparse: SparseBatch
     ) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
-        local = self._local_batch(sparse)
+        checked = self._checked(sparse)
+        local = self._local_batch(sparse, checked)
         pooled_local, rows = self.local.embed(local)
-        return self.exchange_outputs(pooled_local, sparse, prefix, local, rows)
+        return self.exchange_outputs(pooled_local, checked, prefix, local, rows)
 
     def _prefetch_rows(self) -> None:
         """Bring the local rows of every prefetched batch not yet brought in into the shards' caches

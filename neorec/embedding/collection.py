@@ -10,6 +10,10 @@ Tables with `pooling: none` are not pooled: their features (`sequence_names`, di
 vectors and the sequences, from one lookup (and, sharded, one exchange); `forward(sparse)` is its
 pooled part, so `feature_names`, `feature_dims` and `output_dim` speak of pooled features only.
 
+Every engine checks each batch's ids against their tables before it looks anything up
+(`self.bounds`, neorec/sparse/bounds.py; `bounds_check` "error", "warn" or "off"): an id outside its
+table would otherwise read and train another table's rows. `dropped_ids()` counts what warn dropped.
+
 Embedding rows have their own optimizer: `build_optimizer()` returns an object with the
 torch.optim.Optimizer surface (`step`, `zero_grad`, `param_groups`, `state_dict`,
 `load_state_dict`) so the trainer drives the learning-rate schedule the same way for every engine.
@@ -30,16 +34,19 @@ from neorec.embedding.tables import (
     pooled_tables,
     sequence_tables,
 )
-from neorec.sparse import JaggedRows, SparseBatch
+from neorec.sparse import IdBounds, JaggedRows, SparseBatch
 
 
 class EmbeddingCollection(nn.Module):
     """Base class: pooled lookups (and unpooled sequences) of many features from many tables."""
 
-    def __init__(self, tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig) -> None:
+    def __init__(
+        self, tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig, bounds_check: str = "error"
+    ) -> None:
         super().__init__()
         self.tables = list(tables)
         self.optimizer_config = optimizer
+        self.bounds = IdBounds.of_tables(self.tables, bounds_check)
         dims = {f: t.dim for t in self.tables for f in t.features}
         self.feature_names = feature_order(pooled_tables(self.tables))
         self.feature_dims = [dims[f] for f in self.feature_names]
@@ -71,9 +78,23 @@ class EmbeddingCollection(nn.Module):
         here everything happens in finish."""
         return lambda prefix: self.pooled_after(prefix, sparse)
 
+    def dropped_ids(self) -> dict[str, int]:
+        """Ids dropped per feature so far because they lay outside their table (bounds_check warn)."""
+        return dict(self.bounds.dropped)
+
     def split(self, pooled: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-feature views of a pooled output."""
         return dict(zip(self.feature_names, pooled.split(self.feature_dims, dim=1), strict=True))
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         raise NotImplementedError
+
+
+def dropped_ids(model: nn.Module) -> dict[str, int]:
+    """Ids dropped per feature by every embedding collection in `model` (bounds_check warn)."""
+    out: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, EmbeddingCollection):
+            for f, n in m.dropped_ids().items():
+                out[f] = out.get(f, 0) + n
+    return out

@@ -20,9 +20,10 @@ from neorec.sparse import JaggedRows, SparseBatch
 
 class ReferenceEmbeddingCollection(EmbeddingCollection):
     def __init__(
-        self, tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig, seed: int = 0
-    ) -> None:
-        super().__init__(tables, optimizer)
+        self, tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig, seed: int = 0,
+        bounds_check: str = "error",
+    ) -> None:  # fmt: skip
+        super().__init__(tables, optimizer, bounds_check)
         for t in tables:
             if t.dtype != "fp32":
                 raise ConfigError(f"table {t.name!r}: the reference engine stores fp32 only, got {t.dtype!r}")
@@ -80,6 +81,7 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
         return map_stats(self.mapped)
 
     def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
+        sparse = self.bounds.check(sparse)
         if self.mapped:
             if self.training:
                 self.map_step += 1

@@ -9,6 +9,9 @@ id, times the id's weight, as the fused engine's sequences do.
 A table with managed collision takes raw ids and keeps its id map (the row of each raw id, `mc_keys`
 as trained): ids are mapped as evaluation maps them during training (neorec/embedding/remap.py with
 train=False), so an id the map does not hold is left out of its bag and the map never changes.
+
+Every batch's ids are checked against their tables first, as in training (`bounds_check`,
+neorec/sparse/bounds.py): error (default), warn (dropped and counted) or off.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ class InferenceEmbeddings(EmbeddingCollection):
         tables: list[TableConfig],
         weights: dict[str, TableWeights],
         id_maps: dict[str, torch.Tensor] | None = None,
+        bounds_check: str = "error",
     ) -> None:
-        """id_maps: for each managed-collision table, its `mc_keys` (the raw id on each row, -1: free)."""
-        super().__init__(tables, EmbeddingOptimizerConfig())
+        """id_maps: for each managed-collision table, its `mc_keys` (the raw id on each row, -1: free).
+        bounds_check: what an id outside its table does: "error", "warn" or "off"."""
+        super().__init__(tables, EmbeddingOptimizerConfig(), bounds_check)
         self.mapped = [mapped_table(t, (id_maps or {}).get(t.name)) for t in self.tables if t.managed_collision]
         for m in self.mapped:  # a buffer, so .to(device) moves the map with the rows
             self.register_buffer(f"mc_keys_{m.name}", m.id_map.keys.tensor, persistent=False)
@@ -86,7 +91,7 @@ class InferenceEmbeddings(EmbeddingCollection):
     @torch.no_grad()
     def forward(self, sparse: SparseBatch) -> torch.Tensor:
         """[B, output_dim] fp32 pooled vectors."""
-        return self._pooled(self._remap(sparse))
+        return self._pooled(self._remap(self.bounds.check(sparse)))
 
     def _pooled(self, sparse: SparseBatch) -> torch.Tensor:
         out = []
@@ -101,7 +106,7 @@ class InferenceEmbeddings(EmbeddingCollection):
     @torch.no_grad()
     def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
         """(pooled [B, output_dim], {sequence feature: its fp32 rows, one per id})."""
-        sparse = self._remap(sparse)
+        sparse = self._remap(self.bounds.check(sparse))
         sequences = {}
         for f in self.sequence_names:
             if f not in sparse.keys:

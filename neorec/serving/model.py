@@ -10,7 +10,7 @@ the features (names, table rows, dense width) and the tables.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,12 +21,14 @@ from neorec.config.load import validate_config
 from neorec.config.schema import RunConfig
 from neorec.data.batch import Batch
 from neorec.data.source import FeatureSpec, SourceInfo
+from neorec.embedding.collection import dropped_ids
 from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError, NeorecError
 from neorec.serving.embeddings import InferenceEmbeddings, TableWeights
 from neorec.serving.file_format import ExportError, read_export
 from neorec.serving.pt2_model import PT2_FORMAT, program_inputs
 from neorec.serving.quantize import QuantizedRows
+from neorec.sparse import IdBounds
 
 
 @dataclass
@@ -38,6 +40,7 @@ class ExportedModel:
     info: SourceInfo
     header: dict
     path: Path
+    bounds: IdBounds | None = None  # a pt2 program's id check before it runs (an .nrx model checks inside)
 
     @property
     def quantized(self) -> bool:
@@ -48,6 +51,12 @@ class ExportedModel:
         """A pt2 export: `model` is the torch.export program, scoring plain tensors."""
         return self.header.get("format") == PT2_FORMAT
 
+    def dropped_ids(self) -> dict[str, int]:
+        """Ids dropped per feature so far because they lay outside their table (bounds_check warn)."""
+        if self.bounds is not None:
+            return dict(self.bounds.dropped)
+        return dropped_ids(self.model)
+
     @property
     def task_names(self) -> list[str]:
         """The tasks a multi-task model scores, one probability column each; [] for one probability."""
@@ -57,6 +66,8 @@ class ExportedModel:
         """Click probabilities [B] of a batch ([B, T] for a multi-task model, in `task_names` order)."""
         if self.is_program:
             inputs = self.header["inputs"]
+            if self.bounds is not None:
+                batch = replace(batch, sparse=self.bounds.check(batch.sparse))
             return self.model(*program_inputs(batch, inputs["feature_names"], inputs["weighted"]))
         return torch.sigmoid(self.model(batch))
 
@@ -69,12 +80,14 @@ def build_inference_model(
     dense: dict[str, torch.Tensor],
     where: str | Path,
     id_maps: dict[str, torch.Tensor] | None = None,
+    bounds_check: str = "error",
 ) -> nn.Module:
     """The run's architecture over InferenceEmbeddings, with `dense` loaded; eval mode, frozen.
-    id_maps: the mc_keys of each managed-collision table."""
+    id_maps: the mc_keys of each managed-collision table; bounds_check: what an id outside its
+    table does (neorec/sparse/bounds.py)."""
     from neorec.train.build import build_model
 
-    embeddings = InferenceEmbeddings(tables, weights, id_maps)
+    embeddings = InferenceEmbeddings(tables, weights, id_maps, bounds_check)
     with torch.random.fork_rng(devices=[]):  # build_model seeds the global RNG for its (overwritten) init
         model = build_model(cfg, info, embeddings)
     try:
@@ -126,17 +139,19 @@ def parse_header(header: dict, path: Path) -> tuple[RunConfig, SourceInfo, list[
     return cfg, info, tables
 
 
-def load_export(path: str | Path) -> ExportedModel:
+def load_export(path: str | Path, bounds_check: str = "error") -> ExportedModel:
     """Read and check an export (an .nrx file, or a pt2 folder or its model.pt2) and rebuild its
-    model (no pickle: raw bytes and JSON, or a torch.export program)."""
+    model (no pickle: raw bytes and JSON, or a torch.export program). bounds_check: what an id outside
+    its table does when the model scores a batch ("error", "warn": dropped and counted, "off"; a pt2
+    program itself always stops on one)."""
     from neorec.serving.pt2_export import is_pt2, read_pt2
 
     path = Path(path)
     if is_pt2(path):
         header, program, file = read_pt2(path)
-        cfg, info, _ = parse_header(header, file)
+        cfg, info, tables = parse_header(header, file)
         program.requires_grad_(False)
-        return ExportedModel(program, cfg, info, header, file)
+        return ExportedModel(program, cfg, info, header, file, IdBounds.of_tables(tables, bounds_check))
     if path.is_dir():
         raise ExportError(
             f"{path} is a folder without model.pt2: give an .nrx file or a folder written by "
@@ -161,7 +176,7 @@ def load_export(path: str | Path) -> ExportedModel:
             id_maps[t.name] = tensors[f"tables/{t.name}/mc_keys"]
     dense = {k.removeprefix("dense/"): v for k, v in tensors.items() if k.startswith("dense/")}
     try:
-        model = build_inference_model(cfg, info, tables, weights, dense, f"export file {path}", id_maps)
+        model = build_inference_model(cfg, info, tables, weights, dense, f"export file {path}", id_maps, bounds_check)
     except ExportError:
         raise
     except (NeorecError, RuntimeError, ValueError) as e:  # e.g. table weights that do not match the header

@@ -37,14 +37,20 @@ class PredictResult:
     seconds: float
     metrics: dict[str, float] = field(default_factory=dict)  # AUC etc. when the data has labels
     quantized: bool = False
+    dropped_ids: dict[str, int] = field(default_factory=dict)  # bounds_check warn: ids outside their tables
 
 
-def data_batches(exported: ExportedModel, batch_size: int, data: str | Path | None = None) -> Iterator[Batch]:
-    """Batches to score: the held-out set of the model's config, or a Criteo TSV file."""
+def data_batches(
+    exported: ExportedModel, batch_size: int, data: str | Path | None = None, bounds_check: str = "error"
+) -> Iterator[Batch]:
+    """Batches to score: the held-out set of the model's config (its readers checking ids as
+    `bounds_check` says), or a Criteo TSV file."""
     if data is None:
         from neorec.train.build import build_source
 
-        return build_source(exported.config).eval_batches(batch_size)
+        cfg = exported.config.model_copy(deep=True)
+        cfg.embedding.bounds_check = bounds_check
+        return build_source(cfg).eval_batches(batch_size)
     from neorec.data.criteo import (
         CATEGORICAL_NAMES,
         DEFAULT_MAX_LINE_BYTES,
@@ -93,15 +99,18 @@ def predict_file(
     data: str | Path | None = None,
     batch_size: int | None = None,
     with_labels: bool = False,
+    bounds_check: str = "error",
 ) -> PredictResult:
-    """Score `data` (default: the model's held-out set) with the exported `model`; write to `out`."""
+    """Score `data` (default: the model's held-out set) with the exported `model`; write to `out`.
+    bounds_check: what an id outside its table does: "error", "warn" (dropped from its bag, counted
+    in the result) or "off" (neorec/sparse/bounds.py)."""
     if batch_size is not None and batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     start = time.perf_counter()
     check_output_file(out, "--out")
-    exported = load_export(model)
+    exported = load_export(model, bounds_check)
     size = batch_size or exported.config.data.eval_batch_size
-    batches = data_batches(exported, size, data)
+    batches = data_batches(exported, size, data, bounds_check)
     probs, labels = [], []
 
     tasks = exported.task_names
@@ -126,7 +135,8 @@ def predict_file(
     if n:  # a multi-task model's metrics are per task, named <task>/<metric> (neorec.model.multitask)
         metrics_of = getattr(exported.model, "held_out_metrics", binary_metrics)
         metrics = metrics_of(torch.cat(probs), torch.cat(labels))
-    return PredictResult(out, n, time.perf_counter() - start, metrics, exported.quantized)
+    dropped = exported.dropped_ids()
+    return PredictResult(out, n, time.perf_counter() - start, metrics, exported.quantized, dropped)
 
 
 def _header(tasks: list[str], with_labels: bool) -> bytes:
@@ -165,5 +175,8 @@ def result_text(r: PredictResult) -> str:
     for key, value in r.metrics.items():  # a multi-task model's AUC per task
         if key.endswith("/auc"):
             rows.append((key, f"{value:.6f}"))
+    if r.dropped_ids:
+        per = ", ".join(f"{f} {n:,}" for f, n in sorted(r.dropped_ids.items()))
+        rows.append(("ids dropped (outside their tables)", f"{sum(r.dropped_ids.values()):,} ({per})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)} | {v}" for k, v in rows)

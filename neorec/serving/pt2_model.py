@@ -15,6 +15,11 @@ pooling), the same ops in the same order as neorec's inference embeddings, so an
 scores bitwise as `neorec predict` does. fp16/bf16 rows are gathered, widened and pooled in fp32;
 int8 rows are dequantized (scale * code + bias, fp32) and pooled the same way. Nothing depends on
 the values of the inputs, so one exported program takes any batch size.
+
+Every feature's ids are checked against its table first (`torch._assert_async`, which the exported
+graph keeps): an id outside [0, rows) stops the program with a RuntimeError naming the feature, its
+table and the rows (on a GPU, a device-side assertion), never a read of another row. `neorec
+predict` checks the batch before the program runs, with the id and sample in its message.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ class TableLookups(nn.Module):
         table_of = {f: i for i, t in enumerate(tables) for f in t.features}
         self.table_index = [table_of[f] for f in self.feature_names]
         self.pooling = [t.pooling for t in tables]
+        self.rows = [tables[i].rows for i in self.table_index]  # per feature
+        self.outside = [
+            f"feature {f!r} (table {tables[i].name!r}, {tables[i].rows:,} rows): an id is outside [0, {tables[i].rows:,})"
+            for f, i in zip(self.feature_names, self.table_index, strict=True)
+        ]
         self.kinds: list[str] = []  # per table: "fp32", "widen" (fp16/bf16 rows) or "int8"
         for i, t in enumerate(tables):
             w = weights[t.name]
@@ -72,6 +82,7 @@ class TableLookups(nn.Module):
     ) -> torch.Tensor:
         out = []
         for k, i in enumerate(self.table_index):
+            torch._assert_async(((ids[k] >= 0) & (ids[k] < self.rows[k])).all(), self.outside[k])
             w = weights[k] if weights else None
             out.append(self._pool(i, ids[k], offsets[k], w))
         return torch.cat(out, dim=1)

@@ -1,4 +1,5 @@
 from neorec.sparse.batch import SparseBatch, lengths_to_offsets
+from neorec.sparse.bounds import BOUNDS_MODES, IdBounds
 from neorec.sparse.jagged import JaggedRows
 
-__all__ = ["JaggedRows", "SparseBatch", "lengths_to_offsets"]
+__all__ = ["BOUNDS_MODES", "IdBounds", "JaggedRows", "SparseBatch", "lengths_to_offsets"]

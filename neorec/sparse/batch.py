@@ -28,7 +28,7 @@ def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
 class SparseBatch:
     """Categorical ids of a batch for several features, in one flat tensor per field."""
 
-    __slots__ = ("keys", "values", "lengths", "weights", "_offsets", "_length_per_key")
+    __slots__ = ("keys", "values", "lengths", "weights", "_offsets", "_length_per_key", "_id_limits")
 
     def __init__(
         self,
@@ -37,15 +37,23 @@ class SparseBatch:
         lengths: torch.Tensor,
         weights: torch.Tensor | None = None,
         length_per_key: Sequence[int] | None = None,
+        id_limits: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> None:
         """length_per_key: the number of ids of each feature, where whoever made the batch knows them
-        on the host (a batch on a GPU then never reads them back)."""
+        on the host (a batch on a GPU then never reads them back). id_limits: (lows, highs), per
+        feature bounds its maker knows every id to lie within (see `id_limits()`)."""
         self.keys = list(keys)
         self.values = values
         self.lengths = lengths
         self.weights = weights
         self._offsets: torch.Tensor | None = None
         self._length_per_key: list[int] | None = None
+        self._id_limits: tuple[list[int], list[int]] | None = None
+        if id_limits is not None:
+            lows, highs = id_limits
+            if len(lows) != len(self.keys) or len(highs) != len(self.keys):
+                raise DataError(f"SparseBatch id_limits need one low and one high per feature of {self.keys}")
+            self._id_limits = ([int(x) for x in lows], [int(x) for x in highs])
         if length_per_key is not None:
             self._length_per_key = [int(n) for n in length_per_key]
             if len(self._length_per_key) != len(self.keys) or sum(self._length_per_key) != values.numel():
@@ -123,6 +131,20 @@ class SparseBatch:
                 self._length_per_key = self.lengths.view(len(self.keys), -1).sum(1).tolist()
         return self._length_per_key
 
+    def id_limits(self) -> tuple[list[int], list[int]]:
+        """(lows, highs): every id of feature f lies in [lows[f], highs[f]] (an empty feature has
+        (0, -1)). Computed once (a few reductions and one host read, cached on the batch), or known
+        already: bounds given by the batch's maker, or kept from the batch it was cut from, which
+        hold but need not be the exact extremes. The id check of every engine reads them
+        (neorec/sparse/bounds.py); a reader counts them on the host before a batch goes to a GPU."""
+        if self._id_limits is None:
+            self._id_limits = _id_limits(self.values, self.length_per_key())
+        return self._id_limits
+
+    def known_id_limits(self) -> tuple[list[int], list[int]] | None:
+        """The id limits if known without any work, else None."""
+        return self._id_limits
+
     def offset_per_key(self) -> list[int]:
         out = [0]
         for n in self.length_per_key():
@@ -148,7 +170,8 @@ class SparseBatch:
         """Raise DataError naming the feature if ids, lengths or weights are inconsistent.
 
         num_rows maps each feature to the number of rows of the table it looks up; ids must lie in
-        [0, rows). Costs a few reductions, so call it at the edges (readers, tests), not every step.
+        [0, rows). The engines check ids on every batch themselves (IdBounds, neorec/sparse/bounds.py,
+        with the table and sample named); this is the whole structure's check, for tests and tools.
         """
         if self.values.dtype != torch.int64:
             raise DataError(f"ids must be int64, got {self.values.dtype}")
@@ -167,12 +190,11 @@ class SparseBatch:
             raise DataError(f"{self.weights.numel()} weights for {self.values.numel()} ids")
         if len(set(self.keys)) != len(self.keys):
             raise DataError(f"duplicate feature names in {self.keys}")
-        bounds = self.offset_per_key()
+        lows, highs = self.id_limits()
         for f, key in enumerate(self.keys):
-            ids = self.values[bounds[f] : bounds[f + 1]]
-            if ids.numel() == 0:
+            lo, hi = lows[f], highs[f]
+            if lo > hi:  # no ids
                 continue
-            lo, hi = int(ids.min()), int(ids.max())
             if lo < 0:
                 raise DataError(f"feature {key!r}: negative id {lo}")
             if num_rows is not None:
@@ -194,6 +216,8 @@ class SparseBatch:
             weights = _cat([self.weights[bounds[i] : bounds[i + 1]] for i in idx], self.weights)
         out = SparseBatch(keys, _cat(values, self.values), _cat(lengths, self.lengths), weights)
         out._length_per_key = [self.length_per_key()[i] for i in idx]
+        if self._id_limits is not None:
+            out._id_limits = ([self._id_limits[0][i] for i in idx], [self._id_limits[1][i] for i in idx])
         return out
 
     def slice_samples(self, start: int, end: int) -> SparseBatch:
@@ -210,7 +234,7 @@ class SparseBatch:
         if self.weights is not None:
             weights = _cat([self.weights[a:z] for a, z in zip(firsts, lasts, strict=True)], self.weights)
         per_key = [z - a for a, z in zip(firsts, lasts, strict=True)]
-        return SparseBatch(self.keys, _cat(values, self.values), lengths, weights, per_key)
+        return SparseBatch(self.keys, _cat(values, self.values), lengths, weights, per_key, self._id_limits)
 
     def permute(self, order: Sequence[int]) -> SparseBatch:
         """Reorder features: result feature j is this batch's feature order[j]."""
@@ -238,9 +262,13 @@ class SparseBatch:
             )
         known = all(b._length_per_key is not None for b in batches)
         per_key = [n for b in batches for n in b._length_per_key] if known else None  # type: ignore[union-attr]
+        limits = None
+        if all(b._id_limits is not None for b in batches):
+            limits = ([x for b in batches for x in b._id_limits[0]], [x for b in batches for x in b._id_limits[1]])  # type: ignore[index]
         return SparseBatch(
-            keys, torch.cat([b.values for b in batches]), torch.cat([b.lengths for b in batches]), weights, per_key
-        )
+            keys, torch.cat([b.values for b in batches]), torch.cat([b.lengths for b in batches]), weights, per_key,
+            limits,
+        )  # fmt: skip
 
     # ---- devices -------------------------------------------------------------------------------
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseBatch:
@@ -251,7 +279,7 @@ class SparseBatch:
         weights = self.weights.to(device, non_blocking=non_blocking) if self.weights is not None else None
         if values is self.values and lengths is self.lengths and weights is self.weights:
             return self
-        return SparseBatch(self.keys, values, lengths, weights, self._length_per_key)
+        return SparseBatch(self.keys, values, lengths, weights, self._length_per_key, self._id_limits)
 
     def pin_memory(self) -> SparseBatch:
         return SparseBatch(
@@ -260,6 +288,7 @@ class SparseBatch:
             self.lengths.pin_memory(),
             self.weights.pin_memory() if self.weights is not None else None,
             self._length_per_key,
+            self._id_limits,
         )
 
     def __repr__(self) -> str:
@@ -284,3 +313,25 @@ class SparseBatch:
 
 def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if parts else like.new_empty(0)
+
+
+def _id_limits(values: torch.Tensor, per_key: list[int]) -> tuple[list[int], list[int]]:
+    """Each feature's smallest and largest id ((0, -1) when it has none), with one host read."""
+    if not per_key:
+        return [], []
+    if len(set(per_key)) == 1 and per_key[0]:  # every feature has as many ids (one-hot): one reduction
+        low, high = values.view(len(per_key), -1).aminmax(dim=1)
+    else:
+        parts = [p.aminmax() for p in values.split(per_key) if p.numel()]
+        if not parts:
+            return [0] * len(per_key), [-1] * len(per_key)
+        low, high = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    found = torch.stack([low, high]).tolist()
+    if len(found[0]) == len(per_key):
+        return found[0], found[1]
+    lows, highs, it = [], [], iter(zip(*found, strict=True))
+    for n in per_key:
+        lo, hi = next(it) if n else (0, -1)
+        lows.append(lo)
+        highs.append(hi)
+    return lows, highs

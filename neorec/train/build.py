@@ -271,11 +271,12 @@ def build_embeddings(
         return ShardedEmbeddingCollection(
             tables, e.optimizer, plan, comms, seed=cfg.seed, forward_precision=forward, backward_precision=backward,
             device=device, stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings, progress=progress,
+            bounds_check=e.bounds_check,
         )  # fmt: skip
     if e.engine == "reference":
         from neorec.embedding.reference import ReferenceEmbeddingCollection
 
-        return ReferenceEmbeddingCollection(tables, e.optimizer, seed=cfg.seed)
+        return ReferenceEmbeddingCollection(tables, e.optimizer, seed=cfg.seed, bounds_check=e.bounds_check)
     from neorec.embedding.fused import FusedEmbeddingCollection
 
     factory = None
@@ -287,6 +288,7 @@ def build_embeddings(
     return FusedEmbeddingCollection(
         tables, e.optimizer, seed=cfg.seed, stochastic_rounding=e.stochastic_rounding,
         group_storage_factory=factory, table_tiers=tiers, device=device, progress=progress,
+        bounds_check=e.bounds_check,
     )  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from neorec.distributed.comms import Comms
 from neorec.distributed.dense import DenseGradSync
 from neorec.distributed.topology import Topology, choose_backend, init_distributed, rank_device
 from neorec.embedding.cache.stats import log_values
-from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.collection import EmbeddingCollection, dropped_ids
 from neorec.embedding.remap import map_log_values
 from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.metrics.evaluation import binary_metrics
@@ -68,6 +68,7 @@ class RunResult:
     skipped_lines: int = 0  # malformed input lines skipped under the reader's `skip` policy
     out_dir: Path | None = None
     comm_bytes_per_step: dict[str, float] = field(default_factory=dict)  # rank 0's sends, by exchange
+    dropped_ids: dict[str, int] = field(default_factory=dict)  # bounds_check warn: per feature, all ranks
 
     @property
     def samples_per_second(self) -> float:
@@ -323,6 +324,8 @@ class Trainer:
                         logger.log("cache", step, cache)  # hit rate, MiB per tier, per table
                     if getattr(self.embeddings, "id_map_stats", None) and (maps := self.embeddings.id_map_stats()):
                         logger.log("id_map", step, map_log_values(maps))  # inserts, evictions, per table
+                    if cfg.embedding.bounds_check == "warn" and (dropped := self._dropped_ids()):
+                        logger.log("dropped_ids", step, {"total": sum(dropped.values()), **dropped})
                     if self.is_main:
                         log.info(train_line(step, total, running, sps, lrs, cache))
                     if bar is not None:
@@ -368,6 +371,8 @@ class Trainer:
         result.steps = step
         result.eval = self._eval(logger, step, None, teacher_auc, progress=t.progress)
         result.skipped_lines = int(getattr(self.source, "num_skipped", 0) or 0)
+        if cfg.embedding.bounds_check == "warn":
+            result.dropped_ids = self._dropped_ids()
         logger.close()
         self._finish(result)
         return result
@@ -431,6 +436,17 @@ class Trainer:
             result.losses.append(loss)
             running = loss if running is None else 0.98 * running + 0.02 * loss
         return running
+
+    def _dropped_ids(self) -> dict[str, int]:
+        """Ids dropped so far per feature for lying outside their table (bounds_check warn), summed
+        over the ranks (collective under several processes: every rank calls it at the same step)."""
+        mine = dropped_ids(self.model)
+        if self.comms is None:
+            return mine
+        names = [f for t in self.tables for f in t.features]
+        counts = torch.tensor([[mine.get(f, 0) for f in names]], dtype=torch.float64)
+        total = self.comms.all_gather(counts, "eval").sum(0).tolist()
+        return {f: int(n) for f, n in zip(names, total, strict=True) if n}
 
     def _diverged(self, loss: float, step: int) -> TrainingDiverged:
         msg = f"loss became {loss} at step {step}; lower the learning rates"
@@ -507,6 +523,7 @@ class Trainer:
             "samples_per_s": round(result.samples_per_second, 1),
             "data_wait_ms_per_step": round(1000 * self.timings["data_wait"] / max(result.steps, 1), 3),
             "skipped_lines": result.skipped_lines,
+            **({"dropped_ids": result.dropped_ids} if result.dropped_ids else {}),
             "processes": self.topo.world_size,
             "comm_bytes_per_step": {k: round(v) for k, v in result.comm_bytes_per_step.items()},
             **({"device_peak_mib_per_rank": peaks} if peaks else {}),
@@ -578,6 +595,8 @@ def summary_table(result: RunResult) -> str:
         rows.append(("MiB sent per step (rank 0)", sent))
     if result.skipped_lines:
         rows.append(("malformed lines skipped", f"{result.skipped_lines:,}"))
+    if result.dropped_ids:
+        rows.append(("ids dropped (outside tables)", f"{sum(result.dropped_ids.values()):,}"))
     if result.out_dir is not None:
         rows.append(("outputs", str(result.out_dir)))
     width = max(len(k) for k, _ in rows)

@@ -104,6 +104,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         kernels: str = "auto",
         progress: bool = False,
         map_shards: dict[str, MapShard] | None = None,
+        bounds_check: str = "error",
     ) -> None:
         """storage_factory builds each row storage (default: a plain tensor on `device`);
         group_storage_factory, when given, builds all storages of a group at once instead (caches).
@@ -123,8 +124,12 @@ class FusedEmbeddingCollection(EmbeddingCollection):
 
         map_shards: for managed-collision tables that are shards of a larger table (the sharded
         collection), which buckets and global rows each holds; default: the whole table.
+
+        bounds_check: what an id outside its table does (neorec/sparse/bounds.py): "error", "warn"
+        (dropped from its bag and counted) or "off" (the sharded collection's engines, whose ids were
+        checked before the exchange).
         """
-        super().__init__(tables, optimizer)
+        super().__init__(tables, optimizer, bounds_check)
         check_tables(self.tables)
         self.seed = seed
         self.stochastic_rounding = stochastic_rounding
@@ -193,8 +198,9 @@ class FusedEmbeddingCollection(EmbeddingCollection):
             bar.close()
         self._cached = any(hasattr(w, "prefetch") for w in self.weights)
         self.mapped = self._build_maps(map_shards or {}, table_tiers or {}, device)
-        # prefetched batches not yet looked up, with their prepared rows (the forward reuses them)
-        self._prefetched: deque[tuple[SparseBatch, list[GroupBatch]]] = deque(maxlen=8)
+        # prefetched batches not yet looked up: (as given, as checked, their prepared rows), which the
+        # forward of the batch as given reuses
+        self._prefetched: deque[tuple[SparseBatch, SparseBatch, list[GroupBatch]]] = deque(maxlen=8)
 
     # ---- managed-collision tables ------------------------------------------------------------------
     def _build_maps(
@@ -277,15 +283,17 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         one fused lookup; backward trains the rows of both."""
         if not self.layout.groups or sparse.batch_size == 0:  # e.g. a rank that holds no shard
             return self._empty(sparse)
+        batches = None
+        for i, (ahead, checked, prepared) in enumerate(self._prefetched):
+            if ahead is sparse:  # its prefetch checked and prepared it, and counted its rows for the hit rate
+                sparse, batches = checked, prepared
+                del self._prefetched[i]
+                break
+        else:
+            sparse = self.bounds.check(sparse)
         if self.mapped:  # raw ids -> rows; a training batch's step is the update it will make
             sparse = remap_batch(sparse, self.mapped, self.num_updates + 1, self.training)
-        batches = None
         if self._cached:  # bring the whole batch in at once (one eviction round), then read it
-            for i, (ahead, prepared) in enumerate(self._prefetched):
-                if ahead is sparse:  # its prefetch prepared it and counted its rows for the hit rate
-                    batches = prepared
-                    del self._prefetched[i]
-                    break
             counted = batches is not None
             batches = batches or self._prepare(sparse)
             for storage, gb in zip(self.weights, batches, strict=True):
@@ -327,8 +335,9 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         (the training pipeline calls this for batch i+1 before batch i runs). No-op without caches."""
         if sparse.batch_size == 0 or not self._cached:
             return
-        batches = self._prepare(sparse)
-        self._prefetched.append((sparse, batches))
+        checked = self.bounds.check(sparse)
+        batches = self._prepare(checked)
+        self._prefetched.append((sparse, checked, batches))
         for storage, gb in zip(self.weights, batches, strict=True):
             if hasattr(storage, "prefetch"):  # ahead: a cache may only start reading them now
                 storage.prefetch(gb.rows, lookup=True, ahead=True)
