@@ -450,3 +450,20 @@ def test_config_errors_name_the_key(tmp_path, capsys):
                  "--set", "data.parquet.features=[a]", "--set", "data.parquet.eval_column=f"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert err.startswith("neorec: error:") and "y: no such file or folder" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode", ["warn", "off"])
+def test_ids_outside_their_table_follow_bounds_check(tmp_path, mode, neorec_warnings):
+    """hashing none: warn logs the id (file, row group, row) and passes it on for the engine to drop
+    and count; off reads no id."""
+    pq.write_table(pa.table({"label": [0, 1], "ids": pa.array([[1], [2, 50]])}), tmp_path / "a.parquet")
+    cfg = ParquetConfig(paths=[str(tmp_path / "a.parquet")], eval_column=None, eval_paths=[str(tmp_path / "a.parquet")],
+                        features=[{"name": "ids", "hashing": "none", "rows": 10}])  # fmt: skip
+    (batch,) = list(ParquetSource(cfg, bounds_check=mode, seed=0).eval_batches(2))
+    assert batch.sparse.values.tolist() == [1, 2, 50]
+    warned = [r.getMessage() for r in neorec_warnings.records]
+    if mode == "off":
+        assert not warned
+    else:
+        assert len(warned) == 1 and "a.parquet, row group 0, column 'ids': 1 ids of feature ids outside" in warned[0]
+        assert "the first at row 1: 50" in warned[0]

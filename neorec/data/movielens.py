@@ -1,7 +1,9 @@
 """MovieLens "latest-small" as a CTR source: label = rating >= 4.0, the small real dataset a model must learn.
 
 Reads `ratings.csv` (userId, movieId, rating, timestamp) and `movies.csv` (movieId, title, genres)
-once into tensors (100k rows) and builds batches by slicing, so an epoch costs no parsing.
+once into tensors (100k rows) and builds batches by slicing, so an epoch costs no parsing. Ids must be
+integers in [0, 2^63), ratings finite stars in [0.5, 5.0]; anything else is a DataError naming the file,
+the line (as an editor numbers it, header included) and the value.
 
 Features, all ids in [0, num_ids):
 - "user":   userId -> index in sorted order of the userIds that appear in ratings.csv;
@@ -54,6 +56,7 @@ import numpy as np
 import torch
 
 from neorec.data.batch import Batch
+from neorec.data.checks import quote
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.errors import ConfigError, DataError
 from neorec.sparse import SparseBatch
@@ -66,6 +69,7 @@ NO_GENRES = "(no genres listed)"
 YEAR_MIN, YEAR_MAX = 1900, 2020
 UNKNOWN_YEAR = 0  # year id of titles without a parsable year
 SECONDS_PER_YEAR = 365.2425 * 24 * 3600
+RATING_MIN, RATING_MAX = 0.5, 5.0  # the MovieLens scales: half stars (or whole stars) up to 5
 _YEAR_RE = re.compile(r"\((\d{4})(?:\s*[-–]\s*\d{4})?\)\s*$")
 
 
@@ -167,16 +171,43 @@ def _read_csv(path: Path, columns: list[str]) -> tuple[list[int], list[list[str]
 
 
 def _numbers(path: Path, lines: list[int], column: str, values: list[str], dtype: type) -> np.ndarray:
-    """Parse a column with numpy; on failure name the first bad line."""
+    """Parse a column with numpy; on failure name the first bad line (an integer beyond int64 included)."""
     try:
         return np.asarray(values).astype(dtype)
-    except ValueError:
+    except (ValueError, OverflowError):
         for line, v in zip(lines, values, strict=True):
             try:
                 dtype(v)
-            except ValueError:
-                raise DataError(f"{path}:{line}: {column} = {v!r} is not a {np.dtype(dtype).name}") from None
+            except (ValueError, OverflowError):
+                kind = "an integer that fits int64" if dtype is np.int64 else f"a {np.dtype(dtype).name}"
+                raise DataError(f"{path}:{line}: {column} = {quote(v)} is not {kind}") from None
         raise
+
+
+def _ids(path: Path, lines: list[int], column: str, values: list[str]) -> np.ndarray:
+    """An id column as int64, every id >= 0."""
+    ids = _numbers(path, lines, column, values, np.int64)
+    negative = np.flatnonzero(ids < 0)
+    if len(negative):
+        i = int(negative[0])
+        raise DataError(
+            f"{path}:{lines[i]}: {column} = {quote(values[i])} is negative; ids must be integers >= 0"
+        )
+    return ids
+
+
+def _ratings(path: Path, lines: list[int], values: list[str]) -> np.ndarray:
+    """The rating column as float32, every rating finite and within the MovieLens scale: a NaN, inf or
+    out-of-scale rating would otherwise become a label silently (NaN is never >= 4: a "dislike")."""
+    ratings = _numbers(path, lines, "rating", values, np.float32)
+    bad = np.flatnonzero(~((ratings >= RATING_MIN) & (ratings <= RATING_MAX)))  # NaN compares False
+    if len(bad):
+        i = int(bad[0])
+        raise DataError(
+            f"{path}:{lines[i]}: rating = {quote(values[i])} is not a number in [{RATING_MIN}, {RATING_MAX}]; "
+            "MovieLens ratings are 0.5 to 5 stars: fix the file, or take a fresh copy of it"
+        )
+    return ratings
 
 
 class MovieLensSource:
@@ -259,7 +290,7 @@ class MovieLensSource:
     # ---- loading --------------------------------------------------------------------------------
     def _load_movies(self, path: Path) -> None:
         lines, (ids, titles, genre_fields) = _read_csv(path, ["movieId", "title", "genres"])
-        movie_ids = _numbers(path, lines, "movieId", ids, np.int64)
+        movie_ids = _ids(path, lines, "movieId", ids)
         if len(movie_ids) == 0:
             raise DataError(f"{path}: no movies")
         if len(np.unique(movie_ids)) != len(movie_ids):
@@ -294,9 +325,9 @@ class MovieLensSource:
         lines, (users, movies, ratings, times) = _read_csv(path, columns)
         if not lines:
             raise DataError(f"{path}: no ratings")
-        users = _numbers(path, lines, "userId", users, np.int64)
-        movies = _numbers(path, lines, "movieId", movies, np.int64)
-        ratings = _numbers(path, lines, "rating", ratings, np.float32)
+        users = _ids(path, lines, "userId", users)
+        movies = _ids(path, lines, "movieId", movies)
+        ratings = _ratings(path, lines, ratings)
         times = _numbers(path, lines, "timestamp", times, np.int64)
 
         movie_idx = np.minimum(np.searchsorted(self.movie_ids, movies), len(self.movie_ids) - 1)

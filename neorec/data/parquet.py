@@ -50,6 +50,7 @@ import torch
 
 from neorec.config.schema import ParquetConfig
 from neorec.data.batch import Batch
+from neorec.data.checks import checked_mode
 from neorec.data.columns import Columns, cut_batches
 from neorec.data.parquet_columns import ColumnMap, held_out
 from neorec.data.prefetch import prefetch
@@ -93,14 +94,16 @@ def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
 
 
-def column_map(config: ParquetConfig, with_vocabs: bool = True) -> ColumnMap:
+def column_map(config: ParquetConfig, with_vocabs: bool = True, bounds_check: str = "error") -> ColumnMap:
     """The config's columns, with every feature's settings and vocabulary (hashing vocab) resolved
     (`with_vocabs=False`: vocabularies not loaded, for checking files before they are counted)."""
     features = config.feature_configs()
     names = [f.name for f in features if f.hashing == "vocab"]
     loaded = dict(zip(names, load_vocabs(Path(config.vocab_dir), names), strict=True)) if names and with_vocabs else {}
     vocabs = [loaded.get(f.name) for f in features]
-    return ColumnMap(config.label, list(config.dense), config.dense_log1p, features, vocabs, config.eval_column)
+    return ColumnMap(
+        config.label, list(config.dense), config.dense_log1p, features, vocabs, config.eval_column, bounds_check
+    )
 
 
 def file_uri(fs: pafs.FileSystem, path: str) -> str:
@@ -118,12 +121,17 @@ def open_uri(uri: str) -> pq.ParquetFile:
 class ParquetSource:
     """DataSource over Parquet files; this rank's share only (see the module docstring)."""
 
-    def __init__(self, config: ParquetConfig, *, rank: int = 0, world_size: int = 1, seed: int = 0) -> None:
+    def __init__(
+        self, config: ParquetConfig, *, rank: int = 0, world_size: int = 1, seed: int = 0, bounds_check: str = "error"
+    ) -> None:
+        """`bounds_check` (embedding.bounds_check): what ids outside their tables (hashing none) do when a
+        row group is read: "error" stops naming file, row group, row and column, "warn" logs them and
+        passes them on for the embedding engine to drop, "off" reads no id."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
         self.config = config
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, config.shuffle
-        self.map = column_map(config)
+        self.map = column_map(config, bounds_check=checked_mode(bounds_check))
         features, vocabs = self.map.features, self.map.vocabs
         self.files: list[tuple[pafs.FileSystem, str]] = []
         self.groups: dict[str, list[RowGroup]] = {split: [] for split in SPLITS}

@@ -13,7 +13,9 @@ A list column is multi-hot: its list lengths are the bag sizes (a null list is a
 column holds one float per id, with the same list lengths.
 
 Dense columns are numbers or booleans, null -> 0; with `dense_log1p`, negatives -> 0 then log(1 + x) in
-float64 (the Criteo preprocessing). Labels are 0/1 (integers, floats or booleans) and never null.
+float64 (the Criteo preprocessing); a value that is NaN or infinite (or beyond float32's range without
+log1p) is a DataError naming the file, row group, row and column. Labels are exactly 0 or 1 (integers,
+floats or booleans) and never null.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from neorec.config.schema import ParquetFeatureConfig
+from neorec.data.checks import check_ids, check_labels, dense_error, first_nonfinite
 from neorec.data.columns import Columns
 from neorec.data.criteo import MAX_HEX_DIGITS, parse_hex
 from neorec.data.hashing import splitmix64
@@ -45,6 +48,7 @@ class ColumnMap:
     features: list[ParquetFeatureConfig]
     vocabs: list[np.ndarray | None]  # per feature, with hashing vocab
     eval_column: str | None = None
+    bounds_check: str = "error"  # hashing none: ids outside their table stop (error), are logged (warn) or not read
 
     def columns(self, with_eval_column: bool) -> list[str]:
         """The columns a row group is read with."""
@@ -100,24 +104,27 @@ class ColumnMap:
     def to_columns(self, table: pa.Table, where: str) -> Columns:
         """A table of the `columns()` of one row group (`where`: its file and row group, for errors)."""
         labels = _numbers(table.column(self.label), where, self.label, nulls="error")
-        bad = (labels != 0) & (labels != 1)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise DataError(f"{where}, row {i}: label column {self.label!r} = {labels[i]:g} is not 0 or 1")
+        check_labels(labels, where, f"label column {self.label!r}")
         n = len(labels)
         # log1p in float64 as the Criteo reader computes it; plain values go straight to float32
         dense = np.empty((n, len(self.dense)), np.float64 if self.dense_log1p else np.float32)
-        for j, name in enumerate(self.dense):
-            dense[:, j] = _numbers(table.column(name), where, name, nulls="zero")
-        if self.dense_log1p:
-            dense = np.log1p(np.maximum(dense, 0))
+        with np.errstate(over="ignore"):  # a finite value beyond float32's range becomes inf: caught below
+            for j, name in enumerate(self.dense):
+                dense[:, j] = _numbers(table.column(name), where, name, nulls="zero")
+            if self.dense_log1p:
+                dense = np.log1p(np.maximum(dense, 0))
+            dense = dense.astype(np.float32, copy=False)
+        bad = first_nonfinite(dense)
+        if bad is not None:  # NaN or inf would reach the loss steps later, naming no file
+            i, j = bad
+            raise dense_error(where, i, repr(self.dense[j]), table.column(self.dense[j])[i].as_py())
         values, lengths, weights = [], [], []
         for f, vocab in zip(self.features, self.vocabs, strict=True):
-            ids, ln = _ids(table.column(f.column).combine_chunks(), where, f, vocab)
+            ids, ln = _ids(table.column(f.column).combine_chunks(), where, f, vocab, self.bounds_check)
             values.append(ids)
             lengths.append(ln)
             weights.append(None if not f.weights else _weights(table.column(f.weights), ln, where, f))
-        return Columns(dense.astype(np.float32, copy=False), labels.astype(np.float32), values, lengths, weights)
+        return Columns(dense, labels.astype(np.float32), values, lengths, weights)
 
 
 def _is_number(t: pa.DataType) -> bool:
@@ -169,13 +176,18 @@ def raw_ids(column: pa.ChunkedArray, where: str, f: ParquetFeatureConfig) -> np.
     return _raw_values(arr, where, f, lengths)
 
 
-def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray | None) -> tuple:
-    """(int64 rows, lengths or None) of one feature's column."""
+def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray | None, bounds_check: str) -> tuple:
+    """(int64 rows, lengths or None) of one feature's column. With hashing none the values are the ids,
+    checked against the table as `bounds_check` says (warn: logged and passed on, for the embedding
+    engine to drop and count; off: not read)."""
     arr, lengths = _flatten(arr)
     if f.hashing == "none" and pa.types.is_integer(arr.type):
         raw = (pc.fill_null(arr, 0) if arr.null_count else arr).to_numpy()
+        if bounds_check == "warn":
+            check_ids(raw, f"{where}, column {f.column!r}", f.name, f.rows, lengths=lengths, mode="warn")
+            return raw, lengths
         low, high = pc.min_max(arr).values()
-        if raw.size and (low.as_py() < 0 or high.as_py() >= f.rows):
+        if bounds_check == "error" and raw.size and (low.as_py() < 0 or high.as_py() >= f.rows):
             i = int(np.flatnonzero((raw < 0) | (raw >= f.rows))[0])
             raise DataError(
                 f"{where}, row {_row(i, lengths)}: column {f.column!r} holds id {raw[i]}, outside "

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from neorec.data.batch import Batch
+from neorec.data.checks import check_dense, check_ids, check_labels, checked_mode
 from neorec.data.columns import Columns, cut_batches
 from neorec.data.prefetch import prefetch
 from neorec.data.preprocess import SPLITS, load_manifest, shard_name
@@ -73,6 +74,18 @@ class _Part:
             expected = n if off is None else int(off[-1])
             if len(ids) != expected:
                 raise DataError(f"{folder}/ids_{features[f].name}.npy: {len(ids)} ids, expected {expected}")
+
+    def check(
+        self, features: list[FeatureSpec], raw: set[str], bounds_check: str, dense_names: list[str]
+    ) -> None:
+        """Stop (DataError naming the .npy file, row, column and value) at a label other than 0 or 1 or a
+        dense value that is not finite; check ids against their tables as `bounds_check` says (`raw`:
+        features holding raw ids of managed-collision tables, which need only be >= 0)."""
+        check_labels(self.labels, str(self.folder / "labels.npy"))
+        check_dense(self.dense, str(self.folder / "dense.npy"), dense_names)
+        for f, ids, ln in zip(features, self.ids, self.lengths, strict=True):
+            check_ids(ids, str(self.folder / f"ids_{f.name}.npy"), f.name, f.num_ids, lengths=ln,
+                      raw=f.name in raw, mode=bounds_check)  # fmt: skip
 
     def _load(self, name: str) -> np.ndarray:
         path = self.folder / f"{name}.npy"
@@ -105,7 +118,10 @@ class PreprocessedSource:
         shuffle: bool = True,
         shuffle_window: int = 1 << 17,
         prefetch: int = 4,
+        bounds_check: str = "error",
     ) -> None:
+        """`bounds_check` (embedding.bounds_check): what a shard's ids outside their tables do when the
+        shard is opened: "error" stops, "warn" logs them and passes them on, "off" reads no id."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
         if shuffle_window < 1:
@@ -119,6 +135,7 @@ class PreprocessedSource:
             )
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.shuffle_window, self.prefetch = shuffle, shuffle_window, prefetch
+        self.bounds_check = checked_mode(bounds_check)
         self.num_dense = int(manifest["num_dense"])
         self.features = [FeatureSpec(**f) for f in manifest["features"]]
         self.keys = [f.name for f in self.features]
@@ -131,6 +148,9 @@ class PreprocessedSource:
         notes = dict(manifest.get("notes", {}))
         notes.update(settings=manifest["settings"], skipped=manifest.get("skipped", {}))
         self.info = SourceInfo(self.num_dense, self.features, self.num_samples("train"), notes)
+        self._raw = set(manifest["settings"].get("categorical", {}).get("raw_features", ()))
+        self._dense_names = [str(n) for n in notes.get("dense", [])]
+        self._checked: set[Path] = set()  # parts already checked (a reopened part is not rescanned)
         self._open: OrderedDict[Path, _Part] = OrderedDict()
         self._lock = threading.Lock()
         self._epoch, self._position = 0, 0  # what this reader has handed out
@@ -261,6 +281,9 @@ class PreprocessedSource:
                     raise DataError(
                         f"{folder}/labels.npy: {len(part.labels)} samples, the manifest says {size}"
                     )
+                if folder not in self._checked:  # before any of its samples are handed out
+                    part.check(self.features, self._raw, self.bounds_check, self._dense_names)
+                    self._checked.add(folder)
                 self._open[folder] = part
                 if len(self._open) > _OPEN_PARTS:
                     self._open.popitem(last=False)

@@ -2,7 +2,9 @@
 
 `neorec data generate` writes them (from the synthetic generator); `data.source: shards` trains on them.
 Each file holds `dense` [n, d] float32, `labels` [n] float32, and per feature `values_<name>`,
-`lengths_<name>` (and `weights_<name>` when weighted).
+`lengths_<name>` (and `weights_<name>` when weighted). A file's values are checked when it is read,
+before any of its samples are handed out (neorec/data/checks.py): labels 0 or 1, dense values finite,
+ids within their features' `num_ids` as `bounds_check` says.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from neorec.data.batch import Batch
 from neorec.data.blocks import Block, rebatch
+from neorec.data.checks import check_dense, check_ids, check_labels, checked_mode
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.data.synthetic import SyntheticSource
 from neorec.errors import DataError
@@ -54,19 +57,23 @@ def write_shards(source: SyntheticSource, out: Path) -> list[Path]:
 class ShardSource:
     """A DataSource over a folder written by `write_shards` (read one file at a time)."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, *, bounds_check: str = "error") -> None:
+        """`bounds_check` (embedding.bounds_check): what ids outside their features' tables do when a file
+        is read: "error" stops, "warn" logs them and passes them on, "off" reads no id."""
         self.root = Path(root)
+        self.bounds_check = checked_mode(bounds_check)
         meta_path = self.root / "meta.json"
         if not meta_path.is_file():
             raise DataError(f"{meta_path}: missing; is {self.root} a folder written by `neorec data generate`?")
         try:
             self.meta = json.loads(meta_path.read_text())
-            features = [FeatureSpec(**f) for f in self.meta["features"]]
+            self.features = [FeatureSpec(**f) for f in self.meta["features"]]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise DataError(f"{meta_path}: not a valid shard description ({e})") from None
-        self.keys = [f.name for f in features]
+        self.keys = [f.name for f in self.features]
+        self._checked: set[Path] = set()  # files already checked (not rescanned nor warned about each epoch)
         self.info = SourceInfo(
-            self.meta["num_dense"], features, num_train_samples=self.meta.get("num_train_samples"),
+            self.meta["num_dense"], self.features, num_train_samples=self.meta.get("num_train_samples"),
             notes={"teacher_auc": self.meta.get("teacher_auc")},
         )  # fmt: skip
 
@@ -76,14 +83,27 @@ class ShardSource:
                 t = {k: torch.from_numpy(z[k]) for k in z.files}
         except (OSError, ValueError) as e:
             raise DataError(f"{path}: cannot read shard ({e})") from None
-        missing = [k for k in ["dense", "labels"] + [f"values_{n}" for n in self.keys] if k not in t]
+        names = ["dense", "labels"] + [f"{a}_{n}" for n in self.keys for a in ("values", "lengths")]
+        missing = [k for k in names if k not in t]
         if missing:
             raise DataError(f"{path}: shard lacks arrays {missing}")
+        if path not in self._checked:
+            self._check(path, t)
+            self._checked.add(path)
         weights = [t[f"weights_{n}"] for n in self.keys] if f"weights_{self.keys[0]}" in t else None
         return Block(
             t["dense"], t["labels"], torch.zeros_like(t["labels"]),
             [t[f"values_{n}"] for n in self.keys], [t[f"lengths_{n}"] for n in self.keys], weights,
         )  # fmt: skip
+
+    def _check(self, path: Path, t: dict[str, torch.Tensor]) -> None:
+        """The file's labels, dense values and ids (see the module docstring); rows are sample indices in
+        the file."""
+        check_labels(t["labels"].numpy(), str(path))
+        check_dense(t["dense"].numpy(), str(path))
+        for f in self.features:
+            check_ids(t[f"values_{f.name}"].numpy(), str(path), f.name, f.num_ids,
+                      lengths=t[f"lengths_{f.name}"].numpy(), mode=self.bounds_check)  # fmt: skip
 
     def _batches(
         self, split: str, batch_size: int, epoch: int, rank: int = 0, world_size: int = 1

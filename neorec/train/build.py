@@ -58,13 +58,15 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
     if d.source == "shards":
         from neorec.data.shards import ShardSource
 
-        return ShardSource(d.shards_dir)
+        return ShardSource(d.shards_dir, bounds_check=cfg.embedding.bounds_check)
     if d.source == "parquet":
         from neorec.data.parquet import ParquetSource
 
         assert d.parquet is not None  # checked by the config validator
         rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
-        return ParquetSource(d.parquet, rank=rank, world_size=world, seed=cfg.seed)
+        return ParquetSource(
+            d.parquet, rank=rank, world_size=world, seed=cfg.seed, bounds_check=cfg.embedding.bounds_check
+        )
     if d.source == "movielens":
         from neorec.data.movielens import MovieLensSource
 
@@ -90,7 +92,7 @@ def _preprocessed_source(cfg: RunConfig, topo) -> DataSource:
     rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
     source = PreprocessedSource(
         p.path, rank=rank, world_size=world, seed=cfg.seed, shuffle=p.shuffle,
-        shuffle_window=p.shuffle_window, prefetch=p.prefetch,
+        shuffle_window=p.shuffle_window, prefetch=p.prefetch, bounds_check=cfg.embedding.bounds_check,
     )  # fmt: skip
     stored = set(source.info.notes.get("settings", {}).get("categorical", {}).get("raw_features", ()))
     mapped = raw_features(cfg)
