@@ -38,7 +38,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from neorec.data.batch import Batch
-from neorec.data.hashing import splitmix64
+from neorec.utils.hashing import splitmix64
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.errors import ConfigError, DataError
 from neorec.sparse import SparseBatch

@@ -47,7 +47,7 @@ import torch
 
 from neorec.data.batch import Batch
 from neorec.data.blocks import Block, rebatch
-from neorec.data.hashing import splitmix64
+from neorec.utils.hashing import splitmix64
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.errors import ConfigError, DataError
 

@@ -23,43 +23,23 @@ import numpy as np
 import torch
 
 from neorec.data.blocks import Block
-from neorec.data.hashing import splitmix64 as host_splitmix64
-
-_MASK63 = (1 << 63) - 1
-
-
-def _signed(c: int) -> int:
-    """A uint64 constant as the int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """neorec.data.hashing.splitmix64 on int64 tensors: the same bits, wrapping multiplies."""
-    z = x + _signed(0x9E3779B97F4A7C15)
-    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
-    return z ^ _shr(z, 31)
+from neorec.utils.hashing import MASK63, shift_right, signed, splitmix64, splitmix64_torch
 
 
 def hash_uniform(ids: torch.Tensor, keys: torch.Tensor | int, width: int) -> torch.Tensor:
     """synthetic._hash_uniform on the device: [n] ids (with [n] or one key) -> [n, width] float64
     values uniform in [-sqrt(3), sqrt(3)), bitwise the host's values (before its float32 cast)."""
     key = keys & 0xFFFFFFFF if isinstance(keys, torch.Tensor) else torch.tensor(keys & 0xFFFFFFFF)
-    base = splitmix64(ids * 0x100000001B3 + key * (1 << 32))
-    comp = torch.arange(1, width + 1, dtype=torch.int64, device=ids.device) * _signed(0xD6E8FEB86659FD93)
-    h = splitmix64(base[:, None] ^ comp[None, :])
-    u = _shr(h, 11).to(torch.float64) * (1.0 / (1 << 53))
+    base = splitmix64_torch(ids * 0x100000001B3 + key * (1 << 32))
+    comp = torch.arange(1, width + 1, dtype=torch.int64, device=ids.device) * signed(0xD6E8FEB86659FD93)
+    h = splitmix64_torch(base[:, None] ^ comp[None, :])
+    u = shift_right(h, 11).to(torch.float64) * (1.0 / (1 << 53))
     return (u * 2.0 - 1.0) * math.sqrt(3.0)
 
 
 def raw_ids(ids: torch.Tensor, key: int) -> torch.Tensor:
     """synthetic.raw_ids on the device: the same raw 63-bit ids."""
-    return (ids * _signed(0x9E3779B97F4A7C15) + key) & _MASK63
+    return (ids * signed(0x9E3779B97F4A7C15) + key) & MASK63
 
 
 class DeviceDraw:
@@ -89,9 +69,9 @@ class DeviceDraw:
         """The block's own random stream: seeded by a hash of (seed, split, index)."""
         x = np.array([seed], np.uint64)
         for part in (split, index):
-            x = host_splitmix64(x ^ np.uint64(part))
+            x = splitmix64(x ^ np.uint64(part))
         g = torch.Generator(device=self.device)
-        g.manual_seed(int(host_splitmix64(x)[0]) & _MASK63)
+        g.manual_seed(int(splitmix64(x)[0]) & MASK63)
         return g
 
     def block(self, split: int, index: int, n: int, raw: list[bool]) -> Block:

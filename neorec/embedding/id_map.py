@@ -39,35 +39,13 @@ from dataclasses import dataclass
 import torch
 
 from neorec.embedding.tables import ManagedCollisionConfig, TableConfig
+from neorec.utils.hashing import mix64
 
 FREE = -1
 STATE = ("mc_keys", "mc_last_seen", "mc_counts")
 # bytes per row: the three state tensors plus the sorted index (key and row)
 BYTES_PER_ROW = 8 * (len(STATE) + 2)
 STAT_FIELDS = ("hits", "misses", "inserts", "evictions", "dropped")
-
-_MASK63 = (1 << 63) - 1
-
-
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN, _M1, _M2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser on int64 with wrapping arithmetic, top bit cleared: [0, 2^63)."""
-    z = x.to(torch.int64) + _GOLDEN
-    z = (z ^ _shift_right(z, 30)) * _M1
-    z = (z ^ _shift_right(z, 27)) * _M2
-    return (z ^ _shift_right(z, 31)) & _MASK63
-
 
 def bucket_of(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """The bucket of each raw id: a mixing hash modulo the bucket count (sequential ids spread)."""

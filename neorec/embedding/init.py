@@ -8,6 +8,7 @@ import zlib
 import torch
 
 from neorec.embedding.tables import TableConfig
+from neorec.utils.hashing import mix64
 
 
 def table_seed(table: TableConfig, seed: int) -> int:
@@ -47,7 +48,6 @@ CHUNK_ROWS = 65536
 def init_rows_at(table: TableConfig, seed: int, rows: torch.Tensor) -> torch.Tensor:
     """fp32 initial weights of any rows of a managed-collision table, [len(rows), dim]: uniform(+-1/sqrt(rows))
     from a counter-based hash of (table seed, row, column), on the device of `rows`."""
-    from neorec.embedding.id_map import mix64
 
     bound = 1.0 / math.sqrt(table.rows)
     cells = rows.to(torch.int64).view(-1, 1) * table.dim + torch.arange(table.dim, device=rows.device)
