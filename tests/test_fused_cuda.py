@@ -13,7 +13,8 @@ import torch
 from test_fused_engine import assert_matches, make_tables, run_steps, train_both
 
 from neorec.embedding.fused import FusedEmbeddingCollection, triton_kernels
-from neorec.embedding.fused.lookup import GroupBatch, sort_by_row
+from neorec.embedding.fused.bags import GroupBatch
+from neorec.embedding.fused.row_gradients import sort_by_row
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.sparse import SparseBatch
 

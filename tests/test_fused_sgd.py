@@ -13,7 +13,8 @@ from test_fused_determinism import multi_hot
 from test_fused_engine import Float64Reference, assert_matches, make_tables, random_batch, step_with_reference
 
 from neorec.embedding.fused import FusedEmbeddingCollection, build_tensor_storage, lookup
-from neorec.embedding.fused.lookup import GroupBatch, sort_by_row
+from neorec.embedding.fused.bags import GroupBatch
+from neorec.embedding.fused.row_gradients import sort_by_row
 from neorec.embedding.fused.storage import RowInit
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 

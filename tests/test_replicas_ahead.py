@@ -16,7 +16,7 @@ from neorec.distributed.comms import Comms
 from neorec.distributed.plan import ShardingPlan
 from neorec.distributed.replicas import ReplicaSync
 from neorec.distributed.sharded import ShardedEmbeddingCollection
-from neorec.embedding.fused import lookup
+from neorec.embedding.fused import row_gradients
 from neorec.embedding.tables import EmbeddingOptimizerConfig
 
 pytestmark = pytest.mark.distributed
@@ -37,7 +37,7 @@ def ahead_run(topo, optimizer_name: str, plan: dict, read_ahead: bool, dense_byt
     if read_ahead:
         emb.replicated.chunk_elements = None  # one block, as on a GPU
     count, _ = count_host_reads(
-        inside=[(ReplicaSync, "start_gradients"), (ReplicaSync, "share_updated"), (lookup, "sort_by_row")],
+        inside=[(ReplicaSync, "start_gradients"), (ReplicaSync, "share_updated"), (row_gradients, "sort_by_row")],
         main_thread_only=True,
     )
     repeated = [0]

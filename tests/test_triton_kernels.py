@@ -31,8 +31,9 @@ from test_fused_engine import (
 
 from neorec.embedding.cache import CacheSettings, cached_storage_factory
 from neorec.embedding.fused import FusedEmbeddingCollection, rounding, triton_kernels
-from neorec.embedding.fused.lookup import GroupBatch, sort_by_row, sort_by_row_on_device
+from neorec.embedding.fused.bags import GroupBatch
 from neorec.embedding.fused.optimizers import RULES, Hparams
+from neorec.embedding.fused.row_gradients import sort_by_row, sort_by_row_on_device
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.sparse import SparseBatch
 

@@ -37,8 +37,9 @@ import torch
 
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.fused import triton_kernels
+from neorec.embedding.fused.bags import GroupBatch, prepare_group, prepare_sequence_group
 from neorec.embedding.fused.layout import TableGroup, build_layout
-from neorec.embedding.fused.lookup import FusedLookup, GroupBatch, prepare_group, prepare_sequence_group
+from neorec.embedding.fused.lookup import FusedLookup
 from neorec.embedding.fused.optimizers import RULES, Hparams, folded_sgd, initial_state_value
 from neorec.embedding.fused.param_groups import FusedEmbeddingOptimizer
 from neorec.embedding.fused.rounding import to_storage, uniform_noise
@@ -466,7 +467,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
 
         Then every path multiplies each id's gradient term by -lr while summing (free: the sums
         take per-id weights anyway) and adds the sums to the rows, so that plain fp32 tables can
-        take the in-place path (lookup.add_row_gradients) and a cache or any other storage in
+        take the in-place path (row_gradients.add_row_gradients) and a cache or any other storage in
         front of the same rows stays bitwise equal to it. A gradient hook (the sharded
         collection's replica sum) then sums the -lr-weighted sums over ranks.
         """
@@ -551,7 +552,7 @@ class FusedEmbeddingCollection(EmbeddingCollection):
         }
 
     def chunk_rows(self, gi: int, device: torch.device) -> int | None:
-        """Rows per block of work on CPU, so temporaries stay cache-sized (see lookup.row_gradients);
+        """Rows per block of work on CPU, so temporaries stay cache-sized (see row_gradients.py);
         None (one block, no host syncs) on GPU."""
         if device.type == "cuda" or self.chunk_elements is None:
             return None

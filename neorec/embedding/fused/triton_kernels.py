@@ -9,7 +9,7 @@ elementwise ops, a scatter back). These kernels do the same work in one pass eac
   each times its scale (per-sample weight, 1/length for mean pooling), then writes the sum straight
   into the [B, output columns] output at its feature's columns. Empty bags give zeros.
 - `fused_update`: a grid the size of the device, each program taking unique rows in turn (ids
-  already sorted by row, see lookup.sort_by_row), sums a row's gradient over its ids in id order,
+  already sorted by row, see row_gradients.sort_by_row), sums a row's gradient over its ids in id order,
   reading it straight from d(pooled) at the columns of each id's feature, then applies SGD,
   AdaGrad, row-wise AdaGrad or Adam (triton_rules.apply_rule) to the whole row and its state and stores the row back in its
   dtype, to nearest or stochastically (triton_rules.stochastic_round, bitwise rounding.py's
@@ -94,8 +94,8 @@ class PoolGroup:
 class UpdateGroup:
     """One group's update for `fused_update`.
 
-    sorted_ids: lookup.sort_by_row's (unique rows [U] ascending, offsets [U + 1] of each row's ids,
-    the bag of each id, its scale or None); or lookup.sort_by_row_on_device's, padded to one entry
+    sorted_ids: row_gradients.sort_by_row's (unique rows [U] ascending, offsets [U + 1] of each row's ids,
+    the bag of each id, its scale or None); or row_gradients.sort_by_row_on_device's, padded to one entry
     per id with U as a fifth, device, entry (the update programs past U return). Bag k = b *
     num_features + f takes its gradient from grad[b, columns[f] : columns[f] + dim] (grad: fp32,
     contiguous; d(pooled) [B, output columns], or a sequence group's d(rows) [ids, dim] with one
