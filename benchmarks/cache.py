@@ -3,12 +3,12 @@
 Sweep (default): one DLRM (26 tables, dim 64, AdaGrad) trained with all tables in RAM (tier memory)
 and with the tables in files (tier ssd) behind a RAM cache of 1%, 5%, 20% and 100% of their rows,
 for several Zipf exponents of the ids. Batches are generated before timing; each step first
-prefetches the next batch's rows (as the training pipeline does), then trains. Writes a table to
-RESULTS.md and a plot next to it (cache.png).
+prefetches the next batch's rows (as the training pipeline does), then trains. Records the table
+(benchmarks/records/cache.jsonl, shown in RESULTS.md) and draws a plot into docs/img/ (cache.png).
 
     python benchmarks/cache.py                                   # the sweep
     python benchmarks/cache.py --demo --table-gib 12 --budget-gib 4 --steps 300
-    python benchmarks/cache.py --replot cache.png                # redraw a plot from its RESULTS.md table
+    python benchmarks/cache.py --replot cache.png                # redraw a plot from its recorded table
     python benchmarks/cache.py --device cuda --tier ssd          # the sweep with the cache in GPU memory
 
 Demo: tables + Adam state of `--table-gib` GiB in files under --dir, a cache sized to fit a
@@ -31,8 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS, append_results, markdown_table, peak_rss_mib  # noqa: E402
+from benchmarks.common import RECORDS, append_results, markdown_table, peak_rss_mib  # noqa: E402
+from benchmarks.render_results import read_records  # noqa: E402
 from neorec.embedding.cache.build import release_bytes, use_io_thread  # noqa: E402
+
+PLOTS = Path(__file__).resolve().parent.parent / "docs" / "img"  # next to the docs that show them
 
 
 def make_config(
@@ -251,7 +254,7 @@ def sweep(args) -> None:
     if args.no_append:
         print(markdown_table(header, rows))
         return
-    plot(results, RESULTS.parent / args.plot)
+    plot(results, PLOTS / args.plot)
     table_bytes = 26 * args.rows * args.dim * 4 * (2 if args.optimizer == "adagrad" else 1)
     notes = (
         f"26 tables x {args.rows:,} rows x dim {args.dim}, {args.optimizer} ({table_bytes / 2**30:.2f} GiB of rows "
@@ -269,7 +272,7 @@ def sweep(args) -> None:
         "all the process's threads per timed step (less sensitive than samples/s to other jobs on the machine); "
         "of which file I/O: the part spent reading and writing the ssd files (SsdBacking.cpu_seconds, "
         "folding the write log included). Plot: "
-        f"benchmarks/{args.plot}. {args.note}"
+        f"docs/img/{args.plot}. {args.note}"
     )
     append_results(
         "Row cache: samples/s and hit rate vs cache size and Zipf skew", markdown_table(header, rows), notes
@@ -277,17 +280,18 @@ def sweep(args) -> None:
     print(markdown_table(header, rows))
 
 
-def recorded_results(plot_name: str, stamp: str | None = None, path: Path = RESULTS) -> list[dict]:
-    """The rows of the last RESULTS.md table plotted to benchmarks/<plot_name> (with `stamp`: the one
-    whose heading holds it, e.g. "2026-11-22 16:09"), as `plot` takes them."""
-    for section in reversed(path.read_text().split("\n## ")):
-        if f"Plot: benchmarks/{plot_name}" not in section or (stamp and stamp not in section.splitlines()[0]):
+def recorded_results(plot_name: str, stamp: str | None = None, path: Path = RECORDS / "cache.jsonl") -> list[dict]:
+    """The rows of the last recorded table plotted to docs/img/<plot_name> (benchmarks/<plot_name> in
+    records older than the move; with `stamp`: the one recorded then, e.g. "2026-11-22 16:09"), as
+    `plot` takes them."""
+    for record in reversed(read_records(path)):
+        named = re.search(rf"Plot: (docs/img|benchmarks)/{re.escape(plot_name)}\b", record.get("notes", ""))
+        if not named or (stamp and stamp not in record["date"]):
             continue
-        lines = [line.strip().strip("|") for line in section.splitlines() if line.startswith("|")]
-        header = [c.strip() for c in lines[0].split("|")]
+        table = record["tables"][0]
         rows = []
-        for line in lines[2:]:
-            cells = dict(zip(header, (c.strip() for c in line.split("|")), strict=True))
+        for row in table["rows"]:
+            cells = dict(zip(table["header"], row, strict=True))
             case = cells["tables"]
             cached = re.search(r"([\d.]+)% cached", case)
             rows.append({
@@ -298,7 +302,7 @@ def recorded_results(plot_name: str, stamp: str | None = None, path: Path = RESU
                 "hit_rate": float(cells["hit rate"]) if cells["hit rate"] != "-" else None,
             })  # fmt: skip
         return rows
-    sys.exit(f"{path} has no table plotted to benchmarks/{plot_name}" + (f" at {stamp}" if stamp else ""))
+    sys.exit(f"{path} has no table plotted to {plot_name}" + (f" at {stamp}" if stamp else ""))
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -404,7 +408,7 @@ def main() -> None:
     p.add_argument(
         "--tier", default="ssd", choices=["ssd", "dram"], help="sweep: where the cached tables live"
     )
-    p.add_argument("--plot", default="cache.png", help="sweep: plot file name, next to RESULTS.md")
+    p.add_argument("--plot", default="cache.png", help="sweep: plot file name, in docs/img/")
     p.add_argument("--repeats", type=int, default=2, help="sweep: interleaved repeats, best kept")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -442,13 +446,13 @@ def main() -> None:
     )
     p.add_argument("--note", default="", help="appended to the RESULTS notes (e.g. other load seen)")
     p.add_argument("--profile", action="store_true", help="sweep on cuda: also print where the time goes")
-    p.add_argument("--no-append", action="store_true", help="print only (no RESULTS.md, no plot)")
+    p.add_argument("--no-append", action="store_true", help="print only (no record, no plot)")
     p.add_argument("--replot", default=None, metavar="PNG",
-                   help="redraw benchmarks/PNG from the last RESULTS.md table plotted to it, and stop")  # fmt: skip
-    p.add_argument("--replot-stamp", default=None, help="--replot: the table whose heading has this date and time")
+                   help="redraw docs/img/PNG from the last recorded table plotted to it, and stop")  # fmt: skip
+    p.add_argument("--replot-stamp", default=None, help="--replot: the table recorded at this date and time")
     args = p.parse_args()
     if args.replot:
-        plot(recorded_results(args.replot, args.replot_stamp), RESULTS.parent / args.replot)
+        plot(recorded_results(args.replot, args.replot_stamp), PLOTS / args.replot)
         return
     torch.set_num_threads(args.threads)
     demo(args) if args.demo else sweep(args)

@@ -1,8 +1,9 @@
-"""Helpers shared by the benchmark scripts: tables in markdown, appending to RESULTS.md, peak memory."""
+"""Helpers shared by the benchmark scripts: tables in markdown, a record of each run, peak memory."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import platform
 import resource
 import sys
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "RESULTS.md"
+if __package__:  # imported as benchmarks.common
+    from .render_results import RECORDS, format_tables, parse_tables, write_pages
+else:  # as common, by a script in benchmarks/
+    from render_results import RECORDS, format_tables, parse_tables, write_pages
 
 
 def peak_rss_mib() -> float:
@@ -30,6 +34,12 @@ def machine() -> str:
     return f"{platform.machine()}, {torch.get_num_threads()} threads{gpu}, torch {torch.__version__}, python {platform.python_version()}"
 
 
+def versions() -> dict:
+    """The versions a run's figures depend on: torch, python and the GPU (None without one)."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"torch": torch.__version__, "python": platform.python_version(), "gpu": gpu}
+
+
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     def fmt(x: object) -> str:
         return f"{x:,.1f}" if isinstance(x, float) else str(x)
@@ -39,11 +49,27 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def append_results(title: str, table: str, notes: str = "", path: Path = RESULTS) -> None:
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    cmd = "python " + " ".join(sys.argv)
-    text = f"\n## {title} ({stamp})\n\nCommand: `{cmd}`  \nMachine: {machine()}\n\n{table}\n"
-    if notes:
-        text += f"\n{notes}\n"
-    with Path(path).open("a") as f:
-        f.write(text)
+def append_results(title: str, table: str, notes: str = "", path: Path | None = None) -> None:
+    """Record this run: its title, date, command, machine, versions, tables (header and rows, from
+    `table` as markdown_table wrote it) and notes, as a JSON line of benchmarks/records/<script>.jsonl
+    (or of `path`), then render RESULTS.md and the history pages again (benchmarks/render_results.py)."""
+    try:
+        tables = parse_tables(table)
+        if format_tables(tables) != table.strip("\n"):
+            raise ValueError("not as markdown_table writes it")
+    except ValueError:
+        tables = [{"markdown": table.strip("\n")}]  # kept as written
+    record = {
+        "title": title,
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "command": "python " + " ".join(sys.argv),
+        "machine": machine(),
+        "versions": versions(),
+        "tables": tables,
+        **({"notes": notes} if notes else {}),
+    }
+    path = Path(path) if path else RECORDS / f"{Path(sys.argv[0]).stem}.jsonl"
+    with path.open("a") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    if path.resolve().parent == RECORDS:
+        write_pages()

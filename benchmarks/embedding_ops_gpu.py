@@ -15,7 +15,7 @@ host-clock intervals around synchronized regions, so they include kernel launche
 counts the bytes an op must move at least (embedding_ops.py's doc), set against a device-to-device
 copy of 1 GiB (read + write).
 
-    python benchmarks/embedding_ops_gpu.py --results $OUT/gpu.md
+    python benchmarks/embedding_ops_gpu.py --results $OUT/gpu.jsonl   # the record, to append to records/ here
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, append_results, markdown_table  # noqa: E402
+from benchmarks.common import append_results, markdown_table  # noqa: E402
 from benchmarks.embedding_ops import CASES, STATE_FLOATS_PER_ROW, embedding_bag_baseline, make_batches  # noqa: E402
 from neorec.embedding.fused import FusedEmbeddingCollection  # noqa: E402
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig  # noqa: E402
@@ -136,7 +136,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=20, help="timed batches (median shown)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--zipf", type=float, default=1.05)
-    p.add_argument("--results", default=str(RESULTS), help="markdown file to append the table to")
+    p.add_argument("--results", default=None,
+                   help="records file to append the run to (default: benchmarks/records/embedding_ops_gpu.jsonl)")  # fmt: skip
     p.add_argument(
         "--profile", action="store_true", help="also print each implementation's kernels by device time"
     )

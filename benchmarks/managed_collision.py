@@ -32,13 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import append_results, markdown_table  # noqa: E402
 from neorec.data.batch import Batch  # noqa: E402
-from neorec.utils.hashing import splitmix64  # noqa: E402
 from neorec.data.synthetic import zipf_ranks  # noqa: E402
 from neorec.embedding.fused import FusedEmbeddingCollection  # noqa: E402
 from neorec.embedding.tables import EmbeddingOptimizerConfig, ManagedCollisionConfig, TableConfig  # noqa: E402
 from neorec.metrics.auc import auc  # noqa: E402
 from neorec.model.dlrm import DLRM  # noqa: E402
 from neorec.sparse import SparseBatch  # noqa: E402
+from neorec.utils.hashing import splitmix64  # noqa: E402
 
 NUM_DENSE, DIM = 4, 16
 MASK63 = np.uint64((1 << 63) - 1)

@@ -28,8 +28,8 @@
 #   cache_ssd  the same with --tier ssd (GPU cache over SSD files, in $SSD_DIR or /tmp/neorec-ssd)
 # Packages the machine lacks (pydantic, tqdm) come from .whl/site when it is there: build it here with
 # `bash scripts/gpu-wheels.sh 3.12` (the other machine's Python) and copy it along with the tree.
-# The figures go to $OUT/gpu-results.md (benchmarks append there instead of benchmarks/RESULTS.md);
-# copy what holds into RESULTS.md with the date, command and GPU.
+# The figures go to $OUT/gpu-results.jsonl (records, as benchmarks/records/ holds them);
+# append what holds to benchmarks/records/embedding_ops_gpu.jsonl and run benchmarks/render_results.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/neorec-gpu}
@@ -125,7 +125,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         ;;
     ops)
         run ops ${OPS_LIMIT:-240} $PY benchmarks/embedding_ops_gpu.py --scales 8 --optimizers rowwise_adagrad,sgd,adam \
-            --profile --results "$OUT/gpu-results.md"
+            --profile --results "$OUT/gpu-results.jsonl"
         ;;
     cache)
         run cache ${CACHE_LIMIT:-150} $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
