@@ -837,6 +837,7 @@ from neorec.embedding.cache import CacheSettings, cached_storage_factory
 from neorec.embedding.fused import FusedEmbeddingCollection
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.sparse import SparseBatch
+from neorec.utils.files import check_zip
 
 pieces.WINDOW_BYTES = stream.WINDOW_BYTES = backing._WINDOW_BYTES = 8 << 20  # windows of 8 MiB
 root = Path(sys.argv[1])
@@ -874,6 +875,7 @@ out["load"] = growth(lambda: load_checkpoint(root / "ckpt" / "step-00000003", re
 plain = FusedEmbeddingCollection([table], opt, seed=1)
 load_checkpoint(root / "ckpt" / "step-00000003", plain)
 model_pt = torch.load(root / "model.pt", weights_only=True, mmap=True)
+check_zip(root / "model.pt", "model file", "")  # every entry's CRC32, computed by the streaming save
 for key, value in plain.state_dict().items():
     assert torch.equal(value, engine.state_dict()[key]), key
     assert torch.equal(value, restored.state_dict()[key]), key

@@ -2,13 +2,12 @@
 
 A shard file is raw tensor bytes one after another (no pickle, no header): the manifest says where
 each piece starts, its dtype and shape, so a reader can fetch just the rows it needs with one seek.
-Every file is written under a temporary name, flushed, fsynced and renamed, so a reader sees either
-nothing or the whole file; its size and crc32 go into the manifest and are checked before use.
+Every file is written by neorec.utils.files.write_atomic (temporary name, fsync, rename), so a reader
+sees either nothing or the whole file; its size and crc32 go into the manifest and are checked before use.
 """
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import BinaryIO
 import torch
 
 from neorec.errors import NeorecError
+from neorec.utils import files
+from neorec.utils.files import file_crc32
 
 DTYPES = {
     "float32": torch.float32,
@@ -24,14 +25,13 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "int64": torch.int64,
 }
-_CHUNK = 8 << 20  # bytes per read when checksumming
 
 
 class CheckpointError(NeorecError):
     """A checkpoint is missing, incomplete, corrupted or does not fit the model. Names the file/table."""
 
 
-class CheckpointWriteError(CheckpointError, OSError):
+class CheckpointWriteError(CheckpointError, files.FileWriteError):
     """A checkpoint file could not be written (disk full, a file-size limit, an I/O error). Names the
     file; the checkpoints saved before are untouched."""
 
@@ -40,36 +40,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """write(file) into `path.tmp`, then flush, fsync and rename it to `path`. A failed write
-    (ENOSPC, EFBIG, EIO; torch.save reports them as RuntimeError) removes the partial file, to give
-    the space back, and raises CheckpointWriteError naming the file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
-        tmp.unlink(missing_ok=True)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1]
-        raise CheckpointWriteError(
-            f"cannot write checkpoint file {path}: {reason} (is the disk full, or a file-size limit set?); "
-            "the checkpoints saved before it are intact"
-        ) from e
+    """A checkpoint file through neorec.utils.files.write_atomic: a failed write removes the partial
+    file and raises CheckpointWriteError naming the file."""
+    files.write_atomic(
+        path, write, "checkpoint file", "the checkpoints saved before it are intact", CheckpointWriteError
+    )
 
 
 class RawWriter:
@@ -88,14 +64,6 @@ class RawWriter:
             self.crc = zlib.crc32(data, self.crc)
             self.offset += data.nbytes
         return start
-
-
-def file_crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def check_file(path: Path, size: int, crc32: int | None) -> None:

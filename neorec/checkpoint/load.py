@@ -9,7 +9,6 @@ checked against the manifest's size and crc32 first; a bad one raises Checkpoint
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -21,6 +20,13 @@ from neorec.checkpoint.files import CheckpointError, check_file, load_tensors
 from neorec.checkpoint.pieces import PieceReader, slots, storages, windows, write_storage
 from neorec.checkpoint.save import DENSE, FORMAT, MANIFEST, VERSION, list_checkpoints
 from neorec.embedding.collection import EmbeddingCollection
+from neorec.utils.files import CHECKSUM_KEY, check_json, load_json, plain_name
+
+MANIFEST_KEYS = (
+    "format", "version", "step", "saved_at", "world_size", "local_world_size", "plan", "tables", "optimizer",
+    "embedding_steps", "state", "dense", "files", "pieces",
+)  # fmt: skip
+_DAMAGED = "use an earlier checkpoint"
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -54,20 +60,41 @@ def checkpoint_folder(path: str | Path) -> Path:
 
 
 def read_manifest(folder: str | Path) -> dict:
+    """The checked manifest: its own crc32 (version 2; a version 1 manifest has none), format and
+    version, and every file it names a bare name inside `folder`, before any file is opened."""
     path = Path(folder) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder}: not a complete checkpoint (no {MANIFEST})") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: not a complete checkpoint (no {MANIFEST})")
+    manifest = load_json(path, "checkpoint file", _DAMAGED, CheckpointError)
+    checked = CHECKSUM_KEY in manifest
+    if checked:
+        check_json(manifest, path, "checkpoint file", _DAMAGED, CheckpointError)
+    if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint file {path} is not a neorec checkpoint manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(
-            f"checkpoint file {path}: format version {manifest.get('version')}, this neorec reads {VERSION}"
-        )
+    version = manifest.get("version")
+    if version not in (1, VERSION):
+        raise CheckpointError(f"checkpoint file {path}: format version {version}, this neorec reads 1 and {VERSION}")
+    if not checked:
+        check_json(manifest, path, "checkpoint file", _DAMAGED, CheckpointError, required=version != 1, keys=MANIFEST_KEYS)
+    _check_entries(manifest, path)
     return manifest
+
+
+def _check_entries(manifest: dict, path: Path) -> None:
+    """The files the manifest lists (with sizes and checksums) and its pieces name: bare names."""
+    where = f"checkpoint file {path}"
+    missing = [k for k in MANIFEST_KEYS if k not in manifest and k not in ("saved_at", "plan", "state")]
+    if missing:
+        raise CheckpointError(f"{where} is malformed: it has no {missing}; {_DAMAGED}")
+    try:
+        for entry in [*manifest["files"], manifest["dense"]]:
+            plain_name(entry["name"], f"{where}: file name", CheckpointError)
+            if not all(isinstance(entry[k], int) for k in ("bytes", "crc32")):
+                raise TypeError(f"file {entry['name']!r}: bytes and crc32 must be integers")
+        for piece in manifest["pieces"]:
+            plain_name(piece["file"], f"{where}: a piece's file", CheckpointError)
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{where} is malformed ({type(e).__name__}: {e}); {_DAMAGED}") from None
 
 
 def check_tables(manifest: dict, embeddings: EmbeddingCollection, where: Path) -> None:

@@ -3,7 +3,8 @@
     <root>/.step-00001000.tmp/          written by all ranks, invisible to readers
         rank-00000.bin ...              raw pieces of each rank (replicated tables: rank 0)
         dense.pt                        dense model, optimizers, RNG (torch.save, plain tensors)
-        manifest.json                   written last: step, plan, tables, pieces, files, checksums
+        manifest.json                   written last: step, plan, tables, pieces, files, checksums, and a
+                                        "crc32" of its own (neorec.utils.files.write_json)
     <root>/step-00001000/               the same folder, renamed once everything is on disk
 
 save_checkpoint is collective (every rank calls it); a crash anywhere before the final rename
@@ -15,7 +16,6 @@ removes, never a visible folder with some of its files gone.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -26,11 +26,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from neorec.checkpoint.files import RawWriter, dtype_name, file_crc32, fsync_dir, write_atomic
+from neorec.checkpoint.files import RawWriter, dtype_name, write_atomic
 from neorec.checkpoint.pieces import read_storage, slots, storages, windows
 from neorec.embedding.collection import EmbeddingCollection
+from neorec.utils.files import file_crc32, fsync_dir, json_text
 
-FORMAT, VERSION = "neorec-checkpoint", 1
+FORMAT, VERSION = "neorec-checkpoint", 2  # version 2: the manifest carries its own crc32; 1 is read too
 MANIFEST, DENSE = "manifest.json", "dense.pt"
 
 
@@ -97,7 +98,7 @@ def save_checkpoint(
             "files": files,
             "pieces": pieces,
         }
-        write_atomic(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        write_atomic(tmp / MANIFEST, lambda f: f.write(json_text(manifest).encode()))
         fsync_dir(tmp)
         _publish(tmp, final)
         prune(root, step, keep)

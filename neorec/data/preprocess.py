@@ -1,10 +1,11 @@
 """`neorec data preprocess`: raw Criteo TSV files (or synthetic data, or Parquet files:
 neorec/data/preprocess_parquet.py) -> sharded columnar training files, optionally with a Parquet copy.
 
-Output folder:
-    manifest.json            settings, features, and per shard: source lines, samples per split, skipped lines
+Output folder (its manifest, meta.json files and checksums: neorec/data/manifest.py):
+    manifest.json            settings, features, and per shard: source lines, samples per split, skipped
+                             lines, size and crc32 of every .npy file
     vocab/<feature>.npy      vocabulary mode only: sorted raw values that get ids 1..V (neorec/data/vocab.py)
-    shards/<00000>/meta.json samples per split and skipped lines of the shard
+    shards/<00000>/meta.json samples per split, skipped lines and file checksums of the shard
     shards/<00000>/<split>/  split = train or eval, one .npy file per column:
         dense.npy [n, num_dense] float32, labels.npy [n] float32,
         ids_<feature>.npy      int32 (int64 when the feature's table has 2^31 rows or more),
@@ -23,13 +24,14 @@ How the work is cut: a first pass indexes every input file (line count, and for 
 offset of every `shard_lines`-th line), so that shard k of a file is lines [k * shard_lines + 1, ...] of
 it, whatever the number of workers. Plain files give one job per shard (a worker seeks to its offset);
 .gz files cannot seek, so one job reads a whole .gz file and writes its shards in order. Jobs run in
-`workers` processes. Every shard is written into `shards/.tmp-<k>` and renamed when complete; the
-manifest is written before the first shard and marked complete after the last, so an interrupted run,
-restarted with the same arguments, redoes only the shards that were not renamed, and yields the same
-bytes. Lines are parsed by neorec/data/criteo.py (same preprocessing, same bad-line policy: stop with
-file:line, or skip and count per reason); categorical values are hashed into `table_rows` (modulo or
-splitmix64, as the TSV reader does) or mapped through a vocabulary built in a counting pass over the
-training lines, with a frequency threshold (facebookresearch/dlrm, MLPerf), stored in `vocab/`.
+`workers` processes. Every file is written by neorec.utils.files.write_atomic (temporary name, fsync,
+rename), every shard into `shards/.tmp-<k>` and renamed when complete; the manifest is written before
+the first shard and marked complete after the last, so an interrupted run, restarted with the same
+arguments, redoes only the shards that were not renamed, and yields the same bytes. Lines are parsed by
+neorec/data/criteo.py (same preprocessing, same bad-line policy: stop with file:line, or skip and count
+per reason); categorical values are hashed into `table_rows` (modulo or splitmix64, as the TSV reader
+does) or mapped through a vocabulary built in a counting pass over the training lines, with a frequency
+threshold (facebookresearch/dlrm, MLPerf), stored in `vocab/`.
 """
 
 from __future__ import annotations
@@ -61,38 +63,25 @@ from neorec.data.criteo import (
     read_lines,
     resolve_table_rows,
 )
+from neorec.data.manifest import (  # preprocess_parquet, the reader and tests import some from here
+    ShardPlan,
+    complete_manifest,
+    publish_shard,
+    write_columns,
+)
+from neorec.data.manifest import load_manifest as load_manifest
+from neorec.data.manifest import resume_or_start as _resume_or_start
+from neorec.data.manifest import shard_name as shard_name
+from neorec.data.manifest import start_manifest as _start_manifest
 from neorec.data.synthetic import SyntheticSource, SyntheticSpec
 from neorec.errors import ConfigError, DataError
 
-FORMAT = "neorec-columnar-1"
-MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
 CHUNK_LINES = 16384
 _RAW_ROWS = 1 << 32  # "modulo 2^32" leaves the parsed hex value (at most 8 digits) unchanged
 _INDEX_BLOCK = 1 << 24
 
 PathLike = str | Path
-
-
-@dataclass
-class ShardPlan:
-    """What shard `index` is made of: lines [first, first + count) of `file` (synthetic: blocks)."""
-
-    index: int
-    file: str  # input file; "" for synthetic data
-    role: str  # "train", "eval", or "split" (line numbers that are multiples of eval_every go to eval)
-    first: int  # first line (1-based) or first synthetic block
-    count: int  # lines or blocks
-    offset: int = -1  # byte offset of line `first` in a plain file; -1 for .gz and synthetic
-
-    @property
-    def name(self) -> str:
-        return shard_name(self.index)
-
-
-def shard_name(index: int) -> str:
-    """The folder name of shard `index` under shards/."""
-    return f"{index:05d}"
 
 
 @dataclass
@@ -229,66 +218,7 @@ def preprocess_synthetic(
     return _write_shards(out, manifest, workers, progress, max_shards)
 
 
-def load_manifest(root: PathLike) -> dict[str, Any]:
-    """The manifest of a preprocessed folder; DataError when missing, unreadable or incomplete."""
-    path = Path(root) / MANIFEST
-    if not path.is_file():
-        raise DataError(f"{path}: missing; is {root} a folder written by `neorec data preprocess`?")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    return manifest
-
-
-# ---- manifest and resume ---------------------------------------------------------------------------
-def _write_json(path: Path, obj: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
-
-
-def _resume_or_start(out: Path, settings: dict) -> dict | None:
-    """The manifest of an earlier run with the same settings (to resume), or None to start afresh."""
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out}: is a file; give a folder for the shards")
-    if not (out / MANIFEST).is_file():
-        if out.is_dir() and any(p.name != "vocab" and not p.name.startswith("vocab.") for p in out.iterdir()):
-            raise DataError(f"{out}: exists and is not an unfinished preprocessing run; choose a new folder")
-        out.mkdir(parents=True, exist_ok=True)
-        return None
-    manifest = load_manifest(out)
-    stored = manifest["settings"]
-    if "bad_lines" in stored:  # a TSV run written before max_line_bytes was recorded read lines with its default
-        stored = {"max_line_bytes": DEFAULT_MAX_LINE_BYTES, **stored}
-    if stored != settings:
-        keys = sorted(k for k in set(settings) | set(stored) if settings.get(k) != stored.get(k))
-        raise DataError(
-            f"{out}: holds preprocessing with other settings ({', '.join(keys)} differ); "
-            "rerun with the same arguments to resume, or choose a new folder"
-        )
-    return manifest
-
-
-def _start_manifest(
-    out: Path, settings: dict, plan: list[ShardPlan], num_dense: int, features: list[dict], notes: dict
-) -> dict:
-    manifest = {
-        "format": FORMAT,
-        "complete": False,
-        "settings": settings,
-        "num_dense": num_dense,
-        "features": features,
-        "notes": notes,
-        "shards": [asdict(s) for s in plan],
-    }
-    (out / "shards").mkdir(exist_ok=True)
-    _write_json(out / MANIFEST, manifest)
-    return manifest
-
-
+# ---- writing the shards -------------------------------------------------------------------------------
 def _write_shards(
     out: Path, manifest: dict, workers: int, progress: bool, max_shards: int | None
 ) -> PreprocessResult:
@@ -305,21 +235,10 @@ def _write_shards(
     written = 0
     for metas in _map(_shard_job, jobs, workers, progress, "shards", total=len(todo), unit_size=len):
         written += len(metas)
-    done = [s for s in plan if (out / "shards" / s.name).is_dir()]
-    result = PreprocessResult(out, len(plan), written, len(done) == len(plan))
-    if not result.complete:
-        return result
-    for entry in manifest["shards"]:
-        meta = json.loads((out / "shards" / shard_name(entry["index"]) / "meta.json").read_text())
-        entry.update(samples=meta["samples"], skipped=meta["skipped"])
-        result.skipped.update(meta["skipped"])
-        for split, n in meta["samples"].items():
-            result.num_samples[split] = result.num_samples.get(split, 0) + n
-    manifest.update(
-        complete=True, num_samples=result.num_samples, skipped=dict(sorted(result.skipped.items()))
-    )
-    _write_json(out / MANIFEST, manifest)
-    return result
+    if not all((out / "shards" / s.name).is_dir() for s in plan):
+        return PreprocessResult(out, len(plan), written, False)
+    num_samples, skipped = complete_manifest(out, manifest, [s.name for s in plan])
+    return PreprocessResult(out, len(plan), written, True, num_samples, Counter(skipped))
 
 
 def _group_jobs(todo: list[ShardPlan]) -> list[list[ShardPlan]]:
@@ -569,21 +488,11 @@ def _write_shard(
     tmp.mkdir(parents=True)
     raw = set(settings.get("categorical", {}).get("raw_features", ()))
     id_types = {f["name"]: np.int32 if f["num_ids"] < 2**31 and f["name"] not in raw else np.int64 for f in features}
-    samples = {}
-    for split, cols in columns.items():
-        (tmp / split).mkdir()
-        for key, arr in cols.items():
-            dtype = id_types[key[4:]] if key.startswith("ids_") else np.float32
-            if key.startswith("lengths_"):
-                dtype = np.int32
-            np.save(tmp / split / f"{key}.npy", np.ascontiguousarray(arr, dtype=dtype))
-        samples[split] = int(len(cols["labels"]))
+    meta = write_columns(tmp, columns, id_types, skipped)  # .npy files and meta.json, with sizes and crc32s
     if settings.get("parquet_output"):
         from neorec.data.preprocess_parquet import write_parquet_copy
 
         for split, cols in columns.items():
             write_parquet_copy(out / "parquet" / split / f"{shard.name}.parquet", cols, features, settings)
-    meta = {"samples": samples, "skipped": dict(sorted(skipped.items()))}
-    _write_json(tmp / "meta.json", meta)
-    tmp.replace(final)
+    publish_shard(tmp, final)
     return meta

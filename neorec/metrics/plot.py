@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from neorec.utils.files import write_atomic
+
 
 def _points(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the records whose `key` is a finite number (metrics.jsonl writes NaN as null)."""
@@ -35,7 +37,7 @@ def plot_curves(records: list[dict], out_path: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     fig = curves_figure(records, title)
-    fig.savefig(out_path, dpi=100)
+    write_atomic(out_path, lambda f: fig.savefig(f, format="png", dpi=100), "training curves")
     plt.close(fig)
     return out_path
 

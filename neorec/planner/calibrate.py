@@ -16,7 +16,6 @@ Takes 20-40 s on a 2-core machine.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -24,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from neorec.planner.hardware import CALIBRATION_KEYS, calibration_path
+from neorec.planner.hardware import CALIBRATION_KEYS, calibration_path, calibration_values
+from neorec.utils.files import write_json
 
 ROWS = 1 << 20
 BATCH = 2048
@@ -279,6 +279,7 @@ def calibrate(
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     target = Path(path) if path else calibration_path()
+    calibration_values(calibration, f"calibration of this machine for {target}")  # a NaN speed is never written
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(calibration, indent=2) + "\n")
+    write_json(target, calibration, "calibration file", indent=2)  # atomic, with a "crc32" of its content
     return calibration

@@ -26,7 +26,7 @@ plan tier of tiers.py.
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass, field, replace
@@ -34,6 +34,7 @@ from pathlib import Path
 
 from neorec.distributed.topology import Topology
 from neorec.errors import ConfigError
+from neorec.utils.files import read_json
 
 GB = 10**9
 GIB = 2**30
@@ -140,16 +141,32 @@ def load_calibration(path: str | Path | None = None) -> dict[str, float]:
         if path:
             raise ConfigError(f"calibration file {p} does not exist; run `neorec plan --calibrate` first")
         return dict(CALIBRATED_CPU)
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"calibration file {p}: {e}") from e
-    # a file from an older neorec may lack a newer key: that key keeps the built-in value
-    data = {**CALIBRATED_CPU, **data} if isinstance(data, dict) else data
-    bad = [k for k in CALIBRATION_KEYS if not isinstance(data.get(k), int | float) or data[k] <= 0]
+    hint = "run `neorec plan --calibrate` again"  # its "crc32" checked; one written by hand may have none
+    data = read_json(p, "calibration file", hint, ConfigError, keys=(*CALIBRATION_KEYS, "measured"))
+    return calibration_values(data, f"calibration file {p}")
+
+
+def calibration_values(data: dict, where: str) -> dict[str, float]:
+    """The speeds of a parsed calibration (`where` names it in errors): each a finite number > 0, not a
+    boolean, and "measured" a mapping when present; a key a file from an older neorec lacks keeps the
+    built-in value. ConfigError naming the keys otherwise, before any plan uses them."""
+    data = {**CALIBRATED_CPU, **data}
+    bad = [k for k in CALIBRATION_KEYS if not _positive_number(data[k])]
     if bad:
-        raise ConfigError(f"calibration file {p}: non-numeric or non-positive {bad}; rerun `neorec plan --calibrate`")
+        got = ", ".join(f"{k} {data[k]!r}" for k in bad)
+        raise ConfigError(f"{where}: {got}: expected finite numbers > 0; rerun `neorec plan --calibrate`")
+    if not isinstance(data.get("measured", {}), dict):
+        raise ConfigError(f"{where}: 'measured' is {type(data['measured']).__name__}, expected a mapping")
     return {k: float(data[k]) for k in CALIBRATION_KEYS}
+
+
+def _positive_number(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an integer beyond float
+        return False
 
 
 def host_memory_bytes() -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from neorec.planner.cost import STAGES
 from neorec.planner.hardware import Cluster
 from neorec.planner.planner import PlanResult
+from neorec.utils.files import write_atomic
 
 STAGE_LABELS = {"input_dist": "ids", "lookup": "lookup", "output_dist": "out fwd", "output_dist_bwd": "out bwd",
                 "update": "update"}  # fmt: skip
@@ -123,7 +124,8 @@ def plot(results: list[PlanResult], cluster: Cluster, path: str | Path) -> Path:
 
     fig = plan_figure(results, cluster)
     out = Path(path)
-    fig.savefig(out, dpi=90, bbox_inches="tight")  # the legends right of the bars included
+    # the legends right of the bars included; atomic, as every file neorec writes
+    write_atomic(out, lambda f: fig.savefig(f, format="png", dpi=90, bbox_inches="tight"), "plan chart")
     plt.close(fig)
     return out
 

@@ -14,6 +14,7 @@ from neorec.errors import ConfigError
 from neorec.planner.hardware import Cluster, preset, this_machine
 from neorec.planner.planner import PlanResult, plan_sharding
 from neorec.planner.workload import Workload, build_workload, measure_access
+from neorec.utils.files import write_text
 from neorec.utils.json_values import strict_dumps
 from neorec.utils.progress import phase
 
@@ -165,7 +166,7 @@ def plan_command(
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         result.plan.save(out / "plan.json")
-        (out / "report.txt").write_text(text + "\n")
+        write_text(out / "report.txt", text + "\n", "plan report")
         summary = {
             r.name: {
                 "slowest_rank_s": r.estimate.max_cost,
@@ -178,7 +179,7 @@ def plan_command(
             for r in results
         }
         summary["lower_bound_s"] = result.bound.value if result.bound else None  # type: ignore[assignment]
-        (out / "summary.json").write_text(strict_dumps(summary, indent=1) + "\n")
+        write_text(out / "summary.json", strict_dumps(summary, indent=1) + "\n", "plan summary")
         report.plot(results, cluster, out / "plan.png")
         outputs.files = [out / "plan.json", out / "report.txt", out / "summary.json", out / "plan.png"]
     return outputs

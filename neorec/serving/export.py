@@ -9,7 +9,6 @@ state is left behind. The file is written atomically, by neorec.serving.file_for
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +17,10 @@ import torch
 
 from neorec.checkpoint.load import resolve_checkpoint
 from neorec.checkpoint.save import MANIFEST, list_checkpoints
+from neorec.checkpoint.stream import load_model_state
 from neorec.config.load import dump_config, load_config
 from neorec.config.schema import RunConfig
+from neorec.data.manifest import load_manifest
 from neorec.data.source import DataSource
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, feature_order
 from neorec.errors import NeorecError
@@ -85,7 +86,7 @@ def load_trained(path: str | Path, config: str | Path | None = None) -> TrainedM
     source = build_source(cfg)
     tables = build_tables(cfg, source.info)
     if is_run and (path / "model.pt").is_file():
-        state = _load_state(path / "model.pt")
+        state = load_model_state(path / "model.pt", ExportError)  # every zip entry's CRC32 checked first
         origin = path / "model.pt"
     else:
         root = path
@@ -125,16 +126,6 @@ def _find_config(path: Path) -> Path:
     raise ExportError(
         f"{path}: no config.yaml here or in the folders above; give the run's config with --config"
     )
-
-
-def _load_state(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure inside torch becomes one clear message
-        raise ExportError(f"model file {path} cannot be loaded ({type(e).__name__}: {e})") from None
-    if not isinstance(state, dict):
-        raise ExportError(f"model file {path} does not hold a state dict")
-    return state
 
 
 def _checkpoint_state(folder: Path, cfg: RunConfig, source: DataSource, tables: list[TableConfig]) -> dict:
@@ -177,8 +168,8 @@ def tsv_mapping(cfg: RunConfig) -> tuple[str | None, str]:
     if d.source == "preprocessed" and d.preprocessed is not None:
         manifest = Path(d.preprocessed.path) / "manifest.json"
         try:
-            settings = json.loads(manifest.read_text())["settings"]
-        except (OSError, KeyError, TypeError, json.JSONDecodeError):
+            settings = load_manifest(d.preprocessed.path)["settings"]  # its crc32 checked
+        except (NeorecError, KeyError, TypeError):
             return None, f"preprocessed data whose {manifest} cannot be read"
         if settings.get("input") != "criteo":
             return None, f"preprocessed {settings.get('input')} data"
@@ -235,7 +226,8 @@ def export_model(
     if format == "pt2" and Path(out).is_file():
         raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
     start = time.perf_counter()
-    check_output_file(out, "--out")
+    if format == "nrx":  # a pt2 export is a folder, which may hold an earlier export to replace
+        check_output_file(out, "--out")
     trained = load_trained(path, config)
     cfg = trained.config
     check_exportable(cfg, path, format, trained.tables)

@@ -7,9 +7,10 @@
     zero padding    to a multiple of 64 bytes
     data            every tensor's bytes, each starting at a multiple of 64 bytes
 
-Reading checks the magic, the header's crc32, the file's size and the data's crc32 before building
-any tensor, so a truncated, corrupted or foreign file stops with an ExportError naming the file.
-Tensors come back as views of one buffer read in a single call.
+Reading checks the magic, the header's crc32, the zero padding, the file's size and the data's crc32
+before building any tensor, so every byte of the file is checked and a truncated, corrupted or
+foreign file stops with an ExportError naming the file. Tensors come back as views of one buffer read
+in a single call. Writing goes through neorec.utils.files.write_atomic (temporary name, fsync, rename).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import BinaryIO
 
 import torch
 
-from neorec.checkpoint.files import write_atomic
 from neorec.errors import NeorecError
+from neorec.utils.files import write_atomic
 
 MAGIC = b"neorec-export\n"
 FORMAT, VERSION = "neorec-export", 1
@@ -102,7 +103,7 @@ def write_export(path: str | Path, header: dict, tensors: dict[str, torch.Tensor
             f.write(bytes(_pad(r.numel())))
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, write)
+    write_atomic(path, write, "export file", "an earlier export of that name, if any, is intact")
     return path.stat().st_size
 
 
@@ -173,6 +174,10 @@ def _read_header(f: BinaryIO, path: Path) -> tuple[dict, int]:
     if len(text) != length:
         raise ExportError(
             f"export file {path} is truncated or corrupted (its header is cut); export the model again"
+        )
+    if any(f.read(_data_start(length) - len(MAGIC) - _PREFIX.size - length)):
+        raise ExportError(
+            f"export file {path}: the padding after its header is not zero: the file is corrupted; export it again"
         )
     if zlib.crc32(text) != crc:
         raise ExportError(

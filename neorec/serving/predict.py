@@ -22,12 +22,12 @@ from typing import BinaryIO
 
 import torch
 
-from neorec.checkpoint.files import write_atomic
 from neorec.data.batch import Batch
 from neorec.errors import ConfigError
 from neorec.metrics.evaluation import binary_metrics
 from neorec.serving.file_format import ExportError, check_output_file
 from neorec.serving.model import ExportedModel, load_export
+from neorec.utils.files import write_atomic
 
 
 @dataclass
@@ -125,11 +125,7 @@ def predict_file(
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        write_atomic(out, write)
-    except BaseException:
-        out.with_name(out.name + ".tmp").unlink(missing_ok=True)  # e.g. a bad line in the data
-        raise
+    write_atomic(out, write, "predictions file")  # a failure, e.g. a bad line in the data, leaves no file
     n = sum(p.shape[0] for p in probs)
     metrics = {}
     if n:  # a multi-task model's metrics are per task, named <task>/<metric> (neorec.model.multitask)

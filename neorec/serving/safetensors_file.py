@@ -23,8 +23,8 @@ from typing import BinaryIO
 
 import torch
 
-from neorec.checkpoint.files import write_atomic
 from neorec.serving.file_format import ExportError
+from neorec.utils.files import write_atomic
 
 DTYPES = {
     torch.float64: "F64",
@@ -74,7 +74,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
             f.write(memoryview(r.numpy()))
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, write)
+    write_atomic(path, write, "weights file", "an earlier export of that name, if any, is intact")
     return path.stat().st_size
 
 

@@ -1,0 +1,199 @@
+"""The files of a preprocessed folder that say what it holds, and the checks of every file it has.
+
+    manifest.json           settings, features, shards; once complete, per shard its samples, skipped
+                            lines and the size and crc32 of each of its .npy files ("files"); a "crc32"
+                            of its own (neorec.utils.files.write_json)
+    shards/<k>/meta.json    written with shard k: samples per split, skipped lines, its files' sizes and
+                            crc32s, and a "crc32" of its own; copied into the manifest when all are done
+
+Every file (manifest, meta.json, each .npy column) is written by neorec.utils.files.write_atomic, and a
+shard's folder is renamed into place once all of its files are. Reading: `load_manifest` checks the
+manifest's crc32 and that every feature's name is a plain name (it names files: ids_<feature>.npy);
+`check_part_files` checks a shard's .npy files against the manifest's sizes and crc32s before the
+reader (sharded_reader.py) maps them. A folder written before these checksums were recorded has none:
+its manifest is read without its crc32 (any unknown key refused) and its .npy files without theirs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from neorec.data.criteo import DEFAULT_MAX_LINE_BYTES
+from neorec.errors import DataError
+from neorec.utils.files import file_crc32, fsync_dir, plain_name, read_json, write_atomic, write_json
+
+FORMAT = "neorec-columnar-1"
+MANIFEST = "manifest.json"
+META = "meta.json"
+MANIFEST_KEYS = ("format", "complete", "settings", "num_dense", "features", "notes", "shards", "num_samples", "skipped")
+_AGAIN = "preprocess the data again into a new folder"
+_KEEPS = "the shards written before it are intact; rerun the same command to resume"
+
+
+@dataclass
+class ShardPlan:
+    """What shard `index` is made of: lines [first, first + count) of `file` (synthetic: blocks)."""
+
+    index: int
+    file: str  # input file; "" for synthetic data
+    role: str  # "train", "eval", or "split" (line numbers that are multiples of eval_every go to eval)
+    first: int  # first line (1-based) or first synthetic block
+    count: int  # lines or blocks
+    offset: int = -1  # byte offset of line `first` in a plain file; -1 for .gz and synthetic
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.index)
+
+
+def shard_name(index: int) -> str:
+    """The folder name of shard `index` under shards/."""
+    return f"{index:05d}"
+
+
+def check_feature_names(features: list[dict], manifest: Path) -> None:
+    """Every feature's name is a plain name: it is part of file names (ids_<feature>.npy)."""
+    for f in features:
+        name = f.get("name") if isinstance(f, dict) else None
+        plain_name(name, f"{manifest}: feature", DataError)  # ids_<feature>.npy, lengths_<feature>.npy, ...
+
+
+def load_manifest(root: str | Path) -> dict[str, Any]:
+    """The manifest of a preprocessed folder, checked (its crc32, its format, plain feature names);
+    DataError naming it when missing, unreadable, damaged or foreign."""
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{path}: missing; is {root} a folder written by `neorec data preprocess`?")
+    manifest = read_json(path, "preprocessed data manifest", _AGAIN, DataError, keys=MANIFEST_KEYS)
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    try:
+        check_feature_names(manifest["features"], path)
+        for entry in manifest["shards"]:
+            if not isinstance(entry["index"], int) or entry["index"] < 0:
+                raise ValueError(f"shard index {entry['index']!r}")
+            for name in entry.get("files", {}):
+                split, _, column = name.partition("/")
+                plain_name(split, f"{path}: shard {entry['index']}: folder of file", DataError)
+                plain_name(column, f"{path}: shard {entry['index']}: file", DataError)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise DataError(f"{path} is malformed ({type(e).__name__}: {e}); {_AGAIN}") from None
+    return manifest
+
+
+def write_manifest(out: Path, manifest: dict) -> None:
+    write_json(out / MANIFEST, manifest, "preprocessed data manifest", sort_keys=True)
+
+
+def resume_or_start(out: Path, settings: dict) -> dict | None:
+    """The manifest of an earlier run with the same settings (to resume), or None to start afresh."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out}: is a file; give a folder for the shards")
+    if not (out / MANIFEST).is_file():
+        if out.is_dir() and any(p.name != "vocab" and not p.name.startswith("vocab.") for p in out.iterdir()):
+            raise DataError(f"{out}: exists and is not an unfinished preprocessing run; choose a new folder")
+        out.mkdir(parents=True, exist_ok=True)
+        return None
+    manifest = load_manifest(out)
+    stored = manifest["settings"]
+    if "bad_lines" in stored:  # a TSV run written before max_line_bytes was recorded read lines with its default
+        stored = {"max_line_bytes": DEFAULT_MAX_LINE_BYTES, **stored}
+    if stored != settings:
+        keys = sorted(k for k in set(settings) | set(stored) if settings.get(k) != stored.get(k))
+        raise DataError(
+            f"{out}: holds preprocessing with other settings ({', '.join(keys)} differ); "
+            "rerun with the same arguments to resume, or choose a new folder"
+        )
+    return manifest
+
+
+def start_manifest(out: Path, settings: dict, plan: list, num_dense: int, features: list[dict], notes: dict) -> dict:
+    """Write the manifest of a new run (its shards planned, none written); features are checked first."""
+    check_feature_names(features, out / MANIFEST)
+    manifest = {
+        "format": FORMAT,
+        "complete": False,
+        "settings": settings,
+        "num_dense": num_dense,
+        "features": features,
+        "notes": notes,
+        "shards": [asdict(s) for s in plan],
+    }
+    (out / "shards").mkdir(exist_ok=True)
+    write_manifest(out, manifest)
+    return manifest
+
+
+def complete_manifest(out: Path, manifest: dict, shard_names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Copy every shard's meta.json (checked) into the manifest, mark it complete and write it;
+    returns (samples per split, skipped lines per reason)."""
+    num_samples: dict[str, int] = {}
+    skipped: dict[str, int] = {}
+    for entry, name in zip(manifest["shards"], shard_names, strict=True):
+        path = out / "shards" / name / META
+        meta = read_json(path, "preprocessed shard file", _AGAIN, DataError, keys=("samples", "skipped", "files"))
+        entry.update(samples=meta["samples"], skipped=meta["skipped"])
+        if "files" in meta:
+            entry["files"] = meta["files"]
+        for reason, n in meta["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+        for split, n in meta["samples"].items():
+            num_samples[split] = num_samples.get(split, 0) + n
+    manifest.update(complete=True, num_samples=num_samples, skipped=dict(sorted(skipped.items())))
+    write_manifest(out, manifest)
+    return num_samples, skipped
+
+
+# ---- a shard's files ---------------------------------------------------------------------------------------
+def write_columns(
+    folder: Path, columns: dict[str, dict[str, np.ndarray]], id_types: dict[str, type], skipped: dict[str, int]
+) -> dict:
+    """Write every split's columns as <split>/<column>.npy (ids_<feature> as id_types[feature], lengths
+    int32, the rest float32) and meta.json into the shard's temporary `folder`; returns the meta dict."""
+    files: dict[str, list[int]] = {}
+    samples = {}
+    for split, cols in columns.items():
+        (folder / split).mkdir()
+        for key, values in cols.items():
+            dtype = id_types[key[4:]] if key.startswith("ids_") else np.int32 if key.startswith("lengths_") else np.float32
+            arr = np.ascontiguousarray(values, dtype=dtype)
+            path = folder / split / f"{key}.npy"
+            write_atomic(path, lambda f, arr=arr: np.save(f, arr), "preprocessed shard file", _KEEPS)
+            files[f"{split}/{key}.npy"] = [path.stat().st_size, file_crc32(path)]
+        samples[split] = int(len(cols["labels"]))
+    meta = {"samples": samples, "skipped": dict(sorted(skipped.items())), "files": files}
+    write_json(folder / META, meta, "preprocessed shard file")
+    return meta
+
+
+def publish_shard(tmp: Path, final: Path) -> None:
+    """Rename a finished shard folder into place, durably."""
+    fsync_dir(tmp)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def check_part_files(folder: Path, files: dict[str, list[int]]) -> None:
+    """The .npy files of one shard's split (`folder` = shards/<k>/<split>) have the sizes and crc32s
+    `files` (the manifest's entry of the shard) records; DataError naming the file otherwise."""
+    split = folder.name
+    for name, (size, crc) in files.items():
+        if not name.startswith(split + "/"):
+            continue
+        path = folder / name.partition("/")[2]
+        try:
+            actual = path.stat().st_size
+        except OSError as e:
+            raise DataError(f"{path}: cannot read ({e.strerror or e}); {_AGAIN}") from None
+        if actual != size:
+            raise DataError(
+                f"{path}: has {actual} bytes but the manifest records {size}: the file is truncated or was "
+                f"replaced; {_AGAIN}"
+            )
+        if file_crc32(path) != crc:
+            raise DataError(f"{path}: checksum mismatch (its crc32 differs from the manifest's): the file is damaged; {_AGAIN}")

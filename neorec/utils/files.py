@@ -1,0 +1,218 @@
+"""Files on disk: one writer for every file neorec writes, checksums on every file it reads back, and
+names read from files kept inside their folder (docs/integrity.md lists every file).
+
+- `write_atomic(path, write, what)`: write(file) into `<name>.tmp`, flush, fsync, rename onto `path`,
+  fsync of the folder, so that a reader sees the old file or the new one, never part of one. A write
+  that fails (disk full, a file-size limit, an I/O error, an exception of `write`) removes the
+  temporary file; a failure of the disk raises FileWriteError naming the file and what is written.
+- JSON read back carries a checksum of its own: `write_json` adds a top-level "crc32", the crc32 of
+  the canonical JSON (sorted keys, no spaces, ASCII) of everything else, which `read_json` checks.
+- Zip archives (torch.save, torch.export.save): `check_zip` checks every entry against its CRC32,
+  which torch.load does not.
+- `plain_name`: a file or feature name read from a file is a bare name, never a path.
+
+Nothing here knows checkpoints, exports or runs: callers pass what the file is (`what`), what to do
+about damage (`hint`) and the error type their command reports.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import zipfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from neorec.errors import NeorecError
+
+CHECKSUM_KEY = "crc32"
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a write stopped for want of room
+_CHUNK = 8 << 20  # bytes per read when checksumming
+
+
+class FileWriteError(NeorecError, OSError):
+    """A file could not be written (disk full, a file-size limit, an I/O error). Names the file; the
+    file written before under that name, if any, is untouched."""
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(
+    path: str | Path,
+    write: Callable[[BinaryIO], None],
+    what: str = "file",
+    keeps: str = "the file written before under that name, if any, is intact",
+    error: type[Exception] = FileWriteError,
+) -> None:
+    """write(file) into `path.tmp` (opened for reading too), then flush, fsync, rename it to `path`
+    and fsync the folder. A failed write (ENOSPC, EFBIG, EIO; torch.save reports them as
+    RuntimeError) removes the partial file, to give the space back, and raises `error` worded
+    "cannot write {what} {path}: ...; {keeps}"; any other exception removes it and goes on."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w+b") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, NeorecError):  # already worded, e.g. by a nested write
+            raise
+        cause = _os_error(e) or e  # torch.save raises RuntimeError during the OSError of the write
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e).strip().splitlines()[-1]
+        if not isinstance(cause, OSError) or cause.errno in _SPACE_ERRNOS:
+            reason += " (is the disk full, or a file-size limit set?)"
+        raise error(f"cannot write {what} {path}: {reason}; {keeps}") from cause
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind `e` (itself, or what it was raised from or during)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def write_text(path: str | Path, text: str, what: str) -> None:
+    """A text file, through write_atomic."""
+    write_atomic(path, lambda f: f.write(text.encode()), what)
+
+
+def file_crc32(path: str | Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+# ---- JSON with a checksum ------------------------------------------------------------------------------
+def json_crc32(obj: Any) -> int:
+    """crc32 of the canonical JSON of `obj`: what a file's "crc32" key records for the rest of it."""
+    return zlib.crc32(json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
+
+
+def json_text(obj: dict, indent: int | None = 1, sort_keys: bool = False) -> str:
+    """`obj` as JSON text with its "crc32" key (the last key, unless `sort_keys`)."""
+    body = {k: v for k, v in obj.items() if k != CHECKSUM_KEY}
+    full = {**body, CHECKSUM_KEY: json_crc32(body)}
+    return json.dumps(full, indent=indent, sort_keys=sort_keys) + "\n"
+
+
+def write_json(path: str | Path, obj: dict, what: str, indent: int | None = 1, sort_keys: bool = False) -> None:
+    """`obj` with its checksum, through write_atomic."""
+    write_text(path, json_text(obj, indent, sort_keys), what)
+
+
+def read_json(
+    path: str | Path,
+    what: str,
+    hint: str,
+    error: type[Exception] = NeorecError,
+    *,
+    required: bool = False,
+    keys: tuple[str, ...] | None = None,
+) -> dict:
+    """The JSON object of `path` without its "crc32" key, after checking it (load_json, then
+    check_json). Errors are `error`s naming the file, with `hint` (what to do about damage)."""
+    return check_json(load_json(path, what, hint, error), path, what, hint, error, required=required, keys=keys)
+
+
+def load_json(path: str | Path, what: str, hint: str, error: type[Exception] = NeorecError) -> dict:
+    """The JSON object of `path` as it is (its checksum not yet checked)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise error(f"{what} {path} cannot be read: {e.strerror or e}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = "it is empty" if not raw else f"not valid JSON: {e}"
+        raise error(f"{what} {path} cannot be read: it is damaged or truncated ({why}); {hint}") from None
+    if not isinstance(data, dict):
+        raise error(f"{what} {path} is damaged: expected a JSON object, got {type(data).__name__}; {hint}")
+    return data
+
+
+def check_json(
+    data: dict,
+    path: str | Path,
+    what: str,
+    hint: str,
+    error: type[Exception] = NeorecError,
+    *,
+    required: bool = False,
+    keys: tuple[str, ...] | None = None,
+) -> dict:
+    """`data` without its "crc32" key, which must match the rest. `required`: a file without the key
+    is refused (neorec wrote it); otherwise (a file that may be written by hand, or by an older neorec)
+    it is accepted when it holds no key besides `keys`: a damaged "crc32" key is an unknown one."""
+    crc = data.pop(CHECKSUM_KEY, None)
+    if crc is None:
+        if required:
+            raise error(f"{what} {path} has no checksum (key {CHECKSUM_KEY!r}): the file is damaged; {hint}")
+        unknown = sorted(set(data) - set(keys)) if keys is not None else []
+        if unknown:
+            raise error(
+                f"{what} {path}: unknown key(s) {unknown} (allowed: {', '.join(keys or ())}): a mistyped key, or "
+                f"the file is damaged; {hint}"
+            )
+    elif isinstance(crc, bool) or not isinstance(crc, int) or crc != json_crc32(data):
+        raise error(
+            f"{what} {path}: checksum mismatch (the crc32 of its content differs from the one it records): "
+            f"the file is damaged; {hint}"
+        )
+    return data
+
+
+# ---- zip archives ----------------------------------------------------------------------------------------
+def check_zip(path: str | Path, what: str, hint: str, error: type[Exception] = NeorecError) -> None:
+    """Every entry of the zip archive `path` (a torch.save or torch.export.save file) reads back with
+    the CRC32 its directory records; a truncated or damaged archive raises `error` naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{what} {path} does not exist")
+    try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+    except Exception as e:  # noqa: BLE001 - any failure to read the archive is damage
+        raise error(f"{what} {path} is damaged or truncated (not a readable zip archive: {e}); {hint}") from None
+    if bad is not None:
+        raise error(
+            f"{what} {path}: its entry {bad!r} does not read back (checksum mismatch or a damaged header): the "
+            f"file is damaged; {hint}"
+        )
+
+
+# ---- names read from files ---------------------------------------------------------------------------------
+def plain_name(name: object, where: str, error: type[Exception] = NeorecError) -> str:
+    """`name` when it is a bare name: a non-empty string without '/', '\\', '..' or NUL, so that joined
+    to a folder it stays in that folder. `where` says whose name it is ("<file>: feature")."""
+    if not isinstance(name, str) or not name or any(s in name for s in ("/", "\\", "..", "\0")):
+        raise error(
+            f"{where} {name!r} is not a plain name: it becomes part of a path, so it must not be empty nor "
+            "hold '/', '\\', '..' or NUL"
+        )
+    return name
