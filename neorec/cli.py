@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from neorec.cli_args import count, output_folder, positive_int, seconds
-from neorec.errors import NeorecError
+from neorec.cli_args import count, output_folder, positive_int, seconds, writable
+from neorec.errors import NeorecError, failure
 from neorec.utils.logging import setup_logging
 
 
@@ -21,27 +21,45 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from neorec.utils.parent_watch import die_with_launcher
+
+    die_with_launcher()  # a worker of `--nproc N` ends with its launcher, even one killed by SIGKILL
+    from neorec.config.limits import check_memory
     from neorec.config.load import load_config
-    from neorec.distributed.launch import report_stop
     from neorec.train.build import check_before_launch
-    from neorec.train.run_folder import check_run_folder, clear_run_folder
-    from neorec.train.signals import TrainingStopped, resume_command
-    from neorec.train.trainer import Trainer, summary_table
+    from neorec.train.run_folder import check_output_dir, check_run_folder, clear_run_folder, run_folders
+    from neorec.train.run_lock import hold_run_folders
 
     cfg = load_config(args.config or "default", args.overrides)  # validated before any process starts
+    check_memory(cfg)  # the tables and layers of the config fit this machine, before any is built
     if args.resume not in (False, True):
         from neorec.checkpoint.load import checkpoint_folder
 
         checkpoint_folder(args.resume)
     out_dir = Path(args.output_dir or cfg.resolved_output_dir)
-    check_run_folder(cfg, out_dir, overwrite=args.overwrite, resume=bool(args.resume))
-    if args.overwrite and os.environ.get("RANK", "0") == "0":  # torchrun's other ranks leave it to rank 0
-        clear_run_folder(cfg, out_dir)
-    if args.nproc and args.nproc > 1:
-        from neorec.distributed.launch import launch_torchrun
+    check_output_dir(out_dir)
+    nproc = args.nproc or 1
+    if "RANK" not in os.environ:  # what every process would fail on, checked once, before the folder is touched
+        check_before_launch(cfg, nproc)
+    # one run per folder: refused here, before anything is touched, while another run holds it
+    with hold_run_folders(run_folders(cfg, out_dir)) as lock:
+        check_run_folder(cfg, out_dir, overwrite=args.overwrite, resume=bool(args.resume))
+        if args.overwrite and os.environ.get("RANK", "0") == "0":  # torchrun's other ranks leave it to rank 0
+            clear_run_folder(cfg, out_dir)
+        if nproc > 1:
+            from neorec.distributed.launch import launch_torchrun
 
-        check_before_launch(cfg, args.nproc)  # one process checks what all would fail on (the trainer checks it too)
-        return launch_torchrun(args.nproc, strip_nproc(args.argv), args.argv)
+            # the workers share the folder's lock: it stays held until the last of them is gone
+            return launch_torchrun(args.nproc, strip_nproc(args.argv), args.argv, env=lock.worker_env())
+        return _fit(args, cfg, out_dir)
+
+
+def _fit(args: argparse.Namespace, cfg, out_dir: Path) -> int:
+    """Train in this process (one of torchrun's workers, or the only one); the exit code."""
+    from neorec.distributed.launch import report_stop
+    from neorec.train.signals import TrainingStopped, resume_command
+    from neorec.train.trainer import Trainer, summary_table
+
     trainer = Trainer(cfg, out_dir, resume=args.resume)
     try:
         result = trainer.fit()
@@ -77,8 +95,8 @@ def strip_nproc(argv: list[str]) -> list[str]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import torch
-
+    from neorec.checkpoint.stream import load_model_state
+    from neorec.config.limits import check_memory
     from neorec.config.load import load_config
     from neorec.train.trainer import Trainer, evaluate
 
@@ -87,9 +105,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not cfg_path.is_file() or not (run / "model.pt").is_file():
         raise NeorecError(f"{run}: not a finished run folder (needs config.yaml and model.pt from `neorec train`)")
     cfg = load_config(str(cfg_path), args.overrides)
+    check_memory(cfg)  # the tables and layers of the config fit this machine, before any is built
     trainer = Trainer(cfg, run)
-    state = torch.load(run / "model.pt", map_location="cpu", weights_only=True)  # a GPU run's too
-    trainer.model.load_state_dict(state)
+    state = load_model_state(run / "model.pt")  # checked against its CRC32s, loaded on the CPU (a GPU run's too)
+    check_model_state(trainer.model, state, run / "model.pt", args.overrides)
     metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size)
     width = max(len(k) for k in metrics)
     for k, v in metrics.items():
@@ -97,9 +116,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_model_state(model, state: object, path: Path, overrides: list[str]) -> None:
+    """Load `state` (a model.pt) into `model`; a state that does not fit the model of the config is a
+    NeorecError naming the first parameter that differs, before anything is evaluated."""
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, TypeError, AttributeError) as e:  # torch: missing/unexpected keys, size mismatch; not a dict
+        lines = [" ".join(line.split()) for line in str(e).splitlines() if line.strip()]
+        first = next((line for line in lines[1:] if line), lines[0] if lines else type(e).__name__)
+        fix = "leave out the --set of model and embedding keys" if overrides else "was it written by another config?"
+        raise NeorecError(f"{path} does not fit the model of its config: {first[:200].rstrip('.')}; {fix}") from None
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from neorec.serving.export import export_model, report_text
 
+    writable(args.out, "--out")
     report = export_model(
         args.run_dir, args.out, int8=args.int8, scale_dtype=args.scale_dtype, measure=not args.no_eval,
         config=args.config, format=args.format,
@@ -111,6 +143,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from neorec.serving.predict import predict_file, result_text
 
+    writable(args.out, "--out")
     result = predict_file(
         args.model, args.out, args.data, args.batch_size, with_labels=args.with_labels, bounds_check=args.bounds_check
     )
@@ -145,12 +178,14 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_data_generate(args: argparse.Namespace) -> int:
+    from neorec.config.limits import TEACHER, check_memory
     from neorec.config.load import load_config
     from neorec.data.shards import write_shards
     from neorec.data.synthetic import SyntheticSource, spec_from_config
 
     cfg = load_config(args.config or "default", args.overrides)
     output_folder(args.out, "--out")
+    check_memory(cfg, keys=(TEACHER,))
     source = SyntheticSource(spec_from_config(cfg.data.synthetic, cfg.seed), cache=False)
     paths = write_shards(source, Path(args.out))
     print(f"wrote {len(paths)} shard files to {args.out} (teacher AUC on eval: {source.teacher_auc():.4f})")
@@ -161,6 +196,7 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
     from neorec.data.preprocess import preprocess_criteo, preprocess_synthetic
 
     common = {"workers": args.workers, "progress": not args.no_progress, "parquet_output": args.parquet_output}
+    output_folder(args.out, "--out")
     if args.synthetic and args.parquet:
         raise NeorecError("give --synthetic or --parquet, not both")
     if args.parquet:
@@ -176,6 +212,7 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
             cfg.data.parquet, args.out, shard_rows=args.shard_lines, vocab_threshold=args.vocab_threshold, **common
         )
     elif args.synthetic:
+        from neorec.config.limits import TEACHER, check_memory
         from neorec.config.load import load_config
         from neorec.data.synthetic import spec_from_config
 
@@ -184,6 +221,7 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
         if args.vocab_threshold is not None:
             raise NeorecError("--vocab-threshold applies to Criteo TSV and Parquet input; synthetic ids need no vocabulary")
         cfg = load_config(args.config or "default", args.overrides)
+        check_memory(cfg, keys=(TEACHER,))
         result = preprocess_synthetic(spec_from_config(cfg.data.synthetic, cfg.seed), args.out, **common)
     else:
         if not args.inputs:
@@ -215,24 +253,32 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
+    from neorec.planner.hardware import load_calibration
     from neorec.planner.run import plan_command
 
+    cfg = load_config(args.config or "default", args.overrides) if args.model == "config" else None
+    name = args.model if args.model != "config" else (cfg.name if cfg else "plan")
+    out_dir = output_folder(args.output_dir or f"runs/plan-{name}", "--output-dir")
     if args.calibrate:
         from neorec.planner.calibrate import calibrate
 
         values = calibrate(args.nproc or 2, args.threads, args.calibration)
         print("calibrated:", ", ".join(f"{k} {v:.4g}" for k, v in values.items() if isinstance(v, float)))
-    if args.calibration:
-        import os
-
+    elif args.calibration:
+        load_calibration(args.calibration)  # a damaged or NaN calibration: refused before any planning
+    previous = os.environ.get("NEOREC_CALIBRATION")
+    if args.calibration:  # the planner reads this machine's speeds from there, for this command only
         os.environ["NEOREC_CALIBRATION"] = args.calibration
-    cfg = load_config(args.config or "default", args.overrides) if args.model == "config" else None
-    name = args.model if args.model != "config" else (cfg.name if cfg else "plan")
-    out_dir = output_folder(args.output_dir or f"runs/plan-{name}", "--output-dir")
-    result = plan_command(
-        cfg, args.cluster, args.nproc, args.ranks_per_node, args.model, out_dir, args.baselines, args.batches,
-        tuple(k for k in args.kinds.split(",") if k), args.time_budget,
-    )  # fmt: skip
+    try:
+        result = plan_command(
+            cfg, args.cluster, args.nproc, args.ranks_per_node, args.model, out_dir, args.baselines, args.batches,
+            tuple(k for k in args.kinds.split(",") if k), args.time_budget,
+        )  # fmt: skip
+    finally:
+        if previous is None:
+            os.environ.pop("NEOREC_CALIBRATION", None)
+        else:
+            os.environ["NEOREC_CALIBRATION"] = previous
     print(result.text)
     print("\nwrote " + ", ".join(str(f) for f in result.files))
     return 0
@@ -364,10 +410,6 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()  # rank 0 at INFO, the other ranks of a torchrun launch only warnings, prefixed
     try:
         return args.func(args)
-    except NeorecError as e:
-        if not report_failure(e):  # a worker of `neorec train --nproc N`: the launcher prints it
-            print(f"neorec: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `neorec config keys | head`: the reader left, which is no error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -375,9 +417,17 @@ def main(argv: list[str] | None = None) -> int:
         print("neorec: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if report_failure(e):  # another rank's failure: the launcher names that rank
-            return 1
-        raise
+        # bad input (2) or a failing machine (1): one line; anything else is a bug and keeps its traceback
+        known = failure(e)
+        if known is None:
+            if report_failure(e):  # another rank's failure: the launcher names that rank
+                return 1
+            raise
+        code, message = known
+        reported = e if isinstance(e, NeorecError) else NeorecError(message)
+        if not report_failure(reported):  # a worker of `neorec train --nproc N`: the launcher prints it
+            print(f"neorec: error: {message}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from dist_helpers import neorec_train
 
+from neorec.data.manifest import load_manifest, write_manifest
 from neorec.data.preprocess import preprocess_synthetic
 from neorec.data.synthetic import SyntheticSpec
+from neorec.utils.files import file_crc32
 
 SPEC = SyntheticSpec(rows=[50, 1000, 7], num_dense=4, train_samples=2048, eval_samples=512, seed=3)
 COMMON = ["train.progress=false", "logging.plot=false", "logging.tensorboard=false", "data.batch_size=256",
@@ -28,10 +30,14 @@ def spoiled(tmp_path_factory) -> tuple[Path, Path]:
     preprocess_synthetic(SPEC, root / "clean", progress=False)
     data = Path(shutil.copytree(root / "clean", root / "spoiled"))
     part = sorted(data.glob("shards/*/train"))[0]
+    manifest = load_manifest(data)  # records the spoiled files, as if the ids had come with the data
+    files = manifest["shards"][int(part.parent.name)]["files"]
     for name, row, value in (("C1", 5, 1000), ("C3", 9, -1)):
         ids = np.load(part / f"ids_{name}.npy")
         ids[row] = value
         np.save(part / f"ids_{name}.npy", ids)
+        files[f"train/ids_{name}.npy"] = [(part / f"ids_{name}.npy").stat().st_size, file_crc32(part / f"ids_{name}.npy")]
+    write_manifest(data, manifest)
     return data, part / "ids_C1.npy"
 
 

@@ -173,7 +173,7 @@ def test_neorec_train_stops_with_one_line_naming_the_file_it_cannot_write(tmp_pa
     sets = [x for kv in [*TINY, "checkpoint.every_steps=5"] for x in ("--set", kv)]
     cmd = [sys.executable, "-m", "neorec", "train", "--output-dir", str(tmp_path / "run"), *sets]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=_file_size_limit(64 << 10))
-    assert p.returncode == 2, p.stderr
+    assert p.returncode == 1, p.stderr  # a failure of the machine (a file-size limit), not of the input
     last = p.stderr.splitlines()[-1]  # after the run's log lines, the error is the last line
     assert last.startswith("neorec: error: cannot write checkpoint file ") and "Traceback" not in p.stderr
     assert "step-00000005.tmp/rank-00000.bin: File too large" in p.stderr

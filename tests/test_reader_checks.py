@@ -19,6 +19,7 @@ from test_sharded_reader import write_tsv
 from neorec.config.load import load_config
 from neorec.config.schema import ParquetConfig
 from neorec.data import checks
+from neorec.data.manifest import load_manifest, shard_name, write_manifest
 from neorec.data.movielens import MovieLensSource
 from neorec.data.parquet import ParquetSource
 from neorec.data.preprocess import preprocess_criteo, preprocess_synthetic
@@ -27,6 +28,7 @@ from neorec.data.shards import ShardSource, write_shards
 from neorec.data.synthetic import SyntheticSource, SyntheticSpec
 from neorec.errors import ConfigError, DataError
 from neorec.train.build import build_source
+from neorec.utils.files import file_crc32
 
 ONE_HOT = SyntheticSpec(rows=[50, 1000, 7], num_dense=4, train_samples=2000, eval_samples=500, seed=3)
 MULTI_HOT = replace(ONE_HOT, bag_sizes=[2, 1, 3], variable_bags=True)
@@ -56,9 +58,19 @@ def part(root: Path, split: str) -> Path:
 
 
 def set_npy(path: Path, index, value) -> None:
+    """A bad value in a column. In a preprocessed folder the manifest then records the file's new size
+    and crc32, as if the value had come with the data: the value check meets it, not the checksum
+    (tests/faults/test_files_data.py damages files behind the manifest's back)."""
     a = np.load(path)
     a[index] = value
     np.save(path, a)
+    root = path.parents[3]
+    if (root / "manifest.json").is_file():
+        manifest = load_manifest(root)
+        for entry in manifest["shards"]:
+            if shard_name(entry["index"]) == path.parents[1].name:
+                entry["files"][f"{path.parent.name}/{path.name}"] = [path.stat().st_size, file_crc32(path)]
+        write_manifest(root, manifest)
 
 
 def set_npz(path: Path, key: str, index, value) -> None:

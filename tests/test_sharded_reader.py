@@ -131,7 +131,7 @@ def test_resume_gives_exactly_the_remaining_samples(numbered, world_size, stop, 
 
 def test_resume_refuses_another_layout(numbered):
     state = PreprocessedSource(numbered, world_size=2).state()
-    with pytest.raises(ConfigError, match="world_size=2"):
+    with pytest.raises(ConfigError, match=r"number of processes \(--nproc\) 2, this run has 4"):
         PreprocessedSource(numbered, world_size=4).load_state(state)
     with pytest.raises(DataError, match="outside"):
         PreprocessedSource(numbered).load_state({"epoch": 0, "samples": N + 1})

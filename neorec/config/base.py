@@ -1,7 +1,9 @@
-"""The base of every config section: unknown keys are errors, and numbers are never booleans."""
+"""The base of every config section: unknown keys are errors, numbers are never booleans, and every
+number fits the tensor it ends up in (int64, finite float32)."""
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from typing import Annotated, Any, Literal, Union
@@ -30,6 +32,31 @@ class NumbersNotBool(BaseModel):
             if bool not in items and (int in items or float in items):
                 raise ValueError("expected a list of numbers, not booleans")
         return value
+
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _numbers_fit(cls, value: Any) -> Any:
+        """Every number fits the tensors it ends up in: integers int64, floats finite and float32
+        (`lr: 1e300` would be inf there), in lists and mappings too."""
+        check_number(value)
+        return value
+
+
+def check_number(value: Any) -> None:
+    """ValueError for an integer outside int64 or a float that is not finite or outside float32."""
+    from neorec.config.limits import MAX_FLOAT, MAX_INT
+
+    if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_FLOAT):
+        raise ValueError(f"expected a finite number within +-{MAX_FLOAT:.3g} (float32)")
+    if isinstance(value, int) and not isinstance(value, bool) and not -MAX_INT - 1 <= value <= MAX_INT:
+        raise ValueError("expected a whole number within int64 (below 2^63 in magnitude)")
+    if isinstance(value, list | tuple):
+        for v in value:
+            check_number(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            check_number(v)
 
 
 class Strict(NumbersNotBool):

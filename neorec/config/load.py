@@ -11,6 +11,11 @@ How a config is resolved (docs/config.md says the same to users):
    lists, `null` to unset); an empty value is an error.
 4. The result is validated against neorec/config/schema.py; keys left unset take the schema's defaults.
 `load_config(None)` starts from the schema's defaults alone (library use; the CLI starts from `default`).
+
+YAML is read with limits, so that no config text can take the machine's time or memory: a file or
+`--set` value of at most 1 MiB, strings of at most 4096 characters, integers of at most 40 digits,
+mappings and lists nested at most 32 deep; a key given twice in one mapping and aliases (`*name`,
+which can multiply a small text into gigabytes) are errors naming the line.
 """
 
 from __future__ import annotations
@@ -27,6 +32,72 @@ from neorec.config.schema import RunConfig
 from neorec.errors import ConfigError
 
 DEFAULT_BASE = "default"  # the shipped config that a config without `base:` is merged over
+MAX_TEXT_BYTES = 1 << 20  # of a config file or a --set value
+MAX_STRING = 4096  # characters of one string (a path: PATH_MAX)
+MAX_DIGITS = 40  # characters of one integer (int64 has 19 digits)
+MAX_DEPTH = 32  # nested mappings and lists
+MAX_BASES = 16  # configs in a chain of bases
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """YAML that is valid but beyond what a config may hold (see the module docstring)."""
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.SafeLoader within the limits of the module docstring."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise _Refused(None, None, f"alias *{event.anchor} (configs take no aliases; write the value out)",
+                           event.start_mark)  # fmt: skip
+        if isinstance(event, yaml.ScalarEvent) and len(event.value) > MAX_STRING:
+            raise _Refused(None, None, f"a value of {len(event.value)} characters (at most {MAX_STRING})",
+                           event.start_mark)  # fmt: skip
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise _Refused(None, None, f"mappings and lists nested more than {MAX_DEPTH} deep", event.start_mark)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, typing.Hashable):
+                continue  # yaml's own error names it
+            if key in seen:
+                raise _Refused(None, None, f"key {_short(key)} appears twice in this mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = str(node.value)
+        if len(text) > MAX_DIGITS:
+            raise _Refused(None, None, f"an integer of {len(text)} characters (at most {MAX_DIGITS})", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+_Loader.add_constructor("tag:yaml.org,2002:map", _Loader.construct_yaml_map)
+
+
+def load_yaml(text: str) -> Any:
+    """The value of YAML `text`, within the limits of the module docstring; yaml.YAMLError otherwise
+    (a MarkedYAMLError names the line)."""
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
+        raise yaml.YAMLError(f"{len(text.encode('utf-8', 'surrogatepass'))} bytes of text (at most {MAX_TEXT_BYTES})")
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def shipped_configs() -> list[str]:
@@ -53,11 +124,13 @@ def read_config(path_or_name: str, base_of: Path | None = None, chain: tuple[str
     text, where, shipped = _resolve(path_or_name, base_of)
     if where in chain:
         raise ConfigError(f"config bases form a cycle: {' -> '.join([*chain, where])}")
+    if len(chain) >= MAX_BASES:
+        raise ConfigError(f"{where}: more than {MAX_BASES} configs in a chain of bases")
     raw = parse_config(text, where)
     if "base" in raw:
         base = raw.pop("base")
         if not isinstance(base, str) or not base.strip():
-            raise ConfigError(f"{where}: key 'base': expected a shipped config name or a path, got {base!r}")
+            raise ConfigError(f"{where}: key 'base': expected a shipped config name or a path, got {_short(base)}")
     elif shipped == DEFAULT_BASE:
         return raw, where
     else:
@@ -76,6 +149,8 @@ def _resolve(path_or_name: str, base_of: Path | None) -> tuple[str, str, str | N
         return res.read_text(), f"neorec/configs/{path_or_name}.yaml", path_or_name
     if path.is_file():
         try:
+            if path.stat().st_size > MAX_TEXT_BYTES:
+                raise ConfigError(f"{path}: {path.stat().st_size} bytes; a config holds at most {MAX_TEXT_BYTES}")
             return path.read_text(), str(path), None
         except UnicodeDecodeError:
             raise ConfigError(f"{path}: not a YAML config (not UTF-8 text)") from None
@@ -90,7 +165,10 @@ def _resolve(path_or_name: str, base_of: Path | None) -> tuple[str, str, str | N
 def parse_config(text: str, where: str) -> dict[str, Any]:
     """The top-level mapping of a config file's text; errors name the file (and line)."""
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
+    except _Refused as e:
+        line = f":{e.problem_mark.line + 1}" if e.problem_mark is not None else ""
+        raise ConfigError(f"{where}{line}: {e.problem}") from None
     except yaml.MarkedYAMLError as e:
         line = f":{e.problem_mark.line + 1}" if e.problem_mark is not None else ""
         raise ConfigError(f"{where}{line}: not valid YAML: {e.problem or e.context}") from None
@@ -114,24 +192,36 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one `a.b.c=value` (value parsed as YAML: numbers, lists, null...) to a raw config dict."""
+    if len(item.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
+        raise ConfigError(f"--set {_short(item)}: {len(item)} characters; a --set holds at most {MAX_TEXT_BYTES} bytes")
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.max_steps=100")
+        raise ConfigError(f"--set {_short(item)}: expected key=value, e.g. --set train.max_steps=100")
     if not value.strip():
-        raise ConfigError(f"--set {item!r}: empty value; give a value, or {key.strip()}=null to unset the key")
+        raise ConfigError(f"--set {_short(item)}: empty value; give a value, or {key.strip()[:80]}=null to unset the key")
     parts = key.strip().split(".")
+    if len(parts) > MAX_DEPTH:
+        raise ConfigError(f"--set {_short(item)}: a key of more than {MAX_DEPTH} parts")
     node = raw
     for i, p in enumerate(parts[:-1]):
         if node.get(p) is None:  # absent, or null in a written config: a section starts here
             node[p] = {}
         nxt = node[p]
         if not isinstance(nxt, dict):
-            raise ConfigError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            raise ConfigError(f"--set {_short(item)}: {'.'.join(parts[: i + 1])[:120]} is a value, not a section")
         node = nxt
     try:
-        node[parts[-1]] = yaml.safe_load(value)
+        node[parts[-1]] = load_yaml(value)
+    except _Refused as e:
+        raise ConfigError(f"--set {_short(key.strip())}: {e.problem}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {item!r}: value is not valid YAML: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"--set {_short(item)}: value is not valid YAML: {' '.join(str(e).split())}") from None
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: an error line quotes a value, never a megabyte of it."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-1]}"
 
 
 def validate_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
@@ -156,7 +246,7 @@ def _explain(err: dict[str, Any]) -> str:
     if err["type"] == "missing":
         return f"missing key '{key}'"
     got = err.get("input")
-    got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+    got_text = "" if isinstance(got, dict) else f" (got {_short(got)})"
     msg = err["msg"].removeprefix("Value error, ")
     return f"key '{key}': {msg}{got_text}"
 

@@ -1,4 +1,5 @@
-"""The run configuration: every field typed, bounded and documented; checked before any work starts."""
+"""The run configuration: every field typed, bounded and documented; checked before any work starts.
+The data sections live in neorec/config/data.py and are re-exported here; the bounds in limits.py."""
 
 from __future__ import annotations
 
@@ -6,204 +7,18 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from neorec.config import limits
 from neorec.config.base import Strict
+from neorec.config.data import (  # noqa: F401 - re-exported: the data sections are part of the schema
+    CriteoConfig,
+    DataConfig,
+    MovieLensConfig,
+    ParquetConfig,
+    ParquetFeatureConfig,
+    PreprocessedConfig,
+    SyntheticConfig,
+)
 from neorec.embedding.tables import EmbeddingOptimizerConfig, ManagedCollisionConfig
-
-
-# ---- data ----------------------------------------------------------------------------------------
-class SyntheticConfig(Strict):
-    """Synthetic Criteo-like data with a hidden teacher model (neorec.data.synthetic)."""
-
-    preset: Literal["custom", "criteo_kaggle", "mlperf"] = Field(
-        "custom", description="table sizes: custom (`rows`), the Criteo Kaggle cardinalities, or MLPerf's Criteo 1TB"
-    )
-    rows: int | list[int] = Field(10000, description="custom preset: rows of every table, or one entry per table")
-    num_sparse: int = Field(26, gt=0, description="custom preset: number of categorical features")
-    num_dense: int = Field(13, ge=0, description="number of dense features")
-    max_rows: int | None = Field(None, gt=0, description="cap every table at this many rows")
-    row_scale: float = Field(1.0, gt=0, le=1, description="multiply every table size by this (>= 1 row)")
-    zipf_alpha: float = Field(1.05, gt=0, description="power-law exponent of id popularity")
-    multi_hot: Literal["none", "mlperf"] | list[int] = Field(
-        "none", description="one-hot, MLPerf DCNv2 bag sizes, or a mean bag size per feature"
-    )
-    variable_bags: bool = Field(False, description="bag sizes ~ Poisson(mean), so empty bags occur")
-    weighted: bool = Field(False, description="ids carry weights in (0, 1]")
-    latent_dim: int = Field(8, gt=0, description="teacher: latent vector size per id")
-    num_pairs: int = Field(26, ge=0, description="teacher: feature pairs whose latent dot products matter")
-    logit_scale: float = Field(2.0, gt=0, description="teacher: std of the logit (larger = easier task)")
-    base_ctr: float = Field(0.25, gt=0, lt=1, description="teacher: mean click rate")
-    train_samples: int = Field(1_000_000, gt=0, description="training samples per epoch")
-    eval_samples: int = Field(100_000, gt=0, description="held-out samples")
-    on_device: bool = Field(
-        True, description="with train.device cuda: keep the drawn samples in GPU memory and cut batches there"
-    )
-    generator: Literal["auto", "host", "device"] = Field(
-        "auto",
-        description="where samples are drawn: host (numpy; the same samples on every device), device (torch where "
-        "they are kept: the same distribution, another random stream, fast enough to feed a GPU); auto = device "
-        "when train.device is cuda and on_device is true, else host",
-    )
-
-    @model_validator(mode="after")
-    def _lengths(self) -> SyntheticConfig:
-        if isinstance(self.rows, list) and self.preset == "custom" and len(self.rows) != self.num_sparse:
-            raise ValueError(f"rows has {len(self.rows)} entries but num_sparse is {self.num_sparse}")
-        if isinstance(self.multi_hot, list) and len(self.multi_hot) != self.num_tables:
-            raise ValueError(f"multi_hot has {len(self.multi_hot)} entries for {self.num_tables} features")
-        if isinstance(self.rows, list) and any(r <= 0 for r in self.rows):
-            raise ValueError("every entry of rows must be > 0")
-        if isinstance(self.rows, int) and self.rows <= 0:
-            raise ValueError("rows must be > 0")
-        return self
-
-    @property
-    def num_tables(self) -> int:
-        return 26 if self.preset != "custom" else self.num_sparse
-
-
-class CriteoConfig(Strict):
-    """Raw Criteo TSV files (label, I1..I13, C1..C26), plain or .gz."""
-
-    train_paths: list[str] = Field(min_length=1, description="training TSV files")
-    eval_paths: list[str] | None = Field(None, description="held-out TSV files; default: every eval_every-th line")
-    table_rows: int | list[int] = Field(100_000, description="rows per table (one value, or 26)")
-    hashing: Literal["modulo", "hash"] = Field("modulo", description="how a hex id maps into its table")
-    bad_lines: Literal["fail", "skip"] = Field("fail", description="malformed lines: stop with file:line, or skip and count")
-    eval_every: int = Field(10, ge=2, description="without eval_paths, hold out lines whose number is a multiple of this")
-    max_line_bytes: int = Field(4096, gt=0, description="longer lines are malformed (bad_lines); a Criteo line is under 500 bytes")
-
-
-class MovieLensConfig(Strict):
-    """MovieLens latest-small: label = rating >= 4."""
-
-    root: str = Field("../shared/data/ml-latest-small", description="folder with ratings.csv and movies.csv")
-    val_fraction: float = Field(0.1, gt=0, lt=1, description="share of ratings held out")
-    split: Literal["user_time", "global_time", "random"] = Field(
-        "user_time",
-        description="held-out ratings: each user's last ones by time, the last ones of all, or a seeded random "
-        "share (leaks each user's future into training)",
-    )
-    history: int = Field(
-        0,
-        ge=0,
-        description="add features history (the movies of the user's last N earlier ratings) and history_liked "
-        "(whether each was rated >= 4), for model.arch din; 0: none",
-    )
-    history_from: Literal["all", "train"] = Field(
-        "all",
-        description="ratings that fill histories: all earlier ones (a held-out rating's history includes the "
-        "user's earlier held-out ratings, known when serving) or training ratings only (stops at the split)",
-    )
-
-
-class PreprocessedConfig(Strict):
-    """Shards written by `neorec data preprocess`, read by neorec/data/sharded_reader.py."""
-
-    path: str = Field(description="the folder `neorec data preprocess --out` wrote")
-    shuffle: bool = Field(True, description="shuffle the shard order and the samples within a window, per epoch")
-    shuffle_window: int = Field(131072, gt=0, description="samples permuted together (the shuffle buffer)")
-    prefetch: int = Field(4, ge=0, description="batches the reader's background threads make ahead")
-
-
-class ParquetFeatureConfig(Strict):
-    """One categorical feature of Parquet data: its ids column and how raw values become table rows."""
-
-    name: str = Field(min_length=1, description="feature (and table) name")
-    column: str | None = Field(
-        None, description="column of ids (default: the name): integers or strings, or lists of them (multi-hot)"
-    )
-    weights: str | None = Field(
-        None, description="column of per-id weights: a float, or a list of floats as long as the ids' list"
-    )
-    rows: int | None = Field(None, gt=0, description="rows of the feature's table (default: data.parquet.table_rows)")
-    hashing: Literal["modulo", "hash", "none", "vocab"] | None = Field(
-        None, description="raw value -> row (default: data.parquet.hashing)"
-    )
-    strings: Literal["hex", "fnv1a"] | None = Field(
-        None, description="string ids -> raw value (default: data.parquet.strings)"
-    )
-
-
-class ParquetConfig(Strict):
-    """Parquet files read by neorec/data/parquet.py: columns mapped to the label, dense and categorical
-    features; each rank reads its own row groups."""
-
-    paths: list[str] = Field(min_length=1, description="training files or folders (local, or URIs pyarrow opens)")
-    eval_paths: list[str] | None = Field(None, description="held-out files or folders (or set eval_column)")
-    eval_column: str | None = Field(
-        None, description="boolean (or 0/1) column of paths' rows: true rows are held out (or set eval_paths)"
-    )
-    label: str = Field("label", min_length=1, description="label column: 0/1 integers, floats or booleans")
-    dense: list[str] = Field(default_factory=list, description="dense feature columns (numbers; null -> 0)")
-    dense_log1p: bool = Field(False, description="dense values: negatives -> 0, then log(1 + x), as for Criteo")
-    features: list[str | ParquetFeatureConfig] = Field(
-        min_length=1,
-        description="categorical features: a column name, or a section with name, column, weights, rows, hashing, "
-        "strings (the last three default to this section's)",
-    )
-    table_rows: int = Field(100_000, gt=0, description="default rows of every feature's table")
-    hashing: Literal["modulo", "hash", "none", "vocab"] = Field(
-        "modulo",
-        description="raw value -> row: value % rows, splitmix64(value) % rows, the value itself (checked to lie "
-        "in [0, rows)), or 1 + its place in a vocabulary of vocab_dir (0 when absent)",
-    )
-    strings: Literal["hex", "fnv1a"] = Field(
-        "fnv1a", description="string ids -> raw value: hex digits (at most 8, as Criteo's), or the FNV-1a hash"
-    )
-    vocab_dir: str | None = Field(None, description="hashing vocab: folder of <feature>.npy vocabularies")
-    shuffle: bool = Field(True, description="shuffle the row-group order and the rows in a row group, per epoch")
-    prefetch: int = Field(4, ge=0, description="batches the reader's background threads make ahead")
-
-    @model_validator(mode="after")
-    def _split_and_names(self) -> ParquetConfig:
-        if (self.eval_paths is None) == (self.eval_column is None):
-            raise ValueError("set one of eval_paths (held-out files) or eval_column (a held-out flag per row)")
-        names = [f if isinstance(f, str) else f.name for f in self.features]
-        if len(set(names)) != len(names):
-            raise ValueError(f"feature names must be unique, got {names}")
-        if self.vocab_dir is None and any(h == "vocab" for h in [self.hashing, *self._feature_hashings()]):
-            raise ValueError("hashing vocab needs data.parquet.vocab_dir")
-        return self
-
-    def _feature_hashings(self) -> list[str | None]:
-        return [f.hashing for f in self.features if not isinstance(f, str)]
-
-    def feature_configs(self) -> list[ParquetFeatureConfig]:
-        """Every feature with its defaults filled in from this section."""
-        out = []
-        for f in self.features:
-            f = ParquetFeatureConfig(name=f) if isinstance(f, str) else f
-            out.append(ParquetFeatureConfig(
-                name=f.name, column=f.column or f.name, weights=f.weights, rows=f.rows or self.table_rows,
-                hashing=f.hashing or self.hashing, strings=f.strings or self.strings,
-            ))  # fmt: skip
-        return out
-
-
-class DataConfig(Strict):
-    source: Literal["synthetic", "criteo_tsv", "movielens", "shards", "preprocessed", "parquet"] = Field(
-        "synthetic", description="where batches come from"
-    )
-    shards_dir: str | None = Field(None, description="source shards: a folder written by `neorec data generate`")
-    batch_size: int = Field(2048, gt=0, description="training samples per step (global)")
-    eval_batch_size: int = Field(16384, gt=0, description="samples per evaluation batch")
-    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic data settings")
-    criteo: CriteoConfig | None = Field(None, description="Criteo TSV settings (source: criteo_tsv)")
-    movielens: MovieLensConfig = Field(default_factory=MovieLensConfig, description="MovieLens settings")
-    preprocessed: PreprocessedConfig | None = Field(None, description="preprocessed shards (source: preprocessed)")
-    parquet: ParquetConfig | None = Field(None, description="Parquet files (source: parquet)")
-
-    @model_validator(mode="after")
-    def _source_settings(self) -> DataConfig:
-        if self.source == "criteo_tsv" and self.criteo is None:
-            raise ValueError("source criteo_tsv needs a data.criteo section with train_paths")
-        if self.source == "shards" and not self.shards_dir:
-            raise ValueError("source shards needs data.shards_dir")
-        if self.source == "preprocessed" and self.preprocessed is None:
-            raise ValueError("source preprocessed needs a data.preprocessed section with path")
-        if self.source == "parquet" and self.parquet is None:
-            raise ValueError("source parquet needs a data.parquet section with paths and features")
-        return self
 
 
 # ---- model ---------------------------------------------------------------------------------------
@@ -242,8 +57,8 @@ class TwoTowerConfig(Strict):
             raise ValueError(f"item_id {self.item_id!r} must be one of item_features {self.item_features}")
         if self.user_id is not None and self.user_id not in self.user_features:
             raise ValueError(f"user_id {self.user_id!r} must be one of user_features {self.user_features}")
-        if any(s <= 0 for s in self.tower_mlp):
-            raise ValueError("tower_mlp layer sizes must be > 0")
+        if any(not 0 < s <= limits.MAX_WIDTH for s in self.tower_mlp):
+            raise ValueError(f"tower_mlp layer sizes must be in [1, {limits.MAX_WIDTH}]")
         return self
 
 
@@ -261,13 +76,13 @@ class DINConfig(Strict):
     max_len: int = Field(50, gt=0, description="history positions the attention reads (the most recent ones)")
     attention_mlp: list[int] = Field([64, 16], description="hidden sizes of the attention unit's MLP")
     cross_layers: int = Field(
-        0, ge=0, description="DCNv2 cross layers over [dense, pooled, interest] before the top MLP (0: none)"
+        0, ge=0, le=limits.MAX_LAYERS, description="DCNv2 cross layers over [dense, pooled, interest] before the top MLP"
     )
 
     @model_validator(mode="after")
     def _sizes(self) -> DINConfig:
-        if any(s <= 0 for s in self.attention_mlp):
-            raise ValueError("attention_mlp sizes must be > 0")
+        if any(not 0 < s <= limits.MAX_WIDTH for s in self.attention_mlp):
+            raise ValueError(f"attention_mlp sizes must be in [1, {limits.MAX_WIDTH}]")
         return self
 
     @property
@@ -284,8 +99,8 @@ class ModelConfig(Strict):
     bottom_mlp: list[int] = Field([512, 256, 64, 16], min_length=1, description="bottom MLP layer sizes")
     top_mlp: list[int] = Field([512, 256], description="top MLP hidden sizes (a final 1-unit layer is added)")
     self_interaction: bool = Field(False, description="dlrm: include each vector's dot with itself")
-    cross_layers: int = Field(3, gt=0, description="dcnv2: number of cross layers")
-    low_rank: int | None = Field(None, gt=0, description="dcnv2: rank of the cross weights (None = full)")
+    cross_layers: int = Field(3, gt=0, le=limits.MAX_LAYERS, description="dcnv2: number of cross layers")
+    low_rank: int | None = Field(None, gt=0, le=limits.MAX_WIDTH, description="dcnv2: rank of the cross weights (None = full)")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="MLP and interaction math: fp32, or bf16 autocast (weights and gradients stay fp32)"
     )
@@ -296,8 +111,8 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _positive(self) -> ModelConfig:
-        if any(s <= 0 for s in self.bottom_mlp + self.top_mlp):
-            raise ValueError("layer sizes must be > 0")
+        if any(not 0 < s <= limits.MAX_WIDTH for s in self.bottom_mlp + self.top_mlp):
+            raise ValueError(f"layer sizes must be in [1, {limits.MAX_WIDTH}]")
         if self.arch == "multitask":
             names = [t.name for t in self.tasks]
             if not names:
@@ -323,7 +138,7 @@ POOLED_ARCHS = ("dlrm", "dcnv2", "deepfm", "multitask", "two_tower")
 class TableOverride(Strict):
     """Per-table settings that differ from the `embedding` defaults."""
 
-    dim: int | None = Field(None, gt=0, description="embedding dimension")
+    dim: int | None = Field(None, gt=0, le=limits.MAX_DIM, description="embedding dimension")
     pooling: Literal["sum", "mean", "none"] | None = Field(
         None, description="bag pooling; none: one row per id (a sequence feature, for sequential models)"
     )
@@ -334,7 +149,7 @@ class TableOverride(Strict):
         None, description="the reader passes raw ids and an id map gives each its own row (docs/managed-collision.md)"
     )
     rows: int | None = Field(
-        None, gt=0, description="managed-collision tables: rows (the id map's capacity; default: the data's id count)"
+        None, gt=0, le=limits.MAX_ROWS, description="managed-collision tables: rows (the id map's capacity; default: the data's id count)"
     )
 
 
@@ -389,7 +204,7 @@ class CacheConfig(Strict):
 
 class EmbeddingConfig(Strict):
     engine: Literal["fused", "reference"] = Field("fused", description="fused table-batched engine, or per-table nn.EmbeddingBag")
-    dim: int = Field(16, gt=0, description="default embedding dimension")
+    dim: int = Field(16, gt=0, le=limits.MAX_DIM, description="default embedding dimension")
     pooling: Literal["sum", "mean"] = Field("sum", description="default bag pooling")
     dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="default weight storage type")
     stochastic_rounding: bool = Field(False, description="fp16/bf16 weights: round updates stochastically (seeded)")
@@ -450,13 +265,13 @@ class TrainConfig(Strict):
     )
     eval_max_batches: int | None = Field(None, gt=0, description="cap on mid-training evaluation batches")
     log_every: int = Field(50, gt=0, description="write a metrics line every N steps")
-    threads: int | None = Field(None, gt=0, description="torch intra-op threads (None: torch's default)")
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads, at most 4 per core (None: torch's default)")
     device: Literal["cpu", "cuda"] = Field(
         "cpu",
         description="where the model trains: cpu, or cuda (each process on GPU LOCAL_RANK; ranks share GPUs over gloo)",
     )
     progress: bool = Field(True, description="show a tqdm progress bar")
-    prefetch: int = Field(4, ge=0, description="batches made ahead by a background thread (0: none)")
+    prefetch: int = Field(4, ge=0, le=1024, description="batches made ahead by a background thread (0: none)")
     pipeline: bool = Field(
         True, description="multi-process: start the next batch's id exchange while this batch computes"
     )
@@ -477,6 +292,13 @@ class TrainConfig(Strict):
         if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             return v
         raise ValueError("expected a number of steps (> 0), 'auto' or null")
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, v: int | None) -> int | None:
+        if v is not None and v > limits.max_threads():
+            raise ValueError(f"at most {limits.max_threads()} (4 per core of this machine's {limits.max_threads() // 4})")
+        return v
 
 
 class TableShardingConfig(Strict):
@@ -536,8 +358,8 @@ class LoggingConfig(Strict):
 
 
 class RunConfig(Strict):
-    name: str = Field("default", min_length=1, description="run name, used in the output folder")
-    seed: int = Field(0, ge=0, description="seed of everything: data, init, shuffling")
+    name: str = Field("default", min_length=1, description="run name: a plain folder name (no '/'), at most 255 bytes")
+    seed: int = Field(0, ge=0, lt=limits.MAX_SEED, description="seed of everything: data, init, shuffling")
     output_dir: str = Field("runs/{name}", description="where logs, plots and the model go ({name} is replaced)")
     data: DataConfig = Field(default_factory=DataConfig, description="data source and batching")
     model: ModelConfig = Field(default_factory=ModelConfig, description="network architecture")
@@ -550,6 +372,13 @@ class RunConfig(Strict):
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="periodic sharded checkpoints and resume"
     )
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if v in (".", "..") or any(c in v for c in "/\\\0") or len(v.encode()) > 255:
+            raise ValueError("must be a plain folder name (no '/', '\\', '..'), at most 255 bytes")
+        return v
 
     @model_validator(mode="after")
     def _dlrm_dims(self) -> RunConfig:

@@ -38,10 +38,10 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from neorec.data.batch import Batch
-from neorec.utils.hashing import splitmix64
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.errors import ConfigError, DataError
 from neorec.sparse import SparseBatch
+from neorec.utils.hashing import splitmix64
 
 NUM_DENSE = 13
 NUM_CATEGORICAL = 26

@@ -30,9 +30,9 @@ from neorec.config.schema import ParquetFeatureConfig
 from neorec.data.checks import check_ids, check_labels, dense_error, first_nonfinite
 from neorec.data.columns import Columns
 from neorec.data.criteo import MAX_HEX_DIGITS, parse_hex
-from neorec.utils.hashing import splitmix64
 from neorec.data.vocab import apply_vocab
 from neorec.errors import DataError
+from neorec.utils.hashing import splitmix64
 
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)

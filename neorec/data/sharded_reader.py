@@ -45,8 +45,9 @@ import numpy as np
 from neorec.data.batch import Batch
 from neorec.data.checks import check_dense, check_ids, check_labels, checked_mode
 from neorec.data.columns import Columns, cut_batches
+from neorec.data.manifest import check_part_files, load_manifest, shard_name
 from neorec.data.prefetch import prefetch
-from neorec.data.preprocess import SPLITS, load_manifest, shard_name
+from neorec.data.preprocess import SPLITS
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.errors import ConfigError, DataError
 
@@ -54,19 +55,29 @@ _OPEN_PARTS = 32  # memory-mapped shard parts kept open (each maps one file per 
 _LAYOUT_KEYS = ("seed", "rank", "world_size", "shuffle", "shuffle_window")
 
 
+_NUMBERS, _INTEGERS, _FLOATS = "biuf", "iu", "f"  # numpy dtype kinds a column may have
+
+
 class _Part:
-    """One shard's columns of one split, memory-mapped."""
+    """One shard's columns of one split, memory-mapped; each checked to have the dimensions and the kind
+    of dtype its column needs (a file of floats where ids belong, or labels of two dimensions, is a
+    DataError naming it, not a failure deep in a batch)."""
 
     def __init__(self, folder: Path, features: list[FeatureSpec], num_dense: int) -> None:
         self.folder = folder
-        self.dense = self._load("dense")
-        self.labels = self._load("labels")
-        self.ids = [self._load(f"ids_{f.name}") for f in features]
-        self.lengths = [self._load(f"lengths_{f.name}") if f.multi_hot else None for f in features]
-        self.weights = [self._load(f"weights_{f.name}") if f.weighted else None for f in features]
+        self.dense = self._load("dense", 2, _NUMBERS)
+        self.labels = self._load("labels", 1, _NUMBERS)
+        self.ids = [self._load(f"ids_{f.name}", 1, _INTEGERS) for f in features]
+        self.lengths = [self._load(f"lengths_{f.name}", 1, _INTEGERS) if f.multi_hot else None for f in features]
+        self.weights = [self._load(f"weights_{f.name}", 1, _FLOATS) if f.weighted else None for f in features]
         n = len(self.labels)
         if self.dense.shape != (n, num_dense):
             raise DataError(f"{folder}/dense.npy: shape {self.dense.shape}, expected ({n}, {num_dense})")
+        for f, ln in zip(features, self.lengths, strict=True):
+            if ln is not None and len(ln) != n:
+                raise DataError(f"{folder}/lengths_{f.name}.npy: {len(ln)} bag sizes, expected {n}")
+            if ln is not None and n and int(ln.min()) < 0:
+                raise DataError(f"{folder}/lengths_{f.name}.npy: a negative bag size; preprocess again into a new folder")
         # start of each sample's ids in a multi-hot column (one cumsum per part, when first opened)
         self.offsets = [None if ln is None else np.concatenate([[0], np.cumsum(ln, dtype=np.int64)])
                         for ln in self.lengths]  # fmt: skip
@@ -74,6 +85,9 @@ class _Part:
             expected = n if off is None else int(off[-1])
             if len(ids) != expected:
                 raise DataError(f"{folder}/ids_{features[f].name}.npy: {len(ids)} ids, expected {expected}")
+            w = self.weights[f]
+            if w is not None and len(w) != expected:
+                raise DataError(f"{folder}/weights_{features[f].name}.npy: {len(w)} weights, expected {expected}")
 
     def check(
         self, features: list[FeatureSpec], raw: set[str], bounds_check: str, dense_names: list[str]
@@ -87,12 +101,18 @@ class _Part:
             check_ids(ids, str(self.folder / f"ids_{f.name}.npy"), f.name, f.num_ids, lengths=ln,
                       raw=f.name in raw, mode=bounds_check)  # fmt: skip
 
-    def _load(self, name: str) -> np.ndarray:
+    def _load(self, name: str, ndim: int, kinds: str) -> np.ndarray:
+        """Column `name`, memory-mapped, with `ndim` dimensions and a dtype of one of `kinds`."""
         path = self.folder / f"{name}.npy"
         try:
-            return np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as e:
+            array = np.load(path, mmap_mode="r")
+        except (OSError, ValueError, EOFError) as e:
             raise DataError(f"{path}: cannot read ({e}); preprocess again into a new folder") from None
+        if not isinstance(array, np.ndarray) or array.ndim != ndim or array.dtype.kind not in kinds:
+            what = {_INTEGERS: "integers", _FLOATS: "floats"}.get(kinds, "numbers")
+            got = f"{array.ndim}-D {array.dtype}" if isinstance(array, np.ndarray) else type(array).__name__
+            raise DataError(f"{path}: {got}, expected {ndim}-D {what}; preprocess again into a new folder")
+        return array
 
     def read(self, start: int, end: int) -> Columns:
         """Samples [start, end): views of the mapping (Columns.cat copies them out)."""
@@ -141,10 +161,12 @@ class PreprocessedSource:
         self.keys = [f.name for f in self.features]
         # per split: (folder, samples) of every shard holding samples of that split, in manifest order
         self.parts: dict[str, list[tuple[Path, int]]] = {split: [] for split in SPLITS}
+        self._files: dict[Path, dict] = {}  # part folder -> its shard's file sizes and crc32s (manifest.py)
         for entry in manifest["shards"]:
             for split, n in entry["samples"].items():
                 if n:
                     self.parts[split].append((self.root / "shards" / shard_name(entry["index"]) / split, n))
+                    self._files[self.parts[split][-1][0]] = entry.get("files", {})
         notes = dict(manifest.get("notes", {}))
         notes.update(settings=manifest["settings"], skipped=manifest.get("skipped", {}))
         self.info = SourceInfo(self.num_dense, self.features, self.num_samples("train"), notes)
@@ -276,6 +298,8 @@ class PreprocessedSource:
         with self._lock:
             part = self._open.get(folder)
             if part is None:
+                if folder not in self._checked:  # its files' sizes and crc32s, before they are mapped
+                    check_part_files(folder, self._files[folder])
                 part = _Part(folder, self.features, self.num_dense)
                 if len(part.labels) != size:
                     raise DataError(
@@ -291,17 +315,59 @@ class PreprocessedSource:
             return part
 
 
-def checked_position(reader: Any, state: dict[str, Any], layout_keys: tuple[str, ...]) -> tuple[int, int]:
+_LAYOUT_WORDS = {
+    "seed": "seed",
+    "world_size": "number of processes (--nproc)",
+    "rank": "rank",
+    "shuffle": "shuffle setting (data.preprocessed.shuffle / data.parquet.shuffle)",
+    "shuffle_window": "data.preprocessed.shuffle_window",
+}
+
+
+def checked_position(
+    reader: Any, state: Any, layout_keys: tuple[str, ...], where: str = "reader state"
+) -> tuple[int, int]:
     """(epoch, samples) of a saved reader position, after checking that `reader` has the layout
     (`layout_keys`: seed, ranks, shuffle settings) the position is valid for and that the position
-    lies within its training samples."""
+    lies within its training samples. Nothing is changed: a bad position is refused before any use."""
+    if not isinstance(state, dict):
+        raise DataError(f"{where}: the reader position is {type(state).__name__}, not a mapping")
     for key in layout_keys:
         if key in state and state[key] != getattr(reader, key):
             raise ConfigError(
-                f"reader state has {key}={state[key]!r} but this reader has {getattr(reader, key)!r}: "
-                "resuming exactly needs the same seed, ranks and shuffle settings"
+                f"{where} was saved with {_LAYOUT_WORDS.get(key, key)} {state[key]!r}, this run has "
+                f"{getattr(reader, key)!r}: a reader's position continues only under the same seed, number of "
+                "processes and shuffle settings; resume with those, or start a new run (--overwrite)"
             )
-    epoch, samples = int(state["epoch"]), int(state["samples"])
+    epoch, samples = state.get("epoch"), state.get("samples")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, samples)):
+        raise DataError(f"{where}: reader position epoch {epoch!r}, samples {samples!r}: not whole numbers >= 0")
     if not 0 <= samples <= reader.num_samples("train"):
-        raise DataError(f"reader state: samples {samples} is outside [0, {reader.num_samples('train')}]")
+        raise DataError(f"{where}: samples {samples} is outside [0, {reader.num_samples('train')}]")
     return epoch, samples
+
+
+def check_resume(data: Any, state: Any, where: str | Path) -> None:
+    """Refuse, before anything is loaded or said, a checkpoint whose data position `data` (the trainer's
+    RankData) cannot continue exactly: `state` is the manifest's "state" (RankData.position, plus the
+    trainer's batch_size). A reader with a position of its own (Parquet, preprocessed shards) must have
+    the layout it was saved under (seed, number of processes, shuffle settings); ConfigError otherwise,
+    naming the checkpoint `where` and what differs."""
+    where = f"checkpoint {where}"
+    if not isinstance(state, dict):
+        raise DataError(f"{where}: its training state is {type(state).__name__}, not a mapping")
+    saved = state.get("batch_size")
+    if saved is not None and saved != data.batch_size:
+        raise ConfigError(
+            f"{where} was trained with data.batch_size {saved!r}, this run has {data.batch_size}: resuming "
+            "exactly needs the same data.batch_size"
+        )
+    reader = state.get("reader")
+    source = data.source
+    if not state.get("batches") or reader is None or not hasattr(source, "load_state"):
+        return  # nothing read yet, or a source that re-reads the trained batches
+    if not isinstance(reader, dict):
+        raise DataError(f"{where}: the reader position is {type(reader).__name__}, not a mapping")
+    layout = tuple(k for k in _LAYOUT_KEYS if hasattr(source, k))  # a Parquet reader has no shuffle_window
+    reader = {**reader, "rank": data.rank} if data.reads_part else reader
+    checked_position(source, reader, layout, where)

@@ -10,6 +10,8 @@ ids within their features' `num_ids` as `bounds_check` says.
 from __future__ import annotations
 
 import json
+import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,10 +68,10 @@ class ShardSource:
         if not meta_path.is_file():
             raise DataError(f"{meta_path}: missing; is {self.root} a folder written by `neorec data generate`?")
         try:
-            self.meta = json.loads(meta_path.read_text())
-            self.features = [FeatureSpec(**f) for f in self.meta["features"]]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            self.meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+        except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON, an integer of 5000 digits
             raise DataError(f"{meta_path}: not a valid shard description ({e})") from None
+        self.features = _check_meta(self.meta, meta_path)
         self.keys = [f.name for f in self.features]
         self._checked: set[Path] = set()  # files already checked (not rescanned nor warned about each epoch)
         self.info = SourceInfo(
@@ -80,13 +82,17 @@ class ShardSource:
     def _read(self, path: Path) -> Block:
         try:
             with np.load(path) as z:
-                t = {k: torch.from_numpy(z[k]) for k in z.files}
-        except (OSError, ValueError) as e:
-            raise DataError(f"{path}: cannot read shard ({e})") from None
+                arrays = {k: z[k] for k in z.files}
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:  # damaged
+            raise DataError(f"{path}: cannot read shard ({e}); write the shards again (`neorec data generate`)") from None
+        except AttributeError:  # np.load gave a single array (an .npy file), not an archive
+            raise DataError(f"{path}: not a shard archive (.npz); write the shards again") from None
         names = ["dense", "labels"] + [f"{a}_{n}" for n in self.keys for a in ("values", "lengths")]
-        missing = [k for k in names if k not in t]
+        missing = [k for k in names if k not in arrays]
         if missing:
             raise DataError(f"{path}: shard lacks arrays {missing}")
+        _check_arrays(arrays, path, self.keys, self.meta["num_dense"])
+        t = {k: torch.from_numpy(a) for k, a in arrays.items()}
         if path not in self._checked:
             self._check(path, t)
             self._checked.add(path)
@@ -126,3 +132,60 @@ class ShardSource:
 
     def teacher_auc(self) -> float | None:
         return self.meta.get("teacher_auc")
+
+
+def _check_meta(meta: object, path: Path) -> list[FeatureSpec]:
+    """The features of a parsed meta.json, after checking its structure and types (DataError naming
+    the file and the key)."""
+
+    def bad(what: str) -> DataError:
+        return DataError(f"{path}: not a valid shard description ({what}); write the shards again")
+
+    if not isinstance(meta, dict):
+        raise bad(f"a {type(meta).__name__}, expected a JSON object")
+    for key in ("num_dense", "train_files", "eval_files"):
+        if not _whole(meta.get(key)) or meta[key] < 0:
+            raise bad(f"{key!r} is {meta.get(key)!r}, expected a whole number >= 0")
+    if meta.get("num_train_samples") is not None and not _whole(meta["num_train_samples"]):
+        raise bad(f"'num_train_samples' is {meta['num_train_samples']!r}, expected a whole number")
+    auc = meta.get("teacher_auc")
+    if auc is not None and (not isinstance(auc, int | float) or isinstance(auc, bool) or not 0 <= auc <= 1):
+        raise bad(f"'teacher_auc' is {auc!r}, expected a number in [0, 1]")
+    features = meta.get("features")
+    if not isinstance(features, list) or not features:
+        raise bad("'features' is not a non-empty list")
+    out = []
+    for f in features:
+        ok = isinstance(f, dict) and isinstance(f.get("name"), str) and _whole(f.get("num_ids")) and f["num_ids"] > 0
+        flags = ok and set(f) <= {"name", "num_ids", "multi_hot", "weighted"}
+        if not flags or not all(isinstance(f.get(k, False), bool) for k in ("multi_hot", "weighted")):
+            raise bad(f"feature {str(f)[:80]}: expected {{name, num_ids > 0, multi_hot, weighted}}")
+        out.append(FeatureSpec(**f))
+    return out
+
+
+def _check_arrays(arrays: dict[str, np.ndarray], path: Path, keys: list[str], num_dense: int) -> None:
+    """Each array of a shard has the dimensions and kind of dtype it needs (ids and bag sizes integers,
+    labels one number per sample, dense [n, num_dense] numbers)."""
+    n = len(arrays["labels"]) if arrays["labels"].ndim else 0
+    wanted = {"dense": (2, "biuf"), "labels": (1, "biuf")}
+    for name in keys:
+        wanted |= {f"values_{name}": (1, "iu"), f"lengths_{name}": (1, "iu"), f"weights_{name}": (1, "f")}
+    for key, array in arrays.items():
+        ndim, kinds = wanted.get(key, (array.ndim, array.dtype.kind))
+        if array.ndim != ndim or array.dtype.kind not in kinds:
+            what = {"iu": "integers", "f": "floats"}.get(kinds, "numbers")
+            raise DataError(f"{path}: array {key!r} is {array.ndim}-D {array.dtype}, expected {ndim}-D {what}")
+    if arrays["dense"].shape != (n, num_dense):
+        raise DataError(f"{path}: dense is {arrays['dense'].shape}, expected ({n}, {num_dense})")
+    for name in keys:
+        lengths, values = arrays[f"lengths_{name}"], arrays[f"values_{name}"]
+        if len(lengths) != n or (n and int(lengths.min()) < 0) or int(lengths.sum()) != len(values):
+            raise DataError(f"{path}: lengths_{name} does not describe the {len(values)} ids of {n} samples")
+        weights = arrays.get(f"weights_{name}")
+        if weights is not None and len(weights) != len(values):
+            raise DataError(f"{path}: weights_{name} has {len(weights)} entries for {len(values)} ids")
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -47,9 +47,9 @@ import torch
 
 from neorec.data.batch import Batch
 from neorec.data.blocks import Block, rebatch
-from neorec.utils.hashing import splitmix64
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.errors import ConfigError, DataError
+from neorec.utils.hashing import splitmix64
 
 BLOCK = 16384
 

@@ -12,6 +12,11 @@ message, instead of torchrun's traceback of the agent.
 A SIGTERM or SIGINT sent to the launcher reaches the agent, which forwards it to every worker once:
 the workers stop at the same step boundary with a checkpoint (neorec/train/signals.py) and rank 0
 prints the command that resumes; the launcher exits with 128 + the signal's number, as they do.
+
+A launcher that ends without a word (SIGKILL, a crash) takes its workers with it: each asks the kernel
+for SIGKILL when its parent goes (neorec/utils/parent_watch.py). The run folder's lock is held by
+the launcher and by every worker (neorec/train/run_lock.py: `env` passes the run's key to them), so
+the folder stays locked until the last of them is gone.
 """
 
 from __future__ import annotations
@@ -31,15 +36,19 @@ REPORT_DIR = "NEOREC_REPORT_DIR"
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "rank that failed first")
 
 
-def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str]) -> int:
+def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str], env: dict[str, str] | None = None) -> int:
     """Run `neorec <argv>` on `nproc` processes of this machine under torchrun's agent (as
     `torchrun --standalone --nproc-per-node N -m neorec ...`). `user_argv`: the command as the
-    user typed it (with --nproc), for the resume line. Returns the exit code."""
+    user typed it (with --nproc), for the resume line; `env`: more for the workers' environment.
+    Returns the exit code. Call it on a thread that lives until it returns (the workers' death
+    signal follows the thread that started them: parent_watch.py)."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    from neorec.utils.parent_watch import launcher_env
 
     cmd = ["--standalone", f"--nproc-per-node={nproc}", "-m", "neorec", *argv]
     logging.getLogger("neorec").info("launching: torchrun " + shlex.join(cmd))
@@ -48,8 +57,8 @@ def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str]) -> int:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="neorec-launch-") as reports:
-        os.environ[REPORT_DIR] = reports
-        os.environ["NEOREC_ARGV"] = shlex.join(user_argv)
+        workers_env = {REPORT_DIR: reports, "NEOREC_ARGV": shlex.join(user_argv), **launcher_env(), **(env or {})}
+        os.environ.update(workers_env)  # the agent starts the workers with a copy of this environment
         try:
             run(parse_args(cmd))
             return 0
@@ -63,8 +72,8 @@ def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str]) -> int:
         except ChildFailedError as e:
             return _report_failures(e.failures, _reports(reports))
         finally:
-            os.environ.pop(REPORT_DIR, None)
-            os.environ.pop("NEOREC_ARGV", None)
+            for name in workers_env:
+                os.environ.pop(name, None)
 
 
 def _reports(folder: str) -> dict[int, dict]:

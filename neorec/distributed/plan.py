@@ -19,13 +19,13 @@ size and policy come from embedding.cache.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from neorec.distributed.topology import Topology
 from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError
+from neorec.utils.files import read_json, write_json
 
 KINDS = ("tw", "rw", "cw", "twrw", "twcw", "dp")
 MANAGED_COLLISION_KINDS = ("tw", "rw")  # the kinds that keep an id map with its rows
@@ -73,36 +73,43 @@ class ShardingPlan:
         return {"tables": {name: p.to_dict() for name, p in self.tables.items()}}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """The plan file, with a "crc32" of its content, written atomically (neorec/utils/files.py)."""
+        write_json(path, self.to_dict(), "plan file", indent=2)
 
     @staticmethod
-    def from_dict(data: dict, source: str = "plan") -> ShardingPlan:
+    def from_dict(data: object, source: str = "plan") -> ShardingPlan:
+        """The plan of parsed JSON, its structure and types checked (a table's kind and tier among the
+        known ones, ranks a list of whole numbers, node a whole number): ConfigError naming `source`
+        and the table otherwise. Ranks and nodes are checked against a topology by `validate`."""
         if not isinstance(data, dict) or not isinstance(data.get("tables"), dict):
             raise ConfigError(f"{source}: expected {{'tables': {{name: {{'kind': ..., 'ranks': [...]}}}}}}")
         tables = {}
         for name, entry in data["tables"].items():
-            if not isinstance(entry, dict) or entry.get("kind") not in KINDS:
-                raise ConfigError(f"{source}: table {name!r}: 'kind' must be one of {list(KINDS)}, got {entry!r}")
+            where = f"{source}: table {_short(name)}"
+            if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str) or entry["kind"] not in KINDS:
+                got = _short(entry.get("kind") if isinstance(entry, dict) else entry)
+                raise ConfigError(f"{where}: 'kind' must be one of {list(KINDS)}, got {got}")
             unknown = set(entry) - {"kind", "ranks", "node", "tier"}
             if unknown:
-                raise ConfigError(
-                    f"{source}: table {name!r}: unknown key(s) {sorted(unknown)}; allowed: kind, ranks, node, tier"
-                )
-            if entry.get("tier", "device") not in TIERS:
-                raise ConfigError(f"{source}: table {name!r}: 'tier' must be one of {list(TIERS)}, got {entry['tier']!r}")
+                raise ConfigError(f"{where}: unknown key(s) {_short(sorted(unknown))}; allowed: kind, ranks, node, tier")
+            tier = entry.get("tier")
+            if tier is not None and (not isinstance(tier, str) or tier not in TIERS):
+                raise ConfigError(f"{where}: 'tier' must be one of {list(TIERS)}, got {_short(tier)}")
             ranks = entry.get("ranks", [])
-            if not isinstance(ranks, list) or not all(isinstance(r, int) for r in ranks):
-                raise ConfigError(f"{source}: table {name!r}: 'ranks' must be a list of integers, got {ranks!r}")
-            tables[name] = TablePlan(entry["kind"], list(ranks), entry.get("node"), entry.get("tier"))
+            if not isinstance(ranks, list) or not all(_whole(r) for r in ranks):
+                raise ConfigError(f"{where}: 'ranks' must be a list of whole numbers, got {_short(ranks)}")
+            node = entry.get("node")
+            if node is not None and not _whole(node):
+                raise ConfigError(f"{where}: 'node' must be a whole number, got {_short(node)}")
+            tables[name] = TablePlan(entry["kind"], list(ranks), node, tier)
         return ShardingPlan(tables)
 
     @staticmethod
     def load(path: str | Path) -> ShardingPlan:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"sharding plan {path}: {e}") from e
-        return ShardingPlan.from_dict(data, str(path))
+        """A plan file: its "crc32" checked when it has one (one written by hand may have none)."""
+        hint = "write it again (`neorec plan`), or give another distributed.plan"
+        data = read_json(path, "sharding plan", hint, ConfigError, keys=("tables",))
+        return ShardingPlan.from_dict(data, f"sharding plan {path}")
 
     # ---- meaning ---------------------------------------------------------------------------------------
     def shards(self, table: TableConfig, topo: Topology) -> list[Shard]:
@@ -166,6 +173,17 @@ class ShardingPlan:
                     f"{where}: {n} row shards need managed_collision.buckets to be a multiple of {n}, got "
                     f"{mc.buckets}; set embedding.tables.{t.name}.managed_collision.buckets (each rank owns whole buckets)"
                 )
+
+
+def _whole(value: object) -> bool:
+    """A whole number as JSON gives it (not a boolean, nor a float such as NaN or 1.0)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters for an error line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-1]}"
 
 
 def even_splits(total: int, parts: int) -> list[int]:

@@ -191,7 +191,7 @@ def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
     if not (d.plan or d.sharding or cfg.embedding.tables):
         return
     tables = build_tables(cfg, build_source(cfg).info)
-    if d.plan or d.sharding:
+    if (d.plan or d.sharding) and num_processes > 1:  # one process trains unsharded: a plan does not apply
         from neorec.distributed.plan import ShardingPlan, TablePlan
         from neorec.distributed.topology import Topology
 

@@ -1,12 +1,12 @@
 """A run folder holds one run: `neorec train` refuses a folder with another run's results unless told
-to resume it or to overwrite it, and checks this before any work starts."""
+to resume it or to overwrite it, and checks this before any work starts, while it holds the folders'
+lock (run_folders; neorec/train/run_lock.py), so that no other run can start there meanwhile."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from neorec.checkpoint.save import list_checkpoints
 from neorec.config.schema import RunConfig
 from neorec.errors import ConfigError
 
@@ -18,8 +18,23 @@ def checkpoint_root(cfg: RunConfig, out_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
 
 
+def run_folders(cfg: RunConfig, out_dir: Path) -> list[Path]:
+    """The folders a run writes into and locks: the run folder, and checkpoint.dir where that lies
+    outside it and holds checkpoints or will (an absent one with checkpoints off is left alone)."""
+    root = checkpoint_root(cfg, out_dir)
+    inside = root.resolve().is_relative_to(out_dir.resolve())
+    return [out_dir] if inside or not (root.is_dir() or cfg.checkpoint.enabled) else [out_dir, root]
+
+
+def check_output_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--output-dir {out_dir}: is a file; the run folder must be a folder")
+
+
 def previous_run(out_dir: Path, ckpt_root: Path) -> list[str]:
     """What in `out_dir` (and the checkpoint folder) shows that a run was trained there already."""
+    from neorec.checkpoint.save import list_checkpoints  # (torch: imported once the folder is locked)
+
     found = [name for name in RESULTS if (out_dir / name).exists()]
     if list_checkpoints(ckpt_root):
         found.append(f"checkpoints in {ckpt_root}")
@@ -28,15 +43,14 @@ def previous_run(out_dir: Path, ckpt_root: Path) -> list[str]:
 
 def check_run_folder(cfg: RunConfig, out_dir: Path, *, overwrite: bool, resume: bool) -> None:
     """Refuse to train into a folder that holds another run, unless `resume` or `overwrite`."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"--output-dir {out_dir}: is a file; the run folder must be a folder")
+    check_output_dir(out_dir)
     if overwrite and resume:
         raise ConfigError("--overwrite starts afresh and --resume continues: give one of them")
     root = checkpoint_root(cfg, out_dir)
     found = previous_run(out_dir, root)
     if not found or overwrite:
         return
-    resumable = bool(list_checkpoints(root))
+    resumable = any(name.startswith("checkpoints in") for name in found)
     if resume and not resumable:
         raise ConfigError(
             f"{out_dir} holds a run ({', '.join(found)}) but no checkpoint in {root} to resume from: pass "

@@ -17,6 +17,7 @@ from torch import nn
 
 from neorec.checkpoint import load_checkpoint
 from neorec.checkpoint.files import CheckpointError
+from neorec.checkpoint.load import read_manifest
 from neorec.checkpoint.periodic import PeriodicCheckpoints
 from neorec.checkpoint.save import checkpoint_name
 from neorec.checkpoint.stream import save_model_state
@@ -25,6 +26,7 @@ from neorec.config.schema import RunConfig
 from neorec.data.device_feed import DeviceFeed
 from neorec.data.prefetch import prefetch
 from neorec.data.ranks import RankData
+from neorec.data.sharded_reader import check_resume
 from neorec.data.source import DataSource
 from neorec.distributed.comms import Comms
 from neorec.distributed.dense import DenseGradSync
@@ -47,6 +49,7 @@ from neorec.train.logger import MetricsLogger, read_metrics
 from neorec.train.pipeline import pipelined
 from neorec.train.schedule import lr_multiplier
 from neorec.train.signals import StopSignals, TrainingStopped
+from neorec.utils.files import write_text
 from neorec.utils.host import keep_freed_memory
 from neorec.utils.json_values import strict_dumps
 from neorec.utils.progress import progress_bar
@@ -185,9 +188,7 @@ class Trainer:
             self.dense_sync.broadcast_parameters()
         self.timings: dict[str, float] = defaultdict(float)  # seconds per stage, summed over steps
         self.emb_opt = self.embeddings.build_optimizer()
-        self._base_lrs = [
-            [g["lr"] for g in opt.param_groups] for opt in (self.dense_opt, self.emb_opt)
-        ]
+        self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in (self.dense_opt, self.emb_opt)]
         self.out_dir = Path(out_dir or cfg.resolved_output_dir)
         root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
         self.checkpoints = PeriodicCheckpoints(cfg.checkpoint, root, self.topo)
@@ -270,10 +271,11 @@ class Trainer:
     def _fit(self, stop: StopSignals) -> RunResult:
         cfg, t = self.cfg, self.cfg.train
         logger: MetricsLogger | _NoLogger = _NoLogger()
+        to_resume = self._checkpoint_to_resume() if self.resume else None  # refused before anything is written
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.yaml").write_text(dump_config(cfg))
-        step, first_epoch, position = self._resume() if self.resume else (0, 0, None)
+            write_text(self.out_dir / "config.yaml", dump_config(cfg), "run config")  # atomic
+        step, first_epoch, position = self._resume(to_resume) if to_resume is not None else (0, 0, None)
         if self.is_main:  # resumed: metrics.jsonl keeps its lines up to the checkpoint, drops the later ones
             resumed = {"step": step, "lines": position.get("metrics_lines")} if position is not None else None
             logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard, resume=resumed)
@@ -399,13 +401,20 @@ class Trainer:
         optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
         self.checkpoints.save(step, self.embeddings, self.model, optimizers, state)
 
-    def _resume(self) -> tuple[int, int, dict | None]:
-        """(step, epoch, data position: see RankData.position) of the checkpoint to resume from, loaded."""
+    def _checkpoint_to_resume(self) -> Path | None:
+        """The checkpoint `resume` names (None: none yet, start from step 0), once its data position is
+        known to fit this run's reader (same batch size, processes and shuffle settings): an
+        incompatible resume is refused before anything is said, loaded or written."""
         path = self.checkpoints.to_resume(self.resume)
         if path is None:
             if self.is_main:
                 log.info(f"no checkpoint in {self.checkpoints.root}; starting from step 0")
-            return 0, 0, None
+            return None
+        check_resume(self.data, read_manifest(path).get("state"), path)
+        return path
+
+    def _resume(self, path: Path) -> tuple[int, int, dict | None]:
+        """(step, epoch, data position: see RankData.position) of checkpoint `path`, loaded."""
         optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
         manifest = load_checkpoint(path, self.embeddings, self.model, optimizers)
         state = manifest["state"]
@@ -470,10 +479,12 @@ class Trainer:
         if table_bytes > 2 * 2**30:
             return None
         state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("embeddings.")}
+        mine = torch.tensor([emb.local.num_updates, emb.replicated.num_updates], dtype=torch.int64)
+        updates = self.comms.all_gather(mine, "eval").max()  # sharded, dp: 2 engines; a rank may hold neither
         for name, entries in emb.gather_tables().items():  # type: ignore[operator]
             for key, value in entries.items():
                 state[f"embeddings.tables.{name}.{key}"] = value
-            state[f"embeddings.tables.{name}.step"] = torch.tensor(emb.local.num_updates, dtype=torch.int64)
+            state[f"embeddings.tables.{name}.step"] = updates.clone()
         return state
 
     def _device_peaks(self) -> list[float] | None:
@@ -530,7 +541,7 @@ class Trainer:
             **({"planned_device_mib_per_rank": planned} if planned else {}),
             **{f"eval_{k}": v for k, v in result.eval.items()},
         }
-        (self.out_dir / "summary.json").write_text(strict_dumps(summary, indent=2))  # NaN/inf: null
+        write_text(self.out_dir / "summary.json", strict_dumps(summary, indent=2), "run summary")  # NaN/inf: null
         if self.cfg.logging.plot:
             from neorec.metrics.plot import plot_curves
 

@@ -1,0 +1,60 @@
+"""`neorec eval` of a run whose model.pt does not fit the config it is given (`--set model...`), or whose
+model.pt is truncated: one `neorec: error:` line naming model.pt, exit 2, before any evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from neorec.cli import main
+
+TINY = [
+    "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 100]", "data.synthetic.num_sparse=4",
+    "data.synthetic.train_samples=1000", "data.synthetic.eval_samples=500", "data.batch_size=250",
+    "train.max_steps=2", "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
+]  # fmt: skip
+
+
+def fails(capsys, argv: list[str], *words: str) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err
+    assert err.count("neorec: error:") == 1 and err.startswith("neorec: error: "), err
+    assert "Traceback" not in err and "auc" not in captured.out.lower(), err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eval") / "run"
+    assert main(["train", *[x for kv in TINY for x in ("--set", kv)], "--output-dir", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("model.bottom_mlp=[32, 16]", ["size mismatch for bottom", "leave out the --set"]),
+        ("model.top_mlp=[64, 64, 64, 64]", ["model.pt does not fit", "top"]),
+        ("model.arch=dcnv2", ["model.pt does not fit"]),
+        ("embedding.dim=8", ["model.bottom_mlp must end in embedding.dim"]),  # the config alone is wrong
+        ("data.synthetic.rows=[50, 300, 7, 101]", ["model.pt does not fit", "C4"]),
+    ],
+)
+def test_eval_with_a_config_that_does_not_fit_model_pt(run, capsys, override, words):
+    err = fails(capsys, ["eval", str(run), "--set", override])
+    for w in words:
+        assert any(alternative in err for alternative in w.split("|")), err
+
+
+@pytest.mark.parametrize("keep", [0, 100, 3000, -1000])
+def test_eval_of_a_truncated_model_pt(run, tmp_path, capsys, keep):
+    damaged = tmp_path / "run"
+    damaged.mkdir()
+    (damaged / "config.yaml").write_bytes((run / "config.yaml").read_bytes())
+    data = (run / "model.pt").read_bytes()
+    (damaged / "model.pt").write_bytes(data[:keep])
+    fails(capsys, ["eval", str(damaged)], "model.pt")

@@ -1,0 +1,71 @@
+"""Resuming a checkpoint that the run cannot continue exactly: a Parquet (or preprocessed-shard) reader's
+position belongs to the number of processes, seed and shuffle settings it was saved under. Another
+number of processes is refused before anything is said or done: no "resumed from" line, no table
+loaded, the run's metrics untouched; one `neorec: error:` line naming the checkpoint and --nproc."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from neorec.cli import main
+
+QUIET = [
+    "train.progress=false",
+    "logging.plot=false",
+    "logging.tensorboard=false",
+    "data.eval_batch_size=200",
+]
+
+
+def sets(items: list[str]) -> list[str]:
+    return [x for kv in items for x in ("--set", kv)]
+
+
+@pytest.fixture(scope="module")
+def parquet_config(tmp_path_factory) -> Path:
+    """400 rows in row groups of 100 (every 5th held out), two dense and two id columns, as a config."""
+    root = tmp_path_factory.mktemp("parquet")
+    rng = np.random.default_rng(0)
+    n = 400
+    table = pa.table({
+        "label": rng.integers(0, 2, n), "d0": rng.random(n), "d1": rng.random(n),
+        "C1": rng.integers(0, 50, n), "C2": rng.integers(0, 30, n), "is_eval": np.arange(n) % 5 == 0,
+    })  # fmt: skip
+    pq.write_table(table, root / "data.parquet", row_group_size=100)
+    config = {
+        "data": {"source": "parquet", "batch_size": 40, "parquet": {
+            "paths": [str(root / "data.parquet")], "eval_column": "is_eval", "dense": ["d0", "d1"],
+            "features": ["C1", "C2"], "table_rows": 50, "shuffle": True}},
+    }  # fmt: skip
+    (root / "parquet.yaml").write_text(json.dumps(config))  # JSON is YAML
+    return root / "parquet.yaml"
+
+
+def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_config, tmp_path, capfd):
+    run = tmp_path / "run"
+    first = [
+        "train",
+        "--config",
+        str(parquet_config),
+        *sets([*QUIET, "train.max_steps=3", "checkpoint.every_steps=2"]),
+    ]
+    assert main([*first, "--output-dir", str(run)]) == 0
+    capfd.readouterr()
+    metrics = (run / "metrics.jsonl").read_bytes()
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    again = ["train", "--config", str(parquet_config), *sets([*QUIET, "train.max_steps=6"]), "--nproc", "2"]
+    code = main([*again, "--output-dir", str(run), "--resume"])
+    out, err = capfd.readouterr()
+    assert code == 2 and "Traceback" not in err, err
+    assert "resumed from" not in out + err, err
+    lines = [line for line in err.splitlines() if line.startswith("neorec: error:")]
+    assert len(lines) == 1, err
+    assert checkpoints[-1] in lines[0] and "number of processes (--nproc) 1, this run has 2" in lines[0], err
+    assert (run / "metrics.jsonl").read_bytes() == metrics  # not cut back to the checkpoint's lines
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints

@@ -1,0 +1,214 @@
+"""One run per folder (neorec/train/run_lock.py): a second `neorec train`, `--resume` or `--overwrite`
+on a folder that a run holds is refused at once with one error naming the holder's PID and host, and
+the first run ends intact; a run killed by SIGKILL leaves no lock behind; readers do not disturb it.
+A run is held still with SIGSTOP while the second one tries, so that nothing depends on timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from neorec.checkpoint import list_checkpoints
+from neorec.cli import main
+from neorec.config.load import load_config
+from neorec.train.run_lock import LOCK_FILE, RunFolderInUse, hold_run_folders, read_holders
+
+RUN = [
+    "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 1000]", "data.synthetic.num_sparse=4",
+    "data.synthetic.train_samples=3000", "data.synthetic.eval_samples=500", "data.batch_size=64",
+    "train.progress=false", "logging.plot=false", "logging.tensorboard=false", "train.log_every=1",
+    "train.threads=1", "train.epochs=100",
+]  # fmt: skip
+
+
+def _args(out: Path, sets: list[str], *more: str) -> list[str]:
+    return ["train", "--output-dir", str(out), *[x for kv in [*RUN, *sets] for x in ("--set", kv)], *more]
+
+
+def _start(out: Path, sets: list[str], *more: str) -> subprocess.Popen:
+    """`neorec train` in the background; its console output goes to a file (a pipe could fill up)."""
+    log = open(f"{out}.{time.monotonic_ns()}.log", "w+")  # noqa: SIM115 - closed with the test's tmp_path
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "neorec", *_args(out, sets, *more)]
+    run = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    run.log = log  # type: ignore[attr-defined]
+    return run
+
+
+def _output(run: subprocess.Popen) -> str:
+    run.log.seek(0)  # type: ignore[attr-defined]
+    return run.log.read()  # type: ignore[attr-defined]
+
+
+def _finish(run: subprocess.Popen) -> str:
+    run.wait(timeout=120)
+    out = _output(run)
+    assert run.returncode == 0, out[-3000:]
+    return out
+
+
+def _wait_for_step(run: subprocess.Popen, out: Path, step: int) -> None:
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while run.poll() is None and time.monotonic() < deadline:
+        if metrics.is_file() and any(x.endswith("}") and json.loads(x)["step"] >= step
+                                     for x in metrics.read_text().splitlines()[-1:]):  # fmt: skip
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no step {step} logged: {_output(run)[-3000:]}")
+
+
+def _wait_for_lock(run: subprocess.Popen, out: Path) -> None:
+    """Until `run` holds the folder (its PID heads the lock file)."""
+    deadline = time.monotonic() + 120
+    while run.poll() is None and time.monotonic() < deadline:
+        if [h["pid"] for h in read_holders(out / LOCK_FILE)[:1]] == [run.pid]:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{out} was not locked by {run.pid}: {_output(run)[-3000:]}")
+
+
+def _refused(argv: list[str], holder: int) -> str:
+    """`neorec <argv>` in a subprocess: refused with one error line naming `holder` and this host."""
+    p = subprocess.run([sys.executable, "-m", "neorec", *argv], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.startswith("neorec: error: ") and p.stderr.count("\n") == 1, p.stderr
+    assert f"is in use by another run: pid {holder} on host {socket.gethostname()} since " in p.stderr
+    return p.stderr
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # every line parses
+
+
+def _train_steps(out: Path) -> list[int]:
+    return [x["step"] for x in _metrics(out) if x["split"] == "train"]
+
+
+def test_processes_racing_for_one_folder_one_run_wins(tmp_path):
+    """8 processes try to lock one folder at the same moment: one run gets it; where the 8 are two
+    runs' processes (a launcher's key), the processes of one run share it and the other is refused."""
+    script = textwrap.dedent("""
+        import os, sys, time
+        from neorec.train.run_lock import RunFolderInUse, hold_run_folders
+        print("ready", flush=True)
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.001)
+        try:
+            lock = hold_run_folders([sys.argv[1]], job=sys.argv[3] or None)
+        except RunFolderInUse as e:
+            print("refused", e, flush=True)
+        else:
+            print("holds", flush=True)
+            time.sleep(2.0)  # until the others have tried
+    """)
+    for jobs in (["", ""] * 4, ["a", "b"] * 4):
+        go = tmp_path / f"go-{jobs[0]}"
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"run-{jobs[0]}"), str(go), job],
+                                  stdout=subprocess.PIPE, text=True) for job in jobs]  # fmt: skip
+        assert all(p.stdout.readline() == "ready\n" for p in procs)  # all of them waiting for the start
+        go.touch()
+        said = [(job, p.communicate(timeout=60)[0]) for job, p in zip(jobs, procs, strict=True)]
+        holders = [job for job, out in said if out.startswith("holds")]
+        if jobs[0] == "":
+            assert len(holders) == 1, said
+        else:
+            assert len(holders) == 4 and len(set(holders)) == 1, said
+        assert all(out.startswith(("holds", "refused")) for _, out in said), said
+
+
+def test_a_second_run_on_a_folder_is_refused_and_the_first_finishes_intact(tmp_path, capsys):
+    out = tmp_path / "run"
+    first = _start(out, ["train.max_steps=60", "model.bottom_mlp=[24, 16]"])
+    _wait_for_step(first, out, 2)
+    first.send_signal(signal.SIGSTOP)  # holds the folder while the others try
+    try:
+        config, lines = (out / "config.yaml").read_bytes(), len(_metrics(out))
+        err = _refused(_args(out, ["train.max_steps=40", "model.bottom_mlp=[32, 16]"]), first.pid)
+        assert (
+            str(out) in err
+            and "wait for that run to end (or stop it), or give this one another folder" in err
+        )
+        capsys.readouterr()
+        for more in (["--overwrite"], ["--resume"]):  # in this process: the same answer
+            assert main(_args(out, ["model.bottom_mlp=[32, 16]"], *more)) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(
+                f"neorec: error: {out} is in use by another run: pid {first.pid} on host "
+            ), err
+        assert (out / "config.yaml").read_bytes() == config and len(_metrics(out)) == lines  # untouched
+        assert sorted(p.name for p in out.iterdir()) == sorted(["config.yaml", LOCK_FILE, "metrics.jsonl"])
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _finish(first)
+    assert _train_steps(out) == list(range(1, 61))  # every line parses; each step once, in order
+    assert load_config(str(out / "config.yaml")).model.bottom_mlp == [24, 16]
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert state["bottom.0.weight"].shape[0] == 24  # the model of the run config.yaml describes
+    capsys.readouterr()
+    assert main(_args(out, [])) == 2  # the folder is free again: the next run gets its usual answer
+    assert "holds a run already" in capsys.readouterr().err
+
+
+def test_a_killed_run_leaves_no_lock_and_two_resumes_at_once_are_one(tmp_path, capsys):
+    """kill -9 mid-run: the lock goes with the process; of two resumes, the second is refused while the
+    first trains, and the first ends with every step logged once."""
+    out = tmp_path / "run"
+    killed = _start(out, ["train.max_steps=100000", "checkpoint.every_steps=5"])
+    deadline = time.monotonic() + 120
+    while not list_checkpoints(out / "checkpoints") and time.monotonic() < deadline and killed.poll() is None:
+        time.sleep(0.01)
+    _wait_for_step(killed, out, 12)
+    killed.kill()
+    killed.wait(timeout=30)
+    saved = int(list_checkpoints(out / "checkpoints")[-1].name[5:])
+    sets = [f"train.max_steps={saved + 20}", "checkpoint.every_steps=5"]
+    resumed = _start(out, sets, "--resume")
+    _wait_for_lock(resumed, out)  # (a resume that found the killed run's lock would have been refused)
+    resumed.send_signal(signal.SIGSTOP)
+    try:
+        capsys.readouterr()
+        assert main(_args(out, sets, "--resume")) == 2  # (in this process: no second interpreter to start)
+        assert f"is in use by another run: pid {resumed.pid} on host " in capsys.readouterr().err
+    finally:
+        resumed.send_signal(signal.SIGCONT)
+    assert "resumed from" in _finish(resumed)
+    assert _train_steps(out) == list(range(1, saved + 21))
+    assert json.loads((out / "summary.json").read_text())["steps"] == saved + 20
+
+
+def test_readers_of_a_held_folder_leave_its_lock_alone(tmp_path, capsys):
+    """eval and export read a finished run whose folder another process holds; it stays held."""
+    out = tmp_path / "run"
+    assert main(_args(out, ["train.max_steps=4", "train.epochs=1"])) == 0
+    with hold_run_folders([out]):
+        assert main(["eval", str(out)]) == 0
+        assert main(["export", str(out), "--out", str(tmp_path / "model.nrx"), "--no-eval"]) == 0
+        with pytest.raises(RunFolderInUse, match=f"pid {os.getpid()} on host"):
+            hold_run_folders([out])
+        capsys.readouterr()
+        assert main(_args(out, [], "--overwrite")) == 2
+        assert f"is in use by another run: pid {os.getpid()}" in capsys.readouterr().err
+    assert (tmp_path / "model.nrx").is_file()
+    hold_run_folders([out]).release()  # free once its holder let go
+
+
+def test_checkpoint_dir_outside_the_run_folder_is_locked_too(tmp_path):
+    shared = tmp_path / "checkpoints"
+    cfg = load_config("default", [*RUN, f"checkpoint.dir={shared}", "checkpoint.every_steps=5"])
+    from neorec.train.run_folder import run_folders
+
+    assert run_folders(cfg, tmp_path / "a") == [tmp_path / "a", shared]
+    with hold_run_folders(run_folders(cfg, tmp_path / "a")):
+        with pytest.raises(RunFolderInUse, match=f"{shared} is in use by another run"):
+            hold_run_folders(run_folders(cfg, tmp_path / "b"))
+    assert run_folders(load_config("default", RUN), tmp_path / "a") == [tmp_path / "a"]
