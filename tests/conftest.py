@@ -25,17 +25,17 @@ def staged_on_cpu(monkeypatch) -> list[int]:
     """The device path of the cache (DeviceIO: reads ahead staged through host buffers, records
     copied across on the training thread) with CPU tensors standing in for device memory, so that it
     runs without a GPU. Returns the rows of every read ahead staged so far."""
-    from neorec.embedding.cache import cache as cache_module
+    from neorec.embedding.cache import device_io
 
     staged: list[int] = []
 
-    class CountedRead(cache_module.StagedRead):
+    class CountedRead(device_io.StagedRead):
         def __init__(self, read, host, buffer, slots) -> None:
             super().__init__(read, host, buffer, slots)
             staged.append(host.shape[0])
 
-    monkeypatch.setattr(cache_module, "stages_through_host", lambda device: True)
-    monkeypatch.setattr(cache_module, "StagedRead", CountedRead)
+    monkeypatch.setattr(device_io, "stages_through_host", lambda device: True)
+    monkeypatch.setattr(device_io, "StagedRead", CountedRead)
     return staged
 
 

@@ -170,7 +170,7 @@ def test_ssd_cache_through_the_device_path_is_bitwise_uncached(tmp_path, staged_
     """What a GPU cache over SSD files runs, on the CPU: training through it, and through a
     checkpoint's save and load, is bitwise training in memory (0.005: 2 rows, smaller than a batch,
     so rows also go straight to the files)."""
-    from neorec.embedding.cache.cache import DeviceIO
+    from neorec.embedding.cache.device_io import DeviceIO
 
     ts = tables()
     opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05, initial_accumulator=0.01)
@@ -196,7 +196,7 @@ def test_dram_cache_through_the_device_path_is_bitwise_uncached(tmp_path, staged
     worker, evictions written back by it without a read on the training thread; training through it,
     and through a checkpoint's save and load (which empties slots that evictions then reuse), is
     bitwise training in memory."""
-    from neorec.embedding.cache.cache import DeviceIO
+    from neorec.embedding.cache.device_io import DeviceIO
 
     ts = tables()
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, weight_decay=0.01, initial_accumulator=0.01)
@@ -270,9 +270,9 @@ def test_device_path_reads_one_count_per_read_ahead_and_nothing_else(tmp_path, s
     (on a GPU each read is a sync, which stalls the step). Counted on the CPU stand-in: every tensor
     read the training thread makes in the cache's read ahead, in the forward, and in the cache during
     the update, with victims chosen by topk as on a GPU."""
-    from neorec.embedding.cache import cache as cache_module
+    from neorec.embedding.cache import slots as slots_module
 
-    monkeypatch.setattr(cache_module, "smallest", lambda key, k: torch.topk(key, k, largest=False).indices)
+    monkeypatch.setattr(slots_module, "smallest", lambda key, k: torch.topk(key, k, largest=False).indices)
     ts = tables()
     opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05, initial_accumulator=0.01)
     plain = FusedEmbeddingCollection(ts, opt)
@@ -286,7 +286,7 @@ def test_device_path_reads_one_count_per_read_ahead_and_nothing_else(tmp_path, s
         plain(batches[i]).backward(grads[i])
     evictions = sum(s["evictions"] for s in cached.cache_stats().values())
     assert evictions > 0
-    counts, phase = count_host_reads(monkeypatch, cache_module.RowCache)
+    counts, phase = count_host_reads(monkeypatch, RowCache)
     for i in range(8, len(batches) - 1):
         cached.prefetch(batches[i + 1])  # as the pipeline does: before batch i runs
         phase.append("lookup")
@@ -366,7 +366,7 @@ def test_device_reads_ahead_land_in_their_slots_only_at_result() -> None:
     import threading
 
     from neorec.embedding.cache.background import BackgroundIO
-    from neorec.embedding.cache.cache import DeviceIO
+    from neorec.embedding.cache.device_io import DeviceIO
 
     backing = DramBacking.from_tensors({"weight": torch.arange(40, dtype=torch.float32).view(10, 4)})
     layout = backing.layout
@@ -431,16 +431,16 @@ def test_gpu_cache_over_ssd_files_is_bitwise_uncached_and_restores(
     """The cache in GPU memory (20% of the rows), every row in files, reads ahead staged through
     pinned host buffers on the worker thread: training through it, and through a checkpoint's save
     and load into another GPU cache over other files, is bitwise training the tables in GPU memory."""
-    from neorec.embedding.cache import cache as cache_module
+    from neorec.embedding.cache import device_io
 
     pinned: list[bool] = []
 
-    class CheckedRead(cache_module.StagedRead):
+    class CheckedRead(device_io.StagedRead):
         def __init__(self, read, host, buffer, slots) -> None:
             super().__init__(read, host, buffer, slots)
             pinned.append(host.is_pinned() and buffer.is_cuda)
 
-    monkeypatch.setattr(cache_module, "StagedRead", CheckedRead)
+    monkeypatch.setattr(device_io, "StagedRead", CheckedRead)
     ts = tables()
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
     plain = FusedEmbeddingCollection(ts, opt, device="cuda", kernels=kernels)

@@ -191,17 +191,17 @@ def test_world_of_one_through_the_device_path_equals_fused(tmp_path, monkeypatch
     """Every shard's cache over SSD files or host memory (cached) on the path a GPU takes (DeviceIO:
     records cross to the backing store through host buffers, misses read ahead on the worker), with
     CPU tensors standing in for device memory."""
-    from neorec.embedding.cache import cache as cache_module
+    from neorec.embedding.cache import device_io
 
     staged: list[int] = []
 
-    class CountedIO(cache_module.DeviceIO):
+    class CountedIO(device_io.DeviceIO):
         def __init__(self, io, device) -> None:
             super().__init__(io, device)
             staged.append(self)
 
-    monkeypatch.setattr(cache_module, "stages_through_host", lambda device: True)
-    monkeypatch.setattr(cache_module, "DeviceIO", CountedIO)
+    monkeypatch.setattr(device_io, "stages_through_host", lambda device: True)
+    monkeypatch.setattr(device_io, "DeviceIO", CountedIO)
     plan = {"tables": {"t0": {"kind": "tw", "ranks": [0], "tier": tier}, "t1": {"kind": "rw", "ranks": [0]},
                        "t2": {"kind": "cw", "ranks": [0, 0], "tier": tier}, "t3": {"kind": "dp", "tier": tier},
                        "t4": {"kind": "twrw", "node": 0, "tier": tier}, "t5": {"kind": "twcw", "node": 0}}}  # fmt: skip

@@ -501,7 +501,7 @@ def test_cached_group_with_more_rows_than_its_cache_goes_through_copies(monkeypa
     of its rows read through the cache and update copies of its unique rows, which go back through
     the cache's writes (the cached ones to their slots, the others to host memory); nothing takes
     the torch path, and it matches the float64 reference."""
-    from neorec.embedding.cache.cache import CachedStorage
+    from neorec.embedding.cache.cached_storage import CachedStorage
 
     tables, opt = make_tables(), EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05)
     engine = kernels_only_with_cached_tags(monkeypatch, tables, opt, fraction=0.1)

@@ -2,7 +2,8 @@
 
 from neorec.embedding.cache.backing import DramBacking, SsdBacking, create_ssd_file
 from neorec.embedding.cache.build import TIERS, CacheSettings, cached_storage_factory
-from neorec.embedding.cache.cache import POLICIES, CachedStorage, RowCache
+from neorec.embedding.cache.cache import POLICIES, RowCache
+from neorec.embedding.cache.cached_storage import CachedStorage
 from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.cache.stats import CacheStats, summarize
 

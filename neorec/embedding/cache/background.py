@@ -2,9 +2,9 @@
 
 One worker thread per cache runs, first in first out, two kinds of job:
 - reads ahead: the rows a coming batch will need and does not have (its prefetch), placed straight
-  into the slots the cache has given them (cache.py; a cache in device memory gets them in a host
-  buffer instead, which DeviceIO copies into the slots), so the disk works while the current batch
-  computes; the cache touches those slots only once the job is done;
+  into the slots the cache has given them (read_ahead.py; a cache in device memory gets them in a
+  host buffer instead, which DeviceIO copies into the slots), so the disk works while the current
+  batch computes; the cache touches those slots only once the job is done;
 - write-backs of evicted rows, so the step does not wait for them (a cache in device memory hands
   over records still on their way to host memory: the job waits for them, write_when);
 - any other job that must see every write submitted before it (submit).

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from neorec.embedding.cache import cache as cache_module
+from neorec.embedding.cache import device_io
 from neorec.embedding.cache.backing import DramBacking, SsdBacking, create_ssd_file
-from neorec.embedding.cache.cache import POLICIES, CachedStorage, RowCache
+from neorec.embedding.cache.cache import POLICIES, RowCache
+from neorec.embedding.cache.cached_storage import CachedStorage
 from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.fused.storage import GroupStorageFactory, RowStorage, StorageSpec, build_tensor_storage
 from neorec.errors import ConfigError
@@ -84,7 +85,7 @@ def cached_storage_factory(
         capacity = _capacity(names, specs, settings, total_cached_rows)
         # a cache in RAM over RAM reads nothing ahead (the worker would only add a hand-over); one in
         # device memory reads ahead so that the copies to and from the host overlap the step
-        ahead = tier != "dram" or cache_module.stages_through_host(device)
+        ahead = tier != "dram" or device_io.stages_through_host(device)
         io_thread = ahead and use_io_thread(settings.io_thread, device)
         cache = RowCache(tables, backing, capacity, settings.policy, device=device, io_thread=io_thread)
         return {name: CachedStorage(cache, name) for name in specs}

@@ -79,5 +79,10 @@ class RecordLayout:
         return records
 
 
+def as_words(records: torch.Tensor) -> torch.Tensor:
+    """Records as int64 words: torch copies whole rows of those several times faster than bytes."""
+    return records.view(torch.int64)
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
