@@ -27,6 +27,7 @@ from neorec.checkpoint import (
 )
 from neorec.config.load import load_config
 from neorec.embedding.fused import FusedEmbeddingCollection
+from neorec.errors import ConfigError
 from neorec.train.trainer import Trainer, TrainingDiverged
 
 BEFORE, AFTER, BATCH = 5, 5, 16
@@ -429,7 +430,7 @@ def test_resume_with_another_batch_size_is_refused(tmp_path):
     cfg = load_config("default", [*TINY, "train.max_steps=7"])
     Trainer(cfg, tmp_path / "run").fit()
     other = load_config("default", [*TINY, "data.batch_size=128"])
-    with pytest.raises(CheckpointError, match=r"batch_size 256, this run has 128.*data\.batch_size"):
+    with pytest.raises(ConfigError, match=r"batch_size 256, this run has 128.*data\.batch_size"):
         Trainer(other, tmp_path / "run", resume=True).fit()
 
 
