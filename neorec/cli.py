@@ -57,8 +57,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace, cfg, out_dir: Path) -> int:
     """Train in this process (one of torchrun's workers, or the only one); the exit code."""
     from neorec.distributed.launch import report_stop
+    from neorec.train.reporting import summary_table
     from neorec.train.signals import TrainingStopped, resume_command
-    from neorec.train.trainer import Trainer, summary_table
+    from neorec.train.trainer import Trainer
 
     trainer = Trainer(cfg, out_dir, resume=args.resume)
     try:
@@ -98,7 +99,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from neorec.checkpoint.stream import load_model_state
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
-    from neorec.train.trainer import Trainer, evaluate
+    from neorec.train.evaluation import evaluate
+    from neorec.train.trainer import Trainer
 
     run = Path(args.run_dir)
     cfg_path = run / "config.yaml"

@@ -219,7 +219,7 @@ def export_model(
     """Write the inference export of a run to `out` (format "nrx": one file; "pt2": a folder with a
     torch.export program and safetensors weights, see pt2_export); with `measure`, the held-out
     metrics of the fp32 model and (int8) of the quantized one, as they will score after loading."""
-    from neorec.train.trainer import evaluate
+    from neorec.train.evaluation import evaluate
 
     if format not in FORMATS:
         raise ExportError(f"export format must be one of {list(FORMATS)}, got {format!r}")
