@@ -140,8 +140,7 @@ def _checkpoint_state(folder: Path, cfg: RunConfig, source: DataSource, tables: 
         bare, EmbeddingOptimizerConfig(name="sgd"), seed=cfg.seed,
         row_init=lambda ti, a, b: torch.zeros(b - a, bare[ti].dim),
     )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        model = build_model(cfg, source.info, embeddings)
+    model = build_model(cfg, source.info, embeddings)
     load_checkpoint(folder, embeddings, model, restore_rng=False)
     return model.state_dict()
 

@@ -49,6 +49,7 @@ from neorec.train.schedule import lr_multiplier
 from neorec.train.signals import StopSignals
 from neorec.utils.files import write_text
 from neorec.utils.host import keep_freed_memory
+from neorec.utils.process_state import process_settings
 from neorec.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -72,39 +73,40 @@ class Trainer(RunReporting, CheckpointHandling):
         a path: from that checkpoint folder (step-XXXXXXXX)."""
         self.cfg = cfg
         self.resume = resume
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
-        if cfg.train.keep_freed_memory:
-            keep_freed_memory()
-        self.device = _training_device(cfg)
-        self.topo = init_distributed(self.device, cfg.distributed.backend)
-        self.comms = Comms(self.topo, transport=cfg.distributed.transport) if self.topo.world_size > 1 else None
-        self.is_main = self.topo.rank == 0
-        if self.comms is not None and cfg.data.batch_size % self.topo.world_size:
-            raise ConfigError(
-                f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over "
-                f"{self.topo.world_size} processes"
-            )
-        self.source = build_source(cfg, self.topo, self.device)  # a per-rank reader where the source has one
-        self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
-        self.tables = build_tables(cfg, self.source.info)
-        self.embeddings = build_embeddings(cfg, self.tables, self.comms, self.device)
-        self.model = build_model(cfg, self.source.info, self.embeddings, self.source, self.comms).to(self.device)
-        if cfg.train.compile:
-            apply_compile(self.model, self.device)
-        dense = dense_parameters(self.model)
-        self.dense_opt = build_dense_optimizer(cfg.train.dense_optimizer, dense)
-        self.dense_sync = None
-        if self.comms is not None:
-            d = cfg.distributed
-            self.dense_sync = DenseGradSync(dense, self.comms, d.dense_precision, d.dense_bucket_mib)
-            self.dense_sync.broadcast_parameters()
-        self.timings: dict[str, float] = defaultdict(float)  # seconds per stage, summed over steps
-        self.emb_opt = self.embeddings.build_optimizer()
-        self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in (self.dense_opt, self.emb_opt)]
-        self.out_dir = Path(out_dir or cfg.resolved_output_dir)
-        root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
-        self.checkpoints = PeriodicCheckpoints(cfg.checkpoint, root, self.topo)
+        with process_settings(cfg.train.threads):  # the caller's threads, dtype and RNG back on return
+            if cfg.train.keep_freed_memory:
+                # glibc's malloc settings stay changed after the call: glibc cannot report the values
+                # they replace, so they cannot be put back; they change how freed memory is reused only
+                keep_freed_memory()
+            self.device = _training_device(cfg)
+            self.topo = init_distributed(self.device, cfg.distributed.backend)
+            self.comms = Comms(self.topo, transport=cfg.distributed.transport) if self.topo.world_size > 1 else None
+            self.is_main = self.topo.rank == 0
+            if self.comms is not None and cfg.data.batch_size % self.topo.world_size:
+                raise ConfigError(
+                    f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over "
+                    f"{self.topo.world_size} processes"
+                )
+            self.source = build_source(cfg, self.topo, self.device)  # a per-rank reader where the source has one
+            self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
+            self.tables = build_tables(cfg, self.source.info)
+            self.embeddings = build_embeddings(cfg, self.tables, self.comms, self.device)
+            self.model = build_model(cfg, self.source.info, self.embeddings, self.source, self.comms).to(self.device)
+            if cfg.train.compile:
+                apply_compile(self.model, self.device)
+            dense = dense_parameters(self.model)
+            self.dense_opt = build_dense_optimizer(cfg.train.dense_optimizer, dense)
+            self.dense_sync = None
+            if self.comms is not None:
+                d = cfg.distributed
+                self.dense_sync = DenseGradSync(dense, self.comms, d.dense_precision, d.dense_bucket_mib)
+                self.dense_sync.broadcast_parameters()
+            self.timings: dict[str, float] = defaultdict(float)  # seconds per stage, summed over steps
+            self.emb_opt = self.embeddings.build_optimizer()
+            self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in (self.dense_opt, self.emb_opt)]
+            self.out_dir = Path(out_dir or cfg.resolved_output_dir)
+            root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
+            self.checkpoints = PeriodicCheckpoints(cfg.checkpoint, root, self.topo)
 
     def total_steps(self) -> int:
         """Steps the run will train: all epochs, or max_steps where that comes first (0: unknown, a
@@ -156,11 +158,16 @@ class Trainer(RunReporting, CheckpointHandling):
         self.emb_opt.step()
         return loss.detach()
 
-    def fit(self) -> RunResult:
+    def fit(self, *, keep_stop_handlers: bool = False) -> RunResult:
         """Train to the end and evaluate. SIGTERM or SIGINT (in the main thread) stop training at the
         next step boundary, on every rank alike, with a checkpoint of that step, and raise
-        TrainingStopped (neorec/train/signals.py); a second signal ends the process at once."""
-        with StopSignals(self.comms) as stop:
+        TrainingStopped (neorec/train/signals.py); a second signal ends the process at once.
+
+        Training runs with train.threads; when fit returns or raises, the caller's threads, default
+        dtype, global RNG states and SIGTERM/SIGINT handlers are back (neorec/utils/process_state.py),
+        except, with keep_stop_handlers, the stop handlers after a stop: for a process that exits
+        after reporting the stop (`neorec train`), which a signal then does not cut short."""
+        with process_settings(self.cfg.train.threads), StopSignals(self.comms, keep_stop_handlers) as stop:
             return self._fit(stop)
 
     def _fit(self, stop: StopSignals) -> RunResult:
