@@ -57,12 +57,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace, cfg, out_dir: Path) -> int:
     """Train in this process (one of torchrun's workers, or the only one); the exit code."""
     from neorec.distributed.launch import report_stop
+    from neorec.train.reporting import summary_table
     from neorec.train.signals import TrainingStopped, resume_command
-    from neorec.train.trainer import Trainer, summary_table
+    from neorec.train.trainer import Trainer
 
     trainer = Trainer(cfg, out_dir, resume=args.resume)
     try:
-        result = trainer.fit()
+        result = trainer.fit(keep_stop_handlers=True)  # this process exits after reporting a stop
     except TrainingStopped as stop:  # SIGTERM/SIGINT: a checkpoint of the last step is saved
         if trainer.is_main:
             message = stop.message(resume_command(args.argv))
@@ -98,7 +99,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from neorec.checkpoint.stream import load_model_state
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
-    from neorec.train.trainer import Trainer, evaluate
+    from neorec.train.evaluation import evaluate
+    from neorec.train.trainer import Trainer
+    from neorec.utils.process_state import process_settings
 
     run = Path(args.run_dir)
     cfg_path = run / "config.yaml"
@@ -109,7 +112,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, run)
     state = load_model_state(run / "model.pt")  # checked against its CRC32s, loaded on the CPU (a GPU run's too)
     check_model_state(trainer.model, state, run / "model.pt", args.overrides)
-    metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size)
+    with process_settings(cfg.train.threads):  # as training evaluated
+        metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size)
     width = max(len(k) for k in metrics)
     for k, v in metrics.items():
         print(f"{k.ljust(width)} | {v:.6g}" if isinstance(v, float) else f"{k.ljust(width)} | {v}")

@@ -7,6 +7,10 @@ test module imports neorec's kernels. It changes nothing else: the engine picks 
 its own only on CUDA devices (kernels="auto"), so on CPU they run only where a test asks for them.
 
 Fixture `staged_on_cpu`: the row cache's GPU path with CPU tensors standing in for device memory.
+
+Every test runs under `process_settings_kept` (autouse): a test that leaves torch's thread count or
+default dtype changed fails, since every test after it in the same process would run under its
+settings (library calls put back what they change: neorec/utils/process_state.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,19 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def process_settings_kept():
+    """Fail a test that leaves torch.get_num_threads() or torch.get_default_dtype() changed, after
+    putting them back, so that the tests after it run as they would alone."""
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    yield
+    left = torch.get_num_threads(), torch.get_default_dtype()
+    if left != (threads, dtype):
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
+        pytest.fail(f"the test left torch's (threads, default dtype) at {left}, not {(threads, dtype)}")
 
 
 @pytest.fixture

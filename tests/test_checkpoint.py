@@ -28,7 +28,8 @@ from neorec.checkpoint import (
 from neorec.config.load import load_config
 from neorec.embedding.fused import FusedEmbeddingCollection
 from neorec.errors import ConfigError
-from neorec.train.trainer import Trainer, TrainingDiverged
+from neorec.train.checkpointing import TrainingDiverged
+from neorec.train.trainer import Trainer
 
 BEFORE, AFTER, BATCH = 5, 5, 16
 OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad", "adam"]

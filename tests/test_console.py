@@ -10,7 +10,7 @@ import pytest
 from neorec.embedding.fused import FusedEmbeddingCollection
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.train.logger import MetricsLogger
-from neorec.train.trainer import train_line
+from neorec.train.reporting import train_line
 from neorec.utils import progress
 from neorec.utils.logging import setup_logging
 
@@ -32,7 +32,7 @@ def console():
     logger.handlers[:], logger.level, logger.propagate = saved
 
 
-def emit(name: str = "neorec.train.trainer") -> None:
+def emit(name: str = "neorec.train.reporting") -> None:
     log = logging.getLogger(name)
     log.info("step 5 | loss 0.5")
     log.warning("disk almost full")

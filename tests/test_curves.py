@@ -8,10 +8,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-import neorec.train.trainer as trainer_module  # noqa: E402
 from neorec.config.load import load_config  # noqa: E402
 from neorec.errors import ConfigError  # noqa: E402
 from neorec.metrics.plot import curves_figure, plot_curves  # noqa: E402
+from neorec.train import evaluation  # noqa: E402
 from neorec.train.schedule import lr_multiplier  # noqa: E402
 from neorec.train.trainer import Trainer  # noqa: E402
 
@@ -27,7 +27,7 @@ def records_of(out_dir):
 
 
 def test_auto_evaluates_five_times_mid_run_ones_on_a_bounded_sample(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "AUTO_EVAL_SAMPLES", 1024)  # 2 batches of 512
+    monkeypatch.setattr(evaluation, "AUTO_EVAL_SAMPLES", 1024)  # 2 batches of 512
     cfg = load_config("default", TINY + ["train.schedule.warmup_steps=20"])
     assert cfg.train.eval_every == "auto"
     result = Trainer(cfg, tmp_path / "run").fit()  # 24 steps

@@ -53,12 +53,20 @@ def _save_killed_at(k: int, root, emb, model, opts, steps, keep: int) -> bool:
     return os.waitstatus_to_exitcode(status) == -signal.SIGKILL
 
 
-def test_keep_holds_when_saves_are_killed_at_any_moment(tmp_path):
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test, the process's thread count back after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_keep_holds_when_saves_are_killed_at_any_moment(tmp_path, one_thread):
     """keep=2, saves of steps 1-4, killed at each filesystem operation in turn. After any kill:
     every visible step-* folder is a complete checkpoint that verifies, the newest published one
     is what --resume finds, and at most one beyond `keep` is visible (killed between publishing a
     checkpoint and pruning). The next save then leaves exactly the newest two and nothing else."""
-    torch.set_num_threads(1)
     emb, model, opts = trained_engine()
     kills, k = 0, 0
     while True:

@@ -140,8 +140,7 @@ def _checkpoint_state(folder: Path, cfg: RunConfig, source: DataSource, tables: 
         bare, EmbeddingOptimizerConfig(name="sgd"), seed=cfg.seed,
         row_init=lambda ti, a, b: torch.zeros(b - a, bare[ti].dim),
     )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        model = build_model(cfg, source.info, embeddings)
+    model = build_model(cfg, source.info, embeddings)
     load_checkpoint(folder, embeddings, model, restore_rng=False)
     return model.state_dict()
 
@@ -219,7 +218,7 @@ def export_model(
     """Write the inference export of a run to `out` (format "nrx": one file; "pt2": a folder with a
     torch.export program and safetensors weights, see pt2_export); with `measure`, the held-out
     metrics of the fp32 model and (int8) of the quantized one, as they will score after loading."""
-    from neorec.train.trainer import evaluate
+    from neorec.train.evaluation import evaluate
 
     if format not in FORMATS:
         raise ExportError(f"export format must be one of {list(FORMATS)}, got {format!r}")

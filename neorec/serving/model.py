@@ -88,8 +88,7 @@ def build_inference_model(
     from neorec.train.build import build_model
 
     embeddings = InferenceEmbeddings(tables, weights, id_maps, bounds_check)
-    with torch.random.fork_rng(devices=[]):  # build_model seeds the global RNG for its (overwritten) init
-        model = build_model(cfg, info, embeddings)
+    model = build_model(cfg, info, embeddings)
     try:
         model.load_state_dict(dense, strict=True)
     except RuntimeError as e:

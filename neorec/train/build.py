@@ -320,11 +320,19 @@ def build_model(
 ) -> nn.Module:  # fmt: skip
     """The configured architecture over `embeddings`. `source`: the training data, which two_tower
     counts its items in (without it, the counts stay zero until a state dict loads them). `comms`:
-    the run's processes (a Comms; None: one), which two_tower gathers its in-batch negatives over."""
+    the run's processes (a Comms; None: one), which two_tower gathers its in-batch negatives over.
+    The layers' initial values depend on `cfg.seed` alone; the caller's global RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):  # the layers are built on the CPU
+        torch.random.default_generator.manual_seed(cfg.seed)
+        return _build_model(cfg, info, embeddings, source, comms)
+
+
+def _build_model(
+    cfg: RunConfig, info: SourceInfo, embeddings: EmbeddingCollection, source: DataSource | None, comms
+) -> nn.Module:
     from neorec.model.dlrm import DLRM, DCNv2
 
     m = cfg.model
-    torch.manual_seed(cfg.seed)  # MLP init depends on the seed alone
     if m.arch == "din":
         from neorec.model.din import DIN
 

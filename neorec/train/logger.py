@@ -1,4 +1,5 @@
-"""Where metrics go: one JSON object per line (always), TensorBoard events (when installed).
+"""Where metrics go: one JSON object per line (always), TensorBoard events (when installed); on
+ranks other than 0, nowhere (NoLogger).
 
 Each line is strict JSON: a value that is not a finite number (an AUC of a one-class set, say) is
 written as null, so any JSON reader can read the file.
@@ -66,6 +67,18 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class NoLogger:
+    """What ranks other than 0 log to."""
+
+    num_lines = 0
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _kept_lines(path: Path, step: int, lines: int | None) -> list[str]:

@@ -45,10 +45,13 @@ class TrainingStopped(Exception):  # noqa: N818 - a requested stop, not an error
 
 class StopSignals:
     """While entered (in the main thread): SIGTERM and SIGINT ask for a stop at the next step
-    boundary instead of ending the process. Elsewhere (another thread) it installs nothing."""
+    boundary instead of ending the process. Elsewhere (another thread) it installs nothing. On
+    leaving, the handlers it replaced are back; with keep_on_stop, leaving by TrainingStopped keeps
+    its handlers instead (see __exit__)."""
 
-    def __init__(self, comms=None) -> None:
+    def __init__(self, comms=None, keep_on_stop: bool = False) -> None:
         self.comms = comms
+        self.keep_on_stop = keep_on_stop
         self.received = 0  # the first signal's number, 0 before one arrives
         self._previous: dict[int, object] = {}
         self._pending = None  # the flags summed since the last call
@@ -60,7 +63,7 @@ class StopSignals:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is not None and issubclass(exc_type, TrainingStopped):
+        if self.keep_on_stop and exc_type is not None and issubclass(exc_type, TrainingStopped):
             # the process is on its way out: a signal now (torchrun's agent sends the other workers
             # SIGTERM when one exits) must not cut short the resume message; the handler stays
             return

@@ -1,0 +1,109 @@
+"""A run's checkpoints: saving one during training, resuming from one, stopping on a signal with one,
+and naming the last good one when the loss diverges.
+
+`CheckpointHandling` is part of Trainer (neorec/train/trainer.py), whose step loop calls it; its
+methods use the trainer's attributes listed in the class. When to save and what to keep is
+PeriodicCheckpoints' business (neorec/checkpoint/periodic.py); the signals themselves are handled in
+neorec/train/signals.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from neorec.checkpoint import load_checkpoint
+from neorec.checkpoint.files import CheckpointError
+from neorec.checkpoint.load import read_manifest
+from neorec.checkpoint.periodic import PeriodicCheckpoints
+from neorec.checkpoint.save import checkpoint_name
+from neorec.config.schema import RunConfig
+from neorec.data.ranks import RankData
+from neorec.data.sharded_reader import check_resume
+from neorec.embedding.collection import EmbeddingCollection
+from neorec.errors import NeorecError
+from neorec.train.signals import TrainingStopped
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(NeorecError, FloatingPointError):
+    """The loss became NaN or infinite; the message names the last good checkpoint."""
+
+
+class CheckpointHandling:
+    """Trainer's checkpoints: save, resume, stop, divergence."""
+
+    # the trainer's, set by Trainer.__init__
+    cfg: RunConfig
+    resume: bool | str | Path
+    is_main: bool
+    data: RankData
+    embeddings: EmbeddingCollection
+    model: nn.Module
+    dense_opt: torch.optim.Optimizer
+    emb_opt: torch.optim.Optimizer
+    checkpoints: PeriodicCheckpoints
+
+    def _stop(self, signum: int, step: int, epoch: int, in_epoch: int, logger, running: float | None, bar) -> None:
+        """A stop was requested: save step `step` (unless just saved), close the logs, raise."""
+        if hasattr(self.embeddings, "clear_prefetched"):
+            self.embeddings.clear_prefetched()
+        if self.checkpoints.last_step != step:
+            self._save_checkpoint(step, epoch, in_epoch, logger, running)
+        if bar is not None:
+            bar.close()
+        logger.close()
+        raise TrainingStopped(signum, step, self.checkpoints.root / checkpoint_name(step))
+
+    def _save_checkpoint(self, step: int, epoch: int, in_epoch: int, logger, running: float | None) -> None:
+        """Collective: tables (sharded), dense model, both optimizers, RNG and the data position:
+        `in_epoch` batches of epoch `epoch` are trained (the schedule position is the step), with the
+        reader's position where it has one. Rank 0's state is the one written."""
+        state = self.data.position(epoch, in_epoch)
+        state.update(batch_size=self.cfg.data.batch_size, seed=self.cfg.seed)  # must match on resume
+        state.update(metrics_lines=logger.num_lines, running_loss=running)  # metrics.jsonl goes on seamlessly
+        optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
+        self.checkpoints.save(step, self.embeddings, self.model, optimizers, state)
+
+    def _checkpoint_to_resume(self) -> Path | None:
+        """The checkpoint `resume` names (None: none yet, start from step 0), once its data position is
+        known to fit this run's reader (same batch size, processes and shuffle settings): an
+        incompatible resume is refused before anything is said, loaded or written."""
+        path = self.checkpoints.to_resume(self.resume)
+        if path is None:
+            if self.is_main:
+                log.info(f"no checkpoint in {self.checkpoints.root}; starting from step 0")
+            return None
+        check_resume(self.data, read_manifest(path).get("state"), path)
+        return path
+
+    def _resume(self, path: Path) -> tuple[int, int, dict | None]:
+        """(step, epoch, data position: see RankData.position) of checkpoint `path`, loaded."""
+        optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
+        manifest = load_checkpoint(path, self.embeddings, self.model, optimizers)
+        state = manifest["state"]
+        for key, now in (("batch_size", self.cfg.data.batch_size), ("seed", self.cfg.seed)):
+            if state.get(key) != now:
+                raise CheckpointError(
+                    f"checkpoint {path} was trained with {key} {state.get(key)}, this run has {now}: resuming exactly "
+                    f"needs the same {'data.batch_size' if key == 'batch_size' else 'seed'}"
+                )
+        self.checkpoints.last_step = manifest["step"]
+        if self.is_main:
+            log.info(f"resumed from {path} (step {manifest['step']})")
+        return manifest["step"], state["epoch"], state
+
+    def _diverged(self, loss: float, step: int) -> TrainingDiverged:
+        msg = f"loss became {loss} at step {step}; lower the learning rates"
+        if self.checkpoints.enabled:
+            kept = self.checkpoints.set_aside_diverged(step)
+            msg += (
+                f". The last good checkpoint is {kept}; `neorec train --resume` continues from it"
+                if kept is not None
+                else ". No checkpoint was saved before it"
+            )
+        return TrainingDiverged(msg)

@@ -1,0 +1,221 @@
+"""What a run reports: the records of a log step (metrics.jsonl and TensorBoard through the run's
+logger, neorec/train/logger.py, and the console line), and at the end its outputs: model.pt,
+summary.json, curves.png, and the summary table `neorec train` prints.
+
+`RunReporting` is part of Trainer (neorec/train/trainer.py), whose step loop calls it; its methods
+use the trainer's attributes listed in the class. `RunResult` is what Trainer.fit returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from neorec.checkpoint.stream import save_model_state
+from neorec.config.schema import RunConfig
+from neorec.distributed.comms import Comms
+from neorec.distributed.topology import Topology
+from neorec.embedding.cache.stats import log_values
+from neorec.embedding.collection import EmbeddingCollection, dropped_ids
+from neorec.embedding.remap import map_log_values
+from neorec.train.logger import MetricsLogger, NoLogger, read_metrics
+from neorec.utils.files import write_text
+from neorec.utils.json_values import strict_dumps
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    steps: int
+    samples: int
+    train_seconds: float
+    losses: list[float] = field(default_factory=list)  # every step's loss, for determinism checks
+    eval: dict[str, float] = field(default_factory=dict)
+    teacher_auc: float | None = None
+    skipped_lines: int = 0  # malformed input lines skipped under the reader's `skip` policy
+    out_dir: Path | None = None
+    comm_bytes_per_step: dict[str, float] = field(default_factory=dict)  # rank 0's sends, by exchange
+    dropped_ids: dict[str, int] = field(default_factory=dict)  # bounds_check warn: per feature, all ranks
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.train_seconds if self.train_seconds > 0 else float("nan")
+
+
+class RunReporting:
+    """Trainer's log steps and end-of-run outputs."""
+
+    # the trainer's, set by Trainer.__init__
+    cfg: RunConfig
+    topo: Topology
+    comms: Comms | None
+    is_main: bool
+    device: torch.device
+    tables: Sequence
+    embeddings: EmbeddingCollection
+    model: nn.Module
+    dense_opt: torch.optim.Optimizer
+    emb_opt: torch.optim.Optimizer
+    timings: dict[str, float]
+    out_dir: Path
+
+    def _learning_rates(self) -> dict[str, float]:
+        """The learning rates in use (the first parameter group of each optimizer)."""
+        return {"lr_dense": self.dense_opt.param_groups[0]["lr"], "lr_embedding": self.emb_opt.param_groups[0]["lr"]}
+
+    def _log_train_step(
+        self,
+        logger: MetricsLogger | NoLogger,
+        step: int,
+        total: int,
+        epoch: int,
+        running: float,
+        sps: float,
+        wait_ms: float,
+        bar,
+    ) -> None:
+        """The records of a log step: the loss (running average), speed, data wait and learning rates,
+        the caches' and id maps' counters, the ids dropped so far; the console line on rank 0."""
+        lrs = self._learning_rates()
+        logger.log("train", step, {"loss": running, "samples_per_s": sps, "epoch": epoch,
+                                   "data_wait_ms": wait_ms, **lrs})  # fmt: skip
+        cache = None
+        if getattr(self.embeddings, "cache_stats", None) and (cache := self.embeddings.cache_stats()):
+            cache = log_values(cache)
+            logger.log("cache", step, cache)  # hit rate, MiB per tier, per table
+        if getattr(self.embeddings, "id_map_stats", None) and (maps := self.embeddings.id_map_stats()):
+            logger.log("id_map", step, map_log_values(maps))  # inserts, evictions, per table
+        if self.cfg.embedding.bounds_check == "warn" and (dropped := self._dropped_ids()):
+            logger.log("dropped_ids", step, {"total": sum(dropped.values()), **dropped})
+        if self.is_main:
+            log.info(train_line(step, total, running, sps, lrs, cache))
+        if bar is not None:
+            bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{sps:,.0f}")
+
+    def _dropped_ids(self) -> dict[str, int]:
+        """Ids dropped so far per feature for lying outside their table (bounds_check warn), summed
+        over the ranks (collective under several processes: every rank calls it at the same step)."""
+        mine = dropped_ids(self.model)
+        if self.comms is None:
+            return mine
+        names = [f for t in self.tables for f in t.features]
+        counts = torch.tensor([[mine.get(f, 0) for f in names]], dtype=torch.float64)
+        total = self.comms.all_gather(counts, "eval").sum(0).tolist()
+        return {f: int(n) for f, n in zip(names, total, strict=True) if n}
+
+    def _single_process_state(self) -> dict | None:
+        """The model's state_dict as one process would have it (so `neorec eval` loads it anywhere).
+        Over several processes the tables are gathered (collective), up to 2 GiB of them; larger
+        sharded models need sharded checkpoints."""
+        if self.comms is None:
+            return self.model.state_dict()
+        emb = self.embeddings
+        table_bytes = sum(t.rows * t.dim * 4 for t in self.tables)
+        if table_bytes > 2 * 2**30:
+            return None
+        state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("embeddings.")}
+        mine = torch.tensor([emb.local.num_updates, emb.replicated.num_updates], dtype=torch.int64)
+        updates = self.comms.all_gather(mine, "eval").max()  # sharded, dp: 2 engines; a rank may hold neither
+        for name, entries in emb.gather_tables().items():  # type: ignore[operator]
+            for key, value in entries.items():
+                state[f"embeddings.tables.{name}.{key}"] = value
+            state[f"embeddings.tables.{name}.step"] = updates.clone()
+        return state
+
+    def _device_peaks(self) -> list[float] | None:
+        """On a GPU, every rank's peak allocated device memory in MiB (torch.cuda.max_memory_allocated),
+        to check the planner's memory estimate against (collective)."""
+        if self.device.type != "cuda":
+            return None
+        mine = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 2**20], dtype=torch.float64)
+        every = self.comms.all_gather(mine, "eval") if self.comms is not None else mine
+        return [round(x, 1) for x in every.tolist()]
+
+    def _finish(self, result: RunResult) -> None:
+        state = self._single_process_state()
+        peaks = self._device_peaks()
+        if not self.is_main:
+            return
+        planned = getattr(getattr(self.embeddings, "plan", None), "device_bytes", None)
+        planned = [round(b / 2**20, 1) for b in planned] if planned else None
+        if peaks and planned:
+            over = [r for r, (peak, plan) in enumerate(zip(peaks, planned, strict=True)) if peak > plan]
+            if over:
+                log.warning(f"rank(s) {over} used more device memory than the sharding planner estimated "
+                            f"(peaks {peaks} MiB against {planned} MiB): its plans may not fit this GPU")  # fmt: skip
+        if state is not None:
+            save_model_state(state, self.out_dir / "model.pt", self.model)  # cached tables: streamed
+        summary = {
+            "steps": result.steps,
+            "samples": result.samples,
+            "train_seconds": round(result.train_seconds, 3),
+            "samples_per_s": round(result.samples_per_second, 1),
+            "data_wait_ms_per_step": round(1000 * self.timings["data_wait"] / max(result.steps, 1), 3),
+            "skipped_lines": result.skipped_lines,
+            **({"dropped_ids": result.dropped_ids} if result.dropped_ids else {}),
+            "processes": self.topo.world_size,
+            "comm_bytes_per_step": {k: round(v) for k, v in result.comm_bytes_per_step.items()},
+            **({"device_peak_mib_per_rank": peaks} if peaks else {}),
+            **({"planned_device_mib_per_rank": planned} if planned else {}),
+            **{f"eval_{k}": v for k, v in result.eval.items()},
+        }
+        write_text(self.out_dir / "summary.json", strict_dumps(summary, indent=2), "run summary")  # NaN/inf: null
+        if self.cfg.logging.plot:
+            from neorec.metrics.plot import plot_curves
+
+            plot_curves(read_metrics(self.out_dir / "metrics.jsonl"), self.out_dir / "curves.png", self.out_dir.name)
+
+
+def train_line(
+    step: int, total: int, loss: float, samples_per_s: float, lrs: dict[str, float], cache: dict | None
+) -> str:
+    """The console line of a log step: loss, speed, learning rates, the caches' hit rate and traffic
+    (`cache`: cache.stats.log_values, cumulative)."""
+    parts = [f"step {step:,}/{total:,}" if total else f"step {step:,}", f"loss {loss:.4f}", f"{samples_per_s:,.0f} samples/s"]
+    parts.append("lr " + " ".join(f"{k.removeprefix('lr_')} {v:.3g}" for k, v in lrs.items()))
+    if cache:
+        hit = cache.get("hit_rate")
+        moved = sum(v for k, v in cache.items() if "/" not in k and k.startswith("mib_"))
+        rate = "n/a" if hit is None or hit != hit else f"{hit:.3f}"
+        parts.append(f"cache hit rate {rate}, {moved:,.1f} MiB moved (since the start)")
+    return " | ".join(parts)
+
+
+def summary_table(result: RunResult) -> str:
+    """The final human-readable summary."""
+    rows = [
+        ("steps", f"{result.steps:,}"),
+        ("samples", f"{result.samples:,}"),
+        ("train time", f"{result.train_seconds:.1f} s"),
+        ("throughput", f"{result.samples_per_second:,.0f} samples/s"),
+    ]
+    e = result.eval
+    for key, label in [("auc", "AUC"), ("ne", "normalized entropy"), ("log_loss", "log loss"),
+                       ("accuracy", "accuracy"), ("calibration", "calibration (pred/obs CTR)")]:  # fmt: skip
+        if key in e and e[key] is not None:
+            rows.append((f"eval {label}", f"{e[key]:.4f}"))
+    for key, value in e.items():  # per task (multi-task heads) and retrieval metrics
+        if (key.endswith(("/auc", "/log_loss")) or key.startswith("recall@")) and value is not None:
+            rows.append((f"eval {key}", f"{value:.4f}"))
+    if result.teacher_auc is not None:
+        rows.append(("teacher AUC (ceiling)", f"{result.teacher_auc:.4f}"))
+        if "auc" in e:
+            rows.append(("gap to ceiling", f"{result.teacher_auc - e['auc']:.4f}"))
+    if result.comm_bytes_per_step:
+        sent = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in result.comm_bytes_per_step.items())
+        rows.append(("MiB sent per step (rank 0)", sent))
+    if result.skipped_lines:
+        rows.append(("malformed lines skipped", f"{result.skipped_lines:,}"))
+    if result.dropped_ids:
+        rows.append(("ids dropped (outside tables)", f"{sum(result.dropped_ids.values()):,}"))
+    if result.out_dir is not None:
+        rows.append(("outputs", str(result.out_dir)))
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    return "\n".join([line] + [f"{k.ljust(width)} | {v}" for k, v in rows] + [line])
