@@ -97,3 +97,27 @@ def test_pictures_the_docs_show_exist_and_live_next_to_them() -> None:
                 missing.append(f"{page.relative_to(ROOT)}: {ref}")
     assert not missing, "pictures referenced but not there:\n" + "\n".join(missing)
     assert not list((ROOT / "benchmarks").glob("*.png")), "benchmark pictures go to docs/img/"
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # a markdown link's target, without its anchor
+
+
+def test_links_in_readme_and_docs_lead_to_files_and_results_sections_that_exist() -> None:
+    """Every figure the docs quote points at the page that records it: the link must resolve, and a
+    section named after a link to a results page ("Row cache", ...) must be a heading of that page."""
+    broken = []
+    for page in PAGES:
+        text = page.read_text()
+        for target in LINK.findall(text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    for page in PAGES:
+        for match in re.finditer(r"\]\(([^)]*benchmarks/[^)]*\.md|[^)]*history/[^)]*\.md|[^)]*RESULTS\.md)\)[,:;]? \(?\"([^\"]+)\"",
+                                 page.read_text()):
+            target, section = match.group(1), " ".join(match.group(2).split())
+            headings = [line for line in (page.parent / target).read_text().splitlines() if line.startswith("#")]
+            if not any(section.lower() in h.lower() for h in headings):
+                broken.append(f"{page.relative_to(ROOT)}: {target} has no section {section!r}")
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
