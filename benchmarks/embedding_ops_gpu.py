@@ -2,7 +2,8 @@
 
 The GPU counterpart of embedding_ops.py (same cases, same Zipf ids, same byte counts), in one process:
 - triton: the fused engine with kernels="triton" (one kernel for the lookup of all tables, one for
-  the backward fused with the update: neorec/embedding/fused/triton_kernels.py);
+  the backward fused with the update: neorec/embedding/fused/triton_pool.py and
+  triton_fused_update.py);
 - torch ops: the same engine with kernels="torch" (sort, embedding_bag segment sums, the rule in
   torch ops, index_copy_ back);
 - nn.EmbeddingBag: one nn.EmbeddingBag(sparse=True) per table + torch.optim SGD / Adagrad (not run

@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from neorec.embedding.fused import triton_kernels as tk
+from neorec.embedding.fused import triton_fused_update, triton_pool
 
 H100 = GPUTarget("cuda", 90, 32)
 INTS = {"dim", "num_groups", "p_stride"}  # the integer (non-pointer) arguments of the kernels
@@ -50,14 +50,14 @@ def variants() -> list[tuple[str, object, str, dict[str, object]]]:
     update = {"HAS_SCALES": True, "MULTI_TABLE": False, "STOCHASTIC": False, "NUM_HPARAMS": 7,
               "BLOCK_N": 16, "BLOCK_D": 128}  # fmt: skip
     return [
-        ("pool fp32, weighted", tk._pool_kernel, "fp32", {"HAS_SCALES": True, "BLOCK_N": 16, "BLOCK_D": 128}),
-        ("pool bf16, one id per bag", tk._pool_kernel, "bf16", {"HAS_SCALES": False, "BLOCK_N": 1, "BLOCK_D": 64}),
-        ("partial sums of a hot row", tk._partial_kernel, "fp32", {"HAS_SCALES": True, "CHUNK": 1024, "BLOCK_N": 16, "BLOCK_D": 128}),
-        ("update sgd fp32", tk._update_kernel, "fp32", {**update, "RULE": 0}),
-        ("update row-wise adagrad fp16, stochastic", tk._update_kernel, "fp16", {**update, "RULE": 1, "STOCHASTIC": True}),
-        ("update adagrad bf16, per-table", tk._update_kernel, "bf16", {**update, "RULE": 2, "MULTI_TABLE": True}),
-        ("update adam bf16, stochastic, per-table", tk._update_kernel, "bf16", {**update, "RULE": 3, "STOCHASTIC": True, "MULTI_TABLE": True}),
-        ("stochastic rounding to fp16", tk._round_kernel, "fp16", {"BLOCK_D": 64}),
+        ("pool fp32, weighted", triton_pool._pool_kernel, "fp32", {"HAS_SCALES": True, "BLOCK_N": 16, "BLOCK_D": 128}),
+        ("pool bf16, one id per bag", triton_pool._pool_kernel, "bf16", {"HAS_SCALES": False, "BLOCK_N": 1, "BLOCK_D": 64}),
+        ("partial sums of a hot row", triton_fused_update._partial_kernel, "fp32", {"HAS_SCALES": True, "CHUNK": 1024, "BLOCK_N": 16, "BLOCK_D": 128}),
+        ("update sgd fp32", triton_fused_update._update_kernel, "fp32", {**update, "RULE": 0}),
+        ("update row-wise adagrad fp16, stochastic", triton_fused_update._update_kernel, "fp16", {**update, "RULE": 1, "STOCHASTIC": True}),
+        ("update adagrad bf16, per-table", triton_fused_update._update_kernel, "bf16", {**update, "RULE": 2, "MULTI_TABLE": True}),
+        ("update adam bf16, stochastic, per-table", triton_fused_update._update_kernel, "bf16", {**update, "RULE": 3, "STOCHASTIC": True, "MULTI_TABLE": True}),
+        ("stochastic rounding to fp16", triton_fused_update._round_kernel, "fp16", {"BLOCK_D": 64}),
     ]  # fmt: skip
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_fused_engine import assert_matches, make_tables, run_steps, train_both
 
-from neorec.embedding.fused import FusedEmbeddingCollection, triton_kernels
+from neorec.embedding.fused import FusedEmbeddingCollection, triton_fused_update, triton_launch
 from neorec.embedding.fused.bags import GroupBatch
 from neorec.embedding.fused.row_gradients import sort_by_row
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
@@ -62,7 +62,7 @@ def test_triton_matches_torch_path_with_hot_rows(name: str, dtype: str, chunk: i
     the lookup and a masked tail), fp16/bf16 storage: the kernels against the torch path.
     chunk 8: hot rows' ids are summed in chunks of 8 by programs of their own, then added up."""
     if chunk is not None:
-        monkeypatch.setattr(triton_kernels, "LONG_ROW_CHUNK", chunk)
+        monkeypatch.setattr(triton_fused_update, "LONG_ROW_CHUNK", chunk)
     tables = [
         TableConfig(name="a", rows=300, dim=24, features=["a", "a2"], pooling="mean", dtype=dtype),
         TableConfig(name="b", rows=1000, dim=200, features=["b"], dtype=dtype),
@@ -93,7 +93,7 @@ def test_triton_matches_torch_path_with_hot_rows(name: str, dtype: str, chunk: i
 
 
 @needs_cuda
-@pytest.mark.skipif(not triton_kernels.usable(torch.device("cuda")), reason="needs triton")
+@pytest.mark.skipif(not triton_launch.usable(torch.device("cuda")), reason="needs triton")
 def test_fused_update_reads_nothing_back_to_the_host() -> None:
     """Given sorted ids (sort_by_row's unique_consecutive reads its size back), the update's
     kernels go out without a host synchronisation, which sync debug mode "error" would raise on:
@@ -119,10 +119,10 @@ def test_fused_update_reads_nothing_back_to_the_host() -> None:
             hp = {"lr": lr, "eps": 1e-8, "weight_decay": 0.01, "beta1": 0.9, "beta2": 0.999}
             torch.cuda.set_sync_debug_mode("error" if debug else 0)
             try:
-                group = triton_kernels.UpdateGroup(
+                group = triton_fused_update.UpdateGroup(
                     "adam", sorted_ids, grad, 1, [0], weight, state, hp, row_starts=row_starts
                 )
-                triton_kernels.fused_update([group], step=step, chunk=64)
+                triton_fused_update.fused_update([group], step=step, chunk=64)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         return [weight, *state.values()]
@@ -163,6 +163,6 @@ def test_dlrm_trains_on_cuda(precision: str) -> None:
         loss.backward()
         dense_opt.step()
         losses.append(float(loss.detach()))
-    assert engine.triton_lookup(0, torch.device("cuda")) == triton_kernels.usable(torch.device("cuda"))
+    assert engine.triton_lookup(0, torch.device("cuda")) == triton_launch.usable(torch.device("cuda"))
     assert not torch.equal(before, engine.state_dict()["tables.u.weight"])
     assert losses[-1] < 0.7 * losses[0], losses

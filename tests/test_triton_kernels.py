@@ -1,5 +1,5 @@
-"""The Triton kernels (neorec/embedding/fused/triton_kernels.py) against the float64 reference, the
-torch path's rounding, and themselves (bitwise determinism).
+"""The Triton kernels (neorec/embedding/fused/triton_pool.py, triton_fused_update.py) against the
+float64 reference, the torch path's rounding, and themselves (bitwise determinism).
 
 On a machine with a CUDA device they run there; without one they run on CPU tensors through Triton's
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1 there). Skipped where triton is not installed
@@ -30,7 +30,7 @@ from test_fused_engine import (
 )
 
 from neorec.embedding.cache import CacheSettings, cached_storage_factory
-from neorec.embedding.fused import FusedEmbeddingCollection, rounding, triton_kernels
+from neorec.embedding.fused import FusedEmbeddingCollection, rounding, triton_fused_update, triton_pool
 from neorec.embedding.fused.bags import GroupBatch
 from neorec.embedding.fused.optimizers import RULES, Hparams
 from neorec.embedding.fused.row_gradients import sort_by_row, sort_by_row_on_device
@@ -116,7 +116,7 @@ def test_pool_kernel_empty_bags_weights_and_low_precision() -> None:
         weight = torch.randn(40, dim, generator=gen).to(dtype)
         s = scales if scaled else None
         on_device = [t.to(DEVICE) if t is not None else None for t in (weight, rows, offsets, s)]
-        groups.append(triton_kernels.PoolGroup(*on_device, 1, out, [column]))
+        groups.append(triton_pool.PoolGroup(*on_device, 1, out, [column]))
         want = torch.zeros(lengths.numel(), dim, dtype=torch.float64)
         w64, s64, pos = weight.double(), (scales if scaled else torch.ones(rows.numel())).double(), 0
         for b, n in enumerate(lengths.tolist()):
@@ -125,7 +125,7 @@ def test_pool_kernel_empty_bags_weights_and_low_precision() -> None:
             pos += n
         expected.append(want)
         column += dim
-    triton_kernels.pool(groups)
+    triton_pool.pool(groups)
     torch.testing.assert_close(out.cpu().double(), torch.cat(expected, dim=1), rtol=1e-5, atol=1e-5)
     assert torch.equal(out.cpu()[lengths == 0], torch.zeros(3, column))
 
@@ -143,7 +143,7 @@ def test_stochastic_rounding_is_bitwise_the_torch_paths(dtype: torch.dtype) -> N
     for step in (1, 7, 2**32 + 3):
         expected = rounding.stochastic_round(x, dtype, rounding.uniform_noise(seeds, rows, step, x.shape[1]))
         keys = rounding.step_keys(seeds, step)
-        got = triton_kernels.stochastic_round_rows(
+        got = triton_fused_update.stochastic_round_rows(
             x.to(DEVICE), dtype, keys.to(DEVICE), rows.to(DEVICE)
         ).cpu()
         assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
@@ -223,11 +223,11 @@ def update_once(
     on_device = GroupBatch(
         *(t.to(DEVICE) for t in (batch.rows, batch.bags, batch.offsets, batch.scales)), rows.numel(), 1
     )
-    group = triton_kernels.UpdateGroup(
+    group = triton_fused_update.UpdateGroup(
         name, sort(on_device), grad.to(DEVICE), 1, [0], w, s, hp,
         row_starts=torch.zeros(1, dtype=torch.int64, device=DEVICE),
     )  # fmt: skip
-    triton_kernels.fused_update([group], step=3, chunk=chunk)
+    triton_fused_update.fused_update([group], step=3, chunk=chunk)
     return w.cpu(), {k: v.cpu() for k, v in s.items()}, inputs, hp
 
 
@@ -274,11 +274,11 @@ def test_chunk_grid_bound_gives_bitwise_the_exact_grids_result(name: str, monkey
     cold = torch.randint(200, 300, (400,), generator=gen)
     rows = torch.cat([*hot, cold])[torch.randperm(457 + 400, generator=gen)]
     exact = exact_num_chunks(rows, 64)
-    assert exact == 8 and triton_kernels.max_chunks(rows.numel(), 64) == 26
+    assert exact == 8 and triton_fused_update.max_chunks(rows.numel(), 64) == 26
     results = {}
     for grid in ("bound", exact, 40 * exact):
         if grid != "bound":
-            monkeypatch.setattr(triton_kernels, "max_chunks", lambda num_ids, chunk, grid=grid: grid)
+            monkeypatch.setattr(triton_fused_update, "max_chunks", lambda num_ids, chunk, grid=grid: grid)
         results[grid] = update_once(name, torch.float32, rows, chunk=64, num_rows=300)
     w, s, (w0, s0, grad, scales), hp = results["bound"]
     for grid in (exact, 40 * exact):
@@ -332,9 +332,9 @@ def test_max_chunks_bounds_every_split(counts: list[int], chunk: int) -> None:
     when no row can be split."""
     num_ids = sum(counts)
     num_chunks = sum(-(-c // chunk) for c in counts if c > chunk)
-    assert num_chunks <= triton_kernels.max_chunks(num_ids, chunk)
+    assert num_chunks <= triton_fused_update.max_chunks(num_ids, chunk)
     if num_ids <= chunk:
-        assert triton_kernels.max_chunks(num_ids, chunk) == 0
+        assert triton_fused_update.max_chunks(num_ids, chunk) == 0
 
 
 def test_hot_row_in_default_chunks_is_deterministic() -> None:
@@ -402,9 +402,14 @@ class CountingKernel:
 def count_launches(monkeypatch) -> dict[str, CountingKernel]:
     """Counters around the pooling, partial-sum and update kernels, by name."""
     counters = {}
-    for name in ("_pool_kernel", "_partial_kernel", "_update_kernel"):
-        counters[name] = CountingKernel(getattr(triton_kernels, name))
-        monkeypatch.setattr(triton_kernels, name, counters[name])
+    kernels = (
+        (triton_pool, "_pool_kernel"),
+        (triton_fused_update, "_partial_kernel"),
+        (triton_fused_update, "_update_kernel"),
+    )
+    for module, name in kernels:
+        counters[name] = CountingKernel(getattr(module, name))
+        monkeypatch.setattr(module, name, counters[name])
     return counters
 
 
@@ -413,7 +418,7 @@ def test_mixed_dims_take_one_launch_of_each_kernel(monkeypatch) -> None:
     16 under one optimizer: each step is one pooling launch, one launch of the hot rows' partial
     sums (chunks of 4 ids) and one update launch for all three, and the results equal the float64
     reference."""
-    monkeypatch.setattr(triton_kernels, "LONG_ROW_CHUNK", 4)
+    monkeypatch.setattr(triton_fused_update, "LONG_ROW_CHUNK", 4)
     monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
     counters = count_launches(monkeypatch)
     opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05, weight_decay=0.01)
@@ -432,7 +437,7 @@ def test_one_launch_is_bitwise_one_launch_per_group_and_repeats(name: str, monke
     mean-pooled feature (so one group has scales and two have none), hot rows in chunks of 8 ids:
     all groups in one launch of each kernel give bitwise the outputs, rows and state of a launch per
     group (with narrower blocks), and two runs give bitwise the same."""
-    monkeypatch.setattr(triton_kernels, "LONG_ROW_CHUNK", 8)
+    monkeypatch.setattr(triton_fused_update, "LONG_ROW_CHUNK", 8)
     opt = EmbeddingOptimizerConfig(name=name, lr=0.01, weight_decay=0.01)
     tables = [
         TableConfig(name="a", rows=30, dim=5, features=["a", "a2"], pooling="mean", dtype="bf16"),
@@ -451,10 +456,10 @@ def test_one_launch_is_bitwise_one_launch_per_group_and_repeats(name: str, monke
     assert [c.launches for c in counters.values()] == [2, 2, 2]
     assert_bitwise_equal(combined, train_steps(tables, opt, batches, grads))
 
-    pool, update = triton_kernels.pool, triton_kernels.fused_update
-    monkeypatch.setattr(triton_kernels, "pool", lambda groups: [pool([g]) for g in groups])
+    pool, update = triton_pool.pool, triton_fused_update.fused_update
+    monkeypatch.setattr(triton_pool, "pool", lambda groups: [pool([g]) for g in groups])
     monkeypatch.setattr(
-        triton_kernels, "fused_update", lambda groups, step: [update([g], step) for g in groups]
+        triton_fused_update, "fused_update", lambda groups, step: [update([g], step) for g in groups]
     )
     per_group = train_steps(tables, opt, batches, grads)
     # two runs of one launch each, then three groups of two steps
@@ -540,13 +545,13 @@ def test_kernels_through_the_gpu_cache_path_are_bitwise_uncached(
         ts, opt, tmp_path, policy, tier="dram", fraction=0.3, io_thread=True, kernels="triton"
     )
     in_place = []
-    update = triton_kernels.fused_update
+    update = triton_fused_update.fused_update
 
     def seen(groups, step):
         in_place.extend(g.addresses is not None for g in groups)
         return update(groups, step)
 
-    monkeypatch.setattr(triton_kernels, "fused_update", seen)
+    monkeypatch.setattr(triton_fused_update, "fused_update", seen)
     train_cached(plain, cached, torch.Generator().manual_seed(5), 8, ts, prefetch=True)
     assert_same_state(plain, cached)
     stats = cached.cache_stats()
@@ -559,7 +564,7 @@ def test_kernels_through_the_gpu_cache_path_are_bitwise_uncached(
 def test_engine_is_bitwise_deterministic_with_hot_rows_and_every_feature(monkeypatch) -> None:
     """Adam on bf16 rows with stochastic rounding, row-wise adagrad on fp16, adagrad on fp32 with odd
     dims, mean pooling, hot rows split into chunks of 8 ids: two runs give bitwise the same."""
-    monkeypatch.setattr(triton_kernels, "LONG_ROW_CHUNK", 8)
+    monkeypatch.setattr(triton_fused_update, "LONG_ROW_CHUNK", 8)
     tables = [
         TableConfig(name="a", rows=30, dim=5, features=["a", "a2"], pooling="mean", dtype="bf16",
                     optimizer=EmbeddingOptimizerConfig(name="adam", lr=0.01, weight_decay=0.01)),
@@ -577,7 +582,7 @@ def test_engine_is_bitwise_deterministic_with_hot_rows_and_every_feature(monkeyp
 
 def test_wide_rows_take_the_torch_path(monkeypatch) -> None:
     """A group wider than the update kernel takes is updated by the torch path, and still matches."""
-    monkeypatch.setattr(triton_kernels, "MAX_UPDATE_DIM", 8)
+    monkeypatch.setattr(triton_fused_update, "MAX_UPDATE_DIM", 8)
     opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05)
     engine, ref, outputs = train_both(make_tables(), opt, steps=2, seed=5, device=DEVICE, kernels="triton")
     dims = [g.dim for g in engine.layout.groups]

@@ -12,15 +12,15 @@ Sequence groups (pooling none) are the same machinery with one bag per id: "pool
 is a gather of its row (times its weight), and the backward, with d(rows) as the bags' gradient,
 sums each unique row's ids in id order and applies the same update.
 
-With the Triton kernels (triton_kernels.py; on a GPU) the same bags and sorted ids go to one launch
-for all groups instead of a call per group: the pooling kernel writes each bag straight into its
-feature's columns of the output (no `assemble`), and the fused update reads each bag's gradient
-straight from d(pooled) (no `group_gradient`). A group in a row cache goes too: when every row of
-the batch has a slot (a batch its prefetch brought in) the kernels read and update the cache's
-records in place at the rows' slots, which are then marked for write-back; otherwise they work on
-copies of the rows read through the cache, and the updated copies are written back through it
-(cached_update). Groups the kernels do not take (a gradient hook, a rule or width they lack) still
-run as above and are copied into their columns.
+With the Triton kernels (triton_pool.py, triton_fused_update.py; on a GPU) the same bags and sorted
+ids go to one launch for all groups instead of a call per group: the pooling kernel writes each bag
+straight into its feature's columns of the output (no `assemble`), and the fused update reads each
+bag's gradient straight from d(pooled) (no `group_gradient`). A group in a row cache goes too: when
+every row of the batch has a slot (a batch its prefetch brought in) the kernels read and update the
+cache's records in place at the rows' slots, which are then marked for write-back; otherwise they
+work on copies of the rows read through the cache, and the updated copies are written back through
+it (cached_update). Groups the kernels do not take (a gradient hook, a rule or width they lack)
+still run as above and are copied into their columns.
 
 The engine (FusedEmbeddingCollection) is passed in as a `LookupEngine`: what the lookup needs of it.
 """
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.autograd import Variable
 from torch.autograd.function import once_differentiable
 
-from neorec.embedding.fused import triton_kernels
+from neorec.embedding.fused import triton_fused_update, triton_pool
 from neorec.embedding.fused.bags import GroupBatch
 from neorec.embedding.fused.layout import Layout
 from neorec.embedding.fused.row_gradients import (
@@ -128,7 +128,7 @@ def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None) -> torc
 
 def kernel_bags(
     storage: RowStorage, batch: GroupBatch, out: torch.Tensor, columns: list[int]
-) -> triton_kernels.PoolGroup:
+) -> triton_pool.PoolGroup:
     """One group's bags for the Triton pooling kernel, which writes feature f's sums into `out` from
     column columns[f] on (a sequence group: its own [ids, D] output, column 0): from plain storage's
     tensor at the batch's rows; from a row cache's records at the rows' slots, when every row has
@@ -142,7 +142,7 @@ def kernel_bags(
             weight = storage.read(batch.rows)
             rows = torch.arange(batch.rows.numel(), device=weight.device)
     b = batch
-    return triton_kernels.PoolGroup(weight, rows, b.offsets, b.scales, b.num_features, out, columns)
+    return triton_pool.PoolGroup(weight, rows, b.offsets, b.scales, b.num_features, out, columns)
 
 
 def cached_update(
@@ -211,7 +211,7 @@ class FusedLookup(torch.autograd.Function):
         output_dim = engine.layout.output_dim
         out = None  # the pooled output, made first when the Triton kernel pools into it
         looked_up: list[torch.Tensor | None] = []
-        kernel_groups: list[triton_kernels.PoolGroup] = []
+        kernel_groups: list[triton_pool.PoolGroup] = []
         for gi, (group, gb) in enumerate(zip(groups, batches, strict=True)):
             if not (engine.triton_lookup(gi, device) or engine.cached_kernels(gi, device)):
                 looked_up.append(pool(engine.weights[gi], gb, engine.chunk_rows(gi, device)))
@@ -225,7 +225,7 @@ class FusedLookup(torch.autograd.Function):
                 kernel_groups.append(kernel_bags(engine.weights[gi], gb, out, group.feature_columns))
                 looked_up.append(None)
         if kernel_groups:  # one launch per weight dtype, whatever the groups' dims
-            triton_kernels.pool(kernel_groups)
+            triton_pool.pool(kernel_groups)
         pooled = [(p, g.output_columns) for p, g in zip(looked_up, groups, strict=True) if not g.sequence]
         pooled = [(p, columns) for p, columns in pooled if p is not None]
         if pooled or out is not None:
@@ -246,7 +246,7 @@ class FusedLookup(torch.autograd.Function):
             grad_out = grad_out.to(torch.float32)
         step = engine.num_updates + 1
         sequence = 0
-        kernel_groups: list[triton_kernels.UpdateGroup] = []
+        kernel_groups: list[triton_fused_update.UpdateGroup] = []
         copies: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []  # written back after the kernel
         hooked: list = []
         for gi, (group, gb) in enumerate(zip(engine.layout.groups, ctx.batches, strict=True)):
@@ -272,7 +272,7 @@ class FusedLookup(torch.autograd.Function):
                 # the kernel reads each bag's gradient straight from d(pooled), at its feature's columns
                 columns = [0] if group.sequence else group.feature_columns
                 kernel_groups.append(
-                    triton_kernels.UpdateGroup(
+                    triton_fused_update.UpdateGroup(
                         group.optimizer, sorted_ids, grad_bags.to(torch.float32).contiguous(), gb.num_features,
                         columns, hparams=hparams, addresses=addresses, **args,
                     )
@@ -309,7 +309,7 @@ class FusedLookup(torch.autograd.Function):
                 chunk_rows = None
             hooked.append((gi, summed, hparams, folded, chunk_rows, known is None))
         if kernel_groups:  # one launch per (rule, weight dtype), whatever the groups' dims
-            triton_kernels.fused_update(kernel_groups, step)
+            triton_fused_update.fused_update(kernel_groups, step)
         for gi, rows, written in copies:  # rows updated outside their cache's slots go back through it
             storages = [engine.weights[gi], *engine.states[gi].values()]
             for storage, values in zip(storages, written, strict=True):

@@ -1,5 +1,5 @@
 """The fused update's per-row math as Triton device functions: the kernel-side twins of the update
-rules (optimizers.py) and of stochastic rounding (rounding.py), used by triton_kernels.py.
+rules (optimizers.py) and of stochastic rounding (rounding.py), used by triton_fused_update.py.
 
 The rules follow optimizers.py formula for formula (weight decay added to the gradient, adagrad's
 per-element and row-wise sums, the row-wise one added in a fixed order of pairs (pairwise_sum), lazy

@@ -1,52 +1,34 @@
-"""Triton kernels for the fused engine on CUDA: the pooled lookup, and backward fused with the update.
+"""The Triton kernels of the fused engine's backward fused with the update (`fused_update`).
 
-The torch path (lookup.py) runs everywhere; on a GPU it costs several kernels and passes over
-memory per step (embedding_bag for the segment sums, a gather of rows and state, the rule's
-elementwise ops, a scatter back). These kernels do the same work in one pass each:
+A grid the size of the device, each program taking unique rows in turn (ids already sorted by row,
+see row_gradients.sort_by_row), sums a row's gradient over its ids in id order, reading it straight
+from d(pooled) at the columns of each id's feature (triton_sums._sum_rows), then applies SGD,
+AdaGrad, row-wise AdaGrad or Adam (triton_rules.apply_rule) to the whole row and its state and
+stores the row back in its dtype, to nearest or stochastically (triton_rules.stochastic_round,
+bitwise rounding.py's rounding). Hyper-parameters come from a small per-table table
+(`hparam_table`), so tables of one group may differ. The gradient never reaches device memory,
+except the partial sums of hot rows' chunks of ids (see fused_update). One launch per (rule, weight
+dtype, rounding) covers all the groups it is given (triton_launch.py).
 
-- `pool`: one program per (bag, block of up to 128 columns) reads the bag's rows straight from the
-  table (fp32, fp16 or bf16; contiguous columns, so loads are coalesced) and sums them in fp32,
-  each times its scale (per-sample weight, 1/length for mean pooling), then writes the sum straight
-  into the [B, output columns] output at its feature's columns. Empty bags give zeros.
-- `fused_update`: a grid the size of the device, each program taking unique rows in turn (ids
-  already sorted by row, see row_gradients.sort_by_row), sums a row's gradient over its ids in id order,
-  reading it straight from d(pooled) at the columns of each id's feature, then applies SGD,
-  AdaGrad, row-wise AdaGrad or Adam (triton_rules.apply_rule) to the whole row and its state and stores the row back in its
-  dtype, to nearest or stochastically (triton_rules.stochastic_round, bitwise rounding.py's
-  rounding). Hyper-parameters come from a small per-table table, so tables of one group may
-  differ. The gradient never reaches device memory, except the partial sums of hot rows' chunks of
-  ids (see fused_update).
-
-Groups of mixed dims share launches: `pool` is one launch per weight dtype over all the groups it
-is given, `fused_update` one launch (and one of the hot rows' partial sums) per (rule, weight
-dtype) over its groups. The groups keep their own 2-D buffers (layout.py); a launch gets each
-group's pointers, strides, dims and sizes as small int64 device tensors, one entry per group, and
-its programs find their group from where their index falls among the groups' first bags or first
-unique rows. Columns are blocked for the launch's widest dim and masked for each group's own; a
-launch over one group is the same kernel with one entry.
-
-Both kernels are deterministic and their sums do not depend on the launch: each sum is formed by
-one program in one fixed order, with no atomics: the ids' terms one at a time in id order
-(`_sum_rows`), row-wise adagrad's squares in fixed pairs (triton_rules.pairwise_sum). So a row's
-result is bitwise the same on every run, whichever groups share its launch and whatever the block
-sizes. They agree with the torch path to fp32 rounding, which tests/test_triton_kernels.py checks
-against a float64 reference.
-
-Triton is optional: it ships with CUDA builds of PyTorch. `usable(device)` says whether the kernels
-can run; with TRITON_INTERPRET=1 set before this module is imported they also run on CPU tensors
-through Triton's interpreter (slow; for testing the kernels without a GPU).
+`stochastic_round_rows` runs the update kernel's rounding on its own, for checking it against
+rounding.py.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
 from neorec.embedding.fused import rounding
+from neorec.embedding.fused.triton_launch import (
+    _firsts,
+    _int_tables,
+    _num_warps,
+    _resident_programs,
+    _to_device,
+)
 from neorec.embedding.fused.triton_rules import HPARAM_COLUMNS, RULE_IDS
 
 try:
@@ -58,36 +40,12 @@ except ImportError:  # CPU builds of PyTorch come without Triton
 
 if triton is not None:
     from neorec.embedding.fused.triton_rules import apply_rule, stochastic_round, uniform_noise
+    from neorec.embedding.fused.triton_sums import _group_of, _pointer, _sum_rows
 
 # ids of one row that one program sums; a row with more is split into chunks summed in parallel
 LONG_ROW_CHUNK = 1024
 # the widest row the update kernel takes (one program holds a whole row); wider groups use the torch path
 MAX_UPDATE_DIM = 1024
-# the kernels were built for Triton's interpreter (decided when triton.jit decorates them, at import)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def usable(device: torch.device) -> bool:
-    """Triton is importable and can run on `device` (a GPU, or any device under the interpreter)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or INTERPRETED
-
-
-@dataclass
-class PoolGroup:
-    """One group's bags for `pool`: bag k = b * num_features + f (feature f of sample b) holds ids
-    [offsets[k], offsets[k + 1]) of `rows` (int64 rows of `weight`, [rows, dim] with contiguous
-    columns); its sum goes to out[b, columns[f] : columns[f] + dim] (out: fp32, contiguous columns;
-    the pooled [B, output columns] that several groups share, or a sequence group's own [ids, dim])."""
-
-    weight: torch.Tensor
-    rows: torch.Tensor
-    offsets: torch.Tensor
-    scales: torch.Tensor | None  # [ids] fp32 factor of each id; None = all ones
-    num_features: int
-    out: torch.Tensor
-    columns: list[int]  # first column of each feature in `out`
 
 
 @dataclass
@@ -122,89 +80,6 @@ class UpdateGroup:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _pointer(table, g, TYPE: tl.constexpr):
-        """Group g's pointer from a launch's int64 table of pointers, as a pointer to TYPE."""
-        return tl.load(table + g).to(tl.pointer_type(TYPE))
-
-    @triton.jit
-    def _group_of(k, first, num_groups):
-        """The group g whose items [first[g], first[g + 1]) hold item k (first ascending from 0)."""
-        g = tl.full([], 0, tl.int32)
-        for i in range(1, num_groups):
-            g = tl.where(k >= tl.load(first + i), i, g)
-        return g
-
-    @triton.jit
-    def _term(i, index, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
-              HAS_SCALES: tl.constexpr, BY_FEATURE: tl.constexpr):  # fmt: skip
-        """Term i of _sum_rows, in fp32."""
-        at = tl.load(index + i)
-        if BY_FEATURE:  # int32 division: bags * features stay under 2^31 (fused_update checks)
-            at32 = at.to(tl.int32)
-            nf = num_features.to(tl.int32)
-            base = (at32 // nf).to(tl.int64) * stride + tl.load(feature_cols + at32 % nf)
-        else:
-            base = at * stride
-        vals = tl.load(table + base + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if HAS_SCALES:  # an unscaled group's ids count once (x * 1.0 is x)
-            vals = vals * tl.load(scales + i, mask=scaled, other=1.0)
-        return vals
-
-    @triton.jit
-    def _sum_rows(start, end, index, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
-                  HAS_SCALES: tl.constexpr, BY_FEATURE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr):  # fmt: skip
-        """fp32 sum over i in [start, end), in order, of scales[i] (when `scaled`) times a row of
-        `table` at columns cols: a bag's pooled rows (index: rows of the table), or a row's gradient
-        (BY_FEATURE; index: bags b * num_features + f, read at table[b, feature_cols[f] + cols]).
-
-        The terms are added one at a time in id order, so the sum is the same whatever BLOCK_N,
-        BLOCK_D and the launch. Whole blocks of BLOCK_N ids have their loads issued together (the
-        inner loop is unrolled); the ids after the last whole block go one at a time, so a row or
-        bag of few ids spends nothing on slots it does not have."""
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        whole = start + (end - start) // BLOCK_N * BLOCK_N
-        for first in range(start, whole, BLOCK_N):
-            for j in tl.static_range(BLOCK_N):
-                acc += _term(first + j, index, scales, scaled, table, cols, col_ok, stride, num_features,
-                             feature_cols, HAS_SCALES, BY_FEATURE)  # fmt: skip
-        for i in range(whole, end):
-            acc += _term(i, index, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
-                         HAS_SCALES, BY_FEATURE)  # fmt: skip
-        return acc
-
-    @triton.jit
-    def _pool_kernel(
-        weight, num_groups, first_bags, weights, w_strides, dims, rows, offsets, scales, scaled, outs,
-        out_strides, num_features, first_feature, feature_cols,
-        HAS_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        """Bag k of the launch (group g's are [first_bags[g], first_bags[g + 1])) into its group's
-        output. weight: any group's buffer, for the element type they all share."""
-        k = tl.program_id(0)
-        g = _group_of(k, first_bags, num_groups)
-        dim = tl.load(dims + g)
-        first_col = tl.program_id(1) * BLOCK_D
-        if first_col >= dim:  # a column block past this group's dim (the launch's widest sets the grid)
-            return
-        cols = first_col + tl.arange(0, BLOCK_D)
-        col_ok = cols < dim
-        bag = k - tl.load(first_bags + g)
-        bag_offsets = _pointer(offsets, g, tl.int64)
-        start = tl.load(bag_offsets + bag)
-        end = tl.load(bag_offsets + bag + 1)
-        table = _pointer(weights, g, weight.dtype.element_ty)
-        acc = _sum_rows(
-            start, end, _pointer(rows, g, tl.int64), _pointer(scales, g, tl.float32),
-            tl.load(scaled + g) != 0, table, cols, col_ok, tl.load(w_strides + g), 1, feature_cols,
-            HAS_SCALES, False, BLOCK_N, BLOCK_D,
-        )  # fmt: skip
-        nf = tl.load(num_features + g)
-        col = tl.load(feature_cols + tl.load(first_feature + g) + bag % nf)
-        out = _pointer(outs, g, tl.float32) + (bag // nf) * tl.load(out_strides + g) + col
-        tl.store(out + cols, acc, mask=col_ok)
 
     @triton.jit
     def _row_gradient(g, start, end, bags, scales, scaled, grads, g_strides, num_features, first_feature,
@@ -320,48 +195,6 @@ if triton is not None:
         tl.store(out + u.to(tl.int64) * dim + cols, rounded, mask=col_ok)
 
 
-def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting: from pinned memory the copy is queued on the
-    stream and the host goes on; the caching host allocator records the copy and keeps the pinned
-    block until it has run, so the source may go."""
-    if table.device.type == "cpu" and device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True)
-    return table.to(device)
-
-
-def _int_tables(columns: Mapping[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Small int64 tables (the groups' pointers, strides, sizes) on `device`, all in one copy: views
-    of one tensor, each starting 16 bytes aligned (Triton specialises on aligned pointers)."""
-    flat: list[int] = []
-    spans = {}
-    for name, values in columns.items():
-        spans[name] = (len(flat), len(values))
-        flat += values + [0] * (len(values) % 2)
-    packed = _to_device(torch.tensor(flat, dtype=torch.int64), device)
-    return {name: packed[start : start + n] for name, (start, n) in spans.items()}
-
-
-def _num_warps(block_d: int) -> int:
-    """Warps for a program that works on block_d columns at a time: a column per thread, up to 4 warps."""
-    return max(1, min(4, block_d // 32))
-
-
-def _resident_programs(device: torch.device, work: int, num_warps: int) -> int:
-    """A grid for a kernel whose programs loop over `work` items: as many programs of `num_warps`
-    warps as the device holds at once (64 warps, at most 32 programs, per multiprocessor), no more
-    than there are items. Launching one program per item instead costs a program start per padded
-    item, which on a padded sort is most of them."""
-    if device.type != "cuda":  # Triton's interpreter runs the programs one after the other
-        return max(1, min(work, 16))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(work, sms * min(32, 64 // num_warps)))
-
-
-def _firsts(sizes: list[int]) -> list[int]:
-    """[0, sizes[0], sizes[0] + sizes[1], ...]: where each group's items start, and the total."""
-    return [0, *accumulate(sizes)]
-
-
 def _gradient_source(groups: list[UpdateGroup]) -> dict[str, list[int]]:
     """Where each group's ids and gradient are: the int64 tables _row_gradient reads."""
     return {
@@ -378,50 +211,6 @@ def _gradient_source(groups: list[UpdateGroup]) -> dict[str, list[int]]:
         "first_feature": _firsts([grp.num_features for grp in groups])[:-1],
         "feature_cols": [c for grp in groups for c in grp.columns],
     }
-
-
-def pool(groups: list[PoolGroup]) -> None:
-    """Pool every bag of every group into its output at its feature's columns: out[b, columns[f] +
-    c] = sum over the ids i of bag b * num_features + f of scales[i] * weight[rows[i], c]. One launch
-    per weight dtype among the groups; the outputs' other columns are left alone."""
-    by_dtype: dict[torch.dtype, list[PoolGroup]] = {}
-    for grp in groups:
-        assert grp.weight.stride(1) == 1 and grp.rows.dtype == grp.offsets.dtype == torch.int64
-        assert grp.out.dtype == torch.float32 and grp.out.stride(1) == 1
-        if grp.offsets.numel() > 1:
-            by_dtype.setdefault(grp.weight.dtype, []).append(grp)
-    for same in by_dtype.values():
-        bags = [grp.offsets.numel() - 1 for grp in same]
-        max_dim = max(grp.weight.shape[1] for grp in same)
-        block_d = min(triton.next_power_of_2(max_dim), 128)
-        # ids per program step: one when bags hold about one id (one-hot features), else about a
-        # bag's mean (a power of two, at most 16), so that few of a step's loads are masked off
-        per_bag = max((grp.rows.numel() + n - 1) // n for grp, n in zip(same, bags, strict=True))
-        block_n = min(16, triton.next_power_of_2(max(1, per_bag)))
-        tables = _int_tables(
-            {
-                "first_bags": _firsts(bags),
-                "weights": [grp.weight.data_ptr() for grp in same],
-                "w_strides": [grp.weight.stride(0) for grp in same],
-                "dims": [grp.weight.shape[1] for grp in same],
-                "rows": [grp.rows.data_ptr() for grp in same],
-                "offsets": [grp.offsets.data_ptr() for grp in same],
-                # an unscaled group's ids read no scale; any pointer does
-                "scales": [(grp.scales if grp.scales is not None else grp.rows).data_ptr() for grp in same],
-                "scaled": [int(grp.scales is not None) for grp in same],
-                "outs": [grp.out.data_ptr() for grp in same],
-                "out_strides": [grp.out.stride(0) for grp in same],
-                "num_features": [grp.num_features for grp in same],
-                "first_feature": _firsts([grp.num_features for grp in same])[:-1],
-                "feature_cols": [c for grp in same for c in grp.columns],
-            },
-            same[0].weight.device,
-        )
-        _pool_kernel[(sum(bags), triton.cdiv(max_dim, block_d))](
-            same[0].weight, len(same), **tables,
-            HAS_SCALES=any(grp.scales is not None for grp in same), BLOCK_N=block_n, BLOCK_D=block_d,
-            num_warps=_num_warps(block_d),
-        )  # fmt: skip
 
 
 def hparam_table(
