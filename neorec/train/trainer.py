@@ -26,7 +26,7 @@ from neorec.config.schema import RunConfig
 from neorec.data.device_feed import DeviceFeed
 from neorec.data.prefetch import prefetch
 from neorec.data.ranks import RankData
-from neorec.data.sharded_reader import check_resume
+from neorec.data.reader_position import check_resume
 from neorec.data.source import DataSource
 from neorec.distributed.comms import Comms
 from neorec.distributed.dense import DenseGradSync
