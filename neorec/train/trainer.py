@@ -39,12 +39,12 @@ from neorec.metrics.evaluation import binary_metrics
 from neorec.model.compile import apply_compile
 from neorec.train.build import (
     build_dense_optimizer,
-    build_embeddings,
     build_model,
     build_source,
     build_tables,
     dense_parameters,
 )
+from neorec.train.embeddings import build_embeddings
 from neorec.train.logger import MetricsLogger, read_metrics
 from neorec.train.pipeline import pipelined
 from neorec.train.schedule import lr_multiplier
