@@ -45,12 +45,12 @@ def build(config: str, batch_size: int, steps: int, device: str, sets: list[str]
     from neorec.config.load import load_config
     from neorec.train.build import (
         build_dense_optimizer,
-        build_embeddings,
         build_model,
         build_source,
         build_tables,
         dense_parameters,
     )
+    from neorec.train.embeddings import build_embeddings
 
     overrides = [f"data.batch_size={batch_size}", f"data.synthetic.train_samples={batch_size * steps}",
                  "train.progress=false", f"train.device={device}", *sets]  # fmt: skip

@@ -23,8 +23,8 @@ from benchmarks.common import append_results, markdown_table  # noqa: E402
 from neorec.config.load import load_config  # noqa: E402
 from neorec.planner import hardware  # noqa: E402
 from neorec.planner.planner import plan_sharding  # noqa: E402
-from neorec.planner.run import workload_for_run  # noqa: E402
 from neorec.train.build import build_source, build_tables  # noqa: E402
+from neorec.train.run_plan import workload_for_run  # noqa: E402
 
 
 def main() -> None:

@@ -258,7 +258,7 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
     from neorec.planner.hardware import load_calibration
-    from neorec.planner.run import plan_command
+    from neorec.train.run_plan import plan_command
 
     cfg = load_config(args.config or "default", args.overrides) if args.model == "config" else None
     name = args.model if args.model != "config" else (cfg.name if cfg else "plan")

@@ -398,7 +398,7 @@ def test_ssd_tables_with_train_device_cuda_are_built(tmp_path, monkeypatch) -> N
     import neorec.embedding.cache.build as cache_build
     import neorec.embedding.fused as fused
     from neorec.embedding.fused.storage import StorageSpec
-    from neorec.train.build import build_embeddings
+    from neorec.train.embeddings import build_embeddings
 
     engine: dict = {}
     monkeypatch.setattr(fused, "FusedEmbeddingCollection", lambda tables, optimizer, **kw: engine.update(kw))

@@ -68,7 +68,8 @@ def test_compiled_training_matches_eager_and_checkpoints_are_interchangeable(tmp
 
 
 def test_compiled_model_keeps_its_state_dict_keys_and_evaluates_eagerly():
-    from neorec.train.build import build_embeddings, build_model, build_source, build_tables
+    from neorec.train.build import build_model, build_source, build_tables
+    from neorec.train.embeddings import build_embeddings
 
     cfg = config(False)
     source = build_source(cfg)

@@ -55,7 +55,7 @@ def test_rank_0_of_several_logs_info_with_its_rank(console):
 
 def test_other_ranks_log_only_warnings_with_their_rank(console):
     out = console(3, 4)
-    emit("neorec.planner.run")
+    emit("neorec.train.run_plan")
     logging.getLogger("neorec").error("gone")
     assert out.getvalue().splitlines() == ["[rank 3] neorec: warning: disk almost full", "[rank 3] neorec: error: gone"]
 

@@ -110,7 +110,7 @@ def test_gpu_runs_plan_against_the_gpus_free_memory(monkeypatch):
     share a GPU split its memory and exchange through host memory over gloo; ranks with GPUs of
     their own get all of theirs and NVLink."""
     from neorec.planner import hardware
-    from neorec.planner.run import cluster_for_run
+    from neorec.train.run_plan import cluster_for_run
 
     gib = 2**30
     monkeypatch.setattr(hardware, "load_calibration", lambda: {})  # this VM's figures, not a file's

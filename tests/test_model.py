@@ -71,7 +71,8 @@ def test_dot_interaction_under_bf16_autocast_matches_the_reference_in_bf16_preci
 
 def _tiny_model(arch: str, precision: str):
     from neorec.config.load import load_config
-    from neorec.train.build import build_embeddings, build_model, build_source, build_tables
+    from neorec.train.build import build_model, build_source, build_tables
+    from neorec.train.embeddings import build_embeddings
 
     sets = ["data.synthetic.train_samples=512", "data.synthetic.eval_samples=256", "data.batch_size=128",
             f"model.arch={arch}", f"model.precision={precision}", "model.bottom_mlp=[32,16]",

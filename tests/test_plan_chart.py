@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from neorec.config.load import load_config  # noqa: E402
 from neorec.planner.report import plan_figure  # noqa: E402
-from neorec.planner.run import cluster_for_run, plan_command  # noqa: E402
+from neorec.train.run_plan import cluster_for_run, plan_command  # noqa: E402
 
 
 def test_legends_outside_bars_labelled_axes_and_small_values_readable():

@@ -509,8 +509,8 @@ def small_config(extra: list[str] | None = None):
 
 
 def test_train_default_plan_comes_from_the_planner_and_overrides_still_apply(tmp_path):
-    from neorec.planner.run import workload_for_run
-    from neorec.train.build import build_plan, build_source, build_tables
+    from neorec.train.build import build_source, build_tables
+    from neorec.train.run_plan import build_plan, workload_for_run
 
     cfg = small_config()
     tables = build_tables(cfg, build_source(cfg).info)

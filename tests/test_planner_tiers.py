@@ -157,7 +157,8 @@ def test_a_model_larger_than_memory_goes_to_ssd_instead_of_failing():
 
 def test_train_builds_the_plans_tiers_and_config_overrides_win(tmp_path):
     from neorec.config.load import load_config
-    from neorec.train.build import build_source, build_tables, storage_tiers
+    from neorec.train.build import build_source, build_tables
+    from neorec.train.embeddings import storage_tiers
 
     sets = ["data.synthetic.max_rows=500", "data.batch_size=256"]
     cfg = load_config("default", sets)

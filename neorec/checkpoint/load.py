@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from neorec.checkpoint.files import CheckpointError, check_file, load_tensors
-from neorec.checkpoint.pieces import PieceReader, slots, storages, windows, write_storage
+from neorec.checkpoint.pieces import PieceReader, slots, storages, windows
 from neorec.checkpoint.save import DENSE, FORMAT, MANIFEST, VERSION, list_checkpoints
 from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.fused.storage import write_storage
 from neorec.utils.files import CHECKSUM_KEY, check_json, load_json, plain_name
 
 MANIFEST_KEYS = (

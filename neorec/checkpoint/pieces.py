@@ -22,7 +22,7 @@ import torch
 from neorec.checkpoint.files import DTYPES, CheckpointError, check_file, read_rows
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.fused import FusedEmbeddingCollection
-from neorec.embedding.fused.storage import RowStorage, TensorStorage
+from neorec.embedding.fused.storage import RowStorage
 
 WINDOW_BYTES = 64 << 20  # rows are copied to and from storage in windows of about this size
 
@@ -78,24 +78,6 @@ def windows(num_rows: int, storage: RowStorage) -> list[tuple[int, int]]:
     size = max(storage.width, 1) * torch.empty(0, dtype=storage.dtype).element_size()
     step = max(1, WINDOW_BYTES // size)
     return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)] or [(0, 0)]
-
-
-def read_storage(storage: RowStorage, start: int, end: int) -> torch.Tensor:
-    if isinstance(storage, TensorStorage):
-        return storage.tensor[start:end]
-    if hasattr(storage, "read_range"):  # a cached table: straight from its backing store
-        return storage.read_range(start, end)
-    return storage.read(torch.arange(start, end))
-
-
-def write_storage(storage: RowStorage, start: int, end: int, values: torch.Tensor) -> None:
-    values = values.to(storage.dtype)
-    if isinstance(storage, TensorStorage):
-        storage.tensor[start:end].copy_(values)
-    elif hasattr(storage, "write_range"):
-        storage.write_range(start, end, values)
-    else:
-        storage.write(torch.arange(start, end), values)
 
 
 class PieceReader:

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from neorec.checkpoint.files import RawWriter, dtype_name, write_atomic
-from neorec.checkpoint.pieces import read_storage, slots, storages, windows
+from neorec.checkpoint.pieces import slots, storages, windows
 from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.fused.storage import read_storage
 from neorec.utils.files import file_crc32, fsync_dir, json_text
 
 FORMAT, VERSION = "neorec-checkpoint", 2  # version 2: the manifest carries its own crc32; 1 is read too

@@ -28,6 +28,7 @@ from neorec.errors import DataError
 from neorec.utils.files import file_crc32, fsync_dir, plain_name, read_json, write_atomic, write_json
 
 FORMAT = "neorec-columnar-1"
+SPLITS = ("train", "eval")  # a shard's subfolders: shards/<k>/<split>/
 MANIFEST = "manifest.json"
 META = "meta.json"
 MANIFEST_KEYS = ("format", "complete", "settings", "num_dense", "features", "notes", "shards", "num_samples", "skipped")

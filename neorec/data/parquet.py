@@ -54,7 +54,7 @@ from neorec.data.checks import checked_mode
 from neorec.data.columns import Columns, cut_batches
 from neorec.data.parquet_columns import ColumnMap, held_out
 from neorec.data.prefetch import prefetch
-from neorec.data.sharded_reader import checked_position
+from neorec.data.reader_position import checked_position
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.data.vocab import load_vocabs
 from neorec.errors import ConfigError, DataError

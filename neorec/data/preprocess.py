@@ -63,7 +63,8 @@ from neorec.data.criteo import (
     read_lines,
     resolve_table_rows,
 )
-from neorec.data.manifest import (  # preprocess_parquet, the reader and tests import some from here
+from neorec.data.manifest import (  # preprocess_parquet and tests import some from here
+    SPLITS,
     ShardPlan,
     complete_manifest,
     publish_shard,
@@ -76,7 +77,6 @@ from neorec.data.manifest import start_manifest as _start_manifest
 from neorec.data.synthetic import SyntheticSource, SyntheticSpec
 from neorec.errors import ConfigError, DataError
 
-SPLITS = ("train", "eval")
 CHUNK_LINES = 16384
 _RAW_ROWS = 1 << 32  # "modulo 2^32" leaves the parsed hex value (at most 8 digits) unchanged
 _INDEX_BLOCK = 1 << 24
@@ -117,7 +117,7 @@ def preprocess_criteo(
     line of each file. `vocab_threshold` set: vocabulary ids (table_rows and hashing are not used).
     `raw_features`: features stored as the raw hash value (int64), for managed-collision tables.
     `max_shards`: write at most this many shards, then stop (a later call resumes). `parquet_output`:
-    also write the samples as Parquet files (neorec/data/preprocess_parquet.py). `max_line_bytes`: longer
+    also write the samples as Parquet files (neorec/data/parquet_output.py). `max_line_bytes`: longer
     lines are bad lines (as `bad_lines` says), never held whole."""
     train = [str(p) for p in paths]
     evals = [str(p) for p in eval_paths] if eval_paths else []
@@ -427,7 +427,7 @@ def _shard_job(job: tuple[str, dict, list[dict], list[ShardPlan]]) -> list[dict]
     if settings["input"] == "synthetic":
         return [_write_shard(out, s, features, _synthetic_columns(settings, s), Counter(), settings) for s in shards]
     if settings["input"] == "parquet":
-        from neorec.data.preprocess_parquet import parquet_shard_columns
+        from neorec.data.parquet_shards import parquet_shard_columns
 
         return [_write_shard(out, s, features, parquet_shard_columns(settings, s), Counter(), settings) for s in shards]
     reader = _raw_reader(settings)
@@ -490,7 +490,7 @@ def _write_shard(
     id_types = {f["name"]: np.int32 if f["num_ids"] < 2**31 and f["name"] not in raw else np.int64 for f in features}
     meta = write_columns(tmp, columns, id_types, skipped)  # .npy files and meta.json, with sizes and crc32s
     if settings.get("parquet_output"):
-        from neorec.data.preprocess_parquet import write_parquet_copy
+        from neorec.data.parquet_output import write_parquet_copy
 
         for split, cols in columns.items():
             write_parquet_copy(out / "parquet" / split / f"{shard.name}.parquet", cols, features, settings)

@@ -1,5 +1,5 @@
-"""`neorec data preprocess` with Parquet: Parquet files in (the columns of a `data.parquet` section), and
-Parquet files out next to the .npy shards.
+"""`neorec data preprocess` with Parquet input: the Parquet files of a `data.parquet` section -> .npy
+shards (planned here, their samples read by neorec/data/parquet_shards.py).
 
 Input: a shard is a run of consecutive row groups of one file holding at least `shard_rows` rows (or the
 rest of the file), so that the plan depends on the files alone, whatever the number of workers. Rows
@@ -10,36 +10,21 @@ as Criteo input (neorec/data/preprocess.py). A feature with `hashing: vocab` use
 that often get ids 1..V, neorec/data/vocab.py) into `<out>/vocab`, which `vocab_dir` must then name, so
 that a `data.parquet` section reading the same files trains with the same ids.
 
-Output (`parquet_output`): each shard's samples of a split are also written to
-`<out>/parquet/<split>/<shard>.parquet`: `label`, the dense columns (Criteo's I1..I13, the input's dense
-names, else d0, d1, ...), one ids column per feature (int32, int64 for tables of 2^31 rows or more, a list
-of them for multi-hot features) and `w_<feature>` weights (float32, or lists). Files sort in shard order,
-so a `data.parquet` section with `paths: [<out>/parquet/train]`, `eval_paths: [<out>/parquet/eval]`,
-`hashing: none` and `shuffle: false` reads the samples the shards hold, in the same order.
+Parquet copies of the shards (`parquet_output`, for any input): neorec/data/parquet_output.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from neorec.config.schema import ParquetConfig
 from neorec.data import vocab as vocab_io
-from neorec.data.columns import Columns
+from neorec.data.manifest import ShardPlan, resume_or_start, start_manifest
 from neorec.data.parquet import column_map, file_uri, list_files, open_parquet, open_uri
 from neorec.data.parquet_columns import held_out, raw_ids
-from neorec.data.preprocess import (
-    SPLITS,
-    PreprocessResult,
-    ShardPlan,
-    _map,
-    _resume_or_start,
-    _start_manifest,
-    _write_shards,
-)
+from neorec.data.preprocess import PreprocessResult, _map, _write_shards
 from neorec.errors import ConfigError
 
 PathLike = str | Path
@@ -85,7 +70,7 @@ def preprocess_parquet(
         settings["parquet_output"] = True
     if counted:
         settings["vocab_threshold"] = vocab_threshold
-    manifest = _resume_or_start(out, settings)
+    manifest = resume_or_start(out, settings)
     if counted and vocab_io.saved_settings(out / "vocab") != settings:  # else counted by an interrupted run
         _count_vocabs(out, settings, [s for s in plan if s.role != "eval"], counted, workers, progress)
     cmap = column_map(config)
@@ -95,7 +80,7 @@ def preprocess_parquet(
              "weighted": f.weights is not None}
             for f, v, hot in zip(cmap.features, cmap.vocabs, multi_hot, strict=True)
         ]  # fmt: skip
-        manifest = _start_manifest(out, settings, plan, len(config.dense), features, {"dense": list(config.dense)})
+        manifest = start_manifest(out, settings, plan, len(config.dense), features, {"dense": list(config.dense)})
     return _write_shards(out, manifest, workers, progress, max_shards)
 
 
@@ -149,67 +134,3 @@ def _count_vocabs(
                 per_feature[f] = [vocab_io.merge_counts(per_feature[f])]
     vocabs = [vocab_io.build_vocab(vocab_io.merge_counts(p), settings["vocab_threshold"]) for p in per_feature]
     vocab_io.save_vocabs(out / "vocab", names, vocabs, settings)
-
-
-def parquet_shard_columns(settings: dict, shard: ShardPlan) -> dict[str, dict[str, np.ndarray]]:
-    """{split: {column file name: array}} of one shard of Parquet input."""
-    config = ParquetConfig(**settings["parquet"])
-    cmap = column_map(config)
-    pf = open_uri(shard.file)
-    by_column = shard.role == "column"
-    parts: dict[str, list[Columns]] = {split: [] for split in SPLITS}
-    for g in range(shard.first, shard.first + shard.count):
-        table = pf.read_row_group(g, columns=cmap.columns(by_column), use_threads=False)
-        cols = cmap.to_columns(table, f"{shard.file}, row group {g}")
-        if by_column:
-            mask = held_out(table.column(cmap.eval_column))
-            parts["train"].append(cols.take(np.flatnonzero(~mask)))
-            parts["eval"].append(cols.take(np.flatnonzero(mask)))
-        else:
-            parts[shard.role].append(cols)
-    out = {}
-    for split, pieces in parts.items():
-        pieces = [p for p in pieces if len(p)]
-        if pieces:
-            cols = Columns.cat(pieces)
-            arrays = {"dense": cols.dense, "labels": cols.labels}
-            for f, ids, ln, w in zip(cmap.features, cols.values, cols.lengths, cols.weights, strict=True):
-                arrays[f"ids_{f.name}"] = ids
-                if ln is not None:
-                    arrays[f"lengths_{f.name}"] = ln
-                if w is not None:
-                    arrays[f"weights_{f.name}"] = w
-            out[split] = arrays
-    return out
-
-
-def parquet_dense_names(settings: dict, num_dense: int) -> list[str]:
-    """Names of the dense columns in Parquet output."""
-    if settings["input"] == "criteo":
-        from neorec.data.criteo import DENSE_NAMES
-
-        return DENSE_NAMES
-    if settings["input"] == "parquet":
-        return list(settings["parquet"]["dense"])
-    return [f"d{j}" for j in range(num_dense)]
-
-
-def write_parquet_copy(path: Path, columns: dict[str, np.ndarray], features: list[dict], settings: dict) -> None:
-    """One split of one shard as a Parquet file (written under a temporary name, then renamed)."""
-    dense = np.asarray(columns["dense"], np.float32)
-    table = {"label": np.asarray(columns["labels"], np.float32)}
-    for j, name in enumerate(parquet_dense_names(settings, dense.shape[1])):
-        table[name] = dense[:, j]
-    for f in features:
-        name = f["name"]
-        ids = np.asarray(columns[f"ids_{name}"], np.int32 if f["num_ids"] < 2**31 else np.int64)
-        lengths = columns.get(f"lengths_{name}")
-        offsets = None if lengths is None else np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        table[name] = ids if offsets is None else pa.LargeListArray.from_arrays(offsets, ids)
-        if f"weights_{name}" in columns:
-            w = np.asarray(columns[f"weights_{name}"], np.float32)
-            table[f"w_{name}"] = w if offsets is None else pa.LargeListArray.from_arrays(offsets, w)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")  # a dot: readers of the folder skip it
-    pq.write_table(pa.table(table), tmp)
-    tmp.replace(path)

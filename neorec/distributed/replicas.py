@@ -40,12 +40,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from neorec.checkpoint.pieces import read_storage, write_storage
 from neorec.distributed.codecs import Codec
 from neorec.distributed.comms import Comms
 from neorec.embedding.fused import FusedEmbeddingCollection
 from neorec.embedding.fused.optimizers import RULES
-from neorec.embedding.fused.storage import RowStorage, TensorStorage
+from neorec.embedding.fused.storage import RowStorage, TensorStorage, read_storage, write_storage
 from neorec.sparse import SparseBatch, lengths_to_offsets
 from neorec.utils import index_ops
 

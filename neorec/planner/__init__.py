@@ -8,7 +8,8 @@ Files, in the order a plan is made: hardware.py (the cluster), workload.py (tabl
 statistics), exchanges.py (bytes of every exchange), cost.py (seconds and memory per rank),
 options.py (ways to shard one table), bounds.py (a lower bound), partition.py (placing pieces),
 planner.py (all of it), baselines.py, report.py (table and chart), calibrate.py, large_model.py
-(the 12-trillion-parameter dry run), run.py (the default plan of `neorec train`).
+(the 12-trillion-parameter dry run). The planner knows nothing of runs: the default plan of
+`neorec train` and `neorec plan`, built from a run's config, are neorec/train/run_plan.py's.
 """
 
 from neorec.planner.cost import PlanEstimate, estimate_plan

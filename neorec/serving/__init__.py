@@ -3,7 +3,8 @@
 export.py (`neorec export`) -> file_format.py (.nrx: JSON header + raw tensors, no pickle) -> model.py
 (rebuild the model over embeddings.py's lookups; quantize.py for int8) -> predict.py (`neorec predict`).
 `--format pt2`: pt2_model.py (the model over plain tensors and standard ops) -> pt2_export.py
-(`torch.export` program + safetensors_file.py weights), which torch loads without neorec.
+(`torch.export` program + safetensors_file.py weights), which torch loads without neorec; pt2_file.py
+names the folder's files and reads them back for model.py.
 """
 
 from neorec.serving.export import ExportReport, export_model, load_trained

@@ -26,6 +26,7 @@ from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError, NeorecError
 from neorec.serving.embeddings import InferenceEmbeddings, TableWeights
 from neorec.serving.file_format import ExportError, read_export
+from neorec.serving.pt2_file import is_pt2, read_pt2
 from neorec.serving.pt2_model import PT2_FORMAT, program_inputs
 from neorec.serving.quantize import QuantizedRows
 from neorec.sparse import IdBounds
@@ -143,8 +144,6 @@ def load_export(path: str | Path, bounds_check: str = "error") -> ExportedModel:
     model (no pickle: raw bytes and JSON, or a torch.export program). bounds_check: what an id outside
     its table does when the model scores a batch ("error", "warn": dropped and counted, "off"; a pt2
     program itself always stops on one)."""
-    from neorec.serving.pt2_export import is_pt2, read_pt2
-
     path = Path(path)
     if is_pt2(path):
         header, program, file = read_pt2(path)

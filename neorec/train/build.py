@@ -1,4 +1,5 @@
-"""Turn a validated RunConfig into the pieces of a run: data source, tables, model, optimizers."""
+"""Turn a validated RunConfig into the pieces of a run: data source, tables, model, optimizers (its
+embeddings: neorec/train/embeddings.py; its sharding plan: neorec/train/run_plan.py)."""
 
 from __future__ import annotations
 
@@ -202,28 +203,6 @@ def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
         plan.validate(planned, Topology(num_processes, 0, num_processes))
 
 
-def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
-    """The sharding plan: the plan file or, by default, the planner's (neorec/planner), then
-    `distributed.sharding` on top; validated against the tables and the topology (errors name the table)."""
-    from neorec.distributed.plan import ShardingPlan, TablePlan
-
-    d = cfg.distributed
-    if d.plan:
-        plan = ShardingPlan.load(d.plan)
-    else:
-        from neorec.planner.run import default_plan_for_run
-
-        plan = default_plan_for_run(cfg, tables, topo)
-    names = {t.name for t in tables}
-    unknown = sorted(set(d.sharding) - names)
-    if unknown:
-        raise ConfigError(f"distributed.sharding names {unknown}, which are not tables; tables: {sorted(names)}")
-    for name, entry in d.sharding.items():
-        plan.tables[name] = TablePlan(entry.kind, list(entry.ranks), entry.node)
-    plan.validate(tables, topo)
-    return plan
-
-
 def run_wire_precisions(cfg: RunConfig, one_machine: bool) -> tuple[str, str]:
     """The run's exchange codecs, "auto" resolved (distributed/codecs.wire_precisions): shared
     memory when every rank is on one machine, with CPU tensors and the shm transport. Training and
@@ -234,84 +213,6 @@ def run_wire_precisions(cfg: RunConfig, one_machine: bool) -> tuple[str, str]:
     d = cfg.distributed
     in_shm = one_machine and d.transport == "shm" and cfg.train.device == "cpu" and available()
     return wire_precisions(d.forward_precision, d.backward_precision, in_shm)
-
-
-def build_embeddings(
-    cfg: RunConfig, tables: list[TableConfig], comms=None, device: torch.device | str | None = None
-) -> EmbeddingCollection:
-    """The fused engine; over several processes (comms given, world > 1) the sharded collection,
-    on `device` (default train.device). Cached tables (neorec/embedding/cache) get their tier from
-    `embedding.tables.<name>.tier`, else from the sharding plan (tier cached or ssd), else from
-    `embedding.tier`."""
-    e = cfg.embedding
-    device = device if device is not None else cfg.train.device
-    sharded = comms is not None and comms.topo.world_size > 1
-    progress = cfg.train.progress and (comms is None or comms.topo.rank == 0)  # bars of the rows filled
-    plan = build_plan(cfg, tables, comms.topo) if sharded and e.engine == "fused" else None
-    tiers = storage_tiers(cfg, tables, plan)
-    cached = sorted(n for n, tier in tiers.items() if tier != "memory")
-    if cached and e.engine != "fused":
-        raise ConfigError(
-            f"embedding.tier: tables {cached} are cached (tier dram/ssd), which only the fused engine supports; "
-            "set embedding.engine: fused, or their tier to memory"
-        )
-    from neorec.embedding.cache import CacheSettings
-
-    c = e.cache
-    if "ssd" in tiers.values() and c.directory is not None and Path(c.directory).exists():
-        if not Path(c.directory).is_dir():
-            raise ConfigError(f"embedding.cache.directory {c.directory}: is a file; give a folder for the ssd tables")
-    settings = CacheSettings(
-        c.policy, c.fraction, c.size_mib, c.directory, c.release_mib, c.ssd_reads, c.ssd_log, c.io_thread
-    )
-    if sharded:
-        if e.engine != "fused":
-            raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")
-        from neorec.distributed.sharded import ShardedEmbeddingCollection
-
-        forward, backward = run_wire_precisions(cfg, one_machine=comms.topo.num_nodes == 1)
-        return ShardedEmbeddingCollection(
-            tables, e.optimizer, plan, comms, seed=cfg.seed, forward_precision=forward, backward_precision=backward,
-            device=device, stochastic_rounding=e.stochastic_rounding, tiers=tiers, cache=settings, progress=progress,
-            bounds_check=e.bounds_check,
-        )  # fmt: skip
-    if e.engine == "reference":
-        from neorec.embedding.reference import ReferenceEmbeddingCollection
-
-        return ReferenceEmbeddingCollection(tables, e.optimizer, seed=cfg.seed, bounds_check=e.bounds_check)
-    from neorec.embedding.fused import FusedEmbeddingCollection
-
-    factory = None
-    if cached:  # a RAM cache over host memory or files (neorec/embedding/cache)
-        from neorec.embedding.cache import cached_storage_factory
-
-        total = sum(t.rows for t in tables if t.name in cached)
-        factory = cached_storage_factory(tiers, settings, total)
-    return FusedEmbeddingCollection(
-        tables, e.optimizer, seed=cfg.seed, stochastic_rounding=e.stochastic_rounding,
-        group_storage_factory=factory, table_tiers=tiers, device=device, progress=progress,
-        bounds_check=e.bounds_check,
-    )  # fmt: skip
-
-
-def storage_tiers(cfg: RunConfig, tables: list[TableConfig], plan=None) -> dict[str, str]:
-    """Where each table's rows live in training (memory, dram or ssd: neorec/embedding/cache): the
-    table's own `tier`, else the plan's cached/ssd tier (distributed.plan.STORAGE_TIERS), else
-    `embedding.tier`. A plan tier of ssd needs embedding.cache.directory; the error names the table."""
-    from neorec.distributed.plan import STORAGE_TIERS
-
-    e = cfg.embedding
-    out = {}
-    for t in tables:
-        own = e.tables[t.name].tier if t.name in e.tables else None
-        planned = STORAGE_TIERS[(plan.tables[t.name].tier or "device")] if plan is not None else "memory"
-        out[t.name] = own or (planned if planned != "memory" else e.tier)
-        if out[t.name] == "ssd" and e.cache.directory is None:
-            raise ConfigError(
-                f"the sharding plan puts table {t.name!r} in tier ssd: set embedding.cache.directory to a folder "
-                f"for its files, or embedding.tables.{t.name}.tier"
-            )
-    return out
 
 
 def build_model(

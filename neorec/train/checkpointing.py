@@ -22,7 +22,7 @@ from neorec.checkpoint.periodic import PeriodicCheckpoints
 from neorec.checkpoint.save import checkpoint_name
 from neorec.config.schema import RunConfig
 from neorec.data.ranks import RankData
-from neorec.data.sharded_reader import check_resume
+from neorec.data.reader_position import check_resume
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import NeorecError
 from neorec.train.signals import TrainingStopped

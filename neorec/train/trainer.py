@@ -34,13 +34,13 @@ from neorec.errors import ConfigError, DataError
 from neorec.model.compile import apply_compile
 from neorec.train.build import (
     build_dense_optimizer,
-    build_embeddings,
     build_model,
     build_source,
     build_tables,
     dense_parameters,
 )
 from neorec.train.checkpointing import CheckpointHandling
+from neorec.train.embeddings import build_embeddings
 from neorec.train.evaluation import eval_schedule, evaluate
 from neorec.train.logger import MetricsLogger, NoLogger
 from neorec.train.pipeline import pipelined

@@ -16,7 +16,8 @@ Optional methods the engine uses when a storage has them:
   (`lookup=True` counts them as looked up, for the hit rate; `ahead=True`: they belong to a coming
   batch, so a cache may only start reading them and bring them in when that batch is looked up);
 - `read_range(start, end)` / `write_range(start, end, values)`: checkpoints, without going through a
-  cache; read_range returns a copy, so callers read large tables in windows;
+  cache; read_range returns a copy, so callers read large tables in windows (`read_storage` and
+  `write_storage` take a range of rows of any storage, with these methods where it has them);
 - `view_range(start, end)`: rows [start, end) without reading them where the storage can (a view of
   a file, for state_dict), else a copy.
 """
@@ -100,6 +101,27 @@ class TensorStorage:
             self.tensor.numpy()[rows.numpy()] = values.detach().to(self.dtype).numpy()
         else:
             self.tensor.index_copy_(0, rows, values)
+
+
+def read_storage(storage: RowStorage, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of any storage: a plain tensor's view, else a copy (read_range where the
+    storage has it, which bypasses a cache)."""
+    if isinstance(storage, TensorStorage):
+        return storage.tensor[start:end]
+    if hasattr(storage, "read_range"):  # a cached table: straight from its backing store
+        return storage.read_range(start, end)
+    return storage.read(torch.arange(start, end))
+
+
+def write_storage(storage: RowStorage, start: int, end: int, values: torch.Tensor) -> None:
+    """Overwrite rows [start, end) of any storage with `values` (converted to its dtype)."""
+    values = values.to(storage.dtype)
+    if isinstance(storage, TensorStorage):
+        storage.tensor[start:end].copy_(values)
+    elif hasattr(storage, "write_range"):
+        storage.write_range(start, end, values)
+    else:
+        storage.write(torch.arange(start, end), values)
 
 
 def build_tensor_storage(

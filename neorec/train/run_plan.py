@@ -1,4 +1,10 @@
-"""The planner from a run's config: the default plan of `neorec train`, and `neorec plan`."""
+"""The sharding plan of a run from its config, and `neorec plan`.
+
+A run's plan is its plan file (distributed.plan) or, by default, the planner's (neorec/planner) over the
+run's own data (access measured on its first training batches), this machine and the exchange codecs
+training uses; `distributed.sharding` goes on top. The planner knows nothing of runs: this module builds
+what it needs from the config (neorec/train/build.py) and hands it over.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neorec.config.schema import RunConfig
-from neorec.distributed.plan import KINDS, ShardingPlan
+from neorec.distributed.plan import KINDS, ShardingPlan, TablePlan
 from neorec.distributed.topology import Topology
 from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError
 from neorec.planner.hardware import Cluster, preset, this_machine
 from neorec.planner.planner import PlanResult, plan_sharding
 from neorec.planner.workload import Workload, build_workload, measure_access
+from neorec.train.build import build_source, build_tables, run_wire_precisions
 from neorec.utils.files import write_text
 from neorec.utils.json_values import strict_dumps
 from neorec.utils.progress import phase
@@ -29,8 +36,6 @@ def workload_for_run(
 ) -> Workload:
     """The config's tables with access statistics measured on its first training batches.
     one_machine: every rank on this machine, so "auto" wire precisions are those of shared memory."""
-    from neorec.train.build import build_source
-
     batches = []
     if num_batches > 0:
         source = build_source(cfg)
@@ -39,8 +44,6 @@ def workload_for_run(
             if len(batches) == num_batches:
                 break
     ids, samples, weighted = measure_access(tables, batches) if batches else ({}, {}, False)
-    from neorec.train.build import run_wire_precisions
-
     forward, backward = run_wire_precisions(cfg, one_machine)
     return build_workload(
         tables, cfg.embedding.optimizer, cfg.data.batch_size, ids, samples or None,
@@ -98,6 +101,24 @@ def default_plan_for_run(cfg: RunConfig, tables: list[TableConfig], topo: Topolo
     return plan
 
 
+def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
+    """The sharding plan: the plan file or, by default, the planner's (neorec/planner), then
+    `distributed.sharding` on top; validated against the tables and the topology (errors name the table)."""
+    d = cfg.distributed
+    if d.plan:
+        plan = ShardingPlan.load(d.plan)
+    else:
+        plan = default_plan_for_run(cfg, tables, topo)
+    names = {t.name for t in tables}
+    unknown = sorted(set(d.sharding) - names)
+    if unknown:
+        raise ConfigError(f"distributed.sharding names {unknown}, which are not tables; tables: {sorted(names)}")
+    for name, entry in d.sharding.items():
+        plan.tables[name] = TablePlan(entry.kind, list(entry.ranks), entry.node)
+    plan.validate(tables, topo)
+    return plan
+
+
 @dataclass
 class PlanOutputs:
     """What `neorec plan` produced: text to print, files written."""
@@ -136,8 +157,6 @@ def plan_command(
     elif model == "config":
         if cfg is None:
             raise ConfigError("neorec plan: a config is needed (--config) unless --model 12t")
-        from neorec.train.build import build_source, build_tables
-
         tables = build_tables(cfg, build_source(cfg).info)
         cluster = cluster or preset(cluster_name, world_size, ranks_per_node, cfg.embedding.cache.directory)
         one_machine = cluster_name == "this" and cluster.num_nodes == 1

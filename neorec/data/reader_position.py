@@ -1,0 +1,72 @@
+"""The position a data reader saves (epoch, samples handed out) and the checks that a reader can
+continue from one: the same layout (seed, rank, number of processes, shuffle settings) and a position
+within its training samples. Both readers with a position of their own (preprocessed shards:
+neorec/data/sharded_reader.py, Parquet: neorec/data/parquet.py) check a state with `checked_position`
+before loading it; the trainer checks a checkpoint's with `check_resume` before loading anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from neorec.errors import ConfigError, DataError
+
+# every layout key a reader may have, in the order they are checked, and how a message names it
+_LAYOUT_WORDS = {
+    "seed": "seed",
+    "rank": "rank",
+    "world_size": "number of processes (--nproc)",
+    "shuffle": "shuffle setting (data.preprocessed.shuffle / data.parquet.shuffle)",
+    "shuffle_window": "data.preprocessed.shuffle_window",
+}
+
+
+def checked_position(
+    reader: Any, state: Any, layout_keys: tuple[str, ...], where: str = "reader state"
+) -> tuple[int, int]:
+    """(epoch, samples) of a saved reader position, after checking that `reader` has the layout
+    (`layout_keys`: seed, ranks, shuffle settings) the position is valid for and that the position
+    lies within its training samples. Nothing is changed: a bad position is refused before any use."""
+    if not isinstance(state, dict):
+        raise DataError(f"{where}: the reader position is {type(state).__name__}, not a mapping")
+    for key in layout_keys:
+        if key in state and state[key] != getattr(reader, key):
+            raise ConfigError(
+                f"{where} was saved with {_LAYOUT_WORDS.get(key, key)} {state[key]!r}, this run has "
+                f"{getattr(reader, key)!r}: a reader's position continues only under the same seed, number of "
+                "processes and shuffle settings; resume with those, or start a new run (--overwrite)"
+            )
+    epoch, samples = state.get("epoch"), state.get("samples")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, samples)):
+        raise DataError(f"{where}: reader position epoch {epoch!r}, samples {samples!r}: not whole numbers >= 0")
+    total = reader.num_samples("train") if hasattr(reader, "num_samples") else None  # None: an endless stream
+    if total is not None and not samples <= total:
+        raise DataError(f"{where}: samples {samples} is outside [0, {total}]")
+    return epoch, samples
+
+
+def check_resume(data: Any, state: Any, where: str | Path) -> None:
+    """Refuse, before anything is loaded or said, a checkpoint whose data position `data` (the trainer's
+    RankData) cannot continue exactly: `state` is the manifest's "state" (RankData.position, plus the
+    trainer's batch_size). A reader with a position of its own (Parquet, preprocessed shards) must have
+    the layout it was saved under (seed, number of processes, shuffle settings); ConfigError otherwise,
+    naming the checkpoint `where` and what differs."""
+    where = f"checkpoint {where}"
+    if not isinstance(state, dict):
+        raise DataError(f"{where}: its training state is {type(state).__name__}, not a mapping")
+    saved = state.get("batch_size")
+    if saved is not None and saved != data.batch_size:
+        raise ConfigError(
+            f"{where} was trained with data.batch_size {saved!r}, this run has {data.batch_size}: resuming "
+            "exactly needs the same data.batch_size"
+        )
+    reader = state.get("reader")
+    source = data.source
+    if not state.get("batches") or reader is None or not hasattr(source, "load_state"):
+        return  # nothing read yet, or a source that re-reads the trained batches
+    if not isinstance(reader, dict):
+        raise DataError(f"{where}: the reader position is {type(reader).__name__}, not a mapping")
+    layout = tuple(k for k in _LAYOUT_WORDS if hasattr(source, k))  # a Parquet reader has no shuffle_window
+    reader = {**reader, "rank": data.rank} if data.reads_part else reader
+    checked_position(source, reader, layout, where)
