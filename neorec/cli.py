@@ -255,6 +255,19 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_download(args: argparse.Namespace) -> int:
+    from neorec.data.download import archive_at, download_movielens, result_text
+    from neorec.data.locations import criteo_hint, data_home
+
+    if args.dataset == "criteo":
+        raise NeorecError(f"Criteo's data cannot be downloaded by neorec: {criteo_hint('data.criteo.train_paths')}")
+    dest = args.dest or str(data_home())
+    output_folder(dest, "--dest" if args.dest else "the data folder ($NEOREC_DATA, default ~/.cache/neorec/data)")
+    result = download_movielens(dest, archive_at(args.url), progress=not args.no_progress)
+    print(result_text(result))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
     from neorec.planner.hardware import load_calibration
@@ -369,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="also check every file's size and checksum")
     p.set_defaults(func=cmd_checkpoint_inspect)
 
-    data = sub.add_parser("data", help="generate or inspect data").add_subparsers(dest="data_command", required=True)
+    data = sub.add_parser("data", help="download, generate, preprocess or inspect data").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("generate", help="write the synthetic data set of a config to .npz shards")
     _add_config_args(p)
     p.add_argument("--out", required=True, help="output folder")
@@ -403,6 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--batches", type=count, default=4, help="training batches to sample for statistics")
     p.set_defaults(func=cmd_data_inspect)
+    p = data.add_parser("download", help="download MovieLens latest-small, verified (Criteo: says where to get it)")
+    p.add_argument("dataset", choices=["movielens", "criteo"], help="the data set")
+    p.add_argument("--dest", default=None, help="folder that gets ml-latest-small/ (default: $NEOREC_DATA, else "
+                   "~/.cache/neorec/data, where configs look when data.movielens.root is unset)")  # fmt: skip
+    p.add_argument("--url", default=None, help=argparse.SUPPRESS)  # a mirror or a test's server: checked against <url>.md5
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_data_download)
     return parser
 
 

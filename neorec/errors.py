@@ -24,8 +24,9 @@ class DistributedError(NeorecError):
 
 
 class MachineError(NeorecError):
-    """The machine failed (disk full, a file-size limit, an I/O error, out of memory), not the input:
-    the command line exits 1 instead of 2."""
+    """The machine failed (disk full, a file-size limit, an I/O error, out of memory), or its network
+    did (a download that stopped or arrived damaged: neorec.data.download.DownloadError), not the
+    input: the command line exits 1 instead of 2."""
 
 
 # errno values of a failing machine (exit 1), and of a path the user gave that cannot be used (exit 2)

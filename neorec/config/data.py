@@ -76,7 +76,11 @@ class CriteoConfig(Strict):
 class MovieLensConfig(Strict):
     """MovieLens latest-small: label = rating >= 4."""
 
-    root: str = Field("../shared/data/ml-latest-small", description="folder with ratings.csv and movies.csv")
+    root: str | None = Field(
+        None,
+        description="folder with ratings.csv and movies.csv; unset: ../shared/data/ml-latest-small if it exists, "
+        "else the copy `neorec data download movielens` writes (~/.cache/neorec/data/ml-latest-small: docs/data.md)",
+    )
     val_fraction: float = Field(0.1, gt=0, lt=1, description="share of ratings held out")
     split: Literal["user_time", "global_time", "random"] = Field(
         "user_time",

@@ -38,6 +38,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from neorec.data.batch import Batch
+from neorec.data.locations import criteo_hint
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.errors import ConfigError, DataError
 from neorec.sparse import SparseBatch
@@ -131,13 +132,14 @@ def parse_hex(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(valid, values, 0).reshape(cells.shape), valid.reshape(cells.shape)
 
 
-def check_tsv_file(path: PathLike) -> None:
-    """A Criteo TSV input exists, is a file and is not empty (0 bytes); DataError naming it if not."""
+def check_tsv_file(path: PathLike, key: str | None = None) -> None:
+    """A Criteo TSV input exists, is a file and is not empty (0 bytes); DataError naming it if not, and for
+    a missing one where Criteo's logs are (`key`: the config key that named it; None: the command line)."""
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{path}: is a folder; expected a Criteo TSV file (plain or .gz)")
     if not path.is_file():
-        raise DataError(f"{path}: no such file")
+        raise DataError(f"{path}: no such file; {criteo_hint(key)}")
     if path.stat().st_size == 0:
         raise DataError(f"{path}: empty file; expected Criteo TSV lines (label, I1..I13, C1..C26)")
 
@@ -406,9 +408,7 @@ def resolve_table_rows(table_rows: int | Sequence[int]) -> np.ndarray:
     else:
         rows = [int(r) for r in table_rows]
         if len(rows) != NUM_CATEGORICAL:
-            raise ConfigError(
-                f"table_rows needs one int or {NUM_CATEGORICAL} ints (C1..C26), got {len(rows)}"
-            )
+            raise ConfigError(f"table_rows needs one int or {NUM_CATEGORICAL} ints (C1..C26), got {len(rows)}")
     if min(rows) < 1:
         raise ConfigError(f"table_rows must all be >= 1, got {rows}")
     return np.asarray(rows, dtype=np.int64)
@@ -449,7 +449,7 @@ class CriteoTSVSource:
         if self.eval_paths is None and eval_every < 2:
             raise ConfigError(f"eval_every must be >= 2 when no eval_paths are given, got {eval_every}")
         for path in self.train_paths + (self.eval_paths or []):
-            check_tsv_file(path)
+            check_tsv_file(path, "data.criteo.train_paths" if path in self.train_paths else "data.criteo.eval_paths")
         self.table_rows = resolve_table_rows(table_rows)
         self.hashing = hashing
         self.bad_lines = bad_lines

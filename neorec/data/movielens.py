@@ -57,6 +57,7 @@ import torch
 
 from neorec.data.batch import Batch
 from neorec.data.checks import quote
+from neorec.data.locations import missing_movielens, movielens_root
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.errors import ConfigError, DataError
 from neorec.sparse import SparseBatch
@@ -211,11 +212,13 @@ def _ratings(path: Path, lines: list[int], values: list[str]) -> np.ndarray:
 
 
 class MovieLensSource:
-    """DataSource over MovieLens latest-small (see the module docstring for features and split)."""
+    """DataSource over MovieLens latest-small (see the module docstring for features and split). `root`:
+    the folder of ratings.csv and movies.csv; None: the default location (neorec/data/locations.py),
+    where `neorec data download movielens` puts it."""
 
     def __init__(
         self,
-        root: str | Path,
+        root: str | Path | None = None,
         seed: int = 0,
         val_fraction: float = 0.1,
         split: str = "user_time",
@@ -234,11 +237,9 @@ class MovieLensSource:
             raise ConfigError(f"data.movielens.history must be >= 0 (0: no history features), got {history}")
         if history_from not in HISTORY_FROM:
             raise ConfigError(f"data.movielens.history_from must be one of {HISTORY_FROM}, got {history_from!r}")
-        self.root = Path(root)
+        self.root = movielens_root(root)
         if not self.root.is_dir():
-            raise DataError(
-                f"{self.root}: no such directory; expected MovieLens latest-small (ratings.csv, movies.csv)"
-            )
+            raise DataError(missing_movielens(self.root, named=root is not None))
         self.seed = seed
         self.val_fraction = val_fraction
         self._load_movies(self.root / "movies.csv")
