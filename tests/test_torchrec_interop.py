@@ -113,12 +113,29 @@ def test_kjt_built_from_offsets_like_torchrecs_examples():
     assert sparse.weights is None and kjt_from_sparse(sparse).weights_or_none() is None
 
 
-def test_kjt_with_int32_ids_or_variable_batch_is_refused():
-    kjt = KeyedJaggedTensor(
-        keys=["a"], values=torch.tensor([1, 2], dtype=torch.int32), lengths=torch.tensor([1, 1])
-    )
-    with pytest.raises(NeorecError, match="int64"):
-        sparse_from_kjt(kjt)
+def test_kjt_with_int32_ids_and_lengths_is_widened():
+    """TorchRec takes int32 and int64 ids: int32 ones become neorec's int64, every value kept."""
+    ids = torch.tensor([1, 2, 2**31 - 1, -1, 7], dtype=torch.int32)
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=ids, lengths=torch.tensor([2, 0, 1, 2], dtype=torch.int32))
+    sparse = sparse_from_kjt(kjt)
+    assert sparse.values.dtype == torch.int64 and sparse.lengths.dtype == torch.int64
+    assert sparse.values.tolist() == ids.tolist() and sparse.lengths.tolist() == [2, 0, 1, 2]
+    with pytest.raises(NeorecError, match=r"feature 'b': negative id -1"):
+        sparse.validate({"a": 10, "b": 2**31})  # a negative id stays negative, and is caught
+
+
+def test_kjts_without_ids_or_features_say_what_is_wrong():
+    with pytest.raises(NeorecError, match=r"no features \(keys \[\]\), so there is nothing to look up"):
+        sparse_from_kjt(KeyedJaggedTensor.empty())
+    floats = KeyedJaggedTensor(keys=["a"], values=torch.tensor([]), lengths=torch.tensor([0, 0]))
+    with pytest.raises(NeorecError, match=r"torch.float32, not ids.*torch.empty\(0, dtype=torch.int64\)"):
+        sparse_from_kjt(floats)
+    small = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1], dtype=torch.int16), lengths=torch.tensor([1]))
+    with pytest.raises(NeorecError, match="torch.int16, of neither id type: neorec reads int64 or int32"):
+        sparse_from_kjt(small)
+
+
+def test_kjt_with_variable_batch_is_refused():
     vbe = KeyedJaggedTensor(
         keys=["a", "b"],
         values=torch.tensor([1, 2, 3]),
@@ -358,7 +375,8 @@ def test_distributed_model_parallel_state_gathered_to_one_process(tmp_path):
 
 
 def test_the_migration_page_runs():
-    """docs/torchrec.md's python blocks, in order, are one script that moves TorchRec's DLRM example."""
+    """docs/torchrec.md's python blocks, in order, are one script that moves TorchRec's DLRM example,
+    then an EmbeddingCollection, and goes through a sharded collection and its checkpoints."""
     import re
     from pathlib import Path
 

@@ -1,0 +1,59 @@
+"""TorchRec interop: batches, lookups, table configs and weights in both directions.
+
+TorchRec is an optional dependency; it is imported when a function here first needs it. What maps
+(docs/torchrec.md walks through it):
+
+- batches.py: `KeyedJaggedTensor` <-> `SparseBatch` (the same feature-major layout, tensors shared;
+  int32 ids and lengths widened to int64), and an `EmbeddingCollection`'s lookup (`JaggedTensor`
+  per feature) <-> `JaggedRows` (what a neorec collection returns for its `pooling: none` tables).
+- configs.py: `EmbeddingBagConfig` <-> a pooled `TableConfig` (sum/mean), `EmbeddingConfig` <-> a
+  `TableConfig` with pooling none.
+- weights.py: the state_dict of an `EmbeddingBagCollection` (`embedding_bags.<table>.weight`), of an
+  `EmbeddingCollection` (`embeddings.<table>.weight`), or of `torchrec.models.dlrm.DLRM`, with any
+  outer prefix (`model.` of DLRMTrain, `module.`) <-> a neorec collection (fused, reference or
+  sharded) or DLRM. A DistributedModelParallel state_dict loads once its sharded tables are
+  gathered into full tensors (`gather_torchrec_state`).
+- dlrm.py: DLRM's MLPs, with the top MLP's input columns permuted between the two orders of the
+  interaction's dot products.
+"""
+
+from neorec.interop.torchrec.batches import (
+    jagged_from_rows,
+    jagged_from_sequences,
+    kjt_from_sparse,
+    rows_from_jagged,
+    sequences_from_jagged,
+    sparse_from_kjt,
+)
+from neorec.interop.torchrec.common import TorchRecInteropError
+from neorec.interop.torchrec.configs import configs_from_tables, tables_from_configs
+from neorec.interop.torchrec.dlrm import BOTTOM, DLRM_TABLES, LAST, TOP, load_torchrec_dense
+from neorec.interop.torchrec.weights import (
+    EBC_KEY,
+    EC_KEY,
+    gather_torchrec_state,
+    load_torchrec_state,
+    torchrec_state,
+)
+
+__all__ = [
+    "BOTTOM",
+    "DLRM_TABLES",
+    "EBC_KEY",
+    "EC_KEY",
+    "LAST",
+    "TOP",
+    "TorchRecInteropError",
+    "configs_from_tables",
+    "gather_torchrec_state",
+    "jagged_from_rows",
+    "jagged_from_sequences",
+    "kjt_from_sparse",
+    "load_torchrec_dense",
+    "load_torchrec_state",
+    "rows_from_jagged",
+    "sequences_from_jagged",
+    "sparse_from_kjt",
+    "tables_from_configs",
+    "torchrec_state",
+]
