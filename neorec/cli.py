@@ -273,7 +273,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from neorec.planner.hardware import load_calibration
     from neorec.train.run_plan import plan_command
 
-    cfg = load_config(args.config or "default", args.overrides) if args.model == "config" else None
+    kinds = [k for k in args.kinds.split(",") if k] if args.kinds is not None else None
+    overrides = args.overrides + ([f"distributed.kinds=[{', '.join(kinds)}]"] if kinds is not None else [])
+    cfg = load_config(args.config or "default", overrides) if args.model == "config" else None
     name = args.model if args.model != "config" else (cfg.name if cfg else "plan")
     out_dir = output_folder(args.output_dir or f"runs/plan-{name}", "--output-dir")
     if args.calibrate:
@@ -289,7 +291,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         result = plan_command(
             cfg, args.cluster, args.nproc, args.ranks_per_node, args.model, out_dir, args.baselines, args.batches,
-            tuple(k for k in args.kinds.split(",") if k), args.time_budget,
+            tuple(kinds) if kinds is not None and cfg is None else None, args.time_budget,
         )  # fmt: skip
     finally:
         if previous is None:
@@ -357,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None, help="where plan.json, report.txt, summary.json, plan.png go")
     p.add_argument("--baselines", action="store_true", help="also score round-robin and size-greedy plans")
     p.add_argument("--batches", type=count, default=2, help="training batches read for access statistics (0: none)")
-    p.add_argument("--kinds", default="tw,rw,cw,twrw,twcw,dp", help="sharding kinds the planner may use")
+    p.add_argument("--kinds", default=None,
+                   help="sharding kinds the planner may use, e.g. tw,rw: sets distributed.kinds (default: its value, all kinds)")  # fmt: skip
     p.add_argument("--time-budget", type=seconds, default=25.0, help="seconds the planner may spend improving")
     p.add_argument("--calibrate", action="store_true", help="first measure this machine's speeds (about 20 s)")
     p.add_argument("--threads", type=positive_int, default=1, help="--calibrate: threads per process")

@@ -1,5 +1,6 @@
 """The run configuration: every field typed, bounded and documented; checked before any work starts.
-The data sections live in neorec/config/data.py and are re-exported here; the bounds in limits.py."""
+The data sections live in neorec/config/data.py and the distributed section in distributed.py, both
+re-exported here; the bounds in limits.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from neorec.config.data import (  # noqa: F401 - re-exported: the data sections 
     ParquetFeatureConfig,
     PreprocessedConfig,
     SyntheticConfig,
+)
+from neorec.config.distributed import (  # noqa: F401 - re-exported: the distributed section is part of the schema
+    DistributedConfig,
+    TableShardingConfig,
 )
 from neorec.embedding.tables import EmbeddingOptimizerConfig, ManagedCollisionConfig
 
@@ -301,40 +306,6 @@ class TrainConfig(Strict):
         return v
 
 
-class TableShardingConfig(Strict):
-    kind: Literal["tw", "rw", "cw", "twrw", "twcw", "dp"] = Field(description="how the table is split")
-    ranks: list[int] = Field(default_factory=list, description="tw: [rank]; rw: row-shard ranks; cw: one rank per column slice")
-    node: int | None = Field(None, ge=0, description="twrw/twcw: the node that holds the table")
-
-
-class DistributedConfig(Strict):
-    plan: str | None = Field(None, description="a sharding plan JSON file (see neorec/distributed/plan.py)")
-    sharding: dict[str, TableShardingConfig] = Field(
-        default_factory=dict, description="per-table sharding, over the plan file or the built-in default"
-    )
-    forward_precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
-        "auto", description="pooled embeddings all-to-all (auto: fp32 in shared memory, else fp16)"
-    )
-    backward_precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
-        "auto", description="embedding gradient all-to-all (auto: fp32 in shared memory, else bf16)"
-    )
-    dense_precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="dense gradient all-reduce")
-    dense_bucket_mib: float = Field(
-        1.0, ge=0,
-        description="dense gradients are averaged in buckets of this many MiB, each starting as backward "
-        "completes it (over the process group, fp32); 0 = one all-reduce after backward",
-    )
-    transport: Literal["shm", "backend"] = Field(
-        "shm",
-        description="between ranks of one machine: shared memory (CPU tensors) or the process group's own (gloo/NCCL)",
-    )
-    backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto",
-        description="process group: auto = nccl when train.device is cuda and every rank has a GPU of its own, "
-        "else gloo (ranks then share GPUs, device tensors staged through pinned host memory)",
-    )
-
-
 class CheckpointConfig(Strict):
     """Sharded checkpoints during training (neorec/checkpoint); `neorec train --resume` continues."""
 
@@ -418,6 +389,28 @@ class RunConfig(Strict):
                 f"model.din.target {din.target!r} is the query and must be pooled: set "
                 f"embedding.tables.{din.target}.pooling to sum or mean"
             )
+
+    @model_validator(mode="after")
+    def _sharding_tiers(self) -> RunConfig:
+        """A table's tier in distributed.sharding against its storage (embedding.tables, embedding.cache)."""
+        storage = {"device": "memory", "host": "memory", "cached": "dram", "ssd": "ssd"}  # plan.STORAGE_TIERS
+        e = self.embedding
+        for name, entry in self.distributed.sharding.items():
+            where = f"distributed.sharding.{name}"
+            own = e.tables[name].tier if name in e.tables else None
+            if entry.tier is not None and own is not None and storage[entry.tier] != own:
+                raise ValueError(
+                    f"{where}.tier {entry.tier} is stored as {storage[entry.tier]}, but embedding.tables.{name}.tier "
+                    f"is {own}: drop one of them or make them agree"
+                )
+            if entry.tier == "ssd" and e.cache.directory is None:
+                raise ValueError(f"{where}.tier is ssd: set embedding.cache.directory to a folder for its files")
+            if entry.cache_fraction is not None and e.cache.size_mib is not None:
+                raise ValueError(
+                    f"{where}.cache_fraction sizes its cache by a share of its rows, but embedding.cache.size_mib "
+                    "shares one size among all cached tables: use embedding.cache.fraction instead of size_mib"
+                )
+        return self
 
     @model_validator(mode="after")
     def _pooled_models(self) -> RunConfig:

@@ -88,7 +88,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     ) -> None:
         """tiers: storage tier by table name ("memory", "dram", "ssd"), overriding the plan's tier
         (plan.STORAGE_TIERS); cache: size, policy and directory of the cached tables' row caches
-        (size_mib is per process here); progress: bars of the rows filled (pass it on rank 0 only).
+        (size_mib is per process here; fractions by table name, given to each of its shards); progress: bars of the rows filled (pass it on rank 0 only).
         bounds_check: what an id outside its table does (neorec/sparse/bounds.py). Each rank checks
         its own batch against the whole tables before the id exchange routes anything, so the shards'
         engines, which see rebased ids of checked batches only, do not check again."""
@@ -108,16 +108,22 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         dp = self.layout.dp_tables
         local_tiers = {u.local_table().name: self.tiers[u.table.name] for u in units}
         dp_tiers = {t.name: self.tiers[t.name] for t in dp}
+        # cache fractions of tables (cache.fractions) given to their shards, by local name
+        own = cache.fractions if cache is not None else {}
+        local_fractions = {u.local_table().name: own[u.table.name] for u in units if u.table.name in own}
+        dp_fractions = {t.name: own[t.name] for t in dp if t.name in own}
+        if cache is not None:
+            cache = replace(cache, fractions={**local_fractions, **dp_fractions})
         factory = self._cache_factory({**local_tiers, **dp_tiers}, cache, units, dp)
         map_shards = {u.local_table().name: u.map_shard() for u in units if u.table.managed_collision is not None}
         self.local = FusedEmbeddingCollection(
             self.layout.local_tables(rank), optimizer, seed, device, stochastic_rounding, row_init=shard_rows,
             group_storage_factory=factory, table_tiers=local_tiers, progress=progress, map_shards=map_shards,
-            bounds_check="off",
+            bounds_check="off", table_cache_fractions=local_fractions,
         )  # fmt: skip
         self.replicated = FusedEmbeddingCollection(
             dp, optimizer, seed, device, stochastic_rounding, group_storage_factory=factory, table_tiers=dp_tiers,
-            progress=progress, bounds_check="off",
+            progress=progress, bounds_check="off", table_cache_fractions=dp_fractions,
         )
         self._local_cached = any(hasattr(w, "prefetch") for w in self.local.weights)
         self._replicas = ReplicaSync(self.replicated, comms, self.codecs[1])

@@ -94,7 +94,7 @@ def shard_work(
     stages["lookup"] = ids * cluster.lookup_per_id + (ids * width * wb + pooled) / mem.lookup_bandwidth
     # rows touched anywhere in the global batch (dp: each replica's share of them, see below)
     touched = load.unique(rows[0], rows[1], workload.batch_size * load.ids_per_sample * share)
-    cache = cache_traffic(load, tier, rows, width, touched, workload.cache_fraction, cluster, workload.ssd_log)
+    cache = cache_traffic(load, tier, rows, width, touched, workload.fraction(load.name), cluster, workload.ssd_log)
     if cache is not None:
         stages["lookup"] += cache.seconds
     updated, received = touched, 0.0
@@ -126,7 +126,7 @@ def shard_work(
         ids=ids,
         pooled_bytes=pooled,
         memory=tier_memory(
-            load, tier, num_rows, width, workload.cache_fraction, workload.ssd_log, workload.cache_policy
+            load, tier, num_rows, width, workload.fraction(load.name), workload.ssd_log, workload.cache_policy
         ),
         init_bytes=init_window_bytes(num_rows, t.dim, width, record_bytes(load, width) if tier == "ssd" else 0),
         tier_bytes=cache.tier_bytes if cache is not None else 0.0,

@@ -90,11 +90,20 @@ def table_options(
     cluster: Cluster,
     kinds: tuple[str, ...],
     tiers: tuple[str, ...] | None = None,
+    shards: int | None = None,
 ) -> list[Option]:
-    """Every option of `kinds` for the table, in every plan tier the cluster offers (or `tiers`)."""
+    """Every option of `kinds` for the table, in every plan tier the cluster offers (or `tiers`);
+    with `shards` (a table pinned to that many ranks: constraints.py) only the tw, rw and cw options
+    of that many pieces (tw: one), whatever the powers of two and the world size."""
     out = []
     L, W = cluster.ranks_per_node, cluster.world_size
     splits = split_counts(load, cluster)
+    if shards is not None:
+        kinds = tuple(k for k in kinds if k in ("tw", "rw", "cw") and (k != "tw" or shards == 1))
+        splits = {
+            "rw": [shards] if shards <= load.table.rows else [],
+            "cw": [shards] if load.table.dim % shards == 0 else [],
+        }
     tiers = tiers or placements(cluster)
     mc = load.table.managed_collision
     if mc is not None:  # its id map lives with its rows: tw, or rw over whole buckets, in plain memory

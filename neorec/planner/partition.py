@@ -5,6 +5,8 @@ tier and a base load (what it pays whatever the placement). Node pieces (twrw, t
 of every local index of one node. Pieces of one row- or column-split table must land on different
 ranks (`group`).
 
+0. Pinned pieces (a table's ranks or node constraint: constraints.py) go where they are pinned,
+   first, and never move; everything below balances the other pieces around them.
 1. Longest processing time first: node pieces, then rank pieces, most expensive first, each onto the
    least loaded rank (node) where it fits. LPT is within 4/3 of optimal without memory limits.
 2. Improvement: while the most loaded rank can give a piece to another rank, or swap one for a
@@ -39,6 +41,7 @@ class Piece:
     memory: dict[str, float]
     group: str | None = None  # pieces of one group go to different ranks
     table: str | None = None
+    pinned: int | None = None  # the rank it must go to (None: the partitioner chooses)
 
 
 @dataclass
@@ -47,6 +50,7 @@ class NodePiece:
     costs: list[float]  # per local rank of the node
     memory: list[dict[str, float]]
     table: str | None = None
+    pinned: int | None = None  # the node it must go to (None: the partitioner chooses)
 
 
 @dataclass
@@ -78,13 +82,49 @@ def partition(
     used = {t: np.zeros(num_ranks) for t in capacity}
     for t, m in (base_memory or {}).items():
         used[t] = used[t] + m
-    nodes = _place_nodes(node_pieces, loads, used, capacity, ranks_per_node)
-    if not node_pieces and len(pieces) and num_ranks ** len(pieces) <= exact_limit:
-        ranks = _exact(pieces, loads, used, capacity)
+    L = ranks_per_node
+    nodes = [-1] * len(node_pieces)
+    ranks = [-1] * len(pieces)
+    for i, p in enumerate(node_pieces):  # pinned pieces first, where they are pinned
+        if p.pinned is not None:
+            for local, r in enumerate(range(p.pinned * L, (p.pinned + 1) * L)):
+                part = Piece(f"{p.name} local rank {local}", p.costs[local], p.memory[local], table=p.table)
+                _pin(part, r, loads, used, capacity, "node", p.pinned)
+            nodes[i] = p.pinned
+    for i, p in enumerate(pieces):
+        if p.pinned is not None:
+            _pin(p, p.pinned, loads, used, capacity, "rank", p.pinned)
+            ranks[i] = p.pinned
+    free_nodes = [i for i, p in enumerate(node_pieces) if p.pinned is None]
+    placed_nodes = _place_nodes([node_pieces[i] for i in free_nodes], loads, used, capacity, L)
+    for i, n in zip(free_nodes, placed_nodes, strict=True):
+        nodes[i] = n
+    free = [i for i, p in enumerate(pieces) if p.pinned is None]
+    rest = [pieces[i] for i in free]
+    if not node_pieces and rest and num_ranks ** len(rest) <= exact_limit:
+        placed = _exact(rest, loads, used, capacity)
     else:
-        ranks = _greedy(pieces, loads, used, capacity)
-        _improve(pieces, ranks, loads, used, capacity, time.perf_counter() + improve_seconds)
+        placed = _greedy(rest, loads, used, capacity)
+        _improve(rest, placed, loads, used, capacity, time.perf_counter() + improve_seconds)
+    for i, r in zip(free, placed, strict=True):
+        ranks[i] = r
     return Assignment(ranks, nodes, loads, used)
+
+
+def _pin(p: Piece, r: int, loads, used, capacity, what: str, where: int) -> None:
+    """Put a pinned piece on rank `r` (of its pinned `what` `where`), or say it has no room there."""
+    if not _can_take(p, r, used, capacity):
+        parts = [
+            f"{tier} memory: needs {need:,.0f} bytes, rank {r} has {capacity[tier][r] - used[tier][r]:,.0f} "
+            f"free (shortfall {need - capacity[tier][r] + used[tier][r]:,.0f} bytes)"
+            for tier, need in p.memory.items()
+            if used[tier][r] + need > capacity[tier][r] * (1 + 1e-12)
+        ]
+        raise PlacementError(
+            f"{p.name} is pinned to {what} {where} (its constraint), which has no room for it: {'; '.join(parts)}",
+            p.table,
+        )
+    _put(p, r, loads, used)
 
 
 # ---- helpers ----------------------------------------------------------------------------------------

@@ -4,13 +4,18 @@ Tiers (tiers.py): device memory, host memory, or a row cache in device memory ov
 (cached) or over SSD files (ssd), whatever the cluster offers; a cached table costs its misses and
 takes its cache in device memory and all its rows in the backing tier.
 
-    options (options.py)   every (kind, number of shards, tier) of every table, with additive costs
-    feasibility            a table none of whose options fits an empty rank stops here, named
+    options (options.py)   every (kind, number of shards, tier) of every table, with additive costs,
+                           that keeps the table's constraint (constraints.py: allowed kinds, a pinned
+                           kind, ranks or node, a tier, a cache size); a constraint that cannot hold
+                           stops here, naming the table
+    feasibility            a table none of whose options fits an empty rank stops here, named; so
+                           does a rank that the pieces pinned to it overfill
     lower bound (bounds.py)
     choice                 per table, the cheapest option whose pieces are small enough to balance
                            ("grain": a fraction of the lower bound) and whose memory fits; device
                            memory goes to the tables that save the most seconds per byte
-    placement (partition.py)  LPT, then moves and swaps off the most loaded rank
+    placement (partition.py)  pinned pieces where they are pinned; then LPT, then moves and swaps off
+                           the most loaded rank, for the other pieces
     refinement             for tables on the most loaded rank, other options are tried while the
                            maximum load drops (within the time budget)
 Several grains are tried and the plan with the lightest most-loaded rank is kept. The result is a
@@ -29,9 +34,17 @@ from neorec.distributed.plan import KINDS, ShardingPlan, TablePlan
 from neorec.distributed.replicas import updates_by_owner
 from neorec.errors import ConfigError
 from neorec.planner.bounds import LowerBound, lower_bound, lower_hull
+from neorec.planner.constraints import (
+    TableConstraint,
+    check,
+    check_pinned_memory,
+    table_options_for,
+    violations,
+    with_cache_fractions,
+)
 from neorec.planner.cost import PlanEstimate, estimate_plan, latency_seconds, owner_buffer_bytes
 from neorec.planner.hardware import Cluster
-from neorec.planner.options import Option, table_options
+from neorec.planner.options import Option
 from neorec.planner.partition import Assignment, NodePiece, Piece, PlacementError, partition
 from neorec.planner.workload import Workload
 
@@ -69,31 +82,23 @@ def plan_sharding(
     cluster: Cluster,
     kinds: tuple[str, ...] = KINDS,
     time_budget: float = 40.0,
+    constraints: dict[str, TableConstraint] | None = None,
 ) -> PlanResult:
-    """The planner's plan for `workload` on `cluster` (see the module docstring)."""
+    """The planner's plan for `workload` on `cluster` (see the module docstring). `kinds`: the kinds
+    a table without kinds or a kind of its own may take; `constraints`: per table (constraints.py),
+    planned around: only options that satisfy them are weighed, and pinned pieces are placed first."""
     start = time.perf_counter()
-    bad = sorted(set(kinds) - set(KINDS))
-    if bad:
-        raise ConfigError(f"planner: unknown sharding kind(s) {bad}; kinds: {list(KINDS)}")
+    constraints = constraints or {}
+    workload = with_cache_fractions(workload, constraints)
+    feasible, capacity = feasible_options(workload, cluster, kinds, constraints)
     W = cluster.world_size
-    all_options = {t.name: table_options(t, workload, cluster, kinds) for t in workload.tables}
-    init = max(
-        (o.init_bytes for opts in all_options.values() for o in opts if o.kind in ("tw", "dp")), default=0
-    )
-    capacity = rank_capacity(cluster, init)
-    feasible = {}
-    for name, opts in all_options.items():
-        feasible[name] = [o for o in opts if _fits_empty_rank(o, capacity)]
-        if not feasible[name]:
-            raise _fits_nowhere(workload, name, opts, capacity)
-    _check_total_memory(feasible, capacity, W)
     owner_buffers = owner_buffer_bytes(workload, cluster)
     device_total = float(capacity["device"].sum()) - W * owner_buffers
     # every plan pays at least the latencies of the id, pooled-row and gradient exchanges
     bound = lower_bound(feasible, W, device_total, latency_seconds({"tw"}, 0, workload.weighted, cluster))
 
     def placer(choice: dict[str, Option], improve_seconds: float = 2.0) -> Assignment:
-        return place(choice, cluster, capacity, owner_buffers, improve_seconds, workload.weighted)
+        return place(choice, cluster, capacity, owner_buffers, improve_seconds, workload.weighted, constraints)
 
     # candidates: every kind, and without dp (its gradient exchange has a fixed cost per group that
     # the per-table choice does not see)
@@ -119,9 +124,45 @@ def plan_sharding(
     _, choice, assignment = best
     choice, assignment = refine(choice, assignment, feasible, cluster, placer, start + time_budget)
     plan = to_plan(choice, assignment, cluster)
+    broken = violations(plan, constraints, kinds)
+    if broken:  # the options and the partitioner keep every constraint: this would be a planner bug
+        raise AssertionError("the planner broke constraints: " + "; ".join(broken))
     estimate = estimate_plan(plan, workload, cluster)
     check_capacity(estimate, cluster)
     return PlanResult(plan, estimate, bound, choice, assignment.max_load, time.perf_counter() - start)
+
+
+def feasible_options(
+    workload: Workload,
+    cluster: Cluster,
+    kinds: tuple[str, ...] = KINDS,
+    constraints: dict[str, TableConstraint] | None = None,
+) -> tuple[dict[str, list[Option]], dict[str, np.ndarray]]:
+    """Every table's options that keep its constraint and fit an empty rank, and the bytes per rank
+    and tier that shards may use. ConfigError naming the table when its constraint cannot hold or
+    leaves it no option, when it fits nowhere, or when the pieces pinned to a rank overfill it; also
+    when all ranks together are too small. (`neorec train` calls this before it starts processes.)"""
+    constraints = constraints or {}
+    bad = sorted(set(kinds) - set(KINDS))
+    if bad:
+        raise ConfigError(f"planner: unknown sharding kind(s) {bad}; kinds: {list(KINDS)}")
+    W = cluster.world_size
+    check(constraints, workload, kinds, W, cluster.num_nodes, cluster)
+    all_options = {
+        t.name: table_options_for(t, workload, cluster, kinds, constraints.get(t.name)) for t in workload.tables
+    }
+    init = max(
+        (o.init_bytes for opts in all_options.values() for o in opts if o.kind in ("tw", "dp")), default=0
+    )
+    capacity = rank_capacity(cluster, init)
+    feasible = {}
+    for name, opts in all_options.items():
+        feasible[name] = [o for o in opts if _fits_empty_rank(o, capacity)]
+        if not feasible[name]:
+            raise _fits_nowhere(workload, name, opts, capacity, constraints.get(name))
+    _check_total_memory(feasible, capacity, W)
+    check_pinned_memory(feasible, constraints, capacity, cluster, owner_buffer_bytes(workload, cluster))
+    return feasible, capacity
 
 
 def check_capacity(estimate: PlanEstimate, cluster: Cluster) -> None:
@@ -143,7 +184,9 @@ def _fits_empty_rank(o: Option, capacity: dict[str, np.ndarray]) -> bool:
     )
 
 
-def _fits_nowhere(workload: Workload, name: str, opts: list[Option], capacity) -> ConfigError:
+def _fits_nowhere(
+    workload: Workload, name: str, opts: list[Option], capacity, constraint: TableConstraint | None = None
+) -> ConfigError:
     t = workload.by_name[name]
     lines = []
     for tier in sorted({o.tier for o in opts}):
@@ -167,10 +210,13 @@ def _fits_nowhere(workload: Workload, name: str, opts: list[Option], capacity) -
     if "ssd" not in {o.tier for o in opts}:
         ways += "; 5) an SSD tier for cached tables (embedding.cache.directory on this machine)"
     elif any(o.tier in ("cached", "ssd") for o in opts):
-        ways += f"; 5) a smaller cache (embedding.cache.fraction, now {workload.cache_fraction})"
+        ways += f"; 5) a smaller cache (embedding.cache.fraction, now {workload.fraction(name)})"
+    under = f" under its constraints ({constraint.describe()})" if constraint is not None else ""
+    if constraint is not None:
+        ways += "; 6) looser constraints for it (distributed.sharding)"
     return PlacementError(
         f"table {name!r} ({t.table.rows:,} rows x {t.table.dim}, {size:,.0f} bytes with optimizer state) fits "
-        "nowhere:\n" + "\n".join(lines) + "\nways out: " + ways
+        f"nowhere{under}:\n" + "\n".join(lines) + "\nways out: " + ways
     )
 
 
@@ -232,10 +278,13 @@ def place(
     owner_buffers: float = 0.0,
     improve_seconds: float = 2.0,
     weighted: bool = False,
+    constraints: dict[str, TableConstraint] | None = None,
 ) -> Assignment:
     """Partition the chosen options' pieces over the ranks; `owner_buffers`: device bytes every rank
-    needs for its own samples' pooled rows."""
+    needs for its own samples' pooled rows; the pieces of tables pinned by `constraints` go where
+    they are pinned."""
     W = cluster.world_size
+    constraints = constraints or {}
     pieces, node_pieces = [], []
     base = np.full(W, fixed_seconds(choice, cluster, weighted))
     base_memory = {t: np.zeros(W) for t in capacity}
@@ -244,15 +293,18 @@ def place(
         base += o.everyone
         for tier, nbytes in o.everyone_memory.items():
             base_memory[tier] += nbytes
+        c = constraints.get(name)
         if o.placement == "rank":
             group = name if o.num_shards > 1 else None
+            pins = list(c.ranks) if c is not None and c.ranks else [None] * o.num_shards
             for i, (cost, mem) in enumerate(zip(o.piece_costs, o.piece_memory, strict=True)):
                 pieces.append(
-                    Piece(f"table {name!r} ({o.label}, {o.tier}) shard {i}", cost, mem, group, name)
+                    Piece(f"table {name!r} ({o.label}, {o.tier}) shard {i}", cost, mem, group, name, pins[i])
                 )
         elif o.placement == "node":
+            node = c.node if c is not None else None
             node_pieces.append(
-                NodePiece(f"table {name!r} ({o.label}, {o.tier})", o.piece_costs, o.piece_memory, name)
+                NodePiece(f"table {name!r} ({o.label}, {o.tier})", o.piece_costs, o.piece_memory, name, node)
             )
     over = [t for t in capacity if (base_memory[t] > capacity[t]).any()]
     if over:

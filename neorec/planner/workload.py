@@ -135,9 +135,15 @@ class Workload:
     cache_fraction: float = 0.2  # share of a cached table's rows its row cache holds (embedding.cache.fraction)
     ssd_log: float = 1.0  # ssd tables' write log, a share of their rows (embedding.cache.ssd_log; 0: none)
     cache_policy: str = "lru"  # embedding.cache.policy (lfu keeps a use count per row: 1 byte)
+    # tables whose cache holds another share of their rows (constraints.py: cache_fraction)
+    cache_fractions: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.by_name = {t.name: t for t in self.tables}
+
+    def fraction(self, table: str) -> float:
+        """The share of the table's rows its row cache holds, when it is cached."""
+        return self.cache_fractions.get(table, self.cache_fraction)
 
     @property
     def table_configs(self) -> list[TableConfig]:

@@ -171,9 +171,10 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
 
 def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
     """What every process of a one-machine run of `num_processes` would fail on, checked once before
-    they start: the batch divides over them, train.compile finds its compiler, and the plan file, `distributed.sharding` and
-    `embedding.tables` name tables of the data and ranks that exist (the data's feature list is read
-    only where the config names a plan or tables)."""
+    they start: the batch divides over them, train.compile finds its compiler, `embedding.tables`
+    and `distributed.sharding` name tables of the data, and the sharding holds: the plan file under
+    the constraints, or the constraints the planner would refuse (run_constraints.py; the data's
+    feature list is read only where the config names a plan, constraints or tables)."""
     if cfg.data.batch_size % num_processes:
         raise ConfigError(
             f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over {num_processes} processes"
@@ -193,14 +194,9 @@ def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
         return
     tables = build_tables(cfg, build_source(cfg).info)
     if (d.plan or d.sharding) and num_processes > 1:  # one process trains unsharded: a plan does not apply
-        from neorec.distributed.plan import ShardingPlan, TablePlan
-        from neorec.distributed.topology import Topology
+        from neorec.train.run_constraints import check_before_launch as check_sharding
 
-        plan = ShardingPlan.load(d.plan) if d.plan else ShardingPlan({})
-        for name, entry in d.sharding.items():
-            plan.tables[name] = TablePlan(entry.kind, list(entry.ranks), entry.node)
-        planned = tables if d.plan else [t for t in tables if t.name in plan.tables]  # the planner does the rest
-        plan.validate(planned, Topology(num_processes, 0, num_processes))
+        check_sharding(cfg, tables, num_processes, run_wire_precisions(cfg, one_machine=True))
 
 
 def run_wire_precisions(cfg: RunConfig, one_machine: bool) -> tuple[str, str]:

@@ -45,7 +45,10 @@ def build_embeddings(
     settings = CacheSettings(
         c.policy, c.fraction, c.size_mib, c.directory, c.release_mib, c.ssd_reads, c.ssd_log, c.io_thread
     )
-    if sharded:
+    if sharded:  # distributed.sharding's cache fractions (one process trains without a plan)
+        from neorec.train.run_constraints import cache_fractions
+
+        settings.fractions = cache_fractions(cfg)
         if e.engine != "fused":
             raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")
         from neorec.distributed.sharded import ShardedEmbeddingCollection

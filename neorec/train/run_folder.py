@@ -11,6 +11,7 @@ from neorec.config.schema import RunConfig
 from neorec.errors import ConfigError
 
 RESULTS = ("summary.json", "model.pt")  # written when a run finishes
+STARTED = ("plan.json",)  # written when a sharded run starts (a run of one process writes none)
 STALE = ("tensorboard",)  # added to by every run that writes it, so an overwritten run's events would stay
 
 
@@ -67,7 +68,7 @@ def check_run_folder(cfg: RunConfig, out_dir: Path, *, overwrite: bool, resume: 
 def clear_run_folder(cfg: RunConfig, out_dir: Path) -> None:
     """Remove what a new run in `out_dir` would not rewrite from its start: the results, the
     TensorBoard events and the checkpoints (which `--resume` would otherwise continue from)."""
-    for name in RESULTS:
+    for name in RESULTS + STARTED:
         (out_dir / name).unlink(missing_ok=True)
     for name in STALE:
         shutil.rmtree(out_dir / name, ignore_errors=True)

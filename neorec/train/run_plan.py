@@ -2,8 +2,10 @@
 
 A run's plan is its plan file (distributed.plan) or, by default, the planner's (neorec/planner) over the
 run's own data (access measured on its first training batches), this machine and the exchange codecs
-training uses; `distributed.sharding` goes on top. The planner knows nothing of runs: this module builds
-what it needs from the config (neorec/train/build.py) and hands it over.
+training uses, planned around the run's constraints (distributed.sharding and distributed.kinds, as
+run_constraints.py reads them; over a plan file they are applied to it and checked). The planner knows
+nothing of runs: this module builds what it needs from the config (neorec/train/build.py) and hands
+it over.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neorec.config.schema import RunConfig
-from neorec.distributed.plan import KINDS, ShardingPlan, TablePlan
+from neorec.distributed.plan import KINDS, ShardingPlan
 from neorec.distributed.topology import Topology
 from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError
-from neorec.planner.hardware import Cluster, preset, this_machine
+from neorec.planner.hardware import Cluster, preset
 from neorec.planner.planner import PlanResult, plan_sharding
 from neorec.planner.workload import Workload, build_workload, measure_access
 from neorec.train.build import build_source, build_tables, run_wire_precisions
+from neorec.train.run_constraints import apply_to_plan_file, cluster_for_run, run_constraints, run_kinds
 from neorec.utils.files import write_text
 from neorec.utils.json_values import strict_dumps
 from neorec.utils.progress import phase
@@ -58,23 +61,12 @@ def cache_fraction(cfg: RunConfig) -> float:
     return cfg.embedding.cache.fraction or 0.2
 
 
-def cluster_for_run(cfg: RunConfig, world_size: int, ranks_per_node: int | None = None) -> Cluster:
-    """This machine for `world_size` processes. On CUDA (train.device) its GPUs: each rank's share of
-    the free GPU memory and of the host memory. On the CPU its RAM, with an SSD tier when the config
-    names a folder for cached tables' files (embedding.cache.directory), whose filesystem gives its
-    capacity."""
-    if cfg.train.device == "cuda":
-        from neorec.planner.hardware import this_gpu_machine
-
-        return this_gpu_machine(world_size, ranks_per_node)
-    return this_machine(world_size, ranks_per_node, ssd_directory=cfg.embedding.cache.directory)
-
-
 def default_plan_for_run(cfg: RunConfig, tables: list[TableConfig], topo: Topology) -> ShardingPlan:
     """The default plan of a multi-process run: rank 0 plans for this machine (its calibration, an
     SSD tier under embedding.cache.directory when set, access measured on the first training
-    batches) and every rank receives the same plan, so that machines with different calibrations
-    cannot disagree. A planning error stops every rank."""
+    batches) around the run's constraints (distributed.sharding, distributed.kinds), and every rank
+    receives the same plan, so that machines with different calibrations cannot disagree. A planning
+    error stops every rank."""
     import torch.distributed as dist
 
     message: dict = {}
@@ -83,7 +75,9 @@ def default_plan_for_run(cfg: RunConfig, tables: list[TableConfig], topo: Topolo
             with phase("planning the sharding", cfg.train.progress, budget_seconds=TRAIN_PLAN_SECONDS):
                 workload = workload_for_run(cfg, tables, one_machine=topo.num_nodes == 1)
                 cluster = cluster_for_run(cfg, topo.world_size, topo.local_world_size)
-                result = plan_sharding(workload, cluster, time_budget=TRAIN_PLAN_SECONDS)
+                result = plan_sharding(
+                    workload, cluster, run_kinds(cfg), TRAIN_PLAN_SECONDS, run_constraints(cfg)
+                )
             device = [r.memory.get("device", 0) for r in result.estimate.ranks]
             message = {"plan": result.plan.to_dict(), "device_bytes": device}
             log.info(f"planned the sharding of {len(tables)} tables over {topo.world_size} processes in "
@@ -102,19 +96,18 @@ def default_plan_for_run(cfg: RunConfig, tables: list[TableConfig], topo: Topolo
 
 
 def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
-    """The sharding plan: the plan file or, by default, the planner's (neorec/planner), then
-    `distributed.sharding` on top; validated against the tables and the topology (errors name the table)."""
+    """The sharding plan: the planner's (neorec/planner), planned around `distributed.sharding`, or
+    the plan file under those constraints (run_constraints.py); validated against the tables and the
+    topology (errors name the table)."""
     d = cfg.distributed
-    if d.plan:
-        plan = ShardingPlan.load(d.plan)
-    else:
-        plan = default_plan_for_run(cfg, tables, topo)
     names = {t.name for t in tables}
     unknown = sorted(set(d.sharding) - names)
     if unknown:
         raise ConfigError(f"distributed.sharding names {unknown}, which are not tables; tables: {sorted(names)}")
-    for name, entry in d.sharding.items():
-        plan.tables[name] = TablePlan(entry.kind, list(entry.ranks), entry.node)
+    if d.plan:
+        plan = apply_to_plan_file(ShardingPlan.load(d.plan), cfg)
+    else:
+        plan = default_plan_for_run(cfg, tables, topo)
     plan.validate(tables, topo)
     return plan
 
@@ -137,12 +130,14 @@ def plan_command(
     output_dir: str | Path | None = None,
     baselines: bool = False,
     batches: int = SAMPLE_BATCHES,
-    kinds: tuple[str, ...] = KINDS,
+    kinds: tuple[str, ...] | None = None,
     time_budget: float = 25.0,
     cluster: Cluster | None = None,
 ) -> PlanOutputs:
-    """Plan the tables of `cfg` (or the 12-trillion-parameter dry-run model) on a cluster preset;
-    write plan.json, report.txt and plan.png to `output_dir`."""
+    """Plan the tables of `cfg` (or the 12-trillion-parameter dry-run model) on a cluster preset,
+    around the config's constraints (distributed.sharding); write plan.json, report.txt and plan.png
+    to `output_dir`. `kinds`: the kinds a table without its own may take (default: the config's
+    distributed.kinds; every kind for the dry run)."""
     from neorec.planner import report
     from neorec.planner.baselines import round_robin, size_greedy
 
@@ -150,6 +145,7 @@ def plan_command(
         from neorec.planner.large_model import describe, twelve_trillion_workload
 
         workload = twelve_trillion_workload()
+        constraints = {}
         about = f"model: 12-trillion-parameter dry run: {describe(workload)}"
         cluster = cluster or preset(
             cluster_name if cluster_name != "this" else "paper", world_size, ranks_per_node
@@ -161,6 +157,8 @@ def plan_command(
         cluster = cluster or preset(cluster_name, world_size, ranks_per_node, cfg.embedding.cache.directory)
         one_machine = cluster_name == "this" and cluster.num_nodes == 1
         workload = workload_for_run(cfg, tables, batches, one_machine=one_machine)
+        constraints = run_constraints(cfg)
+        kinds = kinds or run_kinds(cfg)
         about = (
             f"model: config {cfg.name!r}: {len(tables)} tables, "
             f"{sum(t.rows * t.dim for t in tables):,} parameters, global batch {cfg.data.batch_size:,}"
@@ -168,7 +166,7 @@ def plan_command(
     else:
         raise ConfigError(f"neorec plan: --model must be 'config' or '12t', got {model!r}")
     with phase("planning the sharding", budget_seconds=time_budget):
-        result = plan_sharding(workload, cluster, kinds, time_budget)
+        result = plan_sharding(workload, cluster, kinds or KINDS, time_budget, constraints)
     results = [result]
     if baselines:
         results += [round_robin(workload, cluster), size_greedy(workload, cluster)]

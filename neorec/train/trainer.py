@@ -177,6 +177,9 @@ class Trainer(RunReporting, CheckpointHandling):
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             write_text(self.out_dir / "config.yaml", dump_config(cfg), "run config")  # atomic
+            plan = getattr(self.embeddings, "plan", None)  # sharded: the plan every rank trains with
+            if plan is not None:
+                plan.save(self.out_dir / "plan.json")
         step, first_epoch, position = self._resume(to_resume) if to_resume is not None else (0, 0, None)
         if self.is_main:  # resumed: metrics.jsonl keeps its lines up to the checkpoint, drops the later ones
             resumed = {"step": step, "lines": position.get("metrics_lines")} if position is not None else None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,6 +47,9 @@ class CacheSettings:
     ssd_reads: str = "map"  # ssd: "map" (gather from the file's map) or "pread" (I/O threads)
     ssd_log: float = 1.0  # ssd: write log as a share of the rows (write_log.py); 0: writes in place
     io_thread: bool | str = "auto"  # ssd: reads ahead and write-backs on a worker thread: True, False, "auto"
+    # tables whose group's cache holds another share of its rows than `fraction` (distributed.sharding
+    # cache_fraction); the fused engine puts tables of different fractions in different groups
+    fractions: dict[str, float] = field(default_factory=dict)
 
 
 def cached_storage_factory(
@@ -146,8 +149,17 @@ def _capacity(
     names: list[str], specs: dict[str, StorageSpec], settings: CacheSettings, total_rows: int
 ) -> int:
     num_rows = specs["weight"].num_rows
+    own = {settings.fractions.get(n) for n in names}  # None: embedding.cache.fraction
+    if len(own) > 1:  # the fused engine's layout keeps them apart (layout.build_layout)
+        raise ConfigError(f"tables {names} share one cache but have different cache fractions; give them the same")
+    fraction = own.pop()
+    if fraction is not None and settings.size_mib is not None:
+        raise ConfigError(
+            f"tables {names} have a cache fraction of their own, which embedding.cache.size_mib (one size shared "
+            "by all cached tables) cannot honour: use embedding.cache.fraction"
+        )
     if settings.size_mib is None:
-        return max(1, math.ceil((settings.fraction or 0.2) * num_rows))
+        return max(1, math.ceil((fraction or settings.fraction or 0.2) * num_rows))
     row_bytes = RecordLayout([(n, s.width, s.dtype) for n, s in specs.items()]).record_bytes
     share = num_rows / total_rows if total_rows else 1.0
     capacity = int(settings.size_mib * 2**20 * share // row_bytes)

@@ -107,11 +107,14 @@ class FusedEmbeddingCollection(
         progress: bool = False,
         map_shards: dict[str, MapShard] | None = None,
         bounds_check: str = "error",
+        table_cache_fractions: dict[str, float] | None = None,
     ) -> None:
         """storage_factory builds each row storage (default: a plain tensor on `device`);
         group_storage_factory, when given, builds all storages of a group at once instead (caches).
         table_tiers: storage tier by table name ("memory", "dram", "ssd"; see neorec/embedding/cache):
         tables of different tiers go to different groups, so that each group has one storage.
+        table_cache_fractions: cached tables whose cache holds a share of rows of their own
+        (CacheSettings.fractions): tables of different fractions go to different groups too.
 
         row_init(table index, start, end) gives fp32 initial rows [start, end) of a table (default
         init_rows); the sharded collection passes the rows of the unsharded table its shard covers.
@@ -136,7 +139,7 @@ class FusedEmbeddingCollection(
         check_tables(self.tables)
         self.seed = seed
         self.stochastic_rounding = stochastic_rounding
-        self.layout = build_layout(self.tables, optimizer, table_tiers)
+        self.layout = build_layout(self.tables, optimizer, table_tiers, table_cache_fractions)
         self.num_updates = 0
         # Called with (group, unique rows, their summed gradients, times -lr where folded_lr says
         # so) before each update; returns the rows and gradients to apply, or a function that waits

@@ -64,16 +64,22 @@ class Layout:
 
 
 def build_layout(
-    tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig, tiers: dict[str, str] | None = None
+    tables: list[TableConfig],
+    optimizer: EmbeddingOptimizerConfig,
+    tiers: dict[str, str] | None = None,
+    cache_fractions: dict[str, float] | None = None,
 ) -> Layout:
     """Group tables, assign row ranges, and record which output columns each group fills.
-    tiers: storage tier by table name (missing: "memory"); only tables of one tier share a group."""
-    by_key: dict[tuple[int, str, str, str, bool], TableGroup] = {}
+    tiers: storage tier by table name (missing: "memory"); only tables of one tier share a group.
+    cache_fractions: by table name, the share of rows of its own a cached table's cache holds
+    (missing: embedding.cache's); only tables of one fraction share a group, and so a cache."""
+    by_key: dict[tuple[int, str, str, str, bool, float | None], TableGroup] = {}
     table_slot: dict[str, tuple[int, int]] = {}
     for ti, t in enumerate(tables):
         name = (t.optimizer or optimizer).name
         sequence = t.pooling == "none"
-        key = (t.dim, t.dtype, name, (tiers or {}).get(t.name, "memory"), sequence)
+        fraction = (cache_fractions or {}).get(t.name)
+        key = (t.dim, t.dtype, name, (tiers or {}).get(t.name, "memory"), sequence, fraction)
         if key not in by_key:
             by_key[key] = TableGroup(dim=t.dim, dtype=DTYPES[t.dtype], optimizer=name, sequence=sequence)
         g = by_key[key]
