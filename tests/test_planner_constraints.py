@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_cli import TINY, sets
 
 from neorec.cli import main
 from neorec.distributed.plan import ShardingPlan, TablePlan
@@ -23,15 +24,6 @@ from neorec.planner.hardware import CALIBRATED_CPU
 from neorec.planner.partition import Piece, PlacementError, partition
 
 SMALL = ["data.synthetic.max_rows=500", "data.batch_size=256"]
-TINY = [
-    "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 100]", "data.synthetic.num_sparse=4",
-    "data.synthetic.train_samples=1000", "data.synthetic.eval_samples=500", "data.batch_size=250",
-    "train.max_steps=2", "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
-]  # fmt: skip
-
-
-def sets(items: list[str]) -> list[str]:
-    return [x for kv in items for x in ("--set", kv)]
 
 
 def plan_cli(tmp_path: Path, *extra: str) -> list[str]:

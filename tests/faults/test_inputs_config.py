@@ -7,18 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_cli import TINY, sets
 
 from neorec.cli import main
-
-TINY = [
-    "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 100]", "data.synthetic.num_sparse=4",
-    "data.synthetic.train_samples=1000", "data.synthetic.eval_samples=500", "data.batch_size=250",
-    "train.max_steps=2", "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
-]  # fmt: skip
-
-
-def sets(items: list[str]) -> list[str]:
-    return [x for kv in items for x in ("--set", kv)]
 
 
 def fails(capsys, argv: list[str], *words: str, code: int = 2) -> str:
