@@ -2,7 +2,7 @@
 outside neorec/distributed, whose package imports torch, so that importing it costs nothing.)
 
 torchrun's agent runs inside the launcher (neorec/distributed/launch.py) and starts each worker with
-Popen in a session of its own. A launcher killed by SIGKILL can pass nothing on, and its workers would
+Popen in a process group of its own (setsid). A launcher killed by SIGKILL can pass nothing on, and its workers would
 train on, writing checkpoints and model.pt into a folder that a restarted run may be using. So each
 worker, first thing, asks the kernel to send it SIGKILL when its parent goes: prctl(PR_SET_PDEATHSIG)
 through ctypes, on Linux. The kernel sends it when the *thread* that started the worker ends; the agent
