@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         code, message = known
         reported = e if isinstance(e, NeorecError) else NeorecError(message)
-        if not report_failure(reported):  # a worker of `neorec train --nproc N`: the launcher prints it
+        if not report_failure(reported, code):  # a worker of `neorec train --nproc N`: the launcher prints it
             print(f"neorec: error: {message}", file=sys.stderr)
         return code
 

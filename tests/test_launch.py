@@ -85,3 +85,23 @@ def test_nproc_convenience_flag_and_bad_plan(tmp_path):
                 *_sets(["distributed.sharding={C3: {kind: tw, ranks: [5]}}"])])  # fmt: skip
     assert bad.returncode != 0
     assert "C3" in bad.stderr and "rank(s) [5] do not exist" in bad.stderr
+
+
+def test_exit_code_is_the_first_failing_rank_s_own_even_when_the_agent_ended_it(capsys):
+    """A rank that failed on bad input (code 2) and wrote its report, but got the agent's SIGTERM
+    before it exited (exit code -15), still makes the launcher exit 2, naming that rank first."""
+    from types import SimpleNamespace
+
+    from neorec.distributed.launch import _report_failures
+
+    reports = {
+        1: {"time": 10.0, "error": "checkpoint x: bad --nproc", "follows": False, "code": 2},
+        0: {"time": 10.5, "error": "checkpoint x: bad --nproc", "follows": False, "code": 2},
+    }
+    failures = {0: SimpleNamespace(exitcode=2, timestamp=10.6), 1: SimpleNamespace(exitcode=-15, timestamp=10.7)}
+    assert _report_failures(failures, reports) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "neorec: error: rank 1 failed first: checkpoint x: bad --nproc"
+    # a rank killed without a report: the code is 1, never a negative number
+    assert _report_failures({0: SimpleNamespace(exitcode=-9, timestamp=1.0)}, {}) == 1
+    assert "killed by SIGKILL" in capsys.readouterr().err

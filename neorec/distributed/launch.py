@@ -113,8 +113,9 @@ def _report_failures(failures: dict, reports: dict[int, dict]) -> int:
         if rank != first:
             after = "stopped after it" if when(rank)[0] else "also failed"
             print(f"neorec: rank {rank} {after}: {what(rank)}", file=sys.stderr)
-    code = failures[first].exitcode if first in failures else 1
-    return code if code and code > 0 else 1
+    # the code the worker chose (2: bad input) even when the agent's SIGTERM ended it before it exited
+    code = reports.get(first, {}).get("code") or (failures[first].exitcode if first in failures else 1)
+    return code if isinstance(code, int) and code > 0 else 1
 
 
 def _write_report(entry: dict) -> None:
@@ -131,8 +132,9 @@ def _write_report(entry: dict) -> None:
         pass  # the report is a courtesy; the exit code still tells the launcher
 
 
-def report_failure(error: BaseException) -> bool:
-    """In a worker started by launch_torchrun: record `error` for the launcher's report. True when
+def report_failure(error: BaseException, code: int = 1) -> bool:
+    """In a worker started by launch_torchrun: record `error` and the exit `code` the worker ends
+    with (the launcher exits with it) for the launcher's report. True when
     the launcher will print it in full (a NeorecError, or a failure caused by another rank's): the
     worker then prints nothing itself. Other errors are bugs; their traceback stays useful."""
     from neorec.errors import DistributedError, NeorecError
@@ -142,7 +144,7 @@ def report_failure(error: BaseException) -> bool:
     text = str(error) if isinstance(error, NeorecError) else f"{type(error).__name__}: {error}"
     text = " ".join(text.split())
     follows = isinstance(error, DistributedError) or any(s in text for s in _PEER_GONE)
-    _write_report({"error": text, "follows": follows})
+    _write_report({"error": text, "follows": follows, "code": code})
     return follows or isinstance(error, NeorecError)
 
 
