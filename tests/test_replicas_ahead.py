@@ -54,6 +54,13 @@ def ahead_run(topo, optimizer_name: str, plan: dict, read_ahead: bool, dense_byt
     return losses, weights, dict(full.items()), count[0], repeated[0]
 
 
+def both_paths(topo, optimizer_name: str, plan: dict, dense_bytes: int, weight_decay: float):
+    """ahead_run counting ahead, then on fresh tables, optimizers and batches the exact path, in one
+    process group: (ahead's results, exact's results)."""
+    ahead = ahead_run(topo, optimizer_name, plan, True, dense_bytes, weight_decay)
+    return ahead, ahead_run(topo, optimizer_name, plan, False, dense_bytes, weight_decay)
+
+
 CASES = [  # (ranks, rule, DENSE_BYTES, plan): owners' sparse exchange and all-reduce, SGD's gather and all-reduce
     (2, "adagrad", 0, ALL_DP),
     (4, "adagrad", 0, ALL_DP),
@@ -69,9 +76,9 @@ CASES = [  # (ranks, rule, DENSE_BYTES, plan): owners' sparse exchange and all-r
 def test_counted_ahead_is_bitwise_the_exact_path(world, optimizer_name, dense_bytes, plan, tmp_path):
     # weight decay: both paths then update through the same read, rule and write (on CPU the exact
     # path may otherwise add deltas in place, which rounds differently from the rule's own update)
-    args = (optimizer_name, plan, True, dense_bytes, 1e-3)
-    ahead = spawn(world, ahead_run, args, tmp_path=tmp_path / "ahead")
-    exact = spawn(world, ahead_run, (*args[:2], False, *args[3:]), tmp_path=tmp_path / "exact")
+    both = spawn(world, both_paths, (optimizer_name, plan, dense_bytes, 1e-3), tmp_path=tmp_path)
+    ahead = {rank: out[0] for rank, out in both.items()}
+    exact = {rank: out[1] for rank, out in both.items()}
     for rank in range(world):
         losses, weights, full, reads, repeated = ahead[rank]
         if plan is ALL_DP:  # (with sharded tables too, sort_by_row counts their backward's reads on CPU)
