@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import traceback
 from pathlib import Path
 
@@ -21,10 +20,11 @@ NUM_DENSE = 4
 
 
 def neorec_train(out: Path, sets: list[str], nproc: int = 1, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`neorec train --nproc N --set ... --output-dir out` in a subprocess; its result, not checked."""
-    cmd = [sys.executable, "-m", "neorec", "train", "--nproc", str(nproc)]
-    cmd += [x for kv in sets for x in ("--set", kv)] + ["--output-dir", str(out)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300, check=False)
+    """`neorec train --nproc N --set ... --output-dir out` in a fresh process (tests/forked.py); its result, not checked."""
+    from forked import run_neorec
+
+    argv = ["train", "--nproc", str(nproc), *[x for kv in sets for x in ("--set", kv)], "--output-dir", str(out)]
+    return run_neorec(argv, cwd=cwd, timeout=300)
 
 
 def make_tables(pooling_mean: bool = True) -> list[TableConfig]:
@@ -160,25 +160,13 @@ def _plain(x):
     return x
 
 
-# what every rank imports: loaded once by the fork server, so a rank starts in milliseconds, not seconds
-_PRELOAD = ["torch", "torch.distributed", "numpy", "dist_helpers", "neorec.distributed.sharded", "neorec.model.dlrm"]
-
-
-def _context():
-    """Processes forked from a server that has imported torch and neorec (nothing else: no threads,
-    no test's state), each a fresh copy like a spawned one, without paying the imports again."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
 def spawn(world: int, fn, args=(), local_world: int | None = None, tmp_path=None, timeout: float = 240.0) -> dict:
     """Run fn on `world` real processes; returns {rank: result}; raises with a rank's traceback."""
     import tempfile
 
-    ctx = _context()
+    from forked import context
+
+    ctx = context()  # ranks fork from a server that has imported torch and neorec
     queue = ctx.Queue()
     init_dir = tmp_path or tempfile.mkdtemp()
     os.makedirs(init_dir, exist_ok=True)

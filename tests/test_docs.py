@@ -14,12 +14,12 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+from forked import run_neorec
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -128,10 +128,8 @@ def _run_upto(rel: str, index: int, workdir: Path) -> subprocess.CompletedProces
         if needs_gpu(argv) and not torch.cuda.is_available():
             done[i] = None
             continue
-        done[i] = subprocess.run(
-            [sys.executable, "-m", "neorec", *argv, *small_overrides(argv)],
-            cwd=workdir, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
-        )  # fmt: skip
+        # `python -m neorec ...` in a process forked from one that has imported neorec once
+        done[i] = run_neorec([*argv, *small_overrides(argv)], cwd=workdir, env=env, timeout=COMMAND_TIMEOUT_S)
     return done[index]
 
 

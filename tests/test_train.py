@@ -1,9 +1,9 @@
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
+from forked import run_neorec
 
 from neorec.config.load import load_config
 from neorec.config.schema import ScheduleConfig
@@ -71,7 +71,8 @@ def test_total_steps_is_what_the_data_allows_when_max_steps_is_larger(tmp_path):
 
 
 def neorec(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "neorec", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    """`python -m neorec *args` in a fresh process (forked from one that has imported neorec)."""
+    return run_neorec(list(args), cwd=cwd, timeout=300)
 
 
 def test_cli_train_eval_and_outputs(tmp_path):
