@@ -27,10 +27,12 @@ import shlex
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPORT_DIR = "NEOREC_REPORT_DIR"
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 # what gloo says when a peer process is gone: the failure is another rank's
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "rank that failed first")
@@ -56,6 +58,8 @@ def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str], env: dict
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    # the agent installs handlers for these signals (to forward them to the workers) and leaves them
+    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
     with tempfile.TemporaryDirectory(prefix="neorec-launch-") as reports:
         workers_env = {REPORT_DIR: reports, "NEOREC_ARGV": shlex.join(user_argv), **launcher_env(), **(env or {})}
         os.environ.update(workers_env)  # the agent starts the workers with a copy of this environment
@@ -74,6 +78,9 @@ def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str], env: dict
         finally:
             for name in workers_env:
                 os.environ.pop(name, None)
+            if threading.current_thread() is threading.main_thread():
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _reports(folder: str) -> dict[int, dict]:

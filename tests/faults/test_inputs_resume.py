@@ -6,6 +6,7 @@ loaded, the run's metrics untouched; one `neorec: error:` line naming the checkp
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -60,8 +61,11 @@ def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_co
     metrics = (run / "metrics.jsonl").read_bytes()
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     again = ["train", "--config", str(parquet_config), *sets([*QUIET, "train.max_steps=6"]), "--nproc", "2"]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     code = main([*again, "--output-dir", str(run), "--resume"])
     out, err = capfd.readouterr()
+    # the in-process launch (torchrun's agent) puts back the caller's signal handlers
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     assert code == 2 and "Traceback" not in err, err
     assert "resumed from" not in out + err, err
     lines = [line for line in err.splitlines() if line.startswith("neorec: error:")]
