@@ -60,6 +60,8 @@ def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str], env: dict
             logging.getLogger(name).setLevel(logging.CRITICAL)
     # the agent installs handlers for these signals (to forward them to the workers) and leaves them
     handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    # and sets variables for the workers in this process's environment (OMP_NUM_THREADS=1 among them)
+    environment = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="neorec-launch-") as reports:
         workers_env = {REPORT_DIR: reports, "NEOREC_ARGV": shlex.join(user_argv), **launcher_env(), **(env or {})}
         os.environ.update(workers_env)  # the agent starts the workers with a copy of this environment
@@ -76,8 +78,9 @@ def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str], env: dict
         except ChildFailedError as e:
             return _report_failures(e.failures, _reports(reports))
         finally:
-            for name in workers_env:
-                os.environ.pop(name, None)
+            if dict(os.environ) != environment:
+                os.environ.clear()
+                os.environ.update(environment)
             if threading.current_thread() is threading.main_thread():
                 for sig, handler in handlers.items():
                     signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

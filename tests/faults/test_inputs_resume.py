@@ -6,6 +6,7 @@ loaded, the run's metrics untouched; one `neorec: error:` line naming the checkp
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -62,10 +63,12 @@ def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_co
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     again = ["train", "--config", str(parquet_config), *sets([*QUIET, "train.max_steps=6"]), "--nproc", "2"]
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    environment = dict(os.environ)
     code = main([*again, "--output-dir", str(run), "--resume"])
     out, err = capfd.readouterr()
-    # the in-process launch (torchrun's agent) puts back the caller's signal handlers
+    # the in-process launch (torchrun's agent) puts back the caller's signal handlers and environment
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+    assert dict(os.environ) == environment
     assert code == 2 and "Traceback" not in err, err
     assert "resumed from" not in out + err, err
     lines = [line for line in err.splitlines() if line.startswith("neorec: error:")]
