@@ -133,12 +133,17 @@ def check_model_state(model, state: object, path: Path, overrides: list[str]) ->
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from neorec.serving.export import export_model, report_text
+    from neorec.serving.export import export_model, quantization, report_text
 
+    quantize = quantization(args.int8, args.quantize)
+    if args.scale_dtype and not quantize:
+        raise NeorecError(
+            f"--scale-dtype {args.scale_dtype} is for quantized tables; add --quantize int8|int4|int2"
+        )
     writable(args.out, "--out")
     report = export_model(
-        args.run_dir, args.out, int8=args.int8, scale_dtype=args.scale_dtype, measure=not args.no_eval,
-        config=args.config, format=args.format,
+        args.run_dir, args.out, scale_dtype=args.scale_dtype or "fp32", measure=not args.no_eval,
+        config=args.config, format=args.format, quantize=quantize,
     )  # fmt: skip
     print(report_text(report))
     return 0
@@ -328,12 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("export", help="write a single-process inference model of a run (optionally int8 tables)")
+    p = sub.add_parser("export", help="write a single-process inference model of a run (optionally quantized tables)")
     p.add_argument("run_dir", help="a run folder (model.pt, else its newest checkpoint) or a checkpoint folder")
     p.add_argument("--out", required=True, help="the export file (nrx) or folder (pt2) to write")
     p.add_argument("--format", default="nrx", choices=["nrx", "pt2"], help="nrx: one neorec file; pt2: a torch.export program + safetensors weights")
-    p.add_argument("--int8", action="store_true", help="int8 row-wise quantized tables; reports the AUC change")
-    p.add_argument("--scale-dtype", default="fp32", choices=["fp32", "fp16"], help="--int8: type of each row's scale and bias")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4", "int2"],
+                   help="row-wise quantized tables (int4: 2 codes a byte, int2: 4); reports the AUC change")  # fmt: skip
+    p.add_argument("--int8", action="store_true", help="the same as --quantize int8")
+    p.add_argument("--scale-dtype", default=None, choices=["fp32", "fp16"],
+                   help="--quantize: type of each row's scale and bias (default fp32)")  # fmt: skip
     p.add_argument("--no-eval", action="store_true", help="do not measure the held-out AUC")
     p.add_argument("--config", default=None, help="the run's config, for a checkpoint outside its run folder")
     p.set_defaults(func=cmd_export)

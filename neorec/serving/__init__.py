@@ -1,7 +1,8 @@
-"""Inference: export a trained run (fp32 or int8 row-wise tables), load it, score data.
+"""Inference: export a trained run (fp32, or row-wise int8/int4/int2 tables), load it, score data.
 
 export.py (`neorec export`) -> file_format.py (.nrx: JSON header + raw tensors, no pickle) -> model.py
-(rebuild the model over embeddings.py's lookups; quantize.py for int8) -> predict.py (`neorec predict`).
+(rebuild the model over embeddings.py's lookups; quantize.py for quantized tables) -> predict.py
+(`neorec predict`).
 `--format pt2`: pt2_model.py (the model over plain tensors and standard ops) -> pt2_export.py
 (`torch.export` program + safetensors_file.py weights), which torch loads without neorec; pt2_file.py
 names the folder's files and reads them back for model.py.

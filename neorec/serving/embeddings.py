@@ -1,9 +1,9 @@
 """The embedding collection of an exported model: lookups only, no optimizer, no gradients.
 
-Each table is either float rows in its training storage dtype (fp32, fp16 or bf16) or int8 row-wise
-codes (quantize.py). Lookups go feature by feature and pool in fp32 with the per-id factors of the
-fused training engine (weight, times 1 / bag length for mean pooling), so an fp32 export scores
-exactly as the trained model does. Tables with `pooling: none` (DIN's history) give one fp32 row per
+Each table is either float rows in its training storage dtype (fp32, fp16 or bf16) or row-wise
+quantized codes of 8, 4 or 2 bits (quantize.py). Lookups go feature by feature and pool in fp32 with
+the per-id factors of the fused training engine (weight, times 1 / bag length for mean pooling), so
+an fp32 export scores exactly as the trained model does. Tables with `pooling: none` (DIN's history) give one fp32 row per
 id, times the id's weight, as the fused engine's sequences do.
 
 A table with managed collision takes raw ids and keeps its id map (the row of each raw id, `mc_keys`
@@ -31,7 +31,7 @@ TableWeights = torch.Tensor | QuantizedRows
 
 
 class InferenceEmbeddings(EmbeddingCollection):
-    """Pooled lookups from fixed tables (float or int8 row-wise), in feature_names order."""
+    """Pooled lookups from fixed tables (float or row-wise quantized), in feature_names order."""
 
     def __init__(
         self,
@@ -43,11 +43,13 @@ class InferenceEmbeddings(EmbeddingCollection):
         """id_maps: for each managed-collision table, its `mc_keys` (the raw id on each row, -1: free).
         bounds_check: what an id outside its table does: "error", "warn" or "off"."""
         super().__init__(tables, EmbeddingOptimizerConfig(), bounds_check)
-        self.mapped = [mapped_table(t, (id_maps or {}).get(t.name)) for t in self.tables if t.managed_collision]
+        self.mapped = [
+            mapped_table(t, (id_maps or {}).get(t.name)) for t in self.tables if t.managed_collision
+        ]
         for m in self.mapped:  # a buffer, so .to(device) moves the map with the rows
             self.register_buffer(f"mc_keys_{m.name}", m.id_map.keys.tensor, persistent=False)
         self._table_of = {f: i for i, t in enumerate(self.tables) for f in t.features}
-        self._quantized: list[bool] = []
+        self._quantized: list[tuple[int, int] | None] = []  # per table: (bits, dim) of quantized rows
         # Buffers (not saved in state_dict: the export file holds the tables) so .to(device) moves them.
         for i, t in enumerate(self.tables):
             if t.name not in weights:
@@ -62,14 +64,13 @@ class InferenceEmbeddings(EmbeddingCollection):
                 self.register_buffer(f"bias_{i}", w.bias, persistent=False)
             else:
                 self.register_buffer(f"weight_{i}", w, persistent=False)
-            self._quantized.append(isinstance(w, QuantizedRows))
+            self._quantized.append((w.bits, w.dim) if isinstance(w, QuantizedRows) else None)
 
     def table(self, i: int) -> TableWeights:
-        """Table i's weights (QuantizedRows for an int8 table)."""
-        if self._quantized[i]:
-            return QuantizedRows(
-                getattr(self, f"codes_{i}"), getattr(self, f"scale_{i}"), getattr(self, f"bias_{i}")
-            )
+        """Table i's weights (QuantizedRows for a quantized table)."""
+        if (spec := self._quantized[i]) is not None:
+            codes, scale, bias = (getattr(self, f"{n}_{i}") for n in ("codes", "scale", "bias"))
+            return QuantizedRows(codes, scale, bias, *spec)
         return getattr(self, f"weight_{i}")
 
     def table_weights(self) -> dict[str, TableWeights]:

@@ -1,5 +1,5 @@
-"""`neorec export`: a trained run -> one inference file (fp32, or int8 row-wise tables), with the
-held-out AUC of both measured.
+"""`neorec export`: a trained run -> one inference file (fp32 tables, or row-wise quantized ones of
+8, 4 or 2 bits), with the held-out AUC of both measured.
 
 The weights come from the run folder's model.pt (what `neorec train` writes) or, when there is none
 (or a checkpoint is given), from a sharded checkpoint loaded into one process by
@@ -26,7 +26,7 @@ from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, featu
 from neorec.errors import NeorecError
 from neorec.serving.file_format import ExportError, check_output_file, export_size, write_export
 from neorec.serving.model import build_inference_model, file_tensors, info_to_json
-from neorec.serving.quantize import SCALE_DTYPES, QuantizedRows, quantize_rows
+from neorec.serving.quantize import BITS, SCALE_DTYPES, QuantizedRows, kind_of, quantize_rows
 
 FORMATS = ("nrx", "pt2")
 
@@ -54,17 +54,22 @@ class TrainedModel:
 class ExportReport:
     out: Path
     num_bytes: int
-    fp32_bytes: int  # the size of the fp32 export of the same run (num_bytes without int8; 0: not known)
-    table_bytes: dict[str, int]  # "fp32" and, with int8, "int8": bytes of all tables
-    eval: dict[str, dict[str, float]] = field(default_factory=dict)  # "fp32"/"int8" -> held-out metrics
-    scale_dtype: str | None = None
+    fp32_bytes: (
+        int  # the size of the fp32 export of the same run (num_bytes when not quantized; 0: not known)
+    )
+    table_bytes: dict[str, int]  # "fp32" and the quantization ("int8", "int4", "int2"): bytes of all tables
+    eval: dict[str, dict[str, float]] = field(default_factory=dict)  # "fp32"/quantization -> held-out metrics
+    scale_dtype: str | None = None  # of the quantized tables' scale and bias
     seconds: float = 0.0
     format: str = "nrx"
+    quantize: str | None = None  # "int8", "int4" or "int2"; None: the tables as trained
+    row_bytes: dict[str, float] = field(default_factory=dict)  # "fp32"/quantization -> table bytes per row
 
     @property
     def auc_change(self) -> float | None:
-        if "int8" in self.eval and "fp32" in self.eval:
-            return self.eval["int8"]["auc"] - self.eval["fp32"]["auc"]
+        """The quantized model's held-out AUC minus the fp32 model's (None when not both measured)."""
+        if self.quantize in self.eval and "fp32" in self.eval:
+            return self.eval[self.quantize]["auc"] - self.eval["fp32"]["auc"]
         return None
 
 
@@ -111,7 +116,9 @@ def load_trained(path: str | Path, config: str | Path | None = None) -> TrainedM
         if t.managed_collision is not None:
             key = f"embeddings.tables.{t.name}.mc_keys"
             if key not in state:
-                raise ExportError(f"{origin} has no id map for the managed-collision table {t.name!r} (key {key})")
+                raise ExportError(
+                    f"{origin} has no id map for the managed-collision table {t.name!r} (key {key})"
+                )
             id_maps[t.name] = state[key]
     dense = {k: v for k, v in state.items() if not k.startswith("embeddings.")}
     return TrainedModel(cfg, source, tables, weights, dense, origin, id_maps)
@@ -145,13 +152,18 @@ def _checkpoint_state(folder: Path, cfg: RunConfig, source: DataSource, tables: 
     return model.state_dict()
 
 
-def quantize_tables(weights: dict[str, torch.Tensor], scale_dtype: str = "fp32") -> dict[str, QuantizedRows]:
+def quantize_tables(
+    weights: dict[str, torch.Tensor], scale_dtype: str = "fp32", quantize: str = "int8"
+) -> dict[str, QuantizedRows]:
+    """Every table quantized row-wise: `quantize` "int8", "int4" or "int2", scale and bias in `scale_dtype`."""
     if scale_dtype not in SCALE_DTYPES:
         raise ExportError(f"scale dtype must be one of {sorted(SCALE_DTYPES)}, got {scale_dtype!r}")
+    if quantize not in BITS:
+        raise ExportError(f"quantization must be one of {list(BITS)}, got {quantize!r}")
     out = {}
     for name, w in weights.items():
         try:
-            out[name] = quantize_rows(w, SCALE_DTYPES[scale_dtype])
+            out[name] = quantize_rows(w, SCALE_DTYPES[scale_dtype], BITS[quantize])
         except (NeorecError, ValueError) as e:
             raise ExportError(f"table {name!r}: {e}") from None
     return out
@@ -214,14 +226,18 @@ def export_model(
     measure: bool = True,
     config: str | Path | None = None,
     format: str = "nrx",
+    quantize: str | None = None,
 ) -> ExportReport:
     """Write the inference export of a run to `out` (format "nrx": one file; "pt2": a folder with a
-    torch.export program and safetensors weights, see pt2_export); with `measure`, the held-out
-    metrics of the fp32 model and (int8) of the quantized one, as they will score after loading."""
+    torch.export program and safetensors weights, see pt2_export). `quantize` "int8", "int4" or "int2"
+    quantizes the tables row-wise (`int8=True` is quantize="int8"), scale and bias in `scale_dtype`.
+    With `measure`, the held-out metrics of the fp32 model and of the quantized one, as they will
+    score after loading."""
     from neorec.train.evaluation import evaluate
 
     if format not in FORMATS:
         raise ExportError(f"export format must be one of {list(FORMATS)}, got {format!r}")
+    quantize = quantization(int8, quantize)
     if format == "pt2" and Path(out).is_file():
         raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
     start = time.perf_counter()
@@ -231,22 +247,23 @@ def export_model(
     cfg = trained.config
     check_exportable(cfg, path, format, trained.tables)
     weights: dict = trained.weights
-    if int8:
-        weights = quantize_tables(trained.weights, scale_dtype)
+    if quantize:
+        weights = quantize_tables(trained.weights, scale_dtype, quantize)
     metrics: dict[str, dict[str, float]] = {}
     if measure:
         models = {
             "fp32": trained.inference_model(),
-            **({"int8": trained.inference_model(weights)} if int8 else {}),
+            **({quantize: trained.inference_model(weights)} if quantize else {}),
         }
         for kind, model in models.items():
             if m := evaluate(model, trained.source, cfg.data.eval_batch_size):  # {} without held-out data
                 metrics[kind] = m
+    bits = BITS[quantize] if quantize else None
     header = {
         "config": dump_config(cfg),
         "source": info_to_json(trained.source.info),
         "tables": [t.model_dump(mode="json") for t in trained.tables],
-        "quantization": {"kind": "int8_rowwise", "scale_dtype": scale_dtype} if int8 else None,
+        "quantization": {"kind": kind_of(bits), "bits": bits, "scale_dtype": scale_dtype} if bits else None,
         "tsv_hashing": tsv_mapping(cfg)[0],
         "training_data": tsv_mapping(cfg)[1],
         "eval": metrics,
@@ -254,58 +271,78 @@ def export_model(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     table_bytes = {"fp32": sum(w.numel() * w.element_size() for w in trained.weights.values())}
-    if int8:
-        table_bytes["int8"] = sum(q.nbytes for q in weights.values())
+    if quantize:
+        table_bytes[quantize] = sum(q.nbytes for q in weights.values())
+    num_rows = sum(t.rows for t in trained.tables)
+    row_bytes = {k: v / num_rows for k, v in table_bytes.items()} if num_rows else {}
+    report = ExportReport(
+        Path(out),
+        0,
+        0,
+        table_bytes,
+        metrics,
+        scale_dtype if quantize else None,
+        0.0,
+        format,
+        quantize,
+        row_bytes,
+    )
     if format == "pt2":
-        return _export_pt2(trained, out, header, weights, table_bytes, metrics, scale_dtype if int8 else None, start)
-    tensors = file_tensors(trained.dense, weights, trained.id_maps)
-    fp32_bytes = 0
-    if int8:  # the size of the file an fp32 export of the same run writes
-        fp32_header = {
-            **header,
-            "quantization": None,
-            "eval": {k: v for k, v in metrics.items() if k == "fp32"},
-        }
-        fp32_bytes = export_size(fp32_header, file_tensors(trained.dense, trained.weights, trained.id_maps))
-    num_bytes = write_export(out, header, tensors)
-    return ExportReport(
-        Path(out), num_bytes, fp32_bytes or num_bytes, table_bytes, metrics,
-        scale_dtype if int8 else None, time.perf_counter() - start,
-    )  # fmt: skip
+        report.num_bytes = _export_pt2(trained, out, header, weights)
+        report.fp32_bytes = 0 if quantize else report.num_bytes  # unknown: no fp32 program is exported
+    else:
+        report.num_bytes = write_export(out, header, file_tensors(trained.dense, weights, trained.id_maps))
+        report.fp32_bytes = report.num_bytes
+        if quantize:  # the size of the file an fp32 export of the same run writes
+            fp32_header = {
+                **header,
+                "quantization": None,
+                "eval": {k: v for k, v in metrics.items() if k == "fp32"},
+            }
+            fp32_tensors = file_tensors(trained.dense, trained.weights, trained.id_maps)
+            report.fp32_bytes = export_size(fp32_header, fp32_tensors)
+    report.seconds = time.perf_counter() - start
+    return report
 
 
-def _export_pt2(
-    trained: TrainedModel,
-    out: str | Path,
-    header: dict,
-    weights: dict,
-    table_bytes: dict[str, int],
-    metrics: dict,
-    scale_dtype: str | None,
-    start: float,
-) -> ExportReport:
+def quantization(int8: bool, quantize: str | None) -> str | None:
+    """The quantization that `int8` and `quantize` ask for together ("int8", "int4", "int2" or None)."""
+    if quantize is not None and quantize not in BITS:
+        raise ExportError(f"--quantize must be one of {', '.join(BITS)}, got {quantize!r}")
+    if int8 and quantize not in (None, "int8"):
+        raise ExportError(
+            f"--int8 and --quantize {quantize} ask for two quantizations; give one (--int8 is --quantize int8)"
+        )
+    return "int8" if int8 else quantize
+
+
+def _export_pt2(trained: TrainedModel, out: str | Path, header: dict, weights: dict) -> int:
+    """Write the pt2 folder; returns its bytes."""
     from neorec.serving.pt2_export import export_program, write_pt2
 
     info = trained.source.info
     weighted = any(f.weighted for f in info.features)
-    program = export_program(trained.inference_model(weights), trained.tables, weights, info.num_dense, weighted)
+    program = export_program(
+        trained.inference_model(weights), trained.tables, weights, info.num_dense, weighted
+    )
     header = {
         **header,
-        "inputs": {"num_dense": info.num_dense, "feature_names": feature_order(trained.tables), "weighted": weighted},
+        "inputs": {
+            "num_dense": info.num_dense,
+            "feature_names": feature_order(trained.tables),
+            "weighted": weighted,
+        },
     }
-    num_bytes = write_pt2(out, header, program, trained.dense, weights)
-    fp32_bytes = 0 if scale_dtype else num_bytes  # unknown for int8: no fp32 program is exported
-    return ExportReport(
-        Path(out), num_bytes, fp32_bytes, table_bytes, metrics, scale_dtype, time.perf_counter() - start,
-        format="pt2",
-    )  # fmt: skip
+    return write_pt2(out, header, program, trained.dense, weights)
 
 
 def report_text(r: ExportReport) -> str:
     """What `neorec export` prints."""
     mib = 2**20
-    if r.scale_dtype:
-        kind = f"int8 row-wise tables, {r.scale_dtype} scale and bias"
+    if r.quantize:
+        per_byte = 8 // BITS[r.quantize]
+        packing = f", {per_byte} codes a byte" if per_byte > 1 else ""
+        kind = f"{r.quantize} row-wise tables{packing}, {r.scale_dtype} scale and bias"
     else:
         kind = "fp32 (tables as trained)"
     if r.format == "pt2":
@@ -318,7 +355,7 @@ def report_text(r: ExportReport) -> str:
             ("export file", f"{r.out} ({kind})"),
             ("file size", f"{r.num_bytes:,} bytes ({r.num_bytes / mib:.2f} MiB)"),
         ]
-    if r.scale_dtype and r.fp32_bytes:
+    if r.quantize and r.fp32_bytes:
         ratio = r.fp32_bytes / r.num_bytes
         rows.append(
             (
@@ -326,14 +363,29 @@ def report_text(r: ExportReport) -> str:
                 f"{r.fp32_bytes:,} bytes ({r.fp32_bytes / mib:.2f} MiB), {ratio:.2f}x this file",
             )
         )
-    if r.scale_dtype:
-        fp32, int8 = r.table_bytes["fp32"] / mib, r.table_bytes["int8"] / mib
-        rows.append(("tables fp32 / int8", f"{fp32:.2f} MiB / {int8:.2f} MiB"))
+    if r.quantize:
+        fp32, quantized = r.table_bytes["fp32"], r.table_bytes[r.quantize]
+        rows.append(
+            (
+                f"tables fp32 / {r.quantize}",
+                f"{fp32:,} / {quantized:,} bytes ({fp32 / mib:.2f} / {quantized / mib:.2f} MiB, "
+                f"{fp32 / quantized:.2f}x smaller)",
+            )
+        )
+        if r.row_bytes:
+            rows.append(
+                (
+                    f"bytes per row fp32 / {r.quantize}",
+                    f"{r.row_bytes['fp32']:.1f} / {r.row_bytes[r.quantize]:.1f}",
+                )
+            )
     for kind, m in r.eval.items():
         rows.append((f"eval AUC {kind}", f"{m['auc']:.6f} (log loss {m['log_loss']:.6f})"))
-        rows += [(f"eval {key} {kind}", f"{v:.6f}") for key, v in m.items() if key.endswith("/auc")]  # per task
+        rows += [
+            (f"eval {key} {kind}", f"{v:.6f}") for key, v in m.items() if key.endswith("/auc")
+        ]  # per task
     if r.auc_change is not None:
-        rows.append(("AUC change int8 - fp32", f"{r.auc_change:+.2e}"))
+        rows.append((f"AUC change {r.quantize} - fp32", f"{r.auc_change:+.2e}"))
     if r.eval:
         rows.append(("eval samples", f"{next(iter(r.eval.values()))['num_samples']:,}"))
     rows.append(("time", f"{r.seconds:.1f} s"))

@@ -2,7 +2,8 @@
 file's named tensors and back.
 
 Tensor names in the file: `dense/<state_dict key>` for the MLPs and interaction layers,
-`tables/<table>/weight` for a float table, `tables/<table>/codes|scale|bias` for an int8 one, and
+`tables/<table>/weight` for a float table, `tables/<table>/codes|scale|bias` for a quantized one
+(codes packed as quantize.py describes; the header's `quantization` names the kind and bits), and
 `tables/<table>/mc_keys` for the id map of a managed-collision table (the raw id on each row). The
 header holds what is needed to rebuild the model without the training data: the run's config (YAML),
 the features (names, table rows, dense width) and the tables.
@@ -28,7 +29,7 @@ from neorec.serving.embeddings import InferenceEmbeddings, TableWeights
 from neorec.serving.file_format import ExportError, read_export
 from neorec.serving.pt2_file import is_pt2, read_pt2
 from neorec.serving.pt2_model import PT2_FORMAT, program_inputs
-from neorec.serving.quantize import QuantizedRows
+from neorec.serving.quantize import BITS, SCALE_DTYPES, QuantizedRows, kind_of
 from neorec.sparse import IdBounds
 
 
@@ -46,6 +47,12 @@ class ExportedModel:
     @property
     def quantized(self) -> bool:
         return self.header.get("quantization") is not None
+
+    @property
+    def quantization(self) -> str | None:
+        """The tables' row-wise quantization, "int8", "int4" or "int2"; None for float tables."""
+        q = self.header.get("quantization")
+        return q["kind"].removesuffix("_rowwise") if q is not None else None
 
     @property
     def is_program(self) -> bool:
@@ -139,6 +146,28 @@ def parse_header(header: dict, path: Path) -> tuple[RunConfig, SourceInfo, list[
     return cfg, info, tables
 
 
+def quantization_bits(header: dict, path: Path) -> int | None:
+    """Bits per code of an export's quantized tables, None for float tables. A kind this neorec does
+    not read, or a malformed entry, is refused naming the file."""
+    q = header.get("quantization")
+    if q is None:
+        return None
+    kinds = {kind_of(b): b for b in BITS.values()}
+    kind = q.get("kind") if isinstance(q, dict) else None
+    if kind not in kinds:
+        raise ExportError(
+            f"export file {path}: its tables are quantized as {kind!r}, which this neorec does not read "
+            f"(it reads {', '.join(kinds)}); export the model again with this neorec"
+        )
+    bits = q.get("bits", 8)  # int8 exports may name the kind alone
+    if bits != kinds[kind] or q.get("scale_dtype") not in SCALE_DTYPES:
+        raise ExportError(
+            f"export file {path}: the header's quantization is malformed (kind {kind}, bits {bits!r}, "
+            f"scale_dtype {q.get('scale_dtype')!r}); export the model again"
+        )
+    return bits
+
+
 def load_export(path: str | Path, bounds_check: str = "error") -> ExportedModel:
     """Read and check an export (an .nrx file, or a pt2 folder or its model.pt2) and rebuild its
     model (no pickle: raw bytes and JSON, or a torch.export program). bounds_check: what an id outside
@@ -148,6 +177,7 @@ def load_export(path: str | Path, bounds_check: str = "error") -> ExportedModel:
     if is_pt2(path):
         header, program, file = read_pt2(path)
         cfg, info, tables = parse_header(header, file)
+        quantization_bits(header, file)
         program.requires_grad_(False)
         return ExportedModel(program, cfg, info, header, file, IdBounds.of_tables(tables, bounds_check))
     if path.is_dir():
@@ -157,24 +187,34 @@ def load_export(path: str | Path, bounds_check: str = "error") -> ExportedModel:
         )
     header, tensors = read_export(path)
     cfg, info, tables = parse_header(header, path)
-    quantized = header.get("quantization") is not None
+    bits = quantization_bits(header, path)
     weights: dict[str, TableWeights] = {}
     for t in tables:
-        names = ["codes", "scale", "bias"] if quantized else ["weight"]
+        names = ["codes", "scale", "bias"] if bits else ["weight"]
         missing = [n for n in names if f"tables/{t.name}/{n}" not in tensors]
         if missing:
             raise ExportError(f"export file {path}: table {t.name!r} has no {missing} tensors")
         parts = [tensors[f"tables/{t.name}/{n}"] for n in names]
-        weights[t.name] = QuantizedRows(*parts) if quantized else parts[0]
+        if bits is None:
+            weights[t.name] = parts[0]
+            continue
+        try:
+            weights[t.name] = QuantizedRows(*parts, bits=bits, dim=t.dim)
+        except ValueError as e:
+            raise ExportError(f"export file {path}: table {t.name!r} does not fit its header ({e})") from None
     id_maps = {}
     for t in tables:
         if t.managed_collision is not None:
             if f"tables/{t.name}/mc_keys" not in tensors:
-                raise ExportError(f"export file {path}: table {t.name!r} has managed collision but no id map (mc_keys)")
+                raise ExportError(
+                    f"export file {path}: table {t.name!r} has managed collision but no id map (mc_keys)"
+                )
             id_maps[t.name] = tensors[f"tables/{t.name}/mc_keys"]
     dense = {k.removeprefix("dense/"): v for k, v in tensors.items() if k.startswith("dense/")}
     try:
-        model = build_inference_model(cfg, info, tables, weights, dense, f"export file {path}", id_maps, bounds_check)
+        model = build_inference_model(
+            cfg, info, tables, weights, dense, f"export file {path}", id_maps, bounds_check
+        )
     except ExportError:
         raise
     except (NeorecError, RuntimeError, ValueError) as e:  # e.g. table weights that do not match the header

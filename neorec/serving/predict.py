@@ -37,6 +37,7 @@ class PredictResult:
     seconds: float
     metrics: dict[str, float] = field(default_factory=dict)  # AUC etc. when the data has labels
     quantized: bool = False
+    quantization: str | None = None  # "int8", "int4" or "int2": the model's tables are quantized row-wise
     dropped_ids: dict[str, int] = field(default_factory=dict)  # bounds_check warn: ids outside their tables
 
 
@@ -82,7 +83,9 @@ def data_batches(
     rows = [f.num_ids for f in info.features]
     # managed-collision tables take the raw hash value, as in training; their id maps give the rows
     raw = sorted(raw_features(exported.config))
-    reader = CriteoTSVReader([data], rows, hashing, bad_lines, raw_features=raw, max_line_bytes=max_line_bytes)
+    reader = CriteoTSVReader(
+        [data], rows, hashing, bad_lines, raw_features=raw, max_line_bytes=max_line_bytes
+    )
     return reader.batches(batch_size)
 
 
@@ -132,7 +135,8 @@ def predict_file(
         metrics_of = getattr(exported.model, "held_out_metrics", binary_metrics)
         metrics = metrics_of(torch.cat(probs), torch.cat(labels))
     dropped = exported.dropped_ids()
-    return PredictResult(out, n, time.perf_counter() - start, metrics, exported.quantized, dropped)
+    seconds = time.perf_counter() - start
+    return PredictResult(out, n, seconds, metrics, exported.quantized, exported.quantization, dropped)
 
 
 def _header(tasks: list[str], with_labels: bool) -> bytes:
@@ -162,7 +166,7 @@ def result_text(r: PredictResult) -> str:
     """What `neorec predict` prints."""
     rows = [
         ("predictions", f"{r.out} ({r.num_samples:,} lines)"),
-        ("model tables", "int8 row-wise" if r.quantized else "float (as trained)"),
+        ("model tables", f"{r.quantization} row-wise" if r.quantization else "float (as trained)"),
         ("time", f"{r.seconds:.1f} s ({r.num_samples / r.seconds if r.seconds > 0 else 0:,.0f} samples/s)"),
     ]
     for key in ("auc", "log_loss", "ne", "calibration"):

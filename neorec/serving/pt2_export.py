@@ -90,7 +90,8 @@ def write_pt2(
         "tables": json.dumps(header["tables"]),
         "inputs": json.dumps(header["inputs"]),
         "layout": (
-            "tables/<table>/codes (uint8 [rows, dim]), scale and bias ([rows]): row ~ scale * codes + bias"
+            "tables/<table>/codes (uint8 [rows, ceil(dim * bits / 8)]: 8 / bits codes a byte, low bits first), "
+            "scale and bias ([rows]): row ~ scale * codes + bias"
             if quant
             else "tables/<table>/weight [rows, dim]"
         )

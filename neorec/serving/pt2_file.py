@@ -4,7 +4,7 @@
                              `torch.export.save`; the export header (config, features, tables,
                              quantization, held-out metrics, input layout) rides along as the extra
                              file `neorec.json`
-    DIR/weights.safetensors  the tables (`tables/<table>/weight`, or int8 `codes`, `scale`, `bias`) and
+    DIR/weights.safetensors  the tables (`tables/<table>/weight`, or quantized `codes`, `scale`, `bias`) and
                              the dense weights (`dense/<state_dict key>`), crc32 of each in the metadata
 
 Loading (`read_pt2`) checks every zip entry of model.pt2 against its CRC32 (torch.export.load does
@@ -74,11 +74,15 @@ def check_weights(folder: Path, header: dict) -> None:
         read_safetensors(path)
         return
     if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) for k in ("bytes", "crc32")):
-        raise ExportError(f"pt2 export {folder / MODEL_FILE}: its header's 'weights' entry is malformed; {_AGAIN}")
+        raise ExportError(
+            f"pt2 export {folder / MODEL_FILE}: its header's 'weights' entry is malformed; {_AGAIN}"
+        )
     try:
         size = path.stat().st_size
     except OSError as e:
-        raise ExportError(f"weights file {path} of the pt2 export cannot be read ({e.strerror or e}); {_AGAIN}") from None
+        raise ExportError(
+            f"weights file {path} of the pt2 export cannot be read ({e.strerror or e}); {_AGAIN}"
+        ) from None
     if size != entry["bytes"]:
         raise ExportError(
             f"weights file {path} has {size} bytes but {folder / MODEL_FILE} records {entry['bytes']}: it is "

@@ -13,7 +13,8 @@ Output: click probabilities [B] float32.
 Lookups are `embedding_bag` sums with per-id factors (weight, times 1 / bag length for mean
 pooling), the same ops in the same order as neorec's inference embeddings, so an fp32 program
 scores bitwise as `neorec predict` does. fp16/bf16 rows are gathered, widened and pooled in fp32;
-int8 rows are dequantized (scale * code + bias, fp32) and pooled the same way. Nothing depends on
+quantized rows (8, 4 or 2 bits) are unpacked and dequantized (scale * code + bias, fp32) and pooled
+the same way, by the same function as neorec's own lookups (quantize.dequantize). Nothing depends on
 the values of the inputs, so one exported program takes any batch size.
 
 Every feature's ids are checked against its table first (`torch._assert_async`, which the exported
@@ -33,7 +34,7 @@ from torch import nn
 from neorec.data.batch import Batch
 from neorec.embedding.tables import TableConfig, feature_order
 from neorec.serving.embeddings import TableWeights
-from neorec.serving.quantize import QuantizedRows
+from neorec.serving.quantize import QuantizedRows, dequantize
 from neorec.sparse import lengths_to_offsets
 
 PT2_FORMAT = "neorec-pt2"  # the "format" of a pt2 export's header
@@ -65,14 +66,16 @@ class TableLookups(nn.Module):
             f"feature {f!r} (table {tables[i].name!r}, {tables[i].rows:,} rows): an id is outside [0, {tables[i].rows:,})"
             for f, i in zip(self.feature_names, self.table_index, strict=True)
         ]
-        self.kinds: list[str] = []  # per table: "fp32", "widen" (fp16/bf16 rows) or "int8"
+        self.kinds: list[str] = []  # per table: "fp32", "widen" (fp16/bf16 rows) or "quantized"
+        self.packing: dict[int, tuple[int, int]] = {}  # quantized table -> (bits, dim)
         for i, t in enumerate(tables):
             w = weights[t.name]
             if isinstance(w, QuantizedRows):
                 self.register_buffer(f"codes_{i}", w.codes)
                 self.register_buffer(f"scale_{i}", w.scale)
                 self.register_buffer(f"bias_{i}", w.bias)
-                self.kinds.append("int8")
+                self.kinds.append("quantized")
+                self.packing[i] = (w.bits, w.dim)
             else:
                 self.register_buffer(f"weight_{i}", w)
                 self.kinds.append("fp32" if w.dtype == torch.float32 else "widen")
@@ -106,11 +109,7 @@ class TableLookups(nn.Module):
             rows = getattr(self, f"weight_{i}").index_select(0, ids).to(torch.float32)
         else:
             codes, scale, bias = (getattr(self, f"{n}_{i}") for n in ("codes", "scale", "bias"))
-            rows = torch.addcmul(
-                bias[ids].to(torch.float32).unsqueeze(1),
-                codes.index_select(0, ids).to(torch.float32),
-                scale[ids].to(torch.float32).unsqueeze(1),
-            )
+            rows = dequantize(codes.index_select(0, ids), scale[ids], bias[ids], *self.packing[i])
         return F.embedding_bag(
             torch.arange(ids.shape[0], device=ids.device), rows, offsets, mode="sum",
             per_sample_weights=scales, include_last_offset=True,

@@ -1,17 +1,25 @@
-"""Int8 row-wise quantization of embedding tables, and the pooled lookup that reads them.
+"""Row-wise quantization of embedding tables to 8, 4 or 2 bits, and the pooled lookup that reads them.
 
-Every row keeps its own scale and bias (the idea of FBGEMM's "fused 8-bit row-wise" tables):
+Every row keeps its own scale and bias (the idea of FBGEMM's "fused 8-bit / n-bit row-wise" tables).
+With `bits` b and qmax = 2^b - 1:
 
-    bias = min(row), scale = (max(row) - min(row)) / 255, code = round((w - bias) / scale) in [0, 255]
+    bias = min(row), scale = (max(row) - min(row)) / qmax, code = round((w - bias) / scale) in [0, qmax]
     w ~ scale * code + bias
 
-so each element is off by at most scale / 2, i.e. 1/510 of its row's range, whatever the row's
-magnitude. A row of `dim` fp32 values (4 * dim bytes) becomes dim + 8 bytes (fp32 scale and bias) or
-dim + 4 bytes (fp16). With fp16 scale and bias, bias is rounded down and scale up to fp16, so that
-[bias, bias + 255 * scale] still covers the row and the scale / 2 bound holds for the stored scale.
+so each element is off by at most scale / 2, i.e. 1 / (2 qmax) of its row's range whatever the row's
+magnitude: 1/510 for int8, 1/30 for int4, 1/6 for int2. With fp16 scale and bias, bias is rounded
+down and scale up to fp16, so that [bias, bias + qmax * scale] still covers the row and the scale / 2
+bound holds for the stored scale.
 
-Lookups gather the codes of the ids, dequantize them and pool in fp32 (sum or mean, optional per-id
-weights, empty bags give zeros), with the same per-id scaling as the fused training engine.
+Codes are packed k = 8 / b to a byte, low bits first, as FBGEMM packs them: element j of a row lies in
+byte j // k, at bits (j % k) * b up to (j % k) * b + b - 1 (int4: element 2i in the low nibble of byte
+i, 2i + 1 in the high one). A row is padded to whole bytes, the unused high bits of its last byte
+zero, so a row of `dim` fp32 values (4 * dim bytes) becomes ceil(dim * b / 8) bytes of codes plus 8
+(fp32 scale and bias) or 4 (fp16).
+
+Lookups gather the codes of the ids, unpack and dequantize them and pool in fp32 (sum or mean,
+optional per-id weights, empty bags give zeros), with the same per-id scaling as the fused training
+engine, a block of ids at a time so the fp32 rows stay small.
 """
 
 from __future__ import annotations
@@ -24,39 +32,99 @@ import torch.nn.functional as F
 from neorec.errors import NeorecError
 
 SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+BITS = {"int8": 8, "int4": 4, "int2": 2}  # quantization -> bits per code
 _CHUNK_ROWS = 1 << 16  # rows quantized per block, so temporaries stay small for huge tables
 _CHUNK_IDS = 1 << 16  # ids dequantized per block in a lookup (whole bags)
 
 
+def kind_of(bits: int) -> str:
+    """The name an export's header gives a quantization: "int8_rowwise", "int4_rowwise", ..."""
+    return f"int{bits}_rowwise"
+
+
+def packed_width(dim: int, bits: int) -> int:
+    """Bytes of codes per row: `dim` codes of `bits` bits, padded to a whole byte."""
+    per_byte = 8 // bits
+    return -(-dim // per_byte)
+
+
 @dataclass
 class QuantizedRows:
-    """An int8 row-wise quantized table: codes [rows, dim] uint8, scale and bias [rows]."""
+    """A row-wise quantized table: codes [rows, packed_width(dim, bits)] uint8 (bits 8: [rows, dim]),
+    scale and bias [rows] (fp32 or fp16)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor
+    bits: int = 8
+    dim: int = -1  # values per row; -1: the codes' width, which only 8-bit codes allow
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS.values():
+            raise ValueError(f"bits must be one of {sorted(BITS.values())}, got {self.bits}")
+        if self.codes.dim() != 2 or self.codes.dtype != torch.uint8:
+            raise ValueError(
+                f"codes must be uint8 [rows, bytes], got {self.codes.dtype} {list(self.codes.shape)}"
+            )
+        if self.dim < 0:
+            if self.bits != 8:
+                raise ValueError(f"{self.bits}-bit codes need the table's dim")
+            self.dim = self.codes.shape[1]
+        rows, width = self.codes.shape
+        if width != packed_width(self.dim, self.bits):
+            raise ValueError(
+                f"{self.bits}-bit codes of dim {self.dim} take {packed_width(self.dim, self.bits)} bytes a row, "
+                f"got {width}"
+            )
+        for name, t in (("scale", self.scale), ("bias", self.bias)):
+            if t.dtype not in SCALE_DTYPES.values() or tuple(t.shape) != (rows,):
+                raise ValueError(f"{name} must be fp32 or fp16 [{rows}], got {t.dtype} {list(t.shape)}")
 
     @property
     def num_rows(self) -> int:
         return self.codes.shape[0]
 
     @property
-    def dim(self) -> int:
-        return self.codes.shape[1]
-
-    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.bias))
 
 
-def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> QuantizedRows:
-    """Quantize a [rows, dim] table (any float dtype) row by row; see the module docstring."""
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [n, dim] uint8 (each < 2^bits) -> packed rows [n, packed_width(dim, bits)], low bits first."""
+    if bits == 8:
+        return q
+    per_byte, dim = 8 // bits, q.shape[1]
+    padded = F.pad(q, (0, packed_width(dim, bits) * per_byte - dim))  # zero codes past the row's end
+    out = padded[:, 0::per_byte].clone()
+    for i in range(1, per_byte):
+        out |= padded[:, i::per_byte] << (bits * i)
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Packed rows [n, packed_width(dim, bits)] uint8 -> codes [n, dim] uint8 (plain tensor ops, which
+    torch.export traces)."""
+    if bits == 8:
+        return packed
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    parts = [(packed >> (bits * i)) & mask for i in range(per_byte)]
+    return torch.stack(parts, dim=2).reshape(-1, packed.shape[1] * per_byte)[:, :dim]
+
+
+def quantize_rows(
+    weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32, bits: int = 8
+) -> QuantizedRows:
+    """Quantize a [rows, dim] table (any float dtype) row by row to `bits`-bit codes; see the module
+    docstring."""
     if weight.dim() != 2:
         raise ValueError(f"expected a [rows, dim] table, got shape {tuple(weight.shape)}")
     if scale_dtype not in SCALE_DTYPES.values():
         raise ValueError(f"scale_dtype must be float32 or float16, got {scale_dtype}")
+    if bits not in BITS.values():
+        raise ValueError(f"bits must be one of {sorted(BITS.values())}, got {bits}")
     rows, dim = weight.shape
-    codes = torch.empty(rows, dim, dtype=torch.uint8, device=weight.device)
+    qmax = float((1 << bits) - 1)
+    codes = torch.empty(rows, packed_width(dim, bits), dtype=torch.uint8, device=weight.device)
     scale = torch.empty(rows, dtype=scale_dtype, device=weight.device)
     bias = torch.empty(rows, dtype=scale_dtype, device=weight.device)
     for a in range(0, rows, _CHUNK_ROWS):
@@ -68,20 +136,20 @@ def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
             )
         lo, hi = w.amin(1), w.amax(1)
         if scale_dtype == torch.float32:
-            s, z = (hi - lo) / 255.0, lo
+            s, z = (hi - lo) / qmax, lo
         else:
             z = _to_half(lo, down=True)
-            s = _to_half((hi - z.to(torch.float32)) / 255.0, down=False)
+            s = _to_half((hi - z.to(torch.float32)) / qmax, down=False)
             if not bool(torch.isfinite(z).all() and torch.isfinite(s).all()):
                 raise NeorecError(
                     f"rows {a}..{b - 1} exceed the fp16 range; quantize with fp32 scale and bias"
                 )
         s32, z32 = s.to(torch.float32), z.to(torch.float32)
         inv = torch.where(s32 > 0, 1.0 / s32.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-        q = ((w - z32.unsqueeze(1)) * inv.unsqueeze(1)).round_().clamp_(0, 255)
-        codes[a:b] = q.to(torch.uint8)
+        q = ((w - z32.unsqueeze(1)) * inv.unsqueeze(1)).round_().clamp_(0, qmax)
+        codes[a:b] = pack_codes(q.to(torch.uint8), bits)
         scale[a:b], bias[a:b] = s, z
-    return QuantizedRows(codes, scale, bias)
+    return QuantizedRows(codes, scale, bias, bits, dim)
 
 
 def _to_half(x: torch.Tensor, down: bool) -> torch.Tensor:
@@ -100,8 +168,16 @@ def dequantize_rows(table: QuantizedRows, rows: torch.Tensor | None = None) -> t
         codes, scale, bias = table.codes, table.scale, table.bias
     else:
         codes, scale, bias = table.codes.index_select(0, rows), table.scale[rows], table.bias[rows]
+    return dequantize(codes, scale, bias, table.bits, table.dim)
+
+
+def dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, bits: int, dim: int
+) -> torch.Tensor:
+    """fp32 rows [n, dim] = scale * code + bias of n packed rows and their scales and biases [n]."""
     s = scale.to(torch.float32).unsqueeze(1)
-    return torch.addcmul(bias.to(torch.float32).unsqueeze(1), codes.to(torch.float32), s)
+    values = unpack_codes(codes, bits, dim).to(torch.float32)
+    return torch.addcmul(bias.to(torch.float32).unsqueeze(1), values, s)
 
 
 def bag_scales(lengths: torch.Tensor, weights: torch.Tensor | None, mode: str) -> torch.Tensor | None:
@@ -129,7 +205,7 @@ def pooled_lookup(
     per_sample_weights: torch.Tensor | None = None,
     mode: str = "sum",
 ) -> torch.Tensor:
-    """[num_bags, dim] fp32 pooled vectors of an int8 table.
+    """[num_bags, dim] fp32 pooled vectors of a quantized table.
 
     ids [n] int64 rows; offsets [num_bags + 1] where each bag starts in ids (the last entry is n);
     per_sample_weights [n] optional weight per id; mode "sum" or "mean" (of the weighted ids, divided
