@@ -1,12 +1,15 @@
 """The two export formats side by side: .nrx (one neorec file) and pt2 (torch.export program +
-safetensors weights), fp32 and int8 tables: export time, bytes on disk, load time in a fresh process,
-and scoring throughput on the held-out set.
+safetensors weights), fp32 and row-wise int8, int4 and int2 tables: export time, bytes on disk, load
+time in a fresh process, and scoring throughput on the held-out set. With `--auc`, instead: the
+bytes per table row and the held-out AUC change against fp32 of every quantization, as `neorec
+export` reports them, on fully trained runs of the shipped `default` and `movielens` configs.
 
     python benchmarks/export_formats.py [--rows 100000] [--repeats 3]
+    python benchmarks/export_formats.py --auc [--configs default movielens]
 
-Trains a short run of the default config with `--rows` rows per table (26 tables, dim 16) first.
-Each load is timed in its own process after `import torch, neorec` (so the figures are the load
-itself), and the best of `--repeats` is kept.
+Formats: trains a short run of the default config with `--rows` rows per table (26 tables, dim 16)
+first. Each load is timed in its own process after `import torch, neorec` (so the figures are the
+load itself), and the best of `--repeats` is kept.
 """
 
 from __future__ import annotations
@@ -45,28 +48,26 @@ def folder_bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.iterdir())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=100000)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+QUIET = ["train.progress=false", "logging.plot=false", "logging.tensorboard=false"]
+KINDS = ("fp32", "int8", "int4", "int2")
+
+
+def formats(args: argparse.Namespace) -> None:
     from neorec.config.load import load_config
     from neorec.serving import export_model
     from neorec.train.trainer import Trainer
 
     root = Path(tempfile.mkdtemp(prefix="export_formats_"))
     sets = [f"data.synthetic.max_rows={args.rows}", "data.synthetic.train_samples=20480",
-            "data.synthetic.eval_samples=20480", "train.progress=false", "logging.plot=false",
-            "logging.tensorboard=false"]  # fmt: skip
+            "data.synthetic.eval_samples=20480", *QUIET]  # fmt: skip
     Trainer(load_config("default", sets), root / "run").fit()
     rows = []
     for fmt in ("nrx", "pt2"):
-        for int8 in (False, True):
-            out = root / (
-                f"{'int8' if int8 else 'fp32'}.nrx" if fmt == "nrx" else f"{'int8' if int8 else 'fp32'}"
-            )
+        for kind in KINDS:
+            out = root / (f"{kind}.nrx" if fmt == "nrx" else kind)
+            quantize = None if kind == "fp32" else kind
             start = time.perf_counter()
-            export_model(root / "run", out, int8=int8, measure=False, format=fmt)
+            export_model(root / "run", out, quantize=quantize, measure=False, format=fmt)
             seconds = time.perf_counter() - start
             runs = []
             for _ in range(args.repeats):
@@ -75,7 +76,7 @@ def main() -> None:
                     raise SystemExit(p.stderr[-3000:])
                 runs.append(json.loads(p.stdout.splitlines()[-1]))
             rows.append([
-                fmt, "int8" if int8 else "fp32", round(seconds, 2), f"{folder_bytes(out) / 2**20:.1f}",
+                fmt, kind, round(seconds, 2), f"{folder_bytes(out) / 2**20:.1f}",
                 round(min(r["load"] for r in runs), 3),
                 f"{statistics.median(r['samples_per_s'] for r in runs):,.0f}",
             ])  # fmt: skip
@@ -85,11 +86,72 @@ def main() -> None:
     notes = (
         "Load: `load_export` in a fresh process after the imports (nrx: read, check, rebuild the model; "
         "pt2: `torch.export.load` and `.module()`). Scoring: `exported.probabilities` over the held-out "
-        "set in batches of 2048."
+        "set in batches of 2048. Quantized tables: row-wise, fp32 scale and bias."
     )
     append_results(
         f"Export formats: nrx vs pt2, default config with {args.rows} rows per table", table, notes
     )
+
+
+def quantized_auc(args: argparse.Namespace) -> None:
+    """Train each config, export it in fp32 and in every quantization with fp32 and fp16 scale and
+    bias, and tabulate what `neorec export` reports: table bytes per row and held-out AUC."""
+    from neorec.config.load import load_config
+    from neorec.serving import export_model
+    from neorec.train.trainer import Trainer
+
+    root = Path(tempfile.mkdtemp(prefix="export_auc_"))
+    rows, runs = [], []
+    for config in args.configs:
+        run = root / config
+        start = time.perf_counter()
+        result = Trainer(load_config(config, QUIET), run).fit()
+        fp32 = export_model(run, root / f"{config}.fp32.nrx")
+        auc = fp32.eval["fp32"]["auc"]
+        runs.append(
+            f"{config}: {result.steps} steps in {time.perf_counter() - start:.0f} s, "
+            f"{fp32.eval['fp32']['num_samples']:,} held-out samples"
+        )
+        rows.append([config, "fp32", f"{fp32.row_bytes['fp32']:.1f}", f"{auc:.6f}", "-", "-", "-", "-"])
+        for kind in KINDS[1:]:
+            row = [config, kind]
+            for scale_dtype in ("fp32", "fp16"):
+                r = export_model(
+                    run, root / f"{config}.{kind}.{scale_dtype}.nrx", quantize=kind, scale_dtype=scale_dtype
+                )
+                assert r.eval["fp32"]["auc"] == auc and r.auc_change is not None
+                row += [f"{r.row_bytes[kind]:.1f}", f"{r.eval[kind]['auc']:.6f}", f"{r.auc_change:+.1e}"]
+            rows.append(row)
+    header = ["config", "tables", "bytes per row", "held-out AUC", "change vs fp32",
+              "bytes per row (fp16 s/b)", "held-out AUC (fp16 s/b)", "change vs fp32 (fp16 s/b)"]  # fmt: skip
+    table = markdown_table(header, rows)
+    print(table)
+    notes = (
+        f"Runs: {'; '.join(runs)}; `neorec train --config CONFIG` as shipped, then one export per table kind "
+        "and scale dtype (`export_model`, as `neorec export RUN --quantize KIND --scale-dtype S`), whose "
+        "held-out AUC of the fp32 and the quantized model give the AUC columns. The first three columns: "
+        "fp32 scale and bias; the last three: fp16 (s/b). Bytes per row: all tables' bytes (codes, scale, "
+        "bias) over their rows; dim 16 is 64 B in fp32 and 16, 8 or 4 B of codes in int8, int4 or int2."
+    )
+    append_results(f"Quantized tables: bytes per row and held-out AUC change, {' and '.join(args.configs)}",
+                   table, notes)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=100000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--auc", action="store_true", help="bytes per row and AUC change of every quantization"
+    )
+    parser.add_argument(
+        "--configs", nargs="+", default=["default", "movielens"], help="--auc: shipped configs"
+    )
+    args = parser.parse_args()
+    if args.auc:
+        quantized_auc(args)
+    else:
+        formats(args)
 
 
 if __name__ == "__main__":

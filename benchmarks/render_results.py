@@ -48,7 +48,7 @@ BENCHMARKS = {
     "managed_collision": "Managed-collision tables (`managed_collision.py`)",
     "movielens": "MovieLens held-out AUC by split (`movielens.py`)",
     "models": "MovieLens: the model architectures (`models.py`)",
-    "export_formats": "Export formats and int8 tables (`export_formats.py`)",
+    "export_formats": "Export formats and quantized tables (`export_formats.py`)",
     "design_choices": "Measurements behind design choices (by hand)",
 }
 

@@ -276,17 +276,9 @@ def export_model(
     num_rows = sum(t.rows for t in trained.tables)
     row_bytes = {k: v / num_rows for k, v in table_bytes.items()} if num_rows else {}
     report = ExportReport(
-        Path(out),
-        0,
-        0,
-        table_bytes,
-        metrics,
-        scale_dtype if quantize else None,
-        0.0,
-        format,
-        quantize,
-        row_bytes,
-    )
+        Path(out), num_bytes=0, fp32_bytes=0, table_bytes=table_bytes, eval=metrics, format=format,
+        quantize=quantize, scale_dtype=scale_dtype if quantize else None, row_bytes=row_bytes,
+    )  # fmt: skip
     if format == "pt2":
         report.num_bytes = _export_pt2(trained, out, header, weights)
         report.fp32_bytes = 0 if quantize else report.num_bytes  # unknown: no fp32 program is exported
