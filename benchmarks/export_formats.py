@@ -131,7 +131,8 @@ def quantized_auc(args: argparse.Namespace) -> None:
         "and scale dtype (`export_model`, as `neorec export RUN --quantize KIND --scale-dtype S`), whose "
         "held-out AUC of the fp32 and the quantized model give the AUC columns. The first three columns: "
         "fp32 scale and bias; the last three: fp16 (s/b). Bytes per row: all tables' bytes (codes, scale, "
-        "bias) over their rows; dim 16 is 64 B in fp32 and 16, 8 or 4 B of codes in int8, int4 or int2."
+        "bias) over their rows; a row of dim d takes 4d B in fp32 and d, d/2 or d/4 B of codes in int8, int4 "
+        "or int2, plus 8 B of scale and bias (4 B in fp16)."
     )
     append_results(f"Quantized tables: bytes per row and held-out AUC change, {' and '.join(args.configs)}",
                    table, notes)  # fmt: skip
