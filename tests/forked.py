@@ -8,14 +8,20 @@ is a fresh copy, as a spawned one would be.
 
 `run_neorec(argv, ...)` is `subprocess.run([python, "-m", "neorec", *argv], capture_output=True,
 text=True)` on such a process: the same `neorec.cli.main`, exit code, stdout and stderr (an uncaught
-exception prints its traceback and exits 1, as the interpreter does). Tests that signal a command
-or look at its process use a real subprocess instead.
+exception prints its traceback and exits 1, as the interpreter does). `run_python(args, ...)` is the
+same for `python *args`, where args start with "-m MODULE", "-c CODE" or a script's path (torchrun
+as `-m torch.distributed.run`, an example script). `start_neorec` / `start_python` start the command
+in the background and return a Started, the part of subprocess.Popen the tests use (pid, poll, wait,
+send_signal, kill, communicate): the process is a real one of its own, with its own PID, signal
+handlers and exit code, which a test can signal, stop or kill; only its parent is the server, not
+the test. What such a command starts itself (torchrun's workers) are real subprocesses.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +31,9 @@ from pathlib import Path
 PRELOAD = [
     "torch",
     "torch.distributed",
+    "torch._dynamo",  # imported by torch.optim's first optimizer: seconds in every rank otherwise
+    "matplotlib.pyplot",  # curves.png and the plan's chart (neorec asks for the Agg backend before a figure)
+    "torch.utils.tensorboard",
     "numpy",
     "neorec.cli",
     "neorec.train.trainer",
@@ -42,9 +51,14 @@ def context():
     return ctx
 
 
-def _main(argv: list[str], cwd: str | None, env: dict[str, str] | None, out: str, err: str) -> None:
-    """In the forked process: `python -m neorec *argv` with stdout and stderr in the files `out`, `err`."""
+def _main(
+    args: list[str], cwd: str | None, env: dict[str, str] | None, out: str, err: str | None, preexec=None
+) -> None:
+    """In the forked process: `python *args` with stdout and stderr in the files `out`, `err` (None:
+    both in `out`)."""
     import atexit
+    import builtins
+    import runpy
     import traceback
 
     if cwd is not None:
@@ -52,19 +66,33 @@ def _main(argv: list[str], cwd: str | None, env: dict[str, str] | None, out: str
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
-    for path, fd in ((out, 1), (err, 2)):
-        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        if env.get("OMP_NUM_THREADS", "").isdigit():  # read by torch's import, in the server: as a fresh one
+            import torch
+
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    for path, fd in ((out, 1), (err or out, 2)):
+        f = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(f, fd)
         os.close(f)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    sys.argv = [str(Path(sys.executable)), *argv]
     code = 1
     try:
-        from neorec.cli import main
-
-        code = main(list(argv))
-    except SystemExit as e:  # argparse's errors and --help
+        if preexec is not None:
+            preexec()
+        if args[0] == "-m":  # as `python -m MODULE`: sys.argv[0] becomes the module's file
+            sys.argv = [str(Path(sys.executable)), *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            sys.path.insert(0, "")
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+        else:  # a script: its folder first on sys.path
+            sys.argv = list(args)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+            runpy.run_path(args[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:  # sys.exit(main()), argparse's errors and --help
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
         else:
@@ -80,6 +108,89 @@ def _main(argv: list[str], cwd: str | None, env: dict[str, str] | None, out: str
             os._exit(code if isinstance(code, int) else 1)
 
 
+class Started:
+    """`python *args` running in a forked process (start_python): the part of subprocess.Popen that
+    the tests use. stdout and stderr go to files, so that a chatty process never blocks on a pipe."""
+
+    def __init__(self, args: list[str], cwd=None, env=None, merge: bool = False, preexec=None) -> None:
+        self.args = [sys.executable, *args]
+        self._folder = tempfile.TemporaryDirectory(prefix="neorec-run-")
+        self._out = os.path.join(self._folder.name, "stdout")
+        self._err = None if merge else os.path.join(self._folder.name, "stderr")
+        for path in (self._out, self._err):
+            if path is not None:
+                Path(path).touch()
+        env = None if env is None else {k: str(v) for k, v in env.items()}
+        cwd = None if cwd is None else str(cwd)
+        self._process = context().Process(
+            target=_main, args=(list(args), cwd, env, self._out, self._err, preexec)
+        )
+        self._process.start()
+        self.pid = self._process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._process.is_alive():
+            self._process.join()
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout, *self.output())
+        self.returncode = self._process.exitcode
+        return self.returncode
+
+    def output(self) -> tuple[str, str]:
+        """(stdout, stderr) so far; with merge, stderr is in stdout and this stderr is ""."""
+        read = lambda path: Path(path).read_text(errors="replace") if path else ""  # noqa: E731
+        return read(self._out), read(self._err)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """(stdout, stderr) once the process has ended; on a timeout it is killed."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
+            raise
+        return self.output()
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_python(
+    args: list[str], cwd=None, env: dict[str, str] | None = None, merge: bool = False, preexec=None
+) -> Started:
+    """`python *args` in the background (args: "-m MODULE ...", "-c CODE ...", or "SCRIPT ...").
+    merge: stderr into stdout, as stderr=subprocess.STDOUT. preexec: a picklable callable that the
+    process runs first (as Popen's preexec_fn)."""
+    return Started([str(a) for a in args], cwd, env, merge, preexec)
+
+
+def start_neorec(
+    argv: list[str], cwd=None, env: dict[str, str] | None = None, merge: bool = False
+) -> Started:
+    """`python -m neorec *argv` in the background."""
+    return start_python(["-m", "neorec", *argv], cwd, env, merge)
+
+
+def run_python(
+    args: list[str], cwd=None, env: dict[str, str] | None = None, timeout: float | None = 300, preexec=None
+) -> subprocess.CompletedProcess:
+    """`python *args` in a forked process: a CompletedProcess with text stdout and stderr, not checked;
+    subprocess.TimeoutExpired after `timeout` seconds (the process is killed)."""
+    started = start_python(args, cwd, env, preexec=preexec)
+    stdout, stderr = started.communicate(timeout)
+    return subprocess.CompletedProcess(started.args, started.returncode, stdout, stderr)
+
+
 def run_neorec(
     argv: list[str],
     cwd: str | Path | None = None,
@@ -88,21 +199,4 @@ def run_neorec(
 ) -> subprocess.CompletedProcess:
     """`python -m neorec *argv` in a forked process: a CompletedProcess with text stdout and stderr,
     not checked; subprocess.TimeoutExpired after `timeout` seconds (the process is killed)."""
-    argv = [str(a) for a in argv]
-    with tempfile.TemporaryDirectory(prefix="neorec-run-") as folder:
-        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        for path in (out, err):
-            Path(path).touch()
-        env = None if env is None else {k: str(v) for k, v in env.items()}
-        process = context().Process(target=_main, args=(argv, None if cwd is None else str(cwd), env, out, err))
-        process.start()
-        process.join(timeout)
-        command = [sys.executable, "-m", "neorec", *argv]
-        if process.is_alive():
-            process.kill()
-            process.join()
-            raise subprocess.TimeoutExpired(command, timeout, Path(out).read_text(), Path(err).read_text())
-        code = process.exitcode
-        stdout = Path(out).read_text(errors="replace")
-        stderr = Path(err).read_text(errors="replace")
-    return subprocess.CompletedProcess(command, code, stdout, stderr)
+    return run_python(["-m", "neorec", *argv], cwd, env, timeout)

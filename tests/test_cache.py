@@ -80,9 +80,10 @@ def cached_engine(
     )
 
 
-def train_both(a, b, gen, steps, ts, prefetch=False, one_hot=False, device="cpu") -> None:
-    """Same batches and output gradients through both engines; forward outputs must agree bitwise."""
-    batches = [batch(gen, ts, one_hot=one_hot).to(device) for _ in range(steps)]
+def train_both(a, b, gen, steps, ts, prefetch=False, one_hot=False, device="cpu", batch_size=16) -> None:
+    """Same batches (of `batch_size` samples) and output gradients through both engines; forward
+    outputs must agree bitwise."""
+    batches = [batch(gen, ts, batch_size, one_hot=one_hot).to(device) for _ in range(steps)]
     for i, sparse in enumerate(batches):
         if prefetch and i + 1 < len(batches):  # as the pipeline does: the next batch before this step
             b.prefetch(batches[i + 1])
@@ -828,7 +829,7 @@ def test_reads_ahead_follow_earlier_writes_and_pending_writes_are_read() -> None
 
 
 _SAVE_SCRIPT = """
-import json, sys, torch
+import ctypes, json, sys, torch
 from pathlib import Path
 import neorec.checkpoint.pieces as pieces, neorec.checkpoint.stream as stream
 import neorec.embedding.cache.backing as backing
@@ -839,6 +840,9 @@ from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.sparse import SparseBatch
 from neorec.utils.files import check_zip
 
+# glibc returns freed blocks of 1 MiB and more at once (M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_ would
+# set at start), so the peak counts live memory only
+assert ctypes.CDLL(None).mallopt(-3, 1 << 20) == 1
 pieces.WINDOW_BYTES = stream.WINDOW_BYTES = backing._WINDOW_BYTES = 8 << 20  # windows of 8 MiB
 root = Path(sys.argv[1])
 table = TableConfig(name="big", rows=1_000_000, dim=32, features=["big"])
@@ -888,19 +892,10 @@ def test_ssd_checkpoint_and_model_pt_stream_rows_in_windows(tmp_path) -> None:
     """Saving a 256 MiB SSD table (weights + AdaGrad state) as a sharded checkpoint or as model.pt,
     and loading the checkpoint into another SSD table, raise peak RSS by a few windows (8 MiB here),
     not by the table; what was saved equals the table."""
-    import os
-    import subprocess
-    import sys
+    from forked import run_python
 
-    # glibc returns freed blocks of 1 MiB and more at once, so the peak counts live memory only
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    run = subprocess.run(
-        [sys.executable, "-c", _SAVE_SCRIPT, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    # in a process of its own, forked from one that has imported torch and neorec (tests/forked.py)
+    run = run_python(["-c", _SAVE_SCRIPT, str(tmp_path)], timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     growth = json.loads(run.stdout.strip().splitlines()[-1])
     table_mib = 1_000_000 * 32 * 4 * 2 / 2**20  # 244 MiB

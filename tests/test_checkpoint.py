@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from dist_helpers import build_model, make_batches, make_tables, optimizer_config, run_steps, spawn
+from forked import run_python
 
 from neorec.checkpoint import (
     CheckpointError,
@@ -267,7 +267,7 @@ def test_save_killed_by_sigkill_leaves_the_previous_checkpoint(tmp_path):
         files.RawWriter.append = killing
         save_checkpoint({str(tmp_path)!r}, 4, emb, model, opts)
     """)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    p = run_python(["-c", script], timeout=120)  # a process of its own (tests/forked.py)
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert latest_checkpoint(tmp_path).name == "step-00000003"
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003"]
@@ -374,6 +374,14 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypat
     assert latest_checkpoint(root).name == "step-00000007" and (root / "diverged-step-00000014").is_dir()
 
 
+def fit_rank(topo, sets: list[str], out: str, resume: bool = False) -> None:
+    """One rank of `neorec train --set ...` (the Trainer a worker of `--nproc N` runs) in the process
+    group that dist_helpers.spawn made: the Trainer joins it."""
+    os.environ.update(RANK=str(topo.rank), WORLD_SIZE=str(topo.world_size), LOCAL_RANK=str(topo.local_rank),
+                      LOCAL_WORLD_SIZE=str(topo.local_world_size))  # fmt: skip
+    Trainer(load_config("default", sets), Path(out), resume=resume).fit()
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
@@ -393,23 +401,25 @@ def _children(pid: int) -> list[int]:
 def test_torchrun_restarts_a_sigkilled_worker_and_ends_with_identical_weights(tmp_path):
     """2 processes under torchrun --max-restarts: rank 1 is SIGKILLed after the first checkpoint;
     torchrun restarts both, `--resume` loads the newest checkpoint, and model.pt equals the
-    uninterrupted run's, bit for bit."""
+    uninterrupted run's (the same config and Trainer on 2 gloo processes), bit for bit."""
     import time
 
-    sets = [x for kv in TINY if kv != "train.max_steps=20" for x in ("--set", kv)]
-    more = ["train.max_steps=120", "checkpoint.every_steps=4", "data.synthetic.train_samples=30000"]
-    sets += [x for kv in more for x in ("--set", kv)]
+    from forked import start_python
+
+    # 31 batches an epoch: the resumed run crosses into the second epoch; the kill after the first
+    # checkpoint (step 4) comes long before the end
+    more = ["train.max_steps=48", "checkpoint.every_steps=4", "data.synthetic.train_samples=8000"]
+    config = [kv for kv in TINY if kv != "train.max_steps=20"] + more
+    sets = [x for kv in config for x in ("--set", kv)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # restarts work on torchrun's shared store (topology.py)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
 
-    def torchrun(out: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
-               "-m", "neorec", "train", "--resume", *sets, "--output-dir", str(tmp_path / out)]  # fmt: skip
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    whole = torchrun("whole")
-    assert whole.wait(timeout=300) == 0, whole.stdout.read()
-    run = torchrun("run")
+    spawn(2, fit_rank, (config, str(tmp_path / "whole"), True), tmp_path=tmp_path / "pg")
+    # `torchrun ...` in a process of its own forked from one that has imported torch (tests/forked.py);
+    # its agent starts the workers, real `python -m neorec` processes, and restarts them
+    run = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+                        "-m", "neorec", "train", "--resume", *sets, "--output-dir", str(tmp_path / "run")],
+                       env=env, merge=True)  # fmt: skip
     ckpts, killed, deadline = tmp_path / "run" / "checkpoints", None, time.monotonic() + 240
     while killed is None and run.poll() is None and time.monotonic() < deadline:
         if latest_checkpoint(ckpts) is not None:

@@ -8,6 +8,7 @@ near that of a clean file. Valid files parse exactly as a line-by-line reference
 
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import re
@@ -50,7 +51,13 @@ PEAK_LIMIT = 48 * MiB
 
 def valid_lines(n: int, seed: int = 0) -> list[bytes]:
     """Valid Criteo lines with the edge cases of the format: empty fields, negative, signed and 18-digit
-    dense values, hex hashes of 1 to 8 digits in either case."""
+    dense values, hex hashes of 1 to 8 digits in either case. A new list each call (callers change
+    theirs); the lines of each (n, seed) are drawn once."""
+    return list(_valid_lines(n, seed))
+
+
+@functools.cache
+def _valid_lines(n: int, seed: int) -> tuple[bytes, ...]:
     rng = np.random.default_rng(seed)
     lines = []
     for _ in range(n):
@@ -68,7 +75,7 @@ def valid_lines(n: int, seed: int = 0) -> list[bytes]:
             digits = f"{int(rng.integers(0, 1 << 32)):08x}"[: int(rng.integers(1, 9)) if r < 0.2 else 8]
             fields.append("" if r < 0.1 else digits.upper() if r > 0.95 else digits)
         lines.append("\t".join(fields).encode())
-    return lines
+    return tuple(lines)
 
 
 def reference(lines: list[bytes], rows: int, hashing: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -125,6 +132,7 @@ def test_valid_files_parse_as_the_reference(tmp_path, hashing, chunk_lines):
     if chunk_lines > 1:  # one line per chunk: the small files are enough
         files["generated"] = valid_lines(3000)
     for name, lines in files.items():
+        want = reference(lines, 999_983, hashing)
         for suffix, eol in ((".tsv", b"\n"), (".tsv.gz", b"\n"), (".crlf.tsv", b"\r\n")):
             path = tmp_path / f"{name}{suffix}"
             if eol == b"\r\n":
@@ -133,7 +141,7 @@ def test_valid_files_parse_as_the_reference(tmp_path, hashing, chunk_lines):
                 write(path, lines)
             reader = CriteoTSVReader([path], 999_983, hashing, chunk_lines=chunk_lines)
             got = read_arrays(reader, batch_size=50)
-            for g, w in zip(got, reference(lines, 999_983, hashing), strict=True):
+            for g, w in zip(got, want, strict=True):
                 assert g.dtype == w.dtype and np.array_equal(g, w), (name, suffix)
             assert reader.num_skipped == 0
 

@@ -33,6 +33,8 @@ SMALL_DATA = [
     "--set", "data.synthetic.max_rows=1000",
 ]  # fmt: skip
 SMALL_RUN = ["--set", "train.max_steps=3", "--set", "train.progress=false", *SMALL_DATA]
+# appended to commands that train on Criteo TSV files: tables of 1000 rows, as max_rows caps synthetic ones
+SMALL_TSV = ["--set", "data.criteo.table_rows=1000"]
 COMMAND_TIMEOUT_S = 240
 # pages whose commands need inputs another test makes, and which that test runs
 RUN_ELSEWHERE = {
@@ -85,9 +87,9 @@ def small_overrides(argv: list[str]) -> list[str]:
     """The `--set` overrides that keep one command short (argv without the leading `neorec`)."""
     verb = argv[:2]
     if verb[0] == "train":
-        return SMALL_RUN
+        return [*SMALL_RUN, *SMALL_TSV] if "data.source=criteo_tsv" in argv else SMALL_RUN
     if verb[0] == "plan":
-        return [*SMALL_DATA, "--time-budget", "2"]
+        return [*SMALL_DATA, "--time-budget", "0.5"]
     if verb in (["data", "generate"], ["data", "inspect"]) or (verb == ["data", "preprocess"] and "--synthetic" in argv):
         return SMALL_DATA
     return []

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from forked import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -24,10 +24,11 @@ SMALL = ["--steps", str(STEPS), "--log-every", "1"]
 
 
 def _run(args: list[str]) -> str:
-    """Run a command from the repository root; its stdout (stderr in the failure message)."""
+    """`python *args` from the repository root, in a process of its own forked from one that has
+    imported torch (tests/forked.py); its stdout (stderr in the failure message)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the tiny model gains nothing from threads
-    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert p.returncode == 0, f"{' '.join(args)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    p = run_python(args, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0, f"python {' '.join(args)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
     return p.stdout
 
 
@@ -59,7 +60,7 @@ def _trained_state(checkpoint: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("two_tower")
-    return _run([sys.executable, "examples/two_tower.py", *SMALL, "--out", str(out)]), out
+    return _run(["examples/two_tower.py", *SMALL, "--out", str(out)]), out
 
 
 def test_single_process_example_learns_and_reloads_its_checkpoint(single):
@@ -74,8 +75,8 @@ def test_single_process_example_learns_and_reloads_its_checkpoint(single):
 @pytest.mark.distributed
 def test_sharded_example_under_torchrun_trains_the_single_process_model(single, tmp_path):
     stdout, single_out = single
-    sharded = _run([
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    sharded = _run([  # torchrun's agent; the workers it starts are real `python examples/two_tower_sharded.py`
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "examples/two_tower_sharded.py", *SMALL, "--out", str(tmp_path),
     ])  # fmt: skip
     torch.testing.assert_close(

@@ -168,11 +168,13 @@ def train_both(
     one_hot: bool = False,
     device: str = "cpu",
     kernels: str = "auto",
+    batch_size: int = 7,
 ) -> tuple[FusedEmbeddingCollection, Float64Reference, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run `steps` fwd/bwd/updates on both, with a decaying lr schedule driven through param_groups.
 
     Small chunk_elements split the update (and fp16/bf16 lookups) into blocks of a few rows.
-    device, kernels: where the engine runs and with which kernels (batches are drawn on the CPU)."""
+    device, kernels: where the engine runs and with which kernels (batches are drawn on the CPU).
+    batch_size: samples per batch (random_batch's)."""
     gen = torch.Generator().manual_seed(seed)
     engine = FusedEmbeddingCollection(tables, opt, device=device, kernels=kernels)
     ref = Float64Reference(tables, opt)
@@ -181,7 +183,7 @@ def train_both(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.8**k)
     outputs = []
     for _ in range(steps):
-        sparse = random_batch(tables, gen, weighted=weighted, one_hot=one_hot)
+        sparse = random_batch(tables, gen, batch_size=batch_size, weighted=weighted, one_hot=one_hot)
         lrs = {g["table"]: g["lr"] for g in optimizer.param_groups}
         pooled, expected = engine(sparse.to(device)), ref.forward(sparse)
         outputs.append((pooled.detach().cpu(), expected))

@@ -78,9 +78,10 @@ class SequenceReference(Float64Reference):
 
 
 def train(tables, opt, steps: int, seed: int, weighted: bool = True, chunk_elements: int | None = 1 << 17,
-          device: str = "cpu", kernels: str = "auto"):  # fmt: skip
-    """Train the engine and the reference side by side; returns both and every step's outputs
-    (on the CPU). device, kernels: where the engine runs and with which kernels."""
+          device: str = "cpu", kernels: str = "auto", batch_size: int = 9):  # fmt: skip
+    """Train the engine and the reference side by side on batches of `batch_size` samples; returns
+    both and every step's outputs (on the CPU). device, kernels: where the engine runs and with
+    which kernels."""
     gen = torch.Generator().manual_seed(seed)
     engine = FusedEmbeddingCollection(tables, opt, device=device, kernels=kernels)
     engine.chunk_elements = chunk_elements
@@ -88,7 +89,7 @@ def train(tables, opt, steps: int, seed: int, weighted: bool = True, chunk_eleme
     optimizer = engine.build_optimizer()
     outputs = []
     for _ in range(steps):
-        sparse = random_batch(tables, gen, batch_size=9, weighted=weighted)
+        sparse = random_batch(tables, gen, batch_size=batch_size, weighted=weighted)
         pooled, seqs = engine.embed(sparse.to(device))
         outputs.append(((pooled.detach().cpu(), {f: r.values.detach().cpu() for f, r in seqs.items()}),
                         ref.forward(sparse), ref.sequences(sparse)))  # fmt: skip
@@ -115,13 +116,20 @@ def test_sequences_match_float64_reference(name: str, weighted: bool) -> None:
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 def test_triton_kernels_match_float64_reference(name: str, monkeypatch) -> None:
     """The Triton lookup and fused update of sequence groups (on a GPU, or the CPU through Triton's
-    interpreter: tests/conftest.py), with no group left to the torch path."""
+    interpreter: tests/conftest.py), with no group left to the torch path; two steps of six samples
+    (the interpreter's cost is per program), with duplicate ids and empty samples."""
     from test_triton_kernels import DEVICE, torch_path_update
 
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
     monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
-    engine, ref, outputs = train(make_tables(), opt, steps=3, seed=7, device=DEVICE, kernels="triton")
+    engine, ref, outputs = train(
+        make_tables(), opt, steps=2, seed=7, device=DEVICE, kernels="triton", batch_size=6
+    )
     assert all(engine.triton_update(gi, torch.device(DEVICE)) for gi in range(len(engine.layout.groups)))
+    first = random_batch(make_tables(), torch.Generator().manual_seed(7), batch_size=6)  # train's first batch
+    for f in ("clicks", "views", "tag"):
+        ids, lengths, _ = first.feature(f)
+        assert ids.unique().numel() < ids.numel() and bool((lengths == 0).any()), f
     assert_matches_reference(engine, ref, outputs)
 
 
@@ -199,8 +207,9 @@ def test_only_sequence_tables_and_empty_batches() -> None:
 @pytest.mark.parametrize("tier", ["dram", "ssd"])
 def test_cached_sequence_tables_train_as_plain_ones(tier: str, kernels: str, tmp_path) -> None:
     """Sequence tables behind a row cache (a tenth of the rows in RAM, prefetched a batch ahead as
-    the pipeline does) give bitwise the rows and updates of plain tables, on the torch path and
-    through the Triton kernels (Triton's interpreter without a GPU)."""
+    the pipeline does; three batches of five samples, in which rows of the sequence table "tags" are
+    evicted and written back) give bitwise the rows and updates of plain tables, on the torch path
+    and through the Triton kernels (Triton's interpreter without a GPU)."""
     from test_cache import cached_engine
 
     tables = make_tables()
@@ -208,7 +217,7 @@ def test_cached_sequence_tables_train_as_plain_ones(tier: str, kernels: str, tmp
     plain = FusedEmbeddingCollection(tables, opt, kernels=kernels)
     cached = cached_engine(tables, opt, tmp_path, tier=tier, kernels=kernels)
     gen = torch.Generator().manual_seed(9)
-    batches = [random_batch(tables, gen, batch_size=9) for _ in range(4)]
+    batches = [random_batch(tables, gen, batch_size=5) for _ in range(3)]
     for i, sparse in enumerate(batches):
         if i + 1 < len(batches):
             cached.prefetch(batches[i + 1])
@@ -220,3 +229,5 @@ def test_cached_sequence_tables_train_as_plain_ones(tier: str, kernels: str, tmp
     want, got = plain.state_dict(), cached.state_dict()
     for key, value in want.items():
         assert torch.equal(torch.as_tensor(got[key]), value), key
+    tags = cached.cache_stats()["tags"]
+    assert tags["evictions"] > 0 and tags["writebacks"] > 0

@@ -1,17 +1,18 @@
 """Runs that last for days: saves killed at any moment, a full disk, `--resume PATH`, and
 `checkpoint inspect --verify` on bad files. Kills are real (SIGKILL of a forked process at each
-filesystem operation of a save); file-size limits are real (RLIMIT_FSIZE in a subprocess)."""
+filesystem operation of a save); file-size limits are real (RLIMIT_FSIZE in a process of its own)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from forked import run_python
 from test_checkpoint import TINY, trained_engine
 
 from neorec.checkpoint import (
@@ -124,7 +125,7 @@ def test_full_disk_keeps_the_previous_checkpoint_and_names_the_file(tmp_path):
             print("neorec: error:", e)
             sys.exit(2)
     """)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    p = run_python(["-c", script], timeout=120)  # a process of its own (tests/forked.py)
     assert p.returncode == 2, p.stderr
     assert "cannot write checkpoint file" in p.stdout and "step-00000004.tmp/rank-00000.bin" in p.stdout
     assert "File too large" in p.stdout and "Traceback" not in p.stderr
@@ -167,20 +168,19 @@ def test_resume_from_a_given_checkpoint_folder(tmp_path, capsys):
     assert not (tmp_path / "y").exists()  # refused before anything runs
 
 
-def _file_size_limit(limit: int):
-    def apply() -> None:  # in the child, before exec: both survive exec
-        import resource
+def _file_size_limit(limit: int) -> None:
+    """In the command's process, before it starts (as a preexec_fn before exec)."""
+    import resource
 
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-
-    return apply
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 
 
 def test_neorec_train_stops_with_one_line_naming_the_file_it_cannot_write(tmp_path):
     sets = [x for kv in [*TINY, "checkpoint.every_steps=5"] for x in ("--set", kv)]
-    cmd = [sys.executable, "-m", "neorec", "train", "--output-dir", str(tmp_path / "run"), *sets]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=_file_size_limit(64 << 10))
+    args = ["-m", "neorec", "train", "--output-dir", str(tmp_path / "run"), *sets]
+    # `python -m neorec train ...` in a process of its own (tests/forked.py) under a file-size limit
+    p = run_python(args, timeout=120, preexec=functools.partial(_file_size_limit, 64 << 10))
     assert p.returncode == 1, p.stderr  # a failure of the machine (a file-size limit), not of the input
     last = p.stderr.splitlines()[-1]  # after the run's log lines, the error is the last line
     assert last.startswith("neorec: error: cannot write checkpoint file ") and "Traceback" not in p.stderr

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 
 import pytest
 import torch
+from forked import run_python, start_python
 
 pytestmark = pytest.mark.distributed
 
@@ -44,22 +44,24 @@ def _tables(run_dir) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not k.endswith(".step")}
 
 
-def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python *args` ("-m neorec ...", "-m torch.distributed.run ...") in a process of its own, forked
+    from one that has imported torch and neorec (tests/forked.py); not checked."""
+    return run_python(args, timeout=timeout)
 
 
 def test_two_nodes_of_two_processes_match_one_process(tmp_path):
     single = tmp_path / "single"
-    p = _run([sys.executable, "-m", "neorec", "train", "--output-dir", str(single), *_sets([])])
+    p = _run(["-m", "neorec", "train", "--output-dir", str(single), *_sets([])])
     assert p.returncode == 0, p.stderr[-3000:]
     port = _free_port()
     multi = tmp_path / "multi"
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-               "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
-               "-m", "neorec", "train", "--output-dir", str(multi), *_sets([HIERARCHICAL])]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        args = ["-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
+                "-m", "neorec", "train", "--output-dir", str(multi), *_sets([HIERARCHICAL])]  # fmt: skip
+        procs.append(start_python(args))  # torchrun's agent; its workers are real `python -m neorec`
     outs = [pr.communicate(timeout=300) for pr in procs]
     for pr, (_out, err) in zip(procs, outs, strict=True):
         assert pr.returncode == 0, err[-3000:]
@@ -72,7 +74,7 @@ def test_two_nodes_of_two_processes_match_one_process(tmp_path):
 
 def test_nproc_convenience_flag_and_bad_plan(tmp_path):
     out = tmp_path / "run"
-    p = _run([sys.executable, "-m", "neorec", "train", "--nproc", "2", "--output-dir", str(out),
+    p = _run(["-m", "neorec", "train", "--nproc", "2", "--output-dir", str(out),
               *_sets(["distributed.sharding={C1: {kind: rw, ranks: [0, 1]}, C2: {kind: cw, ranks: [1, 0]}}"])])  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file()
@@ -81,7 +83,7 @@ def test_nproc_convenience_flag_and_bad_plan(tmp_path):
     # rank 0 logs progress, prefixed with its rank; rank 1 only warnings (neorec/utils/logging.py)
     assert "[rank 0] neorec: step 4/12 | loss " in p.stderr, p.stderr[-3000:]
     assert "[rank 1] neorec: step" not in p.stderr
-    bad = _run([sys.executable, "-m", "neorec", "train", "--nproc", "2", "--output-dir", str(tmp_path / "bad"),
+    bad = _run(["-m", "neorec", "train", "--nproc", "2", "--output-dir", str(tmp_path / "bad"),
                 *_sets(["distributed.sharding={C3: {kind: tw, ranks: [5]}}"])])  # fmt: skip
     assert bad.returncode != 0
     assert "C3" in bad.stderr and "rank(s) [5] do not exist" in bad.stderr

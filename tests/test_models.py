@@ -157,8 +157,7 @@ def test_data_inspect_table_fits_long_feature_names():
 
 @pytest.mark.distributed
 def test_multitask_over_two_processes_matches_one(tmp_path):
-    import subprocess
-    import sys
+    from forked import run_neorec
 
     sets = [*TINY, "model.arch=multitask", "model.tasks=[{name: click}, {name: conversion, weight: 0.5}]",
             "train.max_steps=8", "embedding.optimizer={name: sgd, lr: 0.5}", "train.dense_optimizer={name: sgd, lr: 0.05}",
@@ -167,8 +166,8 @@ def test_multitask_over_two_processes_matches_one(tmp_path):
     outs = {}
     for nproc in (1, 2):
         out = tmp_path / f"n{nproc}"
-        p = subprocess.run([sys.executable, "-m", "neorec", "train", "--nproc", str(nproc), "--output-dir", str(out),
-                            *args], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+        # `python -m neorec train --nproc N` in a process forked from one that has imported neorec
+        p = run_neorec(["train", "--nproc", str(nproc), "--output-dir", str(out), *args], timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         outs[nproc] = out
     a, b = (torch.load(outs[n] / "model.pt", weights_only=True) for n in (1, 2))

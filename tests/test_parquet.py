@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ import pytest
 import torch
 import yaml
 from dist_helpers import spawn
+from forked import run_python
 from test_rank_data import assert_same, concat_samples
 
 from neorec.cli import main
@@ -359,10 +358,9 @@ def test_sigkill_and_resume_is_bitwise_equal(tmp_path, synthetic):
     config = write_yaml(tmp_path / "p.yaml", data)
     sets = [*TRAIN, "data.batch_size=700", "data.eval_batch_size=1000", "train.max_steps=40", "checkpoint.every_steps=6"]
     args = ["train", "--config", config] + [x for s in sets for x in ("--set", s)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     assert main([*args, "--output-dir", str(tmp_path / "whole")]) == 0
-    killed = subprocess.run([sys.executable, "-c", KILLER, "17", *args, "--output-dir", str(tmp_path / "run")],
-                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    # `python -c KILLER ...` in a process forked from one that has imported neorec (tests/forked.py)
+    killed = run_python(["-c", KILLER, "17", *args, "--output-dir", str(tmp_path / "run")], timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (tmp_path / "run" / "model.pt").exists()
     from neorec.checkpoint.load import latest_checkpoint, read_manifest

@@ -6,18 +6,17 @@ makes the others stop with an error naming it."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shlex
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 import torch
-from test_checkpoint import _children, _metrics
+from dist_helpers import spawn
+from forked import Started, context, run_neorec, run_python, start_neorec
+from test_checkpoint import _children, _metrics, fit_rank
 
 from neorec.checkpoint import list_checkpoints
 from neorec.config.load import load_config
@@ -40,14 +39,15 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _start(out, nproc: int = 1, extra: list[str] = (), env: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "neorec", "train", "--output-dir", str(out), *_sets(extra)]
+def _start(out, nproc: int = 1, extra: list[str] = (), env: dict | None = None) -> Started:
+    """`neorec train` in the background, in a process of its own (tests/forked.py) that the test signals."""
+    argv = ["train", "--output-dir", str(out), *_sets(extra)]
     if nproc > 1:
-        cmd[4:4] = ["--nproc", str(nproc)]
-    return subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        argv[1:1] = ["--nproc", str(nproc)]
+    return start_neorec(argv, env=env or _env())
 
 
-def _wait_for_steps(run: subprocess.Popen, out, steps: int) -> None:
+def _wait_for_steps(run: Started, out, steps: int) -> None:
     metrics, deadline = out / "metrics.jsonl", time.monotonic() + 240
     while run.poll() is None and time.monotonic() < deadline:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
@@ -56,8 +56,9 @@ def _wait_for_steps(run: subprocess.Popen, out, steps: int) -> None:
     raise AssertionError(f"the run logged fewer than {steps} steps: {run.communicate(timeout=60)}")
 
 
-def _stopped(run: subprocess.Popen, code: int) -> tuple[int, list[str]]:
-    """The stopped run's step and the command its message says resumes it."""
+def _stopped(run: Started, code: int) -> tuple[int, list[str]]:
+    """The stopped run's step and the command its message says resumes it (its arguments after
+    `neorec`)."""
     _, err = run.communicate(timeout=240)
     assert run.returncode == code, err
     assert "Traceback" not in err, err
@@ -65,11 +66,11 @@ def _stopped(run: subprocess.Popen, code: int) -> tuple[int, list[str]]:
     step = int(line.split(" after step ")[1].split(";")[0])
     command = shlex.split(line.split("Resume with: ")[1])
     assert command[:2] == ["neorec", "train"] and command[-1] == "--resume"
-    return step, [sys.executable, "-m", *command]
+    return step, command[1:]
 
 
-def _resume(command: list[str]) -> None:
-    p = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+def _resume(argv: list[str]) -> None:
+    p = run_neorec(argv, env=_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resumed from" in p.stderr  # a log line (console messages go to stderr)
 
@@ -93,7 +94,7 @@ def test_second_signal_ends_the_process_at_once():
             time.sleep(30)
             print("still running", flush=True)
     """)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    p = run_python(["-c", script], timeout=60)  # a process of its own (tests/forked.py)
     assert p.returncode == -signal.SIGINT, p.stderr
     assert p.stdout == f"asked to stop by {int(signal.SIGTERM)}\n" and "Traceback" not in p.stderr
 
@@ -122,26 +123,80 @@ def _worker(launcher: int, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} under {launcher}")
 
 
+def _pending(pid: int, sig: int) -> bool:
+    """`sig` waits to be delivered to the process `pid` (one that is stopped: /proc's SigPnd, ShdPnd)."""
+    with open(f"/proc/{pid}/status") as f:
+        masks = [int(x.split()[1], 16) for x in f if x.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(m >> (sig - 1) & 1 for m in masks)
+
+
+def _stopped_still(pid: int) -> bool:
+    """Every thread of `pid` is stopped (by SIGSTOP): a signal sent now stays pending until SIGCONT."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that has ended
+            continue
+    return all(s == "T" for s in states)
+
+
+def _until(condition, what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def _sigterm_held_workers(run: Started, out, steps: int, rank: int | None = None) -> None:
+    """Once the run has logged `steps` steps: stop both workers (SIGSTOP), send SIGTERM to the
+    launcher (rank None: torchrun's agent forwards it to every worker) or to the worker of `rank`
+    alone, wait until it is pending in the worker(s) it is for, and let them go on (SIGCONT). The
+    signal lands wherever they were, and before they could train on to the end, however loaded the
+    machine is."""
+    _wait_for_steps(run, out, steps)
+    workers = [_worker(run.pid, r) for r in (0, 1)]
+    for w in workers:
+        os.kill(w, signal.SIGSTOP)
+    try:
+        _until(lambda: all(_stopped_still(w) for w in workers), "the workers did not stop")
+        if rank is None:
+            run.send_signal(signal.SIGTERM)
+        else:
+            os.kill(workers[rank], signal.SIGTERM)
+        reached = workers if rank is None else [workers[rank]]
+        _until(lambda: all(_pending(w, signal.SIGTERM) for w in reached), "SIGTERM did not reach the workers")
+    finally:
+        for w in workers:
+            os.kill(w, signal.SIGCONT)
+
+
+# enough steps that the first stop (after step 3 or so) and the second (3 steps after the resume) come
+# well before the end: the workers are held still while the signal reaches them
+STEPS_2 = 100
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_sigterm_stops_every_rank_at_one_step_and_resumes_exactly(tmp_path):
     """`neorec train --nproc 2`, twice interrupted: SIGTERM to the launcher (torchrun's agent
     forwards it), then SIGTERM to rank 1 alone (the ranks agree through their flags). Both times
     every rank stops after the same step with one checkpoint; resumed, the run ends bitwise like an
-    uninterrupted one."""
-    whole = _start(tmp_path / "whole", nproc=2)
-    assert whole.wait(timeout=300) == 0, whole.communicate()[1]
-    run = _start(tmp_path / "run", nproc=2)
-    _wait_for_steps(run, tmp_path / "run", 3)
-    run.send_signal(signal.SIGTERM)
+    uninterrupted one (the same config trained by the same Trainer on 2 gloo processes)."""
+    extra = [f"train.max_steps={STEPS_2}"]
+    spawn(2, fit_rank, ([*RUN, *extra], str(tmp_path / "whole")), tmp_path=tmp_path / "pg")
+    run = _start(tmp_path / "run", nproc=2, extra=extra)
+    _sigterm_held_workers(run, tmp_path / "run", 3)  # to the launcher
     first, command = _stopped(run, 128 + signal.SIGTERM)
     assert "--nproc" in command
-    again = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(again, tmp_path / "run", first + 3)
-    os.kill(_worker(again.pid, 1), signal.SIGTERM)
+    again = start_neorec(command, env=_env())
+    _sigterm_held_workers(again, tmp_path / "run", first + 3, rank=1)
     second, command = _stopped(again, 128 + signal.SIGTERM)
-    assert first < second < 300
-    manifest = json.loads((tmp_path / "run" / "checkpoints" / f"step-{second:08d}" / "manifest.json").read_text())
+    assert first < second < STEPS_2
+    manifest = json.loads(
+        (tmp_path / "run" / "checkpoints" / f"step-{second:08d}" / "manifest.json").read_text()
+    )
     assert manifest["world_size"] == 2 and len(manifest["files"]) == 2  # both ranks wrote their part
     _resume(command)
     _same_run(tmp_path / "whole", tmp_path / "run")
@@ -166,7 +221,7 @@ def _die_in_collective(rank: int, init_file: str, out) -> None:
 
 
 def test_a_rank_dead_in_a_shared_memory_collective_stops_its_peer(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = context()  # processes forked from a server that has imported torch (tests/forked.py)
     out = ctx.Queue()
     procs = [ctx.Process(target=_die_in_collective, args=(r, str(tmp_path / "init"), out)) for r in (0, 1)]
     for p in procs:

@@ -6,8 +6,6 @@ import gzip
 import hashlib
 import re
 import shutil
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -121,6 +119,24 @@ def test_vocabulary_counts_training_lines_only(tmp_path):
             assert ids[:, f].tolist() == [vocab.index(v) + 1 if v in vocab else 0 for v in column]
 
 
+@pytest.fixture
+def forked_workers(monkeypatch):
+    """workers=N's processes forked from tests/forked.py's server instead of spawned: the same fresh
+    processes (the server has imported torch and neorec, and holds no threads or thread pools to
+    inherit, which is why preprocessing spawns them), without each importing torch again."""
+    import types
+
+    from forked import context
+
+    from neorec.data import preprocess
+
+    def get_context(method):
+        assert method == "spawn", method
+        return context()
+
+    monkeypatch.setattr(preprocess, "multiprocessing", types.SimpleNamespace(get_context=get_context))
+
+
 def small_spec(**kw) -> SyntheticSpec:
     base = dict(rows=[50, 1000, 7], num_dense=4, train_samples=40000, eval_samples=5000, seed=3)
     return SyntheticSpec(**{**base, **kw})
@@ -146,7 +162,7 @@ def test_synthetic_multi_hot_weighted_equals_the_generator(tmp_path):
     )
 
 
-def test_interrupted_run_resumes_to_identical_bytes(tmp_path):
+def test_interrupted_run_resumes_to_identical_bytes(tmp_path, forked_workers):
     spec = small_spec()
     full = tmp_path / "full"
     preprocess_synthetic(spec, full, blocks_per_shard=1, progress=False)
@@ -167,7 +183,7 @@ def test_interrupted_run_resumes_to_identical_bytes(tmp_path):
 
 
 @needs_sample
-def test_criteo_resume_and_workers_give_identical_bytes(tmp_path):
+def test_criteo_resume_and_workers_give_identical_bytes(tmp_path, forked_workers):
     kw = dict(vocab_threshold=2, shard_lines=40, progress=False)
     preprocess_criteo([SAMPLE], tmp_path / "one", **kw)
     preprocess_criteo([SAMPLE], tmp_path / "two", max_shards=3, **kw)
@@ -202,7 +218,7 @@ def corrupt(dst: Path, line: int, field: int, value: str) -> Path:
     return dst
 
 
-def test_bad_line_fails_with_file_and_line(tmp_path):
+def test_bad_line_fails_with_file_and_line(tmp_path, forked_workers):
     path = corrupt(tmp_path / "bad.tsv", line=13, field=5, value="12a")
     with pytest.raises(DataError, match=re.escape(f"{path}:13: dense feature I5 = '12a'")):
         preprocess_criteo([path], tmp_path / "out", shard_lines=6, progress=False)
@@ -258,10 +274,13 @@ def test_cli_synthetic(tmp_path, capsys):
 
 def test_killed_process_resumes_to_identical_bytes(tmp_path):
     """A real interruption: SIGKILL the CLI once its first shard is renamed, then rerun it."""
+    from forked import run_neorec, start_neorec
+
     sets = ["--set", "data.synthetic.train_samples=200000", "--set", "data.synthetic.eval_samples=20000",
             "--set", "data.synthetic.rows=1000"]  # fmt: skip
-    cmd = [sys.executable, "-m", "neorec", "data", "preprocess", "--synthetic", "--no-progress", *sets]
-    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "killed")], stdout=subprocess.DEVNULL)
+    # `python -m neorec ...` in processes forked from one that has imported neorec (tests/forked.py)
+    cmd = ["data", "preprocess", "--synthetic", "--no-progress", *sets]
+    proc = start_neorec([*cmd, "--out", str(tmp_path / "killed")])
     deadline = time.monotonic() + 120
     while not (tmp_path / "killed" / "shards" / "00000").is_dir() and proc.poll() is None:
         assert time.monotonic() < deadline, "the first shard never appeared"
@@ -269,10 +288,7 @@ def test_killed_process_resumes_to_identical_bytes(tmp_path):
     proc.kill()
     proc.wait(timeout=30)
     assert not load_manifest(tmp_path / "killed")["complete"]
-    subprocess.run(
-        [*cmd, "--out", str(tmp_path / "killed")], check=True, timeout=300, stdout=subprocess.DEVNULL
-    )
-    subprocess.run(
-        [*cmd, "--out", str(tmp_path / "fresh")], check=True, timeout=300, stdout=subprocess.DEVNULL
-    )
+    for out in ("killed", "fresh"):
+        p = run_neorec([*cmd, "--out", str(tmp_path / out)], timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
     assert tree_digest(tmp_path / "killed") == tree_digest(tmp_path / "fresh")

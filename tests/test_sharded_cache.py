@@ -223,7 +223,6 @@ def test_train_nproc_2_builds_the_plan_files_cached_tables(tmp_path):
     """A plan file with cached/ssd tiers: `neorec train --nproc 2` trains those tables through row
     caches (files per rank under embedding.cache.directory) and ends with one process's tables."""
     import json
-    import sys
 
     from test_launch import SMALL, _run, _sets, _tables
 
@@ -240,10 +239,10 @@ def test_train_nproc_2_builds_the_plan_files_cached_tables(tmp_path):
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     cache = [f"embedding.cache.directory={tmp_path / 'files'}", "embedding.cache.fraction=0.1"]
     multi, single = tmp_path / "multi", tmp_path / "single"
-    p = _run([sys.executable, "-m", "neorec", "train", "--nproc", "2", "--output-dir", str(multi),
+    p = _run(["-m", "neorec", "train", "--nproc", "2", "--output-dir", str(multi),
               *_sets([f"distributed.plan={tmp_path / 'plan.json'}", *cache])])  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    p = _run([sys.executable, "-m", "neorec", "train", "--output-dir", str(single), *_sets([])])
+    p = _run(["-m", "neorec", "train", "--output-dir", str(single), *_sets([])])
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = _tables(single), _tables(multi)
     assert a.keys() == b.keys()

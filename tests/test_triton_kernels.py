@@ -48,7 +48,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning"),
 ]
 RULE_NAMES = ["sgd", "adagrad", "rowwise_adagrad", "adam"]
-HOT_IDS = 100_000 if CUDA else 1 << 13  # ids of one row in a batch; the interpreter is slow
+# ids of one row in a batch; the interpreter is slow: a whole chunk of the default size and one id
+HOT_IDS = 100_000 if CUDA else triton_fused_update.LONG_ROW_CHUNK + 1
 
 
 def torch_path_update(*args, **kwargs) -> None:
@@ -67,13 +68,19 @@ def low_precision_tol(dtype: str) -> dict[str, float]:
 @pytest.mark.parametrize("name", RULE_NAMES)
 def test_kernels_match_float64_reference(name: str, dtype: str, monkeypatch) -> None:
     """Every rule and dtype: mixed dims (3, 8, 16; the dim-8 group holds two tables), mean and sum
-    pooling, per-sample weights, empty bags, duplicate ids, weight decay, a decaying lr schedule."""
+    pooling, per-sample weights, empty bags, duplicate ids, weight decay, a decaying lr schedule
+    (two steps of five samples: the interpreter's cost is per program)."""
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, weight_decay=0.01, initial_accumulator=0.01)
     monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
     engine, ref, outputs = train_both(
-        make_tables(dtype), opt, steps=3, seed=7, device=DEVICE, kernels="triton"
+        make_tables(dtype), opt, steps=2, seed=7, device=DEVICE, kernels="triton", batch_size=5
     )
     assert all(engine.triton_update(gi, torch.device(DEVICE)) for gi in range(len(engine.layout.groups)))
+    # train_both's first batch: duplicate ids and empty bags
+    ids, lengths, _ = random_batch(
+        make_tables(dtype), torch.Generator().manual_seed(7), batch_size=5
+    ).feature("user")
+    assert ids.unique().numel() < ids.numel() and bool((lengths == 0).any())
     # the first lookup reads the initial rows, which the reference holds exactly
     torch.testing.assert_close(outputs[0][0].double(), outputs[0][1], rtol=1e-5, atol=1e-6)
     assert_matches(engine, ref, outputs, **low_precision_tol(dtype))
@@ -233,14 +240,16 @@ def update_once(
 
 @pytest.mark.parametrize("name", RULE_NAMES)
 def test_hot_row_split_over_programs_matches_reference_and_repeats_bitwise(name: str) -> None:
-    """Row 2 takes 3,000 of 3,006 ids; chunks of 64 ids (47 partial sums added in chunk order) give
-    one update with the whole row's sum, equal to float64 to fp32 rounding, bitwise the same twice."""
+    """Row 2 takes 600 of 606 ids; chunks of 20 ids (30 partial sums added in chunk order, each chunk
+    a whole block of 16 ids and 4 more) give one update with the whole row's sum, equal to float64 to
+    fp32 rounding, bitwise the same twice."""
     gen = torch.Generator().manual_seed(1)
-    rows = torch.cat([torch.full((3000,), 2), torch.tensor([0, 5, 5, 1, 4, 0])])[
-        torch.randperm(3006, generator=gen)
+    rows = torch.cat([torch.full((600,), 2), torch.tensor([0, 5, 5, 1, 4, 0])])[
+        torch.randperm(606, generator=gen)
     ]
-    w, s, (w0, s0, grad, scales), hp = update_once(name, torch.float32, rows, chunk=64)
-    w_again, s_again, *_ = update_once(name, torch.float32, rows, chunk=64)
+    assert exact_num_chunks(rows, 20) == 30
+    w, s, (w0, s0, grad, scales), hp = update_once(name, torch.float32, rows, chunk=20)
+    w_again, s_again, *_ = update_once(name, torch.float32, rows, chunk=20)
     assert torch.equal(w, w_again) and all(torch.equal(s[k], s_again[k]) for k in s)
 
     g = torch.zeros(6, 7, dtype=torch.float64).index_add_(
@@ -265,21 +274,21 @@ def exact_num_chunks(rows: torch.Tensor, chunk: int) -> int:
 
 @pytest.mark.parametrize("name", RULE_NAMES)
 def test_chunk_grid_bound_gives_bitwise_the_exact_grids_result(name: str, monkeypatch) -> None:
-    """Hot rows of 65, 200 and 128 ids (2, 4 and 2 chunks of 64), one of exactly 64 (not split) and
-    400 cold ids over 300 rows: the chunk programs launched over the host's bound (26 for 8 chunks),
+    """Hot rows of 17, 50 and 32 ids (2, 4 and 2 chunks of 16), one of exactly 16 (not split) and
+    100 cold ids over 300 rows: the chunk programs launched over the host's bound (25 for 8 chunks),
     over the exact count, or over 40 times it give bitwise the same rows and state, within fp32
     rounding of the float64 sum."""
     gen = torch.Generator().manual_seed(5)
-    hot = [torch.full((n,), r) for r, n in [(3, 65), (17, 200), (150, 128), (42, 64)]]
-    cold = torch.randint(200, 300, (400,), generator=gen)
-    rows = torch.cat([*hot, cold])[torch.randperm(457 + 400, generator=gen)]
-    exact = exact_num_chunks(rows, 64)
-    assert exact == 8 and triton_fused_update.max_chunks(rows.numel(), 64) == 26
+    hot = [torch.full((n,), r) for r, n in [(3, 17), (17, 50), (150, 32), (42, 16)]]
+    cold = torch.randint(200, 300, (100,), generator=gen)
+    rows = torch.cat([*hot, cold])[torch.randperm(115 + 100, generator=gen)]
+    exact = exact_num_chunks(rows, 16)
+    assert exact == 8 and triton_fused_update.max_chunks(rows.numel(), 16) == 25
     results = {}
     for grid in ("bound", exact, 40 * exact):
         if grid != "bound":
             monkeypatch.setattr(triton_fused_update, "max_chunks", lambda num_ids, chunk, grid=grid: grid)
-        results[grid] = update_once(name, torch.float32, rows, chunk=64, num_rows=300)
+        results[grid] = update_once(name, torch.float32, rows, chunk=16, num_rows=300)
     w, s, (w0, s0, grad, scales), hp = results["bound"]
     for grid in (exact, 40 * exact):
         assert torch.equal(results[grid][0], w) and all(torch.equal(results[grid][1][k], s[k]) for k in s)
@@ -315,13 +324,15 @@ def test_ids_sorted_on_the_device_are_sort_by_rows_padded() -> None:
 
 @pytest.mark.parametrize("name", RULE_NAMES)
 def test_update_over_padded_ids_is_bitwise_the_exact_one(name: str) -> None:
-    """The update launched over one program per id (those past the unique rows return) changes the
-    same rows to bitwise the same values as the one launched over the unique rows."""
+    """The update over the ids sorted on the device (unique rows padded to one entry per id; the
+    padding's rows are never updated) changes the same rows to bitwise the same values as the one
+    over the exact unique rows, a hot row's chunks of 16 ids included."""
     gen = torch.Generator().manual_seed(12)
-    rows = torch.cat([torch.full((150,), 2), torch.randint(0, 50, (300,), generator=gen)])
+    rows = torch.cat([torch.full((40,), 2), torch.randint(0, 50, (80,), generator=gen)])
     rows = rows[torch.randperm(rows.numel(), generator=gen)]
-    exact = update_once(name, torch.float32, rows, chunk=64, num_rows=50)
-    padded = update_once(name, torch.float32, rows, chunk=64, num_rows=50, sort=sort_by_row_on_device)
+    assert exact_num_chunks(rows, 16) >= 3 and torch.unique(rows).numel() < rows.numel()
+    exact = update_once(name, torch.float32, rows, chunk=16, num_rows=50)
+    padded = update_once(name, torch.float32, rows, chunk=16, num_rows=50, sort=sort_by_row_on_device)
     assert torch.equal(exact[0], padded[0]) and all(torch.equal(exact[1][k], padded[1][k]) for k in exact[1])
 
 
@@ -338,10 +349,11 @@ def test_max_chunks_bounds_every_split(counts: list[int], chunk: int) -> None:
 
 
 def test_hot_row_in_default_chunks_is_deterministic() -> None:
-    """The hot-row case at the default chunk size (1,024 ids): 10^5 ids of one row on a GPU, 2^13
-    under the interpreter (8 chunks); bitwise the same on two runs, equal to the float64 sum to
-    fp32 rounding."""
+    """The hot-row case at the default chunk size (1,024 ids): 10^5 ids of one row on a GPU, 1,025
+    under the interpreter (2 chunks, the second of one id); bitwise the same on two runs, equal to
+    the float64 sum to fp32 rounding."""
     rows = torch.full((HOT_IDS,), 4)
+    assert exact_num_chunks(rows, triton_fused_update.LONG_ROW_CHUNK) >= 2
     w, s, (w0, s0, grad, scales), hp = update_once("rowwise_adagrad", torch.float32, rows, chunk=None)
     w_again, s_again, *_ = update_once("rowwise_adagrad", torch.float32, rows, chunk=None)
     assert torch.equal(w, w_again) and torch.equal(s["momentum1"], s_again["momentum1"])
@@ -366,6 +378,12 @@ def zipf_batch(
             weights = torch.rand(n, generator=gen) + 0.5
             features[f] = (ids, lengths, weights) if weighted else (ids, lengths)
     return SparseBatch.from_features(features)
+
+
+def hot_row_chunks(tables: list[TableConfig], batch: SparseBatch, chunk: int) -> list[int]:
+    """Per table, the chunks of `chunk` ids that the update splits the batch's hot rows into (a
+    table's ids over all its features)."""
+    return [exact_num_chunks(torch.cat([batch.feature(f)[0] for f in t.features]), chunk) for t in tables]
 
 
 def train_steps(
@@ -434,10 +452,10 @@ def test_mixed_dims_take_one_launch_of_each_kernel(monkeypatch) -> None:
 def test_one_launch_is_bitwise_one_launch_per_group_and_repeats(name: str, monkeypatch) -> None:
     """Row-wise adagrad (a sum across the row) and adam on bf16 rows with stochastic rounding, groups
     of dims 5 (two tables with their own hyper-parameters), 12 and 3, no per-sample weights but one
-    mean-pooled feature (so one group has scales and two have none), hot rows in chunks of 8 ids:
-    all groups in one launch of each kernel give bitwise the outputs, rows and state of a launch per
-    group (with narrower blocks), and two runs give bitwise the same."""
-    monkeypatch.setattr(triton_fused_update, "LONG_ROW_CHUNK", 8)
+    mean-pooled feature (so one group has scales and two have none), hot rows of every table in
+    chunks of 3 ids: all groups in one launch of each kernel give bitwise the outputs, rows and
+    state of a launch per group (with narrower blocks), and two runs give bitwise the same."""
+    monkeypatch.setattr(triton_fused_update, "LONG_ROW_CHUNK", 3)
     opt = EmbeddingOptimizerConfig(name=name, lr=0.01, weight_decay=0.01)
     tables = [
         TableConfig(name="a", rows=30, dim=5, features=["a", "a2"], pooling="mean", dtype="bf16"),
@@ -447,7 +465,8 @@ def test_one_launch_is_bitwise_one_launch_per_group_and_repeats(name: str, monke
                     optimizer=EmbeddingOptimizerConfig(name=name, lr=0.03, beta1=0.8)),
     ]  # fmt: skip
     gen = torch.Generator().manual_seed(6)
-    batches = [zipf_batch(tables, gen, batch=8, max_len=5, weighted=False) for _ in range(2)]
+    batches = [zipf_batch(tables, gen, batch=5, max_len=5, weighted=False) for _ in range(2)]
+    assert all(n >= 2 for b in batches for n in hot_row_chunks(tables, b, 3))  # every table's, each step
     grads = [torch.randn(b.batch_size, 30, generator=gen) for b in batches]
     monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
     counters = count_launches(monkeypatch)
@@ -532,7 +551,8 @@ def test_kernels_through_the_gpu_cache_path_are_bitwise_uncached(
 ):
     """What a GPU cache over host memory runs with the Triton kernels (reads ahead on the worker,
     write-backs without a host read; CPU tensors standing in for device memory), under eviction
-    pressure: the cached groups' batches go through the kernels at their slots, and training is
+    pressure (a tenth of the rows cached: every table evicts and writes back within three batches of
+    six samples): the cached groups' batches go through the kernels at their slots, and training is
     bitwise training the tables in memory with the same kernels."""
     from test_cache import assert_same_state, cached_engine
     from test_cache import tables as cache_tables
@@ -542,7 +562,7 @@ def test_kernels_through_the_gpu_cache_path_are_bitwise_uncached(
     opt = EmbeddingOptimizerConfig(name=name, lr=0.05, weight_decay=0.01, initial_accumulator=0.01)
     plain = FusedEmbeddingCollection(ts, opt, kernels="triton")
     cached = cached_engine(
-        ts, opt, tmp_path, policy, tier="dram", fraction=0.3, io_thread=True, kernels="triton"
+        ts, opt, tmp_path, policy, tier="dram", fraction=0.1, io_thread=True, kernels="triton"
     )
     in_place = []
     update = triton_fused_update.fused_update
@@ -552,19 +572,19 @@ def test_kernels_through_the_gpu_cache_path_are_bitwise_uncached(
         return update(groups, step)
 
     monkeypatch.setattr(triton_fused_update, "fused_update", seen)
-    train_cached(plain, cached, torch.Generator().manual_seed(5), 8, ts, prefetch=True)
+    train_cached(plain, cached, torch.Generator().manual_seed(5), 3, ts, prefetch=True, batch_size=6)
     assert_same_state(plain, cached)
     stats = cached.cache_stats()
-    assert (
-        sum(s["evictions"] for s in stats.values()) > 0 and sum(s["writebacks"] for s in stats.values()) > 0
-    )
+    assert set(stats) == {"users", "items", "tags"}
+    assert all(s["evictions"] > 0 and s["writebacks"] > 0 for s in stats.values())
     assert staged_on_cpu and any(in_place)
 
 
 def test_engine_is_bitwise_deterministic_with_hot_rows_and_every_feature(monkeypatch) -> None:
     """Adam on bf16 rows with stochastic rounding, row-wise adagrad on fp16, adagrad on fp32 with odd
-    dims, mean pooling, hot rows split into chunks of 8 ids: two runs give bitwise the same."""
-    monkeypatch.setattr(triton_fused_update, "LONG_ROW_CHUNK", 8)
+    dims, mean pooling, hot rows of every table split into chunks of 3 ids: two runs give bitwise
+    the same."""
+    monkeypatch.setattr(triton_fused_update, "LONG_ROW_CHUNK", 3)
     tables = [
         TableConfig(name="a", rows=30, dim=5, features=["a", "a2"], pooling="mean", dtype="bf16",
                     optimizer=EmbeddingOptimizerConfig(name="adam", lr=0.01, weight_decay=0.01)),
@@ -573,7 +593,8 @@ def test_engine_is_bitwise_deterministic_with_hot_rows_and_every_feature(monkeyp
         TableConfig(name="c", rows=10, dim=3, features=["c"]),
     ]  # fmt: skip
     gen = torch.Generator().manual_seed(2)
-    batches = [zipf_batch(tables, gen, batch=12, max_len=6) for _ in range(2)]
+    batches = [zipf_batch(tables, gen, batch=6, max_len=5) for _ in range(2)]
+    assert all(n >= 2 for b in batches for n in hot_row_chunks(tables, b, 3))  # every table's, each step
     grads = [torch.randn(b.batch_size, 25, generator=gen) for b in batches]
     monkeypatch.setattr(FusedEmbeddingCollection, "apply_update", torch_path_update)
     opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05)

@@ -8,13 +8,12 @@ name files outside their folder are refused before anything is opened."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from forked import run_python
 from test_files_writer import assert_one_error, damaged, flipped, json_damage, run_cli, zip_damage
 
 from neorec.checkpoint import list_checkpoints
@@ -234,11 +233,13 @@ signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with
 
 
 def limited(limit, *args):
-    # (exit code, stderr) of a command under a file-size limit of `limit` bytes
+    # (exit code, stderr) of a command under a file-size limit of `limit` bytes; its stdout is not
+    # looked at, and kept off this process's stdout, which may be a file (the limit would apply to it)
+    sys.stdout.flush()
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = main([str(a) for a in args])
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
@@ -268,8 +269,8 @@ def test_a_full_disk_gives_one_clear_error_and_keeps_earlier_files(run, tmp_path
     the file and what it is, no traceback, no partial file, and the files written before intact."""
     work = tmp_path / "work"
     work.mkdir()
-    p = subprocess.run([sys.executable, "-c", _LIMITED, str(run), str(work), json.dumps(SETS)],
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    # `python -c _LIMITED ...` in a process forked from one that has imported neorec (tests/forked.py)
+    p = run_python(["-c", _LIMITED, str(run), str(work), json.dumps(SETS)], timeout=300)
     assert p.returncode == 0, p.stderr
     results = json.loads(p.stdout.strip().splitlines()[-1])
     expect = {

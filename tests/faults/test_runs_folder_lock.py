@@ -9,14 +9,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from forked import Started, run_neorec, start_neorec, start_python
 
 from neorec.checkpoint import list_checkpoints
 from neorec.cli import main
@@ -35,29 +34,25 @@ def _args(out: Path, sets: list[str], *more: str) -> list[str]:
     return ["train", "--output-dir", str(out), *[x for kv in [*RUN, *sets] for x in ("--set", kv)], *more]
 
 
-def _start(out: Path, sets: list[str], *more: str) -> subprocess.Popen:
-    """`neorec train` in the background; its console output goes to a file (a pipe could fill up)."""
-    log = open(f"{out}.{time.monotonic_ns()}.log", "w+")  # noqa: SIM115 - closed with the test's tmp_path
+def _start(out: Path, sets: list[str], *more: str) -> Started:
+    """`neorec train` in the background, in a process of its own forked from one that has imported
+    neorec (tests/forked.py); its console output goes to a file (a pipe could fill up)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "neorec", *_args(out, sets, *more)]
-    run = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    run.log = log  # type: ignore[attr-defined]
-    return run
+    return start_neorec(_args(out, sets, *more), env=env, merge=True)
 
 
-def _output(run: subprocess.Popen) -> str:
-    run.log.seek(0)  # type: ignore[attr-defined]
-    return run.log.read()  # type: ignore[attr-defined]
+def _output(run: Started) -> str:
+    return run.output()[0]
 
 
-def _finish(run: subprocess.Popen) -> str:
+def _finish(run: Started) -> str:
     run.wait(timeout=120)
     out = _output(run)
     assert run.returncode == 0, out[-3000:]
     return out
 
 
-def _wait_for_step(run: subprocess.Popen, out: Path, step: int) -> None:
+def _wait_for_step(run: Started, out: Path, step: int) -> None:
     metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
     while run.poll() is None and time.monotonic() < deadline:
         if metrics.is_file() and any(x.endswith("}") and json.loads(x)["step"] >= step
@@ -67,7 +62,7 @@ def _wait_for_step(run: subprocess.Popen, out: Path, step: int) -> None:
     raise AssertionError(f"no step {step} logged: {_output(run)[-3000:]}")
 
 
-def _wait_for_lock(run: subprocess.Popen, out: Path) -> None:
+def _wait_for_lock(run: Started, out: Path) -> None:
     """Until `run` holds the folder (its PID heads the lock file)."""
     deadline = time.monotonic() + 120
     while run.poll() is None and time.monotonic() < deadline:
@@ -78,8 +73,8 @@ def _wait_for_lock(run: subprocess.Popen, out: Path) -> None:
 
 
 def _refused(argv: list[str], holder: int) -> str:
-    """`neorec <argv>` in a subprocess: refused with one error line naming `holder` and this host."""
-    p = subprocess.run([sys.executable, "-m", "neorec", *argv], capture_output=True, text=True, timeout=60)
+    """`neorec <argv>` in a process of its own: refused with one error line naming `holder` and this host."""
+    p = run_neorec(argv, timeout=60)
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr.startswith("neorec: error: ") and p.stderr.count("\n") == 1, p.stderr
     assert f"is in use by another run: pid {holder} on host {socket.gethostname()} since " in p.stderr
@@ -113,11 +108,14 @@ def test_processes_racing_for_one_folder_one_run_wins(tmp_path):
     """)
     for jobs in (["", ""] * 4, ["a", "b"] * 4):
         go = tmp_path / f"go-{jobs[0]}"
-        procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"run-{jobs[0]}"), str(go), job],
-                                  stdout=subprocess.PIPE, text=True) for job in jobs]  # fmt: skip
-        assert all(p.stdout.readline() == "ready\n" for p in procs)  # all of them waiting for the start
+        # processes of their own, forked from one that has imported neorec (tests/forked.py)
+        procs = [start_python(["-c", script, str(tmp_path / f"run-{jobs[0]}"), str(go), job]) for job in jobs]
+        deadline = time.monotonic() + 60
+        while not all(p.output()[0] == "ready\n" for p in procs):  # all of them waiting for the start
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.output() for p in procs]
+            time.sleep(0.01)
         go.touch()
-        said = [(job, p.communicate(timeout=60)[0]) for job, p in zip(jobs, procs, strict=True)]
+        said = [(job, p.communicate(timeout=60)[0].removeprefix("ready\n")) for job, p in zip(jobs, procs, strict=True)]
         holders = [job for job, out in said if out.startswith("holds")]
         if jobs[0] == "":
             assert len(holders) == 1, said
