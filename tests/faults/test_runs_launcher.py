@@ -34,12 +34,21 @@ ALL_DP = "distributed.sharding={C1: {kind: dp}, C2: {kind: dp}, C3: {kind: dp}, 
 
 
 def _running(pid: int) -> bool:
-    """The process exists and has not exited (a zombie that nobody reaps yet does not count)."""
+    """Some thread of the process has not exited. The group leader turns zombie as soon as it exits,
+    while its other threads may still be exiting and holding the process's descriptors (and locks):
+    only when every thread is gone is the process."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return False
 
 
 def _wait_gone(pids: list[int], seconds: float) -> float:
