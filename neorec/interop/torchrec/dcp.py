@@ -99,7 +99,9 @@ def load_dcp(model: nn.Module, folder: str | Path, optimizer_state: bool = True)
             )
         found = _state_keys(keys, table_keys[t.name], t.name)
         if optimizer_state:
-            states[t.name] = _carried_state(t, _optimizer_name(emb, t), found, metadata, table_keys[t.name], report)
+            states[t.name] = _carried_state(
+                t, _optimizer_name(emb, t), found, metadata, table_keys[t.name], report
+            )
     dense = _read_dlrm_dense(model, metadata, folder, table_keys)
     reader = CheckedReader(folder, metadata)
     _read_tables(emb, reader, metadata, table_keys, states)
@@ -195,7 +197,9 @@ def _carried_state(
     for key in out.values():
         entry = tensor_entry(metadata, key)
         if len(entry.size) == 2 and tuple(entry.size) != (t.rows, t.dim):
-            raise TorchRecInteropError(f"{key!r} is {list(entry.size)}; table {t.name!r} is [{t.rows}, {t.dim}]")
+            raise TorchRecInteropError(
+                f"{key!r} is {list(entry.size)}; table {t.name!r} is [{t.rows}, {t.dim}]"
+            )
         if len(entry.size) == 1:
             blocks = row_blocks(metadata, table_key)
             if entry.size[0] != sum(r1 - r0 for (r0, r1), _, _ in blocks):
@@ -237,7 +241,9 @@ def _read_dlrm_dense(model: nn.Module, metadata, folder, table_keys: dict[str, s
         return None
     if not is_dlrm:
         if any(BOTTOM in k for k in keys):
-            raise TorchRecInteropError(f"the DCP checkpoint has DLRM layers but its tables are under {tables_prefix!r}")
+            raise TorchRecInteropError(
+                f"the DCP checkpoint has DLRM layers but its tables are under {tables_prefix!r}"
+            )
         return None
     outer = tables_prefix[: -len(DLRM_TABLES + EBC_KEY)]
     check_plain_dlrm(keys, outer)
@@ -265,7 +271,9 @@ def _read_tables(emb: EmbeddingCollection, reader: CheckedReader, metadata, tabl
             for state, key in by_state.items():
                 storage = held[state][0]
                 if len(tensor_entry(metadata, key).size) == 2:
-                    parts.setdefault(key, []).append(((rows[0], c0), torch.empty(b - a, c1 - c0, dtype=storage.dtype)))
+                    parts.setdefault(key, []).append(
+                        ((rows[0], c0), torch.empty(b - a, c1 - c0, dtype=storage.dtype))
+                    )
                     combine.append((state, key, None))
                 else:
                     combine.append((state, key, _row_state_parts(metadata, table_keys[slot.table], key, rows, (c0, c1), parts)))  # fmt: skip
@@ -346,7 +354,9 @@ def save_dcp(
     row_sums = {
         key: torch.zeros(tables[table].rows)
         for (table, state), key in keys.items()
-        if table in split and state != "weight" and not RULES[_optimizer_name(emb, tables[table])].state[state]
+        if table in split
+        and state != "weight"
+        and not RULES[_optimizer_name(emb, tables[table])].state[state]
     }
     parts: dict[str, list[Part]] = {}
     sizes: dict[str, tuple[int, ...]] = {}

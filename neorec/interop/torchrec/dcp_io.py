@@ -80,7 +80,9 @@ def read_metadata(folder: str | Path) -> Metadata:
     the file when the folder is no DCP checkpoint or the file is damaged or foreign."""
     path = Path(folder) / METADATA
     if not Path(folder).is_dir():
-        raise TorchRecInteropError(f"{folder}: no such folder (a torch.distributed.checkpoint folder was expected)")
+        raise TorchRecInteropError(
+            f"{folder}: no such folder (a torch.distributed.checkpoint folder was expected)"
+        )
     if not path.is_file():
         raise TorchRecInteropError(
             f"{folder}: not a torch.distributed.checkpoint (DCP) folder: it has no {METADATA} file"
@@ -88,7 +90,9 @@ def read_metadata(folder: str | Path) -> Metadata:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
-        raise TorchRecInteropError(f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})") from None
+        raise TorchRecInteropError(
+            f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise TorchRecInteropError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
@@ -124,7 +128,9 @@ class _PartsLoadPlanner(LoadPlanner):
     def __init__(self, parts: Mapping[str, Sequence[Part]]) -> None:
         self.parts = {k: list(v) for k, v in parts.items()}
 
-    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         assert metadata is not None
         self.metadata = metadata
 
