@@ -23,7 +23,7 @@ rows. `save_dcp` writes a neorec model as such a folder, each process its own sh
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -312,6 +312,7 @@ def save_dcp(
     prefix: str = "model.",
     module_prefix: str = "",
     optimizer_prefix: str | None = "optim.",
+    row_state_columns: Mapping[str, Sequence[int]] | None = None,
 ) -> DcpReport:
     """Write a neorec DLRM or embedding collection as a DCP checkpoint that a TorchRec model loads
     with `dcp.load`. Collective for a sharded collection (every rank calls it; each writes the table
@@ -323,9 +324,13 @@ def save_dcp(
     "" for `dmp.state_dict()` itself); `module_prefix` is where the TorchRec model keeps the tables
     ("model." in DLRMTrain). With `optimizer_prefix`, each table's optimizer state goes to
     `<optimizer_prefix>state.<module_prefix + table key>.<table>.<state>`, the layout of
-    `dmp.fused_optimizer.state_dict()`; row-wise state is [rows] (a table TorchRec splits by
-    columns holds one block per column shard, so only a DMP that keeps such tables whole or splits
-    them by rows loads it)."""
+    `dmp.fused_optimizer.state_dict()`.
+
+    Row-wise state (row-wise Adagrad's) is laid out as TorchRec lays out a table's: one block of
+    [rows] per column shard. `row_state_columns` {table: the first column of each shard} says how
+    the TorchRec model that will load it splits a table; by default a table is split as this model
+    splits it ([0]: a whole table, [rows]). A block over other columns than neorec's shards gets their
+    mean weighted by the columns shared (exact where the splits agree)."""
     from neorec.checkpoint.pieces import slots, storages
     from neorec.embedding.fused.storage import read_storage
     from neorec.model.dlrm import DLRM
@@ -335,7 +340,8 @@ def save_dcp(
     if hasattr(emb, "sync_replica_state"):  # replicated tables' state, current on their owners only
         emb.sync_replica_state()
     dlrm = isinstance(model, DLRM)
-    report = DcpReport(tables=[t.name for t in emb.tables])
+    tables = {t.name: t for t in emb.tables}
+    report = DcpReport(tables=list(tables))
     keys: dict[tuple[str, str], str] = {}  # (table, "weight" or a neorec state) -> DCP key
     for t in emb.tables:
         kind = EC_KEY if t.pooling == "none" and not dlrm else EBC_KEY
@@ -348,16 +354,14 @@ def save_dcp(
             report.optimizer_state[t.name] = sorted(keys[(t.name, s)] for s in names)
         elif optimizer_prefix is not None:
             report.not_carried[t.name] = f"neorec's {_optimizer_name(emb, t)} keeps no state"
-    tables = {t.name: t for t in emb.tables}
-    # row-wise state of tables split by columns: every rank sums its shards' shares into [rows]
-    split = _column_split_tables(emb)
+    blocks = _row_state_blocks(emb, row_state_columns or {})
+    # row-wise state: summed here into its blocks, [rows * blocks], unless a whole table is written whole
     row_sums = {
-        key: torch.zeros(tables[table].rows)
+        key: torch.zeros(tables[table].rows * len(blocks[table]))
         for (table, state), key in keys.items()
-        if table in split
-        and state != "weight"
-        and not RULES[_optimizer_name(emb, tables[table])].state[state]
-    }
+        if state != "weight" and not RULES[_optimizer_name(emb, tables[table])].state[state]
+        and (blocks[table] != [(0, tables[table].dim)] or table in _column_split(emb))
+    }  # fmt: skip
     parts: dict[str, list[Part]] = {}
     sizes: dict[str, tuple[int, ...]] = {}
     for slot in slots(emb):
@@ -372,7 +376,12 @@ def save_dcp(
                 parts.setdefault(key, []).append(((r0, c0), values))
                 sizes[key] = (t.rows, t.dim)
             elif key in row_sums:
-                row_sums[key][r0:r1] += values.float() * ((c1 - c0) / t.dim)
+                for i, (k0, k1) in enumerate(blocks[t.name]):
+                    shared = min(c1, k1) - max(c0, k0)
+                    if shared > 0:
+                        row_sums[key][i * t.rows + r0 : i * t.rows + r1] += values.float() * (
+                            shared / (k1 - k0)
+                        )
             else:
                 parts.setdefault(key, []).append(((r0,), values))
                 sizes[key] = (t.rows,)
@@ -393,12 +402,44 @@ def save_dcp(
     return report
 
 
-def _column_split_tables(emb: EmbeddingCollection) -> set[str]:
-    """Tables the sharded collection's plan splits by columns (on any rank)."""
+def _column_split(emb: EmbeddingCollection) -> dict[str, list[int]]:
+    """{table: the first column of each of its shards}, for the tables a sharded collection's plan
+    splits by columns (on any rank)."""
     units = getattr(getattr(emb, "layout", None), "units", None)  # the sharded collection's, on all ranks
-    if units is None:
-        return set()
-    return {u.table.name for per_rank in units for u in per_rank if u.shard.cols != (0, u.table.dim)}
+    starts: dict[str, set[int]] = {}
+    for per_rank in units or []:
+        for u in per_rank:
+            starts.setdefault(u.table.name, set()).add(u.shard.cols[0])
+    return {name: sorted(s) for name, s in starts.items() if len(s) > 1}
+
+
+def _row_state_blocks(
+    emb: EmbeddingCollection, given: Mapping[str, Sequence[int]]
+) -> dict[str, list[tuple[int, int]]]:
+    """{table: the column range of each block of its row-wise state}, from `given` first columns
+    (checked: the error names the table), else the collection's own split."""
+    tables = {t.name: t for t in emb.tables}
+    unknown = sorted(set(given) - set(tables))
+    if unknown:
+        raise TorchRecInteropError(
+            f"row_state_columns names tables {unknown} that the model does not have ({sorted(tables)})"
+        )
+    own = _column_split(emb)
+    out = {}
+    for name, t in tables.items():
+        starts = [int(c) for c in given.get(name, own.get(name, [0]))]
+        if (
+            not starts
+            or starts[0] != 0
+            or any(b <= a for a, b in zip(starts, starts[1:], strict=False))
+            or starts[-1] >= t.dim
+        ):
+            raise TorchRecInteropError(
+                f"row_state_columns[{name!r}] = {starts}: the first column of each column shard, rising from 0 and "
+                f"below the table's dim {t.dim}"
+            )
+        out[name] = list(zip(starts, [*starts[1:], t.dim], strict=True))
+    return out
 
 
 def _rank(emb: EmbeddingCollection) -> int:
