@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="a step-XXXXXXXX checkpoint folder, or a folder of them (then the newest)")
     p.add_argument("--verify", action="store_true", help="also check every file's size and checksum")
     p.set_defaults(func=cmd_checkpoint_inspect)
-    from neorec.interop.torchrec.dcp_commands import add_dcp_commands
+    from neorec.cli_dcp import add_dcp_commands
 
     add_dcp_commands(ckpt, _add_config_args)  # import-dcp, export-dcp: TorchRec's checkpoints
 

@@ -89,7 +89,16 @@ def read_metadata(folder: str | Path) -> Metadata:
         )
     try:
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        ImportError,
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+    ) as e:
         raise TorchRecInteropError(
             f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})"
         ) from None
@@ -113,7 +122,7 @@ class CheckedReader(dcp.FileSystemReader):
 
 
 def tensor_entry(metadata: Metadata, key: str) -> TensorStorageMetadata:
-    """The metadata of tensor `key` (the error names the key and the folder's nearest keys)."""
+    """The metadata of tensor `key`; TorchRecInteropError names the key when it is missing or no tensor."""
     entry = metadata.state_dict_metadata.get(key)
     if entry is None:
         raise TorchRecInteropError(f"the DCP checkpoint has no {key!r}")

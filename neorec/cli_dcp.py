@@ -5,6 +5,7 @@ config builds (one process: the whole tables in memory) and writes it as step 0 
 checkpoints, which `neorec train --resume` continues from on any number of processes. export-dcp
 builds the model of a run's config, loads one of its checkpoints (weights and optimizer state) and
 writes it as a torch.distributed.checkpoint folder. Both print what was and was not carried.
+The library side is neorec/interop/torchrec/dcp.py; it (and torch) are imported only when a command runs.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neorec.errors import NeorecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from neorec.interop.torchrec.dcp import DcpReport
 
 
 def add_dcp_commands(ckpt: argparse._SubParsersAction, add_config_args: Callable) -> None:
@@ -138,7 +143,7 @@ def _row_state_columns(items: list[str]) -> dict[str, list[int]]:
     return out
 
 
-def report_text(report, verb: str, with_dense: bool) -> str:
+def report_text(report: DcpReport, verb: str, with_dense: bool) -> str:
     """What a DcpReport says, one line per fact."""
     lines = [f"tables {verb}: {', '.join(report.tables)}"]
     if report.optimizer_state:
