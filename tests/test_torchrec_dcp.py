@@ -31,10 +31,10 @@ DIM, NUM_DENSE, BATCH = 8, 4, 6  # the global batch: 3 samples a TorchRec rank, 
 LR, EPS = 0.1, 1e-8
 ROWWISE = EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=LR, eps=EPS)
 ADAGRAD = EmbeddingOptimizerConfig(name="adagrad", lr=LR, eps=EPS)
-TABLES = [  # (name, rows, optimizer, TorchRec sharding of the imported model, of the exporting one)
-    ("t0", 40, ROWWISE, "table_wise", "column_wise"),
-    ("t1", 30, ADAGRAD, "column_wise", "table_wise"),
-    ("t2", 20, ROWWISE, "column_wise", "table_wise"),
+TABLES = [  # (name, rows, optimizer, TorchRec sharding of the model neorec imports, of the one it exports to)
+    ("t0", 40, ROWWISE, ("table_wise", 0), ("column_wise", [0, 1])),
+    ("t1", 30, ADAGRAD, ("column_wise", [0, 1]), ("table_wise", 1)),
+    ("t2", 20, ROWWISE, ("column_wise", [1, 0]), ("table_wise", 0)),  # rank 1 holds columns 0-3
 ]
 STEPS = 2  # trained before the checkpoint, and after it on each side
 
@@ -82,13 +82,12 @@ def neorec_steps(model, batches_, rank: int = 0, world: int = 1, comms=None) -> 
 
 # ---- the TorchRec side: 2 gloo ranks ------------------------------------------------------------
 def _dmp(topo: Topology, column: int):
-    """A TorchRec DLRM under DistributedModelParallel; shardings from TABLES' column `column`."""
-    import torch.distributed as dist
+    """A TorchRec DLRM under DistributedModelParallel, its tables sharded as TABLES' column `column` says."""
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-    from torchrec.distributed.planner import Topology as PlannerTopology
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan as TorchRecPlan
     from torchrec.models.dlrm import DLRM as TorchRecDLRM
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -104,14 +103,13 @@ def _dmp(topo: Topology, column: int):
     for name, _, opt, *_ in TABLES:
         kind = RowWiseAdagrad if opt.name == "rowwise_adagrad" else torch.optim.Adagrad
         apply_optimizer_in_backward(kind, [ebc.embedding_bags[name].weight], {"lr": LR, "eps": EPS})
-    constraints = {
-        row[0]: ParameterConstraints(sharding_types=[row[column]], min_partition=4) for row in TABLES
-    }
-    planner = EmbeddingShardingPlanner(
-        topology=PlannerTopology(world_size=topo.world_size, compute_device="cpu"), constraints=constraints
+    kinds = {"table_wise": lambda r: table_wise(rank=r), "column_wise": lambda r: column_wise(ranks=r)}
+    per_table = {row[0]: kinds[row[column][0]](row[column][1]) for row in TABLES}
+    tables_plan = construct_module_sharding_plan(
+        ebc, per_table, local_size=2, world_size=2, device_type="cpu"
     )
+    plan = TorchRecPlan({"sparse_arch.embedding_bag_collection": tables_plan})
     sharders = [EmbeddingBagCollectionSharder()]
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
 
 
@@ -131,6 +129,11 @@ def _torchrec_step(dmp, dense_opt, batch: Batch, rank: int) -> float:
     value = loss.detach().clone()
     dist.all_reduce(value)
     return float(value) / 2
+
+
+def _in_feature_order(pooled) -> torch.Tensor:
+    """A KeyedTensor's columns in the tables' feature order (a sharded collection groups them by sharding)."""
+    return torch.cat([pooled[f"f{name[1]}"] for name, *_ in TABLES], dim=1)
 
 
 def _torchrec_side(topo: Topology, saved: str, exported: str) -> dict:
@@ -164,11 +167,11 @@ def _torchrec_side(topo: Topology, saved: str, exported: str) -> dict:
     kjt = kjt_from_sparse(SparseBatch(probe.sparse.keys, probe.sparse.values, probe.sparse.lengths))
     ebc = other.module.sparse_arch.embedding_bag_collection
     with torch.no_grad():
-        pooled = [ebc(kjt).values()]
+        pooled = [_in_feature_order(ebc(kjt))]
         logits = other(probe.dense, kjt).squeeze(1)
     _torchrec_step(other, dense_opt, batches(3)[1], topo.rank)
     with torch.no_grad():
-        pooled.append(ebc(kjt).values())
+        pooled.append(_in_feature_order(ebc(kjt)))
     return {"losses": losses, "weights": weights, "pooled": pooled, "logits": logits}
 
 
