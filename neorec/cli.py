@@ -385,13 +385,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="write docs/config.md (the guide and a table per section)")
     p.set_defaults(func=cmd_config_keys)
 
-    ckpt = sub.add_parser("checkpoint", help="sharded training checkpoints").add_subparsers(
+    ckpt = sub.add_parser("checkpoint", help="sharded training checkpoints; TorchRec's (DCP) in and out").add_subparsers(
         dest="checkpoint_command", required=True
     )
     p = ckpt.add_parser("inspect", help="what a checkpoint holds: step, processes, plan, tables and ranges, files")
     p.add_argument("dir", help="a step-XXXXXXXX checkpoint folder, or a folder of them (then the newest)")
     p.add_argument("--verify", action="store_true", help="also check every file's size and checksum")
     p.set_defaults(func=cmd_checkpoint_inspect)
+    from neorec.cli_dcp import add_dcp_commands
+
+    add_dcp_commands(ckpt, _add_config_args)  # import-dcp, export-dcp: TorchRec's checkpoints
 
     data = sub.add_parser("data", help="download, generate, preprocess or inspect data").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("generate", help="write the synthetic data set of a config to .npz shards")

@@ -92,6 +92,8 @@ def small_overrides(argv: list[str]) -> list[str]:
         return [*SMALL_DATA, "--time-budget", "0.5"]
     if verb in (["data", "generate"], ["data", "inspect"]) or (verb == ["data", "preprocess"] and "--synthetic" in argv):
         return SMALL_DATA
+    if verb == ["checkpoint", "import-dcp"]:  # builds the config's model over its data, as train did
+        return SMALL_DATA
     return []
 
 

@@ -86,7 +86,7 @@ def load_trained(path: str | Path, config: str | Path | None = None) -> TrainedM
             f"{path}: neither a run folder (config.yaml and model.pt from `neorec train`) nor a checkpoint "
             "(a step-XXXXXXXX folder, or a folder of them)"
         )
-    cfg_path = Path(config) if config else _find_config(path)
+    cfg_path = Path(config) if config else find_run_config(path)
     cfg = load_config(str(cfg_path))
     source = build_source(cfg)
     tables = build_tables(cfg, source.info)
@@ -124,7 +124,7 @@ def load_trained(path: str | Path, config: str | Path | None = None) -> TrainedM
     return TrainedModel(cfg, source, tables, weights, dense, origin, id_maps)
 
 
-def _find_config(path: Path) -> Path:
+def find_run_config(path: Path) -> Path:
     """config.yaml of the run a folder belongs to: the folder itself or up to three levels above
     (runs/NAME/checkpoints/step-XXXXXXXX)."""
     for folder in [path, *list(path.resolve().parents)[:3]]:

@@ -13,6 +13,9 @@ TorchRec is an optional dependency; it is imported when a function here first ne
   outer prefix (`model.` of DLRMTrain, `module.`) <-> a neorec collection (fused, reference or
   sharded) or DLRM. A DistributedModelParallel state_dict loads once its sharded tables are
   gathered into full tensors (`gather_torchrec_state`).
+- dcp.py (with dcp_io.py): TorchRec's checkpoints, torch.distributed.checkpoint folders of a
+  DistributedModelParallel (tables in any sharding, fused optimizer state, DLRM layers) <-> a neorec
+  model, each process reading or writing only the table parts it holds.
 - dlrm.py: DLRM's MLPs, with the top MLP's input columns permuted between the two orders of the
   interaction's dot products.
 """
@@ -27,6 +30,7 @@ from neorec.interop.torchrec.batches import (
 )
 from neorec.interop.torchrec.common import TorchRecInteropError
 from neorec.interop.torchrec.configs import configs_from_tables, tables_from_configs
+from neorec.interop.torchrec.dcp import DcpReport, load_dcp, save_dcp
 from neorec.interop.torchrec.dlrm import BOTTOM, DLRM_TABLES, LAST, TOP, load_torchrec_dense
 from neorec.interop.torchrec.weights import (
     EBC_KEY,
@@ -39,6 +43,7 @@ from neorec.interop.torchrec.weights import (
 __all__ = [
     "BOTTOM",
     "DLRM_TABLES",
+    "DcpReport",
     "EBC_KEY",
     "EC_KEY",
     "LAST",
@@ -49,9 +54,11 @@ __all__ = [
     "jagged_from_rows",
     "jagged_from_sequences",
     "kjt_from_sparse",
+    "load_dcp",
     "load_torchrec_dense",
     "load_torchrec_state",
     "rows_from_jagged",
+    "save_dcp",
     "sequences_from_jagged",
     "sparse_from_kjt",
     "tables_from_configs",

@@ -1,0 +1,157 @@
+"""`neorec checkpoint import-dcp` and `export-dcp`: TorchRec's checkpoints <-> a config's model.
+
+import-dcp reads a torch.distributed.checkpoint folder of a TorchRec model into the model a neorec
+config builds (one process: the whole tables in memory) and writes it as step 0 of the run's
+checkpoints, which `neorec train --resume` continues from on any number of processes. export-dcp
+builds the model of a run's config, loads one of its checkpoints (weights and optimizer state) and
+writes it as a torch.distributed.checkpoint folder. Both print what was and was not carried.
+The library side is neorec/interop/torchrec/dcp.py; it (and torch) are imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from neorec.errors import NeorecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from neorec.interop.torchrec.dcp import DcpReport
+
+
+def add_dcp_commands(ckpt: argparse._SubParsersAction, add_config_args: Callable) -> None:
+    """The two subcommands of `neorec checkpoint`."""
+    p = ckpt.add_parser(
+        "import-dcp",
+        help="a TorchRec torch.distributed.checkpoint -> step 0 of a neorec run, to train on with --resume",
+    )
+    p.add_argument("dcp_dir", help="the folder dcp.save wrote (its .metadata and .distcp files)")
+    add_config_args(p)
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="the run folder (default: from config); gets checkpoints/step-00000000",
+    )
+    p.add_argument("--no-optimizer-state", action="store_true",
+                   help="read the weights alone; the embedding optimizer state starts fresh")  # fmt: skip
+    p.set_defaults(func=cmd_import_dcp)
+
+    p = ckpt.add_parser(
+        "export-dcp", help="a neorec checkpoint -> a torch.distributed.checkpoint a TorchRec model loads"
+    )
+    p.add_argument(
+        "checkpoint", help="a run folder (its newest checkpoint), a step-XXXXXXXX folder, or a folder of them"
+    )
+    p.add_argument("--out", required=True, help="the DCP folder to write (replaced if it exists)")
+    p.add_argument("--config", default=None, help="the run's config, for a checkpoint outside its run folder")
+    p.add_argument("--prefix", default="model.",
+                   help="where the saved dict holds the model: 'model.' for {'model': dmp.state_dict(), ...}, '' for "
+                        "dmp.state_dict() itself (default model.)")  # fmt: skip
+    p.add_argument("--module-prefix", default="",
+                   help="where the TorchRec model keeps its modules, e.g. 'model.' for DLRMTrain (default none)")  # fmt: skip
+    p.add_argument("--optimizer-prefix", default="optim.",
+                   help="where the saved dict holds dmp.fused_optimizer.state_dict() (default optim.)")  # fmt: skip
+    p.add_argument("--no-optimizer-state", action="store_true", help="write the weights alone")
+    p.add_argument("--row-state-columns", action="append", default=[], metavar="TABLE=C0,C1,...",
+                   help="the first column of each column shard of TABLE in the TorchRec model that loads it, for "
+                        "its row-wise optimizer state (default: whole tables; repeatable)")  # fmt: skip
+    p.set_defaults(func=cmd_export_dcp)
+
+
+def cmd_import_dcp(args: argparse.Namespace) -> int:
+    from neorec.checkpoint.save import save_checkpoint
+    from neorec.config.limits import check_memory
+    from neorec.config.load import load_config
+    from neorec.interop.torchrec.dcp import load_dcp
+    from neorec.interop.torchrec.dcp_io import read_metadata
+    from neorec.model.dlrm import DLRM
+    from neorec.train.run_folder import check_output_dir, run_folders
+    from neorec.train.run_lock import hold_run_folders
+    from neorec.train.trainer import Trainer
+
+    cfg = load_config(args.config or "default", args.overrides)  # validated before anything is read
+    check_memory(cfg)
+    read_metadata(args.dcp_dir)  # a DCP folder, before any model is built
+    out_dir = Path(args.output_dir or cfg.resolved_output_dir)
+    check_output_dir(out_dir)
+    with hold_run_folders(run_folders(cfg, out_dir)):
+        trainer = Trainer(cfg, out_dir)
+        root = trainer.checkpoints.root
+        if root.is_dir() and any(root.iterdir()):
+            raise NeorecError(
+                f"{root} already holds checkpoints; import into another --output-dir, or remove them first"
+            )
+        target = trainer.model if isinstance(trainer.model, DLRM) else trainer.embeddings
+        report = load_dcp(target, args.dcp_dir, optimizer_state=not args.no_optimizer_state)
+        state = trainer.data.position(0, 0)
+        state.update(batch_size=cfg.data.batch_size, seed=cfg.seed, metrics_lines=0, running_loss=None)
+        optimizers = {"dense": trainer.dense_opt, "embedding": trainer.emb_opt}
+        path = save_checkpoint(root, 0, trainer.embeddings, trainer.model, optimizers, state)
+    print(report_text(report, "read", target is trainer.model))
+    print(f"wrote {path}; train on with: neorec train --config ... --output-dir {out_dir} --resume")
+    return 0
+
+
+def cmd_export_dcp(args: argparse.Namespace) -> int:
+    from neorec.checkpoint.load import load_checkpoint, resolve_checkpoint
+    from neorec.cli_args import writable
+    from neorec.config.limits import check_memory
+    from neorec.config.load import load_config
+    from neorec.interop.torchrec.dcp import save_dcp
+    from neorec.model.dlrm import DLRM
+    from neorec.serving.export import find_run_config
+    from neorec.train.build import build_model, build_source, build_tables
+    from neorec.train.embeddings import build_embeddings
+
+    columns = _row_state_columns(args.row_state_columns)
+    path = Path(args.checkpoint)
+    cfg = load_config(str(Path(args.config) if args.config else find_run_config(path)))
+    check_memory(cfg)
+    writable(args.out, "--out")
+    root = path
+    if (path / "config.yaml").is_file():  # a run folder: its checkpoints
+        root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else path / "checkpoints"
+    folder = resolve_checkpoint(root)
+    source = build_source(cfg)
+    embeddings = build_embeddings(cfg, build_tables(cfg, source.info), device="cpu")
+    model = build_model(cfg, source.info, embeddings, source)
+    load_checkpoint(folder, embeddings, model, restore_rng=False)
+    target = model if isinstance(model, DLRM) else embeddings
+    report = save_dcp(
+        target, args.out, prefix=args.prefix, module_prefix=args.module_prefix,
+        optimizer_prefix=None if args.no_optimizer_state else args.optimizer_prefix, row_state_columns=columns,
+    )  # fmt: skip
+    print(report_text(report, "wrote", target is model))
+    print(f"wrote {args.out} from {folder}")
+    return 0
+
+
+def _row_state_columns(items: list[str]) -> dict[str, list[int]]:
+    out = {}
+    for item in items:
+        name, _, columns = item.partition("=")
+        try:
+            out[name] = [int(c) for c in columns.split(",")]
+        except ValueError:
+            raise NeorecError(
+                f"--row-state-columns {item!r}: expected TABLE=C0,C1,... (the first column of each shard), e.g. t1=0,64"
+            ) from None
+        if not name:
+            raise NeorecError(f"--row-state-columns {item!r}: no table name before '='")
+    return out
+
+
+def report_text(report: DcpReport, verb: str, with_dense: bool) -> str:
+    """What a DcpReport says, one line per fact."""
+    lines = [f"tables {verb}: {', '.join(report.tables)}"]
+    if report.optimizer_state:
+        lines.append(f"embedding optimizer state {verb} for: {', '.join(sorted(report.optimizer_state))}")
+    for table, why in sorted(report.not_carried.items()):
+        lines.append(f"optimizer state of {table} not carried: {why}")
+    if report.dense:
+        lines.append(f"dense layers {verb}: {len(report.dense)} tensors")
+    elif not with_dense:
+        lines.append("dense layers not carried: the model is no DLRM, whose layers TorchRec's DLRM has")
+    return "\n".join(lines)

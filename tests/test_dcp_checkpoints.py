@@ -1,0 +1,128 @@
+"""neorec <-> torch.distributed.checkpoint (DCP) folders in TorchRec's layout, on one process:
+`neorec checkpoint export-dcp` / `import-dcp` around a run, TorchRec's Adam state (which FBGEMM's
+CPU build cannot train, so it is written here as TorchRec names it), and the errors that name the
+key or table. Against TorchRec itself: tests/test_torchrec_dcp.py."""
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from tiny_cli import TINY
+
+from neorec.cli import main
+from neorec.embedding.fused.collection import FusedEmbeddingCollection
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.errors import NeorecError
+from neorec.interop.torchrec import load_dcp, save_dcp
+
+EBC = "sparse.embedding_bags."
+
+
+def _collection(optimizer: str = "rowwise_adagrad", rows=(12, 7), seed: int = 0) -> FusedEmbeddingCollection:
+    tables = [TableConfig(name=f"t{i}", rows=r, dim=4, features=[f"f{i}"]) for i, r in enumerate(rows)]
+    return FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name=optimizer), seed=seed)
+
+
+def _everything(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP folder, whole (DCP's own loader, one process)."""
+    from neorec.interop.torchrec.dcp_io import read_metadata
+
+    entries = read_metadata(folder).state_dict_metadata
+    out = {k: torch.empty(tuple(e.size), dtype=e.properties.dtype) for k, e in entries.items()}
+    with pytest.warns(UserWarning):  # DCP warns that one process loads alone
+        dcp.load(out, checkpoint_id=str(folder), no_dist=True)
+    return out
+
+
+def _save_plain(folder, tensors: dict) -> None:
+    with pytest.warns(UserWarning):  # DCP warns that one process saves alone
+        dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
+
+
+def test_export_then_import_a_run_and_train_on(tmp_path):
+    """A run's checkpoint out as DCP, back in as step 0 of another run, which trains on from it; what
+    it holds is what the first run's checkpoint held."""
+    sets = [x for kv in [*TINY, "checkpoint.every_steps=2", "embedding.optimizer.name=rowwise_adagrad"] for x in ("--set", kv)]  # fmt: skip
+    assert main(["train", *sets, "--output-dir", str(tmp_path / "run")]) == 0
+    out = tmp_path / "dcp"
+    assert main(["checkpoint", "export-dcp", str(tmp_path / "run"), "--out", str(out), "--prefix", ""]) == 0
+    written = _everything(out)
+    assert "sparse_arch.embedding_bag_collection.embedding_bags.C1.weight" in written
+    assert "optim.state.sparse_arch.embedding_bag_collection.embedding_bags.C1.weight.C1.momentum1" in written
+    assert "dense_arch.model._mlp.0._linear.weight" in written
+
+    again = tmp_path / "again"
+    assert main(["checkpoint", "import-dcp", str(out), *sets, "--output-dir", str(again)]) == 0
+    assert main(["checkpoint", "import-dcp", str(out), *sets, "--output-dir", str(again)]) == 2  # not over it
+    assert main(["checkpoint", "export-dcp", str(again / "checkpoints"), "--out", str(tmp_path / "dcp2"),
+                 "--config", str(tmp_path / "run" / "config.yaml"), "--prefix", ""]) == 0  # fmt: skip
+    back = _everything(tmp_path / "dcp2")
+    assert back.keys() == written.keys()
+    for key, value in written.items():
+        assert torch.equal(back[key], value), key
+    assert main(["train", *sets, "--output-dir", str(again), "--resume"]) == 0
+    assert (again / "model.pt").is_file()
+
+
+def test_adam_moments_in_torchrecs_names(tmp_path):
+    """TorchRec keeps Adam's moments as `<table>.momentum1` and `<table>.exp_avg_sq`: they load into
+    neorec's adam state, and neorec writes them under the same names."""
+    ours = _collection("adam")
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for t in ours.tables:
+        key = f"{EBC}{t.name}.weight"
+        tensors[f"model.{key}"] = torch.randn(t.rows, t.dim, generator=g)
+        tensors[f"optim.state.{key}.{t.name}.momentum1"] = torch.randn(t.rows, t.dim, generator=g)
+        tensors[f"optim.state.{key}.{t.name}.exp_avg_sq"] = torch.rand(t.rows, t.dim, generator=g)
+    _save_plain(tmp_path / "adam", tensors)
+    report = load_dcp(ours, tmp_path / "adam")
+    assert report.optimizer_state["t1"] == [f"optim.state.{EBC}t1.weight.t1.exp_avg_sq", f"optim.state.{EBC}t1.weight.t1.momentum1"]  # fmt: skip
+    gi, index = ours.layout.table_slot["t1"]
+    start = ours.layout.groups[gi].row_starts[index]
+    assert torch.equal(ours.weights[gi].tensor[start : start + 7], tensors[f"model.{EBC}t1.weight"])
+    assert torch.equal(ours.states[gi]["momentum2"].tensor[start : start + 7], tensors[f"optim.state.{EBC}t1.weight.t1.exp_avg_sq"])  # fmt: skip
+    save_dcp(ours, tmp_path / "back", module_prefix="sparse.")
+    assert _everything(tmp_path / "back").keys() == tensors.keys()
+
+
+def test_mistakes_name_the_key_or_table(tmp_path):
+    source = _collection()
+    save_dcp(source, tmp_path / "ok", module_prefix="sparse.")
+    with pytest.raises(NeorecError, match=r"missing in the state_dict: \['t2'\]"):
+        load_dcp(_collection(rows=(12, 7, 3)), tmp_path / "ok")
+    with pytest.raises(NeorecError, match=r"not in the model: \['t1'\]"):
+        load_dcp(_collection(rows=(12,)), tmp_path / "ok")
+    with pytest.raises(
+        NeorecError, match=r"'model.sparse.embedding_bags.t1.weight' is \[7, 4\].*'t1' is \[8, 4\]"
+    ):
+        load_dcp(_collection(rows=(12, 8)), tmp_path / "ok")
+    with pytest.raises(NeorecError, match=r"table 't0'.* state of rowwise_adagrad .* optimizer is adam"):
+        load_dcp(_collection("adam"), tmp_path / "ok")
+    weights_only = _collection("adam", seed=3)
+    report = load_dcp(weights_only, tmp_path / "ok", optimizer_state=False)  # weights alone
+    assert not report.optimizer_state
+    assert torch.equal(weights_only.table_weights()["t0"], source.table_weights()["t0"])
+    report = load_dcp(_collection("sgd"), tmp_path / "ok")
+    assert "sgd keeps no state" in report.not_carried["t0"]
+
+    with pytest.raises(NeorecError, match="no .metadata file"):
+        load_dcp(source, tmp_path)
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / ".metadata").write_bytes(pickle.dumps(print))  # names builtins.print: never run
+    with pytest.raises(
+        NeorecError, match=r"evil/\.metadata: not a readable DCP metadata file.*builtins\.print"
+    ):
+        load_dcp(source, tmp_path / "evil")
+    _save_plain(tmp_path / "odd", {f"{EBC}t0.weight": torch.zeros(12, 4), f"{EBC}t1.weight": torch.zeros(7, 4),
+                                   f"x.{EBC}t0.weight.t0.momentum1": torch.zeros(13)})  # fmt: skip
+    with pytest.raises(
+        NeorecError, match=r"'x.sparse.embedding_bags.t0.weight.t0.momentum1' holds 13 values"
+    ):
+        load_dcp(_collection(), tmp_path / "odd")
+    with pytest.raises(NeorecError, match=r"row_state_columns\['t0'\] = \[0, 4\]"):
+        save_dcp(source, tmp_path / "no", row_state_columns={"t0": [0, 4]})
+    with pytest.raises(NeorecError, match=r"names tables \['nope'\]"):
+        save_dcp(source, tmp_path / "no", row_state_columns={"nope": [0]})
+    assert not (tmp_path / "no").exists()
