@@ -59,6 +59,29 @@ class StreamHandling:
     partition_clocks: list[int]  # map clocks at the starts of the latest partitions (checkpointed)
     _map_counts: dict[str, float]  # id-map counters at the start of the partition being read
 
+    def _stream_state(self) -> dict:
+        """What a checkpoint keeps of the partition being read (collective): its progressive histograms,
+        its id-map counts so far and ids expired at its start, and the map clocks of partition starts."""
+        assert self.progressive is not None
+        now = self._summed_map_counts()
+        before = getattr(self, "_map_counts", {})
+        counts = {k: v - before.get(k, 0) for k, v in now.items()}
+        return {
+            "progressive": self.progressive.state(),
+            "partition_clocks": list(self.partition_clocks),
+            "partition_id_map": {**counts, "expired": getattr(self, "_expired", 0)},
+        }
+
+    def _load_stream_state(self, position: dict) -> None:
+        """Continue the partition's records from a checkpoint's `_stream_state` (a restarted process's
+        id-map counters start at zero: the counts so far become a negative baseline)."""
+        assert self.progressive is not None
+        self.progressive.load_state(position.get("progressive"), self.is_main)
+        self.partition_clocks = list(position.get("partition_clocks") or [])
+        saved = dict(position.get("partition_id_map") or {})
+        self._expired = int(saved.pop("expired", 0))
+        self._map_counts = {k: -float(v) for k, v in saved.items()}
+
     def _start_partition(self, name: str) -> None:
         """A partition's first batch is next: free the ids not seen in the last N partitions."""
         tables, engine = mapped_tables(self.embeddings)

@@ -197,8 +197,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                 plan.save(self.out_dir / "plan.json")
         step, first_epoch, position = self._resume(to_resume) if to_resume is not None else (0, 0, None)
         if self.progressive is not None and position is not None:
-            self.progressive.load_state(position.get("progressive"), self.is_main)
-            self.partition_clocks = list(position.get("partition_clocks") or [])
+            self._load_stream_state(position)
         if self.stream is not None:  # waiting for a partition ends on a stop signal too
             self.stream.stop_requested = lambda: stop.received != 0
         if self.is_main:  # resumed: metrics.jsonl keeps its lines up to the checkpoint, drops the later ones
