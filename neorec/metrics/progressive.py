@@ -3,17 +3,19 @@ bounded memory over a stream of any length.
 
 `ScoreHistogram` counts logits per class in BINS fixed bins over [-LOGIT_RANGE, LOGIT_RANGE] (outside:
 the end bins) and keeps exact float64 sums. From them:
-- auc: the ROC AUC of the binned scores (pairs in one bin count 1/2): within 1/BINS of a logit-width
-  (2 LOGIT_RANGE / BINS = 0.0078) of the exact AUC, which only pairs of nearly equal scores can move;
+- auc: the ROC AUC of the binned scores: scores closer than a bin's width (2 LOGIT_RANGE / BINS, 0.0005
+  in logit) count as ties (1/2 a pair), so it differs from the exact AUC only by such pairs: below 1e-3
+  unless nearly all scores fall within a few hundredths of a logit of each other;
 - log_loss, ne (normalized entropy: log loss / entropy of the observed rate), calibration (mean
   predicted rate / observed rate), ctr, num_samples: exact, as neorec/metrics/evaluation.py computes
   them on the same scores (up to the order of float64 additions).
 Histograms add (`merge`), so ranks sum theirs, and a histogram is a few kilobytes of state in a
-checkpoint (`state`, `from_state`) whatever the number of samples. Counting stays on the scores'
-device: nothing is read back until metrics are asked for.
+checkpoint (`state`, `from_state`: the non-zero bins only) whatever the number of samples (in memory,
+2 x BINS int64: 1 MiB). Counting stays on the scores' device: nothing is read back until metrics are
+asked for.
 
 `SlidingWindow` keeps the histogram of the last `num_batches` batches: each batch's bin indices are
-kept (2 bytes a sample) so that the batch leaving the window is subtracted exactly.
+kept (4 bytes a sample) so that the batch leaving the window is subtracted exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-BINS = 4096
+BINS = 1 << 16
 LOGIT_RANGE = 16.0
 _SUMS = ("num_samples", "positives", "sum_probability", "sum_log_loss")
 
@@ -135,7 +137,7 @@ class SlidingWindow:
     def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         index, sums = bin_index(logits, labels), batch_sums(logits, labels)
         self.total.add_binned(index, sums)
-        self._batches.append((index.to(torch.int16), sums))
+        self._batches.append((index.to(torch.int32), sums))
         if len(self._batches) > self.num_batches:
             old_index, old_sums = self._batches.popleft()
             self.total.add_binned(old_index.to(torch.int64), old_sums, sign=-1)

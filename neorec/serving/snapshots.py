@@ -81,22 +81,26 @@ def publish(
     if not final.is_dir():
         tmp = root / f".tmp-{final.name}"
         tmp.mkdir()
-        described = write(tmp)
-        verify(tmp)
-        files = {}
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            files[path.relative_to(tmp).as_posix()] = {
-                "bytes": path.stat().st_size,
-                "crc32": file_crc32(path),
+        try:
+            described = write(tmp)
+            verify(tmp)
+            files = {}
+            for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                files[path.relative_to(tmp).as_posix()] = {
+                    "bytes": path.stat().st_size,
+                    "crc32": file_crc32(path),
+                }
+            description = {
+                "step": step,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **described,
+                "files": files,
             }
-        description = {
-            "step": step,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **described,
-            "files": files,
-        }
-        write_json(tmp / DESCRIPTION, description, "snapshot description")
-        fsync_dir(tmp)
+            write_json(tmp / DESCRIPTION, description, "snapshot description")
+            fsync_dir(tmp)
+        except BaseException:  # nothing is published; LATEST still names the previous snapshot
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         os.replace(tmp, final)
         fsync_dir(root)
     write_json(root / LATEST, {"snapshot": final.name, "step": step}, "snapshot pointer")
