@@ -201,3 +201,30 @@ def test_two_processes_follow_partitions_landing_during_training(tmp_path):
         assert [p["partition"] for p in got["partitions"]] == ["day-000", "day-001", "day-002"]
         assert got["steps"] == 12 and all(p["num_samples"] == 400 for p in got["partitions"])
     assert out[0]["partitions"] == out[1]["partitions"]
+
+
+def test_preprocessed_partitions_are_followed_once_their_manifest_is_complete(tmp_path):
+    """Partitions written by `neorec data preprocess` are complete when their manifest says so; an
+    unfinished one (manifest without `complete`) is not read."""
+    from neorec.data.preprocess import preprocess_synthetic
+    from neorec.data.synthetic import spec_from_config
+
+    small = ["data.synthetic.num_sparse=3", "data.synthetic.rows=50", "data.synthetic.num_dense=2",
+             "data.synthetic.train_samples=300", "data.synthetic.eval_samples=100"]  # fmt: skip
+    base = load_config("default", small)
+    stream = tmp_path / "s"
+    for day in range(3):
+        preprocess_synthetic(
+            spec_from_config(base.data.synthetic, day), stream / f"day-{day}", progress=False
+        )
+    manifest = stream / "day-2" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"complete": true', '"complete": false'))
+    cfg = load_config(
+        "default",
+        [*small, "data.source=preprocessed", f"data.follow.dir={stream}", "data.follow.idle_timeout=0",
+         "checkpoint.every_steps=2", "data.batch_size=100", "train.progress=false", "logging.plot=false",
+         "logging.tensorboard=false", f"output_dir={tmp_path / 'run'}"],
+    )  # fmt: skip
+    result = Trainer(cfg).fit()
+    assert partitions_logged(result) == ["day-0", "day-1"] and result.steps == 6
+    assert all(p["num_samples"] == 300 for p in result.partitions)
