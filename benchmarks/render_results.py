@@ -46,6 +46,7 @@ BENCHMARKS = {
     "ingestion": "Data ingestion (`ingestion.py`)",
     "bounds_check": "The id check's cost (`bounds_check.py`)",
     "managed_collision": "Managed-collision tables (`managed_collision.py`)",
+    "continuous": "Continuous training on a drifting stream (`continuous.py`)",
     "movielens": "MovieLens held-out AUC by split (`movielens.py`)",
     "models": "MovieLens: the model architectures (`models.py`)",
     "export_formats": "Export formats and quantized tables (`export_formats.py`)",
@@ -115,7 +116,7 @@ def format_record(record: dict, level: str = "##") -> str:
     text = f"{level} {record['title']} ({record['date']})\n\n"
     if by_hand(record):
         return text + record["text"] + "\n"
-    text += f"Command: `{record['command']}`  \nMachine: {record['machine']}\n\n"
+    text += f"Command: `{record['command']}`; machine: {record['machine']}\n\n"
     text += format_tables(record["tables"]) + "\n"
     return text + (f"\n{record['notes']}\n" if record.get("notes") else "")
 

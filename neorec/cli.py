@@ -30,7 +30,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from neorec.train.run_folder import check_output_dir, check_run_folder, clear_run_folder, run_folders
     from neorec.train.run_lock import hold_run_folders
 
-    cfg = load_config(args.config or "default", args.overrides)  # validated before any process starts
+    overrides = list(args.overrides)
+    if args.follow is not None:
+        overrides.append(f"data.follow.dir={args.follow}")
+    if args.until is not None:
+        overrides.append(f"data.follow.until={args.until}")
+    cfg = load_config(args.config or "default", overrides)  # validated before any process starts
+    if args.until is not None and cfg.data.follow is None:
+        raise NeorecError("--until NAME ends a followed stream after partition NAME: add --follow DIR (or data.follow)")
+    if cfg.data.follow is not None and not args.overwrite and args.resume is False:
+        args.resume = True  # the same command again continues the stream from its newest checkpoint
     check_memory(cfg)  # the tables and layers of the config fit this machine, before any is built
     if args.resume not in (False, True):
         from neorec.checkpoint.load import checkpoint_folder
@@ -253,6 +262,18 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_stream(args: argparse.Namespace) -> int:
+    from neorec.data.drifting import DriftSpec, partition_name, write_day
+
+    output_folder(args.out, "--out")
+    spec = DriftSpec(rows=args.rows, seed=args.seed)
+    for day in range(args.first_day, args.first_day + args.days):
+        write_day(spec, args.out, day)
+    last = partition_name(args.first_day + args.days - 1)
+    print(f"{args.out}: wrote partitions {partition_name(args.first_day)} .. {last} ({args.rows:,} samples each)")
+    return 0
+
+
 def cmd_data_inspect(args: argparse.Namespace) -> int:
     from neorec.data.inspect import inspect_source
 
@@ -326,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run in the output folder (its results and checkpoints); without it or --resume, "
                    "a folder that holds a run is refused")  # fmt: skip
+    p.add_argument("--follow", default=None, metavar="DIR",
+                   help="continuous training: the partitions of DIR in order, then each new one as it lands "
+                   "(data.follow.dir; docs/continuous.md); the same command again continues where it stopped")  # fmt: skip
+    p.add_argument("--until", default=None, metavar="PARTITION", help="with --follow: end after this partition")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a finished run on its held-out data")
@@ -426,6 +451,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_config_args(p)
     p.set_defaults(func=cmd_data_preprocess)
+    p = data.add_parser("stream", help="write daily Parquet partitions of a synthetic stream whose ids and teacher drift")
+    p.add_argument("--out", required=True, help="the folder of partitions (day-NNN/part-0.parquet, then _SUCCESS)")
+    p.add_argument("--days", type=positive_int, default=4, help="partitions to write")
+    p.add_argument("--first-day", type=count, default=0, help="the first day's number (to add later days)")
+    p.add_argument("--rows", type=positive_int, default=20000, help="samples per day")
+    p.add_argument("--seed", type=count, default=0, help="the stream's seed")
+    p.set_defaults(func=cmd_data_stream)
     p = data.add_parser("inspect", help="summarise the data a config reads (features, sizes, id statistics)")
     _add_config_args(p)
     p.add_argument("--batches", type=count, default=4, help="training batches to sample for statistics")

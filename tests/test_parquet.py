@@ -435,7 +435,7 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     base = ["data.source=parquet", "data.parquet.paths=[x.parquet]", "data.parquet.features=[a]"]
     with pytest.raises(ConfigError, match="data.parquet section"):
         load_config(None, ["data.source=parquet"])
-    with pytest.raises(ConfigError, match="key 'data.parquet': set one of eval_paths .* or eval_column"):
+    with pytest.raises(ConfigError, match="data.parquet: set one of eval_paths .* or eval_column"):
         load_config(None, base)
     with pytest.raises(ConfigError, match="hashing vocab needs data.parquet.vocab_dir"):
         load_config(None, [*base, "data.parquet.eval_column=f", "data.parquet.hashing=vocab"])

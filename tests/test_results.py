@@ -83,8 +83,8 @@ def test_append_results_records_what_markdown_table_printed(tmp_path: Path) -> N
     assert record["command"].startswith("python ") and record["machine"] == common.machine()
     assert record["versions"] == common.versions()
     section = rr.format_record(record)
-    assert section == (f"## Test: a ({record['date']})\n\nCommand: `{record['command']}`  \n"
-                       f"Machine: {record['machine']}\n\n{table}\n\nSome notes.\n")  # fmt: skip
+    assert section == (f"## Test: a ({record['date']})\n\nCommand: `{record['command']}`; "
+                       f"machine: {record['machine']}\n\n{table}\n\nSome notes.\n")  # fmt: skip
     titled = f"**one**\n\n{table}\n\n**two**\n\n{table}"  # as dense_step.py joins its two tables
     assert rr.format_tables(rr.parse_tables(titled)) == titled
 

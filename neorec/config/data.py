@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from neorec.config import limits
 from neorec.config.base import Strict
+from neorec.config.continuous import FollowConfig
 
 
 class SyntheticConfig(Strict):
@@ -103,7 +104,7 @@ class MovieLensConfig(Strict):
 class PreprocessedConfig(Strict):
     """Shards written by `neorec data preprocess`, read by neorec/data/sharded_reader.py."""
 
-    path: str = Field(description="the folder `neorec data preprocess --out` wrote")
+    path: str | None = Field(None, description="the folder `neorec data preprocess --out` wrote (unset with data.follow)")
     shuffle: bool = Field(True, description="shuffle the shard order and the samples within a window, per epoch")
     shuffle_window: int = Field(131072, gt=0, le=2**31, description="samples permuted together (the shuffle buffer)")
     prefetch: int = Field(4, ge=0, le=1024, description="batches the reader's background threads make ahead")
@@ -132,7 +133,9 @@ class ParquetConfig(Strict):
     """Parquet files read by neorec/data/parquet.py: columns mapped to the label, dense and categorical
     features; each rank reads its own row groups."""
 
-    paths: list[str] = Field(min_length=1, description="training files or folders (local, or URIs pyarrow opens)")
+    paths: list[str] = Field(
+        default_factory=list, description="training files or folders (local, or URIs pyarrow opens); unset with data.follow"
+    )
     eval_paths: list[str] | None = Field(None, description="held-out files or folders (or set eval_column)")
     eval_column: str | None = Field(
         None, description="boolean (or 0/1) column of paths' rows: true rows are held out (or set eval_paths)"
@@ -160,8 +163,8 @@ class ParquetConfig(Strict):
 
     @model_validator(mode="after")
     def _split_and_names(self) -> ParquetConfig:
-        if (self.eval_paths is None) == (self.eval_column is None):
-            raise ValueError("set one of eval_paths (held-out files) or eval_column (a held-out flag per row)")
+        if self.eval_paths is not None and self.eval_column is not None:
+            raise ValueError("set one of eval_paths (held-out files) or eval_column (a held-out flag per row), not both")
         names = [f if isinstance(f, str) else f.name for f in self.features]
         if len(set(names)) != len(names):
             raise ValueError(f"feature names must be unique, got {names}")
@@ -196,15 +199,46 @@ class DataConfig(Strict):
     movielens: MovieLensConfig = Field(default_factory=MovieLensConfig, description="MovieLens settings")
     preprocessed: PreprocessedConfig | None = Field(None, description="preprocessed shards (source: preprocessed)")
     parquet: ParquetConfig | None = Field(None, description="Parquet files (source: parquet)")
+    follow: FollowConfig | None = Field(
+        None, description="continuous training: the partitions of a folder, in order and as they land (docs/continuous.md)"
+    )
 
     @model_validator(mode="after")
     def _source_settings(self) -> DataConfig:
+        if self.follow is not None:
+            return self._follow_settings()
         if self.source == "criteo_tsv" and self.criteo is None:
             raise ValueError("source criteo_tsv needs a data.criteo section with train_paths")
         if self.source == "shards" and not self.shards_dir:
             raise ValueError("source shards needs data.shards_dir")
-        if self.source == "preprocessed" and self.preprocessed is None:
+        if self.source == "preprocessed" and (self.preprocessed is None or self.preprocessed.path is None):
             raise ValueError("source preprocessed needs a data.preprocessed section with path")
         if self.source == "parquet" and self.parquet is None:
             raise ValueError("source parquet needs a data.parquet section with paths and features")
+        if self.source == "parquet" and self.parquet is not None:
+            p = self.parquet
+            if not p.paths:
+                raise ValueError("source parquet needs data.parquet.paths (or data.follow.dir to follow a folder)")
+            if p.eval_paths is None and p.eval_column is None:
+                raise ValueError("data.parquet: set one of eval_paths (held-out files) or eval_column (a held-out flag per row)")
+        return self
+
+    def _follow_settings(self) -> DataConfig:
+        """data.follow reads partitions of Parquet files or of preprocessed shards; the partitions replace
+        the paths, and progressive validation replaces the held-out set."""
+        if self.source not in ("parquet", "preprocessed"):
+            raise ValueError(
+                f"data.follow reads partitions of Parquet files or preprocessed shards: set data.source to parquet or "
+                f"preprocessed (it is {self.source})"
+            )
+        if self.source == "parquet" and self.parquet is None:
+            raise ValueError("data.follow with source parquet needs a data.parquet section (label, dense, features)")
+        p = self.parquet
+        if self.source == "parquet" and p is not None and (p.paths or p.eval_paths or p.eval_column):
+            raise ValueError(
+                "data.follow takes the Parquet files from its partitions: leave out data.parquet.paths, eval_paths and "
+                "eval_column (each batch is scored before it trains: docs/continuous.md)"
+            )
+        if self.source == "preprocessed" and self.preprocessed is not None and self.preprocessed.path is not None:
+            raise ValueError("data.follow takes the shards from its partitions: leave out data.preprocessed.path")
         return self

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from neorec.config import limits
 from neorec.config.base import Strict
+from neorec.config.continuous import FollowConfig, SnapshotConfig  # noqa: F401 - re-exported
 from neorec.config.data import (  # noqa: F401 - re-exported: the data sections are part of the schema
     CriteoConfig,
     DataConfig,
@@ -343,6 +344,9 @@ class RunConfig(Strict):
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="periodic sharded checkpoints and resume"
     )
+    snapshot: SnapshotConfig = Field(
+        default_factory=SnapshotConfig, description="exports published for serving during training (docs/continuous.md)"
+    )
 
     @field_validator("name")
     @classmethod
@@ -420,6 +424,26 @@ class RunConfig(Strict):
                 f"model.arch {self.model.arch} reads pooled embeddings only, but embedding.tables {sequences} "
                 "have pooling none; set their pooling to sum or mean"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _continuous(self) -> RunConfig:
+        """A followed stream is one pass: each batch is scored (one probability per sample) before it trains."""
+        if self.data.follow is not None:
+            if self.train.epochs != 1:
+                raise ValueError(f"data.follow trains each partition once: train.epochs must be 1 (it is {self.train.epochs})")
+            if not self.checkpoint.enabled:
+                raise ValueError(
+                    "data.follow continues from its newest checkpoint when started again: set checkpoint.every_steps "
+                    "or checkpoint.every_minutes"
+                )
+            if self.model.arch in ("two_tower", "multitask"):
+                raise ValueError(
+                    f"data.follow scores one probability per sample (progressive validation); model.arch "
+                    f"{self.model.arch} has no such output: use dlrm, dcnv2, deepfm or din"
+                )
+        if self.snapshot.enabled and self.snapshot.format == "pt2" and self.model.arch not in ("dlrm", "dcnv2", "deepfm"):
+            raise ValueError(f"snapshot.format pt2 serves dlrm, dcnv2 and deepfm, not {self.model.arch}: use nrx")
         return self
 
     @property

@@ -222,6 +222,13 @@ class ParquetSource:
             else:
                 yield take(batch, torch.arange(self.rank * b, (self.rank + 1) * b).clamp_(max=n - 1)), n
 
+    def check_share(self) -> None:
+        """Read this rank's training samples of epoch 0 through once, every value checked as training
+        reads it (a damaged row group is a DataError naming it), without handing any out."""
+        n = self.num_samples("train")
+        for _ in self._windows("train", 0, self.rank * n, (self.rank + 1) * n):
+            pass
+
     # ---- resume --------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Position after the latest training batch handed out (plus the layout it is valid for)."""

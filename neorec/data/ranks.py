@@ -57,6 +57,9 @@ class RankData:
         """This rank's local batches of `epoch`; with `resume` (a checkpoint's data position, see
         `position`), only those after the `resume["batches"]` already trained."""
         skip = resume["batches"] if resume else 0
+        if resume and hasattr(self.source, "position_after"):  # a stream: its position is its own (follow.py)
+            self.source.load_state({**resume["reader"], "batches": skip, "rank": self.rank})
+            skip = 0
         if skip and hasattr(self.source, "load_state"):  # restart right after them, without reading them
             reader = dict(resume.get("reader") or {})
             if self.reads_part:
@@ -85,7 +88,11 @@ class RankData:
         `state()`, its settings too (checked when resuming). Every rank of a per-rank reader stands at
         the same place of its own part, so rank 0's position serves all (its rank is left out)."""
         out: dict = {"epoch": epoch, "batches": batches}
-        if hasattr(self.source, "state"):
+        if hasattr(self.source, "position_after"):  # a stream of uneven partitions knows where each batch ends
+            reader = self.source.position_after(batches)
+            reader.pop("rank", None)
+            out["reader"] = reader
+        elif hasattr(self.source, "state"):
             reader = {**self.source.state(), "epoch": epoch, "samples": self._samples(batches)}
             reader.pop("rank", None)
             out["reader"] = reader

@@ -223,6 +223,12 @@ class PreprocessedSource:
                 cols.append(self._part(f, size).read(a, z).take(np.zeros(b - (hi - lo), np.int64)))
             yield Columns.cat(cols).to_batch(self.keys), n
 
+    def check_share(self) -> None:
+        """Check every shard part holding this rank's training samples of epoch 0 (file sizes and
+        crc32s, then every value), as reading them would, without handing any sample out."""
+        for folder, size, _, _ in self._rank_pieces("train", 0):
+            self._part(folder, size)
+
     # ---- resume --------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Position after the latest training batch handed out (plus the layout it is valid for)."""

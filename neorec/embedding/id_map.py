@@ -124,6 +124,17 @@ class IdMap:
         found = sorted_keys.index_select(0, pos) == ids
         return torch.where(found, sorted_rows.index_select(0, pos), FREE)
 
+    def expire(self, before: int) -> torch.Tensor:
+        """Free the rows of ids last seen before step `before` (the map's clock); returns those rows,
+        for the caller to re-initialise. The sorted index is rebuilt on the next lookup."""
+        keys = self.keys.tensor
+        rows = torch.nonzero((keys != FREE) & (self.last_seen.tensor < before)).view(-1)
+        if rows.numel():
+            keys.index_fill_(0, rows, FREE)
+            self.last_seen.tensor.index_fill_(0, rows, 0)
+            self.counts.tensor.index_fill_(0, rows, 0)
+        return rows
+
     # ---- one batch -----------------------------------------------------------------------------------
     def remap(self, ids: torch.Tensor, step: int, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(row of each id, -1 for ids left out; rows whose id was evicted, to re-initialise)."""

@@ -73,6 +73,18 @@ def remap_batch(sparse: SparseBatch, tables: list[MappedTable], step: int, train
     return SparseBatch(sparse.keys, values[keep], lengths, weights)
 
 
+def expire_ids(tables: list[MappedTable], before: int) -> dict[str, int]:
+    """Free, in every table of `tables`, the rows of ids last seen before map step `before`, their
+    weights and optimizer state back to their initial values; the number freed per table."""
+    out = {}
+    for t in tables:
+        rows = t.id_map.expire(before)
+        if rows.numel():
+            t.reset_rows(rows)
+        out[t.name] = int(rows.numel())
+    return out
+
+
 def map_stats(tables: list[MappedTable]) -> dict[str, dict[str, float]]:
     """Per table (cumulative): hits, misses, inserts, evictions, dropped, occupied rows, capacity."""
     return {

@@ -73,10 +73,13 @@ class ExportReport:
         return None
 
 
-def load_trained(path: str | Path, config: str | Path | None = None) -> TrainedModel:
+def load_trained(
+    path: str | Path, config: str | Path | None = None, source: DataSource | None = None
+) -> TrainedModel:
     """The weights of a run folder (model.pt, else its newest checkpoint) or of a checkpoint folder
     (a step-XXXXXXXX folder or a folder of them). `config` replaces the run's config.yaml, and is
-    needed for a checkpoint that does not lie under its run folder."""
+    needed for a checkpoint that does not lie under its run folder. `source`: the run's data source
+    when the caller has it (a training job publishing snapshots), else built from the config."""
     from neorec.train.build import build_source, build_tables
 
     path = Path(path)
@@ -88,7 +91,7 @@ def load_trained(path: str | Path, config: str | Path | None = None) -> TrainedM
         )
     cfg_path = Path(config) if config else find_run_config(path)
     cfg = load_config(str(cfg_path))
-    source = build_source(cfg)
+    source = source if source is not None else build_source(cfg)
     tables = build_tables(cfg, source.info)
     if is_run and (path / "model.pt").is_file():
         state = load_model_state(path / "model.pt", ExportError)  # every zip entry's CRC32 checked first
@@ -227,6 +230,7 @@ def export_model(
     config: str | Path | None = None,
     format: str = "nrx",
     quantize: str | None = None,
+    source: DataSource | None = None,
 ) -> ExportReport:
     """Write the inference export of a run to `out` (format "nrx": one file; "pt2": a folder with a
     torch.export program and safetensors weights, see pt2_export). `quantize` "int8", "int4" or "int2"
@@ -243,7 +247,7 @@ def export_model(
     start = time.perf_counter()
     if format == "nrx":  # a pt2 export is a folder, which may hold an earlier export to replace
         check_output_file(out, "--out")
-    trained = load_trained(path, config)
+    trained = load_trained(path, config, source)
     cfg = trained.config
     check_exportable(cfg, path, format, trained.tables)
     weights: dict = trained.weights

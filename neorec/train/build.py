@@ -24,6 +24,8 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
     device, where the synthetic source keeps its samples (data.synthetic.on_device)."""
     d = cfg.data
     labels = task_labels(cfg)
+    if d.follow is not None:
+        return _follow_source(cfg, topo)
     if d.source == "synthetic":
         from neorec.data.synthetic import SyntheticSource, spec_from_config
 
@@ -108,6 +110,42 @@ def _preprocessed_source(cfg: RunConfig, topo) -> DataSource:
             "--raw-features to give the managed-collision tables raw ids", p.path, sorted(mapped - stored),
         )
     return source
+
+
+def _follow_source(cfg: RunConfig, topo) -> DataSource:
+    """The partitions of data.follow.dir, each read by the source of data.source for this rank."""
+    from neorec.data.follow import FollowSource
+
+    d = cfg.data
+    follow = d.follow
+    assert follow is not None
+    rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
+    bounds = cfg.embedding.bounds_check
+    if d.source == "parquet":
+        from neorec.data.parquet import ParquetSource
+
+        assert d.parquet is not None  # checked by the config validator
+        parquet = d.parquet
+
+        def open_partition(path: Path, seed: int) -> DataSource:
+            config = parquet.model_copy(update={"paths": [str(path)]})
+            return ParquetSource(config, rank=rank, world_size=world, seed=seed, bounds_check=bounds)
+
+        shuffle = parquet.shuffle
+    else:
+        from neorec.config.data import PreprocessedConfig
+        from neorec.data.sharded_reader import PreprocessedSource
+
+        p = d.preprocessed or PreprocessedConfig()
+
+        def open_partition(path: Path, seed: int) -> DataSource:
+            return PreprocessedSource(
+                path, rank=rank, world_size=world, seed=seed, shuffle=p.shuffle, shuffle_window=p.shuffle_window,
+                prefetch=p.prefetch, bounds_check=bounds,
+            )  # fmt: skip
+
+        shuffle = p.shuffle
+    return FollowSource(follow, d.source, open_partition, rank=rank, world_size=world, seed=cfg.seed, shuffle=shuffle)
 
 
 def raw_features(cfg: RunConfig) -> set[str]:

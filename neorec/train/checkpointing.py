@@ -66,6 +66,8 @@ class CheckpointHandling:
         state = self.data.position(epoch, in_epoch)
         state.update(batch_size=self.cfg.data.batch_size, seed=self.cfg.seed)  # must match on resume
         state.update(metrics_lines=logger.num_lines, running_loss=running)  # metrics.jsonl goes on seamlessly
+        if getattr(self, "progressive", None) is not None:  # a followed stream: its partition so far (collective)
+            state.update(self._stream_state())  # type: ignore[attr-defined]
         optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
         self.checkpoints.save(step, self.embeddings, self.model, optimizers, state)
 

@@ -42,6 +42,7 @@ class RunResult:
     out_dir: Path | None = None
     comm_bytes_per_step: dict[str, float] = field(default_factory=dict)  # rank 0's sends, by exchange
     dropped_ids: dict[str, int] = field(default_factory=dict)  # bounds_check warn: per feature, all ranks
+    partitions: list[dict] = field(default_factory=list)  # data.follow: each partition's progressive metrics
 
     @property
     def samples_per_second(self) -> float:
@@ -164,6 +165,7 @@ class RunReporting:
             **({"device_peak_mib_per_rank": peaks} if peaks else {}),
             **({"planned_device_mib_per_rank": planned} if planned else {}),
             **{f"eval_{k}": v for k, v in result.eval.items()},
+            **({"partitions": result.partitions} if result.partitions else {}),
         }
         write_text(self.out_dir / "summary.json", strict_dumps(summary, indent=2), "run summary")  # NaN/inf: null
         if self.cfg.logging.plot:
@@ -214,6 +216,10 @@ def summary_table(result: RunResult) -> str:
         rows.append(("malformed lines skipped", f"{result.skipped_lines:,}"))
     if result.dropped_ids:
         rows.append(("ids dropped (outside tables)", f"{sum(result.dropped_ids.values()):,}"))
+    if result.partitions:
+        last = result.partitions[-1]
+        rows.append(("partitions trained", f"{len(result.partitions):,}"))
+        rows.append((f"progressive AUC ({last['partition']})", f"{last['auc']:.4f}"))
     if result.out_dir is not None:
         rows.append(("outputs", str(result.out_dir)))
     width = max(len(k) for k, _ in rows)

@@ -72,6 +72,12 @@ def clear_run_folder(cfg: RunConfig, out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
     for name in STALE:
         shutil.rmtree(out_dir / name, ignore_errors=True)
+    snapshots = Path(cfg.snapshot.dir) if cfg.snapshot.dir else out_dir / "snapshots"
+    if snapshots.is_dir():  # only snapshots and their pointer: snapshot.dir may be a folder with other files
+        for path in snapshots.iterdir():
+            if path.is_dir() and path.name.removeprefix(".tmp-").startswith("snapshot-"):
+                shutil.rmtree(path)
+        (snapshots / "LATEST").unlink(missing_ok=True)
     root = checkpoint_root(cfg, out_dir)
     if root.is_dir():
         for path in root.iterdir():  # only checkpoints: checkpoint.dir may be a folder with other files

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -44,9 +45,12 @@ from neorec.train.embeddings import build_embeddings
 from neorec.train.evaluation import eval_schedule, evaluate
 from neorec.train.logger import MetricsLogger, NoLogger
 from neorec.train.pipeline import pipelined
+from neorec.train.progressive import ProgressiveValidation
 from neorec.train.reporting import RunReporting, RunResult
 from neorec.train.schedule import lr_multiplier
 from neorec.train.signals import StopSignals
+from neorec.train.snapshots import PeriodicSnapshots
+from neorec.train.streaming import StreamHandling
 from neorec.utils.files import write_text
 from neorec.utils.host import keep_freed_memory
 from neorec.utils.process_state import process_settings
@@ -65,7 +69,7 @@ def model_loss(model: nn.Module, outputs: torch.Tensor, batch) -> torch.Tensor:
     return own(outputs, batch) if own is not None else F.binary_cross_entropy_with_logits(outputs, batch.labels)
 
 
-class Trainer(RunReporting, CheckpointHandling):
+class Trainer(RunReporting, CheckpointHandling, StreamHandling):
     """Owns a run: data, model, both optimizers, schedule, logs and outputs."""
 
     def __init__(self, cfg: RunConfig, out_dir: Path | None = None, resume: bool | str | Path = False) -> None:
@@ -107,6 +111,15 @@ class Trainer(RunReporting, CheckpointHandling):
             self.out_dir = Path(out_dir or cfg.resolved_output_dir)
             root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
             self.checkpoints = PeriodicCheckpoints(cfg.checkpoint, root, self.topo)
+            snapshots = Path(cfg.snapshot.dir) if cfg.snapshot.dir else self.out_dir / "snapshots"
+            self.snapshots = PeriodicSnapshots(cfg.snapshot, snapshots, self.topo)
+            # a followed stream (data.follow): each batch's partition, and its scores before training
+            self.stream = self.source if hasattr(self.source, "batch_record") else None
+            self.progressive = None
+            if cfg.data.follow is not None:
+                self.progressive = ProgressiveValidation(cfg.data.follow.window_batches, self.comms, self.device)
+            self.last_outputs: torch.Tensor | None = None  # the latest training forward's, before its update
+            self.partition_clocks: list[int] = []  # id-map clocks at the latest partition starts
 
     def total_steps(self) -> int:
         """Steps the run will train: all epochs, or max_steps where that comes first (0: unknown, a
@@ -144,7 +157,9 @@ class Trainer(RunReporting, CheckpointHandling):
             batch = self.local_batch(batch)
         if self.device.type != "cpu":
             batch = batch.to(self.device, non_blocking=True)
-        loss = model_loss(self.model, self.model(batch), batch)
+        outputs = self.model(batch)
+        self.last_outputs = outputs.detach()
+        loss = model_loss(self.model, outputs, batch)
         self.dense_opt.zero_grad(set_to_none=True)
         self.emb_opt.zero_grad(set_to_none=True)
         if self.dense_sync is not None:
@@ -181,6 +196,10 @@ class Trainer(RunReporting, CheckpointHandling):
             if plan is not None:
                 plan.save(self.out_dir / "plan.json")
         step, first_epoch, position = self._resume(to_resume) if to_resume is not None else (0, 0, None)
+        if self.progressive is not None and position is not None:
+            self._load_stream_state(position)
+        if self.stream is not None:  # waiting for a partition ends on a stop signal too
+            self.stream.stop_requested = lambda: stop.received != 0
         if self.is_main:  # resumed: metrics.jsonl keeps its lines up to the checkpoint, drops the later ones
             resumed = {"step": step, "lines": position.get("metrics_lines")} if position is not None else None
             logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard, resume=resumed)
@@ -197,6 +216,8 @@ class Trainer(RunReporting, CheckpointHandling):
         done = t.max_steps is not None and step >= t.max_steps
         epoch, in_epoch = first_epoch, 0
         start = time.perf_counter()
+        if self.snapshots.missing(step):  # resumed between a checkpoint and its snapshot
+            self._publish_snapshot(step)
         for epoch in range(first_epoch, t.epochs):
             if done:
                 break
@@ -208,10 +229,22 @@ class Trainer(RunReporting, CheckpointHandling):
                 self.timings["data_wait"] += feed.wait_seconds - waited
                 window_wait += feed.wait_seconds - waited
                 waited = feed.wait_seconds
+                in_epoch += 1
+                record = self.stream.batch_record(in_epoch) if self.stream is not None else None
+                if record is not None and record.index == 0:
+                    self._start_partition(record.partition)
+                if record is not None and record.index < cfg.data.follow.held_out_batches:
+                    self._score_held_out(local)  # scored, never trained on
+                    if record.last:
+                        self._end_partition(logger, step, record.partition, result)
+                    continue
                 self._set_lr(step, total)
                 unread.append(self.train_step(local, is_local=True))  # read back at log steps only
                 step += 1
-                in_epoch += 1
+                if self.progressive is not None:  # the training forward's scores: before this batch's update
+                    self.progressive.add(self.last_outputs, local.labels)
+                if record is not None and record.last:
+                    self._end_partition(logger, step, record.partition, result)
                 used = len(local) * self.topo.world_size  # every rank trains on as many samples
                 result.samples += used
                 window_samples += used
@@ -223,6 +256,8 @@ class Trainer(RunReporting, CheckpointHandling):
                     sps = window_samples / (now - window_start)
                     wait_ms = 1000 * window_wait / t.log_every  # waited for data, per step
                     self._log_train_step(logger, step, total, epoch, running, sps, wait_ms, bar)
+                    if self.progressive is not None:
+                        logger.log("progressive", step, self.progressive.window_metrics())
                     window_samples, window_start, window_wait = 0, now, 0.0
                 if signum := stop.agreed():  # collective: every rank stops after the same step
                     running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
@@ -232,6 +267,11 @@ class Trainer(RunReporting, CheckpointHandling):
                 if self.checkpoints.enabled and self.checkpoints.due(step):
                     running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
                     self._save_checkpoint(step, epoch, in_epoch, logger, running)
+                if self.snapshots.enabled and self.snapshots.due(step):
+                    if self.checkpoints.last_step != step:  # a snapshot is exported from its step's checkpoint
+                        running = self._read_losses(unread, step, result, running)
+                        self._save_checkpoint(step, epoch, in_epoch, logger, running)
+                    self._publish_snapshot(step)
                 if t.max_steps is not None and step >= t.max_steps:
                     done = True
                     break
@@ -242,6 +282,10 @@ class Trainer(RunReporting, CheckpointHandling):
                 if not every:
                     self._eval(logger, step, mid_batches, teacher_auc)
         running = self._read_losses(unread, step, result, running)
+        if self.stream is not None and self.stream.ended == "signal":  # stopped while waiting for a partition
+            self._stop(stop.received or signal.SIGTERM, step, epoch, in_epoch, logger, running, bar)
+        if step == 0 and self.stream is not None:
+            raise DataError(f"no training batch: data.follow.dir {cfg.data.follow.dir} gave no trainable partition")
         if step == 0:  # the data had no batch in it: a run without training is a mistake, not a result
             raise DataError(
                 f"no training batch: the training data of data.source {cfg.data.source} holds no samples"
@@ -254,6 +298,10 @@ class Trainer(RunReporting, CheckpointHandling):
         if self.checkpoints.enabled and step and self.checkpoints.last_step != step:
             # the end of training is always resumable
             self._save_checkpoint(step, epoch, in_epoch, logger, running)
+        if self.snapshots.enabled and self.snapshots.last_step != step:  # the end of training is served too
+            if self.checkpoints.last_step != step:
+                self._save_checkpoint(step, epoch, in_epoch, logger, running)
+            self._publish_snapshot(step)
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()
         if self.comms is not None and step:

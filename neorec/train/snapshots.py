@@ -1,0 +1,98 @@
+"""Snapshots for serving during training (`snapshot:`): when one is due, and exporting it.
+
+A snapshot of step S is exported from the checkpoint of step S (the trainer saves one first when the
+checkpoint schedule has not), by rank 0 alone, with neorec's own export (neorec/serving/export.py:
+fp32 or quantized tables, nrx or pt2), then published into the snapshots folder behind LATEST
+(neorec/serving/snapshots.py). Reading the checkpoint makes a snapshot of a sharded run whole in one
+process, and leaves training untouched: the export runs with the global RNG states put back after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from neorec.config.continuous import SnapshotConfig
+from neorec.data.source import DataSource
+from neorec.distributed.topology import Topology
+from neorec.serving.snapshots import list_snapshots, publish, snapshot_name
+
+log = logging.getLogger(__name__)
+
+
+class PeriodicSnapshots:
+    """The trainer's snapshot settings: every N steps and/or every M minutes, keep the last K."""
+
+    def __init__(self, cfg: SnapshotConfig, root: Path, topo: Topology) -> None:
+        self.cfg, self.root, self.topo = cfg, root, topo
+        self.last_step: int | None = None
+        self._last_time = time.monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.enabled
+
+    def due(self, step: int) -> bool:
+        """Whether to publish after `step` (collective with every_minutes: rank 0's clock decides)."""
+        c = self.cfg
+        due = c.every_steps is not None and step % c.every_steps == 0
+        if c.every_minutes is not None:
+            late = time.monotonic() - self._last_time >= 60.0 * c.every_minutes
+            if self.topo.world_size > 1:
+                import torch.distributed as dist
+
+                flag = torch.tensor([int(late)])
+                dist.broadcast(flag, 0)
+                late = bool(flag.item())
+            due = due or late
+        return due
+
+    def missing(self, step: int) -> bool:
+        """A resumed run: whether the snapshot of its checkpoint's step was due but not published (the
+        job stopped between the checkpoint and the publish)."""
+        c = self.cfg
+        if not self.enabled or step == 0 or c.every_steps is None or step % c.every_steps:
+            return False
+        return not any(p.name == snapshot_name(step) for p in list_snapshots(self.root))
+
+    def publish(self, step: int, checkpoint: Path, config: Path, source: DataSource) -> Path | None:
+        """Rank 0: export checkpoint `checkpoint` (of `step`; `config` the run's config.yaml) and publish
+        it. Returns the snapshot folder (None on other ranks)."""
+        self.last_step, self._last_time = step, time.monotonic()
+        if self.topo.rank != 0:
+            return None
+        from neorec.serving.export import export_model
+
+        c = self.cfg
+        name = "model.nrx" if c.format == "nrx" else "pt2"
+
+        def write(folder: Path) -> dict:
+            with torch.random.fork_rng(devices=[]):  # building the export's model draws from the global RNG
+                report = export_model(
+                    checkpoint, folder / name, measure=False, config=config, format=c.format, quantize=c.quantize,
+                    source=source,
+                )  # fmt: skip
+            return {
+                "format": c.format,
+                "quantize": c.quantize,
+                "checkpoint": checkpoint.name,
+                "bytes": report.num_bytes,
+            }
+
+        def verify(folder: Path) -> None:
+            if c.format == "nrx":
+                from neorec.serving.file_format import read_export
+
+                read_export(folder / name)  # every checksum of the file
+            else:
+                from neorec.serving.pt2_file import read_pt2
+
+                read_pt2(folder / name)
+
+        start = time.perf_counter()
+        folder = publish(self.root, step, write, verify, c.keep)
+        log.info(f"snapshot {folder} published (step {step}, {time.perf_counter() - start:.1f} s)")
+        return folder

@@ -1,0 +1,116 @@
+"""Snapshots for serving (neorec/serving/snapshots.py): LATEST only ever names a complete, verified
+export, a reader racing the publisher never opens a partial one, a publisher killed at any moment
+leaves LATEST readable, and old snapshots are pruned by count."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from forked import run_python
+
+from neorec.serving.file_format import read_export, write_export
+from neorec.serving.snapshots import SnapshotError, check_snapshot, latest_snapshot, list_snapshots, publish
+
+
+def write_model(step: int):
+    """write(folder) of a small export whose tensors say which step wrote them."""
+
+    def write(folder: Path) -> dict:
+        tensors = {"w": torch.full((64, 256), float(step)), "b": torch.arange(step + 1, dtype=torch.int64)}
+        write_export(folder / "model.nrx", {"step": step}, tensors)
+        return {"format": "nrx"}
+
+    return write
+
+
+def verify(folder: Path) -> None:
+    read_export(folder / "model.nrx")
+
+
+def test_publish_names_a_verified_folder_and_prunes_by_count(tmp_path):
+    with pytest.raises(SnapshotError, match="no snapshot is published yet"):
+        latest_snapshot(tmp_path)
+    for step in (10, 20, 30, 40):
+        publish(tmp_path, step, write_model(step), verify, keep=2)
+    assert [p.name for p in list_snapshots(tmp_path)] == ["snapshot-00000030", "snapshot-00000040"]
+    latest = latest_snapshot(tmp_path)
+    assert latest.name == "snapshot-00000040" and check_snapshot(latest)["step"] == 40
+    header, tensors = read_export(latest / "model.nrx")
+    assert header["step"] == 40 and float(tensors["w"][0, 0]) == 40.0
+    # damage is named; an export that fails its check is never published
+    (latest / "model.nrx").write_bytes((latest / "model.nrx").read_bytes()[:-10])
+    with pytest.raises(SnapshotError, match="model.nrx: size or crc32 differs"):
+        latest_snapshot(tmp_path)
+
+    def broken(folder: Path) -> dict:
+        (folder / "model.nrx").write_bytes(b"neorec-export\n" + bytes(20))
+        return {}
+
+    with pytest.raises(Exception, match=r"snapshot-00000050/model.nrx: the header is not valid JSON"):
+        publish(tmp_path, 50, broken, verify, keep=2)
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert (tmp_path / "LATEST").read_text().count("snapshot-00000040") == 1
+    assert not (tmp_path / "snapshot-00000050").exists()
+
+
+def test_a_reader_racing_the_publisher_never_opens_a_partial_export(tmp_path):
+    """One thread publishes 40 snapshots (keep 3) while another reads LATEST and the whole export it
+    names, over and over: every read finds a complete, verified file of one step."""
+    publish(tmp_path, 0, write_model(0), verify, keep=3)
+    done = threading.Event()
+    seen: list[int] = []
+    errors: list[str] = []
+
+    def reader() -> None:
+        while not done.is_set():
+            try:
+                folder = latest_snapshot(tmp_path)
+                header, tensors = read_export(folder / "model.nrx")
+                step = header["step"]
+                assert bool((tensors["w"] == float(step)).all()) and tensors["b"].numel() == step + 1
+                seen.append(step)
+            except Exception as e:  # noqa: BLE001 - every failure is reported by the test
+                errors.append(f"{type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for step in range(1, 41):
+        publish(tmp_path, step, write_model(step), verify, keep=3)
+    done.set()
+    thread.join()
+    assert not errors, errors[:3]
+    assert len(set(seen)) > 3 and seen == sorted(seen)
+
+
+PUBLISH_FOREVER = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_snapshots import write_model, verify
+from neorec.serving.snapshots import publish
+step = 1
+while True:
+    publish({root!r}, step, write_model(step), verify, keep=2)
+    step += 1
+"""
+
+
+@pytest.mark.parametrize("seconds", [0.35, 0.8])
+def test_a_publisher_killed_at_any_moment_leaves_latest_complete(tmp_path, seconds):
+    """A process publishing in a loop is killed (SIGKILL by its timeout) mid-way: LATEST names a
+    complete snapshot, and the next publish clears what the killed one left."""
+    code = PUBLISH_FOREVER.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    with pytest.raises(Exception, match="timed out"):
+        run_python(["-c", code], timeout=seconds)
+    try:
+        folder = latest_snapshot(tmp_path)
+    except SnapshotError as e:  # killed before its first publish ended: nothing named yet
+        assert "no snapshot is published yet" in str(e)
+        return
+    header, _ = read_export(folder / "model.nrx")
+    step = header["step"]
+    publish(tmp_path, step + 100, write_model(step + 100), verify, keep=2)
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert latest_snapshot(tmp_path).name == f"snapshot-{step + 100:08d}"
