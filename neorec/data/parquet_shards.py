@@ -48,5 +48,3 @@ def parquet_shard_columns(settings: dict, shard: ShardPlan) -> dict[str, dict[st
                     arrays[f"weights_{f.name}"] = w
             out[split] = arrays
     return out
-
-
