@@ -47,7 +47,7 @@ from neorec.data.criteo_lines import (  # noqa: F401 (the rules of the format, i
     splitmix64,
 )
 from neorec.data.source import FeatureSpec, SourceInfo
-from neorec.data.tsv_blocks import BLOCK_BYTES, LineBlock, line_blocks, parse_fast
+from neorec.data.tsv_blocks import LineBlock, line_blocks, parse_fast
 from neorec.errors import ConfigError, DataError
 from neorec.sparse import SparseBatch
 
@@ -86,10 +86,11 @@ class CriteoTSVReader:
         chunk_lines: int = 16384,
         raw_features: Sequence[str] = (),
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-        block_bytes: int = BLOCK_BYTES,
+        block_bytes: int | None = None,
     ) -> None:
         """max_line_bytes: longer lines (without the newline) are bad lines, never held whole; block_bytes:
-        lines are parsed in blocks of about this many bytes; chunk_lines: lines per chunk parsed line
+        lines are parsed in blocks of about this many bytes (None:
+        tsv_blocks.BLOCK_BYTES); chunk_lines: lines per chunk parsed line
         by line (blocks the fast parser leaves, neorec/data/tsv_blocks.py)."""
         self.paths = [Path(p) for p in paths]
         unknown = sorted(set(raw_features) - set(CATEGORICAL_NAMES))

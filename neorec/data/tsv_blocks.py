@@ -108,11 +108,13 @@ def line_blocks(
     first: int = 1,
     num_lines: int | None = None,
     num_bytes: int | None = None,
-    block_bytes: int = BLOCK_BYTES,
+    block_bytes: int | None = None,
 ) -> Iterator[LineBlock]:
     """Blocks of the lines of `f` from its position on (line `first`), up to `num_lines` lines and
-    `num_bytes` bytes when given, else to the end."""
-    block_bytes = max(block_bytes, max_line_bytes + 1)  # a line without a newline in a block is too long
+    `num_bytes` bytes when given, else to the end; blocks of BLOCK_BYTES unless `block_bytes` is given."""
+    block_bytes = max(
+        block_bytes or BLOCK_BYTES, max_line_bytes + 1
+    )  # a line without a newline in a block is too long
     number, left_lines, left_bytes = first, num_lines, num_bytes
     rest = b""
     while left_lines is None or left_lines > 0:
@@ -120,10 +122,12 @@ def line_blocks(
         if left_bytes is not None:
             left_bytes -= len(piece)
         data = rest + piece if rest else piece
-        if not piece:  # the end: a last line without its newline, if any
-            if data:
-                yield LineBlock(number, data, 1)
-            return
+        end = not piece
+        if end:  # the lines left, the last one perhaps without its newline
+            if not data:
+                return
+            if not data.endswith(b"\n"):
+                data += b"\n"
         cut = data.rfind(b"\n") + 1
         if cut == 0 and len(data) >= block_bytes:  # no line ends in a whole block: read past the line
             long_line, rest, num_read = _read_past(f, data, max_line_bytes, block_bytes, left_bytes)
@@ -140,6 +144,8 @@ def line_blocks(
             block, count = block[: ends[left_lines - 1] + 1], left_lines
         if count:
             yield LineBlock(number, block, count)
+        if end:
+            return
         number += count
         left_lines = None if left_lines is None else left_lines - count
 
