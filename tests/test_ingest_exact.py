@@ -268,6 +268,34 @@ def test_the_reader_yields_the_recorded_batches(files, name, monkeypatch):
     assert run_reader(names, name) == GOLDEN[f"reader/{name}"]
 
 
+@pytest.fixture
+def forked_workers(monkeypatch):
+    """workers=N's processes from tests/forked.py's server (it has imported torch and neorec once)."""
+    import types
+
+    from forked import context
+
+    from neorec.data import workers
+
+    namespace = types.SimpleNamespace(
+        get_context=lambda method: context(), get_all_start_methods=lambda: ["spawn"]
+    )
+    monkeypatch.setattr(workers, "multiprocessing", namespace)
+
+
+@pytest.mark.parametrize("name", ["bad_skip", "vocab_skip", "plain_hash_26_rows"])
+def test_pieces_of_one_file_in_two_workers_write_the_recorded_bytes(files, name, monkeypatch, forked_workers):
+    """Pieces start in every 64 KiB of a file (16 MiB otherwise), so that every shard is cut into
+    several, parsed by two workers in any order."""
+    from neorec.data import tsv_pieces
+
+    folder, names = files
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(tsv_pieces, "INDEX_BLOCK", 64 << 10)
+    assert run_preprocess(folder, names, name, workers=2) == GOLDEN[f"preprocess/{name}"]
+    assert run_fail(names, "bad_fail", workers=2) == GOLDEN["fail/bad_fail"]
+
+
 if __name__ == "__main__":  # print the digests of this implementation, to record them above
     import tempfile
 

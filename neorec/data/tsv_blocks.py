@@ -253,7 +253,7 @@ def _hex(column: pa.Array, out: np.ndarray) -> bool:
         full = np.diff(offsets) == MAX_HEX_DIGITS
         if MAX_HEX_DIGITS * int(np.count_nonzero(full)) != len(data):
             return False
-    pairs = _HEX_PAIR[data.view(np.uint16)]
+    pairs = np.take(_HEX_PAIR, data.view(np.uint16))
     if len(pairs) and pairs.max() > 0xFF:
         return False
     values = pairs.astype(np.uint8).view(">u4")  # 4 bytes of 2 hex digits each, most significant first

@@ -66,10 +66,11 @@ def open_input(path: str | Path) -> IO[bytes]:
     return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
 
 
-def index_file(path: PathLike, shard_lines: int, block_bytes: int = INDEX_BLOCK) -> FileIndex:
+def index_file(path: PathLike, shard_lines: int, block_bytes: int | None = None) -> FileIndex:
     """Count the lines of a file and note the offsets of shard starts and of a piece start in every
     block of `block_bytes` (the line after the block's first newline); one read of the file."""
     path = Path(path)
+    block_bytes = block_bytes or INDEX_BLOCK
     gz = path.suffix == ".gz"
     num_newlines, pos, last_line, offsets, starts = 0, 0, 0, [0], [(1, 0)]
     end = 0
@@ -118,7 +119,9 @@ def plan_pieces(shards: list[ShardPlan], index: FileIndex) -> list[Piece]:
     pieces: list[Piece] = []
     for shard in shards:
         if offset.get(shard.first) != shard.offset:
-            raise DataError(f"{index.path}: changed since it was indexed (line {shard.first} moved); preprocess it again")
+            raise DataError(
+                f"{index.path}: changed since it was indexed (line {shard.first} moved); preprocess it again"
+            )
         end = shard.first + shard.count  # the line after the shard: a shard's start, or past the file
         lines = [shard.first, *(n for n, _ in index.piece_starts if shard.first < n < end), end]
         if end not in offset:
