@@ -176,6 +176,7 @@ def preprocess_criteo(
         features = [{"name": n, "num_ids": int(r), "multi_hot": False, "weighted": False}
                     for n, r in zip(CATEGORICAL_NAMES, sizes, strict=True)]  # fmt: skip
         manifest = _start_manifest(out, settings, plan, NUM_DENSE, features, {"dense": DENSE_NAMES})
+        return _some_training_samples(_write_shards(out, manifest, workers, progress, max_shards, index))
     return _some_training_samples(_write_shards(out, manifest, workers, progress, max_shards))
 
 
@@ -229,9 +230,10 @@ def preprocess_synthetic(
 
 # ---- writing the shards -------------------------------------------------------------------------------
 def _write_shards(
-    out: Path, manifest: dict, workers: int, progress: bool, max_shards: int | None
+    out: Path, manifest: dict, workers: int, progress: bool, max_shards: int | None, index: dict | None = None
 ) -> PreprocessResult:
-    """Write the shards that are not done yet (grouped into jobs), then complete the manifest."""
+    """Write the shards that are not done yet, then complete the manifest (`index`: of the Criteo files,
+    when this run has just indexed them)."""
     if manifest["complete"]:
         result = PreprocessResult(out, len(manifest["shards"]), 0, True, manifest["num_samples"])
         result.skipped.update(manifest["skipped"])
@@ -241,7 +243,7 @@ def _write_shards(
     if max_shards is not None:
         todo = todo[:max_shards]
     if manifest["settings"]["input"] == "criteo":
-        written = write_criteo_shards(out, manifest, todo, workers, progress)
+        written = write_criteo_shards(out, manifest, todo, workers, progress, index)
         return _completed(out, manifest, plan, written)
     jobs = [(str(out), manifest["settings"], manifest["features"], [s]) for s in todo]
     written = 0

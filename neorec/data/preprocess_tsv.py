@@ -84,15 +84,13 @@ def _raise_first(errors: list[tuple[tuple, str]]) -> None:
 
 
 def write_criteo_shards(
-    out: Path, manifest: dict, todo: list[ShardPlan], workers: int, progress: bool
+    out: Path, manifest: dict, todo: list[ShardPlan], workers: int, progress: bool, index: dict | None = None
 ) -> int:
-    """Write the shards `todo` of a Criteo manifest; returns how many were written."""
+    """Write the shards `todo` of a Criteo manifest (`index`: of its files, else they are indexed
+    again, as a resumed run does); returns how many were written."""
     settings, features = manifest["settings"], manifest["features"]
-    index = (
-        index_files(sorted({s.file for s in todo}), settings["shard_lines"], workers, progress)
-        if todo
-        else {}
-    )
+    if index is None:
+        index = index_files(sorted({s.file for s in todo}), settings["shard_lines"], workers, progress)
     jobs = _jobs(todo, index)
     for shard in todo:
         start_shard(out, shard)
