@@ -33,7 +33,7 @@ shared machine than the wall-clock rate).
 from __future__ import annotations
 
 import argparse
-import resource
+import os
 import shutil
 import subprocess
 import sys
@@ -136,20 +136,21 @@ BinaryCriteoUtils.tsv_to_npys(sys.argv[1], *(sys.argv[2] + s for s in ("_dense.n
 
 
 def timed(cmd: list[str], mb: float) -> list[object]:
-    """Run a command; [wall s, MB/s, CPU s, MB per CPU-second, peak MiB] of it and its workers."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """Run a command; [wall s, MB/s, CPU s, MB per CPU-second, peak MiB] of it and its workers (wait4:
+    the command's resources with those of the workers it waited for). The command starts under
+    /usr/bin/time, a small process: Linux carries a parent's peak memory into a child it forks, and
+    this process's peak would hide the command's."""
+    launcher = ["/usr/bin/time", "-f", "%M"] if Path("/usr/bin/time").is_file() else []
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([*launcher, *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return [
-        f"{wall:.1f}",
-        f"{mb / wall:.0f}",
-        f"{cpu:.1f}",
-        f"{mb / cpu:.0f}",
-        f"{after.ru_maxrss / 1024:,.0f}",
-    ]
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if os.waitstatus_to_exitcode(status):
+        raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), cmd, stderr=err)
+    cpu = usage.ru_utime + usage.ru_stime
+    peak_kib = int(err.split()[-1]) if launcher else usage.ru_maxrss
+    return [f"{wall:.1f}", f"{mb / wall:.0f}", f"{cpu:.1f}", f"{mb / cpu:.0f}", f"{peak_kib / 1024:,.0f}"]
 
 
 def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
