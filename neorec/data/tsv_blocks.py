@@ -16,7 +16,7 @@ line parser does (a carriage return not followed by a newline, a byte-order mark
 without 40 fields) or any value outside those forms (a sign '+', a hex value of fewer digits, 19
 digits, a bad value of any kind), and when `max_line_bytes` is under the longest line it accepts, so
 that only the line parser decides which lines are too long. Its output equals the line parser's on every
-block it accepts; tests/test_tsv_blocks.py checks this on blocks of every kind.
+block it accepts; tests/test_ingest_exact.py checks this against digests of the line parser's output.
 """
 
 from __future__ import annotations
