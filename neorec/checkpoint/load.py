@@ -74,19 +74,9 @@ def read_manifest(folder: str | Path) -> dict:
         raise CheckpointError(f"checkpoint file {path} is not a neorec checkpoint manifest")
     version = manifest.get("version")
     if version not in (1, VERSION):
-        raise CheckpointError(
-            f"checkpoint file {path}: format version {version}, this neorec reads 1 and {VERSION}"
-        )
+        raise CheckpointError(f"checkpoint file {path}: format version {version}, this neorec reads 1 and {VERSION}")
     if not checked:
-        check_json(
-            manifest,
-            path,
-            "checkpoint file",
-            _DAMAGED,
-            CheckpointError,
-            required=version != 1,
-            keys=MANIFEST_KEYS,
-        )
+        check_json(manifest, path, "checkpoint file", _DAMAGED, CheckpointError, required=version != 1, keys=MANIFEST_KEYS)
     _check_entries(manifest, path)
     return manifest
 

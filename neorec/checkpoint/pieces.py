@@ -67,9 +67,7 @@ def storages(slot: Slot) -> dict[str, tuple[RowStorage, int]]:
     slot in it)}. A managed-collision table's id map (mc_keys, ...) is per-row state of its rows."""
     gi, index = slot.engine.layout.table_slot[slot.local_name]
     start = slot.engine.layout.groups[gi].row_starts[index]
-    out = {
-        name: (s, start) for name, s in {"weight": slot.engine.weights[gi], **slot.engine.states[gi]}.items()
-    }
+    out = {name: (s, start) for name, s in {"weight": slot.engine.weights[gi], **slot.engine.states[gi]}.items()}
     for m in slot.engine.mapped:
         if m.name == slot.local_name:
             out.update({name: (s, 0) for name, s in m.id_map.storages().items()})

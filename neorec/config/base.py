@@ -33,6 +33,7 @@ class NumbersNotBool(BaseModel):
                 raise ValueError("expected a list of numbers, not booleans")
         return value
 
+
     @field_validator("*", mode="after")
     @classmethod
     def _numbers_fit(cls, value: Any) -> Any:

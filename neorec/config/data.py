@@ -15,19 +15,12 @@ class SyntheticConfig(Strict):
     """Synthetic Criteo-like data with a hidden teacher model (neorec.data.synthetic)."""
 
     preset: Literal["custom", "criteo_kaggle", "mlperf"] = Field(
-        "custom",
-        description="table sizes: custom (`rows`), the Criteo Kaggle cardinalities, or MLPerf's Criteo 1TB",
+        "custom", description="table sizes: custom (`rows`), the Criteo Kaggle cardinalities, or MLPerf's Criteo 1TB"
     )
-    rows: int | list[int] = Field(
-        10000, description="custom preset: rows of every table, or one entry per table"
-    )
-    num_sparse: int = Field(
-        26, gt=0, le=limits.MAX_FEATURES, description="custom preset: number of categorical features"
-    )
+    rows: int | list[int] = Field(10000, description="custom preset: rows of every table, or one entry per table")
+    num_sparse: int = Field(26, gt=0, le=limits.MAX_FEATURES, description="custom preset: number of categorical features")
     num_dense: int = Field(13, ge=0, le=limits.MAX_FEATURES, description="number of dense features")
-    max_rows: int | None = Field(
-        None, gt=0, le=limits.MAX_ROWS, description="cap every table at this many rows"
-    )
+    max_rows: int | None = Field(None, gt=0, le=limits.MAX_ROWS, description="cap every table at this many rows")
     row_scale: float = Field(1.0, gt=0, le=1, description="multiply every table size by this (>= 1 row)")
     zipf_alpha: float = Field(1.05, gt=0, description="power-law exponent of id popularity")
     multi_hot: Literal["none", "mlperf"] | list[int] = Field(
@@ -39,9 +32,7 @@ class SyntheticConfig(Strict):
     num_pairs: int = Field(26, ge=0, description="teacher: feature pairs whose latent dot products matter")
     logit_scale: float = Field(2.0, gt=0, description="teacher: std of the logit (larger = easier task)")
     base_ctr: float = Field(0.25, gt=0, lt=1, description="teacher: mean click rate")
-    train_samples: int = Field(
-        1_000_000, gt=0, le=limits.MAX_SAMPLES, description="training samples per epoch"
-    )
+    train_samples: int = Field(1_000_000, gt=0, le=limits.MAX_SAMPLES, description="training samples per epoch")
     eval_samples: int = Field(100_000, gt=0, le=limits.MAX_SAMPLES, description="held-out samples")
     on_device: bool = Field(
         True, description="with train.device cuda: keep the drawn samples in GPU memory and cut batches there"
@@ -59,9 +50,7 @@ class SyntheticConfig(Strict):
             raise ValueError(f"rows has {len(self.rows)} entries but num_sparse is {self.num_sparse}")
         if isinstance(self.multi_hot, list) and len(self.multi_hot) != self.num_tables:
             raise ValueError(f"multi_hot has {len(self.multi_hot)} entries for {self.num_tables} features")
-        if any(
-            not 0 < r <= limits.MAX_ROWS for r in (self.rows if isinstance(self.rows, list) else [self.rows])
-        ):
+        if any(not 0 < r <= limits.MAX_ROWS for r in (self.rows if isinstance(self.rows, list) else [self.rows])):
             raise ValueError(f"rows must be in [1, {limits.MAX_ROWS}] (every entry)")
         if isinstance(self.multi_hot, list) and any(not 0 <= b <= limits.MAX_WIDTH for b in self.multi_hot):
             raise ValueError(f"multi_hot mean bag sizes must be in [0, {limits.MAX_WIDTH}]")
@@ -76,20 +65,12 @@ class CriteoConfig(Strict):
     """Raw Criteo TSV files (label, I1..I13, C1..C26), plain or .gz."""
 
     train_paths: list[str] = Field(min_length=1, description="training TSV files")
-    eval_paths: list[str] | None = Field(
-        None, description="held-out TSV files; default: every eval_every-th line"
-    )
+    eval_paths: list[str] | None = Field(None, description="held-out TSV files; default: every eval_every-th line")
     table_rows: int | list[int] = Field(100_000, description="rows per table (one value, or 26)")
     hashing: Literal["modulo", "hash"] = Field("modulo", description="how a hex id maps into its table")
-    bad_lines: Literal["fail", "skip"] = Field(
-        "fail", description="malformed lines: stop with file:line, or skip and count"
-    )
-    eval_every: int = Field(
-        10, ge=2, description="without eval_paths, hold out lines whose number is a multiple of this"
-    )
-    max_line_bytes: int = Field(
-        4096, gt=0, description="longer lines are malformed (bad_lines); a Criteo line is under 500 bytes"
-    )
+    bad_lines: Literal["fail", "skip"] = Field("fail", description="malformed lines: stop with file:line, or skip and count")
+    eval_every: int = Field(10, ge=2, description="without eval_paths, hold out lines whose number is a multiple of this")
+    max_line_bytes: int = Field(4096, gt=0, description="longer lines are malformed (bad_lines); a Criteo line is under 500 bytes")
 
 
 class MovieLensConfig(Strict):
@@ -123,12 +104,8 @@ class PreprocessedConfig(Strict):
     """Shards written by `neorec data preprocess`, read by neorec/data/sharded_reader.py."""
 
     path: str = Field(description="the folder `neorec data preprocess --out` wrote")
-    shuffle: bool = Field(
-        True, description="shuffle the shard order and the samples within a window, per epoch"
-    )
-    shuffle_window: int = Field(
-        131072, gt=0, le=2**31, description="samples permuted together (the shuffle buffer)"
-    )
+    shuffle: bool = Field(True, description="shuffle the shard order and the samples within a window, per epoch")
+    shuffle_window: int = Field(131072, gt=0, le=2**31, description="samples permuted together (the shuffle buffer)")
     prefetch: int = Field(4, ge=0, le=1024, description="batches the reader's background threads make ahead")
 
 
@@ -137,18 +114,12 @@ class ParquetFeatureConfig(Strict):
 
     name: str = Field(min_length=1, description="feature (and table) name")
     column: str | None = Field(
-        None,
-        description="column of ids (default: the name): integers or strings, or lists of them (multi-hot)",
+        None, description="column of ids (default: the name): integers or strings, or lists of them (multi-hot)"
     )
     weights: str | None = Field(
         None, description="column of per-id weights: a float, or a list of floats as long as the ids' list"
     )
-    rows: int | None = Field(
-        None,
-        gt=0,
-        le=limits.MAX_ROWS,
-        description="rows of the feature's table (default: data.parquet.table_rows)",
-    )
+    rows: int | None = Field(None, gt=0, le=limits.MAX_ROWS, description="rows of the feature's table (default: data.parquet.table_rows)")
     hashing: Literal["modulo", "hash", "none", "vocab"] | None = Field(
         None, description="raw value -> row (default: data.parquet.hashing)"
     )
@@ -161,47 +132,36 @@ class ParquetConfig(Strict):
     """Parquet files read by neorec/data/parquet.py: columns mapped to the label, dense and categorical
     features; each rank reads its own row groups."""
 
-    paths: list[str] = Field(
-        min_length=1, description="training files or folders (local, or URIs pyarrow opens)"
-    )
+    paths: list[str] = Field(min_length=1, description="training files or folders (local, or URIs pyarrow opens)")
     eval_paths: list[str] | None = Field(None, description="held-out files or folders (or set eval_column)")
     eval_column: str | None = Field(
         None, description="boolean (or 0/1) column of paths' rows: true rows are held out (or set eval_paths)"
     )
     label: str = Field("label", min_length=1, description="label column: 0/1 integers, floats or booleans")
     dense: list[str] = Field(default_factory=list, description="dense feature columns (numbers; null -> 0)")
-    dense_log1p: bool = Field(
-        False, description="dense values: negatives -> 0, then log(1 + x), as for Criteo"
-    )
+    dense_log1p: bool = Field(False, description="dense values: negatives -> 0, then log(1 + x), as for Criteo")
     features: list[str | ParquetFeatureConfig] = Field(
         min_length=1,
         description="categorical features: a column name, or a section with name, column, weights, rows, hashing, "
         "strings (the last three default to this section's)",
     )
-    table_rows: int = Field(
-        100_000, gt=0, le=limits.MAX_ROWS, description="default rows of every feature's table"
-    )
+    table_rows: int = Field(100_000, gt=0, le=limits.MAX_ROWS, description="default rows of every feature's table")
     hashing: Literal["modulo", "hash", "none", "vocab"] = Field(
         "modulo",
         description="raw value -> row: value % rows, splitmix64(value) % rows, the value itself (checked to lie "
         "in [0, rows)), or 1 + its place in a vocabulary of vocab_dir (0 when absent)",
     )
     strings: Literal["hex", "fnv1a"] = Field(
-        "fnv1a",
-        description="string ids -> raw value: hex digits (at most 8, as Criteo's), or the FNV-1a hash",
+        "fnv1a", description="string ids -> raw value: hex digits (at most 8, as Criteo's), or the FNV-1a hash"
     )
     vocab_dir: str | None = Field(None, description="hashing vocab: folder of <feature>.npy vocabularies")
-    shuffle: bool = Field(
-        True, description="shuffle the row-group order and the rows in a row group, per epoch"
-    )
+    shuffle: bool = Field(True, description="shuffle the row-group order and the rows in a row group, per epoch")
     prefetch: int = Field(4, ge=0, le=1024, description="batches the reader's background threads make ahead")
 
     @model_validator(mode="after")
     def _split_and_names(self) -> ParquetConfig:
         if (self.eval_paths is None) == (self.eval_column is None):
-            raise ValueError(
-                "set one of eval_paths (held-out files) or eval_column (a held-out flag per row)"
-            )
+            raise ValueError("set one of eval_paths (held-out files) or eval_column (a held-out flag per row)")
         names = [f if isinstance(f, str) else f.name for f in self.features]
         if len(set(names)) != len(names):
             raise ValueError(f"feature names must be unique, got {names}")
@@ -228,17 +188,13 @@ class DataConfig(Strict):
     source: Literal["synthetic", "criteo_tsv", "movielens", "shards", "preprocessed", "parquet"] = Field(
         "synthetic", description="where batches come from"
     )
-    shards_dir: str | None = Field(
-        None, description="source shards: a folder written by `neorec data generate`"
-    )
+    shards_dir: str | None = Field(None, description="source shards: a folder written by `neorec data generate`")
     batch_size: int = Field(2048, gt=0, le=limits.MAX_BATCH, description="training samples per step (global)")
     eval_batch_size: int = Field(16384, gt=0, le=limits.MAX_BATCH, description="samples per evaluation batch")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic data settings")
     criteo: CriteoConfig | None = Field(None, description="Criteo TSV settings (source: criteo_tsv)")
     movielens: MovieLensConfig = Field(default_factory=MovieLensConfig, description="MovieLens settings")
-    preprocessed: PreprocessedConfig | None = Field(
-        None, description="preprocessed shards (source: preprocessed)"
-    )
+    preprocessed: PreprocessedConfig | None = Field(None, description="preprocessed shards (source: preprocessed)")
     parquet: ParquetConfig | None = Field(None, description="Parquet files (source: parquet)")
 
     @model_validator(mode="after")

@@ -19,8 +19,7 @@ class TableShardingConfig(Strict):
 
     kind: ShardingKind | None = Field(None, description="the sharding kind it must take")
     kinds: list[ShardingKind] | None = Field(
-        None,
-        min_length=1,
+        None, min_length=1,
         description="the kinds (tw, rw, cw, twrw, twcw, dp) the planner may choose for it (default: distributed.kinds)",
     )
     ranks: list[int] = Field(
@@ -83,8 +82,7 @@ class DistributedConfig(Strict):
     )
     dense_precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="dense gradient all-reduce")
     dense_bucket_mib: float = Field(
-        1.0,
-        ge=0,
+        1.0, ge=0,
         description="dense gradients are averaged in buckets of this many MiB, each starting as backward "
         "completes it (over the process group, fp32); 0 = one all-reduce after backward",
     )

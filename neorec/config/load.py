@@ -60,9 +60,7 @@ class _Loader(yaml.SafeLoader):
                            event.start_mark)  # fmt: skip
         self._depth += 1
         if self._depth > MAX_DEPTH:
-            raise _Refused(
-                None, None, f"mappings and lists nested more than {MAX_DEPTH} deep", event.start_mark
-            )
+            raise _Refused(None, None, f"mappings and lists nested more than {MAX_DEPTH} deep", event.start_mark)
         try:
             return super().compose_node(parent, index)
         finally:
@@ -75,18 +73,14 @@ class _Loader(yaml.SafeLoader):
             if not isinstance(key, typing.Hashable):
                 continue  # yaml's own error names it
             if key in seen:
-                raise _Refused(
-                    None, None, f"key {_short(key)} appears twice in this mapping", key_node.start_mark
-                )
+                raise _Refused(None, None, f"key {_short(key)} appears twice in this mapping", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         text = str(node.value)
         if len(text) > MAX_DIGITS:
-            raise _Refused(
-                None, None, f"an integer of {len(text)} characters (at most {MAX_DIGITS})", node.start_mark
-            )
+            raise _Refused(None, None, f"an integer of {len(text)} characters (at most {MAX_DIGITS})", node.start_mark)
         return super().construct_yaml_int(node)
 
 
@@ -98,9 +92,7 @@ def load_yaml(text: str) -> Any:
     """The value of YAML `text`, within the limits of the module docstring; yaml.YAMLError otherwise
     (a MarkedYAMLError names the line)."""
     if len(text.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
-        raise yaml.YAMLError(
-            f"{len(text.encode('utf-8', 'surrogatepass'))} bytes of text (at most {MAX_TEXT_BYTES})"
-        )
+        raise yaml.YAMLError(f"{len(text.encode('utf-8', 'surrogatepass'))} bytes of text (at most {MAX_TEXT_BYTES})")
     loader = _Loader(text)
     try:
         return loader.get_single_data()
@@ -126,9 +118,7 @@ def load_config(path_or_name: str | None = None, overrides: list[str] | None = N
     return validate_config(raw, where + (" with --set" if overrides else ""))
 
 
-def read_config(
-    path_or_name: str, base_of: Path | None = None, chain: tuple[str, ...] = ()
-) -> tuple[dict, str]:
+def read_config(path_or_name: str, base_of: Path | None = None, chain: tuple[str, ...] = ()) -> tuple[dict, str]:
     """(raw mapping merged over its bases, description of the files it came from). `base_of`: the
     folder of the config that names this one as its base (then shipped names are looked up first)."""
     text, where, shipped = _resolve(path_or_name, base_of)
@@ -140,9 +130,7 @@ def read_config(
     if "base" in raw:
         base = raw.pop("base")
         if not isinstance(base, str) or not base.strip():
-            raise ConfigError(
-                f"{where}: key 'base': expected a shipped config name or a path, got {_short(base)}"
-            )
+            raise ConfigError(f"{where}: key 'base': expected a shipped config name or a path, got {_short(base)}")
     elif shipped == DEFAULT_BASE:
         return raw, where
     else:
@@ -162,9 +150,7 @@ def _resolve(path_or_name: str, base_of: Path | None) -> tuple[str, str, str | N
     if path.is_file():
         try:
             if path.stat().st_size > MAX_TEXT_BYTES:
-                raise ConfigError(
-                    f"{path}: {path.stat().st_size} bytes; a config holds at most {MAX_TEXT_BYTES}"
-                )
+                raise ConfigError(f"{path}: {path.stat().st_size} bytes; a config holds at most {MAX_TEXT_BYTES}")
             return path.read_text(), str(path), None
         except UnicodeDecodeError:
             raise ConfigError(f"{path}: not a YAML config (not UTF-8 text)") from None
@@ -173,9 +159,7 @@ def _resolve(path_or_name: str, base_of: Path | None) -> tuple[str, str, str | N
     if path.is_dir():
         raise ConfigError(f"config {path}: is a folder; expected a YAML file or a shipped config name")
     what = f"base {path_or_name!r} (looked for {path})" if base_of is not None else f"config {path_or_name!r}"
-    raise ConfigError(
-        f"{what} is neither a file nor a shipped config; shipped: {', '.join(shipped_configs())}"
-    )
+    raise ConfigError(f"{what} is neither a file nor a shipped config; shipped: {', '.join(shipped_configs())}")
 
 
 def parse_config(text: str, where: str) -> dict[str, Any]:
@@ -209,16 +193,12 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one `a.b.c=value` (value parsed as YAML: numbers, lists, null...) to a raw config dict."""
     if len(item.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
-        raise ConfigError(
-            f"--set {_short(item)}: {len(item)} characters; a --set holds at most {MAX_TEXT_BYTES} bytes"
-        )
+        raise ConfigError(f"--set {_short(item)}: {len(item)} characters; a --set holds at most {MAX_TEXT_BYTES} bytes")
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {_short(item)}: expected key=value, e.g. --set train.max_steps=100")
     if not value.strip():
-        raise ConfigError(
-            f"--set {_short(item)}: empty value; give a value, or {key.strip()[:80]}=null to unset the key"
-        )
+        raise ConfigError(f"--set {_short(item)}: empty value; give a value, or {key.strip()[:80]}=null to unset the key")
     parts = key.strip().split(".")
     if len(parts) > MAX_DEPTH:
         raise ConfigError(f"--set {_short(item)}: a key of more than {MAX_DEPTH} parts")
@@ -228,18 +208,14 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             node[p] = {}
         nxt = node[p]
         if not isinstance(nxt, dict):
-            raise ConfigError(
-                f"--set {_short(item)}: {'.'.join(parts[: i + 1])[:120]} is a value, not a section"
-            )
+            raise ConfigError(f"--set {_short(item)}: {'.'.join(parts[: i + 1])[:120]} is a value, not a section")
         node = nxt
     try:
         node[parts[-1]] = load_yaml(value)
     except _Refused as e:
         raise ConfigError(f"--set {_short(key.strip())}: {e.problem}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(
-            f"--set {_short(item)}: value is not valid YAML: {' '.join(str(e).split())}"
-        ) from None
+        raise ConfigError(f"--set {_short(item)}: value is not valid YAML: {' '.join(str(e).split())}") from None
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -190,10 +190,7 @@ def _show(model: BaseModel, depth: int) -> typing.Iterator[str]:
         else:
             shown = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
             if isinstance(value, list):  # sections in a list (data.parquet.features) as plain mappings
-                shown = [
-                    v.model_dump(mode="json", exclude_none=True) if isinstance(v, BaseModel) else v
-                    for v in value
-                ]
+                shown = [v.model_dump(mode="json", exclude_none=True) if isinstance(v, BaseModel) else v for v in value]
             yield f"{pad}{name}: {_text(shown)}{note}"
 
 

@@ -30,9 +30,7 @@ from neorec.embedding.tables import EmbeddingOptimizerConfig, ManagedCollisionCo
 class TaskConfig(Strict):
     """One head of a multi-task model: a label the data source makes, and its weight in the loss."""
 
-    name: str = Field(
-        min_length=1, description="the label (movielens: like, love, ok; synthetic: click, conversion)"
-    )
+    name: str = Field(min_length=1, description="the label (movielens: like, love, ok; synthetic: click, conversion)")
     weight: float = Field(1.0, ge=0, description="weight of this task's mean BCE in the summed loss")
 
 
@@ -44,29 +42,22 @@ class TwoTowerConfig(Strict):
         ["movie", "genres", "year"], min_length=1, description="features of the item tower"
     )
     item_id: str | None = Field(
-        None,
-        description="the feature whose id names the item (logQ counts, recall); default: the first item feature",
+        None, description="the feature whose id names the item (logQ counts, recall); default: the first item feature"
     )
     user_id: str | None = Field(
-        None,
-        description="the feature whose id names the user (exclude_seen); default: the first user feature",
+        None, description="the feature whose id names the user (exclude_seen); default: the first user feature"
     )
     exclude_seen: bool = Field(
-        True,
-        description="recall ranks only the items a user did not rate in training (besides the held-out one)",
+        True, description="recall ranks only the items a user did not rate in training (besides the held-out one)"
     )
-    tower_mlp: list[int] = Field(
-        [64, 32], min_length=1, description="layer sizes of each tower (the last: output dim)"
-    )
+    tower_mlp: list[int] = Field([64, 32], min_length=1, description="layer sizes of each tower (the last: output dim)")
     temperature: float = Field(0.05, gt=0, description="scores are cosine similarities divided by this")
 
     @model_validator(mode="after")
     def _towers(self) -> TwoTowerConfig:
         both = sorted(set(self.user_features) & set(self.item_features))
         if both:
-            raise ValueError(
-                f"features {both} are in both user_features and item_features; give each to one tower"
-            )
+            raise ValueError(f"features {both} are in both user_features and item_features; give each to one tower")
         if self.item_id is not None and self.item_id not in self.item_features:
             raise ValueError(f"item_id {self.item_id!r} must be one of item_features {self.item_features}")
         if self.user_id is not None and self.user_id not in self.user_features:
@@ -79,13 +70,9 @@ class TwoTowerConfig(Strict):
 class DINConfig(Strict):
     """model.arch din: the target's embedding attends over a history feature (neorec/model/din.py)."""
 
-    target: str = Field(
-        "movie", min_length=1, description="pooled feature whose embedding queries the history"
-    )
+    target: str = Field("movie", min_length=1, description="pooled feature whose embedding queries the history")
     history: str = Field(
-        "history",
-        min_length=1,
-        description="sequence feature (its table has pooling none) of the user's past items",
+        "history", min_length=1, description="sequence feature (its table has pooling none) of the user's past items"
     )
     history_side: list[str] = Field(
         default_factory=lambda: ["history_liked"],
@@ -94,10 +81,7 @@ class DINConfig(Strict):
     max_len: int = Field(50, gt=0, description="history positions the attention reads (the most recent ones)")
     attention_mlp: list[int] = Field([64, 16], description="hidden sizes of the attention unit's MLP")
     cross_layers: int = Field(
-        0,
-        ge=0,
-        le=limits.MAX_LAYERS,
-        description="DCNv2 cross layers over [dense, pooled, interest] before the top MLP",
+        0, ge=0, le=limits.MAX_LAYERS, description="DCNv2 cross layers over [dense, pooled, interest] before the top MLP"
     )
 
     @model_validator(mode="after")
@@ -121,18 +105,13 @@ class ModelConfig(Strict):
     top_mlp: list[int] = Field([512, 256], description="top MLP hidden sizes (a final 1-unit layer is added)")
     self_interaction: bool = Field(False, description="dlrm: include each vector's dot with itself")
     cross_layers: int = Field(3, gt=0, le=limits.MAX_LAYERS, description="dcnv2: number of cross layers")
-    low_rank: int | None = Field(
-        None, gt=0, le=limits.MAX_WIDTH, description="dcnv2: rank of the cross weights (None = full)"
-    )
+    low_rank: int | None = Field(None, gt=0, le=limits.MAX_WIDTH, description="dcnv2: rank of the cross weights (None = full)")
     precision: Literal["fp32", "bf16"] = Field(
-        "fp32",
-        description="MLP and interaction math: fp32, or bf16 autocast (weights and gradients stay fp32)",
+        "fp32", description="MLP and interaction math: fp32, or bf16 autocast (weights and gradients stay fp32)"
     )
     trunk: Literal["dlrm", "dcnv2"] = Field("dlrm", description="multitask: the shared trunk's architecture")
     tasks: list[TaskConfig] = Field([], description="multitask: one head per task, in this order")
-    two_tower: TwoTowerConfig = Field(
-        default_factory=TwoTowerConfig, description="two_tower: towers and loss"
-    )
+    two_tower: TwoTowerConfig = Field(default_factory=TwoTowerConfig, description="two_tower: towers and loss")
     din: DINConfig = Field(default_factory=DINConfig, description="din: the target and history features")
 
     @model_validator(mode="after")
@@ -142,9 +121,7 @@ class ModelConfig(Strict):
         if self.arch == "multitask":
             names = [t.name for t in self.tasks]
             if not names:
-                raise ValueError(
-                    "model.arch multitask needs model.tasks, e.g. [{name: like}, {name: ok, weight: 0.5}]"
-                )
+                raise ValueError("model.arch multitask needs model.tasks, e.g. [{name: like}, {name: ok, weight: 0.5}]")
             if len(set(names)) != len(names):
                 raise ValueError(f"model.tasks names must be unique, got {names}")
             if not any(t.weight > 0 for t in self.tasks):
@@ -174,14 +151,10 @@ class TableOverride(Strict):
     optimizer: EmbeddingOptimizerConfig | None = Field(None, description="optimizer for this table")
     tier: Literal["memory", "dram", "ssd"] | None = Field(None, description="where this table's rows live")
     managed_collision: ManagedCollisionConfig | None = Field(
-        None,
-        description="the reader passes raw ids and an id map gives each its own row (docs/managed-collision.md)",
+        None, description="the reader passes raw ids and an id map gives each its own row (docs/managed-collision.md)"
     )
     rows: int | None = Field(
-        None,
-        gt=0,
-        le=limits.MAX_ROWS,
-        description="managed-collision tables: rows (the id map's capacity; default: the data's id count)",
+        None, gt=0, le=limits.MAX_ROWS, description="managed-collision tables: rows (the id map's capacity; default: the data's id count)"
     )
 
 
@@ -235,25 +208,18 @@ class CacheConfig(Strict):
 
 
 class EmbeddingConfig(Strict):
-    engine: Literal["fused", "reference"] = Field(
-        "fused", description="fused table-batched engine, or per-table nn.EmbeddingBag"
-    )
+    engine: Literal["fused", "reference"] = Field("fused", description="fused table-batched engine, or per-table nn.EmbeddingBag")
     dim: int = Field(16, gt=0, le=limits.MAX_DIM, description="default embedding dimension")
     pooling: Literal["sum", "mean"] = Field("sum", description="default bag pooling")
     dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="default weight storage type")
-    stochastic_rounding: bool = Field(
-        False, description="fp16/bf16 weights: round updates stochastically (seeded)"
-    )
+    stochastic_rounding: bool = Field(False, description="fp16/bf16 weights: round updates stochastically (seeded)")
     optimizer: EmbeddingOptimizerConfig = Field(
         default_factory=lambda: EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05),
         description="default optimizer of the embedding rows",
     )
-    tables: dict[str, TableOverride] = Field(
-        default_factory=dict, description="overrides by feature/table name"
-    )
+    tables: dict[str, TableOverride] = Field(default_factory=dict, description="overrides by feature/table name")
     tier: Literal["memory", "dram", "ssd"] = Field(
-        "memory",
-        description="where rows live: RAM (no cache), or behind a RAM cache in host memory or on disk",
+        "memory", description="where rows live: RAM (no cache), or behind a RAM cache in host memory or on disk"
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="the row cache of dram/ssd tables")
     bounds_check: Literal["error", "warn", "off"] = Field(
@@ -304,9 +270,7 @@ class TrainConfig(Strict):
     )
     eval_max_batches: int | None = Field(None, gt=0, description="cap on mid-training evaluation batches")
     log_every: int = Field(50, gt=0, description="write a metrics line every N steps")
-    threads: int | None = Field(
-        None, gt=0, description="torch intra-op threads, at most 4 per core (None: torch's default)"
-    )
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads, at most 4 per core (None: torch's default)")
     device: Literal["cpu", "cuda"] = Field(
         "cpu",
         description="where the model trains: cpu, or cuda (each process on GPU LOCAL_RANK; ranks share GPUs over gloo)",
@@ -317,17 +281,14 @@ class TrainConfig(Strict):
         True, description="multi-process: start the next batch's id exchange while this batch computes"
     )
     keep_freed_memory: bool = Field(
-        True,
-        description="glibc keeps freed memory for reuse instead of page-faulting it in anew (neorec/utils/host.py)",
+        True, description="glibc keeps freed memory for reuse instead of page-faulting it in anew (neorec/utils/host.py)"
     )
     compile: bool = Field(
         False,
         description="compile the dense stages (MLPs, interaction) with torch.compile; the embeddings stay eager "
         "(needs a C++ compiler on CPU; the first steps wait for compilation)",
     )
-    dense_optimizer: DenseOptimizerConfig = Field(
-        default_factory=DenseOptimizerConfig, description="MLP optimizer"
-    )
+    dense_optimizer: DenseOptimizerConfig = Field(default_factory=DenseOptimizerConfig, description="MLP optimizer")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="learning-rate schedule")
 
     @field_validator("eval_every", mode="before")
@@ -341,9 +302,7 @@ class TrainConfig(Strict):
     @classmethod
     def _threads(cls, v: int | None) -> int | None:
         if v is not None and v > limits.max_threads():
-            raise ValueError(
-                f"at most {limits.max_threads()} (4 per core of this machine's {limits.max_threads() // 4})"
-            )
+            raise ValueError(f"at most {limits.max_threads()} (4 per core of this machine's {limits.max_threads() // 4})")
         return v
 
 
@@ -353,9 +312,7 @@ class CheckpointConfig(Strict):
     dir: str | None = Field(
         None, description="folder of the step-XXXXXXXX checkpoints (default: <output_dir>/checkpoints)"
     )
-    every_steps: int | None = Field(
-        None, gt=0, description="save every N training steps (None: not by steps)"
-    )
+    every_steps: int | None = Field(None, gt=0, description="save every N training steps (None: not by steps)")
     every_minutes: float | None = Field(
         None, gt=0, description="save when this many minutes passed since the last save"
     )
@@ -372,13 +329,9 @@ class LoggingConfig(Strict):
 
 
 class RunConfig(Strict):
-    name: str = Field(
-        "default", min_length=1, description="run name: a plain folder name (no '/'), at most 255 bytes"
-    )
+    name: str = Field("default", min_length=1, description="run name: a plain folder name (no '/'), at most 255 bytes")
     seed: int = Field(0, ge=0, lt=limits.MAX_SEED, description="seed of everything: data, init, shuffling")
-    output_dir: str = Field(
-        "runs/{name}", description="where logs, plots and the model go ({name} is replaced)"
-    )
+    output_dir: str = Field("runs/{name}", description="where logs, plots and the model go ({name} is replaced)")
     data: DataConfig = Field(default_factory=DataConfig, description="data source and batching")
     model: ModelConfig = Field(default_factory=ModelConfig, description="network architecture")
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig, description="embedding tables")
@@ -404,9 +357,7 @@ class RunConfig(Strict):
             arch = self.model.arch
             dims = {self.embedding.dim} | {o.dim for o in self.embedding.tables.values() if o.dim is not None}
             if len(dims) > 1:
-                raise ValueError(
-                    f"model.arch {arch} needs one embedding dim for all tables, got {sorted(dims)}"
-                )
+                raise ValueError(f"model.arch {arch} needs one embedding dim for all tables, got {sorted(dims)}")
             if self.model.bottom_mlp[-1] != self.embedding.dim:
                 raise ValueError(
                     f"model.bottom_mlp must end in embedding.dim ({self.embedding.dim}) for {arch}'s pairwise "
@@ -453,9 +404,7 @@ class RunConfig(Strict):
                     f"is {own}: drop one of them or make them agree"
                 )
             if entry.tier == "ssd" and e.cache.directory is None:
-                raise ValueError(
-                    f"{where}.tier is ssd: set embedding.cache.directory to a folder for its files"
-                )
+                raise ValueError(f"{where}.tier is ssd: set embedding.cache.directory to a folder for its files")
             if entry.cache_fraction is not None and e.cache.size_mib is not None:
                 raise ValueError(
                     f"{where}.cache_fraction sizes its cache by a share of its rows, but embedding.cache.size_mib "

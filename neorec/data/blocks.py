@@ -117,9 +117,7 @@ class Block:
         weights = torch.cat(self.weights) if self.weights is not None else None
         # each feature's number of ids, from the host offsets: a batch on a GPU never reads them back
         per_key = [len(self) if off is None else int(off[-1]) for off in self.offsets]
-        sparse = SparseBatch(
-            keys, torch.cat(self.values), torch.cat(self.lengths), weights, per_key, self.id_limits
-        )
+        sparse = SparseBatch(keys, torch.cat(self.values), torch.cat(self.lengths), weights, per_key, self.id_limits)
         return Batch(self.dense, sparse, self.labels)
 
 

@@ -15,9 +15,7 @@ def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> s
     source = build_source(cfg)
     info = source.info
     batches = list(itertools.islice(source.train_batches(cfg.data.batch_size, 0), num_batches))
-    lines = [
-        f"source: {cfg.data.source}   dense features: {info.num_dense}   categorical features: {len(info.features)}"
-    ]
+    lines = [f"source: {cfg.data.source}   dense features: {info.num_dense}   categorical features: {len(info.features)}"]
     if info.num_train_samples:
         lines.append(f"training samples per epoch: {info.num_train_samples:,}")
     if batches:
@@ -26,9 +24,7 @@ def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> s
         if labels.dim() == 1:
             lines.append(f"sampled {len(labels):,} training samples: CTR {float(labels.mean()):.4f}")
         else:  # one column per task, in the order of model.tasks
-            rates = " ".join(
-                f"{t.name} {float(r):.4f}" for t, r in zip(cfg.model.tasks, labels.mean(0), strict=True)
-            )
+            rates = " ".join(f"{t.name} {float(r):.4f}" for t, r in zip(cfg.model.tasks, labels.mean(0), strict=True))
             lines.append(f"sampled {len(labels):,} training samples: positive rate {rates}")
         lines.append("dense mean " + " ".join(f"{x:.2f}" for x in dense.mean(0).tolist()))
     w = max([10] + [len(f.name) for f in info.features])  # the feature column fits the longest name
@@ -43,9 +39,7 @@ def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> s
             top = counts.sort(descending=True).values
             k = max(1, int(0.01 * f.num_ids))
             share = float(top[:k].sum()) / max(values.numel(), 1)
-            lines.append(
-                f"{f.name:<{w}} {f.num_ids:>12,} {per_sample:>10.2f} {counts.numel():>9,} {share:>11.3f}"
-            )
+            lines.append(f"{f.name:<{w}} {f.num_ids:>12,} {per_sample:>10.2f} {counts.numel():>9,} {share:>11.3f}")
         else:
             lines.append(f"{f.name:<{w}} {f.num_ids:>12,}")
     if hasattr(source, "teacher_auc"):

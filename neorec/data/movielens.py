@@ -116,11 +116,7 @@ def split_by_global_time(
 
 
 def rating_histories(
-    user: np.ndarray,
-    timestamp: np.ndarray,
-    movie: np.ndarray,
-    length: int,
-    eligible: np.ndarray | None = None,
+    user: np.ndarray, timestamp: np.ndarray, movie: np.ndarray, length: int, eligible: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(pool, start, lengths): rating i's history is pool[start[i] : start[i] + lengths[i]], the rows of
     the same user's last min(length, k) ratings of the k that precede it in (timestamp, movieId)
@@ -130,9 +126,7 @@ def rating_histories(
     keep = np.ones(len(order), dtype=bool) if eligible is None else eligible[order]
     before = np.cumsum(keep) - keep  # eligible ratings before each sorted position: an index into pool
     counts = np.bincount(user)
-    first = np.repeat(
-        np.concatenate([[0], np.cumsum(counts)[:-1]]), counts
-    )  # user's run start, per sorted row
+    first = np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)  # user's run start, per sorted row
     user_start = before[first]
     sorted_start = np.maximum(user_start, before - length)
     start = np.empty(len(order), dtype=np.int64)
@@ -234,9 +228,7 @@ class MovieLensSource:
     ) -> None:
         unknown = [name for name in labels or () if name not in LABELS]
         if unknown:
-            raise ConfigError(
-                f"model.tasks names labels {unknown} that MovieLens does not make; it has {list(LABELS)}"
-            )
+            raise ConfigError(f"model.tasks names labels {unknown} that MovieLens does not make; it has {list(LABELS)}")
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
         if split not in SPLITS:
@@ -244,9 +236,7 @@ class MovieLensSource:
         if history < 0:
             raise ConfigError(f"data.movielens.history must be >= 0 (0: no history features), got {history}")
         if history_from not in HISTORY_FROM:
-            raise ConfigError(
-                f"data.movielens.history_from must be one of {HISTORY_FROM}, got {history_from!r}"
-            )
+            raise ConfigError(f"data.movielens.history_from must be one of {HISTORY_FROM}, got {history_from!r}")
         self.root = movielens_root(root)
         if not self.root.is_dir():
             raise DataError(missing_movielens(self.root, named=root is not None))
@@ -354,9 +344,7 @@ class MovieLensSource:
         self.timestamp = torch.from_numpy(times)
         self.labels = (self.rating >= 4.0).to(torch.float32)
         if labels is not None:
-            self.labels = torch.stack(
-                [(self.rating >= LABELS[name]).to(torch.float32) for name in labels], dim=1
-            )
+            self.labels = torch.stack([(self.rating >= LABELS[name]).to(torch.float32) for name in labels], dim=1)
 
         t = torch.from_numpy(times).to(torch.float64)
         rating_time = (t - t.min()) / max(float(t.max() - t.min()), 1.0)
@@ -398,9 +386,7 @@ class MovieLensSource:
         (what a two-tower model's item tower reads to score the whole item set)."""
         movie = torch.arange(len(self.movie_ids))
         users = torch.zeros(0, dtype=torch.int64)
-        return SparseBatch.from_features(
-            self._features(users, torch.zeros(len(movie), dtype=torch.int64), movie)
-        )
+        return SparseBatch.from_features(self._features(users, torch.zeros(len(movie), dtype=torch.int64), movie))
 
     def _features(
         self, users: torch.Tensor, user_lengths: torch.Tensor, movie: torch.Tensor

@@ -76,9 +76,7 @@ class RowGroup:
 def list_files(path: str) -> tuple[pafs.FileSystem, list[str]]:
     """(filesystem, sorted files) of a file or folder, local or a URI; DataError when there is none."""
     try:
-        dataset = ds.dataset(
-            path, format="parquet", schema=pa.schema([])
-        )  # lists only: files are opened later
+        dataset = ds.dataset(path, format="parquet", schema=pa.schema([]))  # lists only: files are opened later
     except FileNotFoundError:
         raise DataError(f"{path}: no such file or folder") from None
     except (pa.ArrowInvalid, OSError) as e:
@@ -101,20 +99,10 @@ def column_map(config: ParquetConfig, with_vocabs: bool = True, bounds_check: st
     (`with_vocabs=False`: vocabularies not loaded, for checking files before they are counted)."""
     features = config.feature_configs()
     names = [f.name for f in features if f.hashing == "vocab"]
-    loaded = (
-        dict(zip(names, load_vocabs(Path(config.vocab_dir), names), strict=True))
-        if names and with_vocabs
-        else {}
-    )
+    loaded = dict(zip(names, load_vocabs(Path(config.vocab_dir), names), strict=True)) if names and with_vocabs else {}
     vocabs = [loaded.get(f.name) for f in features]
     return ColumnMap(
-        config.label,
-        list(config.dense),
-        config.dense_log1p,
-        features,
-        vocabs,
-        config.eval_column,
-        bounds_check,
+        config.label, list(config.dense), config.dense_log1p, features, vocabs, config.eval_column, bounds_check
     )
 
 
@@ -134,13 +122,7 @@ class ParquetSource:
     """DataSource over Parquet files; this rank's share only (see the module docstring)."""
 
     def __init__(
-        self,
-        config: ParquetConfig,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        bounds_check: str = "error",
+        self, config: ParquetConfig, *, rank: int = 0, world_size: int = 1, seed: int = 0, bounds_check: str = "error"
     ) -> None:
         """`bounds_check` (embedding.bounds_check): what ids outside their tables (hashing none) do when a
         row group is read: "error" stops naming file, row group, row and column, "warn" logs them and
@@ -198,9 +180,7 @@ class ParquetSource:
             try:
                 held = int(held_out(pf.read_row_group(g, columns=[column]).column(0)).sum())
             except (pa.ArrowInvalid, OSError) as e:
-                raise DataError(
-                    f"{self.files[file][1]}, row group {g}: cannot read column {column!r} ({e})"
-                ) from None
+                raise DataError(f"{self.files[file][1]}, row group {g}: cannot read column {column!r} ({e})") from None
             samples = {"train": rows - held, "eval": held}
             for split in SPLITS:
                 if samples[split]:
@@ -291,9 +271,7 @@ class ParquetSource:
             cols = cols.take(np.flatnonzero(mask if split == "eval" else ~mask))
         return cols
 
-    def _windows(
-        self, split: str, epoch: int | None, lo: int, hi: int
-    ) -> Iterator[tuple[Columns, np.ndarray]]:
+    def _windows(self, split: str, epoch: int | None, lo: int, hi: int) -> Iterator[tuple[Columns, np.ndarray]]:
         """(row group's samples, order of the ones to take) for samples [lo, hi) of the epoch."""
         shuffled = epoch is not None and self.shuffle
         for i, a, b in self._pieces(split, epoch, lo, hi):

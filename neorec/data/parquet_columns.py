@@ -48,9 +48,7 @@ class ColumnMap:
     features: list[ParquetFeatureConfig]
     vocabs: list[np.ndarray | None]  # per feature, with hashing vocab
     eval_column: str | None = None
-    bounds_check: str = (
-        "error"  # hashing none: ids outside their table stop (error), are logged (warn) or not read
-    )
+    bounds_check: str = "error"  # hashing none: ids outside their table stop (error), are logged (warn) or not read
 
     def columns(self, with_eval_column: bool) -> list[str]:
         """The columns a row group is read with."""
@@ -93,12 +91,7 @@ class ColumnMap:
             expect(_is_id(item), f.column, str(t),
                    f"ids of feature {f.name} must be integers or strings, or lists of them")  # fmt: skip
             if f.hashing == "none":
-                expect(
-                    pa.types.is_integer(item),
-                    f.column,
-                    str(t),
-                    f"hashing none of feature {f.name} needs integer ids",
-                )
+                expect(pa.types.is_integer(item), f.column, str(t), f"hashing none of feature {f.name} needs integer ids")
             if f.weights:
                 w = field(f.weights, f"weights of feature {f.name}")
                 w_list = pa.types.is_list(w) or pa.types.is_large_list(w)
@@ -183,9 +176,7 @@ def raw_ids(column: pa.ChunkedArray, where: str, f: ParquetFeatureConfig) -> np.
     return _raw_values(arr, where, f, lengths)
 
 
-def _ids(
-    arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray | None, bounds_check: str
-) -> tuple:
+def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray | None, bounds_check: str) -> tuple:
     """(int64 rows, lengths or None) of one feature's column. With hashing none the values are the ids,
     checked against the table as `bounds_check` says (warn: logged and passed on, for the embedding
     engine to drop and count; off: not read)."""
@@ -244,9 +235,7 @@ class _Strings:
         return np.where(j < self.lengths, self.data[at], 0).astype(np.uint8)
 
 
-def _string_values(
-    arr: pa.Array, where: str, f: ParquetFeatureConfig, lengths: np.ndarray | None
-) -> np.ndarray:
+def _string_values(arr: pa.Array, where: str, f: ParquetFeatureConfig, lengths: np.ndarray | None) -> np.ndarray:
     """Raw uint64 values of a string column, as `f.strings` says."""
     strings = _Strings(arr)
     if f.strings == "hex":
@@ -267,9 +256,7 @@ def _string_values(
     return np.where(strings.lengths > 0, h, 0).astype(np.uint64)
 
 
-def _weights(
-    column: pa.ChunkedArray, lengths: np.ndarray | None, where: str, f: ParquetFeatureConfig
-) -> np.ndarray:
+def _weights(column: pa.ChunkedArray, lengths: np.ndarray | None, where: str, f: ParquetFeatureConfig) -> np.ndarray:
     arr = column.combine_chunks()
     if lengths is not None:
         w_lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy()

@@ -28,9 +28,7 @@ def parquet_dense_names(settings: dict, num_dense: int) -> list[str]:
     return [f"d{j}" for j in range(num_dense)]
 
 
-def write_parquet_copy(
-    path: Path, columns: dict[str, np.ndarray], features: list[dict], settings: dict
-) -> None:
+def write_parquet_copy(path: Path, columns: dict[str, np.ndarray], features: list[dict], settings: dict) -> None:
     """One split of one shard as a Parquet file (written under a temporary name, then renamed)."""
     dense = np.asarray(columns["dense"], np.float32)
     table = {"label": np.asarray(columns["labels"], np.float32)}

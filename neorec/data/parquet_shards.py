@@ -48,3 +48,5 @@ def parquet_shard_columns(settings: dict, shard: ShardPlan) -> dict[str, dict[st
                     arrays[f"weights_{f.name}"] = w
             out[split] = arrays
     return out
+
+

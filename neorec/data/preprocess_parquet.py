@@ -80,9 +80,7 @@ def preprocess_parquet(
              "weighted": f.weights is not None}
             for f, v, hot in zip(cmap.features, cmap.vocabs, multi_hot, strict=True)
         ]  # fmt: skip
-        manifest = start_manifest(
-            out, settings, plan, len(config.dense), features, {"dense": list(config.dense)}
-        )
+        manifest = start_manifest(out, settings, plan, len(config.dense), features, {"dense": list(config.dense)})
     return _write_shards(out, manifest, workers, progress, max_shards)
 
 
@@ -95,9 +93,7 @@ def _vocab_features(config: ParquetConfig, out: Path, threshold: int | None) -> 
         raise ConfigError(f"vocab_threshold must be >= 1, got {threshold}")
     names = [f.name for f in config.feature_configs() if f.hashing == "vocab"]
     if not names:
-        raise ConfigError(
-            "--vocab-threshold counts vocabularies of features with hashing vocab; data.parquet has none"
-        )
+        raise ConfigError("--vocab-threshold counts vocabularies of features with hashing vocab; data.parquet has none")
     if config.vocab_dir is None or Path(config.vocab_dir).resolve() != (out / "vocab").resolve():
         raise ConfigError(
             f"--vocab-threshold writes the vocabularies to {out / 'vocab'}; set data.parquet.vocab_dir to that "
@@ -136,7 +132,5 @@ def _count_vocabs(
             per_feature[f].append(c)
             if len(per_feature[f]) > 64:  # bound memory: fold the parts
                 per_feature[f] = [vocab_io.merge_counts(per_feature[f])]
-    vocabs = [
-        vocab_io.build_vocab(vocab_io.merge_counts(p), settings["vocab_threshold"]) for p in per_feature
-    ]
+    vocabs = [vocab_io.build_vocab(vocab_io.merge_counts(p), settings["vocab_threshold"]) for p in per_feature]
     vocab_io.save_vocabs(out / "vocab", names, vocabs, settings)

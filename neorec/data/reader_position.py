@@ -39,9 +39,7 @@ def checked_position(
             )
     epoch, samples = state.get("epoch"), state.get("samples")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, samples)):
-        raise DataError(
-            f"{where}: reader position epoch {epoch!r}, samples {samples!r}: not whole numbers >= 0"
-        )
+        raise DataError(f"{where}: reader position epoch {epoch!r}, samples {samples!r}: not whole numbers >= 0")
     total = reader.num_samples("train") if hasattr(reader, "num_samples") else None  # None: an endless stream
     if total is not None and not samples <= total:
         raise DataError(f"{where}: samples {samples} is outside [0, {total}]")

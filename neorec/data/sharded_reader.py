@@ -68,9 +68,7 @@ class _Part:
         self.dense = self._load("dense", 2, _NUMBERS)
         self.labels = self._load("labels", 1, _NUMBERS)
         self.ids = [self._load(f"ids_{f.name}", 1, _INTEGERS) for f in features]
-        self.lengths = [
-            self._load(f"lengths_{f.name}", 1, _INTEGERS) if f.multi_hot else None for f in features
-        ]
+        self.lengths = [self._load(f"lengths_{f.name}", 1, _INTEGERS) if f.multi_hot else None for f in features]
         self.weights = [self._load(f"weights_{f.name}", 1, _FLOATS) if f.weighted else None for f in features]
         n = len(self.labels)
         if self.dense.shape != (n, num_dense):
@@ -79,9 +77,7 @@ class _Part:
             if ln is not None and len(ln) != n:
                 raise DataError(f"{folder}/lengths_{f.name}.npy: {len(ln)} bag sizes, expected {n}")
             if ln is not None and n and int(ln.min()) < 0:
-                raise DataError(
-                    f"{folder}/lengths_{f.name}.npy: a negative bag size; preprocess again into a new folder"
-                )
+                raise DataError(f"{folder}/lengths_{f.name}.npy: a negative bag size; preprocess again into a new folder")
         # start of each sample's ids in a multi-hot column (one cumsum per part, when first opened)
         self.offsets = [None if ln is None else np.concatenate([[0], np.cumsum(ln, dtype=np.int64)])
                         for ln in self.lengths]  # fmt: skip
@@ -91,9 +87,7 @@ class _Part:
                 raise DataError(f"{folder}/ids_{features[f].name}.npy: {len(ids)} ids, expected {expected}")
             w = self.weights[f]
             if w is not None and len(w) != expected:
-                raise DataError(
-                    f"{folder}/weights_{features[f].name}.npy: {len(w)} weights, expected {expected}"
-                )
+                raise DataError(f"{folder}/weights_{features[f].name}.npy: {len(w)} weights, expected {expected}")
 
     def check(
         self, features: list[FeatureSpec], raw: set[str], bounds_check: str, dense_names: list[str]

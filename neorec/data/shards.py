@@ -66,9 +66,7 @@ class ShardSource:
         self.bounds_check = checked_mode(bounds_check)
         meta_path = self.root / "meta.json"
         if not meta_path.is_file():
-            raise DataError(
-                f"{meta_path}: missing; is {self.root} a folder written by `neorec data generate`?"
-            )
+            raise DataError(f"{meta_path}: missing; is {self.root} a folder written by `neorec data generate`?")
         try:
             self.meta = json.loads(meta_path.read_bytes().decode("utf-8"))
         except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON, an integer of 5000 digits
@@ -86,9 +84,7 @@ class ShardSource:
             with np.load(path) as z:
                 arrays = {k: z[k] for k in z.files}
         except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:  # damaged
-            raise DataError(
-                f"{path}: cannot read shard ({e}); write the shards again (`neorec data generate`)"
-            ) from None
+            raise DataError(f"{path}: cannot read shard ({e}); write the shards again (`neorec data generate`)") from None
         except AttributeError:  # np.load gave a single array (an .npy file), not an archive
             raise DataError(f"{path}: not a shard archive (.npz); write the shards again") from None
         names = ["dense", "labels"] + [f"{a}_{n}" for n in self.keys for a in ("values", "lengths")]
@@ -160,12 +156,7 @@ def _check_meta(meta: object, path: Path) -> list[FeatureSpec]:
         raise bad("'features' is not a non-empty list")
     out = []
     for f in features:
-        ok = (
-            isinstance(f, dict)
-            and isinstance(f.get("name"), str)
-            and _whole(f.get("num_ids"))
-            and f["num_ids"] > 0
-        )
+        ok = isinstance(f, dict) and isinstance(f.get("name"), str) and _whole(f.get("num_ids")) and f["num_ids"] > 0
         flags = ok and set(f) <= {"name", "num_ids", "multi_hot", "weighted"}
         if not flags or not all(isinstance(f.get(k, False), bool) for k in ("multi_hot", "weighted")):
             raise bad(f"feature {str(f)[:80]}: expected {{name, num_ids > 0, multi_hot, weighted}}")
@@ -184,9 +175,7 @@ def _check_arrays(arrays: dict[str, np.ndarray], path: Path, keys: list[str], nu
         ndim, kinds = wanted.get(key, (array.ndim, array.dtype.kind))
         if array.ndim != ndim or array.dtype.kind not in kinds:
             what = {"iu": "integers", "f": "floats"}.get(kinds, "numbers")
-            raise DataError(
-                f"{path}: array {key!r} is {array.ndim}-D {array.dtype}, expected {ndim}-D {what}"
-            )
+            raise DataError(f"{path}: array {key!r} is {array.ndim}-D {array.dtype}, expected {ndim}-D {what}")
     if arrays["dense"].shape != (n, num_dense):
         raise DataError(f"{path}: dense is {arrays['dense'].shape}, expected ({n}, {num_dense})")
     for name in keys:

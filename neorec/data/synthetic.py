@@ -84,12 +84,7 @@ class SyntheticSpec:
     latent_dim: int = 8
     num_pairs: int = 26  # feature pairs whose latent dot products enter the logit
     logit_scale: float = 2.0  # std of the teacher logit: larger -> easier, higher ceiling AUC
-    part_weights: tuple[float, float, float, float] = (
-        1.0,
-        1.0,
-        0.5,
-        0.3,
-    )  # dense, id bias, pairs, dense x id
+    part_weights: tuple[float, float, float, float] = (1.0, 1.0, 0.5, 0.3)  # dense, id bias, pairs, dense x id
     base_ctr: float = 0.25
     train_samples: int = 1_000_000
     eval_samples: int = 100_000
@@ -103,9 +98,7 @@ class SyntheticSpec:
 
 def _hash_uniform(ids: np.ndarray, key: int, width: int) -> np.ndarray:
     """[n] ids -> [n, width] values uniform in [-sqrt(3), sqrt(3)) (mean 0, variance 1), fixed per (key, id)."""
-    base = splitmix64(
-        ids.astype(np.uint64) * np.uint64(0x100000001B3) + np.uint64(key & 0xFFFFFFFF) * np.uint64(1 << 32)
-    )
+    base = splitmix64(ids.astype(np.uint64) * np.uint64(0x100000001B3) + np.uint64(key & 0xFFFFFFFF) * np.uint64(1 << 32))
     comp = np.arange(1, width + 1, dtype=np.uint64) * np.uint64(0xD6E8FEB86659FD93)
     with np.errstate(over="ignore"):
         h = splitmix64(base[:, None] ^ comp[None, :])
@@ -158,9 +151,7 @@ class Teacher:
             return (ranks + self.shift[table]) % rows
         return (ranks * _SCATTER + self.shift[table]) % rows
 
-    def logits(
-        self, dense_std: np.ndarray, bags: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
-    ) -> np.ndarray:
+    def logits(self, dense_std: np.ndarray, bags: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> np.ndarray:
         """dense_std [n, d] standardised dense; bags[t] = (ids, lengths [n], weights) -> logits [n]."""
         n, k = dense_std.shape[0], self.spec.latent_dim
         bias = np.zeros(n, np.float64)
@@ -171,18 +162,14 @@ class Teacher:
                 pooled = params
             else:  # mean over the bag: the teacher sees a bag as its average id (empty bag: zeros)
                 seg = np.repeat(np.arange(n), lengths)
-                pooled = np.stack(
-                    [np.bincount(seg, params[:, c], minlength=n) for c in range(k + 1)], 1
-                ).astype(np.float64)
+                pooled = np.stack([np.bincount(seg, params[:, c], minlength=n) for c in range(k + 1)], 1).astype(np.float64)
                 pooled /= np.maximum(lengths, 1)[:, None]
             bias += pooled[:, 0]
             latent[t] = pooled[:, 1:]
         inter = np.zeros(n)
         for i, j in self.pairs:
             inter += (latent[i] * latent[j]).sum(1) / math.sqrt(k)
-        t = (
-            self.spec.num_sparse
-        )  # dense x id: a per-table projection of the dense vector meets the id's latent
+        t = self.spec.num_sparse  # dense x id: a per-table projection of the dense vector meets the id's latent
         proj = dense_std @ self.dense_to_latent.transpose(1, 0, 2).reshape(dense_std.shape[1], t * k)
         cross = (proj.reshape(n, t, k) * latent.transpose(1, 0, 2)).sum((1, 2))
         parts = np.stack([dense_std @ self.w_dense, bias, inter, cross], 1) * self.part_scale
@@ -271,25 +258,16 @@ class SyntheticSource:
         self.keys = [f"C{i + 1}" for i in range(spec.num_sparse)]
         unknown = sorted(set(raw_features) - set(self.keys))
         if unknown:
-            raise ConfigError(
-                f"raw-id features {unknown} are not features of the synthetic data: {self.keys}"
-            )
+            raise ConfigError(f"raw-id features {unknown} are not features of the synthetic data: {self.keys}")
         self.raw = [k in raw_features for k in self.keys]
         multi = spec.bag_sizes is not None
-        features = [
-            FeatureSpec(k, r, multi_hot=multi, weighted=spec.weighted)
-            for k, r in zip(self.keys, spec.rows, strict=True)
-        ]
-        self.info = SourceInfo(
-            num_dense=spec.num_dense, features=features, num_train_samples=spec.train_samples
-        )
+        features = [FeatureSpec(k, r, multi_hot=multi, weighted=spec.weighted) for k, r in zip(self.keys, spec.rows, strict=True)]
+        self.info = SourceInfo(num_dense=spec.num_dense, features=features, num_train_samples=spec.train_samples)
         # every drawn id lies in its table (raw ids: in [0, 2^63)), which the engines' id check trusts
         highs = [(1 << 63) - 1 if raw else rows - 1 for raw, rows in zip(self.raw, spec.rows, strict=True)]
         self._id_limits = ([0] * spec.num_sparse, highs)
         self._teacher_auc: float | None = None
-        self._resume: tuple[int, int] | None = (
-            None  # (epoch, samples) to start the next pass of that epoch at
-        )
+        self._resume: tuple[int, int] | None = None  # (epoch, samples) to start the next pass of that epoch at
 
     def block(self, split: str, index: int) -> Block:
         """Block `index` of `split`: a pure function of (seed, split, index)."""

@@ -156,17 +156,11 @@ class Comms:
             return Pending([got], lambda: self.staging.up(got.wait(), device))
         return self._all_to_all_wire(send, send_splits, recv_splits, group)
 
-    def _all_to_all_wire(
-        self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Group
-    ) -> Pending:
+    def _all_to_all_wire(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Group) -> Pending:
         """all_to_all of a tensor that lies on the transport's device (a staged one is pinned, and so is
         what it receives, which then goes up to the GPU without another copy)."""
         shape = (sum(recv_splits), *send.shape[1:])
-        recv = (
-            torch.empty(shape, dtype=send.dtype, pin_memory=True)
-            if send.is_pinned()
-            else send.new_empty(shape)
-        )
+        recv = torch.empty(shape, dtype=send.dtype, pin_memory=True) if send.is_pinned() else send.new_empty(shape)
         if group.shm is not None and send.device.type == "cpu":
             group.shm.all_to_all(recv, send.contiguous(), recv_splits, send_splits)
             return Pending.ready(recv)
@@ -192,9 +186,7 @@ class Comms:
     def all_gather(self, mine: torch.Tensor, direction: str) -> torch.Tensor:
         """Every rank's `mine` (all of one shape), concatenated in rank order along dim 0."""
         n, world = mine.shape[0], self.world.size
-        got = self.all_to_all(
-            mine.repeat(world, *[1] * (mine.dim() - 1)), [n] * world, [n] * world, direction
-        )
+        got = self.all_to_all(mine.repeat(world, *[1] * (mine.dim() - 1)), [n] * world, [n] * world, direction)
         return got.wait()
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
@@ -206,9 +198,7 @@ class Comms:
         if wire is not t:
             t.copy_(wire)
 
-    def all_gather_bytes(
-        self, payload: torch.Tensor, direction: str, sizes: list[int] | None = None
-    ) -> Pending:
+    def all_gather_bytes(self, payload: torch.Tensor, direction: str, sizes: list[int] | None = None) -> Pending:
         """Every rank's `payload` (1-D uint8; sizes may differ), as a list in rank order. `sizes`: every
         rank's payload size when the caller already knows them. Otherwise, in shared memory, one
         exchange (the sizes travel in its header); over the backend the sizes go first, and the
@@ -395,8 +385,7 @@ class Comms:
                     row += r
                 return out
             return [
-                codec.decode(p.view(r, codec.wire_width(c)))
-                for p, (r, c) in zip(parts, recv_shapes, strict=True)
+                codec.decode(p.view(r, codec.wire_width(c))) for p, (r, c) in zip(parts, recv_shapes, strict=True)
             ]
 
         return Pending([got], finish)
@@ -431,12 +420,7 @@ class Comms:
             out = []
             for block, shapes in zip(got.wait().split(recv_splits), recv_shapes, strict=True):
                 wires = block.split([size(r, c) for r, c in shapes])
-                out.append(
-                    [
-                        codec.decode(w.view(r, codec.wire_width(c)))
-                        for w, (r, c) in zip(wires, shapes, strict=True)
-                    ]
-                )
+                out.append([codec.decode(w.view(r, codec.wire_width(c))) for w, (r, c) in zip(wires, shapes, strict=True)])
             return out
 
         return Pending([got], finish)

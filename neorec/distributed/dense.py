@@ -83,9 +83,7 @@ class DenseGradSync:
         if not self._armed:  # backward ran without arm(): everything now
             self._started = [None] * len(self.buckets)
         self._armed = False
-        started = [
-            s if s is not None else self._launch(b) for s, b in zip(self._started, self.buckets, strict=True)
-        ]
+        started = [s if s is not None else self._launch(b) for s, b in zip(self._started, self.buckets, strict=True)]
         self._started = []
 
         def finish() -> None:
@@ -94,9 +92,7 @@ class DenseGradSync:
                 offset = 0
                 for p in bucket:
                     n = p.numel()
-                    p.grad = total[offset : offset + n].view_as(
-                        p
-                    )  # a view: `total` is this step's own buffer
+                    p.grad = total[offset : offset + n].view_as(p)  # a view: `total` is this step's own buffer
                     offset += n
 
         return Pending([], finish)

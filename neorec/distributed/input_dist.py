@@ -112,9 +112,7 @@ class InputDist:
 
         def finish() -> SparseBatch:
             recv_len = got_len.wait().view(world, n_local, b).to(torch.int64)
-            local = regroup(
-                self.local_keys, recv_len, got_val.wait(), got_w.wait() if got_w else None, got_sizes
-            )
+            local = regroup(self.local_keys, recv_len, got_val.wait(), got_w.wait() if got_w else None, got_sizes)
             return ExchangedBatch(local, got_sizes, {key: split[4] for key, split in splits.items()})
 
         return Pending([], finish)

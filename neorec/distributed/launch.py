@@ -35,17 +35,10 @@ REPORT_DIR = "NEOREC_REPORT_DIR"
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 # what gloo says when a peer process is gone: the failure is another rank's
-_PEER_GONE = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "rank that failed first",
-)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "rank that failed first")
 
 
-def launch_torchrun(
-    nproc: int, argv: list[str], user_argv: list[str], env: dict[str, str] | None = None
-) -> int:
+def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str], env: dict[str, str] | None = None) -> int:
     """Run `neorec <argv>` on `nproc` processes of this machine under torchrun's agent (as
     `torchrun --standalone --nproc-per-node N -m neorec ...`). `user_argv`: the command as the
     user typed it (with --nproc), for the resume line; `env`: more for the workers' environment.
@@ -70,12 +63,7 @@ def launch_torchrun(
     # and sets variables for the workers in this process's environment (OMP_NUM_THREADS=1 among them)
     environment = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="neorec-launch-") as reports:
-        workers_env = {
-            REPORT_DIR: reports,
-            "NEOREC_ARGV": shlex.join(user_argv),
-            **launcher_env(),
-            **(env or {}),
-        }
+        workers_env = {REPORT_DIR: reports, "NEOREC_ARGV": shlex.join(user_argv), **launcher_env(), **(env or {})}
         os.environ.update(workers_env)  # the agent starts the workers with a copy of this environment
         try:
             run(parse_args(cmd))

@@ -101,9 +101,7 @@ class ShardLayout:
         self.dp_width = sum(t.dim * len(t.features) for t in self.dp_tables if t.pooling != "none")
         # per rank: the (unit, feature) pairs of its sequence shards, in its local order; their rows
         # go back to the samples' ranks in the same exchange as the pooled blocks
-        self.sequences = [
-            [(u, f) for u in self.flat[r] if u.sequence for f in u.table.features] for r in range(W)
-        ]
+        self.sequences = [[(u, f) for u in self.flat[r] if u.sequence for f in u.table.features] for r in range(W)]
         self.has_sequences = any(self.sequences)
         self._row_bounds: dict[tuple[str, torch.device], torch.Tensor] = {}
 

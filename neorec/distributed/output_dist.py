@@ -134,10 +134,7 @@ class OutputDist(torch.autograd.Function):
                     k += 1
                 back.append([pieces[j], *mine])
             me = layout.sequences[topo.rank]
-            shapes = [
-                [(b, fw), *((n, u.width) for n, (u, _) in zip(routes.send[s], me, strict=True))]
-                for s in range(w)
-            ]
+            shapes = [[(b, fw), *((n, u.width) for n, (u, _) in zip(routes.send[s], me, strict=True))] for s in range(w)]
             got = comms.exchange_pieces(back, shapes, bwd, "bwd").wait()
             flat = torch.cat([per_rank[0] for per_rank in got]) if w > 1 else got[0][0]
             grad_rows = [torch.cat([per_rank[1 + i] for per_rank in got]) for i in range(len(me))]
@@ -163,35 +160,16 @@ class OutputDist(torch.autograd.Function):
             parts.append(comms.two_hop_backward(pieces[k : k + n], b, "cat", slice_width, bwd, "bwd"))
         grad_local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         ctx.timings["output_dist_bwd"] += time.perf_counter() - start
-        return (
-            None,
-            grad_local,
-            grad_dp,
-            grad_prefix,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            *grad_rows,
-        )
+        return None, grad_local, grad_dp, grad_prefix, None, None, None, None, None, None, None, None, None, *grad_rows
 
 
-def start_flat(
-    local: torch.Tensor, layout: ShardLayout, comms: Comms, codec: Codec, batch_size: int
-) -> Pending | None:
+def start_flat(local: torch.Tensor, layout: ShardLayout, comms: Comms, codec: Codec, batch_size: int) -> Pending | None:
     """Start the flat all-to-all of this rank's pooled [W * B, local width] (layouts of flat shards
     and replicated tables only); OutputDist's `started`. None when no rank holds a flat shard."""
     if not any(layout.flat_width):
         return None
     fw = layout.flat_width[comms.topo.rank]
-    blocks = list(
-        local.detach()[:, :fw].reshape(comms.topo.world_size, batch_size, fw)
-    )  # OutputDist differentiates
+    blocks = list(local.detach()[:, :fw].reshape(comms.topo.world_size, batch_size, fw))  # OutputDist differentiates
     with torch.no_grad():
         return comms.exchange(blocks, [(batch_size, w) for w in layout.flat_width], codec, "fwd")
 

@@ -86,18 +86,12 @@ class ShardingPlan:
         tables = {}
         for name, entry in data["tables"].items():
             where = f"{source}: table {_short(name)}"
-            if (
-                not isinstance(entry, dict)
-                or not isinstance(entry.get("kind"), str)
-                or entry["kind"] not in KINDS
-            ):
+            if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str) or entry["kind"] not in KINDS:
                 got = _short(entry.get("kind") if isinstance(entry, dict) else entry)
                 raise ConfigError(f"{where}: 'kind' must be one of {list(KINDS)}, got {got}")
             unknown = set(entry) - {"kind", "ranks", "node", "tier"}
             if unknown:
-                raise ConfigError(
-                    f"{where}: unknown key(s) {_short(sorted(unknown))}; allowed: kind, ranks, node, tier"
-                )
+                raise ConfigError(f"{where}: unknown key(s) {_short(sorted(unknown))}; allowed: kind, ranks, node, tier")
             tier = entry.get("tier")
             if tier is not None and (not isinstance(tier, str) or tier not in TIERS):
                 raise ConfigError(f"{where}: 'tier' must be one of {list(TIERS)}, got {_short(tier)}")
@@ -137,9 +131,7 @@ class ShardingPlan:
         names = {t.name for t in tables}
         extra = sorted(set(self.tables) - names)
         if extra:
-            raise ConfigError(
-                f"sharding plan names table(s) {extra} that the model does not have; tables: {sorted(names)}"
-            )
+            raise ConfigError(f"sharding plan names table(s) {extra} that the model does not have; tables: {sorted(names)}")
         for t in tables:
             p = self.tables.get(t.name)
             if p is None:
@@ -203,9 +195,7 @@ def even_splits(total: int, parts: int) -> list[int]:
     return out
 
 
-def default_plan(
-    tables: list[TableConfig], topo: Topology, ids_per_sample: dict[str, float] | None = None
-) -> ShardingPlan:
+def default_plan(tables: list[TableConfig], topo: Topology, ids_per_sample: dict[str, float] | None = None) -> ShardingPlan:
     """Table-wise, longest-processing-time first: tables by lookup cost (ids per sample x dim,
     then size) onto the least loaded rank. The planner issue replaces this."""
     ids = ids_per_sample or {}

@@ -196,9 +196,7 @@ class ReplicaSync:
             return self._gather(rows, grads, wire, totals, padded=True)
         received = [sum(line[k] for line in counts) for k in range(self.world)]  # rows sent to each owner
         if dense:  # at most the rows it owns
-            self._updated[gi] = [
-                min(n, len(range(k, group.num_rows, self.world))) for k, n in enumerate(received)
-            ]
+            self._updated[gi] = [min(n, len(range(k, group.num_rows, self.world))) for k, n in enumerate(received)]
             bound = self._updated[gi][self.rank]
             return self._all_reduce(rows, grads, group.num_rows, group.dim, bound=bound, owned=True)
         self._updated[gi] = received

@@ -55,9 +55,7 @@ def build_routes(layout: ShardLayout, sparse: SparseBatch, local: SparseBatch) -
                 shard_counts[(t.name, f)] = torch.bincount(owner, minlength=num_shards).tolist()
             # a stable sort by shard lists the ids as the shards' rows arrive; its inverse restores them
             order = torch.sort(owner, stable=True)[1]
-            restore[f] = torch.empty_like(order).scatter_(
-                0, order, torch.arange(order.numel(), device=order.device)
-            )
+            restore[f] = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     recv = []
     for j in range(world):
         counts = []

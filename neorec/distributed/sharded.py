@@ -115,25 +115,15 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         if cache is not None:
             cache = replace(cache, fractions={**local_fractions, **dp_fractions})
         factory = self._cache_factory({**local_tiers, **dp_tiers}, cache, units, dp)
-        map_shards = {
-            u.local_table().name: u.map_shard() for u in units if u.table.managed_collision is not None
-        }
+        map_shards = {u.local_table().name: u.map_shard() for u in units if u.table.managed_collision is not None}
         self.local = FusedEmbeddingCollection(
             self.layout.local_tables(rank), optimizer, seed, device, stochastic_rounding, row_init=shard_rows,
             group_storage_factory=factory, table_tiers=local_tiers, progress=progress, map_shards=map_shards,
             bounds_check="off", table_cache_fractions=local_fractions,
         )  # fmt: skip
         self.replicated = FusedEmbeddingCollection(
-            dp,
-            optimizer,
-            seed,
-            device,
-            stochastic_rounding,
-            group_storage_factory=factory,
-            table_tiers=dp_tiers,
-            progress=progress,
-            bounds_check="off",
-            table_cache_fractions=dp_fractions,
+            dp, optimizer, seed, device, stochastic_rounding, group_storage_factory=factory, table_tiers=dp_tiers,
+            progress=progress, bounds_check="off", table_cache_fractions=dp_fractions,
         )
         self._local_cached = any(hasattr(w, "prefetch") for w in self.local.weights)
         self._replicas = ReplicaSync(self.replicated, comms, self.codecs[1])
@@ -143,9 +133,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.input_dist_ = InputDist(self.layout, comms)
         self.dp_features = [f for t in dp for f in t.features]
         lay = self.layout
-        pieces = (
-            lay.flat_width + lay.twrw_width * lay.has_twrw + lay.twcw_width * lay.has_twcw + [lay.dp_width]
-        )
+        pieces = lay.flat_width + lay.twrw_width * lay.has_twrw + lay.twcw_width * lay.has_twcw + [lay.dp_width]
         self._assembly = Assembly(lay.assembly(), self.output_dim, pieces)
         index = {t.name: i for i, t in enumerate(self.tables)}
         self._table_index = index
@@ -170,9 +158,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             plan_tier = self.plan.tables[t.name].tier or "device"
             out[t.name] = overrides.get(t.name, STORAGE_TIERS[plan_tier])
             if out[t.name] not in CACHE_TIERS:
-                raise ConfigError(
-                    f"table {t.name!r}: storage tier must be one of {CACHE_TIERS}, got {out[t.name]!r}"
-                )
+                raise ConfigError(f"table {t.name!r}: storage tier must be one of {CACHE_TIERS}, got {out[t.name]!r}")
         return out
 
     def _cache_factory(self, tiers: dict[str, str], cache: CacheSettings | None, units, dp):
@@ -271,9 +257,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self._prefetch_rows()
         checked = self.bounds.check(sparse)
         ready = streams.mark(device)
-        work = self._pool.submit(
-            streams.run_on, self._id_stream, ready, lambda: self.input_dist_(checked).wait()
-        )
+        work = self._pool.submit(streams.run_on, self._id_stream, ready, lambda: self.input_dist_(checked).wait())
         # then, on the same thread, the rows the replicated tables' backward will exchange (replicas.py)
         counts = self._pool.submit(
             streams.run_on, self._id_stream, ready, lambda: self._replicas.count_ahead(checked)
@@ -410,9 +394,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         for u in self._units:
             key = f"tables.{u.table.name}#{u.index}."
             entry = {
-                k[len(key) :]: v.cpu()
-                for k, v in local_state.items()
-                if k.startswith(key) and not k.endswith("step")
+                k[len(key) :]: v.cpu() for k, v in local_state.items() if k.startswith(key) and not k.endswith("step")
             }  # host tensors: the gathered tables are assembled in host memory
             mine.append((u.table.name, u.shard.rows, u.shard.cols, entry))
         everything = [mine]
@@ -441,7 +423,5 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         dp_state = self.replicated.state_dict()
         for t in self.layout.dp_tables:
             key = f"tables.{t.name}."
-            out[t.name] = {
-                k[len(key) :]: v for k, v in dp_state.items() if k.startswith(key) and not k.endswith("step")
-            }
+            out[t.name] = {k[len(key) :]: v for k, v in dp_state.items() if k.startswith(key) and not k.endswith("step")}
         return out

@@ -47,7 +47,6 @@ STATE = ("mc_keys", "mc_last_seen", "mc_counts")
 BYTES_PER_ROW = 8 * (len(STATE) + 2)
 STAT_FIELDS = ("hits", "misses", "inserts", "evictions", "dropped")
 
-
 def bucket_of(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """The bucket of each raw id: a mixing hash modulo the bucket count (sequential ids spread)."""
     if num_buckets == 1:
@@ -174,17 +173,13 @@ class IdMap:
             by_order = take if num_fit == n else torch.cat([take, take.new_full((n - num_fit,), FREE)])
         else:
             most = int(counts.max())
-            order = _lexsort(
-                [torch.arange(n, device=device), most - counts, bucket], [n, most + 1, num_buckets]
-            )
+            order = _lexsort([torch.arange(n, device=device), most - counts, bucket], [n, most + 1, num_buckets])
             sorted_bucket = bucket.index_select(0, order)
             first_of_bucket = torch.searchsorted(sorted_bucket, torch.arange(num_buckets, device=device))
             rank = torch.arange(n, device=device) - first_of_bucket.index_select(0, sorted_bucket)
             width = min(n, per)
             candidates = self._candidates(used, width)  # [B, width] rows in the order they are taken
-            available = per - torch.bincount(
-                torch.div(used, per, rounding_mode="floor"), minlength=num_buckets
-            )
+            available = per - torch.bincount(torch.div(used, per, rounding_mode="floor"), minlength=num_buckets)
             fits = rank < available.index_select(0, sorted_bucket)
             by_order = candidates.view(-1).index_select(0, sorted_bucket * width + rank.clamp(max=width - 1))
             num_fit = int(fits.sum())
@@ -198,11 +193,7 @@ class IdMap:
             return rows, used.new_empty(0)
         if num_fit < n:
             placed = rows != FREE
-            new_rows, new_keys, new_counts = (
-                rows.masked_select(placed),
-                new.masked_select(placed),
-                counts.masked_select(placed),
-            )
+            new_rows, new_keys, new_counts = rows.masked_select(placed), new.masked_select(placed), counts.masked_select(placed)
         else:
             new_rows, new_keys, new_counts = rows, new, counts
 
@@ -236,11 +227,7 @@ class IdMap:
         # (0 free, 1 evictable, 2 used by the batch)
         steps = int(last_seen.max()) + 1
         sort_keys = [by_id, last_seen] if self.eviction == "lru" else [by_id, last_seen, counts]
-        sizes = (
-            [self.capacity, steps]
-            if self.eviction == "lru"
-            else [self.capacity, steps, int(counts.max()) + 1]
-        )
+        sizes = [self.capacity, steps] if self.eviction == "lru" else [self.capacity, steps, int(counts.max()) + 1]
         packed = _pack([*sort_keys, occupied], [*sizes, 3])
         if packed is not None:
             # rows of the batch are never taken: one value after every other row's is all they need
@@ -266,10 +253,7 @@ class IdMap:
         is_old = torch.ones(n_old + n_new, dtype=torch.bool, device=device).index_fill_(0, at_new, False)
         out_keys = sorted_keys.new_empty(n_old + n_new).index_copy_(0, at_new, new_keys)
         out_rows = sorted_rows.new_empty(n_old + n_new).index_copy_(0, at_new, new_rows)
-        self._index = (
-            out_keys.masked_scatter_(is_old, sorted_keys),
-            out_rows.masked_scatter_(is_old, sorted_rows),
-        )
+        self._index = (out_keys.masked_scatter_(is_old, sorted_keys), out_rows.masked_scatter_(is_old, sorted_rows))
         self._index_version = self.keys.tensor._version
 
 

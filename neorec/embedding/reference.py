@@ -109,17 +109,13 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
         configs = {t.name: t.optimizer or self.optimizer_config for t in self.tables}
         names = {c.name for c in configs.values()}
         if len(names) > 1:
-            raise ConfigError(
-                f"the reference engine needs one embedding optimizer for all tables, got {sorted(names)}"
-            )
+            raise ConfigError(f"the reference engine needs one embedding optimizer for all tables, got {sorted(names)}")
         name = names.pop()
         groups = []
         for t in self.tables:
             c = configs[t.name]
             if c.weight_decay:
-                raise ConfigError(
-                    f"table {t.name!r}: the reference engine has no weight decay for sparse gradients"
-                )
+                raise ConfigError(f"table {t.name!r}: the reference engine has no weight decay for sparse gradients")
             group: dict = {"params": [self.bags[self._index[t.name]].weight], "lr": c.lr}
             if name == "adagrad":
                 group.update(eps=c.eps)
@@ -133,9 +129,7 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
             if len(inits) > 1:
                 raise ConfigError("the reference engine needs one adagrad initial_accumulator for all tables")
             # torch.optim.Adagrad reads the starting accumulator from its constructor only
-            opt = torch.optim.Adagrad(
-                groups, lr=self.optimizer_config.lr, initial_accumulator_value=inits.pop()
-            )
+            opt = torch.optim.Adagrad(groups, lr=self.optimizer_config.lr, initial_accumulator_value=inits.pop())
         elif name == "adam":
             opt = torch.optim.SparseAdam(groups, lr=self.optimizer_config.lr)
         else:

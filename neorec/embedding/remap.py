@@ -76,8 +76,7 @@ def remap_batch(sparse: SparseBatch, tables: list[MappedTable], step: int, train
 def map_stats(tables: list[MappedTable]) -> dict[str, dict[str, float]]:
     """Per table (cumulative): hits, misses, inserts, evictions, dropped, occupied rows, capacity."""
     return {
-        t.name: {**t.id_map.stats, "occupied": t.id_map.occupied, "capacity": t.id_map.capacity}
-        for t in tables
+        t.name: {**t.id_map.stats, "occupied": t.id_map.occupied, "capacity": t.id_map.capacity} for t in tables
     }
 
 

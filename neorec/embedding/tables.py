@@ -32,10 +32,8 @@ class ManagedCollisionConfig(NumbersNotBool):
         "lru", description="which id a full bucket gives up: least recently used, or least frequently used"
     )
     buckets: int = Field(
-        1,
-        gt=0,
-        description="the map is cut into this many equal parts by a hash of the id (row-wise "
-        "sharding over N ranks needs a multiple of N); each part evicts on its own",
+        1, gt=0, description="the map is cut into this many equal parts by a hash of the id (row-wise "
+        "sharding over N ranks needs a multiple of N); each part evicts on its own"
     )
 
 
@@ -54,8 +52,7 @@ class TableConfig(BaseModel):
     dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="storage type of the weights")
     optimizer: EmbeddingOptimizerConfig | None = Field(None, description="per-table optimizer override")
     managed_collision: ManagedCollisionConfig | None = Field(
-        None,
-        description="ids are raw 63-bit ids mapped to rows by an id map of `rows` capacity (no collisions)",
+        None, description="ids are raw 63-bit ids mapped to rows by an id map of `rows` capacity (no collisions)"
     )
 
     @model_validator(mode="after")
@@ -92,9 +89,7 @@ def check_tables(tables: list[TableConfig]) -> None:
     for t in tables:
         for f in t.features:
             if f in seen:
-                raise ConfigError(
-                    f"feature {f!r} is looked up by both table {seen[f]!r} and table {t.name!r}"
-                )
+                raise ConfigError(f"feature {f!r} is looked up by both table {seen[f]!r} and table {t.name!r}")
             seen[f] = t.name
         mc = t.managed_collision
         if mc is not None and t.pooling == "none":

@@ -33,9 +33,7 @@ def binary_metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float
         "auc": auc(p, y),
         "ne": ne,
         "log_loss": log_loss,
-        "accuracy": float(((p >= 0.5).to(torch.float64) == y).to(torch.float64).mean())
-        if n
-        else float("nan"),
+        "accuracy": float(((p >= 0.5).to(torch.float64) == y).to(torch.float64).mean()) if n else float("nan"),
         "calibration": float(p.mean()) / ctr if ctr > 0 else float("nan"),
         "ctr": ctr,
         "num_samples": n,

@@ -83,9 +83,7 @@ def curves_figure(records: list[dict], title: str = ""):
     ends = epoch_ends(records)
     for ax in axes[: len(panels)]:
         for i, step in enumerate(ends):
-            ax.axvline(
-                step, color="black", linestyle=":", linewidth=1, label="epoch boundary" if i == 0 else None
-            )
+            ax.axvline(step, color="black", linestyle=":", linewidth=1, label="epoch boundary" if i == 0 else None)
         ax.legend(fontsize=8)
     note = _too_short(len(loss[0]), max(len(val_loss[0]), len(val_auc[0])))
     if not panels:

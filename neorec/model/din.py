@@ -96,9 +96,7 @@ class DIN(nn.Module):
         return last_layer(self.top, hidden)
 
 
-def check_features(
-    embeddings: EmbeddingCollection, target: str, history: str, history_side: list[str]
-) -> None:
+def check_features(embeddings: EmbeddingCollection, target: str, history: str, history_side: list[str]) -> None:
     """The target is a pooled feature, the history and its side features are sequence features
     (pooling none), all of one dim; errors name the config key to change."""
     pooled = dict(zip(embeddings.feature_names, embeddings.feature_dims, strict=True))

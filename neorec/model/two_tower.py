@@ -64,9 +64,7 @@ def logq_softmax_loss(
     rows = torch.arange(first, first + len(user), device=user.device)
     logits = user @ item.T / temperature - log_q[None, :]
     same = item_ids[rows][:, None] == item_ids[None, :]
-    same[torch.arange(len(rows), device=rows.device), rows] = (
-        False  # the same item in another row is no negative
-    )
+    same[torch.arange(len(rows), device=rows.device), rows] = False  # the same item in another row is no negative
     logits = logits.masked_fill(same, float("-inf"))
     per_row = F.cross_entropy(logits, rows, reduction="none")
     total = weights.sum() if weight_total is None else weight_total
@@ -92,11 +90,7 @@ class SeenItems:
         users = users.cpu()
         lengths = self.counts[users]
         query = torch.repeat_interleave(torch.arange(len(users)), lengths)
-        at = (
-            torch.arange(int(lengths.sum()))
-            - (torch.cumsum(lengths, 0) - lengths)[query]
-            + self.starts[users][query]
-        )
+        at = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[query] + self.starts[users][query]
         kept = scores.gather(1, targets[:, None])
         scores = scores.index_put((query.to(scores.device), self.items[at].to(scores.device)),
                                   torch.tensor(float("-inf"), device=scores.device))  # fmt: skip
@@ -144,11 +138,7 @@ class TwoTower(nn.Module):
     def towers(self, pooled: torch.Tensor, which: str) -> torch.Tensor:
         """One tower's unit vectors from pooled embeddings [B, sum dims] ('user' or 'item')."""
         by_feature = self.embeddings.split(pooled)
-        names, tower = (
-            (self.user_features, self.user_tower)
-            if which == "user"
-            else (self.item_features, self.item_tower)
-        )
+        names, tower = (self.user_features, self.user_tower) if which == "user" else (self.item_features, self.item_tower)
         return F.normalize(tower(torch.cat([by_feature[f] for f in names], dim=1)), dim=1)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,9 +184,7 @@ class TwoTower(nn.Module):
             targets = batch.sparse.feature(self.item_id)[0][liked]
             scores = user @ items.T
             if self._seen is not None:
-                scores = self._seen.mask(
-                    scores, batch.sparse.feature(self.exclude_seen[0])[0][liked], targets
-                )
+                scores = self._seen.mask(scores, batch.sparse.feature(self.exclude_seen[0])[0][liked], targets)
             counts[:-1] += torch.tensor(list(recall_at(scores, targets, RECALL_AT).values()))
             counts[-1] += len(targets)
         if self.comms is not None:
@@ -223,11 +211,7 @@ class TwoTower(nn.Module):
 
 
 def build_two_tower(
-    c,
-    embeddings: EmbeddingCollection,
-    info: SourceInfo,
-    source: DataSource | None,
-    comms: Comms | None = None,
+    c, embeddings: EmbeddingCollection, info: SourceInfo, source: DataSource | None, comms: Comms | None = None
 ) -> TwoTower:
     """A TwoTower from `model.two_tower` (a TwoTowerConfig), its item counts taken from the training
     data of `source` (without a source they stay zero until a state dict loads them); `comms`: the
@@ -235,15 +219,11 @@ def build_two_tower(
     features = {f.name: f for f in info.features}
     unknown = [f for f in c.user_features + c.item_features if f not in features]
     if unknown:
-        raise ConfigError(
-            f"model.two_tower names features {unknown} that the data lacks; features: {list(features)}"
-        )
+        raise ConfigError(f"model.two_tower names features {unknown} that the data lacks; features: {list(features)}")
     item_id, user_id = c.item_id or c.item_features[0], c.user_id or c.user_features[0]
     for key, name in (("item_id", item_id), ("user_id", user_id))[: 2 if c.exclude_seen else 1]:
         if features[name].multi_hot:
-            raise ConfigError(
-                f"model.two_tower.{key} {name!r} must be a one-id feature (it names the {key[:4]})"
-            )
+            raise ConfigError(f"model.two_tower.{key} {name!r} must be a one-id feature (it names the {key[:4]})")
     if source is not None and not hasattr(source, "item_catalog"):
         raise ConfigError(
             "model.arch two_tower evaluates recall over the whole item set, which needs a source that lists its "

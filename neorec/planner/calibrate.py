@@ -151,9 +151,7 @@ def measure_links(world: int, sync=None) -> dict[str, float]:
     def a2a(numel: int) -> float:
         send = torch.ones(numel * world)
         splits = [numel] * world
-        return _median_time(
-            lambda: comms.all_to_all(send, splits, splits, "calibrate").wait(), repeats=9, sync=sync
-        )
+        return _median_time(lambda: comms.all_to_all(send, splits, splits, "calibrate").wait(), repeats=9, sync=sync)
 
     small, big = 16, 1 << 21  # floats per peer
     t_small, t_big = a2a(small), a2a(big)
@@ -281,9 +279,7 @@ def calibrate(
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     target = Path(path) if path else calibration_path()
-    calibration_values(
-        calibration, f"calibration of this machine for {target}"
-    )  # a NaN speed is never written
+    calibration_values(calibration, f"calibration of this machine for {target}")  # a NaN speed is never written
     target.parent.mkdir(parents=True, exist_ok=True)
     write_json(target, calibration, "calibration file", indent=2)  # atomic, with a "crc32" of its content
     return calibration

@@ -101,9 +101,7 @@ def check(
             if not 0 < c.cache_fraction <= 1:
                 raise ConfigError(f"{where}: cache_fraction must be in (0, 1], got {c.cache_fraction}")
             if c.tier not in ("cached", "ssd"):
-                raise ConfigError(
-                    f"{where}: cache_fraction sizes the cache of tier cached or ssd: set its tier"
-                )
+                raise ConfigError(f"{where}: cache_fraction sizes the cache of tier cached or ssd: set its tier")
         if cluster is not None:
             _check_tier(name, c, cluster)
         load = workload.by_name[name]
@@ -135,9 +133,7 @@ def check_shapes(name: str, c: TableConstraint, world_size: int, num_nodes: int)
     where = c.where(name)
     out = [r for r in c.ranks if not 0 <= r < world_size]
     if out:
-        raise ConfigError(
-            f"{where}: ranks {list(c.ranks)}: rank(s) {out} do not exist; world size is {world_size}"
-        )
+        raise ConfigError(f"{where}: ranks {list(c.ranks)}: rank(s) {out} do not exist; world size is {world_size}")
     if c.node is not None and not 0 <= c.node < num_nodes:
         raise ConfigError(f"{where}: node {c.node} does not exist; nodes: 0 to {num_nodes - 1}")
     if c.ranks and c.kind in (*NODE_KINDS, "dp"):
@@ -162,9 +158,7 @@ def _check_tier(name: str, c: TableConstraint, cluster: Cluster) -> None:
             f"is embedding.tables.{name}.tier: dram (not planned)",
         }[c.tier]
         where = c.where(name)
-        raise ConfigError(
-            f"{where}: tier {c.tier} is not offered by {cluster.name} (tiers: {list(offered)}); {hint}"
-        )
+        raise ConfigError(f"{where}: tier {c.tier} is not offered by {cluster.name} (tiers: {list(offered)}); {hint}")
 
 
 def table_options_for(
@@ -193,20 +187,14 @@ def no_option(load: TableLoad, c: TableConstraint, cluster: Cluster, kinds: tupl
     for kind in c.allowed_kinds(kinds):
         counts = [k] if k else split_counts(load, cluster).get(kind, [])
         if buckets is not None and kind not in MANAGED_COLLISION_KINDS:
-            why.append(
-                f"{kind}: a managed-collision table is sharded tw or rw only (its id map lives with its rows)"
-            )
-        elif kind == "rw" and not [
-            n for n in counts if n <= t.rows and (buckets is None or buckets % n == 0)
-        ]:
+            why.append(f"{kind}: a managed-collision table is sharded tw or rw only (its id map lives with its rows)")
+        elif kind == "rw" and not [n for n in counts if n <= t.rows and (buckets is None or buckets % n == 0)]:
             if not counts:
                 why.append(f"rw: {t.rows} row(s) on {W} rank(s) do not split")
             elif k and k > t.rows:
                 why.append(f"rw: {k} row shards but {t.rows} row(s)")
             else:
-                why.append(
-                    f"rw: managed_collision.buckets {buckets} is a multiple of none of {counts} row shards"
-                )
+                why.append(f"rw: managed_collision.buckets {buckets} is a multiple of none of {counts} row shards")
         elif kind == "cw" and not [n for n in counts if t.dim % n == 0]:
             if k:
                 why.append(f"cw: {k} column slices do not divide the dim {t.dim}")
@@ -221,10 +209,8 @@ def no_option(load: TableLoad, c: TableConstraint, cluster: Cluster, kinds: tupl
                 why.append(f"{kind}: {L} ranks per node do not split {t.rows} rows x {t.dim} columns")
         elif kind == "dp" and W == 1:
             why.append("dp: one rank has nothing to replicate over")
-    under = (
-        f"its constraints ({c.describe(kinds)})"
-        if c != TableConstraint()
-        else (f"the planner's kinds [{', '.join(kinds)}] (distributed.kinds)")
+    under = f"its constraints ({c.describe(kinds)})" if c != TableConstraint() else (
+        f"the planner's kinds [{', '.join(kinds)}] (distributed.kinds)"
     )
     return ConfigError(
         f"{c.where(load.name)}: no sharding satisfies {under} on {W} rank(s): "

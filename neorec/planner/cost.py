@@ -94,28 +94,22 @@ def shard_work(
     stages["lookup"] = ids * cluster.lookup_per_id + (ids * width * wb + pooled) / mem.lookup_bandwidth
     # rows touched anywhere in the global batch (dp: each replica's share of them, see below)
     touched = load.unique(rows[0], rows[1], workload.batch_size * load.ids_per_sample * share)
-    cache = cache_traffic(
-        load, tier, rows, width, touched, workload.fraction(load.name), cluster, workload.ssd_log
-    )
+    cache = cache_traffic(load, tier, rows, width, touched, workload.fraction(load.name), cluster, workload.ssd_log)
     if cache is not None:
         stages["lookup"] += cache.seconds
     updated, received = touched, 0.0
     if kind == "dp" and W > 1 and updates_by_owner(load.optimizer):
         # replicas.py: each rank updates the rows it owns (1/W) and writes the others' new rows
         updated, received = touched / W, touched * (W - 1) / W
-    moved = (
-        ids * width * 4
-        + updated * (2 * width * wb + 2 * state_bytes_per_row(load.optimizer, width) + 8 * width)
-        + received * width * wb
-    )
+    moved = ids * width * 4 + updated * (
+        2 * width * wb + 2 * state_bytes_per_row(load.optimizer, width) + 8 * width
+    ) + received * width * wb
     stages["update"] = ids * cluster.update_per_id + moved / mem.update_bandwidth
     if kind == "dp" and W > 1:
         # replicas.py start_gradients: the ranks' unique rows and their gradients gathered (by owner:
         # each rank gets the rows it owns), sorted again and summed (decode + embedding_bag)
         gathered = load.unique(rows[0], rows[1], ids) * (1 if updates_by_owner(load.optimizer) else W)
-        stages["update"] += (
-            gathered * cluster.update_per_id + gathered * width * 12 / cluster.stream_bandwidth
-        )
+        stages["update"] += gathered * cluster.update_per_id + gathered * width * 12 / cluster.stream_bandwidth
     if (
         kind != "dp"
     ):  # the shard's side of the exchanges: ids regrouped, pooled rows encoded, gradients decoded
@@ -134,9 +128,7 @@ def shard_work(
         memory=tier_memory(
             load, tier, num_rows, width, workload.fraction(load.name), workload.ssd_log, workload.cache_policy
         ),
-        init_bytes=init_window_bytes(
-            num_rows, t.dim, width, record_bytes(load, width) if tier == "ssd" else 0
-        ),
+        init_bytes=init_window_bytes(num_rows, t.dim, width, record_bytes(load, width) if tier == "ssd" else 0),
         tier_bytes=cache.tier_bytes if cache is not None else 0.0,
         hit_rate=cache.hit_rate if cache is not None else None,
     )
@@ -184,15 +176,11 @@ def owner_work(
     # (a sequence table's id rows come from one row shard each)
     received = elements * (num_shards if kind in ROW_SPLIT and not sequence else 1)
     out["output_dist"] = received * ((fe + 4) + 8) / speed  # decode, then assemble
-    out["output_dist_bwd"] = (
-        elements * 8 / speed + received * (8 + 4 + be) / speed
-    )  # scale by 1/W, gather, encode
+    out["output_dist_bwd"] = elements * 8 / speed + received * (8 + 4 + be) / speed  # scale by 1/W, gather, encode
     return out
 
 
-def collective_calls(
-    kinds: set[str], dp_groups: int, weighted: bool, owner_groups: int = 0
-) -> dict[str, int]:
+def collective_calls(kinds: set[str], dp_groups: int, weighted: bool, owner_groups: int = 0) -> dict[str, int]:
     """Collective calls per stage and step (each costs the cluster's latency): the id exchange
     (its sizes on the host, lengths, ids, weights), the pooled exchange and its gradient (flat, plus two hops per
     hierarchical kind present), and per group of replicated tables one all-gather of its rows and
@@ -235,9 +223,7 @@ class RankEstimate:
 class PlanEstimate:
     ranks: list[RankEstimate]
     traffic: Traffic
-    hit_rates: dict[str, float] = field(
-        default_factory=dict
-    )  # cached tables: estimated hit rate (shard mean)
+    hit_rates: dict[str, float] = field(default_factory=dict)  # cached tables: estimated hit rate (shard mean)
 
     @property
     def max_cost(self) -> float:
@@ -305,9 +291,7 @@ def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> P
             groups.setdefault(key, [0, 0, record_bytes(load, width) if tier == "ssd" else 0])
             groups[key][0] += rows[1] - rows[0]
             groups[key][1] = max(groups[key][1], table.dim)
-        init = max(
-            (init_window_bytes(n, dim, key[1], rec) for key, (n, dim, rec) in groups.items()), default=0
-        )
+        init = max((init_window_bytes(n, dim, key[1], rec) for key, (n, dim, rec) in groups.items()), default=0)
         for table, rows, width, kind in works:
             tier = plan.tables[table.name].tier or "device"
             w = shard_work(workload.by_name[table.name], rows, width, kind, tier, workload, cluster)

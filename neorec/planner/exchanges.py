@@ -71,9 +71,7 @@ class Traffic:
         return (both * same).sum(axis=1), (both * ~same).sum(axis=1)
 
 
-def plan_traffic(
-    plan: ShardingPlan, workload: Workload, topo: Topology, counted_ahead: bool = False
-) -> Traffic:
+def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology, counted_ahead: bool = False) -> Traffic:
     """counted_ahead: the replicated tables' rows are counted one batch ahead (a GPU run:
     ReplicaSync.count_ahead), which changes what their exchanges send."""
     layout = ShardLayout(workload.table_configs, plan, topo)

@@ -325,12 +325,7 @@ def gpu_machine(
         latency = max(latency, gloo["latency"])
     reserved = min(c.reserved, device_free_bytes // (4 * per_gpu))  # a shared GPU holds each rank's runtime
     return replace(
-        c,
-        tiers=(c.tiers[0], host),
-        intra_node_bandwidth=link,
-        latency=latency,
-        reserved=reserved,
-        staged=per_gpu > 1,
+        c, tiers=(c.tiers[0], host), intra_node_bandwidth=link, latency=latency, reserved=reserved, staged=per_gpu > 1
     )
 
 

@@ -34,13 +34,9 @@ class Option:
     num_shards: int
     tier: str  # plan tier (tiers.py): device, host, cached or ssd
     piece_costs: list[float]  # seconds per step on the rank holding each piece
-    piece_memory: list[
-        dict[str, float]
-    ]  # bytes per memory tier of each piece (weights, state, caches, buffers)
+    piece_memory: list[dict[str, float]]  # bytes per memory tier of each piece (weights, state, caches, buffers)
     everyone: float = 0.0  # seconds per step on every rank
-    everyone_memory: dict[str, float] = field(
-        default_factory=dict
-    )  # bytes per memory tier on every rank (dp)
+    everyone_memory: dict[str, float] = field(default_factory=dict)  # bytes per memory tier on every rank (dp)
     init_bytes: int = 0  # initialisation window of the largest piece
     group_key: tuple = ()  # the fused engine groups tables by (dim, dtype, update rule)
     mean_row_split: bool = False  # a mean-pooled table split by rows: every id then carries a weight

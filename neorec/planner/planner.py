@@ -98,9 +98,7 @@ def plan_sharding(
     bound = lower_bound(feasible, W, device_total, latency_seconds({"tw"}, 0, workload.weighted, cluster))
 
     def placer(choice: dict[str, Option], improve_seconds: float = 2.0) -> Assignment:
-        return place(
-            choice, cluster, capacity, owner_buffers, improve_seconds, workload.weighted, constraints
-        )
+        return place(choice, cluster, capacity, owner_buffers, improve_seconds, workload.weighted, constraints)
 
     # candidates: every kind, and without dp (its gradient exchange has a fixed cost per group that
     # the per-table choice does not see)
@@ -151,8 +149,7 @@ def feasible_options(
     W = cluster.world_size
     check(constraints, workload, kinds, W, cluster.num_nodes, cluster)
     all_options = {
-        t.name: table_options_for(t, workload, cluster, kinds, constraints.get(t.name))
-        for t in workload.tables
+        t.name: table_options_for(t, workload, cluster, kinds, constraints.get(t.name)) for t in workload.tables
     }
     init = max(
         (o.init_bytes for opts in all_options.values() for o in opts if o.kind in ("tw", "dp")), default=0

@@ -154,9 +154,7 @@ def plan_figure(results: list[PlanResult], cluster: Cluster):
         for s in STAGES:
             values = [r.stages[s] * 1e3 for r in res.estimate.ranks]
             label = f"{STAGE_LABELS[s]} (up to {stage_max[s]:.2f} ms)"
-            edge = (
-                {"edgecolor": "white", "linewidth": 0.3} if label_bars else {}
-            )  # stages apart, while bars are wide
+            edge = {"edgecolor": "white", "linewidth": 0.3} if label_bars else {}  # stages apart, while bars are wide
             bars = ax.bar(ranks, values, bottom=bottom, label=label, width=0.85, **edge)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         if label_bars:
@@ -171,11 +169,7 @@ def plan_figure(results: list[PlanResult], cluster: Cluster):
         for i, tier in enumerate(cluster.tiers):
             values = [r.memory.get(tier.name, 0) / 1e9 for r in res.estimate.ranks]
             x = [rank + (i - (len(cluster.tiers) - 1) / 2) * width for rank in ranks]
-            name = (
-                tier.name
-                if tier in on_scale
-                else f"{tier.name} (capacity {tier.capacity / 1e9:.1f} GB, off the scale)"
-            )
+            name = tier.name if tier in on_scale else f"{tier.name} (capacity {tier.capacity / 1e9:.1f} GB, off the scale)"
             bars = ax.bar(x, values, width=width, color=f"C{i}", label=name)
             if label_bars:
                 ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=7, padding=2)

@@ -132,9 +132,7 @@ class Workload:
     forward_precision: str = "fp16"  # pooled embeddings on the wire
     backward_precision: str = "bf16"  # their gradients
     weighted: bool = False  # batches carry per-id weights
-    cache_fraction: float = (
-        0.2  # share of a cached table's rows its row cache holds (embedding.cache.fraction)
-    )
+    cache_fraction: float = 0.2  # share of a cached table's rows its row cache holds (embedding.cache.fraction)
     ssd_log: float = 1.0  # ssd tables' write log, a share of their rows (embedding.cache.ssd_log; 0: none)
     cache_policy: str = "lru"  # embedding.cache.policy (lfu keeps a use count per row: 1 byte)
     # tables whose cache holds another share of their rows (constraints.py: cache_fraction)

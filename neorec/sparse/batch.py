@@ -74,9 +74,7 @@ class SparseBatch:
     @classmethod
     def from_features(
         cls,
-        features: Mapping[
-            str, tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-        ],
+        features: Mapping[str, tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     ) -> SparseBatch:
         """Build from {feature: (values, lengths[, weights])}; all features need the same batch size."""
         keys = list(features)
@@ -84,16 +82,8 @@ class SparseBatch:
         if len(set(sizes.values())) > 1:
             raise DataError(f"features have different batch sizes: {sizes}")
         has_w = [len(v) == 3 and v[2] is not None for v in features.values()]
-        values = (
-            torch.cat([features[k][0].to(torch.int64) for k in keys])
-            if keys
-            else torch.empty(0, dtype=torch.int64)
-        )
-        lengths = (
-            torch.cat([features[k][1].to(torch.int64) for k in keys])
-            if keys
-            else torch.empty(0, dtype=torch.int64)
-        )
+        values = torch.cat([features[k][0].to(torch.int64) for k in keys]) if keys else torch.empty(0, dtype=torch.int64)
+        lengths = torch.cat([features[k][1].to(torch.int64) for k in keys]) if keys else torch.empty(0, dtype=torch.int64)
         weights = None
         if any(has_w):
             weights = torch.cat(
@@ -268,19 +258,13 @@ class SparseBatch:
         weights = None
         if any(b.weights is not None for b in batches):
             weights = torch.cat(
-                [
-                    b.weights if b.weights is not None else torch.ones(b.values.numel(), device=b.device)
-                    for b in batches
-                ]
+                [b.weights if b.weights is not None else torch.ones(b.values.numel(), device=b.device) for b in batches]
             )
         known = all(b._length_per_key is not None for b in batches)
         per_key = [n for b in batches for n in b._length_per_key] if known else None  # type: ignore[union-attr]
         limits = None
         if all(b._id_limits is not None for b in batches):
-            limits = (
-                [x for b in batches for x in b._id_limits[0]],
-                [x for b in batches for x in b._id_limits[1]],
-            )  # type: ignore[index]
+            limits = ([x for b in batches for x in b._id_limits[0]], [x for b in batches for x in b._id_limits[1]])  # type: ignore[index]
         return SparseBatch(
             keys, torch.cat([b.values for b in batches]), torch.cat([b.lengths for b in batches]), weights, per_key,
             limits,
@@ -309,9 +293,7 @@ class SparseBatch:
 
     def __repr__(self) -> str:
         w = ", weighted" if self.weights is not None else ""
-        return (
-            f"SparseBatch(features={self.keys}, batch_size={self.batch_size}, ids={self.values.numel()}{w})"
-        )
+        return f"SparseBatch(features={self.keys}, batch_size={self.batch_size}, ids={self.values.numel()}{w})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SparseBatch):

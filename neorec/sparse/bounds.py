@@ -126,9 +126,7 @@ class IdBounds:
             if count > 1
             else ""
         )
-        outside = (
-            "negative (raw ids lie in [0, 2^63))" if bound.rows is None else f"outside [0, {bound.rows:,})"
-        )
+        outside = "negative (raw ids lie in [0, 2^63))" if bound.rows is None else f"outside [0, {bound.rows:,})"
         return DataError(
             f"feature {feature!r} ({bound.describe()}): id {value} of sample {sample} of the batch is {outside}"
             f"{more}. Ids index their own table, so fix the data (or its table sizes), or set "

@@ -27,9 +27,7 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
     if d.source == "synthetic":
         from neorec.data.synthetic import SyntheticSource, spec_from_config
 
-        device = torch.device(
-            device_of_rank if d.synthetic.on_device and device_of_rank is not None else "cpu"
-        )
+        device = torch.device(device_of_rank if d.synthetic.on_device and device_of_rank is not None else "cpu")
         generator = d.synthetic.generator
         if generator == "auto":
             generator = "device" if device.type == "cuda" else "host"
@@ -56,9 +54,7 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
         log.warning(
             "data.source %s reduces ids modulo the data's table sizes before the tables; the managed-collision "
             "tables %s then give each reduced id its own row (only the synthetic and criteo_tsv sources pass "
-            "raw ids)",
-            d.source,
-            sorted(raw_features(cfg)),
+            "raw ids)", d.source, sorted(raw_features(cfg)),
         )
     if d.source == "shards":
         from neorec.data.shards import ShardSource
@@ -109,9 +105,7 @@ def _preprocessed_source(cfg: RunConfig, topo) -> DataSource:
     if mapped - stored:
         log.warning(
             "data.preprocessed.path %s holds ids reduced modulo the table sizes for %s; preprocess with "
-            "--raw-features to give the managed-collision tables raw ids",
-            p.path,
-            sorted(mapped - stored),
+            "--raw-features to give the managed-collision tables raw ids", p.path, sorted(mapped - stored),
         )
     return source
 
@@ -132,9 +126,7 @@ def task_labels(cfg: RunConfig) -> list[str] | None:
 
         unknown = [n for n in names if n not in LABELS]
         if unknown:
-            raise ConfigError(
-                f"model.tasks names labels {unknown} that synthetic data does not make; it has {list(LABELS)}"
-            )
+            raise ConfigError(f"model.tasks names labels {unknown} that synthetic data does not make; it has {list(LABELS)}")
     elif cfg.data.source != "movielens":
         raise ConfigError(
             f"model.arch multitask needs a source that makes several labels (synthetic, movielens); "
@@ -260,19 +252,10 @@ def _build_model(
 
         dlrm, dcnv2, outputs = MultiTaskDLRM, MultiTaskDCNv2, len(m.tasks)
     if m.interaction == "dlrm":
-        model = dlrm(
-            info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.self_interaction, m.precision, outputs
-        )
+        model = dlrm(info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.self_interaction, m.precision, outputs)
     else:
         model = dcnv2(
-            info.num_dense,
-            embeddings,
-            m.bottom_mlp,
-            m.top_mlp,
-            m.cross_layers,
-            m.low_rank,
-            m.precision,
-            outputs,
+            info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, m.cross_layers, m.low_rank, m.precision, outputs
         )
     if m.arch == "multitask":
         model.set_tasks([t.name for t in m.tasks], [t.weight for t in m.tasks])

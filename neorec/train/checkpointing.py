@@ -48,9 +48,7 @@ class CheckpointHandling:
     emb_opt: torch.optim.Optimizer
     checkpoints: PeriodicCheckpoints
 
-    def _stop(
-        self, signum: int, step: int, epoch: int, in_epoch: int, logger, running: float | None, bar
-    ) -> None:
+    def _stop(self, signum: int, step: int, epoch: int, in_epoch: int, logger, running: float | None, bar) -> None:
         """A stop was requested: save step `step` (unless just saved), close the logs, raise."""
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()

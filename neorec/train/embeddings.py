@@ -41,9 +41,7 @@ def build_embeddings(
     c = e.cache
     if "ssd" in tiers.values() and c.directory is not None and Path(c.directory).exists():
         if not Path(c.directory).is_dir():
-            raise ConfigError(
-                f"embedding.cache.directory {c.directory}: is a file; give a folder for the ssd tables"
-            )
+            raise ConfigError(f"embedding.cache.directory {c.directory}: is a file; give a folder for the ssd tables")
     settings = CacheSettings(
         c.policy, c.fraction, c.size_mib, c.directory, c.release_mib, c.ssd_reads, c.ssd_log, c.io_thread
     )
@@ -52,9 +50,7 @@ def build_embeddings(
 
         settings.fractions = cache_fractions(cfg)
         if e.engine != "fused":
-            raise ConfigError(
-                "embedding.engine: multi-process training needs the fused engine, got 'reference'"
-            )
+            raise ConfigError("embedding.engine: multi-process training needs the fused engine, got 'reference'")
         from neorec.distributed.sharded import ShardedEmbeddingCollection
 
         forward, backward = run_wire_precisions(cfg, one_machine=comms.topo.num_nodes == 1)

@@ -48,9 +48,7 @@ def evaluate(
     world = comms.topo.world_size if comms is not None else 1
     rank = comms.topo.rank if comms is not None else 0
     data = RankData(source, batch_size, rank, world)
-    bar = progress_bar(
-        max_batches, "evaluation", progress and rank == 0, unit="batch", delay=1.0, leave=False
-    )
+    bar = progress_bar(max_batches, "evaluation", progress and rank == 0, unit="batch", delay=1.0, leave=False)
     for i, (batch, n) in enumerate(data.eval_slices(batch_size)):
         if max_batches is not None and i >= max_batches:
             break

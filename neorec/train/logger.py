@@ -48,10 +48,8 @@ class MetricsLogger:
                 purge = resume["step"] + 1 if resume is not None else None
                 self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=purge)
             except ImportError as e:  # tensorboard is optional
-                log.warning(
-                    f"logging.tensorboard is on but TensorBoard cannot be imported ({e}); "
-                    "metrics go to metrics.jsonl only (pip install tensorboard, or set logging.tensorboard: false)"
-                )
+                log.warning(f"logging.tensorboard is on but TensorBoard cannot be imported ({e}); "
+                            "metrics go to metrics.jsonl only (pip install tensorboard, or set logging.tensorboard: false)")
                 self._tb = None
 
     def log(self, split: str, step: int, values: dict[str, float]) -> None:

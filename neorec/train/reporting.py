@@ -67,10 +67,7 @@ class RunReporting:
 
     def _learning_rates(self) -> dict[str, float]:
         """The learning rates in use (the first parameter group of each optimizer)."""
-        return {
-            "lr_dense": self.dense_opt.param_groups[0]["lr"],
-            "lr_embedding": self.emb_opt.param_groups[0]["lr"],
-        }
+        return {"lr_dense": self.dense_opt.param_groups[0]["lr"], "lr_embedding": self.emb_opt.param_groups[0]["lr"]}
 
     def _log_train_step(
         self,
@@ -168,15 +165,11 @@ class RunReporting:
             **({"planned_device_mib_per_rank": planned} if planned else {}),
             **{f"eval_{k}": v for k, v in result.eval.items()},
         }
-        write_text(
-            self.out_dir / "summary.json", strict_dumps(summary, indent=2), "run summary"
-        )  # NaN/inf: null
+        write_text(self.out_dir / "summary.json", strict_dumps(summary, indent=2), "run summary")  # NaN/inf: null
         if self.cfg.logging.plot:
             from neorec.metrics.plot import plot_curves
 
-            plot_curves(
-                read_metrics(self.out_dir / "metrics.jsonl"), self.out_dir / "curves.png", self.out_dir.name
-            )
+            plot_curves(read_metrics(self.out_dir / "metrics.jsonl"), self.out_dir / "curves.png", self.out_dir.name)
 
 
 def train_line(
@@ -184,11 +177,7 @@ def train_line(
 ) -> str:
     """The console line of a log step: loss, speed, learning rates, the caches' hit rate and traffic
     (`cache`: cache.stats.log_values, cumulative)."""
-    parts = [
-        f"step {step:,}/{total:,}" if total else f"step {step:,}",
-        f"loss {loss:.4f}",
-        f"{samples_per_s:,.0f} samples/s",
-    ]
+    parts = [f"step {step:,}/{total:,}" if total else f"step {step:,}", f"loss {loss:.4f}", f"{samples_per_s:,.0f} samples/s"]
     parts.append("lr " + " ".join(f"{k.removeprefix('lr_')} {v:.3g}" for k, v in lrs.items()))
     if cache:
         hit = cache.get("hit_rate")

@@ -103,9 +103,7 @@ def build_plan(cfg: RunConfig, tables: list[TableConfig], topo):
     names = {t.name for t in tables}
     unknown = sorted(set(d.sharding) - names)
     if unknown:
-        raise ConfigError(
-            f"distributed.sharding names {unknown}, which are not tables; tables: {sorted(names)}"
-        )
+        raise ConfigError(f"distributed.sharding names {unknown}, which are not tables; tables: {sorted(names)}")
     if d.plan:
         plan = apply_to_plan_file(ShardingPlan.load(d.plan), cfg)
     else:

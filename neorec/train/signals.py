@@ -85,9 +85,7 @@ class StopSignals:
         if self.comms is None:
             return self.received
         total = self._pending.wait() if self._pending is not None else None
-        flags = torch.tensor(
-            [self.received == signal.SIGTERM, self.received == signal.SIGINT], dtype=torch.int64
-        )
+        flags = torch.tensor([self.received == signal.SIGTERM, self.received == signal.SIGINT], dtype=torch.int64)
         self._pending = self.comms.sum_flags(flags)
         if total is None or not total.any():
             return 0

@@ -54,7 +54,6 @@ from neorec.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
-
 def embedding_collection(model: nn.Module) -> EmbeddingCollection:
     return next(m for m in model.modules() if isinstance(m, EmbeddingCollection))
 
@@ -63,17 +62,13 @@ def model_loss(model: nn.Module, outputs: torch.Tensor, batch) -> torch.Tensor:
     """The model's own `loss(outputs, batch)` where it has one (multi-task, two-tower), else BCE of
     one logit per sample."""
     own = getattr(model, "loss", None)
-    return (
-        own(outputs, batch) if own is not None else F.binary_cross_entropy_with_logits(outputs, batch.labels)
-    )
+    return own(outputs, batch) if own is not None else F.binary_cross_entropy_with_logits(outputs, batch.labels)
 
 
 class Trainer(RunReporting, CheckpointHandling):
     """Owns a run: data, model, both optimizers, schedule, logs and outputs."""
 
-    def __init__(
-        self, cfg: RunConfig, out_dir: Path | None = None, resume: bool | str | Path = False
-    ) -> None:
+    def __init__(self, cfg: RunConfig, out_dir: Path | None = None, resume: bool | str | Path = False) -> None:
         """resume: True: fit() continues from the newest complete checkpoint in the checkpoint folder;
         a path: from that checkpoint folder (step-XXXXXXXX)."""
         self.cfg = cfg
@@ -85,24 +80,18 @@ class Trainer(RunReporting, CheckpointHandling):
                 keep_freed_memory()
             self.device = _training_device(cfg)
             self.topo = init_distributed(self.device, cfg.distributed.backend)
-            self.comms = (
-                Comms(self.topo, transport=cfg.distributed.transport) if self.topo.world_size > 1 else None
-            )
+            self.comms = Comms(self.topo, transport=cfg.distributed.transport) if self.topo.world_size > 1 else None
             self.is_main = self.topo.rank == 0
             if self.comms is not None and cfg.data.batch_size % self.topo.world_size:
                 raise ConfigError(
                     f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over "
                     f"{self.topo.world_size} processes"
                 )
-            self.source = build_source(
-                cfg, self.topo, self.device
-            )  # a per-rank reader where the source has one
+            self.source = build_source(cfg, self.topo, self.device)  # a per-rank reader where the source has one
             self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
             self.tables = build_tables(cfg, self.source.info)
             self.embeddings = build_embeddings(cfg, self.tables, self.comms, self.device)
-            self.model = build_model(cfg, self.source.info, self.embeddings, self.source, self.comms).to(
-                self.device
-            )
+            self.model = build_model(cfg, self.source.info, self.embeddings, self.source, self.comms).to(self.device)
             if cfg.train.compile:
                 apply_compile(self.model, self.device)
             dense = dense_parameters(self.model)
@@ -146,9 +135,7 @@ class Trainer(RunReporting, CheckpointHandling):
         trains. resume_at: a checkpoint's position, to continue after its batches. Returns the feed
         too: its wait_seconds is the time the loop has waited for data."""
         t = self.cfg.train
-        feed = DeviceFeed(
-            prefetch(self.data.train_batches(epoch, resume_at), t.prefetch), self.device, depth=2
-        )
+        feed = DeviceFeed(prefetch(self.data.train_batches(epoch, resume_at), t.prefetch), self.device, depth=2)
         return feed, (local for _, local in pipelined(feed, _same, self.embeddings, int(t.pipeline)))
 
     def train_step(self, batch, is_local: bool = False) -> torch.Tensor:
@@ -186,9 +173,7 @@ class Trainer(RunReporting, CheckpointHandling):
     def _fit(self, stop: StopSignals) -> RunResult:
         cfg, t = self.cfg, self.cfg.train
         logger: MetricsLogger | NoLogger = NoLogger()
-        to_resume = (
-            self._checkpoint_to_resume() if self.resume else None
-        )  # refused before anything is written
+        to_resume = self._checkpoint_to_resume() if self.resume else None  # refused before anything is written
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             write_text(self.out_dir / "config.yaml", dump_config(cfg), "run config")  # atomic
@@ -242,9 +227,7 @@ class Trainer(RunReporting, CheckpointHandling):
                 if signum := stop.agreed():  # collective: every rank stops after the same step
                     running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
                     self._stop(signum, step, epoch, in_epoch, logger, running, bar)
-                if (
-                    every and step % every == 0 and (not total or step < total)
-                ):  # the last step: the final one
+                if every and step % every == 0 and (not total or step < total):  # the last step: the final one
                     self._eval(logger, step, mid_batches, teacher_auc)
                 if self.checkpoints.enabled and self.checkpoints.due(step):
                     running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
@@ -313,9 +296,7 @@ class Trainer(RunReporting, CheckpointHandling):
         progress: bool = False,
     ) -> dict:
         batch_size = self.cfg.data.eval_batch_size
-        metrics = evaluate(
-            self.model, self.source, batch_size, max_batches, self.comms, progress and self.is_main
-        )
+        metrics = evaluate(self.model, self.source, batch_size, max_batches, self.comms, progress and self.is_main)
         if not metrics:  # no held-out samples: nothing to log or plot
             return metrics
         if teacher_auc is not None:
@@ -340,3 +321,4 @@ def _training_device(cfg: RunConfig) -> torch.device:
 
 def _same(batch):
     return batch
+

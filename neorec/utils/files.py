@@ -75,11 +75,7 @@ def write_atomic(
         if isinstance(e, NeorecError):  # already worded, e.g. by a nested write
             raise
         cause = _os_error(e) or e  # torch.save raises RuntimeError during the OSError of the write
-        reason = (
-            cause.strerror
-            if isinstance(cause, OSError) and cause.strerror
-            else str(e).strip().splitlines()[-1]
-        )
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e).strip().splitlines()[-1]
         if not isinstance(cause, OSError) or cause.errno in _SPACE_ERRNOS:
             reason += " (is the disk full, or a file-size limit set?)"
         raise error(f"cannot write {what} {path}: {reason}; {keeps}") from cause
@@ -124,9 +120,7 @@ def json_text(obj: dict, indent: int | None = 1, sort_keys: bool = False) -> str
     return json.dumps(full, indent=indent, sort_keys=sort_keys) + "\n"
 
 
-def write_json(
-    path: str | Path, obj: dict, what: str, indent: int | None = 1, sort_keys: bool = False
-) -> None:
+def write_json(path: str | Path, obj: dict, what: str, indent: int | None = 1, sort_keys: bool = False) -> None:
     """`obj` with its checksum, through write_atomic."""
     write_text(path, json_text(obj, indent, sort_keys), what)
 
@@ -142,9 +136,7 @@ def read_json(
 ) -> dict:
     """The JSON object of `path` without its "crc32" key, after checking it (load_json, then
     check_json). Errors are `error`s naming the file, with `hint` (what to do about damage)."""
-    return check_json(
-        load_json(path, what, hint, error), path, what, hint, error, required=required, keys=keys
-    )
+    return check_json(load_json(path, what, hint, error), path, what, hint, error, required=required, keys=keys)
 
 
 def load_json(path: str | Path, what: str, hint: str, error: type[Exception] = NeorecError) -> dict:
@@ -206,9 +198,7 @@ def check_zip(path: str | Path, what: str, hint: str, error: type[Exception] = N
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()
     except Exception as e:  # noqa: BLE001 - any failure to read the archive is damage
-        raise error(
-            f"{what} {path} is damaged or truncated (not a readable zip archive: {e}); {hint}"
-        ) from None
+        raise error(f"{what} {path} is damaged or truncated (not a readable zip archive: {e}); {hint}") from None
     if bad is not None:
         raise error(
             f"{what} {path}: its entry {bad!r} does not read back (checksum mismatch or a damaged header): the "

@@ -83,9 +83,7 @@ def advise_huge_pages(tensor: torch.Tensor, min_bytes: int = 16 * HUGE_PAGE) -> 
 MAPPED_MIN_BYTES = 32 << 20
 
 
-def mapped_empty(
-    shape: tuple[int, ...], dtype: torch.dtype, min_bytes: int = MAPPED_MIN_BYTES
-) -> torch.Tensor:
+def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype, min_bytes: int = MAPPED_MIN_BYTES) -> torch.Tensor:
     """An uninitialised CPU tensor in an anonymous memory map of its own (see the module doc) when it
     is at least `min_bytes`; a plain torch.empty otherwise or where maps are not available. The map
     lives as long as the tensor (and its views); pages are faulted in when first written."""

@@ -12,12 +12,7 @@ from contextlib import contextmanager
 
 
 def progress_bar(
-    total: float | None,
-    desc: str | None = None,
-    enabled: bool = True,
-    unit: str = "it",
-    delay: float = 0.0,
-    **kwargs,
+    total: float | None, desc: str | None = None, enabled: bool = True, unit: str = "it", delay: float = 0.0, **kwargs
 ):
     """A tqdm bar on stderr, or None when not enabled or stderr is not a terminal. delay: seconds
     before it is first drawn (phases that end sooner show nothing)."""
@@ -27,9 +22,7 @@ def progress_bar(
 
     if not total and desc and "bar_format" not in kwargs:  # no total: a count, not a bar
         kwargs["bar_format"] = "{desc}: {n_fmt} [{elapsed}, {rate_fmt}]"
-    return tqdm(
-        total=total or None, desc=desc, unit=unit, delay=delay, dynamic_ncols=True, mininterval=0.5, **kwargs
-    )
+    return tqdm(total=total or None, desc=desc, unit=unit, delay=delay, dynamic_ncols=True, mininterval=0.5, **kwargs)
 
 
 def _is_terminal(stream) -> bool:

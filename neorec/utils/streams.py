@@ -27,9 +27,7 @@ def mark(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
-def run_on(
-    stream: torch.cuda.Stream | None, after: torch.cuda.Event | None, fn: Callable[[], T]
-) -> tuple[T, object]:
+def run_on(stream: torch.cuda.Stream | None, after: torch.cuda.Event | None, fn: Callable[[], T]) -> tuple[T, object]:
     """fn() on `stream` once `after` has happened (from any thread); (its result, an event at its
     end). Without a stream: (fn(), None)."""
     if stream is None:

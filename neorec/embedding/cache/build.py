@@ -151,9 +151,7 @@ def _capacity(
     num_rows = specs["weight"].num_rows
     own = {settings.fractions.get(n) for n in names}  # None: embedding.cache.fraction
     if len(own) > 1:  # the fused engine's layout keeps them apart (layout.build_layout)
-        raise ConfigError(
-            f"tables {names} share one cache but have different cache fractions; give them the same"
-        )
+        raise ConfigError(f"tables {names} share one cache but have different cache fractions; give them the same")
     fraction = own.pop()
     if fraction is not None and settings.size_mib is not None:
         raise ConfigError(

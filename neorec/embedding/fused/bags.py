@@ -87,17 +87,13 @@ def prepare_sequence_group(sparse: SparseBatch, features: list[int], row_offsets
     which splitting the rows by feature needs anyway."""
     bounds = sparse.offset_per_key()
     counts = [bounds[i + 1] - bounds[i] for i in features]
-    rows = torch.cat(
-        [sparse.values[bounds[i] : bounds[i + 1]] + off for i, off in zip(features, row_offsets, strict=True)]
-    )
+    rows = torch.cat([sparse.values[bounds[i] : bounds[i + 1]] + off for i, off in zip(features, row_offsets, strict=True)])
     scales = None
     if sparse.weights is not None:
         scales = torch.cat([sparse.weights[bounds[i] : bounds[i + 1]] for i in features]).to(torch.float32)
     n = rows.numel()
     one_per_id = torch.arange(n + 1, device=rows.device)
-    return GroupBatch(
-        rows, one_per_id[:-1], one_per_id, scales, n, 1, one_hot=scales is None, sequence_counts=counts
-    )
+    return GroupBatch(rows, one_per_id[:-1], one_per_id, scales, n, 1, one_hot=scales is None, sequence_counts=counts)
 
 
 def _one_hot_group(
@@ -106,9 +102,7 @@ def _one_hot_group(
     """Every bag of the group holds one id (one-hot features, the Criteo case): the id of bag (b, f)
     is values[f_batch * B + b], so sample-major rows are one transpose of a [F, B] view and pooling
     is a plain gather. Mean pooling of a one-id bag is that id, so `mean` changes nothing."""
-    starts = (
-        sparse.offsets()[:-1].view(-1, b).index_select(0, features)[:, :1]
-    )  # [F, 1] first id of each feature
+    starts = sparse.offsets()[:-1].view(-1, b).index_select(0, features)[:, :1]  # [F, 1] first id of each feature
     rows = sparse.values.index_select(0, (starts + torch.arange(b, device=starts.device)).reshape(-1))
     rows = (rows.view(nf, b) + row_offsets.view(nf, 1)).t().reshape(-1)
     bags = torch.arange(b * nf, device=rows.device)

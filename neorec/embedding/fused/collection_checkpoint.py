@@ -91,9 +91,7 @@ class CollectionCheckpoint:
                 if key not in state_dict:
                     missing_keys.append(key)
                 elif tuple(state_dict[key].shape) != tuple(storage.tensor.shape):
-                    error_msgs.append(
-                        f"{key}: shape {tuple(state_dict[key].shape)}, the map needs {tuple(storage.tensor.shape)}"
-                    )
+                    error_msgs.append(f"{key}: shape {tuple(state_dict[key].shape)}, the map needs {tuple(storage.tensor.shape)}")
                 else:
                     storage.tensor.copy_(state_dict[key])
         if steps:

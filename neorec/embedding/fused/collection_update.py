@@ -61,13 +61,7 @@ class CollectionUpdate:
         hp = Hparams(**per_row)
         state = {name: s.read(rows) for name, s in state_storage.items()}
         wd = hp.weight_decay
-        if (
-            unique
-            and self.adds_in_place(gi)
-            and rows.device.type == "cpu"
-            and isinstance(wd, float)
-            and wd == 0.0
-        ):
+        if unique and self.adds_in_place(gi) and rows.device.type == "cpu" and isinstance(wd, float) and wd == 0.0:
             # the step does not read the weights: add its deltas in place, one pass over the rows
             # (on CPU index_add_ adds row by row; rows are unique, so no order is involved)
             delta, state = RULES[g.optimizer].delta(grads, state, step, hp)

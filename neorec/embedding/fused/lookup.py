@@ -85,9 +85,7 @@ def pool(storage: RowStorage, batch: GroupBatch, chunk_rows: int | None) -> torc
     """
     if storage.dtype == torch.float32 and batch.one_hot:  # a plain gather (through the cache, if any)
         if isinstance(storage, TensorStorage):
-            return storage.tensor.index_select(0, batch.rows).view(
-                batch.batch_size, batch.num_features * storage.width
-            )
+            return storage.tensor.index_select(0, batch.rows).view(batch.batch_size, batch.num_features * storage.width)
         return storage.read(batch.rows).view(batch.batch_size, batch.num_features * storage.width)
     if isinstance(storage, TensorStorage) and storage.dtype == torch.float32:
         pooled = F.embedding_bag(
@@ -270,11 +268,7 @@ class FusedLookup(torch.autograd.Function):
                     if written:
                         copies.append((gi, sorted_ids[0], written))
                 else:
-                    args, sorted_ids, addresses = (
-                        engine.triton_update_args(gi),
-                        sort_by_row_on_device(gb),
-                        None,
-                    )
+                    args, sorted_ids, addresses = engine.triton_update_args(gi), sort_by_row_on_device(gb), None
                 # the kernel reads each bag's gradient straight from d(pooled), at its feature's columns
                 columns = [0] if group.sequence else group.feature_columns
                 kernel_groups.append(
@@ -324,9 +318,7 @@ class FusedLookup(torch.autograd.Function):
         started = [h for h in hooked if callable(h[1])]
         _apply_hooked(engine, [h for h in hooked if not callable(h[1])], step)
         if started:  # their exchanges travel during the rest of backward; applied at its end
-            Variable._execution_engine.queue_callback(
-                lambda: _apply_hooked(engine, started, step, timed=True)
-            )
+            Variable._execution_engine.queue_callback(lambda: _apply_hooked(engine, started, step, timed=True))
         if engine.timings is not None:
             engine.timings["update"] += time.perf_counter() - start
         return None, None, None, None

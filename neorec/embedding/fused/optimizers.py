@@ -118,11 +118,7 @@ def with_weights(delta: Delta) -> Rule:
 
 
 sgd, folded_sgd = with_weights(sgd_delta), with_weights(folded_sgd_delta)
-adagrad, rowwise_adagrad, adam = (
-    with_weights(adagrad_delta),
-    with_weights(rowwise_adagrad_delta),
-    with_weights(adam_delta),
-)
+adagrad, rowwise_adagrad, adam = with_weights(adagrad_delta), with_weights(rowwise_adagrad_delta), with_weights(adam_delta)
 
 
 @dataclass(frozen=True)
