@@ -13,9 +13,7 @@ from neorec.utils.logging import setup_logging
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--config", "-c", default=None, help="YAML file or shipped config name (default: 'default')"
-    )
+    p.add_argument("--config", "-c", default=None, help="YAML file or shipped config name (default: 'default')")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config key, e.g. --set train.max_steps=100 (repeatable)",
@@ -41,9 +39,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     out_dir = Path(args.output_dir or cfg.resolved_output_dir)
     check_output_dir(out_dir)
     nproc = args.nproc or 1
-    if (
-        "RANK" not in os.environ
-    ):  # what every process would fail on, checked once, before the folder is touched
+    if "RANK" not in os.environ:  # what every process would fail on, checked once, before the folder is touched
         check_before_launch(cfg, nproc)
     # one run per folder: refused here, before anything is touched, while another run holds it
     with hold_run_folders(run_folders(cfg, out_dir)) as lock:
@@ -110,15 +106,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run = Path(args.run_dir)
     cfg_path = run / "config.yaml"
     if not cfg_path.is_file() or not (run / "model.pt").is_file():
-        raise NeorecError(
-            f"{run}: not a finished run folder (needs config.yaml and model.pt from `neorec train`)"
-        )
+        raise NeorecError(f"{run}: not a finished run folder (needs config.yaml and model.pt from `neorec train`)")
     cfg = load_config(str(cfg_path), args.overrides)
     check_memory(cfg)  # the tables and layers of the config fit this machine, before any is built
     trainer = Trainer(cfg, run)
-    state = load_model_state(
-        run / "model.pt"
-    )  # checked against its CRC32s, loaded on the CPU (a GPU run's too)
+    state = load_model_state(run / "model.pt")  # checked against its CRC32s, loaded on the CPU (a GPU run's too)
     check_model_state(trainer.model, state, run / "model.pt", args.overrides)
     with process_settings(cfg.train.threads):  # as training evaluated
         metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size)
@@ -133,21 +125,11 @@ def check_model_state(model, state: object, path: Path, overrides: list[str]) ->
     NeorecError naming the first parameter that differs, before anything is evaluated."""
     try:
         model.load_state_dict(state)
-    except (
-        RuntimeError,
-        TypeError,
-        AttributeError,
-    ) as e:  # torch: missing/unexpected keys, size mismatch; not a dict
+    except (RuntimeError, TypeError, AttributeError) as e:  # torch: missing/unexpected keys, size mismatch; not a dict
         lines = [" ".join(line.split()) for line in str(e).splitlines() if line.strip()]
         first = next((line for line in lines[1:] if line), lines[0] if lines else type(e).__name__)
-        fix = (
-            "leave out the --set of model and embedding keys"
-            if overrides
-            else "was it written by another config?"
-        )
-        raise NeorecError(
-            f"{path} does not fit the model of its config: {first[:200].rstrip('.')}; {fix}"
-        ) from None
+        fix = "leave out the --set of model and embedding keys" if overrides else "was it written by another config?"
+        raise NeorecError(f"{path} does not fit the model of its config: {first[:200].rstrip('.')}; {fix}") from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -172,12 +154,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     writable(args.out, "--out")
     result = predict_file(
-        args.model,
-        args.out,
-        args.data,
-        args.batch_size,
-        with_labels=args.with_labels,
-        bounds_check=args.bounds_check,
+        args.model, args.out, args.data, args.batch_size, with_labels=args.with_labels, bounds_check=args.bounds_check
     )
     print(result_text(result))
     return 0
@@ -227,11 +204,7 @@ def cmd_data_generate(args: argparse.Namespace) -> int:
 def cmd_data_preprocess(args: argparse.Namespace) -> int:
     from neorec.data.preprocess import preprocess_criteo, preprocess_synthetic
 
-    common = {
-        "workers": args.workers,
-        "progress": not args.no_progress,
-        "parquet_output": args.parquet_output,
-    }
+    common = {"workers": args.workers, "progress": not args.no_progress, "parquet_output": args.parquet_output}
     output_folder(args.out, "--out")
     if args.synthetic and args.parquet:
         raise NeorecError("give --synthetic or --parquet, not both")
@@ -243,15 +216,9 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
             raise NeorecError("--parquet takes no input files; set data.parquet.paths with --config/--set")
         cfg = load_config(args.config or "default", args.overrides)
         if cfg.data.parquet is None:
-            raise NeorecError(
-                "--parquet needs a data.parquet section (paths, features, ...) in --config or --set"
-            )
+            raise NeorecError("--parquet needs a data.parquet section (paths, features, ...) in --config or --set")
         result = preprocess_parquet(
-            cfg.data.parquet,
-            args.out,
-            shard_rows=args.shard_lines,
-            vocab_threshold=args.vocab_threshold,
-            **common,
+            cfg.data.parquet, args.out, shard_rows=args.shard_lines, vocab_threshold=args.vocab_threshold, **common
         )
     elif args.synthetic:
         from neorec.config.limits import TEACHER, check_memory
@@ -261,9 +228,7 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
         if args.inputs:
             raise NeorecError("--synthetic takes no input files; the data comes from --config/--set")
         if args.vocab_threshold is not None:
-            raise NeorecError(
-                "--vocab-threshold applies to Criteo TSV and Parquet input; synthetic ids need no vocabulary"
-            )
+            raise NeorecError("--vocab-threshold applies to Criteo TSV and Parquet input; synthetic ids need no vocabulary")
         cfg = load_config(args.config or "default", args.overrides)
         check_memory(cfg, keys=(TEACHER,))
         result = preprocess_synthetic(spec_from_config(cfg.data.synthetic, cfg.seed), args.out, **common)
@@ -300,13 +265,9 @@ def cmd_data_download(args: argparse.Namespace) -> int:
     from neorec.data.locations import criteo_hint, data_home
 
     if args.dataset == "criteo":
-        raise NeorecError(
-            f"Criteo's data cannot be downloaded by neorec: {criteo_hint('data.criteo.train_paths')}"
-        )
+        raise NeorecError(f"Criteo's data cannot be downloaded by neorec: {criteo_hint('data.criteo.train_paths')}")
     dest = args.dest or str(data_home())
-    output_folder(
-        dest, "--dest" if args.dest else "the data folder ($NEOREC_DATA, default ~/.cache/neorec/data)"
-    )
+    output_folder(dest, "--dest" if args.dest else "the data folder ($NEOREC_DATA, default ~/.cache/neorec/data)")
     result = download_movielens(dest, archive_at(args.url), progress=not args.no_progress)
     print(result_text(result))
     return 0
@@ -356,9 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model (default: synthetic Criteo-like data on CPU)")
     _add_config_args(p)
-    p.add_argument(
-        "--output-dir", default=None, help="where logs, plots and the model go (default: from config)"
-    )
+    p.add_argument("--output-dir", default=None, help="where logs, plots and the model go (default: from config)")
     p.add_argument("--nproc", type=positive_int, default=None,
                    help="processes on this machine: starts torchrun for you (sharded embeddings, gloo on CPU)")  # fmt: skip
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
@@ -374,19 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser(
-        "export", help="write a single-process inference model of a run (optionally quantized tables)"
-    )
-    p.add_argument(
-        "run_dir", help="a run folder (model.pt, else its newest checkpoint) or a checkpoint folder"
-    )
+    p = sub.add_parser("export", help="write a single-process inference model of a run (optionally quantized tables)")
+    p.add_argument("run_dir", help="a run folder (model.pt, else its newest checkpoint) or a checkpoint folder")
     p.add_argument("--out", required=True, help="the export file (nrx) or folder (pt2) to write")
-    p.add_argument(
-        "--format",
-        default="nrx",
-        choices=["nrx", "pt2"],
-        help="nrx: one neorec file; pt2: a torch.export program + safetensors weights",
-    )
+    p.add_argument("--format", default="nrx", choices=["nrx", "pt2"], help="nrx: one neorec file; pt2: a torch.export program + safetensors weights")
     p.add_argument("--quantize", default=None, choices=["int8", "int4", "int2"],
                    help="row-wise quantized tables (int4: 2 codes a byte, int2: 4); reports the AUC change")  # fmt: skip
     p.add_argument("--int8", action="store_true", help="the same as --quantize int8")
@@ -397,148 +347,79 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("predict", help="score data with an exported model and write the predictions")
-    p.add_argument(
-        "model", help="what `neorec export` wrote: an .nrx file, or a pt2 folder (or its model.pt2)"
-    )
-    p.add_argument(
-        "--out",
-        required=True,
-        help="predictions: one probability per line (or CSV with --with-labels; multitask: a column per task)",
-    )
-    p.add_argument(
-        "--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data"
-    )
-    p.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=None,
-        help="samples per batch (default: data.eval_batch_size)",
-    )
+    p.add_argument("model", help="what `neorec export` wrote: an .nrx file, or a pt2 folder (or its model.pt2)")
+    p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels; multitask: a column per task)")
+    p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="samples per batch (default: data.eval_batch_size)")
     p.add_argument("--with-labels", action="store_true", help="write CSV with a header: probability,label")
     p.add_argument("--bounds-check", default="error", choices=["error", "warn", "off"],
                    help="an id outside its table: stop naming it (error), drop it from its bag and count it (warn), or no check (off)")  # fmt: skip
     p.set_defaults(func=cmd_predict)
 
-    p = sub.add_parser(
-        "plan", help="plan the sharding of the embedding tables: cost and memory per rank, plan file, chart"
-    )
+    p = sub.add_parser("plan", help="plan the sharding of the embedding tables: cost and memory per rank, plan file, chart")
     _add_config_args(p)
     p.add_argument("--cluster", default="this", choices=["this", "a100-node", "h100-node", "paper"],
                    help="this machine (calibrated CPU), one 8-GPU node, or 16 x 8 GPUs (default: this)")  # fmt: skip
-    p.add_argument(
-        "--nproc",
-        type=positive_int,
-        default=None,
-        help="ranks (default: 2 on this machine, the preset's otherwise)",
-    )
-    p.add_argument(
-        "--ranks-per-node", type=positive_int, default=None, help="ranks per node (default: the preset's)"
-    )
+    p.add_argument("--nproc", type=positive_int, default=None, help="ranks (default: 2 on this machine, the preset's otherwise)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, help="ranks per node (default: the preset's)")
     p.add_argument("--model", default="config", choices=["config", "12t"],
                    help="config: the tables of --config; 12t: the 12-trillion-parameter dry run (on --cluster paper)")  # fmt: skip
-    p.add_argument(
-        "--output-dir", default=None, help="where plan.json, report.txt, summary.json, plan.png go"
-    )
+    p.add_argument("--output-dir", default=None, help="where plan.json, report.txt, summary.json, plan.png go")
     p.add_argument("--baselines", action="store_true", help="also score round-robin and size-greedy plans")
-    p.add_argument(
-        "--batches", type=count, default=2, help="training batches read for access statistics (0: none)"
-    )
+    p.add_argument("--batches", type=count, default=2, help="training batches read for access statistics (0: none)")
     p.add_argument("--kinds", default=None,
                    help="sharding kinds the planner may use, e.g. tw,rw: sets distributed.kinds (default: its value, all kinds)")  # fmt: skip
-    p.add_argument(
-        "--time-budget", type=seconds, default=25.0, help="seconds the planner may spend improving"
-    )
-    p.add_argument(
-        "--calibrate", action="store_true", help="first measure this machine's speeds (about 20 s)"
-    )
+    p.add_argument("--time-budget", type=seconds, default=25.0, help="seconds the planner may spend improving")
+    p.add_argument("--calibrate", action="store_true", help="first measure this machine's speeds (about 20 s)")
     p.add_argument("--threads", type=positive_int, default=1, help="--calibrate: threads per process")
-    p.add_argument(
-        "--calibration",
-        default=None,
-        help="calibration JSON to write/read (default ~/.cache/neorec/calibration.json)",
-    )
+    p.add_argument("--calibration", default=None, help="calibration JSON to write/read (default ~/.cache/neorec/calibration.json)")
     p.set_defaults(func=cmd_plan)
 
     config = sub.add_parser("config", help="see configs: a resolved config, or every key").add_subparsers(
         dest="config_command", required=True
     )
-    p = config.add_parser(
-        "show", help="print the resolved config (after base and --set), each key with its meaning"
-    )
+    p = config.add_parser("show", help="print the resolved config (after base and --set), each key with its meaning")
     _add_config_args(p)
     p.set_defaults(func=cmd_config_show)
     p = config.add_parser("keys", help="list every config key with its type, default and allowed values")
-    p.add_argument(
-        "--markdown", action="store_true", help="write docs/config.md (the guide and a table per section)"
-    )
+    p.add_argument("--markdown", action="store_true", help="write docs/config.md (the guide and a table per section)")
     p.set_defaults(func=cmd_config_keys)
 
     ckpt = sub.add_parser("checkpoint", help="sharded training checkpoints").add_subparsers(
         dest="checkpoint_command", required=True
     )
-    p = ckpt.add_parser(
-        "inspect", help="what a checkpoint holds: step, processes, plan, tables and ranges, files"
-    )
+    p = ckpt.add_parser("inspect", help="what a checkpoint holds: step, processes, plan, tables and ranges, files")
     p.add_argument("dir", help="a step-XXXXXXXX checkpoint folder, or a folder of them (then the newest)")
     p.add_argument("--verify", action="store_true", help="also check every file's size and checksum")
     p.set_defaults(func=cmd_checkpoint_inspect)
 
-    data = sub.add_parser("data", help="download, generate, preprocess or inspect data").add_subparsers(
-        dest="data_command", required=True
-    )
+    data = sub.add_parser("data", help="download, generate, preprocess or inspect data").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("generate", help="write the synthetic data set of a config to .npz shards")
     _add_config_args(p)
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=cmd_data_generate)
-    p = data.add_parser(
-        "preprocess", help="Criteo TSV, Parquet or synthetic data -> sharded .npy columns, resumable"
-    )
+    p = data.add_parser("preprocess", help="Criteo TSV, Parquet or synthetic data -> sharded .npy columns, resumable")
     p.add_argument("inputs", nargs="*", help="Criteo TSV files, plain or .gz (training data)")
     p.add_argument("--out", required=True, help="output folder (rerun the same command to resume)")
-    p.add_argument(
-        "--eval-paths",
-        nargs="+",
-        default=None,
-        help="held-out TSV files (default: every --eval-every-th line)",
-    )
-    p.add_argument(
-        "--eval-every",
-        type=int,
-        default=10,
-        help="without --eval-paths, hold out lines whose number is a multiple of this",
-    )
-    p.add_argument(
-        "--hashing", default="modulo", choices=["modulo", "hash"], help="how a hex value maps into its table"
-    )
+    p.add_argument("--eval-paths", nargs="+", default=None, help="held-out TSV files (default: every --eval-every-th line)")
+    p.add_argument("--eval-every", type=int, default=10, help="without --eval-paths, hold out lines whose number is a multiple of this")
+    p.add_argument("--hashing", default="modulo", choices=["modulo", "hash"], help="how a hex value maps into its table")
     p.add_argument("--table-rows", default="100000", help="rows per table: one number or 26, comma-separated")
     p.add_argument("--vocab-threshold", type=int, default=None,
                    help="instead of hashing: ids for values seen at least this often in training lines, 0 for the rest "
                         "(Parquet: the features with hashing vocab, counted into OUT/vocab = data.parquet.vocab_dir)")  # fmt: skip
-    p.add_argument(
-        "--raw-features",
-        default="",
-        help="features kept as raw hash values for managed-collision tables, comma-separated (e.g. C3,C12)",
-    )
-    p.add_argument(
-        "--bad-lines", default="fail", choices=["fail", "skip"], help="stop with file:line, or skip and count"
-    )
+    p.add_argument("--raw-features", default="",
+                   help="features kept as raw hash values for managed-collision tables, comma-separated (e.g. C3,C12)")
+    p.add_argument("--bad-lines", default="fail", choices=["fail", "skip"], help="stop with file:line, or skip and count")
     p.add_argument("--max-line-bytes", type=positive_int, default=4096,
                    help="longer lines are bad lines (--bad-lines), never read whole; a Criteo line is under 500 bytes")  # fmt: skip
     p.add_argument("--shard-lines", type=int, default=1_000_000, help="input lines per shard")
     p.add_argument("--workers", type=positive_int, default=1, help="processes that write shards in parallel")
-    p.add_argument(
-        "--synthetic", action="store_true", help="preprocess the synthetic data set of --config instead"
-    )
-    p.add_argument(
-        "--parquet",
-        action="store_true",
-        help="preprocess the Parquet files of --config's data.parquet section instead (--shard-lines: rows per shard)",
-    )
-    p.add_argument(
-        "--parquet-output",
-        action="store_true",
-        help="also write every shard's samples as Parquet files under OUT/parquet/<split>/",
-    )
+    p.add_argument("--synthetic", action="store_true", help="preprocess the synthetic data set of --config instead")
+    p.add_argument("--parquet", action="store_true",
+                   help="preprocess the Parquet files of --config's data.parquet section instead (--shard-lines: rows per shard)")
+    p.add_argument("--parquet-output", action="store_true",
+                   help="also write every shard's samples as Parquet files under OUT/parquet/<split>/")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_config_args(p)
     p.set_defaults(func=cmd_data_preprocess)
@@ -546,15 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--batches", type=count, default=4, help="training batches to sample for statistics")
     p.set_defaults(func=cmd_data_inspect)
-    p = data.add_parser(
-        "download", help="download MovieLens latest-small, verified (Criteo: says where to get it)"
-    )
+    p = data.add_parser("download", help="download MovieLens latest-small, verified (Criteo: says where to get it)")
     p.add_argument("dataset", choices=["movielens", "criteo"], help="the data set")
     p.add_argument("--dest", default=None, help="folder that gets ml-latest-small/ (default: $NEOREC_DATA, else "
                    "~/.cache/neorec/data, where configs look when data.movielens.root is unset)")  # fmt: skip
-    p.add_argument(
-        "--url", default=None, help=argparse.SUPPRESS
-    )  # a mirror or a test's server: checked against <url>.md5
+    p.add_argument("--url", default=None, help=argparse.SUPPRESS)  # a mirror or a test's server: checked against <url>.md5
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_data_download)
     return parser

@@ -31,17 +31,7 @@ FORMAT = "neorec-columnar-1"
 SPLITS = ("train", "eval")  # a shard's subfolders: shards/<k>/<split>/
 MANIFEST = "manifest.json"
 META = "meta.json"
-MANIFEST_KEYS = (
-    "format",
-    "complete",
-    "settings",
-    "num_dense",
-    "features",
-    "notes",
-    "shards",
-    "num_samples",
-    "skipped",
-)
+MANIFEST_KEYS = ("format", "complete", "settings", "num_dense", "features", "notes", "shards", "num_samples", "skipped")
 _AGAIN = "preprocess the data again into a new folder"
 _KEEPS = "the shards written before it are intact; rerun the same command to resume"
 
@@ -112,9 +102,7 @@ def resume_or_start(out: Path, settings: dict) -> dict | None:
         return None
     manifest = load_manifest(out)
     stored = manifest["settings"]
-    if (
-        "bad_lines" in stored
-    ):  # a TSV run written before max_line_bytes was recorded read lines with its default
+    if "bad_lines" in stored:  # a TSV run written before max_line_bytes was recorded read lines with its default
         stored = {"max_line_bytes": DEFAULT_MAX_LINE_BYTES, **stored}
     if stored != settings:
         keys = sorted(k for k in set(settings) | set(stored) if settings.get(k) != stored.get(k))
@@ -125,9 +113,7 @@ def resume_or_start(out: Path, settings: dict) -> dict | None:
     return manifest
 
 
-def start_manifest(
-    out: Path, settings: dict, plan: list, num_dense: int, features: list[dict], notes: dict
-) -> dict:
+def start_manifest(out: Path, settings: dict, plan: list, num_dense: int, features: list[dict], notes: dict) -> dict:
     """Write the manifest of a new run (its shards planned, none written); features are checked first."""
     check_feature_names(features, out / MANIFEST)
     manifest = {
@@ -144,18 +130,14 @@ def start_manifest(
     return manifest
 
 
-def complete_manifest(
-    out: Path, manifest: dict, shard_names: list[str]
-) -> tuple[dict[str, int], dict[str, int]]:
+def complete_manifest(out: Path, manifest: dict, shard_names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
     """Copy every shard's meta.json (checked) into the manifest, mark it complete and write it;
     returns (samples per split, skipped lines per reason)."""
     num_samples: dict[str, int] = {}
     skipped: dict[str, int] = {}
     for entry, name in zip(manifest["shards"], shard_names, strict=True):
         path = out / "shards" / name / META
-        meta = read_json(
-            path, "preprocessed shard file", _AGAIN, DataError, keys=("samples", "skipped", "files")
-        )
+        meta = read_json(path, "preprocessed shard file", _AGAIN, DataError, keys=("samples", "skipped", "files"))
         entry.update(samples=meta["samples"], skipped=meta["skipped"])
         if "files" in meta:
             entry["files"] = meta["files"]
@@ -170,10 +152,7 @@ def complete_manifest(
 
 # ---- a shard's files ---------------------------------------------------------------------------------------
 def write_columns(
-    folder: Path,
-    columns: dict[str, dict[str, np.ndarray]],
-    id_types: dict[str, type],
-    skipped: dict[str, int],
+    folder: Path, columns: dict[str, dict[str, np.ndarray]], id_types: dict[str, type], skipped: dict[str, int]
 ) -> dict:
     """Write every split's columns as <split>/<column>.npy (ids_<feature> as id_types[feature], lengths
     int32, the rest float32) and meta.json into the shard's temporary `folder`; returns the meta dict."""
@@ -182,13 +161,7 @@ def write_columns(
     for split, cols in columns.items():
         (folder / split).mkdir()
         for key, values in cols.items():
-            dtype = (
-                id_types[key[4:]]
-                if key.startswith("ids_")
-                else np.int32
-                if key.startswith("lengths_")
-                else np.float32
-            )
+            dtype = id_types[key[4:]] if key.startswith("ids_") else np.int32 if key.startswith("lengths_") else np.float32
             arr = np.ascontiguousarray(values, dtype=dtype)
             path = folder / split / f"{key}.npy"
             write_atomic(path, lambda f, arr=arr: np.save(f, arr), "preprocessed shard file", _KEEPS)
@@ -224,6 +197,4 @@ def check_part_files(folder: Path, files: dict[str, list[int]]) -> None:
                 f"replaced; {_AGAIN}"
             )
         if file_crc32(path) != crc:
-            raise DataError(
-                f"{path}: checksum mismatch (its crc32 differs from the manifest's): the file is damaged; {_AGAIN}"
-            )
+            raise DataError(f"{path}: checksum mismatch (its crc32 differs from the manifest's): the file is damaged; {_AGAIN}")
