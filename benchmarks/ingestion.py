@@ -14,15 +14,28 @@ samples per CPU-second of the whole process (all its threads) compare the reader
 compared with the training consumption rate of the Kaggle-like config (`--train-rate`, samples/s
 measured by benchmarks/train_throughput.py with 2 threads).
 
+Criteo layout (`--criteo-lines 1000000 4000000`): a generated file of that many lines in the Criteo
+layout (200,000 lines drawn as above, repeated) is preprocessed by `neorec data preprocess FILE
+--table-rows 40000000` as a command (hashing, the split, the shards), with 1 and 2 `--workers`, next to
+pyarrow's streaming CSV reader parsing the same file on one thread (parse only: the floor any reader of
+this format pays) and, where torchrec is installed and for files of at most `--torchrec-max-lines`
+lines, TorchRec's `BinaryCriteoUtils.tsv_to_npys` (parse and write .npy, no hashing; it needs iopath). Each runs as its
+own process: CPU seconds are those of the process and its workers (user + system), peak memory the
+largest of them (ru_maxrss), MB per CPU-second the file's size over those seconds (less disturbed by a
+shared machine than the wall-clock rate).
+
     python benchmarks/ingestion.py                       # ~300 MB TSV, 2M samples
     python benchmarks/ingestion.py --tsv-mb 50 --samples 500000 --no-append
     python benchmarks/ingestion.py --reader-only         # the readers (.npy shards, Parquet) only
+    python benchmarks/ingestion.py --criteo-lines 1000000 4000000   # Criteo layout, against pyarrow and TorchRec
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -96,6 +109,100 @@ def bench_preprocess(args, tmp: Path) -> tuple[list[list[object]], str]:
     return rows, note
 
 
+def write_criteo_layout(path: Path, num_lines: int, base_lines: int = 200_000) -> None:
+    """`num_lines` lines in the Criteo layout: `base_lines` drawn by write_tsv, repeated."""
+    base = path.with_suffix(".base")
+    write_tsv(base, base_lines * 243 / 1e6 + 1)
+    lines = base.read_bytes().splitlines(keepends=True)[:base_lines]
+    base.unlink()
+    block = b"".join(lines)
+    with path.open("wb") as f:
+        for start in range(0, num_lines, base_lines):
+            f.write(block if start + base_lines <= num_lines else b"".join(lines[: num_lines - start]))
+
+
+_PYARROW_PARSE = """
+import sys, pyarrow as pa, pyarrow.csv as pcsv
+names = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
+reader = pcsv.open_csv(sys.argv[1], read_options=pcsv.ReadOptions(column_names=names, use_threads=False),
+                       parse_options=pcsv.ParseOptions(delimiter="\\t", quote_char=False))
+print(sum(b.num_rows for b in reader))
+"""
+_TORCHREC = """
+import sys
+from torchrec.datasets.criteo import BinaryCriteoUtils
+BinaryCriteoUtils.tsv_to_npys(sys.argv[1], *(sys.argv[2] + s for s in ("_dense.npy", "_sparse.npy", "_labels.npy")))
+"""
+
+
+def timed(cmd: list[str], mb: float) -> list[object]:
+    """Run a command; [wall s, MB/s, CPU s, MB per CPU-second, peak MiB] of it and its workers (wait4:
+    the command's resources with those of the workers it waited for). The command starts under
+    /usr/bin/time, a small process: Linux carries a parent's peak memory into a child it forks, and
+    this process's peak would hide the command's."""
+    launcher = ["/usr/bin/time", "-f", "%M"] if Path("/usr/bin/time").is_file() else []
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([*launcher, *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if os.waitstatus_to_exitcode(status):
+        raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), cmd, stderr=err)
+    cpu = usage.ru_utime + usage.ru_stime
+    peak_kib = int(err.split()[-1]) if launcher else usage.ru_maxrss
+    return [f"{wall:.1f}", f"{mb / wall:.0f}", f"{cpu:.1f}", f"{mb / cpu:.0f}", f"{peak_kib / 1024:,.0f}"]
+
+
+def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
+    """neorec's preprocessing with 1 and 2 workers, pyarrow's parse and TorchRec's tsv_to_npys."""
+    rows = []
+    for num_lines in args.criteo_lines:
+        tsv = tmp / f"day-{num_lines}.tsv"
+        write_criteo_layout(tsv, num_lines)
+        mb = tsv.stat().st_size / 1e6
+        subprocess.run(["cat", str(tsv)], check=True, stdout=subprocess.DEVNULL)  # into the page cache
+        for workers in (1, 2):
+            out = tmp / f"criteo-{num_lines}-{workers}"
+            cmd = [sys.executable, "-m", "neorec", "data", "preprocess", str(tsv), "--out", str(out),
+                   "--table-rows", "40000000", "--no-progress", "--workers", str(workers)]  # fmt: skip
+            rows.append(
+                [f"neorec preprocess, {workers} worker(s)", f"{num_lines:,}", f"{mb:.0f}", *timed(cmd, mb)]
+            )
+            print(rows[-1], flush=True)
+            shutil.rmtree(out)
+        cmd = [sys.executable, "-c", _PYARROW_PARSE, str(tsv)]
+        rows.append(
+            [
+                "pyarrow.csv streaming reader, 1 thread (parse only)",
+                f"{num_lines:,}",
+                f"{mb:.0f}",
+                *timed(cmd, mb),
+            ]
+        )
+        print(rows[-1], flush=True)
+        if num_lines <= args.torchrec_max_lines:
+            try:  # TorchRec's dataset scripts read files through iopath
+                import iopath  # noqa: F401
+                import torchrec  # noqa: F401
+            except ImportError:
+                pass
+            else:
+                cmd = [sys.executable, "-c", _TORCHREC, str(tsv), str(tmp / "torchrec")]
+                rows.append(["TorchRec BinaryCriteoUtils.tsv_to_npys (no hashing)", f"{num_lines:,}", f"{mb:.0f}",
+                             *timed(cmd, mb)])  # fmt: skip
+                print(rows[-1], flush=True)
+                for p in tmp.glob("torchrec_*"):
+                    p.unlink()
+        tsv.unlink()
+    note = (f"Criteo layout: generated files ({', '.join(f'{n:,}' for n in args.criteo_lines)} lines; 200,000 lines "
+            "drawn as in the TSV note, repeated), in the page cache before each run. neorec: `neorec data preprocess "
+            "FILE --table-rows 40000000` (modulo hashing, every 10th line held out, shards of 1,000,000 lines, "
+            "fsync'd .npy columns). CPU: user + system seconds of the command and its workers; peak: the largest "
+            "of their resident sizes. TorchRec runs only on files of at most "
+            f"{args.torchrec_max_lines:,} lines (it holds the whole file in memory).")  # fmt: skip
+    return rows, note
+
+
 def bench_reader(args, tmp: Path) -> tuple[list[list[object]], str]:
     from neorec.config.load import load_config
     from neorec.config.schema import ParquetConfig
@@ -122,7 +229,9 @@ def bench_reader(args, tmp: Path) -> tuple[list[list[object]], str]:
         ".npy shards (PreprocessedSource)": lambda rank, world: PreprocessedSource(
             out, rank=rank, world_size=world, seed=cfg.seed
         ),
-        "Parquet (ParquetSource)": lambda rank, world: ParquetSource(parquet, rank=rank, world_size=world, seed=cfg.seed),
+        "Parquet (ParquetSource)": lambda rank, world: ParquetSource(
+            parquet, rank=rank, world_size=world, seed=cfg.seed
+        ),
     }
     batch = cfg.data.batch_size
     rows = []
@@ -137,8 +246,14 @@ def bench_reader(args, tmp: Path) -> tuple[list[list[object]], str]:
                     rates.append(n / (time.perf_counter() - t0))
                     cpu_rates.append(n / (time.process_time() - c0))
             rate, cpu_rate = float(np.median(rates)), float(np.median(cpu_rates))
-            label = "1 rank" if world_size == 1 else f"each of {world_size} ranks (local batch {batch // world_size})"
-            rows.append([f"{name}, {label}", f"{rate:,.0f}", f"{cpu_rate:,.0f}", f"{rate / args.train_rate:.1f}x"])
+            label = (
+                "1 rank"
+                if world_size == 1
+                else f"each of {world_size} ranks (local batch {batch // world_size})"
+            )
+            rows.append(
+                [f"{name}, {label}", f"{rate:,.0f}", f"{cpu_rate:,.0f}", f"{rate / args.train_rate:.1f}x"]
+            )
             print(rows[-1], flush=True)
     npy_mb = sum(p.stat().st_size for p in (out / "shards").rglob("*.npy")) / 1e6
     parquet_mb = sum(p.stat().st_size for p in (out / "parquet").rglob("*.parquet")) / 1e6
@@ -163,7 +278,33 @@ def main() -> None:
     p.add_argument("--tmp", default=None, help="scratch folder (default: a new temporary one, removed)")
     p.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
     p.add_argument("--reader-only", action="store_true", help="time the readers only, not the preprocessing")
+    p.add_argument(
+        "--criteo-lines",
+        type=int,
+        nargs="+",
+        default=None,
+        help="only the Criteo-layout comparison, on generated files of these many lines",
+    )
+    p.add_argument(
+        "--torchrec-max-lines", type=int, default=1_000_000, help="largest file TorchRec's script reads"
+    )
     args = p.parse_args()
+    if args.criteo_lines:
+        tmp = Path(args.tmp or tempfile.mkdtemp(prefix="neorec-ingestion-"))
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            rows, note = bench_criteo_layout(args, tmp)
+        finally:
+            if args.tmp is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        header = ["what", "lines", "MB", "wall s", "MB/s", "CPU s", "MB per CPU-second", "peak MiB"]
+        table = markdown_table(header, rows)
+        print(table + "\n\n" + note)
+        if not args.no_append:
+            append_results(
+                "Data ingestion: Criteo-layout TSV preprocessing against pyarrow and TorchRec", table, note
+            )
+        return
     from neorec.utils.host import keep_freed_memory
 
     keep_freed_memory()  # as the trainer does (train.keep_freed_memory, default on)
@@ -182,7 +323,11 @@ def main() -> None:
     notes += f"\nPeak RSS of the benchmark process: {peak_rss_mib():,.0f} MiB."
     print(table + "\n\n" + notes)
     if not args.no_append:
-        title = "readers of .npy shards and of Parquet" if args.reader_only else "reader and preprocessing throughput"
+        title = (
+            "readers of .npy shards and of Parquet"
+            if args.reader_only
+            else "reader and preprocessing throughput"
+        )
         append_results(f"Data ingestion: {title}", table, notes)
 
 

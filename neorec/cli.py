@@ -473,8 +473,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from neorec.distributed.launch import report_failure
-
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # the command as typed, to resume it
     setup_logging()  # rank 0 at INFO, the other ranks of a torchrun launch only warnings, prefixed
@@ -487,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         print("neorec: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        # imported here: neorec.distributed imports torch, which commands such as `data preprocess` never need
+        from neorec.distributed.launch import report_failure
+
         # bad input (2) or a failing machine (1): one line; anything else is a bug and keeps its traceback
         known = failure(e)
         if known is None:

@@ -1,9 +1,12 @@
-"""The Criteo TSV readers' memory is bounded by the chunk, not by the input's longest line or field.
+"""The Criteo TSV readers' memory is bounded by the block, not by the input's longest line or field.
 
 Lines and fields of 1 KiB, 64 KiB and 1 MiB (and a 1 MiB line with no newline at all) are read under
 both bad-line policies by the training reader and by preprocessing: the error names path:line, or the
-line is skipped and counted, and the peak of memory (tracemalloc, which numpy reports its arrays to) stays
-near that of a clean file. Valid files parse exactly as a line-by-line reference of the dlrm rules does.
+line is skipped and counted, and the peak of memory (tracemalloc, which numpy and pyarrow's buffers
+here are reported to) stays near that of a clean file. The readers parse blocks of whole lines
+(neorec/data/tsv_blocks.py, 8 MiB); these tests read blocks of 256 KiB, so that the longer lines do
+not fit a block and are read past, as an 8 MiB one would be. Valid files parse exactly as a
+line-by-line reference of the dlrm rules does.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from neorec.cli import build_parser, main
 from neorec.config.load import load_config
 from neorec.config.schema import CriteoConfig
-from neorec.data import criteo
+from neorec.data import criteo, criteo_lines, tsv_blocks
 from neorec.data.criteo import (
     CATEGORICAL_NAMES,
     DEFAULT_MAX_LINE_BYTES,
@@ -47,6 +50,12 @@ READER_SLACK = 1 * MiB
 # peak also follows the file's size up to that block: 1 MiB more file, up to twice that more memory.
 PREPROCESS_SLACK = 4 * MiB
 PEAK_LIMIT = 48 * MiB
+TEST_BLOCK = 256 * KiB
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(tsv_blocks, "BLOCK_BYTES", TEST_BLOCK)
 
 
 def valid_lines(n: int, seed: int = 0) -> list[bytes]:
@@ -268,7 +277,7 @@ def test_one_mib_line_without_any_newline(tmp_path, clean_peaks, suffix, bad_lin
 # ---- the pieces: lines read with a limit, cells cut to a fixed width ---------------------------------
 @pytest.mark.parametrize("block", [1, 3, 8, 1 << 18])
 def test_read_lines_splits_as_python_and_stands_in_for_long_lines(monkeypatch, block):
-    monkeypatch.setattr(criteo, "_READ_BYTES", block)
+    monkeypatch.setattr(criteo_lines, "_READ_BYTES", block)
     rng = np.random.default_rng(block)
     for _ in range(50):
         data = bytes(rng.choice(np.frombuffer(b"ab\t \r\n\n", np.uint8), int(rng.integers(0, 80))))

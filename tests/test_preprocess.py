@@ -128,13 +128,14 @@ def forked_workers(monkeypatch):
 
     from forked import context
 
-    from neorec.data import preprocess
+    from neorec.data import workers
 
     def get_context(method):
-        assert method == "spawn", method
+        assert method == "spawn", method  # the tests have imported torch: workers are not forked from them
         return context()
 
-    monkeypatch.setattr(preprocess, "multiprocessing", types.SimpleNamespace(get_context=get_context))
+    namespace = types.SimpleNamespace(get_context=get_context, get_all_start_methods=lambda: ["spawn"])
+    monkeypatch.setattr(workers, "multiprocessing", namespace)
 
 
 def small_spec(**kw) -> SyntheticSpec:

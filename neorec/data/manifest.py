@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from neorec.data.criteo import DEFAULT_MAX_LINE_BYTES
+from neorec.data.criteo_lines import DEFAULT_MAX_LINE_BYTES
 from neorec.errors import DataError
 from neorec.utils.files import file_crc32, fsync_dir, plain_name, read_json, write_atomic, write_json
 

@@ -36,31 +36,26 @@ threshold (facebookresearch/dlrm, MLPerf), stored in `vocab/`.
 
 from __future__ import annotations
 
-import gzip
-import itertools
 import json
-import multiprocessing
 import os
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from neorec.data import vocab as vocab_io
-from neorec.data.criteo import (
+from neorec.data.criteo_lines import (
+    BAD_LINE_POLICIES,
     CATEGORICAL_NAMES,
     DEFAULT_MAX_LINE_BYTES,
     DENSE_NAMES,
+    HASHINGS,
     NUM_DENSE,
-    CriteoTSVReader,
     check_tsv_file,
-    map_categorical,
-    read_lines,
     resolve_table_rows,
 )
 from neorec.data.manifest import (  # preprocess_parquet and tests import some from here
@@ -74,12 +69,13 @@ from neorec.data.manifest import load_manifest as load_manifest
 from neorec.data.manifest import resume_or_start as _resume_or_start
 from neorec.data.manifest import shard_name as shard_name
 from neorec.data.manifest import start_manifest as _start_manifest
-from neorec.data.synthetic import SyntheticSource, SyntheticSpec
+from neorec.data.preprocess_tsv import build_vocab, criteo_plan, index_files, write_criteo_shards
+from neorec.data.tsv_pieces import index_file
+from neorec.data.workers import run_jobs as _map
 from neorec.errors import ConfigError, DataError
 
-CHUNK_LINES = 16384
-_RAW_ROWS = 1 << 32  # "modulo 2^32" leaves the parsed hex value (at most 8 digits) unchanged
-_INDEX_BLOCK = 1 << 24
+if TYPE_CHECKING:
+    from neorec.data.synthetic import SyntheticSource, SyntheticSpec
 
 PathLike = str | Path
 
@@ -125,7 +121,12 @@ def preprocess_criteo(
         raise ConfigError("paths is empty: give at least one Criteo TSV file")
     for p in train + evals:
         check_tsv_file(p)
-    CriteoTSVReader([], _RAW_ROWS, hashing, bad_lines, max_line_bytes=max_line_bytes)  # checks its arguments now
+    if hashing not in HASHINGS:
+        raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
+    if bad_lines not in BAD_LINE_POLICIES:
+        raise ConfigError(f"bad_lines must be one of {BAD_LINE_POLICIES}, got {bad_lines!r}")
+    if max_line_bytes < 1:
+        raise ConfigError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
     if not evals and eval_every < 2:
         raise ConfigError(f"eval_every must be >= 2 when no eval_paths are given, got {eval_every}")
     if shard_lines < 1:
@@ -137,7 +138,9 @@ def preprocess_criteo(
     if unknown:
         raise ConfigError(f"raw_features {unknown} are not Criteo features {CATEGORICAL_NAMES}")
     if raw_features and (vocab_threshold or parquet_output):
-        raise ConfigError("raw_features keep raw hash values: they take neither a vocabulary nor a Parquet copy")
+        raise ConfigError(
+            "raw_features keep raw hash values: they take neither a vocabulary nor a Parquet copy"
+        )
     settings = {
         "input": "criteo",
         "paths": train,
@@ -159,20 +162,21 @@ def preprocess_criteo(
     manifest = _resume_or_start(out, settings)
     if manifest is None:
         roles = [(p, "split" if not evals else "train") for p in train] + [(p, "eval") for p in evals]
-        lines = list(_map(_index_job, [(p, shard_lines) for p, _ in roles], workers, progress, "indexing"))
-        for path, num_lines, _ in lines:
-            if num_lines == 0:  # e.g. a .gz file of nothing: no shard would be written for it
+        index = index_files([p for p, _ in roles], shard_lines, workers, progress)
+        for path, _ in roles:
+            if index[path].num_lines == 0:  # e.g. a .gz file of nothing: no shard would be written for it
                 raise DataError(f"{path}: no lines; expected Criteo TSV lines (label, I1..I13, C1..C26)")
-        plan = _criteo_plan(roles, lines, shard_lines)
+        plan = criteo_plan(roles, index, shard_lines)
         if vocab_threshold:
             if vocab_io.saved_settings(out / "vocab") != settings:  # counted by an interrupted run: reuse
-                _build_vocab(out, settings, plan, vocab_threshold, workers, progress)
+                build_vocab(out, settings, plan, index, vocab_threshold, workers, progress)
             sizes = [v.size + 1 for v in vocab_io.load_vocabs(out / "vocab", CATEGORICAL_NAMES)]
         else:
             sizes = rows
         features = [{"name": n, "num_ids": int(r), "multi_hot": False, "weighted": False}
                     for n, r in zip(CATEGORICAL_NAMES, sizes, strict=True)]  # fmt: skip
         manifest = _start_manifest(out, settings, plan, NUM_DENSE, features, {"dense": DENSE_NAMES})
+        return _some_training_samples(_write_shards(out, manifest, workers, progress, max_shards, index))
     return _some_training_samples(_write_shards(out, manifest, workers, progress, max_shards))
 
 
@@ -180,7 +184,11 @@ def _some_training_samples(result: PreprocessResult) -> PreprocessResult:
     """A finished preprocessing with no training sample is a failure, not a folder to train on."""
     if result.complete and not result.num_samples.get("train"):
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items()))
-        why = f"every line was skipped as malformed ({skipped})" if skipped else "the input has no training lines"
+        why = (
+            f"every line was skipped as malformed ({skipped})"
+            if skipped
+            else "the input has no training lines"
+        )
         raise DataError(f"{result.out}: no training samples: {why}")
     return result
 
@@ -207,6 +215,8 @@ def preprocess_synthetic(
     out = Path(out)
     manifest = _resume_or_start(out, settings)
     if manifest is None:
+        from neorec.data.synthetic import SyntheticSource
+
         source = SyntheticSource(spec, cache=False)
         plan: list[ShardPlan] = []
         for split in SPLITS:
@@ -220,9 +230,10 @@ def preprocess_synthetic(
 
 # ---- writing the shards -------------------------------------------------------------------------------
 def _write_shards(
-    out: Path, manifest: dict, workers: int, progress: bool, max_shards: int | None
+    out: Path, manifest: dict, workers: int, progress: bool, max_shards: int | None, index: dict | None = None
 ) -> PreprocessResult:
-    """Write the shards that are not done yet (grouped into jobs), then complete the manifest."""
+    """Write the shards that are not done yet, then complete the manifest (`index`: of the Criteo files,
+    when this run has just indexed them)."""
     if manifest["complete"]:
         result = PreprocessResult(out, len(manifest["shards"]), 0, True, manifest["num_samples"])
         result.skipped.update(manifest["skipped"])
@@ -231,189 +242,30 @@ def _write_shards(
     todo = [s for s in plan if not (out / "shards" / s.name).is_dir()]
     if max_shards is not None:
         todo = todo[:max_shards]
-    jobs = [(str(out), manifest["settings"], manifest["features"], group) for group in _group_jobs(todo)]
+    if manifest["settings"]["input"] == "criteo":
+        written = write_criteo_shards(out, manifest, todo, workers, progress, index)
+        return _completed(out, manifest, plan, written)
+    jobs = [(str(out), manifest["settings"], manifest["features"], [s]) for s in todo]
     written = 0
     for metas in _map(_shard_job, jobs, workers, progress, "shards", total=len(todo), unit_size=len):
         written += len(metas)
+    return _completed(out, manifest, plan, written)
+
+
+def _completed(out: Path, manifest: dict, plan: list[ShardPlan], written: int) -> PreprocessResult:
+    """Complete the manifest when every shard is written."""
     if not all((out / "shards" / s.name).is_dir() for s in plan):
         return PreprocessResult(out, len(plan), written, False)
     num_samples, skipped = complete_manifest(out, manifest, [s.name for s in plan])
     return PreprocessResult(out, len(plan), written, True, num_samples, Counter(skipped))
 
 
-def _group_jobs(todo: list[ShardPlan]) -> list[list[ShardPlan]]:
-    """One job per shard, except that the shards of one .gz file form one job (gzip cannot seek)."""
-    jobs: list[list[ShardPlan]] = []
-    for s in todo:
-        if jobs and s.file.endswith(".gz") and jobs[-1][-1].file == s.file:
-            jobs[-1].append(s)
-        else:
-            jobs.append([s])
-    return jobs
-
-
-def _map(
-    fn: Callable, jobs: list, workers: int, progress: bool, desc: str,
-    total: int | None = None, unit_size: Callable[[Any], int] | None = None,
-) -> Iterator[Any]:  # fmt: skip
-    """fn over jobs, in `workers` processes (in this one for 1), with a progress bar; results unordered."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=total if total is not None else len(jobs), desc=desc, disable=not progress, leave=False)
-    try:
-        if workers <= 1 or len(jobs) <= 1:
-            for job in jobs:
-                result = fn(job)
-                bar.update(unit_size(result) if unit_size else 1)
-                yield result
-            return
-        # spawn: workers must not inherit the parent's torch/OpenMP thread pools
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_worker_init) as pool:
-            futures = [pool.submit(fn, job) for job in jobs]
-            try:
-                for fut in as_completed(futures):
-                    result = fut.result()
-                    bar.update(unit_size(result) if unit_size else 1)
-                    yield result
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
-    finally:
-        bar.close()
-
-
-def _worker_init() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-
-
-# ---- criteo: indexing, counting, parsing -------------------------------------------------------------
+# ---- criteo: see neorec/data/preprocess_tsv.py ------------------------------------------------------
 def index_lines(path: PathLike, shard_lines: int) -> tuple[int, list[int]]:
     """(lines up to the last non-blank one, byte offsets of lines 1, 1 + shard_lines, ...) of a file.
     Offsets of a .gz file are positions in the decompressed stream (kept for the record only)."""
-    path = Path(path)
-    num_newlines, pos, last_line, offsets = 0, 0, 0, [0]
-    with _open(path) as f:
-        try:
-            while block := f.read(_INDEX_BLOCK):
-                count = block.count(b"\n")
-                # newline number j * shard_lines ends the line before a shard's first line
-                targets = range(
-                    (num_newlines // shard_lines + 1) * shard_lines, num_newlines + count + 1, shard_lines
-                )
-                if targets:
-                    nl = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
-                    offsets += [pos + int(nl[t - num_newlines - 1]) + 1 for t in targets]
-                filled = len(block.rstrip())  # bytes.rstrip drops what bytes.strip calls blank
-                if filled:
-                    last_line = num_newlines + block.count(b"\n", 0, filled - 1) + 1
-                num_newlines += count
-                pos += len(block)
-        except (OSError, EOFError) as e:
-            raise DataError(f"{path}: cannot read after byte {pos} of its content: {e}") from e
-    return last_line, [o for i, o in enumerate(offsets) if i * shard_lines < last_line]
-
-
-def _index_job(job: tuple[str, int]) -> tuple[str, int, list[int]]:
-    path, shard_lines = job
-    return (path, *index_lines(path, shard_lines))
-
-
-def _criteo_plan(
-    roles: list[tuple[str, str]], index: list[tuple[str, int, list[int]]], shard_lines: int
-) -> list[ShardPlan]:
-    by_path = {p: (n, offs) for p, n, offs in index}
-    plan: list[ShardPlan] = []
-    for path, role in roles:
-        num_lines, offsets = by_path[path]
-        gz = path.endswith(".gz")
-        for k, off in enumerate(offsets):
-            first = k * shard_lines + 1
-            count = min(shard_lines, num_lines - first + 1)
-            plan.append(ShardPlan(len(plan), path, role, first, count, -1 if gz else off))
-    return plan
-
-
-def _open(path: Path) -> IO[bytes]:
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
-
-
-def _parsed_chunks(
-    shards: list[ShardPlan], reader: CriteoTSVReader, eval_every: int | None
-) -> Iterator[tuple[ShardPlan, str | None, tuple[np.ndarray, np.ndarray, np.ndarray] | None]]:
-    """(shard, split, (labels, dense, raw hash values [n, 26] int64)) per chunk of lines, in file order,
-    and (shard, None, None) when a shard's lines are all read."""
-    path = Path(shards[0].file)
-    with _open(path) as f:
-        line = 1
-        if shards[0].offset >= 0:
-            f.seek(shards[0].offset)
-            line = shards[0].first
-        lines = read_lines(f, reader.max_line_bytes)
-        try:
-            for shard in shards:
-                skip = shard.first - line  # lines of shards done before (.gz only)
-                numbered = enumerate(itertools.islice(lines, skip, skip + shard.count), shard.first)
-                line = shard.first + shard.count
-                while chunk := list(itertools.islice(numbered, CHUNK_LINES)):
-                    if shard.role == "split":
-                        assert eval_every is not None
-                        k = -chunk[0][0] % eval_every  # chunk lines are consecutive: every k-th is held out
-                        yield shard, "eval", reader._parse_chunk(path, chunk[k::eval_every])
-                        del chunk[k::eval_every]
-                    yield shard, "train" if shard.role != "eval" else "eval", reader._parse_chunk(path, chunk)
-                yield shard, None, None
-        except (OSError, EOFError) as e:  # truncated or corrupt gzip
-            raise DataError(f"{path}: cannot read near line {line}: {e}") from e
-
-
-def _raw_reader(settings: dict) -> CriteoTSVReader:
-    return CriteoTSVReader([], _RAW_ROWS, "modulo", settings["bad_lines"], max_line_bytes=settings.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES))
-
-
-def _count_job(job: tuple[dict, list[ShardPlan]]) -> list[vocab_io.Counts]:
-    """Per feature: distinct raw values of the training lines of these shards and their counts."""
-    settings, shards = job
-    parts: list[list[vocab_io.Counts]] = [[] for _ in CATEGORICAL_NAMES]
-    for _, split, parsed in _parsed_chunks(shards, _raw_reader(settings), settings["eval_every"]):
-        if split == "train" and parsed is not None and len(parsed[2]):
-            for f in range(parsed[2].shape[1]):
-                parts[f].append(vocab_io.count_values(parsed[2][:, f]))
-        if sum(len(p) for p in parts) > 64 * len(parts):  # bound memory: fold the parts
-            parts = [[vocab_io.merge_counts(p)] for p in parts]
-    return [vocab_io.merge_counts(p) for p in parts]
-
-
-def _build_vocab(
-    out: Path, settings: dict, plan: list[ShardPlan], threshold: int, workers: int, progress: bool
-) -> None:
-    train = [s for s in plan if s.role != "eval"]
-    jobs = [(settings, group) for group in _group_jobs(train)]
-    per_feature: list[list[vocab_io.Counts]] = [[] for _ in CATEGORICAL_NAMES]
-    for counts in _map(_count_job, jobs, workers, progress, "counting"):
-        for f, c in enumerate(counts):
-            per_feature[f].append(c)
-    vocabs = [vocab_io.build_vocab(vocab_io.merge_counts(p), threshold) for p in per_feature]
-    vocab_io.save_vocabs(out / "vocab", CATEGORICAL_NAMES, vocabs, settings)
-
-
-_VOCABS: dict[str, list[np.ndarray]] = {}  # per worker process: loaded once
-
-
-def _map_ids(out: Path, settings: dict, raw: np.ndarray) -> list[np.ndarray]:
-    """Raw hash values [n, 26] -> per feature int64 ids, by the hashing or the vocabulary of `settings`."""
-    cat = settings["categorical"]
-    if "vocab_threshold" in cat:
-        key = str(out)
-        if key not in _VOCABS:
-            _VOCABS[key] = vocab_io.load_vocabs(out / "vocab", CATEGORICAL_NAMES)
-        return [vocab_io.apply_vocab(raw[:, f], v) for f, v in enumerate(_VOCABS[key])]
-    keep_raw = np.array([n in cat.get("raw_features", ()) for n in CATEGORICAL_NAMES])
-    ids = map_categorical(raw.astype(np.uint64), np.asarray(cat["table_rows"], np.int64), cat["hashing"], keep_raw)
-    return [ids[:, f] for f in range(ids.shape[1])]
+    index = index_file(path, shard_lines)
+    return index.num_lines, index.shard_offsets
 
 
 # ---- writing shards ----------------------------------------------------------------------------------
@@ -425,32 +277,18 @@ def _shard_job(job: tuple[str, dict, list[dict], list[ShardPlan]]) -> list[dict]
     out_str, settings, features, shards = job
     out = Path(out_str)
     if settings["input"] == "synthetic":
-        return [_write_shard(out, s, features, _synthetic_columns(settings, s), Counter(), settings) for s in shards]
+        return [
+            _write_shard(out, s, features, _synthetic_columns(settings, s), Counter(), settings)
+            for s in shards
+        ]
     if settings["input"] == "parquet":
         from neorec.data.parquet_shards import parquet_shard_columns
 
-        return [_write_shard(out, s, features, parquet_shard_columns(settings, s), Counter(), settings) for s in shards]
-    reader = _raw_reader(settings)
-    metas, pending = [], {split: [] for split in SPLITS}
-    skipped_before: Counter[str] = Counter()
-    for shard, split, parsed in _parsed_chunks(shards, reader, settings["eval_every"]):
-        if split is not None:
-            if len(parsed[0]):
-                pending[split].append(parsed)
-            continue
-        columns = {sp: _criteo_columns(out, settings, parts) for sp, parts in pending.items() if parts}
-        metas.append(_write_shard(out, shard, features, columns, reader.skipped - skipped_before, settings))
-        skipped_before = Counter(reader.skipped)
-        pending = {sp: [] for sp in SPLITS}
-    return metas
-
-
-def _criteo_columns(out: Path, settings: dict, parts: list) -> Columns:
-    labels, dense, raw = (np.concatenate(p) for p in zip(*parts, strict=True))
-    columns = {"dense": dense, "labels": labels}
-    for name, ids in zip(CATEGORICAL_NAMES, _map_ids(out, settings, raw), strict=True):
-        columns[f"ids_{name}"] = ids
-    return columns
+        return [
+            _write_shard(out, s, features, parquet_shard_columns(settings, s), Counter(), settings)
+            for s in shards
+        ]
+    raise AssertionError(f"criteo shards are written by preprocess_tsv, not {settings['input']!r} jobs")
 
 
 _SOURCES: dict[str, SyntheticSource] = {}  # per worker process: the teacher is calibrated once
@@ -458,6 +296,7 @@ _SOURCES: dict[str, SyntheticSource] = {}  # per worker process: the teacher is 
 
 def _synthetic_columns(settings: dict, shard: ShardPlan) -> dict[str, Columns]:
     from neorec.data.blocks import Block
+    from neorec.data.synthetic import SyntheticSource, SyntheticSpec
 
     key = json.dumps(settings["spec"], sort_keys=True)
     if key not in _SOURCES:
@@ -477,7 +316,12 @@ def _synthetic_columns(settings: dict, shard: ShardPlan) -> dict[str, Columns]:
 
 
 def _write_shard(
-    out: Path, shard: ShardPlan, features: list[dict], columns: dict[str, Columns], skipped: Counter, settings: dict
+    out: Path,
+    shard: ShardPlan,
+    features: list[dict],
+    columns: dict[str, Columns],
+    skipped: Counter,
+    settings: dict,
 ) -> dict:
     """Write one shard under a temporary name and rename it: a shard folder exists only when complete
     (its Parquet copies, when asked for, are renamed into place before it)."""
@@ -487,7 +331,9 @@ def _write_shard(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     raw = set(settings.get("categorical", {}).get("raw_features", ()))
-    id_types = {f["name"]: np.int32 if f["num_ids"] < 2**31 and f["name"] not in raw else np.int64 for f in features}
+    id_types = {
+        f["name"]: np.int32 if f["num_ids"] < 2**31 and f["name"] not in raw else np.int64 for f in features
+    }
     meta = write_columns(tmp, columns, id_types, skipped)  # .npy files and meta.json, with sizes and crc32s
     if settings.get("parquet_output"):
         from neorec.data.parquet_output import write_parquet_copy

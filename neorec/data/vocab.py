@@ -6,7 +6,8 @@ least `threshold` times get ids 1..V in increasing raw-value order, and everythi
 values first seen in evaluation data) shares id 0. A feature's table therefore needs V + 1 rows.
 
 Counts are merged with `np.unique`, whose result does not depend on the order of the parts, so the
-vocabulary is the same whatever the number of worker processes.
+vocabulary is the same whatever the number of worker processes. Over many files the counts spill to
+disk (`SpillingCounts`): memory stays bounded however many distinct values the data holds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from neorec.errors import DataError
+from neorec.utils.files import write_atomic
 
 Counts = tuple[np.ndarray, np.ndarray]  # (sorted distinct raw values uint64, occurrences int64)
 
@@ -88,3 +90,63 @@ def load_vocabs(folder: Path, names: list[str]) -> list[np.ndarray]:
             )
         vocabs.append(np.load(path))
     return vocabs
+
+
+class SpillingCounts:
+    """Counts of raw values per feature with bounded memory: parts are merged in memory up to `budget`
+    distinct values in all, then spilled to `folder` as sorted runs (one .npy pair per feature and run);
+    `vocab` merges a feature's runs one range of values at a time (raw values are below 2^32, 8 hex
+    digits), so memory stays within the budget and one range of every run, whatever the data's size."""
+
+    def __init__(self, folder: Path, names: list[str], budget: int = 1 << 23, ranges: int = 64) -> None:
+        self.folder, self.names, self.budget, self.ranges = folder, names, budget, ranges
+        self.parts: list[list[Counts]] = [[] for _ in names]
+        self.runs = 0
+        self.remove()  # runs left by an interrupted count
+
+    def add(self, counts: list[Counts]) -> None:
+        for f, c in enumerate(counts):
+            if c[0].size:
+                self.parts[f].append(c)
+        if sum(len(p) for p in self.parts) > 64 * len(self.parts):
+            self.parts = [[merge_counts(p)] for p in self.parts]
+        if sum(p[0].size for parts in self.parts for p in parts) > self.budget:
+            self._spill()
+
+    def _spill(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for f, name in enumerate(self.names):
+            values, counts = merge_counts(self.parts[f])
+            for kind, array in (("values", values), ("counts", counts)):
+                path = self.folder / f"{name}.{self.runs}.{kind}.npy"
+                write_atomic(path, lambda fh, a=array: np.save(fh, a), "vocabulary counts")
+        self.parts = [[] for _ in self.names]
+        self.runs += 1
+
+    def vocab(self, f: int, threshold: int) -> np.ndarray:
+        """Sorted raw values of feature `f` seen at least `threshold` times in all."""
+        runs = [merge_counts(self.parts[f])]
+        for r in range(self.runs):
+            values, counts = (
+                np.load(self.folder / f"{self.names[f]}.{r}.{k}.npy", mmap_mode="r")
+                for k in ("values", "counts")
+            )
+            if values.shape != counts.shape:
+                raise DataError(
+                    f"{self.folder}: vocabulary counts of {self.names[f]} damaged; preprocess again"
+                )
+            runs.append((values, counts))
+        if len(runs) == 1:
+            return build_vocab(runs[0], threshold)
+        kept = []
+        edges = np.linspace(0, 1 << 32, self.ranges + 1).astype(np.uint64)
+        for lo, hi in zip(edges, edges[1:], strict=False):
+            parts = []
+            for values, counts in runs:
+                a, b = np.searchsorted(values, lo), np.searchsorted(values, hi)
+                parts.append((np.asarray(values[a:b]), np.asarray(counts[a:b])))
+            kept.append(build_vocab(merge_counts(parts), threshold))
+        return np.concatenate(kept)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)

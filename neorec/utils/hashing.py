@@ -7,8 +7,12 @@ rows are stable across runs, machines, devices and versions.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported by the callers of the torch functions: the numpy ones run without it
+    import torch
 
 MASK63 = (1 << 63) - 1
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -43,4 +47,6 @@ def splitmix64_torch(x: torch.Tensor) -> torch.Tensor:
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64_torch with the top bit cleared: a hash in [0, 2^63)."""
+    import torch
+
     return splitmix64_torch(x.to(torch.int64)) & MASK63

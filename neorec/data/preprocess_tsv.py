@@ -1,0 +1,159 @@
+"""Criteo TSV preprocessing: the indexing pass, the vocabulary's counting pass and the writing of the
+shards, each over pieces of the files run by `workers` processes (neorec/data/preprocess.py has the
+command's entry point; tsv_pieces.py the pieces, tsv_shards.py the files of a shard). Torch-free.
+
+A job is one piece of a plain file, or every piece of a .gz file (read once, in order). Under
+bad_lines="fail" a job stops at the end of the chunk of its first bad line; the jobs that come later in
+the file order are not started, and of the bad lines met, the first in the order of the line-by-line
+preprocessing is reported (tsv_pieces.error_key), so the error names the line it always named.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from neorec.data import vocab as vocab_io
+from neorec.data.criteo_lines import CATEGORICAL_NAMES
+from neorec.data.manifest import ShardPlan
+from neorec.data.tsv_pieces import (
+    FileIndex,
+    Piece,
+    PieceParse,
+    error_key,
+    index_file,
+    parse_pieces,
+    plan_pieces,
+)
+from neorec.data.tsv_shards import assemble_shard, piece_job, start_shard
+from neorec.data.workers import run_jobs
+from neorec.errors import DataError
+
+
+def index_job(job: tuple[str, int]) -> FileIndex:
+    path, shard_lines = job
+    return index_file(path, shard_lines)
+
+
+def index_files(paths: list[str], shard_lines: int, workers: int, progress: bool) -> dict[str, FileIndex]:
+    jobs = [(p, shard_lines) for p in dict.fromkeys(paths)]
+    return {i.path: i for i in run_jobs(index_job, jobs, workers, progress, "indexing", initializer=None)}
+
+
+def criteo_plan(
+    roles: list[tuple[str, str]], index: dict[str, FileIndex], shard_lines: int
+) -> list[ShardPlan]:
+    """Shard k of a file is lines [k * shard_lines + 1, ...] of it, in the order of `roles`."""
+    plan: list[ShardPlan] = []
+    for path, role in roles:
+        entry = index[path]
+        gz = path.endswith(".gz")
+        for k, off in enumerate(entry.shard_offsets):
+            first = k * shard_lines + 1
+            count = min(shard_lines, entry.num_lines - first + 1)
+            plan.append(ShardPlan(len(plan), path, role, first, count, -1 if gz else off))
+    return plan
+
+
+def _jobs(shards: list[ShardPlan], index: dict[str, FileIndex]) -> list[list[Piece]]:
+    """One job per piece of a plain file, one per .gz file (its shards in order)."""
+    by_file: dict[str, list[ShardPlan]] = defaultdict(list)
+    for s in shards:
+        by_file[s.file].append(s)
+    jobs: list[list[Piece]] = []
+    for path, file_shards in by_file.items():
+        pieces = plan_pieces(file_shards, index[path])
+        jobs += [pieces] if path.endswith(".gz") else [[p] for p in pieces]
+    return jobs
+
+
+def _first_key(job: list[Piece]) -> tuple[int, int]:
+    return error_key(job[0].shard, job[0].first, True)[:2]
+
+
+def _stop_key(result: tuple[object, PieceParse]) -> tuple | None:
+    error = result[1].error
+    return None if error is None else error[0][:2]
+
+
+def _raise_first(errors: list[tuple[tuple, str]]) -> None:
+    if errors:
+        raise DataError(min(errors)[1])
+
+
+def write_criteo_shards(
+    out: Path, manifest: dict, todo: list[ShardPlan], workers: int, progress: bool, index: dict | None = None
+) -> int:
+    """Write the shards `todo` of a Criteo manifest (`index`: of its files, else they are indexed
+    again, as a resumed run does); returns how many were written."""
+    settings, features = manifest["settings"], manifest["features"]
+    if index is None:
+        index = index_files(sorted({s.file for s in todo}), settings["shard_lines"], workers, progress)
+    jobs = _jobs(todo, index)
+    for shard in todo:
+        start_shard(out, shard)
+    pieces_left = Counter(p.shard.index for job in jobs for p in job)
+    rows: dict[int, Counter] = defaultdict(Counter)
+    skipped: dict[int, Counter] = defaultdict(Counter)
+    by_index = {s.index: s for s in todo}
+    errors: list[tuple[tuple, str]] = []
+    written = 0
+    work = [(str(out), settings, features, job) for job in jobs]
+    results = run_jobs(piece_job, work, workers, progress, "pieces", initializer=None,
+                       keys=[_first_key(j) for j in jobs], stop_key=_stop_key)  # fmt: skip
+    for done, outcome in results:
+        if outcome.error is not None:
+            errors.append(outcome.error)
+        for shard_index, counts in outcome.skipped.items():
+            skipped[shard_index].update(counts)
+        for piece in done:
+            shard_index = piece["shard"]
+            rows[shard_index].update(piece["rows"])
+            pieces_left[shard_index] -= 1
+            if not pieces_left[shard_index] and not errors:  # its last piece: write the shard
+                assemble_shard(
+                    out, by_index[shard_index], settings, features, rows[shard_index], skipped[shard_index]
+                )
+                written += 1
+    _raise_first(errors)
+    return written
+
+
+def count_job(job: tuple[dict, list[Piece]]) -> tuple[list[vocab_io.Counts], PieceParse]:
+    """Per feature: distinct raw values of the training lines of these pieces and their counts."""
+    settings, pieces = job
+    outcome = PieceParse()
+    parts: list[list[vocab_io.Counts]] = [[] for _ in CATEGORICAL_NAMES]
+    lines = parse_pieces(
+        pieces, settings["eval_every"], settings["bad_lines"], settings["max_line_bytes"], outcome
+    )
+    for _, split, (labels, _, raw) in lines:
+        if split == "train" and len(labels):
+            for f in range(len(CATEGORICAL_NAMES)):
+                parts[f].append(vocab_io.count_values(raw[f]))
+        if sum(len(p) for p in parts) > 64 * len(parts):  # bound memory: fold the parts
+            parts = [[vocab_io.merge_counts(p)] for p in parts]
+    return [vocab_io.merge_counts(p) for p in parts], outcome
+
+
+def build_vocab(
+    out: Path, settings: dict, plan: list[ShardPlan], index: dict[str, FileIndex], threshold: int, workers: int,
+    progress: bool,
+) -> None:  # fmt: skip
+    """Count the raw values of the training lines (counts spill to disk past a budget, vocab.py) and
+    save the vocabularies of the values seen at least `threshold` times."""
+    jobs = _jobs([s for s in plan if s.role != "eval"], index)
+    counts = vocab_io.SpillingCounts(out / "vocab.counts", CATEGORICAL_NAMES)
+    errors = []
+    work = [(settings, job) for job in jobs]
+    for per_feature, outcome in run_jobs(count_job, work, workers, progress, "counting", initializer=None,
+                                         keys=[_first_key(j) for j in jobs], stop_key=_stop_key):  # fmt: skip
+        if outcome.error is not None:
+            errors.append(outcome.error)
+        counts.add(per_feature)
+    _raise_first(errors)
+    vocabs = [counts.vocab(f, threshold) for f in range(len(CATEGORICAL_NAMES))]
+    counts.remove()
+    vocab_io.save_vocabs(out / "vocab", CATEGORICAL_NAMES, [np.asarray(v) for v in vocabs], settings)

@@ -1,0 +1,83 @@
+"""Preprocessing jobs run over worker processes, with a progress bar (torch-free).
+
+Workers are forked when this process has not imported torch (the command line's preprocessing of TSV
+files does not): a forked worker starts at once, where a spawned one imports numpy and pyarrow again
+(about a second, which a short job does not pay back). A process that has imported torch spawns them
+instead: a forked child would inherit torch's OpenMP thread pool, which does not survive a fork.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+
+def start_method() -> str:
+    """ "fork" where it is safe and available, else "spawn" (see the module's docstring)."""
+    if "torch" not in sys.modules and "fork" in multiprocessing.get_all_start_methods():
+        return "fork"
+    return "spawn"
+
+
+def torch_worker_init() -> None:
+    """One torch thread per worker: the workers share the machine's cores."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def run_jobs(
+    fn: Callable, jobs: list, workers: int, progress: bool, desc: str,
+    total: int | None = None, unit_size: Callable[[Any], int] | None = None,
+    initializer: Callable[[], None] | None = torch_worker_init,
+    keys: list | None = None, stop_key: Callable[[Any], Any] | None = None,
+) -> Iterator[Any]:  # fmt: skip
+    """fn over jobs, in `workers` processes (in this one for 1), with a progress bar; results unordered.
+
+    `keys` (one per job, in job order) and `stop_key(result)`: once a result's stop key is not None,
+    the jobs whose key is greater are not started (those started run to their end)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total if total is not None else len(jobs), desc=desc, disable=not progress, leave=False)
+    stop = None
+    try:
+        if workers <= 1 or len(jobs) <= 1:
+            for i, job in enumerate(jobs):
+                if stop is not None and keys is not None and keys[i] > stop:
+                    continue
+                result = fn(job)
+                stop = _least(stop, stop_key(result) if stop_key else None)
+                bar.update(unit_size(result) if unit_size else 1)
+                yield result
+            return
+        ctx = multiprocessing.get_context(start_method())
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=initializer) as pool:
+            futures = [pool.submit(fn, job) for job in jobs]
+            try:
+                for fut in as_completed(futures):
+                    if fut.cancelled():
+                        continue
+                    result = fut.result()
+                    key = stop_key(result) if stop_key else None
+                    if key is not None:
+                        stop = _least(stop, key)
+                        for i, other in enumerate(futures):
+                            if keys is not None and keys[i] > stop:
+                                other.cancel()
+                    bar.update(unit_size(result) if unit_size else 1)
+                    yield result
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()
+                raise
+    finally:
+        bar.close()
+
+
+def _least(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
