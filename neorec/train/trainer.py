@@ -158,7 +158,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         if self.device.type != "cpu":
             batch = batch.to(self.device, non_blocking=True)
         outputs = self.model(batch)
-        self.last_outputs = outputs.detach()
+        if self.progressive is not None:  # a followed stream scores each batch before its update
+            self.last_outputs = outputs.detach()
         loss = model_loss(self.model, outputs, batch)
         self.dense_opt.zero_grad(set_to_none=True)
         self.emb_opt.zero_grad(set_to_none=True)
