@@ -50,7 +50,7 @@ FAST_MAX_LINE = (
 _BOM = b"\xef\xbb\xbf"  # pyarrow.csv drops it at the start of its input; the line parser reads it as data
 
 _COLUMNS = ["label", *DENSE_NAMES, *CATEGORICAL_NAMES]
-_READ = pcsv.ReadOptions(column_names=_COLUMNS, block_size=1 << 30, use_threads=False)
+_READ = pcsv.ReadOptions(column_names=_COLUMNS, block_size=2 << 20, use_threads=False)
 _PARSE = pcsv.ParseOptions(
     delimiter="\t", quote_char=False, double_quote=False, escape_char=False, newlines_in_values=False,
     ignore_empty_lines=False,
