@@ -10,6 +10,8 @@ mapping of triton.language (the same kernels, run as before, in about half the t
 
 Fixture `staged_on_cpu`: the row cache's GPU path with CPU tensors standing in for device memory.
 
+Tests run with one intra-op thread a process (OMP_NUM_THREADS=1, unless set): xdist runs a process a core.
+
 Every test runs under `process_settings_kept` (autouse): a test that leaves torch's thread count or
 default dtype changed fails, since every test after it in the same process would run under its
 settings (library calls put back what they change: neorec/utils/process_state.py).
@@ -20,7 +22,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+
+# pytest-xdist runs one test process per core: each keeps to one intra-op thread, and so do the processes
+# it starts (tests that are about threads set them). OpenMP threads of several processes on the same
+# cores spin in their barriers: with two threads a process, training steps of small tables take 3-4x
+# longer. Set before torch is imported, which reads it once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -49,7 +49,7 @@ def parquet_config(tmp_path_factory) -> Path:
     return root / "parquet.yaml"
 
 
-def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_config, tmp_path, capfd):
+def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_config, tmp_path, capfd, monkeypatch):
     run = tmp_path / "run"
     first = [
         "train",
@@ -63,6 +63,7 @@ def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_co
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     again = ["train", "--config", str(parquet_config), *sets([*QUIET, "train.max_steps=6"]), "--nproc", "2"]
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # torchrun's agent sets it: it must not stay
     environment = dict(os.environ)
     code = main([*again, "--output-dir", str(run), "--resume"])
     out, err = capfd.readouterr()
