@@ -360,8 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a single-process inference model of a run (optionally quantized tables)")
     p.add_argument("run_dir", help="a run folder (model.pt, else its newest checkpoint) or a checkpoint folder")
-    p.add_argument("--out", required=True, help="the export file (nrx) or folder (pt2) to write")
-    p.add_argument("--format", default="nrx", choices=["nrx", "pt2"], help="nrx: one neorec file; pt2: a torch.export program + safetensors weights")
+    p.add_argument("--out", required=True, help="the export file (nrx; aoti: FILE.pt2) or folder (pt2) to write")
+    p.add_argument("--format", default="nrx", choices=["nrx", "pt2", "aoti"],
+                   help="nrx: one neorec file; pt2: a torch.export program + safetensors weights; "
+                   "aoti: that program compiled by AOTInductor, one .pt2 package")  # fmt: skip
     p.add_argument("--quantize", default=None, choices=["int8", "int4", "int2"],
                    help="row-wise quantized tables (int4: 2 codes a byte, int2: 4); reports the AUC change")  # fmt: skip
     p.add_argument("--int8", action="store_true", help="the same as --quantize int8")
@@ -372,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("predict", help="score data with an exported model and write the predictions")
-    p.add_argument("model", help="what `neorec export` wrote: an .nrx file, or a pt2 folder (or its model.pt2)")
+    p.add_argument("model", help="what `neorec export` wrote: an .nrx file, a pt2 folder (or its model.pt2), or an aoti package")
     p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels; multitask: a column per task)")
     p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data")
     p.add_argument("--batch-size", type=positive_int, default=None, help="samples per batch (default: data.eval_batch_size)")
