@@ -1,6 +1,8 @@
-"""The two export formats side by side: .nrx (one neorec file) and pt2 (torch.export program +
-safetensors weights), fp32 and row-wise int8, int4 and int2 tables: export time, bytes on disk, load
-time in a fresh process, and scoring throughput on the held-out set. With `--auc`, instead: the
+"""The export formats side by side: .nrx (one neorec file), pt2 (torch.export program + safetensors
+weights) and aoti (that program compiled by AOTInductor, one package), fp32 and row-wise int8, int4
+and int2 tables: export time, bytes on disk, load time in a fresh process, scoring throughput on the
+held-out set and the latency of one sample, and how far each format's scores lie from the .nrx
+export's with the same tables. With `--auc`, instead: the
 bytes per table row and the held-out AUC change against fp32 of every quantization, as `neorec
 export` reports them, on fully trained runs of the shipped `default` and `movielens` configs.
 
@@ -9,7 +11,8 @@ export` reports them, on fully trained runs of the shipped `default` and `moviel
 
 Formats: trains a short run of the default config with `--rows` rows per table (26 tables, dim 16)
 first. Each load is timed in its own process after `import torch, neorec` (so the figures are the
-load itself), and the best of `--repeats` is kept.
+load itself), and the best of `--repeats` is kept; throughput and latency are the median of the
+processes. `--formats` picks formats (default all three).
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 from common import append_results, markdown_table  # noqa: E402
 
 CHILD = """
-import json, sys, time
+import itertools, json, statistics, sys, time
 import torch
 from neorec.serving import load_export
 from neorec.serving.predict import data_batches
@@ -35,12 +40,23 @@ start = time.perf_counter()
 exported = load_export(sys.argv[1])
 loaded = time.perf_counter() - start
 batches = list(data_batches(exported, 2048))
-start = time.perf_counter()
-n = 0
+singles = list(itertools.islice(data_batches(exported, 1), 220))
+probs = []
 with torch.no_grad():
+    start = time.perf_counter()
     for b in batches:
-        n += exported.probabilities(b).numel()
-print(json.dumps({"load": loaded, "samples_per_s": n / (time.perf_counter() - start)}))
+        probs.append(exported.probabilities(b))
+    seconds = time.perf_counter() - start
+    latency = []
+    for b in singles:
+        t = time.perf_counter()
+        exported.probabilities(b)
+        latency.append(time.perf_counter() - t)
+n = sum(p.numel() for p in probs)
+if len(sys.argv) > 2:
+    torch.save(torch.cat(probs), sys.argv[2])
+out = {"load": loaded, "samples_per_s": n / seconds, "latency_ms": [1000 * t for t in latency[20:]]}
+print(json.dumps(out))
 """
 
 
@@ -50,6 +66,12 @@ def folder_bytes(path: Path) -> int:
 
 QUIET = ["train.progress=false", "logging.plot=false", "logging.tensorboard=false"]
 KINDS = ("fp32", "int8", "int4", "int2")
+FORMATS = ("nrx", "pt2", "aoti")
+
+
+def export_path(root: Path, fmt: str, kind: str) -> Path:
+    """nrx: a file; pt2: a folder; aoti: a .pt2 package."""
+    return root / {"nrx": f"{kind}.nrx", "pt2": kind, "aoti": f"{kind}-aoti.pt2"}[fmt]
 
 
 def formats(args: argparse.Namespace) -> None:
@@ -62,34 +84,49 @@ def formats(args: argparse.Namespace) -> None:
             "data.synthetic.eval_samples=20480", *QUIET]  # fmt: skip
     Trainer(load_config("default", sets), root / "run").fit()
     rows = []
-    for fmt in ("nrx", "pt2"):
+    for fmt in args.formats:
         for kind in KINDS:
-            out = root / (f"{kind}.nrx" if fmt == "nrx" else kind)
+            out = export_path(root, fmt, kind)
             quantize = None if kind == "fp32" else kind
             start = time.perf_counter()
             export_model(root / "run", out, quantize=quantize, measure=False, format=fmt)
             seconds = time.perf_counter() - start
             runs = []
-            for _ in range(args.repeats):
-                p = subprocess.run([sys.executable, "-c", CHILD, str(out)], capture_output=True, text=True)
+            scores = root / f"{fmt}-{kind}.scores.pt"
+            for i in range(args.repeats):
+                cmd = [sys.executable, "-c", CHILD, str(out), *([str(scores)] if i == 0 else [])]
+                p = subprocess.run(cmd, capture_output=True, text=True)
                 if p.returncode:
                     raise SystemExit(p.stderr[-3000:])
                 runs.append(json.loads(p.stdout.splitlines()[-1]))
+            reference = root / f"nrx-{kind}.scores.pt"
+            diff = "-"
+            if fmt != "nrx" and reference.exists():  # the .nrx export with the same tables
+                got, want = torch.load(scores), torch.load(reference)
+                diff = f"{(got.double() - want.double()).abs().max().item():.1e}"
             rows.append([
-                fmt, kind, round(seconds, 2), f"{folder_bytes(out) / 2**20:.1f}",
-                round(min(r["load"] for r in runs), 3),
+                fmt, kind, round(seconds, 1), f"{folder_bytes(out) / 2**20:.1f}",
+                round(min(r["load"] for r in runs), 2),
                 f"{statistics.median(r['samples_per_s'] for r in runs):,.0f}",
+                f"{min(min(r['latency_ms']) for r in runs):.2f} / "
+                f"{statistics.median(statistics.median(r['latency_ms']) for r in runs):.2f}", diff,
             ])  # fmt: skip
-    header = ["format", "tables", "export s", "MiB on disk", "load s (best)", "score samples/s (median)"]
+    header = ["format", "tables", "export s", "MiB on disk", "load s (best)", "score samples/s (median)",
+              "ms per 1-sample batch (min / median)", "max abs diff vs nrx"]  # fmt: skip
     table = markdown_table(header, rows)
     print(table)
     notes = (
         "Load: `load_export` in a fresh process after the imports (nrx: read, check, rebuild the model; "
-        "pt2: `torch.export.load` and `.module()`). Scoring: `exported.probabilities` over the held-out "
-        "set in batches of 2048. Quantized tables: row-wise, fp32 scale and bias."
+        "pt2: `torch.export.load` and `.module()`; aoti: check the archive, `aoti_load_package`). Scoring: "
+        "`exported.probabilities` over the held-out set (20,480 samples) in batches of 2048; latency: "
+        "200 one-sample batches after 20 more, the fastest of all processes and the median process's median. Max abs diff: largest difference of a "
+        "held-out probability from the .nrx export's with the same tables. Export s includes tracing "
+        "(pt2, aoti) and the AOTInductor compile (aoti). Quantized tables: row-wise, fp32 scale and bias."
     )
     append_results(
-        f"Export formats: nrx vs pt2, default config with {args.rows} rows per table", table, notes
+        f"Export formats: {', '.join(args.formats)}, default config with {args.rows} rows per table",
+        table,
+        notes,
     )
 
 
@@ -142,6 +179,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     parser.add_argument(
         "--auc", action="store_true", help="bytes per row and AUC change of every quantization"
     )

@@ -195,105 +195,6 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_data_generate(args: argparse.Namespace) -> int:
-    from neorec.config.limits import TEACHER, check_memory
-    from neorec.config.load import load_config
-    from neorec.data.shards import write_shards
-    from neorec.data.synthetic import SyntheticSource, spec_from_config
-
-    cfg = load_config(args.config or "default", args.overrides)
-    output_folder(args.out, "--out")
-    check_memory(cfg, keys=(TEACHER,))
-    source = SyntheticSource(spec_from_config(cfg.data.synthetic, cfg.seed), cache=False)
-    paths = write_shards(source, Path(args.out))
-    print(f"wrote {len(paths)} shard files to {args.out} (teacher AUC on eval: {source.teacher_auc():.4f})")
-    return 0
-
-
-def cmd_data_preprocess(args: argparse.Namespace) -> int:
-    from neorec.data.preprocess import preprocess_criteo, preprocess_synthetic
-
-    common = {"workers": args.workers, "progress": not args.no_progress, "parquet_output": args.parquet_output}
-    output_folder(args.out, "--out")
-    if args.synthetic and args.parquet:
-        raise NeorecError("give --synthetic or --parquet, not both")
-    if args.parquet:
-        from neorec.config.load import load_config
-        from neorec.data.preprocess_parquet import preprocess_parquet
-
-        if args.inputs:
-            raise NeorecError("--parquet takes no input files; set data.parquet.paths with --config/--set")
-        cfg = load_config(args.config or "default", args.overrides)
-        if cfg.data.parquet is None:
-            raise NeorecError("--parquet needs a data.parquet section (paths, features, ...) in --config or --set")
-        result = preprocess_parquet(
-            cfg.data.parquet, args.out, shard_rows=args.shard_lines, vocab_threshold=args.vocab_threshold, **common
-        )
-    elif args.synthetic:
-        from neorec.config.limits import TEACHER, check_memory
-        from neorec.config.load import load_config
-        from neorec.data.synthetic import spec_from_config
-
-        if args.inputs:
-            raise NeorecError("--synthetic takes no input files; the data comes from --config/--set")
-        if args.vocab_threshold is not None:
-            raise NeorecError("--vocab-threshold applies to Criteo TSV and Parquet input; synthetic ids need no vocabulary")
-        cfg = load_config(args.config or "default", args.overrides)
-        check_memory(cfg, keys=(TEACHER,))
-        result = preprocess_synthetic(spec_from_config(cfg.data.synthetic, cfg.seed), args.out, **common)
-    else:
-        if not args.inputs:
-            raise NeorecError("give Criteo TSV files to preprocess, or --synthetic")
-        try:
-            rows = [int(r) for r in args.table_rows.split(",")]
-        except ValueError:
-            msg = f"--table-rows: expected one integer or 26 comma-separated ones, got {args.table_rows!r}"
-            raise NeorecError(msg) from None
-        result = preprocess_criteo(
-            args.inputs, args.out, eval_paths=args.eval_paths, eval_every=args.eval_every, hashing=args.hashing,
-            table_rows=rows[0] if len(rows) == 1 else rows, vocab_threshold=args.vocab_threshold,
-            bad_lines=args.bad_lines, max_line_bytes=args.max_line_bytes, shard_lines=args.shard_lines,
-            raw_features=[f for f in args.raw_features.split(",") if f], **common,
-        )  # fmt: skip
-    skipped = ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items())) or "none"
-    samples = ", ".join(f"{k} {v}" for k, v in sorted(result.num_samples.items()))
-    print(f"{result.out}: {result.num_shards} shards ({result.written} written now); samples: {samples}; "
-          f"bad lines skipped: {skipped}")  # fmt: skip
-    return 0
-
-
-def cmd_data_stream(args: argparse.Namespace) -> int:
-    from neorec.data.drifting import DriftSpec, partition_name, write_day
-
-    output_folder(args.out, "--out")
-    spec = DriftSpec(rows=args.rows, seed=args.seed)
-    for day in range(args.first_day, args.first_day + args.days):
-        write_day(spec, args.out, day)
-    last = partition_name(args.first_day + args.days - 1)
-    print(f"{args.out}: wrote partitions {partition_name(args.first_day)} .. {last} ({args.rows:,} samples each)")
-    return 0
-
-
-def cmd_data_inspect(args: argparse.Namespace) -> int:
-    from neorec.data.inspect import inspect_source
-
-    print(inspect_source(args.config or "default", args.overrides, args.batches))
-    return 0
-
-
-def cmd_data_download(args: argparse.Namespace) -> int:
-    from neorec.data.download import archive_at, download_movielens, result_text
-    from neorec.data.locations import criteo_hint, data_home
-
-    if args.dataset == "criteo":
-        raise NeorecError(f"Criteo's data cannot be downloaded by neorec: {criteo_hint('data.criteo.train_paths')}")
-    dest = args.dest or str(data_home())
-    output_folder(dest, "--dest" if args.dest else "the data folder ($NEOREC_DATA, default ~/.cache/neorec/data)")
-    result = download_movielens(dest, archive_at(args.url), progress=not args.no_progress)
-    print(result_text(result))
-    return 0
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
     from neorec.planner.hardware import load_calibration
@@ -360,8 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a single-process inference model of a run (optionally quantized tables)")
     p.add_argument("run_dir", help="a run folder (model.pt, else its newest checkpoint) or a checkpoint folder")
-    p.add_argument("--out", required=True, help="the export file (nrx) or folder (pt2) to write")
-    p.add_argument("--format", default="nrx", choices=["nrx", "pt2"], help="nrx: one neorec file; pt2: a torch.export program + safetensors weights")
+    p.add_argument("--out", required=True, help="the export file (nrx; aoti: FILE.pt2) or folder (pt2) to write")
+    p.add_argument("--format", default="nrx", choices=["nrx", "pt2", "aoti"],
+                   help="nrx: one neorec file; pt2: a torch.export program + safetensors weights; "
+                   "aoti: that program compiled by AOTInductor, one .pt2 package")  # fmt: skip
     p.add_argument("--quantize", default=None, choices=["int8", "int4", "int2"],
                    help="row-wise quantized tables (int4: 2 codes a byte, int2: 4); reports the AUC change")  # fmt: skip
     p.add_argument("--int8", action="store_true", help="the same as --quantize int8")
@@ -372,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("predict", help="score data with an exported model and write the predictions")
-    p.add_argument("model", help="what `neorec export` wrote: an .nrx file, or a pt2 folder (or its model.pt2)")
+    p.add_argument("model", help="what `neorec export` wrote: an .nrx file, a pt2 folder (or its model.pt2), or an aoti package")
     p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels; multitask: a column per task)")
     p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data")
     p.add_argument("--batch-size", type=positive_int, default=None, help="samples per batch (default: data.eval_batch_size)")
@@ -421,54 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_dcp_commands(ckpt, _add_config_args)  # import-dcp, export-dcp: TorchRec's checkpoints
 
-    data = sub.add_parser("data", help="download, generate, preprocess or inspect data").add_subparsers(dest="data_command", required=True)
-    p = data.add_parser("generate", help="write the synthetic data set of a config to .npz shards")
-    _add_config_args(p)
-    p.add_argument("--out", required=True, help="output folder")
-    p.set_defaults(func=cmd_data_generate)
-    p = data.add_parser("preprocess", help="Criteo TSV, Parquet or synthetic data -> sharded .npy columns, resumable")
-    p.add_argument("inputs", nargs="*", help="Criteo TSV files, plain or .gz (training data)")
-    p.add_argument("--out", required=True, help="output folder (rerun the same command to resume)")
-    p.add_argument("--eval-paths", nargs="+", default=None, help="held-out TSV files (default: every --eval-every-th line)")
-    p.add_argument("--eval-every", type=int, default=10, help="without --eval-paths, hold out lines whose number is a multiple of this")
-    p.add_argument("--hashing", default="modulo", choices=["modulo", "hash"], help="how a hex value maps into its table")
-    p.add_argument("--table-rows", default="100000", help="rows per table: one number or 26, comma-separated")
-    p.add_argument("--vocab-threshold", type=int, default=None,
-                   help="instead of hashing: ids for values seen at least this often in training lines, 0 for the rest "
-                        "(Parquet: the features with hashing vocab, counted into OUT/vocab = data.parquet.vocab_dir)")  # fmt: skip
-    p.add_argument("--raw-features", default="",
-                   help="features kept as raw hash values for managed-collision tables, comma-separated (e.g. C3,C12)")
-    p.add_argument("--bad-lines", default="fail", choices=["fail", "skip"], help="stop with file:line, or skip and count")
-    p.add_argument("--max-line-bytes", type=positive_int, default=4096,
-                   help="longer lines are bad lines (--bad-lines), never read whole; a Criteo line is under 500 bytes")  # fmt: skip
-    p.add_argument("--shard-lines", type=int, default=1_000_000, help="input lines per shard")
-    p.add_argument("--workers", type=positive_int, default=1, help="processes that write shards in parallel")
-    p.add_argument("--synthetic", action="store_true", help="preprocess the synthetic data set of --config instead")
-    p.add_argument("--parquet", action="store_true",
-                   help="preprocess the Parquet files of --config's data.parquet section instead (--shard-lines: rows per shard)")
-    p.add_argument("--parquet-output", action="store_true",
-                   help="also write every shard's samples as Parquet files under OUT/parquet/<split>/")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_data_preprocess)
-    p = data.add_parser("stream", help="write daily Parquet partitions of a synthetic stream whose ids and teacher drift")
-    p.add_argument("--out", required=True, help="the folder of partitions (day-NNN/part-0.parquet, then _SUCCESS)")
-    p.add_argument("--days", type=positive_int, default=4, help="partitions to write")
-    p.add_argument("--first-day", type=count, default=0, help="the first day's number (to add later days)")
-    p.add_argument("--rows", type=positive_int, default=20000, help="samples per day")
-    p.add_argument("--seed", type=count, default=0, help="the stream's seed")
-    p.set_defaults(func=cmd_data_stream)
-    p = data.add_parser("inspect", help="summarise the data a config reads (features, sizes, id statistics)")
-    _add_config_args(p)
-    p.add_argument("--batches", type=count, default=4, help="training batches to sample for statistics")
-    p.set_defaults(func=cmd_data_inspect)
-    p = data.add_parser("download", help="download MovieLens latest-small, verified (Criteo: says where to get it)")
-    p.add_argument("dataset", choices=["movielens", "criteo"], help="the data set")
-    p.add_argument("--dest", default=None, help="folder that gets ml-latest-small/ (default: $NEOREC_DATA, else "
-                   "~/.cache/neorec/data, where configs look when data.movielens.root is unset)")  # fmt: skip
-    p.add_argument("--url", default=None, help=argparse.SUPPRESS)  # a mirror or a test's server: checked against <url>.md5
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_data_download)
+    from neorec.cli_data import add_data_commands
+
+    add_data_commands(sub, _add_config_args)  # generate, preprocess, stream, inspect, download
     return parser
 
 

@@ -71,6 +71,14 @@ def test_a_later_run_of_a_title_replaces_the_earlier_one_per_machine_kind() -> N
     assert "[a comparison](history/b.md#a-comparison-5)" in page and "### a comparison" not in page
 
 
+def test_a_run_under_a_renamed_title_replaces_the_runs_under_the_old_one(monkeypatch) -> None:
+    monkeypatch.setattr(rr, "RETITLED", {"T: old": "T: new"})
+    runs = [{"title": t, "date": d, "command": "python b.py", "machine": "m", "versions": {},
+             "tables": [{"header": ["x"], "rows": [["1"]]}]} for t, d in (("T: old", "1"), ("T: new", "2"))]  # fmt: skip
+    assert [r["date"] for r in rr.latest(runs)] == ["2"]
+    assert "Command: `python b.py` · Machine: m\n" in rr.render_results({"b": runs})
+
+
 def test_append_results_records_what_markdown_table_printed(tmp_path: Path) -> None:
     from benchmarks import common
 
@@ -83,8 +91,8 @@ def test_append_results_records_what_markdown_table_printed(tmp_path: Path) -> N
     assert record["command"].startswith("python ") and record["machine"] == common.machine()
     assert record["versions"] == common.versions()
     section = rr.format_record(record)
-    assert section == (f"## Test: a ({record['date']})\n\nCommand: `{record['command']}`; "
-                       f"machine: {record['machine']}\n\n{table}\n\nSome notes.\n")  # fmt: skip
+    assert section == (f"## Test: a ({record['date']})\n\nCommand: `{record['command']}`  \n"
+                       f"Machine: {record['machine']}\n\n{table}\n\nSome notes.\n")  # fmt: skip
     titled = f"**one**\n\n{table}\n\n**two**\n\n{table}"  # as dense_step.py joins its two tables
     assert rr.format_tables(rr.parse_tables(titled)) == titled
 

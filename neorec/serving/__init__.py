@@ -6,6 +6,8 @@ export.py (`neorec export`) -> file_format.py (.nrx: JSON header + raw tensors, 
 `--format pt2`: pt2_model.py (the model over plain tensors and standard ops) -> pt2_export.py
 (`torch.export` program + safetensors_file.py weights), which torch loads without neorec; pt2_file.py
 names the folder's files and reads them back for model.py.
+`--format aoti`: aoti_package.py compiles that program with AOTInductor into one .pt2 package, which
+`torch._inductor.aoti_load_package` loads, and reads it back for model.py.
 """
 
 from neorec.serving.export import ExportReport, export_model, load_trained

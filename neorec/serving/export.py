@@ -24,11 +24,12 @@ from neorec.data.manifest import load_manifest
 from neorec.data.source import DataSource
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, feature_order
 from neorec.errors import NeorecError
+from neorec.serving.aoti_package import check_package_path
 from neorec.serving.file_format import ExportError, check_output_file, export_size, write_export
 from neorec.serving.model import build_inference_model, file_tensors, info_to_json
 from neorec.serving.quantize import BITS, SCALE_DTYPES, QuantizedRows, kind_of, quantize_rows
 
-FORMATS = ("nrx", "pt2")
+FORMATS = ("nrx", "pt2", "aoti")
 
 
 @dataclass
@@ -196,6 +197,7 @@ def tsv_mapping(cfg: RunConfig) -> tuple[str | None, str]:
 
 EXPORTABLE = ("dlrm", "dcnv2", "deepfm", "multitask", "din")
 PT2_EXPORTABLE = ("dlrm", "dcnv2", "deepfm")  # the program's inputs are pooled bags, one output per sample
+PROGRAM_FORMATS = ("pt2", "aoti")  # the scoring program of pt2_model, as traced or compiled
 
 
 def check_exportable(
@@ -208,15 +210,15 @@ def check_exportable(
             f"{path}: model.arch {arch} cannot be exported yet; export serves {', '.join(EXPORTABLE)} "
             "(probabilities per sample)"
         )
-    if format == "pt2" and arch not in PT2_EXPORTABLE:
+    if format in PROGRAM_FORMATS and arch not in PT2_EXPORTABLE:
         raise ExportError(
-            f"{path}: model.arch {arch} cannot be exported with --format pt2, which serves "
+            f"{path}: model.arch {arch} cannot be exported with --format {format}, which serves "
             f"{', '.join(PT2_EXPORTABLE)}; leave out --format to write an nrx file"
         )
     mapped = [t.name for t in tables or [] if t.managed_collision is not None]
-    if format == "pt2" and mapped:  # the program takes rows; the id maps are looked up by neorec's own code
+    if format in PROGRAM_FORMATS and mapped:  # the program takes rows; neorec's own code looks up the id maps
         raise ExportError(
-            f"{path}: tables {mapped} have managed collision, which --format pt2 cannot serve (its program takes "
+            f"{path}: tables {mapped} have managed collision, which --format {format} cannot serve (its program takes "
             "rows, not raw ids); leave out --format to write an nrx file, which holds the id maps"
         )
 
@@ -233,7 +235,8 @@ def export_model(
     source: DataSource | None = None,
 ) -> ExportReport:
     """Write the inference export of a run to `out` (format "nrx": one file; "pt2": a folder with a
-    torch.export program and safetensors weights, see pt2_export). `quantize` "int8", "int4" or "int2"
+    torch.export program and safetensors weights, see pt2_export; "aoti": one .pt2 file, that program
+    compiled by AOTInductor, see aoti_package). `quantize` "int8", "int4" or "int2"
     quantizes the tables row-wise (`int8=True` is quantize="int8"), scale and bias in `scale_dtype`.
     With `measure`, the held-out metrics of the fp32 model and of the quantized one, as they will
     score after loading."""
@@ -244,6 +247,8 @@ def export_model(
     quantize = quantization(int8, quantize)
     if format == "pt2" and Path(out).is_file():
         raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
+    if format == "aoti":
+        check_package_path(out)
     start = time.perf_counter()
     if format == "nrx":  # a pt2 export is a folder, which may hold an earlier export to replace
         check_output_file(out, "--out")
@@ -283,8 +288,8 @@ def export_model(
         Path(out), num_bytes=0, fp32_bytes=0, table_bytes=table_bytes, eval=metrics, format=format,
         quantize=quantize, scale_dtype=scale_dtype if quantize else None, row_bytes=row_bytes,
     )  # fmt: skip
-    if format == "pt2":
-        report.num_bytes = _export_pt2(trained, out, header, weights)
+    if format in PROGRAM_FORMATS:
+        report.num_bytes = _export_program(trained, out, header, weights, format)
         report.fp32_bytes = 0 if quantize else report.num_bytes  # unknown: no fp32 program is exported
     else:
         report.num_bytes = write_export(out, header, file_tensors(trained.dense, weights, trained.id_maps))
@@ -312,8 +317,9 @@ def quantization(int8: bool, quantize: str | None) -> str | None:
     return "int8" if int8 else quantize
 
 
-def _export_pt2(trained: TrainedModel, out: str | Path, header: dict, weights: dict) -> int:
-    """Write the pt2 folder; returns its bytes."""
+def _export_program(trained: TrainedModel, out: str | Path, header: dict, weights: dict, format: str) -> int:
+    """Trace the scoring program and write the pt2 folder or the AOTInductor package; returns its bytes."""
+    from neorec.serving.aoti_package import write_aoti
     from neorec.serving.pt2_export import export_program, write_pt2
 
     info = trained.source.info
@@ -329,6 +335,8 @@ def _export_pt2(trained: TrainedModel, out: str | Path, header: dict, weights: d
             "weighted": weighted,
         },
     }
+    if format == "aoti":
+        return write_aoti(out, header, program)
     return write_pt2(out, header, program, trained.dense, weights)
 
 
@@ -345,6 +353,11 @@ def report_text(r: ExportReport) -> str:
         rows = [
             ("export folder", f"{r.out} (model.pt2 + weights.safetensors, {kind})"),
             ("folder size", f"{r.num_bytes:,} bytes ({r.num_bytes / mib:.2f} MiB)"),
+        ]
+    elif r.format == "aoti":
+        rows = [
+            ("export file", f"{r.out} (AOTInductor package, {kind})"),
+            ("file size", f"{r.num_bytes:,} bytes ({r.num_bytes / mib:.2f} MiB)"),
         ]
     else:
         rows = [

@@ -25,6 +25,7 @@ from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.embedding.collection import dropped_ids
 from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError, NeorecError
+from neorec.serving.aoti_package import AOTI_FORMAT, is_aoti, read_aoti
 from neorec.serving.embeddings import InferenceEmbeddings, TableWeights
 from neorec.serving.file_format import ExportError, read_export
 from neorec.serving.pt2_file import is_pt2, read_pt2
@@ -42,7 +43,7 @@ class ExportedModel:
     info: SourceInfo
     header: dict
     path: Path
-    bounds: IdBounds | None = None  # a pt2 program's id check before it runs (an .nrx model checks inside)
+    bounds: IdBounds | None = None  # a program's id check before it runs (an .nrx model checks inside)
 
     @property
     def quantized(self) -> bool:
@@ -56,8 +57,9 @@ class ExportedModel:
 
     @property
     def is_program(self) -> bool:
-        """A pt2 export: `model` is the torch.export program, scoring plain tensors."""
-        return self.header.get("format") == PT2_FORMAT
+        """A pt2 or AOTInductor export: `model` is the torch.export program or the compiled package,
+        scoring plain tensors (pt2_model.program_inputs)."""
+        return self.header.get("format") in (PT2_FORMAT, AOTI_FORMAT)
 
     def dropped_ids(self) -> dict[str, int]:
         """Ids dropped per feature so far because they lay outside their table (bounds_check warn)."""
@@ -169,11 +171,16 @@ def quantization_bits(header: dict, path: Path) -> int | None:
 
 
 def load_export(path: str | Path, bounds_check: str = "error") -> ExportedModel:
-    """Read and check an export (an .nrx file, or a pt2 folder or its model.pt2) and rebuild its
-    model (no pickle: raw bytes and JSON, or a torch.export program). bounds_check: what an id outside
-    its table does when the model scores a batch ("error", "warn": dropped and counted, "off"; a pt2
-    program itself always stops on one)."""
+    """Read and check an export (an .nrx file, a pt2 folder or its model.pt2, or an AOTInductor
+    package) and rebuild its model (no pickle: raw bytes and JSON, a torch.export program, or compiled
+    code). bounds_check: what an id outside its table does when the model scores a batch ("error",
+    "warn": dropped and counted, "off"; a pt2 program or AOTInductor package itself always stops on one)."""
     path = Path(path)
+    if is_aoti(path):  # before is_pt2, which takes any .pt2 file for a torch.export program
+        header, package = read_aoti(path)
+        cfg, info, tables = parse_header(header, path)
+        quantization_bits(header, path)
+        return ExportedModel(package, cfg, info, header, path, IdBounds.of_tables(tables, bounds_check))
     if is_pt2(path):
         header, program, file = read_pt2(path)
         cfg, info, tables = parse_header(header, file)
@@ -182,8 +189,8 @@ def load_export(path: str | Path, bounds_check: str = "error") -> ExportedModel:
         return ExportedModel(program, cfg, info, header, file, IdBounds.of_tables(tables, bounds_check))
     if path.is_dir():
         raise ExportError(
-            f"{path} is a folder without model.pt2: give an .nrx file or a folder written by "
-            "`neorec export --format pt2`"
+            f"{path} is a folder without model.pt2: give an .nrx file, a folder written by "
+            "`neorec export --format pt2` or a package written by `neorec export --format aoti`"
         )
     header, tensors = read_export(path)
     cfg, info, tables = parse_header(header, path)
