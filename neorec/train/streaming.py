@@ -1,6 +1,7 @@
 """What a run does at the seams of a followed stream (data.follow): a partition starts (managed-collision
-ids not seen for `expire_after_partitions` partitions are freed), a held-out batch is scored, a
-partition ends (its progressive metrics and id-map counts are logged), and a snapshot is published.
+ids not seen for `expire_after_partitions` partitions are freed), every few steps ids not seen for
+`expire_after_steps` steps are freed, a held-out batch is scored, a partition ends (its progressive
+metrics and id-map counts are logged), and a snapshot is published.
 
 `StreamHandling` is part of Trainer (neorec/train/trainer.py), whose step loop calls it; its methods use
 the trainer's attributes listed in the class. Every method is called by every rank after the same batch.
@@ -35,6 +36,12 @@ def mapped_tables(embeddings: EmbeddingCollection) -> tuple[list[MappedTable], o
         embeddings, "local", embeddings
     )  # a sharded collection's tables live in its local engine
     return list(getattr(engine, "mapped", [])), engine
+
+
+def steps_between_sweeps(expire_after_steps: int) -> int:
+    """How often ids are checked for expiry by steps: an id leaves within N + N // 8 steps of its
+    last batch, and the check (a pass over the maps' rows) costs at most one in eight steps."""
+    return max(1, expire_after_steps // 8)
 
 
 def map_clock(engine) -> int:
@@ -97,6 +104,19 @@ class StreamHandling:
         if len(self.partition_clocks) == keep:  # ids last seen before the oldest of the last N partitions
             freed = expire_ids(tables, self.partition_clocks[0])  # a rank may hold none of the maps
             self._expired = int(self._sum_over_ranks(torch.tensor([float(sum(freed.values()))]))[0])
+
+    def _expire_by_steps(self, step: int) -> None:
+        """Before the training batch after `step` steps: every max(1, N // 8) steps, free the ids not
+        seen in the last N training steps (expire_after_steps N), counted with the partition's expired
+        ids. Keyed on the step, so a resumed run sweeps where an uninterrupted one does."""
+        follow = self.cfg.data.follow
+        assert follow is not None
+        n = follow.expire_after_steps
+        if n is None or step == 0 or step % steps_between_sweeps(n) or not self._has_maps():
+            return
+        tables, engine = mapped_tables(self.embeddings)
+        freed = expire_ids(tables, map_clock(engine) - n)  # ids of the last n batches keep their rows
+        self._expired += int(self._sum_over_ranks(torch.tensor([float(sum(freed.values()))]))[0])
 
     @torch.no_grad()
     def _score_held_out(self, local) -> None:

@@ -239,6 +239,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                     if record.last:
                         self._end_partition(logger, step, record.partition, result)
                     continue
+                if self.progressive is not None:
+                    self._expire_by_steps(step)
                 self._set_lr(step, total)
                 unread.append(self.train_step(local, is_local=True))  # read back at log steps only
                 step += 1
