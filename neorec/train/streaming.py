@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from neorec.checkpoint.files import CheckpointError
 from neorec.checkpoint.save import checkpoint_name
 from neorec.config.schema import RunConfig
 from neorec.data.source import DataSource
 from neorec.distributed.comms import Comms
+from neorec.distributed.topology import Topology
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.remap import MappedTable, expire_ids
 from neorec.train.progressive import ProgressiveValidation
@@ -56,6 +58,7 @@ class StreamHandling:
     cfg: RunConfig
     comms: Comms | None
     is_main: bool
+    topo: Topology
     device: torch.device
     model: nn.Module
     embeddings: EmbeddingCollection
@@ -67,7 +70,7 @@ class StreamHandling:
     _map_counts: dict[str, float]  # id-map counters at the start of the partition being read
 
     def _stream_state(self) -> dict:
-        """What a checkpoint keeps of the partition being read (collective): its progressive histograms,
+        """What a checkpoint keeps of the stream (collective): every rank's progressive histograms and window,
         its id-map counts so far and ids expired at its start, and the map clocks of partition starts."""
         assert self.progressive is not None
         now = self._summed_map_counts()
@@ -83,7 +86,12 @@ class StreamHandling:
         """Continue the partition's records from a checkpoint's `_stream_state` (a restarted process's
         id-map counters start at zero: the counts so far become a negative baseline)."""
         assert self.progressive is not None
-        self.progressive.load_state(position.get("progressive"), self.is_main)
+        try:
+            self.progressive.load_state(position.get("progressive"), self.topo.rank, self.topo.world_size)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"the checkpoint resumed from: its progressive metrics state is malformed ({e})"
+            ) from None
         self.partition_clocks = list(position.get("partition_clocks") or [])
         saved = dict(position.get("partition_id_map") or {})
         self._expired = int(saved.pop("expired", 0))
