@@ -135,7 +135,7 @@ def test_ids_not_seen_for_n_partitions_or_steps_are_expired_and_counted(tmp_path
     assert int(last_seen.min()) >= map_clock(engine) - 1 - 2  # the last sweep kept the last 2 batches' ids
     with pytest.raises(ConfigError, match="expire_after_steps frees rows of managed-collision tables"):
         follow_config(tmp_path, stream, "data.follow.expire_after_partitions=null", "data.follow.expire_after_steps=2",
-                      "data.parquet.hashing=modulo", *[f"embedding.tables.c{i}.managed_collision=null" for i in range(4)])
+                      "data.parquet.hashing=modulo", "data.parquet.table_rows=4096", "embedding.tables={}")  # fmt: skip
 
 
 def write_bad(stream: Path, name: str, how: str) -> None:
@@ -192,17 +192,20 @@ def _rank_follow(topo, tmp: str, stream: str) -> dict:
         WORLD_SIZE=str(topo.world_size), RANK=str(topo.rank), LOCAL_WORLD_SIZE=str(topo.world_size)
     )
     cfg = follow_config(
-        Path(tmp) / "run", Path(stream), "data.follow.until=day-002", "data.follow.idle_timeout=60"
-    )
+        Path(tmp) / "run", Path(stream), "data.follow.until=day-002", "data.follow.idle_timeout=60",
+        "data.follow.held_out_batches=1", "data.follow.bad_partitions=skip",
+    )  # fmt: skip
     result = Trainer(cfg).fit()
     return {"partitions": result.partitions, "steps": result.steps, "losses": result.losses}
 
 
 def test_two_processes_follow_partitions_landing_during_training(tmp_path):
     """Two gloo ranks follow a stream whose day 1 and 2 land while they train: both train every
-    partition (each its half of it), agree on the order, and the partition metrics count all samples."""
+    partition (each its half of it), agree on the order, and the partition metrics count all samples;
+    each partition's first batch is held out on both, and a truncated partition is skipped by both."""
     stream = tmp_path / "s"
     write_days(stream, [0])
+    write_bad(stream, "day-000-bad", "truncated")
 
     def land() -> None:
         for d in (1, 2):
@@ -216,7 +219,8 @@ def test_two_processes_follow_partitions_landing_during_training(tmp_path):
     for rank in (0, 1):
         got = out[rank]
         assert [p["partition"] for p in got["partitions"]] == ["day-000", "day-001", "day-002"]
-        assert got["steps"] == 12 and all(p["num_samples"] == 400 for p in got["partitions"])
+        assert got["steps"] == 9 and all(p["num_samples"] == 300 for p in got["partitions"])
+        assert all(p["held_out_num_samples"] == 100 for p in got["partitions"])
     assert out[0]["partitions"] == out[1]["partitions"]
 
 
