@@ -15,6 +15,7 @@ from dist_helpers import spawn
 from neorec.config.load import load_config
 from neorec.data.drifting import DriftSpec, partition_name, write_day
 from neorec.errors import ConfigError, DataError
+from neorec.train.streaming import map_clock, mapped_tables
 from neorec.train.trainer import Trainer
 
 SPEC = DriftSpec(rows=400, vocab=300, shift=100, row_group=256)
@@ -107,7 +108,7 @@ def test_held_out_batches_are_scored_not_trained(tmp_path):
         assert 0 < p["held_out_auc"] < 1
 
 
-def test_ids_not_seen_for_n_partitions_are_expired_and_counted(tmp_path):
+def test_ids_not_seen_for_n_partitions_or_steps_are_expired_and_counted(tmp_path):
     """expire_after_partitions 1 frees, at each partition's start, the ids the previous partition did not
     use (the vocabulary moves by a third a day); the count is in the partition's record; without it,
     nothing expires while the maps have room."""
@@ -119,6 +120,22 @@ def test_ids_not_seen_for_n_partitions_are_expired_and_counted(tmp_path):
     assert expired[0] == 0 and expired[1] == 0 and expired[2] > 0
     assert all(p["id_map_expired"] == 0 for p in off.partitions)
     assert on.losses[:8] == off.losses[:8] and on.losses[8:] != off.losses[8:]
+    # by steps: ids not in the last 2 batches leave before each step (from the second on), within
+    # partitions too; every row given out is evicted, expired or still held, as the records count
+    trainer = Trainer(follow_config(tmp_path / "steps", stream, "data.follow.expire_after_partitions=null",
+                                    "data.follow.expire_after_steps=2"))  # fmt: skip
+    steps = trainer.fit()
+    assert all(p["id_map_expired"] > 0 for p in steps.partitions) and steps.losses[1:] != off.losses[1:]
+    assert steps.losses[0] == off.losses[0]
+    tables, engine = mapped_tables(trainer.embeddings)
+    held = sum(t.id_map.occupied for t in tables)
+    given = sum(p["id_map_inserts"] - p["id_map_evictions"] - p["id_map_expired"] for p in steps.partitions)
+    assert held == given
+    last_seen = torch.cat([t.id_map.last_seen.tensor[t.id_map.keys.tensor >= 0] for t in tables])
+    assert int(last_seen.min()) >= map_clock(engine) - 1 - 2  # the last sweep kept the last 2 batches' ids
+    with pytest.raises(ConfigError, match="expire_after_steps frees rows of managed-collision tables"):
+        follow_config(tmp_path, stream, "data.follow.expire_after_partitions=null", "data.follow.expire_after_steps=2",
+                      "data.parquet.hashing=modulo", "data.parquet.table_rows=4096", "embedding.tables={}")  # fmt: skip
 
 
 def write_bad(stream: Path, name: str, how: str) -> None:
@@ -175,17 +192,20 @@ def _rank_follow(topo, tmp: str, stream: str) -> dict:
         WORLD_SIZE=str(topo.world_size), RANK=str(topo.rank), LOCAL_WORLD_SIZE=str(topo.world_size)
     )
     cfg = follow_config(
-        Path(tmp) / "run", Path(stream), "data.follow.until=day-002", "data.follow.idle_timeout=60"
-    )
+        Path(tmp) / "run", Path(stream), "data.follow.until=day-002", "data.follow.idle_timeout=60",
+        "data.follow.held_out_batches=1", "data.follow.bad_partitions=skip",
+    )  # fmt: skip
     result = Trainer(cfg).fit()
     return {"partitions": result.partitions, "steps": result.steps, "losses": result.losses}
 
 
 def test_two_processes_follow_partitions_landing_during_training(tmp_path):
     """Two gloo ranks follow a stream whose day 1 and 2 land while they train: both train every
-    partition (each its half of it), agree on the order, and the partition metrics count all samples."""
+    partition (each its half of it), agree on the order, and the partition metrics count all samples;
+    each partition's first batch is held out on both, and a truncated partition is skipped by both."""
     stream = tmp_path / "s"
     write_days(stream, [0])
+    write_bad(stream, "day-000-bad", "truncated")
 
     def land() -> None:
         for d in (1, 2):
@@ -199,7 +219,8 @@ def test_two_processes_follow_partitions_landing_during_training(tmp_path):
     for rank in (0, 1):
         got = out[rank]
         assert [p["partition"] for p in got["partitions"]] == ["day-000", "day-001", "day-002"]
-        assert got["steps"] == 12 and all(p["num_samples"] == 400 for p in got["partitions"])
+        assert got["steps"] == 9 and all(p["num_samples"] == 300 for p in got["partitions"])
+        assert all(p["held_out_num_samples"] == 100 for p in got["partitions"])
     assert out[0]["partitions"] == out[1]["partitions"]
 
 

@@ -1,6 +1,6 @@
 """Restarts of a followed stream: `neorec train --follow` killed with SIGKILL at random moments and
-started again with the same command ends with the model, partition metrics and snapshots of a run
-never stopped, and picks up a partition that landed while it was down."""
+started again with the same command ends with the model, partition and sliding-window metrics and
+snapshots of a run never stopped, and picks up a partition that landed while it was down."""
 
 from __future__ import annotations
 
@@ -24,14 +24,19 @@ def command(stream: Path, out: Path) -> list[str]:
         "train", "--config", "continuous", "--follow", str(stream), "--until", "day-003", "--output-dir", str(out),
         "--set", "data.batch_size=100", "--set", "data.follow.poll_seconds=0.05", "--set", "data.follow.idle_timeout=null",
         "--set", "checkpoint.every_steps=3", "--set", "snapshot.every_steps=4", "--set", "train.log_every=2",
+        "--set", "data.follow.window_batches=3",
         "--set", "train.progress=false", "--set", "logging.tensorboard=false", "--set", "logging.plot=false",
         "--set", "train.threads=1",
     ]  # fmt: skip
 
 
-def partition_lines(out: Path) -> list[dict]:
+def metrics_lines(out: Path, split: str) -> list[dict]:
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "time"} for r in lines if r["split"] == "partition"]
+    return [{k: v for k, v in r.items() if k != "time"} for r in lines if r["split"] == split]
+
+
+def partition_lines(out: Path) -> list[dict]:
+    return metrics_lines(out, "partition")
 
 
 def kill_after_progress(argv: list[str], out: Path, rng: random.Random) -> None:
@@ -74,8 +79,11 @@ def test_killed_at_random_moments_a_stream_ends_as_if_never_stopped(tmp_path):
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want), seed_note
     assert [r["partition"] for r in partition_lines(out)] == ["day-000", "day-001", "day-002", "day-003"]
-    for a, b in zip(partition_lines(out), partition_lines(tmp_path / "ref"), strict=True):
-        assert a == b, f"{seed_note}: " + str({k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)})
+    for split in ("partition", "progressive"):  # the sliding window goes on across restarts too
+        got_lines, want_lines = metrics_lines(out, split), metrics_lines(tmp_path / "ref", split)
+        assert len(got_lines) == len(want_lines) == (4 if split == "partition" else 8), seed_note
+        for a, b in zip(got_lines, want_lines, strict=True):
+            assert a == b, f"{seed_note}: " + str({k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)})
     snapshot = latest_snapshot(out / "snapshots")
     assert snapshot.name == "snapshot-00000016"
     header, tensors = read_export(snapshot / "model.nrx")

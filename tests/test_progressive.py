@@ -68,3 +68,25 @@ def test_the_window_holds_exactly_its_last_batches():
     got, want = window.total.metrics(), recount.metrics()
     assert got["auc"] == want["auc"] and got["num_samples"] == 1500
     assert got["log_loss"] == pytest.approx(want["log_loss"], rel=1e-12)
+
+
+def test_a_restored_window_goes_on_bitwise_as_the_saved_one():
+    """A window saved mid-stream and restored (through JSON, as a checkpoint keeps it) gives the same
+    counts and float sums as the one never saved, batch after batch; restored into a smaller window,
+    it holds the newest batches."""
+    data = batches(9, size=50)
+    window = SlidingWindow(3)
+    for x, y in data[:5]:
+        window.add(x, y)
+    restored = SlidingWindow.from_state(3, json.loads(json.dumps(window.state())))
+    for x, y in data[5:]:
+        window.add(x, y)
+        restored.add(x, y)
+        assert torch.equal(restored.total.counts, window.total.counts)
+        assert torch.equal(restored.total.sums, window.total.sums)
+    smaller = SlidingWindow.from_state(2, window.state())
+    recount = ScoreHistogram()
+    for x, y in data[-2:]:
+        recount.add(x, y)
+    assert torch.equal(smaller.total.counts, recount.counts)
+    assert smaller.total.metrics()["num_samples"] == 100

@@ -62,6 +62,12 @@ class FollowConfig(Strict):
         description="managed-collision tables: free the rows of ids not seen in the last N partitions, at the start "
         "of each partition (None: ids leave only when their bucket is full)",
     )
+    expire_after_steps: int | None = Field(
+        None,
+        gt=0,
+        description="managed-collision tables: free the rows of ids not seen in the last N training steps, checked "
+        "every max(1, N // 8) steps (None: not by steps; with expire_after_partitions too, either frees an id)",
+    )
 
 
 class SnapshotConfig(Strict):

@@ -442,6 +442,13 @@ class RunConfig(Strict):
                     f"data.follow scores one probability per sample (progressive validation); model.arch "
                     f"{self.model.arch} has no such output: use dlrm, dcnv2, deepfm or din"
                 )
+            f = self.data.follow
+            expiry = [k for k in ("expire_after_partitions", "expire_after_steps") if getattr(f, k) is not None]
+            if expiry and not any(o.managed_collision is not None for o in self.embedding.tables.values()):
+                raise ValueError(
+                    f"data.follow.{expiry[0]} frees rows of managed-collision tables, and embedding.tables has none: "
+                    "give tables a managed_collision section, or set it to null"
+                )
         if self.snapshot.enabled and self.snapshot.format == "pt2" and self.model.arch not in ("dlrm", "dcnv2", "deepfm"):
             raise ValueError(f"snapshot.format pt2 serves dlrm, dcnv2 and deepfm, not {self.model.arch}: use nrx")
         return self

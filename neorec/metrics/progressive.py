@@ -15,14 +15,18 @@ checkpoint (`state`, `from_state`: the non-zero bins only) whatever the number o
 asked for.
 
 `SlidingWindow` keeps the histogram of the last `num_batches` batches: each batch's bin indices are
-kept (4 bytes a sample) so that the batch leaving the window is subtracted exactly.
+kept (4 bytes a sample) so that the batch leaving the window is subtracted exactly. Its `state` holds
+those indices (base64, about 5.3 bytes a sample) and the float sums as they stand, so a window
+restored from it goes on bitwise as the one saved.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 from collections import deque
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -141,3 +145,35 @@ class SlidingWindow:
         if len(self._batches) > self.num_batches:
             old_index, old_sums = self._batches.popleft()
             self.total.add_binned(old_index.to(torch.int64), old_sums, sign=-1)
+
+    # ---- checkpoint state ------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """JSON-ready: each batch's bin indices (base64 of little-endian int32) and sums, oldest first,
+        and the window's sums as they stand (a recount would add them in another order)."""
+        batches = [
+            [base64.b64encode(index.cpu().numpy().astype("<i4").tobytes()).decode(), sums.cpu().tolist()]
+            for index, sums in self._batches
+        ]
+        return {"batches": batches, "sums": self.total.sums.cpu().tolist()}
+
+    @classmethod
+    def from_state(cls, num_batches: int, state: dict, device: torch.device | str = "cpu") -> SlidingWindow:
+        """The window `state` describes; with fewer batches than it holds (window_batches lowered), its
+        newest `num_batches`, their sums recounted."""
+        w = cls(num_batches, device)
+        saved = state["batches"]
+        for text, sums in saved[-num_batches:]:
+            index = torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype="<i4").astype(np.int32))
+            if index.numel() and not bool(((index >= 0) & (index < 2 * BINS)).all()):
+                raise ValueError(f"window bins outside [0, {2 * BINS})")
+            batch_sums = torch.tensor(sums, dtype=torch.float64, device=w.total.sums.device)
+            if batch_sums.numel() != len(_SUMS):
+                raise ValueError(f"window batch sums: {batch_sums.numel()} values, expected {len(_SUMS)}")
+            index = index.to(w.total.counts.device)
+            w.total.add_binned(index.to(torch.int64), batch_sums)
+            w._batches.append((index, batch_sums))
+        if len(saved) <= num_batches:
+            w.total.sums = torch.tensor(state["sums"], dtype=torch.float64, device=w.total.sums.device)
+            if w.total.sums.numel() != len(_SUMS):
+                raise ValueError(f"window sums: {w.total.sums.numel()} values, expected {len(_SUMS)}")
+        return w

@@ -8,10 +8,14 @@ scored by a forward in evaluation mode (id maps unchanged) and not trained on; t
 
 Over several processes each rank counts its own samples; the histograms are summed over the ranks
 when metrics are read (collective: at a partition's end and at log steps, which every rank reaches
-after the same batch) and when a checkpoint is saved (the sum is what rank 0 writes).
+after the same batch). A checkpoint holds every rank's histograms and window as they stand (gathered
+to rank 0, which writes them); a resumed rank takes its own back, so the sums go on in the order they
+would have without the restart, and every metrics line after it is the uninterrupted run's.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -52,19 +56,36 @@ class ProgressiveValidation:
         return self._summed(self.window.total).metrics()
 
     def state(self) -> dict:
-        """The partition's histograms so far, summed over the ranks (collective), for a checkpoint."""
-        return {
-            "partition": self._summed(self.partition).state(),
-            "held_out": self._summed(self.held_out).state(),
+        """Every rank's partition and held-out histograms and window (collective), for a checkpoint:
+        {"ranks": [rank 0's, rank 1's, ...]}."""
+        mine = {
+            "partition": self.partition.state(),
+            "held_out": self.held_out.state(),
+            "window": self.window.state(),
         }
+        if self.comms is None:
+            return {"ranks": [mine]}
+        payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+        every = self.comms.all_gather_bytes(payload, "eval").wait()
+        return {"ranks": [json.loads(p.cpu().numpy().tobytes()) for p in every]}
 
-    def load_state(self, state: dict | None, is_main: bool) -> None:
-        """Continue the partition's counts from a checkpoint: rank 0 takes the saved sums, the other
-        ranks start from zero, so that the sum over the ranks is the saved one."""
-        if not state or not is_main:
+    def load_state(self, state: dict | None, rank: int, world_size: int) -> None:
+        """Continue this rank's counts and window from a checkpoint's `state`. A checkpoint that holds
+        the partition's sums only (no "ranks"): rank 0 takes them, the other ranks start from zero, so
+        that the sum over the ranks is the saved one, and the window starts empty."""
+        if not state:
             return
-        self.partition = ScoreHistogram.from_state(state["partition"], self.device)
-        self.held_out = ScoreHistogram.from_state(state["held_out"], self.device)
+        if "ranks" not in state:
+            if rank == 0:
+                self.partition = ScoreHistogram.from_state(state["partition"], self.device)
+                self.held_out = ScoreHistogram.from_state(state["held_out"], self.device)
+            return
+        if len(state["ranks"]) != world_size:
+            raise ValueError(f"progressive state of {len(state['ranks'])} ranks, this run has {world_size}")
+        mine = state["ranks"][rank]
+        self.partition = ScoreHistogram.from_state(mine["partition"], self.device)
+        self.held_out = ScoreHistogram.from_state(mine["held_out"], self.device)
+        self.window = SlidingWindow.from_state(self.window.num_batches, mine["window"], self.device)
 
     def _summed(self, h: ScoreHistogram) -> ScoreHistogram:
         if self.comms is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,10 +27,13 @@ log = logging.getLogger(__name__)
 class PeriodicSnapshots:
     """The trainer's snapshot settings: every N steps and/or every M minutes, keep the last K."""
 
-    def __init__(self, cfg: SnapshotConfig, root: Path, topo: Topology) -> None:
-        self.cfg, self.root, self.topo = cfg, root, topo
+    def __init__(
+        self, cfg: SnapshotConfig, root: Path, topo: Topology, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """clock: seconds from a fixed origin, read for every_minutes (a test gives its own)."""
+        self.cfg, self.root, self.topo, self.clock = cfg, root, topo, clock
         self.last_step: int | None = None
-        self._last_time = time.monotonic()
+        self._last_time = clock()
 
     @property
     def enabled(self) -> bool:
@@ -40,7 +44,7 @@ class PeriodicSnapshots:
         c = self.cfg
         due = c.every_steps is not None and step % c.every_steps == 0
         if c.every_minutes is not None:
-            late = time.monotonic() - self._last_time >= 60.0 * c.every_minutes
+            late = self.clock() - self._last_time >= 60.0 * c.every_minutes
             if self.topo.world_size > 1:
                 import torch.distributed as dist
 
@@ -61,7 +65,7 @@ class PeriodicSnapshots:
     def publish(self, step: int, checkpoint: Path, config: Path, source: DataSource) -> Path | None:
         """Rank 0: export checkpoint `checkpoint` (of `step`; `config` the run's config.yaml) and publish
         it. Returns the snapshot folder (None on other ranks)."""
-        self.last_step, self._last_time = step, time.monotonic()
+        self.last_step, self._last_time = step, self.clock()
         if self.topo.rank != 0:
             return None
         from neorec.serving.export import export_model

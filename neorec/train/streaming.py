@@ -1,6 +1,7 @@
 """What a run does at the seams of a followed stream (data.follow): a partition starts (managed-collision
-ids not seen for `expire_after_partitions` partitions are freed), a held-out batch is scored, a
-partition ends (its progressive metrics and id-map counts are logged), and a snapshot is published.
+ids not seen for `expire_after_partitions` partitions are freed), every few steps ids not seen for
+`expire_after_steps` steps are freed, a held-out batch is scored, a partition ends (its progressive
+metrics and id-map counts are logged), and a snapshot is published.
 
 `StreamHandling` is part of Trainer (neorec/train/trainer.py), whose step loop calls it; its methods use
 the trainer's attributes listed in the class. Every method is called by every rank after the same batch.
@@ -14,10 +15,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from neorec.checkpoint.files import CheckpointError
 from neorec.checkpoint.save import checkpoint_name
 from neorec.config.schema import RunConfig
 from neorec.data.source import DataSource
 from neorec.distributed.comms import Comms
+from neorec.distributed.topology import Topology
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.remap import MappedTable, expire_ids
 from neorec.train.progressive import ProgressiveValidation
@@ -37,6 +40,12 @@ def mapped_tables(embeddings: EmbeddingCollection) -> tuple[list[MappedTable], o
     return list(getattr(engine, "mapped", [])), engine
 
 
+def steps_between_sweeps(expire_after_steps: int) -> int:
+    """How often ids are checked for expiry by steps: an id leaves within N + N // 8 steps of its
+    last batch, and the check (a pass over the maps' rows) costs at most one in eight steps."""
+    return max(1, expire_after_steps // 8)
+
+
 def map_clock(engine) -> int:
     """The step the engine's id maps stamp on the next training batch."""
     return int(getattr(engine, "num_updates", getattr(engine, "map_step", 0))) + 1
@@ -49,6 +58,7 @@ class StreamHandling:
     cfg: RunConfig
     comms: Comms | None
     is_main: bool
+    topo: Topology
     device: torch.device
     model: nn.Module
     embeddings: EmbeddingCollection
@@ -60,7 +70,7 @@ class StreamHandling:
     _map_counts: dict[str, float]  # id-map counters at the start of the partition being read
 
     def _stream_state(self) -> dict:
-        """What a checkpoint keeps of the partition being read (collective): its progressive histograms,
+        """What a checkpoint keeps of the stream (collective): every rank's progressive histograms and window,
         its id-map counts so far and ids expired at its start, and the map clocks of partition starts."""
         assert self.progressive is not None
         now = self._summed_map_counts()
@@ -76,7 +86,12 @@ class StreamHandling:
         """Continue the partition's records from a checkpoint's `_stream_state` (a restarted process's
         id-map counters start at zero: the counts so far become a negative baseline)."""
         assert self.progressive is not None
-        self.progressive.load_state(position.get("progressive"), self.is_main)
+        try:
+            self.progressive.load_state(position.get("progressive"), self.topo.rank, self.topo.world_size)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"the checkpoint resumed from: its progressive metrics state is malformed ({e})"
+            ) from None
         self.partition_clocks = list(position.get("partition_clocks") or [])
         saved = dict(position.get("partition_id_map") or {})
         self._expired = int(saved.pop("expired", 0))
@@ -97,6 +112,19 @@ class StreamHandling:
         if len(self.partition_clocks) == keep:  # ids last seen before the oldest of the last N partitions
             freed = expire_ids(tables, self.partition_clocks[0])  # a rank may hold none of the maps
             self._expired = int(self._sum_over_ranks(torch.tensor([float(sum(freed.values()))]))[0])
+
+    def _expire_by_steps(self, step: int) -> None:
+        """Before the training batch after `step` steps: every max(1, N // 8) steps, free the ids not
+        seen in the last N training steps (expire_after_steps N), counted with the partition's expired
+        ids. Keyed on the step, so a resumed run sweeps where an uninterrupted one does."""
+        follow = self.cfg.data.follow
+        assert follow is not None
+        n = follow.expire_after_steps
+        if n is None or step == 0 or step % steps_between_sweeps(n) or not self._has_maps():
+            return
+        tables, engine = mapped_tables(self.embeddings)
+        freed = expire_ids(tables, map_clock(engine) - n)  # ids of the last n batches keep their rows
+        self._expired += int(self._sum_over_ranks(torch.tensor([float(sum(freed.values()))]))[0])
 
     @torch.no_grad()
     def _score_held_out(self, local) -> None:

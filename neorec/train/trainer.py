@@ -149,7 +149,11 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         too: its wait_seconds is the time the loop has waited for data."""
         t = self.cfg.train
         feed = DeviceFeed(prefetch(self.data.train_batches(epoch, resume_at), t.prefetch), self.device, depth=2)
-        return feed, (local for _, local in pipelined(feed, _same, self.embeddings, int(t.pipeline)))
+        flush_after = None
+        if self.stream is not None:  # a partition's last batch trains before the next partition is waited for
+            first, stream = (resume_at or {}).get("batches", 0), self.stream
+            flush_after = lambda i: stream.batch_record(first + i).last  # noqa: E731
+        return feed, (local for _, local in pipelined(feed, _same, self.embeddings, int(t.pipeline), flush_after))
 
     def train_step(self, batch, is_local: bool = False) -> torch.Tensor:
         """One step on a global batch (or on this rank's slice of one); returns this process's loss."""
@@ -239,6 +243,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                     if record.last:
                         self._end_partition(logger, step, record.partition, result)
                     continue
+                if self.progressive is not None:
+                    self._expire_by_steps(step)
                 self._set_lr(step, total)
                 unread.append(self.train_step(local, is_local=True))  # read back at log steps only
                 step += 1
