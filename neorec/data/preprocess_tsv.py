@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from neorec.data import tsv_index
 from neorec.data import vocab as vocab_io
 from neorec.data.criteo_lines import CATEGORICAL_NAMES
 from neorec.data.manifest import ShardPlan
-from neorec.data import tsv_index
 from neorec.data.tsv_index import BlockScan, FileIndex, combine_scans, scan_range, scan_stream
 from neorec.data.tsv_pieces import Piece, PieceParse, error_key, parse_pieces, plan_pieces
 from neorec.data.tsv_shards import assemble_shard, piece_job, start_shard

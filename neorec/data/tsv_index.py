@@ -159,7 +159,9 @@ def _reread_offsets(path: PathLike, shard_lines: int, reread: list[tuple[BlockSc
             f.seek(scan.pos)
             block = f.read(scan.size)
             if len(block) != scan.size or block.count(b"\n") != scan.newlines:
-                raise DataError(f"{path}: changed while it was indexed (near byte {scan.pos}); preprocess it again")
+                raise DataError(
+                    f"{path}: changed while it was indexed (near byte {scan.pos}); preprocess it again"
+                )
             offsets += _offsets_in(block, scan.pos, lines_before, scan.newlines, shard_lines)
     return offsets
 

@@ -166,9 +166,7 @@ def _parse_block(
         return
     lines = block.lines(max_line_bytes)
     if len(lines) != block.num_lines:  # the lines counted by the indexing pass are no longer there
-        raise DataError(
-            f"{path}: changed since it was indexed (lines {block.first}..); preprocess it again"
-        )
+        raise DataError(f"{path}: changed since it was indexed (lines {block.first}..); preprocess it again")
     numbered = list(zip(block.numbers().tolist(), lines, strict=True))
     chunk = (block.numbers() - piece.shard.first) // CHUNK_LINES
     for c in np.unique(chunk):
