@@ -126,8 +126,9 @@ def write_criteo_shards(
             pieces_left[shard_index] -= 1
             if not pieces_left[shard_index] and not errors:  # its last piece: write the shard
                 assemble_shard(
-                    out, by_index[shard_index], settings, features, rows[shard_index], skipped[shard_index]
-                )
+                    out, by_index[shard_index], settings, features, rows[shard_index], skipped[shard_index],
+                    threads=workers,
+                )  # fmt: skip
                 written += 1
     _raise_first(errors)
     return written

@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 import zlib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -141,15 +142,18 @@ def start_shard(out: Path, shard: ShardPlan) -> None:
 
 
 def assemble_shard(
-    out: Path, shard: ShardPlan, settings: dict, features: list[dict], rows: dict[str, int], skipped: Counter
-) -> dict:
+    out: Path, shard: ShardPlan, settings: dict, features: list[dict], rows: dict[str, int], skipped: Counter,
+    threads: int = 1,
+) -> dict:  # fmt: skip
     """Write the .npy files of a shard from its scratch files (see the module's docstring), its meta.json
-    and Parquet copy, and rename it into place; returns its meta dict."""
+    and Parquet copy, and rename it into place; returns its meta dict. The column files are written by
+    `threads` threads: reads, writes, crc32 and fsync release the GIL."""
     tmp = _tmp(out, shard.index)
     types = column_types(settings, features)
     row_bytes = sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape in types.values())
     files: dict[str, list[int]] = {}
     samples: dict[str, int] = {}
+    columns: list[tuple[str, tuple]] = []  # (file name in the shard, arguments of _write_column)
     for split in SPLITS:
         if not rows.get(split):
             continue
@@ -164,10 +168,18 @@ def assemble_shard(
         for key, (dtype, shape) in types.items():
             width = dtype.itemsize * int(np.prod(shape))
             path = tmp / split / f"{key}.npy"
-            crc = _write_column(path, scratch, sizes, row_bytes, start, width, dtype, (rows[split], *shape))
-            files[f"{split}/{key}.npy"] = [path.stat().st_size, crc]
+            columns.append(
+                (
+                    f"{split}/{key}.npy",
+                    (path, scratch, sizes, row_bytes, start, width, dtype, (rows[split], *shape)),
+                )
+            )
             start += width
         samples[split] = rows[split]
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        written = list(pool.map(lambda column: _write_column(*column[1]), columns))
+    for (name, _), (size, crc) in zip(columns, written, strict=True):
+        files[name] = [size, crc]
     shutil.rmtree(tmp / _SCRATCH, ignore_errors=True)
     meta = {"samples": samples, "skipped": dict(sorted(skipped.items())), "files": files}
     write_json(tmp / META, meta, "preprocessed shard file")
@@ -185,14 +197,15 @@ def _write_column(
     path: Path, scratch: list[Path], sizes: list[int], row_bytes: int, start: int, width: int, dtype: np.dtype,
     shape: tuple[int, ...],
 ) -> int:  # fmt: skip
-    """Write one column as np.save would (header, then the rows of every scratch file); its crc32."""
-    crc = 0
+    """Write one column as np.save would (header, then the rows of every scratch file); (its size, its
+    crc32)."""
+    crc, size = 0, 0
 
     def write(f: BinaryIO) -> None:
-        nonlocal crc
+        nonlocal crc, size
         header = _npy_header(dtype, shape)
         f.write(header)
-        crc = zlib.crc32(header)
+        crc, size = zlib.crc32(header), len(header)
         for part, size in zip(scratch, sizes, strict=True):
             n = size // row_bytes
             with open(part, "rb") as src:
@@ -201,10 +214,10 @@ def _write_column(
             if len(data) != n * width:
                 raise DataError(f"{part}: shorter than its {n} rows; rerun the same command")
             f.write(data)
-            crc = zlib.crc32(data, crc)
+            crc, size = zlib.crc32(data, crc), size + len(data)
 
     write_atomic(path, write, "preprocessed shard file", _KEEPS)
-    return crc
+    return size, crc
 
 
 def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
