@@ -196,16 +196,16 @@ def assemble_shard(
 def _write_column(
     path: Path, scratch: list[Path], sizes: list[int], row_bytes: int, start: int, width: int, dtype: np.dtype,
     shape: tuple[int, ...],
-) -> int:  # fmt: skip
+) -> tuple[int, int]:  # fmt: skip
     """Write one column as np.save would (header, then the rows of every scratch file); (its size, its
     crc32)."""
-    crc, size = 0, 0
+    crc, num_bytes = 0, 0
 
     def write(f: BinaryIO) -> None:
-        nonlocal crc, size
+        nonlocal crc, num_bytes
         header = _npy_header(dtype, shape)
         f.write(header)
-        crc, size = zlib.crc32(header), len(header)
+        crc, num_bytes = zlib.crc32(header), len(header)
         for part, size in zip(scratch, sizes, strict=True):
             n = size // row_bytes
             with open(part, "rb") as src:
@@ -214,10 +214,10 @@ def _write_column(
             if len(data) != n * width:
                 raise DataError(f"{part}: shorter than its {n} rows; rerun the same command")
             f.write(data)
-            crc, size = zlib.crc32(data, crc), size + len(data)
+            crc, num_bytes = zlib.crc32(data, crc), num_bytes + len(data)
 
     write_atomic(path, write, "preprocessed shard file", _KEEPS)
-    return size, crc
+    return num_bytes, crc
 
 
 def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
