@@ -63,6 +63,8 @@ def map_ids(out: Path, settings: dict, raw: np.ndarray) -> list[np.ndarray]:
             ids.append(raw[f].astype(np.int64))
         elif cat["hashing"] == "modulo" and rows[f] < 2**32:  # the same ids as map_categorical, in 32 bits
             ids.append(raw[f] % np.uint32(rows[f]))
+            if rows[f] <= 2**31:  # ids under 2**31: the int32 column's bits, without a copy
+                ids[-1] = ids[-1].view(np.int32)
         else:
             ids.append(map_categorical(raw[f][:, None], rows[f : f + 1], cat["hashing"])[:, 0])
     return ids
@@ -84,7 +86,8 @@ def piece_job(job: tuple[str, dict, list[dict], list[Piece]]) -> tuple[list[dict
         parts = pending[split]
         if parts:
             labels, dense, raw = (
-                np.concatenate(p, axis=-1 if i == 2 else 0) for i, p in enumerate(zip(*parts, strict=True))
+                (p[0] if len(p) == 1 else np.concatenate(p, axis=-1 if i == 2 else 0))
+                for i, p in enumerate(zip(*parts, strict=True))
             )
             columns = {"dense": dense, "labels": labels}
             columns |= {
