@@ -127,7 +127,7 @@ def write_criteo_shards(
             if not pieces_left[shard_index] and not errors:  # its last piece: write the shard
                 assemble_shard(
                     out, by_index[shard_index], settings, features, rows[shard_index], skipped[shard_index],
-                    threads=workers,
+                    threads=max(4, 2 * workers),  # mostly waits for fsync: more threads than cores
                 )  # fmt: skip
                 written += 1
     _raise_first(errors)
