@@ -129,9 +129,11 @@ def scan_stream(path: PathLike, shard_lines: int, block_bytes: int) -> list[Bloc
 
 
 def combine_scans(path: PathLike, shard_lines: int, scans: list[BlockScan]) -> FileIndex:
-    """The index of a file from the scans of all its blocks, in order (see the module's docstring)."""
+    """The index of a file from the scans of all its blocks, in order (see the module's docstring). The
+    last non-blank line ends at its newline, or at the end of the file, whatever blocks it spans."""
     gz = str(path).endswith(".gz")
     num_newlines, last_line, end = 0, 0, 0
+    open_line = False  # whether the last non-blank line so far goes on past `end` (blanks, a newline)
     offsets, starts = [0], [(1, 0)]
     reread: list[tuple[BlockScan, int]] = []  # (block, newlines before it) of plain files' shard starts
     for scan in scans:
@@ -140,6 +142,10 @@ def combine_scans(path: PathLike, shard_lines: int, scans: list[BlockScan]) -> F
         if scan.filled:  # the last non-blank line so far ends in this block
             last_line = num_newlines + scan.newlines - scan.newlines_after + 1
             end = scan.line_end
+            open_line = scan.newlines_after == 0
+        elif open_line:  # its trailing blanks go on in this block
+            end = scan.pos + (scan.first_newline + 1 if scan.first_newline >= 0 else scan.size)
+            open_line = scan.first_newline < 0
         if scan.shard_offsets is not None:
             offsets += scan.shard_offsets
         elif (num_newlines // shard_lines + 1) * shard_lines <= num_newlines + scan.newlines:
