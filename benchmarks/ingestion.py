@@ -164,6 +164,7 @@ def timed(cmd: list[str], mb: float) -> list[object]:
 def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
     """neorec's preprocessing with 1 and 2 workers, pyarrow's parse and TorchRec's tsv_to_npys."""
     rows = []
+    load_before = os.getloadavg()[0]
     for num_lines in args.criteo_lines:
         tsv = tmp / f"day-{num_lines}.tsv"
         write_criteo_layout(tsv, num_lines)
@@ -207,7 +208,9 @@ def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
             "FILE --table-rows 40000000` (modulo hashing, every 10th line held out, shards of 1,000,000 lines, "
             "fsync'd .npy columns). CPU: user + system seconds of the command and its workers; peak: the largest "
             "of their resident sizes. TorchRec runs only on files of at most "
-            f"{args.torchrec_max_lines:,} lines (it holds the whole file in memory).")  # fmt: skip
+            f"{args.torchrec_max_lines:,} lines (it holds the whole file in memory). Load average (1 min) "
+            f"{load_before:.1f} before the runs, {os.getloadavg()[0]:.1f} after: other processes share the "
+            "cores, wall-clock figures are only as good as that.")  # fmt: skip
     return rows, note
 
 
