@@ -24,6 +24,7 @@ from neorec.data.tsv_pieces import Piece, PieceParse, error_key, parse_pieces, p
 from neorec.data.tsv_shards import assemble_shard, piece_job, start_shard
 from neorec.data.workers import run_jobs
 from neorec.errors import DataError
+from neorec.utils.malloc import keep_freed_memory
 
 
 def index_job(job: tuple[str, int, int, int | None, int]) -> tuple[str, int, list[BlockScan]]:
@@ -46,7 +47,9 @@ def index_files(paths: list[str], shard_lines: int, workers: int, progress: bool
         for start, stop in zip(cuts, [*cuts[1:], None], strict=True):
             jobs.append((path, shard_lines, start, stop, block_bytes))
     scans: dict[str, dict[int, list[BlockScan]]] = defaultdict(dict)
-    for path, start, part in run_jobs(index_job, jobs, workers, progress, "indexing", initializer=None):
+    for path, start, part in run_jobs(
+        index_job, jobs, workers, progress, "indexing", initializer=keep_freed_memory
+    ):
         scans[path][start] = part
     return {
         path: combine_scans(path, shard_lines, [s for start in sorted(parts) for s in parts[start]])
@@ -113,7 +116,7 @@ def write_criteo_shards(
     errors: list[tuple[tuple, str]] = []
     written = 0
     work = [(str(out), settings, features, job) for job in jobs]
-    results = run_jobs(piece_job, work, workers, progress, "pieces", initializer=None,
+    results = run_jobs(piece_job, work, workers, progress, "pieces", initializer=keep_freed_memory,
                        keys=[_first_key(j) for j in jobs], stop_key=_stop_key)  # fmt: skip
     for done, outcome in results:
         if outcome.error is not None:
@@ -161,7 +164,7 @@ def build_vocab(
     counts = vocab_io.SpillingCounts(out / "vocab.counts", CATEGORICAL_NAMES)
     errors = []
     work = [(settings, job) for job in jobs]
-    for per_feature, outcome in run_jobs(count_job, work, workers, progress, "counting", initializer=None,
+    for per_feature, outcome in run_jobs(count_job, work, workers, progress, "counting", initializer=keep_freed_memory,
                                          keys=[_first_key(j) for j in jobs], stop_key=_stop_key):  # fmt: skip
         if outcome.error is not None:
             errors.append(outcome.error)
