@@ -121,11 +121,19 @@ def write_criteo_layout(path: Path, num_lines: int, base_lines: int = 200_000) -
             f.write(block if start + base_lines <= num_lines else b"".join(lines[: num_lines - start]))
 
 
-_PYARROW_PARSE = """
+# pyarrow's fastest block size here, its default: 512 KiB and 1 MiB parse the 1M-line file in about
+# 1.2 CPU-s, 2 MiB in 1.2-1.4, 4 MiB in 1.5, 8 MiB in 2.4 (2026-11-27, 2-core VM, loaded); every column
+# as binary, as neorec parses them (inferring types, int64 and UTF-8 strings, costs more)
+_PYARROW_BLOCK = 1 << 20
+_PYARROW_PARSE = f"""
 import sys, pyarrow as pa, pyarrow.csv as pcsv
-names = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
-reader = pcsv.open_csv(sys.argv[1], read_options=pcsv.ReadOptions(column_names=names, use_threads=False),
-                       parse_options=pcsv.ParseOptions(delimiter="\\t", quote_char=False))
+names = ["label"] + [f"I{{i}}" for i in range(1, 14)] + [f"C{{i}}" for i in range(1, 27)]
+reader = pcsv.open_csv(
+    sys.argv[1],
+    read_options=pcsv.ReadOptions(column_names=names, use_threads=False, block_size={_PYARROW_BLOCK}),
+    parse_options=pcsv.ParseOptions(delimiter="\\t", quote_char=False),
+    convert_options=pcsv.ConvertOptions(column_types={{c: pa.binary() for c in names}}),
+)
 print(sum(b.num_rows for b in reader))
 """
 _TORCHREC = """
@@ -156,6 +164,7 @@ def timed(cmd: list[str], mb: float) -> list[object]:
 def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
     """neorec's preprocessing with 1 and 2 workers, pyarrow's parse and TorchRec's tsv_to_npys."""
     rows = []
+    load_before = os.getloadavg()[0]
     for num_lines in args.criteo_lines:
         tsv = tmp / f"day-{num_lines}.tsv"
         write_criteo_layout(tsv, num_lines)
@@ -173,7 +182,7 @@ def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
         cmd = [sys.executable, "-c", _PYARROW_PARSE, str(tsv)]
         rows.append(
             [
-                "pyarrow.csv streaming reader, 1 thread (parse only)",
+                f"pyarrow.csv streaming reader, 1 thread, {_PYARROW_BLOCK >> 20} MiB blocks (parse only)",
                 f"{num_lines:,}",
                 f"{mb:.0f}",
                 *timed(cmd, mb),
@@ -199,7 +208,9 @@ def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
             "FILE --table-rows 40000000` (modulo hashing, every 10th line held out, shards of 1,000,000 lines, "
             "fsync'd .npy columns). CPU: user + system seconds of the command and its workers; peak: the largest "
             "of their resident sizes. TorchRec runs only on files of at most "
-            f"{args.torchrec_max_lines:,} lines (it holds the whole file in memory).")  # fmt: skip
+            f"{args.torchrec_max_lines:,} lines (it holds the whole file in memory). Load average (1 min) "
+            f"{load_before:.1f} before the runs, {os.getloadavg()[0]:.1f} after: other processes share the "
+            "cores, wall-clock figures are only as good as that.")  # fmt: skip
     return rows, note
 
 

@@ -285,13 +285,13 @@ def forked_workers(monkeypatch):
 
 @pytest.mark.parametrize("name", ["bad_skip", "vocab_skip", "plain_hash_26_rows"])
 def test_pieces_of_one_file_in_two_workers_write_the_recorded_bytes(files, name, monkeypatch, forked_workers):
-    """Pieces start in every 64 KiB of a file (16 MiB otherwise), so that every shard is cut into
+    """Pieces start in every 64 KiB of a file (8 MiB otherwise), so that every shard is cut into
     several, parsed by two workers in any order."""
-    from neorec.data import tsv_pieces
+    from neorec.data import tsv_index
 
     folder, names = files
     monkeypatch.chdir(folder)
-    monkeypatch.setattr(tsv_pieces, "INDEX_BLOCK", 64 << 10)
+    monkeypatch.setattr(tsv_index, "INDEX_BLOCK", 64 << 10)
     assert run_preprocess(folder, names, name, workers=2) == GOLDEN[f"preprocess/{name}"]
     assert run_fail(names, "bad_fail", workers=2) == GOLDEN["fail/bad_fail"]
 

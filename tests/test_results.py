@@ -129,3 +129,12 @@ def test_links_in_readme_and_docs_lead_to_files_and_results_sections_that_exist(
             if not any(section.lower() in h.lower() for h in headings):
                 broken.append(f"{page.relative_to(ROOT)}: {target} has no section {section!r}")
     assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
+
+
+def test_runs_under_a_renamed_title_leave_results_for_the_history_page(monkeypatch) -> None:
+    monkeypatch.setattr(rr, "RETITLED", {"T: old": "T: new"})
+    runs = [{"title": t, "date": d, "command": "python b.py", "machine": "m", "versions": {},
+             "tables": [{"header": ["x"], "rows": [["1"]]}]} for t, d in (("T: old", "1"), ("T: new", "2"))]  # fmt: skip
+    assert [r["date"] for r in rr.latest(runs)] == ["2"]
+    assert "### T: old (1)" not in rr.render_results({"b": runs})
+    assert "## T: old (1)" in rr.render_history("b", runs)

@@ -70,7 +70,7 @@ from neorec.data.manifest import resume_or_start as _resume_or_start
 from neorec.data.manifest import shard_name as shard_name
 from neorec.data.manifest import start_manifest as _start_manifest
 from neorec.data.preprocess_tsv import build_vocab, criteo_plan, index_files, write_criteo_shards
-from neorec.data.tsv_pieces import index_file
+from neorec.data.tsv_index import index_file
 from neorec.data.workers import run_jobs as _map
 from neorec.errors import ConfigError, DataError
 

@@ -15,31 +15,46 @@ from pathlib import Path
 
 import numpy as np
 
+from neorec.data import tsv_index
 from neorec.data import vocab as vocab_io
 from neorec.data.criteo_lines import CATEGORICAL_NAMES
 from neorec.data.manifest import ShardPlan
-from neorec.data.tsv_pieces import (
-    FileIndex,
-    Piece,
-    PieceParse,
-    error_key,
-    index_file,
-    parse_pieces,
-    plan_pieces,
-)
+from neorec.data.tsv_index import BlockScan, FileIndex, combine_scans, scan_range, scan_stream
+from neorec.data.tsv_pieces import Piece, PieceParse, error_key, parse_pieces, plan_pieces
 from neorec.data.tsv_shards import assemble_shard, piece_job, start_shard
 from neorec.data.workers import run_jobs
 from neorec.errors import DataError
+from neorec.utils.malloc import keep_freed_memory
 
 
-def index_job(job: tuple[str, int]) -> FileIndex:
-    path, shard_lines = job
-    return index_file(path, shard_lines)
+def index_job(job: tuple[str, int, int, int | None, int]) -> tuple[str, int, list[BlockScan]]:
+    """(path, start, scans) of the blocks of a byte range of a plain file, or of a whole .gz file."""
+    path, shard_lines, start, stop, block_bytes = job
+    if path.endswith(".gz"):
+        return path, start, scan_stream(path, shard_lines, block_bytes)
+    return path, start, scan_range(path, start, stop, block_bytes)
 
 
 def index_files(paths: list[str], shard_lines: int, workers: int, progress: bool) -> dict[str, FileIndex]:
-    jobs = [(p, shard_lines) for p in dict.fromkeys(paths)]
-    return {i.path: i for i in run_jobs(index_job, jobs, workers, progress, "indexing", initializer=None)}
+    """The index of every file; a plain file is scanned in byte ranges of whole blocks, about two per
+    worker, so that the workers share one big file (neorec/data/tsv_index.py)."""
+    block_bytes = tsv_index.INDEX_BLOCK
+    jobs: list[tuple[str, int, int, int | None, int]] = []
+    for path in dict.fromkeys(paths):
+        num_blocks = -(-Path(path).stat().st_size // block_bytes)
+        num_ranges = 1 if path.endswith(".gz") else max(1, min(num_blocks, 2 * workers))
+        cuts = [round(i * num_blocks / num_ranges) * block_bytes for i in range(num_ranges)]
+        for start, stop in zip(cuts, [*cuts[1:], None], strict=True):
+            jobs.append((path, shard_lines, start, stop, block_bytes))
+    scans: dict[str, dict[int, list[BlockScan]]] = defaultdict(dict)
+    for path, start, part in run_jobs(
+        index_job, jobs, workers, progress, "indexing", initializer=keep_freed_memory
+    ):
+        scans[path][start] = part
+    return {
+        path: combine_scans(path, shard_lines, [s for start in sorted(parts) for s in parts[start]])
+        for path, parts in scans.items()
+    }
 
 
 def criteo_plan(
@@ -101,7 +116,7 @@ def write_criteo_shards(
     errors: list[tuple[tuple, str]] = []
     written = 0
     work = [(str(out), settings, features, job) for job in jobs]
-    results = run_jobs(piece_job, work, workers, progress, "pieces", initializer=None,
+    results = run_jobs(piece_job, work, workers, progress, "pieces", initializer=keep_freed_memory,
                        keys=[_first_key(j) for j in jobs], stop_key=_stop_key)  # fmt: skip
     for done, outcome in results:
         if outcome.error is not None:
@@ -114,8 +129,9 @@ def write_criteo_shards(
             pieces_left[shard_index] -= 1
             if not pieces_left[shard_index] and not errors:  # its last piece: write the shard
                 assemble_shard(
-                    out, by_index[shard_index], settings, features, rows[shard_index], skipped[shard_index]
-                )
+                    out, by_index[shard_index], settings, features, rows[shard_index], skipped[shard_index],
+                    threads=max(4, 2 * workers),  # mostly waits for fsync: more threads than cores
+                )  # fmt: skip
                 written += 1
     _raise_first(errors)
     return written
@@ -148,7 +164,7 @@ def build_vocab(
     counts = vocab_io.SpillingCounts(out / "vocab.counts", CATEGORICAL_NAMES)
     errors = []
     work = [(settings, job) for job in jobs]
-    for per_feature, outcome in run_jobs(count_job, work, workers, progress, "counting", initializer=None,
+    for per_feature, outcome in run_jobs(count_job, work, workers, progress, "counting", initializer=keep_freed_memory,
                                          keys=[_first_key(j) for j in jobs], stop_key=_stop_key):  # fmt: skip
         if outcome.error is not None:
             errors.append(outcome.error)

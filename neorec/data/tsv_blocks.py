@@ -111,11 +111,15 @@ def line_blocks(
     block_bytes: int | None = None,
 ) -> Iterator[LineBlock]:
     """Blocks of the lines of `f` from its position on (line `first`), up to `num_lines` lines and
-    `num_bytes` bytes when given, else to the end; blocks of BLOCK_BYTES unless `block_bytes` is given."""
+    `num_bytes` bytes when given, else to the end; blocks of BLOCK_BYTES unless `block_bytes` is given.
+    With both limits given, the block that holds the last of those bytes is taken to hold the rest of
+    the lines, uncounted (a piece counted by the indexing pass; a parse of other lines sees it)."""
     block_bytes = max(
         block_bytes or BLOCK_BYTES, max_line_bytes + 1
     )  # a line without a newline in a block is too long
     number, left_lines, left_bytes = first, num_lines, num_bytes
+    if left_bytes is not None and left_bytes <= block_bytes + block_bytes // 4:
+        block_bytes = max(block_bytes, left_bytes)  # a piece a little over a block is read as one
     rest = b""
     while left_lines is None or left_lines > 0:
         piece = f.read(block_bytes if left_bytes is None else min(block_bytes, left_bytes))
@@ -138,7 +142,10 @@ def line_blocks(
             left_lines = None if left_lines is None else left_lines - 1
             continue
         block, rest = data[:cut], data[cut:]
-        count = block.count(b"\n")
+        if left_bytes == 0 and not rest and left_lines is not None:  # the rest of the lines, counted
+            count = left_lines  # by the indexing pass (the parse checks it)
+        else:
+            count = block.count(b"\n")
         if left_lines is not None and count > left_lines:  # the block goes past the last line wanted
             ends = np.flatnonzero(np.frombuffer(block, np.uint8) == ord("\n"))
             block, count = block[: ends[left_lines - 1] + 1], left_lines

@@ -2,8 +2,8 @@
 piece: its lines split into held-out and training lines, bad lines by the policy (torch-free).
 
 A shard is lines [k * shard_lines + 1, ...] of a file (neorec/data/preprocess.py). A piece is a run of
-whole lines of one shard: the indexing pass notes where a line starts near every `piece_bytes` bytes of
-a plain file (and its number), so that pieces are byte ranges that start on a line, and several workers
+whole lines of one shard: the indexing pass (neorec/data/tsv_index.py) notes where a line starts near
+every INDEX_BLOCK bytes of a plain file (and its number), so that pieces are byte ranges that start on a line, and several workers
 share one big file, and one shard, whatever its size. A .gz file cannot seek: its shards are its
 pieces, read in order by one job.
 
@@ -16,38 +16,22 @@ key names the line (neorec/data/tsv_shards.py).
 
 from __future__ import annotations
 
-import gzip
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 
 from neorec.data.criteo_lines import FAIL_HINT, BadLine, Parsed, parse_lines, select
 from neorec.data.manifest import ShardPlan
 from neorec.data.tsv_blocks import LineBlock, line_blocks, parse_fast
+from neorec.data.tsv_index import FileIndex, open_input
 from neorec.errors import DataError
 
 CHUNK_LINES = 16384  # lines per chunk of the line-by-line preprocessing, whose bad-line order is kept
-INDEX_BLOCK = 16 << 20  # bytes read at a time by the indexing pass; a piece starts in each
 
 PathLike = str | Path
-
-
-@dataclass
-class FileIndex:
-    """What the indexing pass learns of a file: its lines (up to the last non-blank one), the byte
-    offsets of lines 1, 1 + shard_lines, ... and of the lines that start pieces (plain files only),
-    and where its last non-blank line ends."""
-
-    path: str
-    num_lines: int
-    shard_lines: int
-    shard_offsets: list[int]
-    piece_starts: list[tuple[int, int]] = field(default_factory=list)  # (line, byte offset)
-    end: int = -1
 
 
 @dataclass
@@ -60,53 +44,6 @@ class Piece:
     count: int
     offset: int = -1
     num_bytes: int = -1
-
-
-def open_input(path: str | Path) -> IO[bytes]:
-    return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
-
-
-def index_file(path: PathLike, shard_lines: int, block_bytes: int | None = None) -> FileIndex:
-    """Count the lines of a file and note the offsets of shard starts and of a piece start in every
-    block of `block_bytes` (the line after the block's first newline); one read of the file."""
-    path = Path(path)
-    block_bytes = block_bytes or INDEX_BLOCK
-    gz = path.suffix == ".gz"
-    num_newlines, pos, last_line, offsets, starts = 0, 0, 0, [0], [(1, 0)]
-    end = 0
-    with open_input(path) as f:
-        try:
-            while block := f.read(block_bytes):
-                count = block.count(b"\n")
-                # newline number j * shard_lines ends the line before a shard's first line
-                first_target = (num_newlines // shard_lines + 1) * shard_lines
-                targets = range(first_target, num_newlines + count + 1, shard_lines)
-                if targets:
-                    nl = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
-                    offsets += [pos + int(nl[t - num_newlines - 1]) + 1 for t in targets]
-                newline = block.find(b"\n")
-                if pos and newline >= 0 and not gz:
-                    starts.append((num_newlines + 2, pos + newline + 1))
-                filled = _filled(block)
-                if filled:  # the last non-blank line so far ends in this block
-                    last_line = num_newlines + count - block.count(b"\n", filled - 1) + 1
-                    newline = block.find(b"\n", filled - 1)
-                    end = pos + (newline + 1 if newline >= 0 else len(block))
-                num_newlines += count
-                pos += len(block)
-        except (OSError, EOFError) as e:
-            raise DataError(f"{path}: cannot read after byte {pos} of its content: {e}") from e
-    offsets = [o for i, o in enumerate(offsets) if i * shard_lines < last_line]
-    starts = [(line, off) for line, off in starts if line <= last_line]
-    return FileIndex(str(path), last_line, shard_lines, offsets, [] if gz else starts, -1 if gz else end)
-
-
-def _filled(block: bytes) -> int:
-    """The length of `block` without its trailing whitespace (bytes.rstrip), copying it only when it
-    ends with whitespace."""
-    if block and block[-1] not in b" \t\n\r\x0b\x0c":
-        return len(block)
-    return len(block.rstrip())
 
 
 def plan_pieces(shards: list[ShardPlan], index: FileIndex) -> list[Piece]:
@@ -227,7 +164,10 @@ def _parse_block(
             yield piece, "eval", select(parsed, held_out)
             yield piece, "train", select(parsed, ~held_out)
         return
-    numbered = list(zip(block.numbers().tolist(), block.lines(max_line_bytes), strict=True))
+    lines = block.lines(max_line_bytes)
+    if len(lines) != block.num_lines:  # the lines counted by the indexing pass are no longer there
+        raise DataError(f"{path}: changed since it was indexed (lines {block.first}..); preprocess it again")
+    numbered = list(zip(block.numbers().tolist(), lines, strict=True))
     chunk = (block.numbers() - piece.shard.first) // CHUNK_LINES
     for c in np.unique(chunk):
         groups = (

@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 import zlib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -62,6 +63,8 @@ def map_ids(out: Path, settings: dict, raw: np.ndarray) -> list[np.ndarray]:
             ids.append(raw[f].astype(np.int64))
         elif cat["hashing"] == "modulo" and rows[f] < 2**32:  # the same ids as map_categorical, in 32 bits
             ids.append(raw[f] % np.uint32(rows[f]))
+            if rows[f] <= 2**31:  # ids under 2**31: the int32 column's bits, without a copy
+                ids[-1] = ids[-1].view(np.int32)
         else:
             ids.append(map_categorical(raw[f][:, None], rows[f : f + 1], cat["hashing"])[:, 0])
     return ids
@@ -83,7 +86,8 @@ def piece_job(job: tuple[str, dict, list[dict], list[Piece]]) -> tuple[list[dict
         parts = pending[split]
         if parts:
             labels, dense, raw = (
-                np.concatenate(p, axis=-1 if i == 2 else 0) for i, p in enumerate(zip(*parts, strict=True))
+                (p[0] if len(p) == 1 else np.concatenate(p, axis=-1 if i == 2 else 0))
+                for i, p in enumerate(zip(*parts, strict=True))
             )
             columns = {"dense": dense, "labels": labels}
             columns |= {
@@ -141,15 +145,18 @@ def start_shard(out: Path, shard: ShardPlan) -> None:
 
 
 def assemble_shard(
-    out: Path, shard: ShardPlan, settings: dict, features: list[dict], rows: dict[str, int], skipped: Counter
-) -> dict:
+    out: Path, shard: ShardPlan, settings: dict, features: list[dict], rows: dict[str, int], skipped: Counter,
+    threads: int = 1,
+) -> dict:  # fmt: skip
     """Write the .npy files of a shard from its scratch files (see the module's docstring), its meta.json
-    and Parquet copy, and rename it into place; returns its meta dict."""
+    and Parquet copy, and rename it into place; returns its meta dict. The column files are written by
+    `threads` threads: reads, writes, crc32 and fsync release the GIL."""
     tmp = _tmp(out, shard.index)
     types = column_types(settings, features)
     row_bytes = sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape in types.values())
     files: dict[str, list[int]] = {}
     samples: dict[str, int] = {}
+    columns: list[tuple[str, tuple]] = []  # (file name in the shard, arguments of _write_column)
     for split in SPLITS:
         if not rows.get(split):
             continue
@@ -164,10 +171,18 @@ def assemble_shard(
         for key, (dtype, shape) in types.items():
             width = dtype.itemsize * int(np.prod(shape))
             path = tmp / split / f"{key}.npy"
-            crc = _write_column(path, scratch, sizes, row_bytes, start, width, dtype, (rows[split], *shape))
-            files[f"{split}/{key}.npy"] = [path.stat().st_size, crc]
+            columns.append(
+                (
+                    f"{split}/{key}.npy",
+                    (path, scratch, sizes, row_bytes, start, width, dtype, (rows[split], *shape)),
+                )
+            )
             start += width
         samples[split] = rows[split]
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        written = list(pool.map(lambda column: _write_column(*column[1]), columns))
+    for (name, _), (size, crc) in zip(columns, written, strict=True):
+        files[name] = [size, crc]
     shutil.rmtree(tmp / _SCRATCH, ignore_errors=True)
     meta = {"samples": samples, "skipped": dict(sorted(skipped.items())), "files": files}
     write_json(tmp / META, meta, "preprocessed shard file")
@@ -184,15 +199,16 @@ def assemble_shard(
 def _write_column(
     path: Path, scratch: list[Path], sizes: list[int], row_bytes: int, start: int, width: int, dtype: np.dtype,
     shape: tuple[int, ...],
-) -> int:  # fmt: skip
-    """Write one column as np.save would (header, then the rows of every scratch file); its crc32."""
-    crc = 0
+) -> tuple[int, int]:  # fmt: skip
+    """Write one column as np.save would (header, then the rows of every scratch file); (its size, its
+    crc32)."""
+    crc, num_bytes = 0, 0
 
     def write(f: BinaryIO) -> None:
-        nonlocal crc
+        nonlocal crc, num_bytes
         header = _npy_header(dtype, shape)
         f.write(header)
-        crc = zlib.crc32(header)
+        crc, num_bytes = zlib.crc32(header), len(header)
         for part, size in zip(scratch, sizes, strict=True):
             n = size // row_bytes
             with open(part, "rb") as src:
@@ -201,10 +217,10 @@ def _write_column(
             if len(data) != n * width:
                 raise DataError(f"{part}: shorter than its {n} rows; rerun the same command")
             f.write(data)
-            crc = zlib.crc32(data, crc)
+            crc, num_bytes = zlib.crc32(data, crc), num_bytes + len(data)
 
     write_atomic(path, write, "preprocessed shard file", _KEEPS)
-    return crc
+    return num_bytes, crc
 
 
 def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:

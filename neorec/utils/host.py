@@ -33,23 +33,10 @@ import warnings
 
 import torch
 
-M_TRIM_THRESHOLD = -1
-M_MMAP_MAX = -4
+from neorec.utils.malloc import M_MMAP_MAX, M_TRIM_THRESHOLD, keep_freed_memory  # noqa: F401
+
 # What the benchmarks put in the environment of every process they time (all sides alike).
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed memory for reuse. True if it took effect (Linux with glibc)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok_mmap = libc.mallopt(M_MMAP_MAX, 0)
-        ok_trim = libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1))
-    except (OSError, AttributeError):
-        return False
-    return bool(ok_mmap and ok_trim)
 
 
 MADV_HUGEPAGE = 14
@@ -83,7 +70,9 @@ def advise_huge_pages(tensor: torch.Tensor, min_bytes: int = 16 * HUGE_PAGE) -> 
 MAPPED_MIN_BYTES = 32 << 20
 
 
-def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype, min_bytes: int = MAPPED_MIN_BYTES) -> torch.Tensor:
+def mapped_empty(
+    shape: tuple[int, ...], dtype: torch.dtype, min_bytes: int = MAPPED_MIN_BYTES
+) -> torch.Tensor:
     """An uninitialised CPU tensor in an anonymous memory map of its own (see the module doc) when it
     is at least `min_bytes`; a plain torch.empty otherwise or where maps are not available. The map
     lives as long as the tensor (and its views); pages are faulted in when first written."""
