@@ -29,7 +29,11 @@ def cmd_data_generate(args: argparse.Namespace) -> int:
 def cmd_data_preprocess(args: argparse.Namespace) -> int:
     from neorec.data.preprocess import preprocess_criteo, preprocess_synthetic
 
-    common = {"workers": args.workers, "progress": not args.no_progress, "parquet_output": args.parquet_output}
+    common = {
+        "workers": args.workers,
+        "progress": not args.no_progress,
+        "parquet_output": args.parquet_output,
+    }
     output_folder(args.out, "--out")
     if args.synthetic and args.parquet:
         raise NeorecError("give --synthetic or --parquet, not both")
@@ -41,9 +45,15 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
             raise NeorecError("--parquet takes no input files; set data.parquet.paths with --config/--set")
         cfg = load_config(args.config or "default", args.overrides)
         if cfg.data.parquet is None:
-            raise NeorecError("--parquet needs a data.parquet section (paths, features, ...) in --config or --set")
+            raise NeorecError(
+                "--parquet needs a data.parquet section (paths, features, ...) in --config or --set"
+            )
         result = preprocess_parquet(
-            cfg.data.parquet, args.out, shard_rows=args.shard_lines, vocab_threshold=args.vocab_threshold, **common
+            cfg.data.parquet,
+            args.out,
+            shard_rows=args.shard_lines,
+            vocab_threshold=args.vocab_threshold,
+            **common,
         )
     elif args.synthetic:
         from neorec.config.limits import TEACHER, check_memory
@@ -53,7 +63,9 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
         if args.inputs:
             raise NeorecError("--synthetic takes no input files; the data comes from --config/--set")
         if args.vocab_threshold is not None:
-            raise NeorecError("--vocab-threshold applies to Criteo TSV and Parquet input; synthetic ids need no vocabulary")
+            raise NeorecError(
+                "--vocab-threshold applies to Criteo TSV and Parquet input; synthetic ids need no vocabulary"
+            )
         cfg = load_config(args.config or "default", args.overrides)
         check_memory(cfg, keys=(TEACHER,))
         result = preprocess_synthetic(spec_from_config(cfg.data.synthetic, cfg.seed), args.out, **common)
@@ -86,7 +98,9 @@ def cmd_data_stream(args: argparse.Namespace) -> int:
     for day in range(args.first_day, args.first_day + args.days):
         write_day(spec, args.out, day)
     last = partition_name(args.first_day + args.days - 1)
-    print(f"{args.out}: wrote partitions {partition_name(args.first_day)} .. {last} ({args.rows:,} samples each)")
+    print(
+        f"{args.out}: wrote partitions {partition_name(args.first_day)} .. {last} ({args.rows:,} samples each)"
+    )
     return 0
 
 
@@ -102,9 +116,13 @@ def cmd_data_download(args: argparse.Namespace) -> int:
     from neorec.data.locations import criteo_hint, data_home
 
     if args.dataset == "criteo":
-        raise NeorecError(f"Criteo's data cannot be downloaded by neorec: {criteo_hint('data.criteo.train_paths')}")
+        raise NeorecError(
+            f"Criteo's data cannot be downloaded by neorec: {criteo_hint('data.criteo.train_paths')}"
+        )
     dest = args.dest or str(data_home())
-    output_folder(dest, "--dest" if args.dest else "the data folder ($NEOREC_DATA, default ~/.cache/neorec/data)")
+    output_folder(
+        dest, "--dest" if args.dest else "the data folder ($NEOREC_DATA, default ~/.cache/neorec/data)"
+    )
     result = download_movielens(dest, archive_at(args.url), progress=not args.no_progress)
     print(result_text(result))
     return 0
@@ -112,38 +130,71 @@ def cmd_data_download(args: argparse.Namespace) -> int:
 
 def add_data_commands(sub: argparse._SubParsersAction, add_config_args: Callable) -> None:
     """The `data` command and its subcommands, on the top-level parser's subparsers `sub`."""
-    data = sub.add_parser("data", help="download, generate, preprocess or inspect data").add_subparsers(dest="data_command", required=True)
+    data = sub.add_parser("data", help="download, generate, preprocess or inspect data").add_subparsers(
+        dest="data_command", required=True
+    )
     p = data.add_parser("generate", help="write the synthetic data set of a config to .npz shards")
     add_config_args(p)
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=cmd_data_generate)
-    p = data.add_parser("preprocess", help="Criteo TSV, Parquet or synthetic data -> sharded .npy columns, resumable")
+    p = data.add_parser(
+        "preprocess", help="Criteo TSV, Parquet or synthetic data -> sharded .npy columns, resumable"
+    )
     p.add_argument("inputs", nargs="*", help="Criteo TSV files, plain or .gz (training data)")
     p.add_argument("--out", required=True, help="output folder (rerun the same command to resume)")
-    p.add_argument("--eval-paths", nargs="+", default=None, help="held-out TSV files (default: every --eval-every-th line)")
-    p.add_argument("--eval-every", type=int, default=10, help="without --eval-paths, hold out lines whose number is a multiple of this")
-    p.add_argument("--hashing", default="modulo", choices=["modulo", "hash"], help="how a hex value maps into its table")
+    p.add_argument(
+        "--eval-paths",
+        nargs="+",
+        default=None,
+        help="held-out TSV files (default: every --eval-every-th line)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=10,
+        help="without --eval-paths, hold out lines whose number is a multiple of this",
+    )
+    p.add_argument(
+        "--hashing", default="modulo", choices=["modulo", "hash"], help="how a hex value maps into its table"
+    )
     p.add_argument("--table-rows", default="100000", help="rows per table: one number or 26, comma-separated")
     p.add_argument("--vocab-threshold", type=int, default=None,
                    help="instead of hashing: ids for values seen at least this often in training lines, 0 for the rest "
                         "(Parquet: the features with hashing vocab, counted into OUT/vocab = data.parquet.vocab_dir)")  # fmt: skip
-    p.add_argument("--raw-features", default="",
-                   help="features kept as raw hash values for managed-collision tables, comma-separated (e.g. C3,C12)")
-    p.add_argument("--bad-lines", default="fail", choices=["fail", "skip"], help="stop with file:line, or skip and count")
+    p.add_argument(
+        "--raw-features",
+        default="",
+        help="features kept as raw hash values for managed-collision tables, comma-separated (e.g. C3,C12)",
+    )
+    p.add_argument(
+        "--bad-lines", default="fail", choices=["fail", "skip"], help="stop with file:line, or skip and count"
+    )
     p.add_argument("--max-line-bytes", type=positive_int, default=4096,
                    help="longer lines are bad lines (--bad-lines), never read whole; a Criteo line is under 500 bytes")  # fmt: skip
     p.add_argument("--shard-lines", type=int, default=1_000_000, help="input lines per shard")
     p.add_argument("--workers", type=positive_int, default=1, help="processes that write shards in parallel")
-    p.add_argument("--synthetic", action="store_true", help="preprocess the synthetic data set of --config instead")
-    p.add_argument("--parquet", action="store_true",
-                   help="preprocess the Parquet files of --config's data.parquet section instead (--shard-lines: rows per shard)")
-    p.add_argument("--parquet-output", action="store_true",
-                   help="also write every shard's samples as Parquet files under OUT/parquet/<split>/")
+    p.add_argument(
+        "--synthetic", action="store_true", help="preprocess the synthetic data set of --config instead"
+    )
+    p.add_argument(
+        "--parquet",
+        action="store_true",
+        help="preprocess the Parquet files of --config's data.parquet section instead (--shard-lines: rows per shard)",
+    )
+    p.add_argument(
+        "--parquet-output",
+        action="store_true",
+        help="also write every shard's samples as Parquet files under OUT/parquet/<split>/",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_args(p)
     p.set_defaults(func=cmd_data_preprocess)
-    p = data.add_parser("stream", help="write daily Parquet partitions of a synthetic stream whose ids and teacher drift")
-    p.add_argument("--out", required=True, help="the folder of partitions (day-NNN/part-0.parquet, then _SUCCESS)")
+    p = data.add_parser(
+        "stream", help="write daily Parquet partitions of a synthetic stream whose ids and teacher drift"
+    )
+    p.add_argument(
+        "--out", required=True, help="the folder of partitions (day-NNN/part-0.parquet, then _SUCCESS)"
+    )
     p.add_argument("--days", type=positive_int, default=4, help="partitions to write")
     p.add_argument("--first-day", type=count, default=0, help="the first day's number (to add later days)")
     p.add_argument("--rows", type=positive_int, default=20000, help="samples per day")
@@ -153,10 +204,14 @@ def add_data_commands(sub: argparse._SubParsersAction, add_config_args: Callable
     add_config_args(p)
     p.add_argument("--batches", type=count, default=4, help="training batches to sample for statistics")
     p.set_defaults(func=cmd_data_inspect)
-    p = data.add_parser("download", help="download MovieLens latest-small, verified (Criteo: says where to get it)")
+    p = data.add_parser(
+        "download", help="download MovieLens latest-small, verified (Criteo: says where to get it)"
+    )
     p.add_argument("dataset", choices=["movielens", "criteo"], help="the data set")
     p.add_argument("--dest", default=None, help="folder that gets ml-latest-small/ (default: $NEOREC_DATA, else "
                    "~/.cache/neorec/data, where configs look when data.movielens.root is unset)")  # fmt: skip
-    p.add_argument("--url", default=None, help=argparse.SUPPRESS)  # a mirror or a test's server: checked against <url>.md5
+    p.add_argument(
+        "--url", default=None, help=argparse.SUPPRESS
+    )  # a mirror or a test's server: checked against <url>.md5
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_data_download)

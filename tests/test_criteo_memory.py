@@ -25,7 +25,7 @@ import torch
 from neorec.cli import build_parser, main
 from neorec.config.load import load_config
 from neorec.config.schema import CriteoConfig
-from neorec.data import criteo, criteo_lines, tsv_blocks
+from neorec.data import criteo_lines, tsv_blocks
 from neorec.data.criteo import (
     CATEGORICAL_NAMES,
     DEFAULT_MAX_LINE_BYTES,
