@@ -14,6 +14,25 @@ from neorec.config.schema import CheckpointConfig
 from neorec.distributed.topology import Topology
 
 
+def is_due(
+    step: int, every_steps: int | None, every_minutes: float | None, elapsed_seconds: float, topo: Topology
+) -> bool:
+    """A periodic action (checkpoint, snapshot) after `step`: every `every_steps` steps and/or once
+    `every_minutes` have passed since the last one. With every_minutes over several processes, rank 0's
+    clock decides (one tiny broadcast per step) so that all ranks act together."""
+    due = every_steps is not None and step % every_steps == 0
+    if every_minutes is not None:
+        late = elapsed_seconds >= 60.0 * every_minutes
+        if topo.world_size > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([int(late)])
+            dist.broadcast(flag, 0)
+            late = bool(flag.item())
+        due = due or late
+    return due
+
+
 class PeriodicCheckpoints:
     """The trainer's checkpoint settings: every N steps and/or every M minutes, keep the last K."""
 
@@ -27,20 +46,9 @@ class PeriodicCheckpoints:
         return self.cfg.enabled
 
     def due(self, step: int) -> bool:
-        """Whether to save after `step`. With every_minutes over several processes, rank 0's clock
-        decides (one tiny broadcast per step) so that all ranks save together."""
+        """Whether to save after `step` (see `is_due`)."""
         c = self.cfg
-        due = c.every_steps is not None and step % c.every_steps == 0
-        if c.every_minutes is not None:
-            late = time.monotonic() - self._last_time >= 60.0 * c.every_minutes
-            if self.topo.world_size > 1:
-                import torch.distributed as dist
-
-                flag = torch.tensor([int(late)])
-                dist.broadcast(flag, 0)
-                late = bool(flag.item())
-            due = due or late
-        return due
+        return is_due(step, c.every_steps, c.every_minutes, time.monotonic() - self._last_time, self.topo)
 
     def save(self, step: int, embeddings, model, optimizers: dict, state: dict) -> Path:
         path = save_checkpoint(self.root, step, embeddings, model, optimizers, state, keep=self.cfg.keep)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from neorec.checkpoint.periodic import is_due
 from neorec.config.continuous import SnapshotConfig
 from neorec.data.source import DataSource
 from neorec.distributed.topology import Topology
@@ -42,17 +43,7 @@ class PeriodicSnapshots:
     def due(self, step: int) -> bool:
         """Whether to publish after `step` (collective with every_minutes: rank 0's clock decides)."""
         c = self.cfg
-        due = c.every_steps is not None and step % c.every_steps == 0
-        if c.every_minutes is not None:
-            late = self.clock() - self._last_time >= 60.0 * c.every_minutes
-            if self.topo.world_size > 1:
-                import torch.distributed as dist
-
-                flag = torch.tensor([int(late)])
-                dist.broadcast(flag, 0)
-                late = bool(flag.item())
-            due = due or late
-        return due
+        return is_due(step, c.every_steps, c.every_minutes, self.clock() - self._last_time, self.topo)
 
     def missing(self, step: int) -> bool:
         """A resumed run: whether the snapshot of its checkpoint's step was due but not published (the
