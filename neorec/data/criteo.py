@@ -35,6 +35,7 @@ from neorec.data.criteo_lines import (  # noqa: F401 (the rules of the format, i
     BadLine,
     LongLine,
     Parsed,
+    check_reader_options,
     check_tsv_file,
     map_categorical,
     open_tsv,
@@ -98,14 +99,9 @@ class CriteoTSVReader:
             raise ConfigError(f"raw-id features {unknown} are not Criteo features {CATEGORICAL_NAMES}")
         self.keep_raw = np.array([n in raw_features for n in CATEGORICAL_NAMES])
         self.table_rows = resolve_table_rows(table_rows)
-        if hashing not in HASHINGS:
-            raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
-        if bad_lines not in BAD_LINE_POLICIES:
-            raise ConfigError(f"bad_lines must be one of {BAD_LINE_POLICIES}, got {bad_lines!r}")
+        check_reader_options(hashing, bad_lines, max_line_bytes)
         if chunk_lines < 1:
             raise ConfigError(f"chunk_lines must be >= 1, got {chunk_lines}")
-        if max_line_bytes < 1:
-            raise ConfigError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
         self.hashing = hashing
         self.bad_lines = bad_lines
         self.keep_line = keep_line

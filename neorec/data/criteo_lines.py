@@ -313,3 +313,13 @@ def resolve_table_rows(table_rows: int | Sequence[int]) -> np.ndarray:
     if min(rows) < 1:
         raise ConfigError(f"table_rows must all be >= 1, got {rows}")
     return np.asarray(rows, dtype=np.int64)
+
+
+def check_reader_options(hashing: str, bad_lines: str, max_line_bytes: int) -> None:
+    """The reader's settings that come from a user, checked before any line is read."""
+    if hashing not in HASHINGS:
+        raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
+    if bad_lines not in BAD_LINE_POLICIES:
+        raise ConfigError(f"bad_lines must be one of {BAD_LINE_POLICIES}, got {bad_lines!r}")
+    if max_line_bytes < 1:
+        raise ConfigError(f"max_line_bytes must be >= 1, got {max_line_bytes}")

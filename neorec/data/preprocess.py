@@ -49,12 +49,11 @@ import numpy as np
 
 from neorec.data import vocab as vocab_io
 from neorec.data.criteo_lines import (
-    BAD_LINE_POLICIES,
     CATEGORICAL_NAMES,
     DEFAULT_MAX_LINE_BYTES,
     DENSE_NAMES,
-    HASHINGS,
     NUM_DENSE,
+    check_reader_options,
     check_tsv_file,
     resolve_table_rows,
 )
@@ -121,12 +120,7 @@ def preprocess_criteo(
         raise ConfigError("paths is empty: give at least one Criteo TSV file")
     for p in train + evals:
         check_tsv_file(p)
-    if hashing not in HASHINGS:
-        raise ConfigError(f"hashing must be one of {HASHINGS}, got {hashing!r}")
-    if bad_lines not in BAD_LINE_POLICIES:
-        raise ConfigError(f"bad_lines must be one of {BAD_LINE_POLICIES}, got {bad_lines!r}")
-    if max_line_bytes < 1:
-        raise ConfigError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
+    check_reader_options(hashing, bad_lines, max_line_bytes)
     if not evals and eval_every < 2:
         raise ConfigError(f"eval_every must be >= 2 when no eval_paths are given, got {eval_every}")
     if shard_lines < 1:
