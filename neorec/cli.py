@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from neorec.cli_args import count, output_folder, positive_int, seconds, writable
-from neorec.errors import NeorecError, failure
+from neorec.errors import NeorecError, failure, state_mismatch
 from neorec.utils.logging import setup_logging
 
 
@@ -27,7 +27,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
     from neorec.train.build import check_before_launch
-    from neorec.train.run_folder import check_output_dir, check_run_folder, clear_run_folder, run_folders
+    from neorec.train.run_folder import (
+        check_output_dir,
+        check_resume_before_launch,
+        check_run_folder,
+        clear_run_folder,
+        run_folders,
+    )  # fmt: skip
     from neorec.train.run_lock import hold_run_folders
 
     overrides = list(args.overrides)
@@ -53,6 +59,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # one run per folder: refused here, before anything is touched, while another run holds it
     with hold_run_folders(run_folders(cfg, out_dir)) as lock:
         check_run_folder(cfg, out_dir, overwrite=args.overwrite, resume=bool(args.resume))
+        if args.resume and "RANK" not in os.environ:
+            check_resume_before_launch(cfg, out_dir, args.resume, nproc)
         if args.overwrite and os.environ.get("RANK", "0") == "0":  # torchrun's other ranks leave it to rank 0
             clear_run_folder(cfg, out_dir)
         if nproc > 1:
@@ -135,10 +143,8 @@ def check_model_state(model, state: object, path: Path, overrides: list[str]) ->
     try:
         model.load_state_dict(state)
     except (RuntimeError, TypeError, AttributeError) as e:  # torch: missing/unexpected keys, size mismatch; not a dict
-        lines = [" ".join(line.split()) for line in str(e).splitlines() if line.strip()]
-        first = next((line for line in lines[1:] if line), lines[0] if lines else type(e).__name__)
         fix = "leave out the --set of model and embedding keys" if overrides else "was it written by another config?"
-        raise NeorecError(f"{path} does not fit the model of its config: {first[:200].rstrip('.')}; {fix}") from None
+        raise NeorecError(f"{path} does not fit the model of its config: {state_mismatch(e)}; {fix}") from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:

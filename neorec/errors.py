@@ -54,6 +54,14 @@ LOWER_MEMORY = (
 )
 
 
+def state_mismatch(error: BaseException, limit: int = 200) -> str:
+    """The first problem torch's load_state_dict reports, on one line (it lists them one per line after
+    a heading: missing or unexpected keys, size mismatches)."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+    first = next((line for line in lines[1:] if line), lines[0] if lines else type(error).__name__)
+    return first[:limit].rstrip(".")
+
+
 def failure(error: BaseException) -> tuple[int, str] | None:
     """(exit code, one-line message) of an exception that a command reports as `neorec: error: ...`:
     2 for bad input (a NeorecError, a path that cannot be used, input nested too deeply, not UTF-8 or

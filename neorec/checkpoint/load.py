@@ -21,6 +21,7 @@ from neorec.checkpoint.pieces import PieceReader, slots, storages, windows
 from neorec.checkpoint.save import DENSE, FORMAT, MANIFEST, VERSION, list_checkpoints
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.fused.storage import write_storage
+from neorec.errors import state_mismatch
 from neorec.utils.files import CHECKSUM_KEY, check_json, load_json, plain_name
 
 MANIFEST_KEYS = (
@@ -165,11 +166,15 @@ def load_checkpoint(
             opt.load_state_dict(saved["optimizers"][key])
         except (ValueError, KeyError, RuntimeError) as e:
             raise CheckpointError(
-                f"checkpoint file {folder / DENSE}: optimizer {key!r} does not fit: {e}"
+                f"checkpoint file {folder / DENSE}: optimizer {key!r} does not fit: {state_mismatch(e)}; "
+                f"{_SAME_MODEL}"
             ) from None
     if restore_rng:
         set_rng_state(saved["rng"])
     return manifest
+
+
+_SAME_MODEL = "continue with the model and optimizer settings the checkpoint was trained with"
 
 
 def load_dense(model: nn.Module, state: dict, where: Path) -> None:
@@ -178,12 +183,14 @@ def load_dense(model: nn.Module, state: dict, where: Path) -> None:
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:
-        raise CheckpointError(f"checkpoint file {where}: the dense model does not fit: {e}") from None
+        raise CheckpointError(
+            f"checkpoint file {where}: the dense model does not fit: {state_mismatch(e)}; {_SAME_MODEL}"
+        ) from None
     missing = [k for k in result.missing_keys if not k.startswith(prefixes)]
     if missing or result.unexpected_keys:
         raise CheckpointError(
             f"checkpoint file {where}: the dense model does not fit; missing {missing}, unexpected "
-            f"{result.unexpected_keys}"
+            f"{result.unexpected_keys}; {_SAME_MODEL}"
         )
 
 

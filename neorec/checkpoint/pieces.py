@@ -115,7 +115,11 @@ class PieceReader:
         """[rows, cols] of a table's weight or 2-d state, or [rows] of per-row state (see module doc)."""
         pieces = self.by_key.get((table, state))
         if not pieces:
-            raise CheckpointError(f"checkpoint {self.folder} has no {state!r} for table {table!r}")
+            hint = (
+                "it was trained with other tables" if state == "weight"
+                else "it was trained with another embedding optimizer; continue with the one it was trained with"
+            )  # fmt: skip
+            raise CheckpointError(f"checkpoint {self.folder} has no {state!r} for table {table!r}: {hint}")
         (r0, r1), (c0, c1) = rows, cols
         out: torch.Tensor | None = None
         covered = 0

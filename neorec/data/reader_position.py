@@ -22,6 +22,25 @@ _LAYOUT_WORDS = {
 }
 
 
+def layout_mismatch(where: str, key: str, saved: Any, now: Any) -> ConfigError:
+    """The error for a reader position saved under another layout (seed, processes, shuffle)."""
+    return ConfigError(
+        f"{where} was saved with {_LAYOUT_WORDS.get(key, key)} {saved!r}, this run has {now!r}: a reader's "
+        "position continues only under the same seed, number of processes and shuffle settings; resume with "
+        "those, or start a new run (--overwrite)"
+    )
+
+
+def check_processes(state: Any, num_processes: int, where: str | Path) -> None:
+    """Before the processes of a run start: a checkpoint's reader position (the manifest's "state", as
+    check_resume takes it) saved under another number of processes is refused. Only a reader that
+    splits the data over processes saves one (Parquet, preprocessed shards, a followed folder), and
+    such a reader is built for the run's number of processes."""
+    reader = state.get("reader") if isinstance(state, dict) and state.get("batches") else None
+    if isinstance(reader, dict) and "world_size" in reader and reader["world_size"] != num_processes:
+        raise layout_mismatch(f"checkpoint {where}", "world_size", reader["world_size"], num_processes)
+
+
 def checked_position(
     reader: Any, state: Any, layout_keys: tuple[str, ...], where: str = "reader state"
 ) -> tuple[int, int]:
@@ -32,11 +51,7 @@ def checked_position(
         raise DataError(f"{where}: the reader position is {type(state).__name__}, not a mapping")
     for key in layout_keys:
         if key in state and state[key] != getattr(reader, key):
-            raise ConfigError(
-                f"{where} was saved with {_LAYOUT_WORDS.get(key, key)} {state[key]!r}, this run has "
-                f"{getattr(reader, key)!r}: a reader's position continues only under the same seed, number of "
-                "processes and shuffle settings; resume with those, or start a new run (--overwrite)"
-            )
+            raise layout_mismatch(where, key, state[key], getattr(reader, key))
     epoch, samples = state.get("epoch"), state.get("samples")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, samples)):
         raise DataError(f"{where}: reader position epoch {epoch!r}, samples {samples!r}: not whole numbers >= 0")

@@ -83,3 +83,15 @@ def clear_run_folder(cfg: RunConfig, out_dir: Path) -> None:
         for path in root.iterdir():  # only checkpoints: checkpoint.dir may be a folder with other files
             if path.is_dir() and path.name.removeprefix("diverged-").startswith("step-"):
                 shutil.rmtree(path)
+
+
+def check_resume_before_launch(cfg: RunConfig, out_dir: Path, resume: bool | str, num_processes: int) -> None:
+    """What the launcher can tell of the checkpoint a resume continues before any process starts: a
+    data position saved under another number of processes (reader_position.check_processes). Each
+    process checks the rest before it loads or writes anything (reader_position.check_resume)."""
+    from neorec.checkpoint.load import checkpoint_folder, latest_checkpoint, read_manifest
+    from neorec.data.reader_position import check_processes
+
+    path = latest_checkpoint(checkpoint_root(cfg, out_dir)) if resume is True else checkpoint_folder(resume)
+    if path is not None:
+        check_processes(read_manifest(path).get("state"), num_processes, path)

@@ -193,14 +193,16 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
     def _fit(self, stop: StopSignals) -> RunResult:
         cfg, t = self.cfg, self.cfg.train
         logger: MetricsLogger | NoLogger = NoLogger()
-        to_resume = self._checkpoint_to_resume() if self.resume else None  # refused before anything is written
+        to_resume = self._checkpoint_to_resume() if self.resume else None
+        # loaded before the run's files are written: a checkpoint this run cannot continue is refused
+        # with the folder as it was (its config.yaml and plan.json still those of the checkpoint)
+        step, first_epoch, position = self._resume(to_resume) if to_resume is not None else (0, 0, None)
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             write_text(self.out_dir / "config.yaml", dump_config(cfg), "run config")  # atomic
             plan = getattr(self.embeddings, "plan", None)  # sharded: the plan every rank trains with
             if plan is not None:
                 plan.save(self.out_dir / "plan.json")
-        step, first_epoch, position = self._resume(to_resume) if to_resume is not None else (0, 0, None)
         if self.progressive is not None and position is not None:
             self._load_stream_state(position)
         if self.stream is not None:  # waiting for a partition ends on a stop signal too

@@ -1,7 +1,9 @@
 """Resuming a checkpoint that the run cannot continue exactly: a Parquet (or preprocessed-shard) reader's
 position belongs to the number of processes, seed and shuffle settings it was saved under. Another
-number of processes is refused before anything is said or done: no "resumed from" line, no table
-loaded, the run's metrics untouched; one `neorec: error:` line naming the checkpoint and --nproc."""
+number of processes is refused before anything is said or done: no process launched, no "resumed from"
+line, no table loaded, the run's metrics untouched; one `neorec: error:` line naming the checkpoint and
+--nproc. Any other checkpoint the run cannot continue (another model, optimizer, tables or seed) is refused
+in one line with the run folder as it was."""
 
 from __future__ import annotations
 
@@ -71,9 +73,37 @@ def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_co
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     assert dict(os.environ) == environment
     assert code == 2 and "Traceback" not in err, err
-    assert "resumed from" not in out + err, err
+    assert "resumed from" not in out + err and "launching" not in out + err, err  # refused before any launch
     lines = [line for line in err.splitlines() if line.startswith("neorec: error:")]
     assert len(lines) == 1, err
     assert checkpoints[-1] in lines[0] and "number of processes (--nproc) 1, this run has 2" in lines[0], err
     assert (run / "metrics.jsonl").read_bytes() == metrics  # not cut back to the checkpoint's lines
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (["model.arch=dcnv2"], "the dense model does not fit: size mismatch for"),
+        (["embedding.optimizer.name=adam"], "another embedding optimizer"),
+        (["data.synthetic.rows=[60, 300, 7, 100]"], "C1"),
+        (["seed=5"], "seed"),
+    ],
+)
+def test_a_refused_resume_leaves_the_run_folder_as_it_was(change, expected, tmp_path, capfd):
+    """A checkpoint the changed config cannot continue is refused in one line, and the finished run's
+    config.yaml, plan and metrics stay those of its model.pt (`neorec eval` still reads it)."""
+    from tests.tiny_cli import TINY
+
+    run = tmp_path / "run"
+    base = ["train", "--output-dir", str(run), *sets([*TINY, "checkpoint.every_steps=2"])]
+    assert main(base) == 0
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != "neorec.lock"}
+    capfd.readouterr()
+    code = main([*base, *sets([*change, "train.max_steps=4"]), "--resume"])
+    _, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("neorec: error:"), err
+    assert expected in lines[0], err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != "neorec.lock"} == before
+    assert main(["eval", str(run)]) == 0
