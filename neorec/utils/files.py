@@ -197,8 +197,17 @@ def check_zip(path: str | Path, what: str, hint: str, error: type[Exception] = N
     try:
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()
+            # torch's reader (miniz) reads an entry flagged as a folder (a name ending in "/", or the DOS
+            # folder bit of its attributes) as empty and leaves its tensor's memory unfilled; torch never
+            # writes folders, and testzip does not look at the flag
+            folder = next((i.filename for i in zf.infolist() if i.is_dir() or i.external_attr & 0x10), None)
     except Exception as e:  # noqa: BLE001 - any failure to read the archive is damage
         raise error(f"{what} {path} is damaged or truncated (not a readable zip archive: {e}); {hint}") from None
+    if folder is not None:
+        raise error(
+            f"{what} {path}: its entry {folder!r} is marked as a folder in the archive's directory: the file is "
+            f"damaged; {hint}"
+        )
     if bad is not None:
         raise error(
             f"{what} {path}: its entry {bad!r} does not read back (checksum mismatch or a damaged header): the "

@@ -267,7 +267,8 @@ class _Cached(torch.nn.Module):
 def test_every_one_bit_flip_of_model_pt_is_refused_or_changes_nothing(tmp_path, monkeypatch, streamed):
     """A streamed save turns torch's CRC32s off; save_model_state writes them itself, so both files
     verify alike: a flip in any entry's bytes is refused, and a flip where no reader looks (alignment
-    padding, timestamps) loads the same tensors."""
+    padding, timestamps) loads the same tensors. Every bit of the archive's directory is flipped: the
+    folder flag of an entry's attributes makes torch read it as empty, unfilled memory."""
     from neorec.checkpoint import stream
 
     monkeypatch.setattr(stream, "_STREAM_MIN_BYTES", 1024)  # stream this small table
@@ -283,8 +284,11 @@ def test_every_one_bit_flip_of_model_pt_is_refused_or_changes_nothing(tmp_path, 
         at = info.header_offset + 26
         start = info.header_offset + 30 + int.from_bytes(good[at : at + 2], "little") + int.from_bytes(good[at + 2 : at + 4], "little")
         entries.append(range(start, start + info.compress_size))
-    for at in range(0, len(good), 3):  # every third byte: headers, padding, each entry's data
-        path.write_bytes(flipped(good, at, 0x04))
+    directory = zipfile.ZipFile(path).start_dir
+    flips = [(at, 0x04) for at in range(0, directory, 3)]  # every third byte: headers, padding, entries' data
+    flips += [(at, 1 << bit) for at in range(directory, len(good)) for bit in range(8)]  # the directory: all
+    for at, bit in flips:
+        path.write_bytes(flipped(good, at, bit))
         try:
             got = load_model_state(path)
         except NeorecError as e:
