@@ -172,7 +172,8 @@ READER_CASES = {  # name: (train roles, eval roles, keyword arguments of CriteoT
 
 def tree_digest(folder: Path) -> str:
     """One sha256 over the relative path and content of every file under `folder`. The input sizes that
-    the manifest records (and its crc32) are left out: a .gz input's size depends on the zlib version."""
+    the manifest records (and its crc32) are left out: a .gz input's size depends on the zlib version;
+    so are the checksums a vocabulary's settings.json records of its files (their bytes are digested)."""
     h = hashlib.sha256()
     for p in sorted(folder.rglob("*")):
         if p.is_file():
@@ -181,6 +182,8 @@ def tree_digest(folder: Path) -> str:
                 obj = json.loads(data)
                 obj.pop("crc32", None)
                 obj.get("settings", obj).pop("sizes")
+                if p.name == "settings.json":  # a vocabulary's: its files' checksums, digested as files
+                    obj.pop("files", None)
                 data = json.dumps(obj, sort_keys=True).encode()
             h.update(str(p.relative_to(folder)).encode() + b"\0" + data)
     return h.hexdigest()

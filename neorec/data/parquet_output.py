@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from neorec.utils.files import write_atomic
+
 
 def parquet_dense_names(settings: dict, num_dense: int) -> list[str]:
     """Names of the dense columns in Parquet output."""
@@ -44,6 +46,5 @@ def write_parquet_copy(path: Path, columns: dict[str, np.ndarray], features: lis
             w = np.asarray(columns[f"weights_{name}"], np.float32)
             table[f"w_{name}"] = w if offsets is None else pa.LargeListArray.from_arrays(offsets, w)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")  # a dot: readers of the folder skip it
-    pq.write_table(pa.table(table), tmp)
-    tmp.replace(path)
+    written = pa.table(table)  # through .NAME.tmp: pyarrow's listing of the folder skips hidden files
+    write_atomic(path, lambda f: pq.write_table(written, f), "Parquet copy", hidden=True)

@@ -24,12 +24,24 @@ from neorec.data.checks import check_dense, check_ids, check_labels, checked_mod
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.data.synthetic import SyntheticSource
 from neorec.errors import DataError
+from neorec.utils.files import check_json, file_crc32, write_atomic, write_json
+
+_AGAIN = "write the shards again (`neorec data generate`)"
+_META_KEYS = ("num_dense", "features", "num_train_samples", "teacher_auc", "train_files", "eval_files", "files")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror or e}); {_AGAIN}") from None
 
 
 def write_shards(source: SyntheticSource, out: Path) -> list[Path]:
-    """Write every train and eval block of `source`; files are written under a temporary name, then renamed."""
+    """Write every train and eval block of `source`, then meta.json with each file's size and crc32;
+    every file through write_atomic (temporary name, fsync, rename)."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths, files = [], {}
     for split in ("train", "eval"):
         for i in range(source.num_blocks(split)):
             b = source.block(split, i)
@@ -40,9 +52,8 @@ def write_shards(source: SyntheticSource, out: Path) -> list[Path]:
                 if b.weights is not None:
                     arrays[f"weights_{name}"] = b.weights[f].numpy()
             path = out / f"{split}-{i:05d}.npz"
-            tmp = path.with_suffix(".tmp.npz")
-            np.savez(tmp, **arrays)
-            tmp.replace(path)
+            write_atomic(path, lambda f, a=arrays: np.savez(f, **a), "generated shard file")
+            files[path.name] = [path.stat().st_size, file_crc32(path)]
             paths.append(path)
     meta = {
         "num_dense": source.info.num_dense,
@@ -51,8 +62,9 @@ def write_shards(source: SyntheticSource, out: Path) -> list[Path]:
         "teacher_auc": source.teacher_auc(),
         "train_files": source.num_blocks("train"),
         "eval_files": source.num_blocks("eval"),
+        "files": files,
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    write_json(out / "meta.json", meta, "generated shard file", indent=2)
     return paths
 
 
@@ -68,9 +80,16 @@ class ShardSource:
         if not meta_path.is_file():
             raise DataError(f"{meta_path}: missing; is {self.root} a folder written by `neorec data generate`?")
         try:
-            self.meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+            meta = json.loads(meta_path.read_bytes().decode("utf-8"))
         except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON, an integer of 5000 digits
             raise DataError(f"{meta_path}: not a valid shard description ({e})") from None
+        if not isinstance(meta, dict):
+            raise DataError(
+                f"{meta_path}: not a valid shard description (a {type(meta).__name__}, expected a JSON object); "
+                f"{_AGAIN}"
+            )
+        # its "crc32" key, which neorec writes (a description written by hand may go without)
+        self.meta = check_json(meta, meta_path, "generated shard file", _AGAIN, DataError, keys=_META_KEYS)
         self.features = _check_meta(self.meta, meta_path)
         self.keys = [f.name for f in self.features]
         self._checked: set[Path] = set()  # files already checked (not rescanned nor warned about each epoch)
@@ -80,6 +99,13 @@ class ShardSource:
         )  # fmt: skip
 
     def _read(self, path: Path) -> Block:
+        if path not in self._checked and isinstance(self.meta.get("files"), dict):  # its size and crc32
+            recorded = self.meta["files"].get(path.name)
+            if recorded is not None and [_size(path), file_crc32(path)] != recorded:
+                raise DataError(
+                    f"{path}: its size or crc32 differs from the one {self.root / 'meta.json'} records: the file "
+                    f"is damaged or was replaced; {_AGAIN}"
+                )
         try:
             with np.load(path) as z:
                 arrays = {k: z[k] for k in z.files}

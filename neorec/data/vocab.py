@@ -12,14 +12,17 @@ disk (`SpillingCounts`): memory stays bounded however many distinct values the d
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 
 from neorec.errors import DataError
-from neorec.utils.files import write_atomic
+from neorec.utils.files import file_crc32, plain_name, read_json, replace_folder, write_atomic, write_json
+
+_SETTINGS = "settings.json"
+_FILES = "files"  # settings.json's record of each vocabulary file: [size, crc32]
+_AGAIN = "rerun `neorec data preprocess` into a new folder"
 
 Counts = tuple[np.ndarray, np.ndarray]  # (sorted distinct raw values uint64, occurrences int64)
 
@@ -60,35 +63,57 @@ def apply_vocab(raw: np.ndarray, vocab: np.ndarray) -> np.ndarray:
 
 
 def save_vocabs(folder: Path, names: list[str], vocabs: list[np.ndarray], settings: dict) -> None:
-    """Write `<name>.npy` per feature and the `settings` they were counted under into `folder`
-    (created under a temporary name, then renamed)."""
+    """Write `<name>.npy` per feature and settings.json (the `settings` they were counted under, with
+    each file's size and crc32, and its own crc32) into a temporary folder that then takes `folder`'s
+    place; every file through write_atomic."""
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():  # left by an interrupted run
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    files = {}
     for name, vocab in zip(names, vocabs, strict=True):
-        np.save(tmp / f"{name}.npy", np.ascontiguousarray(vocab, dtype=np.uint64))
-    (tmp / "settings.json").write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.replace(folder)
+        path = tmp / f"{plain_name(name, f'{folder}: feature', DataError)}.npy"
+        array = np.ascontiguousarray(vocab, dtype=np.uint64)
+        write_atomic(path, lambda f, a=array: np.save(f, a), "vocabulary file")
+        files[path.name] = [path.stat().st_size, file_crc32(path)]
+    write_json(tmp / _SETTINGS, {**settings, _FILES: files}, "vocabulary file", sort_keys=True)
+    replace_folder(tmp, folder.absolute())
+
+
+def _read_settings(folder: Path) -> dict | None:
+    path = folder / _SETTINGS
+    return read_json(path, "vocabulary file", _AGAIN, DataError) if path.is_file() else None
 
 
 def saved_settings(folder: Path) -> dict | None:
     """The settings a saved vocabulary was counted under, or None when there is none."""
-    path = folder / "settings.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    settings = _read_settings(folder)
+    return None if settings is None else {k: v for k, v in settings.items() if k != _FILES}
 
 
 def load_vocabs(folder: Path, names: list[str]) -> list[np.ndarray]:
+    """The vocabulary of each feature (sorted raw values, uint64), each file checked against the size
+    and crc32 settings.json records (a folder without them, written by hand, is read unchecked)."""
+    settings = _read_settings(folder) or {}
+    files = settings.get(_FILES) if isinstance(settings.get(_FILES), dict) else {}
     vocabs = []
     for name in names:
-        path = folder / f"{name}.npy"
+        path = folder / f"{plain_name(name, f'{folder}: feature', DataError)}.npy"
         if not path.is_file():
+            raise DataError(f"{path}: vocabulary file missing; {_AGAIN}")
+        recorded = files.get(path.name)
+        if recorded is not None and [path.stat().st_size, file_crc32(path)] != recorded:
             raise DataError(
-                f"{path}: vocabulary file missing; rerun `neorec data preprocess` into a new folder"
+                f"{path}: its size or crc32 differs from the one {folder / _SETTINGS} records: the file is damaged "
+                f"or was replaced; {_AGAIN}"
             )
-        vocabs.append(np.load(path))
+        try:
+            vocab = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise DataError(f"{path}: not a readable vocabulary ({e}); {_AGAIN}") from None
+        if vocab.ndim != 1 or vocab.dtype.kind not in "iu":
+            raise DataError(f"{path}: a {vocab.dtype} array of shape {vocab.shape}, expected 1-D integers; {_AGAIN}")
+        vocabs.append(vocab)
     return vocabs
 
 

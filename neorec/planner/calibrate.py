@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from neorec.errors import MachineError, failure
 from neorec.planner.hardware import CALIBRATION_KEYS, calibration_path, calibration_values
 from neorec.utils.files import write_json
 
@@ -179,13 +180,20 @@ def measure_ssd(directory: str | Path | None = None, threads: int = 16) -> dict[
     record = bytes(SSD_RECORD)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         path = Path(tmp) / "ssd.bin"
-        with path.open("wb") as f:
-            chunk = rng.bytes(1 << 20)
-            for _ in range(SSD_FILE_BYTES // len(chunk)):
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            with path.open("wb") as f:
+                chunk = rng.bytes(1 << 20)
+                for _ in range(SSD_FILE_BYTES // len(chunk)):
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as e:
+            raise MachineError(
+                f"cannot write the disk probe {path} ({SSD_FILE_BYTES >> 20} MiB: the calibration measures the "
+                f"disk of the temporary folder, $TMPDIR): {e.strerror or e}; free some space there, or lift the "
+                "file-size limit (ulimit -f)"
+            ) from None
         fd = os.open(path, os.O_RDWR)
         try:
             reads, writes = offsets[:SSD_ROWS], offsets[SSD_ROWS:]
@@ -231,8 +239,10 @@ def _rank_main(rank: int, world: int, init_file: str, threads: int, queue) -> No
         queue.put((rank, out, None))
         dist.barrier()
         dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 - reported by the parent
-        queue.put((rank, None, repr(e)))
+    except Exception as e:  # noqa: BLE001 - reported by the parent: (a failure of the machine?, what)
+        known = failure(e)
+        machine = known is not None and known[0] == 1
+        queue.put((rank, None, (machine, known[1] if machine else repr(e))))
 
 
 def calibrate(
@@ -258,7 +268,7 @@ def calibrate(
             for _ in range(world_size):
                 rank, out, err = queue.get(timeout=timeout)
                 if err:
-                    errors.append(f"rank {rank}: {err}")
+                    errors.append((not err[0], f"rank {rank}: {err[1]}"))  # the machine's failures first
                 else:
                     results.append(out)
         finally:
@@ -266,8 +276,11 @@ def calibrate(
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
-    if errors:
-        raise RuntimeError("calibration failed: " + "; ".join(errors))
+    if errors:  # a failure of the machine (a full disk, a file-size limit), else every rank's failure
+        errors.sort()
+        if not errors[0][0]:
+            raise MachineError(f"calibration failed: {errors[0][1]}")  # a peer of that rank reports a lost link
+        raise RuntimeError("calibration failed: " + "; ".join(e for _, e in errors))
     merged = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
     if world_size == 1:  # no peer to measure links against: assume a memory copy
         merged.setdefault("latency", 20e-6)

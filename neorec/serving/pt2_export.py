@@ -2,8 +2,10 @@
 back: neorec/serving/pt2_file.py). Here the model is traced into a `torch.export` program
 (pt2_model.ScoringProgram) and the folder written.
 
-model.pt2 and weights.safetensors are written by neorec.utils.files.write_atomic (temporary name, fsync,
-rename), the weights first: the header inside model.pt2 records their size and crc32 ("weights").
+The folder is written as a unit: model.pt2 and weights.safetensors are written by
+neorec.utils.files.write_atomic (temporary name, fsync, rename) into a temporary folder beside it, the
+weights first (the header inside model.pt2 records their size and crc32, "weights"), and that folder
+then takes the place of any earlier export of the name.
 
 Scoring in any Python with torch, no neorec:
 
@@ -15,7 +17,9 @@ The batch dimension is dynamic (torch.export.Dim), so one program scores any bat
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -28,7 +32,7 @@ from neorec.serving.model import file_tensors
 from neorec.serving.pt2_file import HEADER_FILE, MODEL_FILE, WEIGHTS_FILE
 from neorec.serving.pt2_model import PT2_FORMAT, ScoringProgram, TableLookups
 from neorec.serving.safetensors_file import write_safetensors
-from neorec.utils.files import file_crc32, write_atomic
+from neorec.utils.files import FileWriteError, file_crc32, replace_folder, write_atomic
 
 
 def example_inputs(
@@ -78,11 +82,46 @@ def write_pt2(
     dense: dict[str, torch.Tensor],
     weights: dict[str, TableWeights],
 ) -> int:
-    """Write model.pt2 and weights.safetensors into the folder `out`; returns their total bytes."""
+    """Write the folder `out` (model.pt2 and weights.safetensors) as a unit; returns their total bytes.
+
+    Both files are written into a temporary folder beside `out`, which then takes `out`'s place
+    (utils/files.replace_folder), so that an earlier export of that name stays whole until the new one
+    is complete: a failed write (a full disk, a file-size limit) or a killed process leaves it as it was."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
-    out.mkdir(parents=True, exist_ok=True)
+    ours = {MODEL_FILE, WEIGHTS_FILE, MODEL_FILE + ".tmp", WEIGHTS_FILE + ".tmp"}
+    others = sorted(p.name for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
+    if others:
+        raise ExportError(
+            f"{out} holds other files ({', '.join(others[:3])}); --format pt2 writes the whole folder: give a new "
+            "folder, or one an earlier pt2 export wrote"
+        )
+    place = out.absolute()
+    staging = place.with_name(f".{place.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)  # of an export killed before it finished
+    staging.mkdir(parents=True)
+    try:
+        size = _write_files(staging, header, program, dense, weights)
+    except FileWriteError as e:  # named as the file of `out` it was to become
+        shutil.rmtree(staging, ignore_errors=True)
+        raise FileWriteError(str(e).replace(str(staging), str(out), 1)) from e.__cause__
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replace_folder(staging, place)
+    return size
+
+
+def _write_files(
+    out: Path,
+    header: dict,
+    program: torch.export.ExportedProgram,
+    dense: dict[str, torch.Tensor],
+    weights: dict[str, TableWeights],
+) -> int:
+    """weights.safetensors, then model.pt2 (its header records the weights' size and crc32), into the
+    folder `out`; returns their total bytes."""
     quant = header.get("quantization")
     metadata = {
         "format": "neorec-weights",
@@ -100,10 +139,10 @@ def write_pt2(
     size = write_safetensors(out / WEIGHTS_FILE, file_tensors(dense, weights), metadata)
     weights_entry = {"name": WEIGHTS_FILE, "bytes": size, "crc32": file_crc32(out / WEIGHTS_FILE)}
     full = {**header, "format": PT2_FORMAT, "weights": weights_entry}
+    archive = io.BytesIO()  # torch's archive writer is never left half-written by a failed file write
+    torch.export.save(program, archive, extra_files={HEADER_FILE: json.dumps(full, indent=1)})
     write_atomic(
-        out / MODEL_FILE,
-        lambda f: torch.export.save(program, f, extra_files={HEADER_FILE: json.dumps(full, indent=1)}),
-        "export file",
+        out / MODEL_FILE, lambda f: f.write(archive.getbuffer()), "export file",
         "an earlier export of that name, if any, is intact",
-    )
-    return sum((out / n).stat().st_size for n in (MODEL_FILE, WEIGHTS_FILE))
+    )  # fmt: skip
+    return size + archive.getbuffer().nbytes

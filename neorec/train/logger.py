@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
+from neorec.utils.files import write_atomic
 from neorec.utils.json_values import strict_dumps
 
 log = logging.getLogger(__name__)
@@ -32,9 +32,8 @@ class MetricsLogger:
         self._start = time.time()
         if resume is not None and self.path.is_file():
             kept = _kept_lines(self.path, resume["step"], resume.get("lines"))
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            text = "".join(line + "\n" for line in kept)
+            write_atomic(self.path, lambda f: f.write(text.encode()), "metrics file")
             self.num_lines = len(kept)
             if kept:  # times go on from where the kept lines end
                 self._start -= json.loads(kept[-1]).get("time") or 0.0

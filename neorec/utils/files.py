@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -56,13 +57,16 @@ def write_atomic(
     what: str = "file",
     keeps: str = "the file written before under that name, if any, is intact",
     error: type[Exception] = FileWriteError,
+    *,
+    hidden: bool = False,
 ) -> None:
-    """write(file) into `path.tmp` (opened for reading too), then flush, fsync, rename it to `path`
-    and fsync the folder. A failed write (ENOSPC, EFBIG, EIO; torch.save reports them as
+    """write(file) into `path.tmp` (`.path.tmp` when `hidden`: for folders whose readers list every
+    file but hidden ones) opened for reading too, then flush, fsync, rename it to `path` and fsync
+    the folder. A failed write (ENOSPC, EFBIG, EIO; torch.save reports them as
     RuntimeError) removes the partial file, to give the space back, and raises `error` worded
     "cannot write {what} {path}: ...; {keeps}"; any other exception removes it and goes on."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp" if hidden else f"{path.name}.tmp")
     try:
         with open(tmp, "w+b") as f:
             write(f)
@@ -82,6 +86,35 @@ def write_atomic(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def replace_folder(new: Path, place: Path) -> None:
+    """Put the folder `new` in the place of the folder `place` (absent or an earlier version), durably.
+    Where Linux's renameat2 can exchange the two in one step, a reader of `place` sees the old folder
+    or the new one, at any moment; elsewhere the old one is renamed aside first, for a moment without
+    a folder at `place` (never a part of one). The old folder is then removed."""
+    if place.is_dir() and _exchange(new, place):
+        shutil.rmtree(new, ignore_errors=True)  # now the old folder
+    else:
+        aside = place.with_name(f".{place.name}.old")
+        shutil.rmtree(aside, ignore_errors=True)
+        if place.is_dir():
+            os.replace(place, aside)
+        os.replace(new, place)
+        shutil.rmtree(aside, ignore_errors=True)
+    fsync_dir(place.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (renameat2 with RENAME_EXCHANGE); False where that is not available."""
+    try:
+        import ctypes
+
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not glibc 2.28+ (or not Linux)
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    return renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0
 
 
 def _os_error(e: BaseException | None) -> OSError | None:

@@ -8,13 +8,14 @@ name files outside their folder are refused before anything is opened."""
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from forked import run_python
-from test_files_writer import assert_one_error, damaged, flipped, json_damage, run_cli, zip_damage
+from test_files_writer import _killed_during, assert_one_error, damaged, flipped, json_damage, run_cli, zip_damage
 
 from neorec.checkpoint import list_checkpoints
 from neorec.cli import main as cli_main
@@ -198,6 +199,31 @@ def test_damaged_pt2_export_stops_predict(run, capsys, tmp_path):
     assert torch.export.load(program) is not None  # still a plain torch.export file
 
 
+def test_sigkill_while_writing_a_pt2_export_leaves_the_earlier_one(run, tmp_path, monkeypatch):
+    """The pt2 folder is written as a unit: a writer killed at any of its writes, or before a rename,
+    leaves the earlier export whole (both files, as they were); the one that finishes replaces both."""
+    from neorec.serving import pt2_export
+
+    captured = []
+    real = pt2_export.write_pt2
+    monkeypatch.setattr(pt2_export, "write_pt2", lambda *a: captured.append(a[1:]) or real(*a))
+    step_4 = list_checkpoints(run / "run" / "checkpoints")[0]  # other weights than run/pt2's
+    export_model(step_4, tmp_path / "new", measure=False, format="pt2")
+    folder = tmp_path / "pt2"
+    shutil.copytree(run / "pt2", folder)
+    old = {p.name: p.read_bytes() for p in folder.iterdir()}
+    kills, k = 0, 0
+    while _killed_during(k, lambda: real(folder, *captured[0])):
+        kills += 1
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == old, f"kill at write {k}"
+        k = max(k + 1, k * 3 // 2)
+    assert kills >= 2
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "new").iterdir()
+    }
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
 # ---- plans and calibrations -------------------------------------------------------------------------------
 def test_damaged_plan_stops_training_that_reads_it(run, capsys, tmp_path):
     plan = tmp_path / "plan.json"
@@ -252,6 +278,9 @@ out["nrx"] = limited((work / "x.nrx").stat().st_size // 2, "export", root / "run
 shutil.copytree(root / "pt2", work / "pt2")
 small = min((work / "pt2" / n).stat().st_size for n in ("model.pt2", "weights.safetensors"))
 out["pt2"] = limited(small // 2, "export", root / "run", "--out", work / "pt2", "--format", "pt2", "--no-eval")
+model_pt2 = (work / "pt2" / "model.pt2").stat().st_size  # the weights fit under this limit, model.pt2 not
+step_4 = sorted((root / "run" / "checkpoints").glob("step-*"))[0]  # other weights than the export's
+out["pt2 model"] = limited(model_pt2 - 1, "export", step_4, "--out", work / "pt2", "--format", "pt2", "--no-eval")
 model = (root / "run" / "model.pt").stat().st_size
 out["model.pt"] = limited(model // 2, "train", "--output-dir", work / "run", *sets, "--set", "checkpoint.every_steps=null")
 assert main(["plan", *sets, "--output-dir", str(work / "plan"), "--batches", "0", "--time-budget", "0.2"]) == 0
@@ -276,6 +305,7 @@ def test_a_full_disk_gives_one_clear_error_and_keeps_earlier_files(run, tmp_path
     expect = {
         "nrx": "cannot write export file " + str(work / "x.nrx"),
         "pt2": "cannot write weights file " + str(work / "pt2" / "weights.safetensors"),
+        "pt2 model": "cannot write export file " + str(work / "pt2" / "model.pt2"),
         "model.pt": "cannot write model file " + str(work / "run" / "model.pt"),
         "plan": "cannot write plan file " + str(work / "plan" / "plan.json"),
         "preprocess": "cannot write preprocessed shard file " + str(work / "pre" / "shards" / ".tmp-00000"),
@@ -287,8 +317,9 @@ def test_a_full_disk_gives_one_clear_error_and_keeps_earlier_files(run, tmp_path
         assert "checkpoint" not in lines[0].split(": File too large")[0], (what, lines[0])
     assert not list(work.rglob("*.tmp")), list(work.rglob("*.tmp"))
     assert (work / "x.nrx").read_bytes() == (run / "m.nrx").read_bytes()
-    for name in ("model.pt2", "weights.safetensors"):
+    for name in ("model.pt2", "weights.safetensors"):  # the earlier export: both files, as they were
         assert (work / "pt2" / name).read_bytes() == (run / "pt2" / name).read_bytes()
+    assert sorted(p.name for p in work.iterdir() if "pt2" in p.name) == ["pt2"]  # no temporary folder left
     assert not (work / "run" / "model.pt").exists() and (work / "run" / "config.yaml").is_file()
     ShardingPlan.load(work / "plan" / "plan.json")  # the earlier plan, whole
     assert not load_manifest(work / "pre")["complete"]  # the manifest, whole; rerun to resume:

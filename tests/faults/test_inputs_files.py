@@ -130,7 +130,26 @@ def test_an_npz_shard_with_arrays_of_the_wrong_kind(shards, tmp_path, capsys, ar
         arrays = {k: z[k] for k in z.files}
     arrays[array] = value
     np.savez(path, **arrays)
+    meta = json.loads((folder / "meta.json").read_text())
+    fails(capsys, argv, "train-00000.npz", "its size or crc32 differs")  # the file meta.json records, changed
+    hand_written = {k: v for k, v in meta.items() if k not in ("files", "crc32")}  # no checksums: its arrays
+    (folder / "meta.json").write_text(json.dumps(hand_written))
     fails(capsys, argv, "train-00000.npz", words)
+
+
+def test_generated_shards_are_checked_against_the_sizes_and_crc32s_meta_json_records(shards, tmp_path, capsys):
+    """A changed value inside a readable .npz, or a changed value in meta.json, is refused."""
+    folder, argv = shards_copy(shards, tmp_path)
+    meta = (folder / "meta.json").read_text()
+    (folder / "meta.json").write_text(meta.replace('"teacher_auc": 0.', '"teacher_auc": 1.', 1))
+    fails(capsys, argv, "meta.json", "checksum mismatch")
+    (folder / "meta.json").write_text(meta)
+    path = folder / "eval-00000.npz"
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["labels"] = 1 - arrays["labels"]  # still labels, of the same size: only the crc32 tells
+    np.savez(path, **arrays)
+    fails(capsys, argv, "eval-00000.npz", "its size or crc32 differs")
 
 
 @pytest.mark.parametrize(
@@ -241,3 +260,31 @@ def test_a_damaged_preprocessed_manifest(preprocessed, tmp_path, capsys, name):
     (folder / "manifest.json").write_bytes(MANIFESTS[name])
     cfg = ["data.source=preprocessed", f"data.preprocessed.path={folder}", "data.batch_size=16", *QUIET]
     fails(capsys, ["train", *sets(cfg), "--output-dir", str(tmp_path / "run")], "manifest.json")
+
+
+# ---- vocabularies ------------------------------------------------------------------------------------------
+def test_vocabularies_are_checked_when_read_and_names_stay_in_their_folder(tmp_path):
+    """save_vocabs records each file's size and crc32 in settings.json (itself checksummed); a changed
+    vocabulary, a changed settings.json and a feature name that leaves the folder are refused."""
+    from neorec.data.vocab import load_vocabs, save_vocabs, saved_settings
+    from neorec.errors import DataError
+
+    folder = tmp_path / "vocab"
+    vocabs = [np.array([3, 9, 27], np.uint64), np.array([], np.uint64)]
+    save_vocabs(folder, ["C1", "C2"], vocabs, {"threshold": 2})
+    assert saved_settings(folder) == {"threshold": 2}
+    assert all(np.array_equal(a, b) for a, b in zip(load_vocabs(folder, ["C1", "C2"]), vocabs, strict=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vocab"]  # written as a unit, no temporary left
+    data = (folder / "C1.npy").read_bytes()
+    (folder / "C1.npy").write_bytes(data[:-8] + np.array([28], np.uint64).tobytes())
+    with pytest.raises(DataError, match=r"C1\.npy: its size or crc32 differs"):
+        load_vocabs(folder, ["C1"])
+    (folder / "C1.npy").write_bytes(data)
+    settings = (folder / "settings.json").read_text()
+    (folder / "settings.json").write_text(settings.replace('"threshold": 2', '"threshold": 3'))
+    with pytest.raises(DataError, match=r"settings\.json: checksum mismatch"):
+        load_vocabs(folder, ["C1"])
+    (folder / "settings.json").write_text(settings)
+    for name in ("../../evil", "/etc/passwd", ".."):
+        with pytest.raises(DataError, match="is not a plain name"):
+            load_vocabs(folder, [name])
