@@ -108,9 +108,9 @@ def write_criteo_shards(
         index = index_files(sorted({s.file for s in todo}), settings["shard_lines"], workers, progress)
     jobs = _jobs(todo, index)
     for shard in todo:
-        start_shard(out, shard)
+        start_shard(out, shard, settings, features)
     pieces_left = Counter(p.shard.index for job in jobs for p in job)
-    rows: dict[int, Counter] = defaultdict(Counter)
+    pieces: dict[int, list[dict]] = defaultdict(list)
     skipped: dict[int, Counter] = defaultdict(Counter)
     by_index = {s.index: s for s in todo}
     errors: list[tuple[tuple, str]] = []
@@ -125,11 +125,11 @@ def write_criteo_shards(
             skipped[shard_index].update(counts)
         for piece in done:
             shard_index = piece["shard"]
-            rows[shard_index].update(piece["rows"])
+            pieces[shard_index].append(piece)
             pieces_left[shard_index] -= 1
-            if not pieces_left[shard_index] and not errors:  # its last piece: write the shard
+            if not pieces_left[shard_index] and not errors:  # its last piece: finish the shard
                 assemble_shard(
-                    out, by_index[shard_index], settings, features, rows[shard_index], skipped[shard_index],
+                    out, by_index[shard_index], settings, features, pieces.pop(shard_index), skipped[shard_index],
                     threads=max(4, 2 * workers),  # mostly waits for fsync: more threads than cores
                 )  # fmt: skip
                 written += 1

@@ -192,22 +192,36 @@ def parse_fast(data: bytes, num_lines: int, max_line_bytes: int) -> Parsed | Non
         return None
     if table.num_rows != num_lines:
         return None
-    columns = [c.chunk(0) if c.num_chunks == 1 else c.combine_chunks() for c in table.columns]
-    del table
-    labels = _labels(columns[0])
-    if labels is None:
-        return None
+    labels = np.empty(num_lines, np.float32)
     dense = np.empty((num_lines, NUM_DENSE), np.float32)
-    for j in range(NUM_DENSE):
-        values = _dense(columns[1 + j])
-        if values is None:
-            return None
-        dense[:, j] = values
     raw = np.empty((NUM_CATEGORICAL, num_lines), np.uint32)
-    for j in range(NUM_CATEGORICAL):
-        if not _hex(columns[1 + NUM_DENSE + j], raw[j]):
+    row = 0
+    for columns in _row_chunks(table):  # pyarrow's blocks of rows, decoded one at a time
+        rows = slice(row, row + len(columns[0]))
+        if not _labels(columns[0], labels[rows]):
             return None
+        for j in range(NUM_DENSE):
+            values = _dense(columns[1 + j])
+            if values is None:
+                return None
+            dense[rows, j] = values
+        for j in range(NUM_CATEGORICAL):
+            if not _hex(columns[1 + NUM_DENSE + j], raw[j, rows]):
+                return None
+        row = rows.stop
     return labels, dense, raw
+
+
+def _row_chunks(table: pa.Table) -> Iterator[list[pa.Array]]:
+    """The columns of a table's chunks of rows (one chunk per block pyarrow parsed; every column is
+    chunked alike, else the columns are combined into one chunk)."""
+    columns = table.columns
+    lengths = [len(c) for c in columns[0].chunks]
+    if all([len(c) for c in column.chunks] == lengths for column in columns):
+        for k in range(len(lengths)):
+            yield [column.chunk(k) for column in columns]
+    else:
+        yield [column.combine_chunks() for column in columns]
 
 
 def _buffers(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -218,14 +232,16 @@ def _buffers(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return offsets, data[offsets[0] : offsets[-1]]
 
 
-def _labels(column: pa.Array) -> np.ndarray | None:
+def _labels(column: pa.Array, out: np.ndarray) -> bool:
+    """Decode a column of labels "0" or "1" into `out` (float32); False for any other value."""
     offsets, data = _buffers(column)
     if len(data) != len(column):  # not one byte each
-        return None
+        return False
     digit = data - np.uint8(ord("0"))
     if (digit > 1).any():
-        return None
-    return digit.astype(np.float32)
+        return False
+    out[:] = digit
+    return True
 
 
 def _dense(column: pa.Array) -> np.ndarray | None:

@@ -1,18 +1,27 @@
-"""The shards of Criteo TSV preprocessing, written by pieces (torch-free: workers import it).
+"""The shards of Criteo TSV preprocessing, written in place by pieces (torch-free: workers import it).
 
-A worker parses pieces (neorec/data/tsv_pieces.py), maps their raw values to ids and appends each
-piece's columns, a part of at most FLUSH_ROWS rows at a time, as one scratch file per part and split
-(`shards/.tmp-<k>/pieces/<split>/<first line>-<part>`, every column of the part back to back). When all
-pieces of a shard are done, `assemble_shard` writes each column as the .npy file np.save would write
-for the whole column (its header, then the parts in line order), through write_atomic, with its size
-and crc32 taken as it is written, then meta.json, the Parquet copy when asked for, and renames the
-shard into place. Scratch files are written without fsync: they live inside the shard's temporary
-folder, which an interrupted run removes (the shard is redone from its input), and each is checked by
-size when assembled.
+Before any line is parsed, `start_shard` creates each column file of a shard
+(`shards/.tmp-<k>/<split>/<column>.npy`) at the size it has when every line of the shard is a good
+line: the header np.save writes for that many rows, then room for the rows, reserved with
+posix_fallocate (a full disk stops the command before any parsing). The place of a piece's rows
+(neorec/data/tsv_pieces.py: a run of whole lines of one shard) in each split follows from line numbers
+alone: after the rows of that split among the shard's lines before the piece. A worker parses a piece,
+maps its raw values to ids, writes each column's rows at their place with os.pwrite and returns the
+crc32 of what it wrote per column. When every piece of a shard is done, `assemble_shard`:
+- when no line was skipped (always under bad_lines="fail"), takes each file's crc32 from its header's
+  and its pieces' (neorec/utils/crc.py, in line order) and fsyncs the files;
+- when lines were skipped (bad_lines="skip"), writes each column again without the rows left unused,
+  under the header for the rows kept, through write_atomic (size and crc32 taken as it is written);
+then writes meta.json and the Parquet copy when asked for, and renames the shard into place. The files
+are those np.save writes for the whole columns, byte for byte. An interrupted run leaves the temporary
+folder, which the next run removes: the shard is written again from its input.
 """
 
 from __future__ import annotations
 
+import errno
+import io
+import os
 import shutil
 import zlib
 from collections import Counter
@@ -23,15 +32,16 @@ from typing import BinaryIO
 import numpy as np
 
 from neorec.data import vocab as vocab_io
-from neorec.data.criteo_lines import CATEGORICAL_NAMES, NUM_DENSE, Parsed, map_categorical
-from neorec.data.manifest import META, SPLITS, ShardPlan, publish_shard
+from neorec.data.criteo_lines import CATEGORICAL_NAMES, NUM_DENSE, map_categorical
+from neorec.data.manifest import META, SPLITS, ShardPlan, publish_shard, shard_name
 from neorec.data.tsv_pieces import Piece, PieceParse, parse_pieces
 from neorec.errors import DataError
-from neorec.utils.files import write_atomic, write_json
+from neorec.utils.crc import crc32_combine
+from neorec.utils.files import fsync_dir, write_atomic, write_error, write_json
 
-FLUSH_ROWS = 1 << 16  # rows of a split held by a worker before they are written
-_SCRATCH = "pieces"
+_WHAT = "preprocessed shard file"
 _KEEPS = "the shards written before it are intact; rerun the same command to resume"
+_COPY_BYTES = 8 << 20  # bytes copied at a time when a column is written again without unused rows
 
 
 def column_types(settings: dict, features: list[dict]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
@@ -70,163 +80,249 @@ def map_ids(out: Path, settings: dict, raw: np.ndarray) -> list[np.ndarray]:
     return ids
 
 
-def piece_job(job: tuple[str, dict, list[dict], list[Piece]]) -> tuple[list[dict], PieceParse]:
-    """Parse pieces of one file and write their scratch files; returns per piece its shard, first line and
-    rows per split, and the lines skipped and the first bad line met."""
-    out_str, settings, features, pieces = job
-    out = Path(out_str)
-    types = column_types(settings, features)
-    outcome = PieceParse()
-    done: list[dict] = []
-    pending: dict[str, list[Parsed]] = {split: [] for split in SPLITS}
-    current: dict | None = None
-
-    def flush(split: str) -> None:
-        assert current is not None
-        parts = pending[split]
-        if parts:
-            labels, dense, raw = (
-                (p[0] if len(p) == 1 else np.concatenate(p, axis=-1 if i == 2 else 0))
-                for i, p in enumerate(zip(*parts, strict=True))
-            )
-            columns = {"dense": dense, "labels": labels}
-            columns |= {
-                f"ids_{n}": ids for n, ids in zip(CATEGORICAL_NAMES, map_ids(out, settings, raw), strict=True)
-            }
-            name = f"{current['first']:012d}-{current['parts'][split]:05d}"
-            _write_scratch(out, current["shard"], split, name, columns, types)
-            current["parts"][split] += 1
-            current["rows"][split] += len(labels)
-        pending[split] = []
-
-    eval_every = settings["eval_every"]
-    for piece, split, parsed in parse_pieces(
-        pieces, eval_every, settings["bad_lines"], settings["max_line_bytes"], outcome
-    ):
-        if current is None or current["first"] != piece.first or current["shard"] != piece.shard.index:
-            if current is not None:
-                for s in SPLITS:
-                    flush(s)
-            current = {"shard": piece.shard.index, "first": piece.first, "rows": dict.fromkeys(SPLITS, 0),
-                       "parts": dict.fromkeys(SPLITS, 0)}  # fmt: skip
-            done.append(current)
-        if len(parsed[0]):
-            pending[split].append(parsed)
-            if sum(len(p[0]) for p in pending[split]) >= FLUSH_ROWS:
-                flush(split)
-    if current is not None:
-        for s in SPLITS:
-            flush(s)
-    return [{"shard": d["shard"], "first": d["first"], "rows": d["rows"]} for d in done], outcome
+def split_rows(role: str, first: int, count: int, eval_every: int | None) -> dict[str, int]:
+    """Rows per split of lines [first, first + count) of a shard of `role` when all are good lines (a
+    "split" shard holds out the lines whose number is a multiple of eval_every)."""
+    if role != "split":
+        return {split: count if split == role else 0 for split in SPLITS}
+    assert eval_every
+    held_out = (first + count - 1) // eval_every - (first - 1) // eval_every
+    return {"train": count - held_out, "eval": held_out}
 
 
-def _write_scratch(
-    out: Path, shard: int, split: str, name: str, columns: dict[str, np.ndarray], types: dict
-) -> None:
-    folder = _tmp(out, shard) / _SCRATCH / split
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / name, "wb") as f:
-        for key, (dtype, _) in types.items():
-            f.write(np.ascontiguousarray(columns[key], dtype=dtype).data)
+class _Layout:
+    """Where the rows of a shard go: per split, each column's file, header and row width."""
+
+    def __init__(self, out: Path, shard: ShardPlan, settings: dict, features: list[dict]) -> None:
+        self.shard, self.eval_every = shard, settings["eval_every"]
+        self.folder = _tmp(out, shard.index)
+        self.types = column_types(settings, features)
+        self.widths = [dtype.itemsize * int(np.prod(shape)) for dtype, shape in self.types.values()]
+        self.rows = split_rows(shard.role, shard.first, shard.count, self.eval_every)
+        self.headers = {
+            split: [_npy_header(dtype, (rows, *shape)) for dtype, shape in self.types.values()]
+            for split, rows in self.rows.items()
+        }
+
+    def path(self, split: str, column: int) -> Path:
+        return self.folder / split / f"{list(self.types)[column]}.npy"
+
+    def start(self, first: int) -> dict[str, int]:
+        """The row of each split where the rows of line `first` on begin."""
+        return split_rows(self.shard.role, self.shard.first, first - self.shard.first, self.eval_every)
 
 
 def _tmp(out: Path, shard: int) -> Path:
-    from neorec.data.manifest import shard_name
-
     return out / "shards" / f".tmp-{shard_name(shard)}"
 
 
-def start_shard(out: Path, shard: ShardPlan) -> None:
-    """An empty temporary folder for a shard (one left by an interrupted run is removed)."""
-    tmp = _tmp(out, shard.index)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+def start_shard(out: Path, shard: ShardPlan, settings: dict, features: list[dict]) -> None:
+    """The temporary folder of a shard (one left by an interrupted run is removed) with its column files
+    at their full size: the header for every line a good line, then room for the rows."""
+    layout = _Layout(out, shard, settings, features)
+    if layout.folder.exists():
+        shutil.rmtree(layout.folder)
+    layout.folder.mkdir(parents=True)
+    for split, rows in layout.rows.items():
+        if not rows:
+            continue
+        (layout.folder / split).mkdir()
+        for column, (header, width) in enumerate(zip(layout.headers[split], layout.widths, strict=True)):
+            path = layout.path(split, column)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    _write_at(fd, header, 0)
+                    try:
+                        os.posix_fallocate(fd, 0, len(header) + rows * width)
+                    except OSError as e:
+                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it
+                            raise
+                        os.ftruncate(fd, len(header) + rows * width)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise write_error(path, e, _WHAT, _KEEPS) from e
+
+
+def _write_at(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+class _PieceWriter:
+    """Writes the rows of one piece at their place in the shard's column files; crc32 per column."""
+
+    def __init__(self, out: Path, piece: Piece, settings: dict, features: list[dict]) -> None:
+        self.piece, self.layout = piece, _Layout(out, piece.shard, settings, features)
+        self.start = self.layout.start(piece.first)
+        self.room = split_rows(piece.shard.role, piece.first, piece.count, self.layout.eval_every)
+        self.rows = dict.fromkeys(SPLITS, 0)
+        self.crcs = {split: [0] * len(self.layout.types) for split in SPLITS}
+        self.files: dict[str, list[int]] = {}
+
+    def write(self, split: str, columns: list[np.ndarray]) -> None:
+        n = len(columns[0])
+        if not n:
+            return
+        if self.rows[split] + n > self.room[split]:
+            raise DataError(
+                f"{self.piece.shard.file}: changed since it was indexed (lines {self.piece.first}..); "
+                "preprocess it again"
+            )
+        if split not in self.files:
+            self.files[split] = [
+                os.open(self.layout.path(split, c), os.O_WRONLY) for c in range(len(self.layout.types))
+            ]
+        row = self.start[split] + self.rows[split]
+        crcs = self.crcs[split]
+        for c, (values, (dtype, _)) in enumerate(zip(columns, self.layout.types.values(), strict=True)):
+            data = np.ascontiguousarray(values, dtype=dtype)
+            offset = len(self.layout.headers[split][c]) + row * self.layout.widths[c]
+            try:
+                _write_at(self.files[split][c], data, offset)
+            except OSError as e:
+                raise write_error(self.layout.path(split, c), e, _WHAT, _KEEPS) from e
+            crcs[c] = zlib.crc32(data, crcs[c])
+        self.rows[split] += n
+
+    def close(self) -> dict:
+        for fds in self.files.values():
+            for fd in fds:
+                os.close(fd)
+        self.files = {}
+        return {
+            "shard": self.piece.shard.index,
+            "first": self.piece.first,
+            "rows": self.rows,
+            "crcs": self.crcs,
+        }
+
+
+def piece_job(job: tuple[str, dict, list[dict], list[Piece]]) -> tuple[list[dict], PieceParse]:
+    """Parse pieces of one file and write their rows in place; returns per piece its shard, first line,
+    rows per split and crc32 per split and column, and the lines skipped and the first bad line met."""
+    out_str, settings, features, pieces = job
+    out = Path(out_str)
+    outcome = PieceParse()
+    done: list[dict] = []
+    writer: _PieceWriter | None = None
+    try:
+        for piece, split, (labels, dense, raw) in parse_pieces(
+            pieces, settings["eval_every"], settings["bad_lines"], settings["max_line_bytes"], outcome
+        ):
+            if writer is None or writer.piece is not piece:
+                if writer is not None:
+                    done.append(writer.close())
+                writer = _PieceWriter(out, piece, settings, features)
+            if len(labels):
+                writer.write(split, [dense, labels, *map_ids(out, settings, raw)])
+    finally:
+        if writer is not None:
+            done.append(writer.close())
+    return done, outcome
 
 
 def assemble_shard(
-    out: Path, shard: ShardPlan, settings: dict, features: list[dict], rows: dict[str, int], skipped: Counter,
+    out: Path, shard: ShardPlan, settings: dict, features: list[dict], pieces: list[dict], skipped: Counter,
     threads: int = 1,
 ) -> dict:  # fmt: skip
-    """Write the .npy files of a shard from its scratch files (see the module's docstring), its meta.json
-    and Parquet copy, and rename it into place; returns its meta dict. The column files are written by
-    `threads` threads: reads, writes, crc32 and fsync release the GIL."""
-    tmp = _tmp(out, shard.index)
-    types = column_types(settings, features)
-    row_bytes = sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape in types.values())
+    """Finish a shard whose pieces (piece_job's records) are all written (see the module's docstring):
+    its column files, meta.json and Parquet copy; rename it into place; returns its meta dict. The
+    column files are finished by `threads` threads: reads, writes, crc32 and fsync release the GIL."""
+    layout = _Layout(out, shard, settings, features)
+    pieces = sorted(pieces, key=lambda p: p["first"])
+    rows = {split: sum(p["rows"][split] for p in pieces) for split in SPLITS}
+    jobs = [(split, c) for split in SPLITS if layout.rows[split] for c in range(len(layout.types))]
+
+    def finish(job: tuple[str, int]) -> tuple[int, int]:
+        split, c = job
+        if rows[split] == layout.rows[split]:
+            return _seal(layout, split, c, pieces)
+        return _rewrite(layout, split, c, pieces, rows[split])
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        written = dict(zip(jobs, pool.map(finish, jobs), strict=True))
     files: dict[str, list[int]] = {}
     samples: dict[str, int] = {}
-    columns: list[tuple[str, tuple]] = []  # (file name in the shard, arguments of _write_column)
     for split in SPLITS:
-        if not rows.get(split):
+        if not rows[split]:
+            if layout.rows[split]:
+                shutil.rmtree(layout.folder / split)
             continue
-        scratch = sorted((tmp / _SCRATCH / split).iterdir())
-        sizes = [p.stat().st_size for p in scratch]
-        if sum(sizes) != rows[split] * row_bytes or any(s % row_bytes for s in sizes):
-            raise DataError(
-                f"{tmp / _SCRATCH / split}: scratch files of {sum(sizes)} bytes for {rows[split]} rows; rerun the same command"
-            )
-        (tmp / split).mkdir()
-        start = 0
-        for key, (dtype, shape) in types.items():
-            width = dtype.itemsize * int(np.prod(shape))
-            path = tmp / split / f"{key}.npy"
-            columns.append(
-                (
-                    f"{split}/{key}.npy",
-                    (path, scratch, sizes, row_bytes, start, width, dtype, (rows[split], *shape)),
-                )
-            )
-            start += width
         samples[split] = rows[split]
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        written = list(pool.map(lambda column: _write_column(*column[1]), columns))
-    for (name, _), (size, crc) in zip(columns, written, strict=True):
-        files[name] = [size, crc]
-    shutil.rmtree(tmp / _SCRATCH, ignore_errors=True)
+        for c, key in enumerate(layout.types):
+            files[f"{split}/{key}.npy"] = list(written[split, c])
     meta = {"samples": samples, "skipped": dict(sorted(skipped.items())), "files": files}
-    write_json(tmp / META, meta, "preprocessed shard file")
+    for split in samples:
+        fsync_dir(layout.folder / split)
+    write_json(layout.folder / META, meta, _WHAT)
     if settings.get("parquet_output"):
         from neorec.data.parquet_output import write_parquet_copy
 
         for split in samples:
-            columns = {key: np.load(tmp / split / f"{key}.npy", mmap_mode="r") for key in types}
+            columns = {
+                key: np.load(layout.folder / split / f"{key}.npy", mmap_mode="r") for key in layout.types
+            }
             write_parquet_copy(out / "parquet" / split / f"{shard.name}.parquet", columns, features, settings)
-    publish_shard(tmp, out / "shards" / shard.name)
+    publish_shard(layout.folder, out / "shards" / shard.name)
     return meta
 
 
-def _write_column(
-    path: Path, scratch: list[Path], sizes: list[int], row_bytes: int, start: int, width: int, dtype: np.dtype,
-    shape: tuple[int, ...],
-) -> tuple[int, int]:  # fmt: skip
-    """Write one column as np.save would (header, then the rows of every scratch file); (its size, its
-    crc32)."""
-    crc, num_bytes = 0, 0
+def _seal(layout: _Layout, split: str, c: int, pieces: list[dict]) -> tuple[int, int]:
+    """A column file whose rows are all written: fsync it; (its size, its crc32 from its parts')."""
+    header = layout.headers[split][c]
+    crc, size = zlib.crc32(header), len(header)
+    for p in pieces:
+        length = p["rows"][split] * layout.widths[c]
+        crc, size = crc32_combine(crc, p["crcs"][split][c], length), size + length
+    path = layout.path(split, c)
+    try:
+        with open(path, "rb+") as f:
+            if os.fstat(f.fileno()).st_size != size:
+                raise DataError(
+                    f"{path}: {os.fstat(f.fileno()).st_size} bytes, not {size}; rerun the same command"
+                )
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise write_error(path, e, _WHAT, _KEEPS) from e
+    return size, crc
+
+
+def _rewrite(layout: _Layout, split: str, c: int, pieces: list[dict], rows: int) -> tuple[int, int]:
+    """A column file with unused rows (lines skipped) written again without them, under the header for
+    `rows` rows (nothing when no row is kept); (its size, its crc32)."""
+    path = layout.path(split, c)
+    if not rows:
+        return 0, 0
+    dtype, shape = list(layout.types.values())[c]
+    width, reserved = layout.widths[c], len(layout.headers[split][c])
+    header = _npy_header(dtype, (rows, *shape))
+    crc, num_bytes = zlib.crc32(header), len(header)
 
     def write(f: BinaryIO) -> None:
         nonlocal crc, num_bytes
-        header = _npy_header(dtype, shape)
         f.write(header)
-        crc, num_bytes = zlib.crc32(header), len(header)
-        for part, size in zip(scratch, sizes, strict=True):
-            n = size // row_bytes
-            with open(part, "rb") as src:
-                src.seek(n * start)
-                data = src.read(n * width)
-            if len(data) != n * width:
-                raise DataError(f"{part}: shorter than its {n} rows; rerun the same command")
-            f.write(data)
-            crc, num_bytes = zlib.crc32(data, crc), num_bytes + len(data)
+        with open(path, "rb") as src:
+            for p in pieces:
+                offset = reserved + layout.start(p["first"])[split] * width
+                left = p["rows"][split] * width
+                while left:
+                    data = os.pread(src.fileno(), min(left, _COPY_BYTES), offset)
+                    if not data:
+                        raise DataError(f"{path}: shorter than its rows; rerun the same command")
+                    f.write(data)
+                    crc, num_bytes = zlib.crc32(data, crc), num_bytes + len(data)
+                    offset, left = offset + len(data), left - len(data)
 
-    write_atomic(path, write, "preprocessed shard file", _KEEPS)
+    write_atomic(path, write, _WHAT, _KEEPS)
     return num_bytes, crc
 
 
 def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     """The header np.save writes for an array of this dtype and shape (format 1.0)."""
-    import io
-
     buf = io.BytesIO()
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
     np.lib.format.write_array_header_1_0(buf, header)

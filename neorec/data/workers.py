@@ -39,9 +39,7 @@ def run_jobs(
 
     `keys` (one per job, in job order) and `stop_key(result)`: once a result's stop key is not None,
     the jobs whose key is greater are not started (those started run to their end)."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=total if total is not None else len(jobs), desc=desc, disable=not progress, leave=False)
+    bar = _bar(total if total is not None else len(jobs), desc) if progress else None
     stop = None
     try:
         if workers <= 1 or len(jobs) <= 1:
@@ -50,7 +48,7 @@ def run_jobs(
                     continue
                 result = fn(job)
                 stop = _least(stop, stop_key(result) if stop_key else None)
-                bar.update(unit_size(result) if unit_size else 1)
+                _advance(bar, unit_size(result) if unit_size else 1)
                 yield result
             return
         ctx = multiprocessing.get_context(start_method())
@@ -67,14 +65,26 @@ def run_jobs(
                         for i, other in enumerate(futures):
                             if keys is not None and keys[i] > stop:
                                 other.cancel()
-                    bar.update(unit_size(result) if unit_size else 1)
+                    _advance(bar, unit_size(result) if unit_size else 1)
                     yield result
             except BaseException:
                 for fut in futures:
                     fut.cancel()
                 raise
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
+
+
+def _bar(total: int, desc: str) -> Any:
+    from tqdm import tqdm  # only with a bar: its import costs a short command about 0.05 s
+
+    return tqdm(total=total, desc=desc, leave=False)
+
+
+def _advance(bar: Any, n: int) -> None:
+    if bar is not None:
+        bar.update(n)
 
 
 def _least(a: Any, b: Any) -> Any:

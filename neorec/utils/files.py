@@ -79,13 +79,21 @@ def write_atomic(
         if isinstance(e, NeorecError):  # already worded, e.g. by a nested write
             raise
         cause = _os_error(e) or e  # torch.save raises RuntimeError during the OSError of the write
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e).strip().splitlines()[-1]
-        if not isinstance(cause, OSError) or cause.errno in _SPACE_ERRNOS:
-            reason += " (is the disk full, or a file-size limit set?)"
-        raise error(f"cannot write {what} {path}: {reason}; {keeps}") from cause
+        raise write_error(path, e, what, keeps, error) from cause
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_error(
+    path: str | Path, e: BaseException, what: str, keeps: str, error: type[Exception] = FileWriteError
+) -> Exception:
+    """The `error` for a failed write of `path`: "cannot write {what} {path}: {reason}; {keeps}"."""
+    cause = _os_error(e) or e
+    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e).strip().splitlines()[-1]
+    if not isinstance(cause, OSError) or cause.errno in _SPACE_ERRNOS:
+        reason += " (is the disk full, or a file-size limit set?)"
+    return error(f"cannot write {what} {path}: {reason}; {keeps}")
 
 
 def replace_folder(new: Path, place: Path) -> None:

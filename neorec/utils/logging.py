@@ -31,7 +31,8 @@ class RankFormatter(logging.Formatter):
 
 
 class TqdmHandler(logging.Handler):
-    """Writes each line with tqdm.write, which clears and redraws any progress bar around it."""
+    """Writes each line with tqdm.write, which clears and redraws any progress bar around it (a plain
+    write while tqdm is not imported: no bar can be on the screen)."""
 
     def __init__(self, stream=None) -> None:
         super().__init__()
@@ -39,9 +40,13 @@ class TqdmHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            from tqdm import tqdm
-
-            tqdm.write(self.format(record), file=self.stream or sys.stderr)
+            stream = self.stream or sys.stderr
+            tqdm_module = sys.modules.get("tqdm")
+            if tqdm_module is None:
+                stream.write(self.format(record) + "\n")
+                stream.flush()
+            else:
+                tqdm_module.tqdm.write(self.format(record), file=stream)
         except Exception:  # noqa: BLE001 - logging must never stop a run
             self.handleError(record)
 
