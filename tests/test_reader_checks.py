@@ -4,6 +4,7 @@ MovieLens ratings and ids; never train on them silently."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import replace
@@ -28,7 +29,7 @@ from neorec.data.shards import ShardSource, write_shards
 from neorec.data.synthetic import SyntheticSource, SyntheticSpec
 from neorec.errors import ConfigError, DataError
 from neorec.train.build import build_source
-from neorec.utils.files import file_crc32
+from neorec.utils.files import file_crc32, write_json
 
 ONE_HOT = SyntheticSpec(rows=[50, 1000, 7], num_dense=4, train_samples=2000, eval_samples=500, seed=3)
 MULTI_HOT = replace(ONE_HOT, bag_sizes=[2, 1, 3], variable_bags=True)
@@ -74,10 +75,15 @@ def set_npy(path: Path, index, value) -> None:
 
 
 def set_npz(path: Path, key: str, index, value) -> None:
+    """Change a value in a generated .npz shard, and its size and crc32 in meta.json with it (so that
+    the value check, not the checksum, is what meets it)."""
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
     arrays[key][index] = value
     np.savez(path, **arrays)
+    meta = json.loads((path.parent / "meta.json").read_text())
+    meta["files"][path.name] = [path.stat().st_size, file_crc32(path)]
+    write_json(path.parent / "meta.json", meta, "test file")
 
 
 def read_all(source, split: str = "train") -> list:
