@@ -229,9 +229,12 @@ def check_json(
 
 
 # ---- zip archives ----------------------------------------------------------------------------------------
-def check_zip(path: str | Path, what: str, hint: str, error: type[Exception] = NeorecError) -> None:
-    """Every entry of the zip archive `path` (a torch.save or torch.export.save file) reads back with
-    the CRC32 its directory records; a truncated or damaged archive raises `error` naming the file."""
+def check_zip(
+    path: str | Path, what: str, hint: str, error: type[Exception] = NeorecError, *, folders: bool = False
+) -> None:
+    """Every entry of the zip archive `path` (a torch.save or torch.export.save file; any archive with
+    `folders`) reads back with the CRC32 its directory records, and none is a folder unless `folders`;
+    a truncated or damaged archive raises `error` naming the file."""
     path = Path(path)
     if not path.is_file():
         raise error(f"{what} {path} does not exist")
@@ -241,7 +244,8 @@ def check_zip(path: str | Path, what: str, hint: str, error: type[Exception] = N
             # torch's reader (miniz) reads an entry flagged as a folder (a name ending in "/", or the DOS
             # folder bit of its attributes) as empty and leaves its tensor's memory unfilled; torch never
             # writes folders, and testzip does not look at the flag
-            folder = next((i.filename for i in zf.infolist() if i.is_dir() or i.external_attr & 0x10), None)
+            entries = [] if folders else zf.infolist()
+            folder = next((i.filename for i in entries if i.is_dir() or i.external_attr & 0x10), None)
     except Exception as e:  # noqa: BLE001 - any failure to read the archive is damage
         raise error(f"{what} {path} is damaged or truncated (not a readable zip archive: {e}); {hint}") from None
     if folder is not None:
