@@ -52,7 +52,8 @@ _READER_WHOLE = {
 
 def check_manifest_structure(manifest: dict[str, Any], where: str, hint: str) -> None:
     """Every value of a checkpoint manifest (see the module doc); CheckpointError naming `where` (the
-    file) and the key path."""
+    file) and the key path. Its tables and optimizer are replaced by their validated configs' dumps
+    (defaults filled in)."""
     c = JsonChecks(where, hint, CheckpointError)
     for key in MANIFEST_KEYS:
         if key not in OPTIONAL_KEYS:
@@ -66,7 +67,10 @@ def check_manifest_structure(manifest: dict[str, Any], where: str, hint: str) ->
     if manifest.get("plan") is not None:
         _check_plan(c, manifest["plan"], world)
     tables = _check_tables(c, c.items(manifest["tables"], "tables"))
-    _model(c, EmbeddingOptimizerConfig, manifest["optimizer"], "optimizer")
+    optimizer = _model(c, EmbeddingOptimizerConfig, manifest["optimizer"], "optimizer")
+    # as read, with the defaults of keys an older neorec did not write
+    manifest["tables"] = [t.model_dump(mode="json") for t in tables.values()]
+    manifest["optimizer"] = optimizer.model_dump(mode="json")
     for name, n in c.mapping(manifest["embedding_steps"], "embedding_steps").items():
         if name not in tables:
             c.fail("embedding_steps", f"names table {shown(name)}, which the manifest does not list")

@@ -40,7 +40,10 @@ def check_manifest_structure(manifest: dict[str, Any], where: str, hint: str) ->
     complete = c.flag(c.field(manifest, "complete"), "complete")
     _check_settings(c, c.mapping(c.field(manifest, "settings"), "settings"))
     num_dense = c.whole(c.field(manifest, "num_dense"), "num_dense", 0, MAX_DENSE)
-    _check_features(c, c.items(c.field(manifest, "features"), "features"))
+    features = c.items(c.field(manifest, "features"), "features")
+    if not features:
+        c.wrong("features", features, "a list of at least one feature")
+    _check_features(c, features)
     notes = c.mapping(c.field(manifest, "notes"), "notes")
     if "dense" in notes:
         names = c.items(notes["dense"], "notes.dense")
