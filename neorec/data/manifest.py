@@ -45,7 +45,8 @@ class ShardPlan:
 
     index: int
     file: str  # input file; "" for synthetic data
-    role: str  # "train", "eval", or "split" (line numbers that are multiples of eval_every go to eval)
+    role: str  # "train", "eval", "split" (line numbers that are multiples of eval_every go to eval), or
+    # "column" (Parquet rows go to eval by their eval column)
     first: int  # first line (1-based) or first synthetic block
     count: int  # lines or blocks
     offset: int = -1  # byte offset of line `first` in a plain file; -1 for .gz and synthetic

@@ -24,7 +24,8 @@ from neorec.utils.files import plain_name
 from neorec.utils.json_checks import JsonChecks, key_path
 
 SPLITS = ("train", "eval")
-ROLES = ("train", "eval", "split")  # split: lines that are multiples of eval_every go to eval
+# split: TSV lines that are multiples of eval_every go to eval; column: Parquet rows by their eval column
+ROLES = ("train", "eval", "split", "column")
 INPUTS = ("criteo", "synthetic", "parquet")
 PLAN_KEYS = ("index", "file", "role", "first", "count", "offset")  # ShardPlan's fields
 DONE_KEYS = ("samples", "skipped", "files")  # a written shard's (from its meta.json)
