@@ -17,17 +17,15 @@ import torch
 from torch import nn
 
 from neorec.checkpoint.files import CheckpointError, check_file, load_tensors
+from neorec.checkpoint.manifest_checks import MANIFEST_KEYS, check_manifest_structure
 from neorec.checkpoint.pieces import PieceReader, slots, storages, windows
 from neorec.checkpoint.save import DENSE, FORMAT, MANIFEST, VERSION, list_checkpoints
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.fused.storage import write_storage
 from neorec.errors import state_mismatch
-from neorec.utils.files import CHECKSUM_KEY, check_json, load_json, plain_name
+from neorec.utils.files import CHECKSUM_KEY, check_json, load_json
+from neorec.utils.json_checks import is_whole, shown
 
-MANIFEST_KEYS = (
-    "format", "version", "step", "saved_at", "world_size", "local_world_size", "plan", "tables", "optimizer",
-    "embedding_steps", "state", "dense", "files", "pieces",
-)  # fmt: skip
 _DAMAGED = "use an earlier checkpoint"
 
 
@@ -63,7 +61,8 @@ def checkpoint_folder(path: str | Path) -> Path:
 
 def read_manifest(folder: str | Path) -> dict:
     """The checked manifest: its own crc32 (version 2; a version 1 manifest has none), format and
-    version, and every file it names a bare name inside `folder`, before any file is opened."""
+    version, then every value's type and range (manifest_checks.py: files named by bare names inside
+    `folder`, pieces inside their files and tables), before any file is opened."""
     path = Path(folder) / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{folder}: not a complete checkpoint (no {MANIFEST})")
@@ -74,29 +73,14 @@ def read_manifest(folder: str | Path) -> dict:
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint file {path} is not a neorec checkpoint manifest")
     version = manifest.get("version")
-    if version not in (1, VERSION):
-        raise CheckpointError(f"checkpoint file {path}: format version {version}, this neorec reads 1 and {VERSION}")
+    if not is_whole(version) or version not in (1, VERSION):
+        raise CheckpointError(
+            f"checkpoint file {path}: version is {shown(version)}, this neorec reads format versions 1 and {VERSION}"
+        )
     if not checked:
         check_json(manifest, path, "checkpoint file", _DAMAGED, CheckpointError, required=version != 1, keys=MANIFEST_KEYS)
-    _check_entries(manifest, path)
+    check_manifest_structure(manifest, f"checkpoint file {path}", _DAMAGED)
     return manifest
-
-
-def _check_entries(manifest: dict, path: Path) -> None:
-    """The files the manifest lists (with sizes and checksums) and its pieces name: bare names."""
-    where = f"checkpoint file {path}"
-    missing = [k for k in MANIFEST_KEYS if k not in manifest and k not in ("saved_at", "plan", "state")]
-    if missing:
-        raise CheckpointError(f"{where} is malformed: it has no {missing}; {_DAMAGED}")
-    try:
-        for entry in [*manifest["files"], manifest["dense"]]:
-            plain_name(entry["name"], f"{where}: file name", CheckpointError)
-            if not all(isinstance(entry[k], int) for k in ("bytes", "crc32")):
-                raise TypeError(f"file {entry['name']!r}: bytes and crc32 must be integers")
-        for piece in manifest["pieces"]:
-            plain_name(piece["file"], f"{where}: a piece's file", CheckpointError)
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"{where} is malformed ({type(e).__name__}: {e}); {_DAMAGED}") from None
 
 
 def check_tables(manifest: dict, embeddings: EmbeddingCollection, where: Path) -> None:

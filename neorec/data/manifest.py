@@ -8,9 +8,10 @@
 
 Every file (manifest, meta.json, each .npy column) is written by neorec.utils.files.write_atomic, and a
 shard's folder is renamed into place once all of its files are. Reading: `load_manifest` checks the
-manifest's crc32 and that every feature's name is a plain name (it names files: ids_<feature>.npy);
-`check_part_files` checks a shard's .npy files against the manifest's sizes and crc32s before the
-reader (sharded_reader.py) maps them. A folder written before these checksums were recorded has none:
+manifest's crc32, then the type and range of every value (manifest_checks.py: counts, sizes, feature
+names that are plain names, as they name files: ids_<feature>.npy); a shard's meta.json is checked the
+same way when read back. `check_part_files` checks a shard's .npy files against the manifest's sizes
+and crc32s before the reader (sharded_reader.py) maps them. A folder written before these checksums were recorded has none:
 its manifest is read without its crc32 (any unknown key refused) and its .npy files without theirs.
 """
 
@@ -24,11 +25,13 @@ from typing import Any
 import numpy as np
 
 from neorec.data.criteo_lines import DEFAULT_MAX_LINE_BYTES
+from neorec.data.manifest_checks import SPLITS as SPLITS
+from neorec.data.manifest_checks import check_manifest_structure, check_meta_structure
 from neorec.errors import DataError
 from neorec.utils.files import file_crc32, fsync_dir, plain_name, read_json, write_atomic, write_json
+from neorec.utils.json_checks import shown
 
 FORMAT = "neorec-columnar-1"
-SPLITS = ("train", "eval")  # a shard's subfolders: shards/<k>/<split>/
 MANIFEST = "manifest.json"
 META = "meta.json"
 MANIFEST_KEYS = ("format", "complete", "settings", "num_dense", "features", "notes", "shards", "num_samples", "skipped")
@@ -42,7 +45,8 @@ class ShardPlan:
 
     index: int
     file: str  # input file; "" for synthetic data
-    role: str  # "train", "eval", or "split" (line numbers that are multiples of eval_every go to eval)
+    role: str  # "train", "eval", "split" (line numbers that are multiples of eval_every go to eval), or
+    # "column" (Parquet rows go to eval by their eval column)
     first: int  # first line (1-based) or first synthetic block
     count: int  # lines or blocks
     offset: int = -1  # byte offset of line `first` in a plain file; -1 for .gz and synthetic
@@ -65,25 +69,19 @@ def check_feature_names(features: list[dict], manifest: Path) -> None:
 
 
 def load_manifest(root: str | Path) -> dict[str, Any]:
-    """The manifest of a preprocessed folder, checked (its crc32, its format, plain feature names);
-    DataError naming it when missing, unreadable, damaged or foreign."""
+    """The manifest of a preprocessed folder, checked (its crc32, its format, then every value's type
+    and range: neorec/data/manifest_checks.py); DataError naming it and the key when missing,
+    unreadable, damaged, foreign or malformed."""
     path = Path(root) / MANIFEST
     if not path.is_file():
         raise DataError(f"{path}: missing; is {root} a folder written by `neorec data preprocess`?")
     manifest = read_json(path, "preprocessed data manifest", _AGAIN, DataError, keys=MANIFEST_KEYS)
     if manifest.get("format") != FORMAT:
-        raise DataError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    try:
-        check_feature_names(manifest["features"], path)
-        for entry in manifest["shards"]:
-            if not isinstance(entry["index"], int) or entry["index"] < 0:
-                raise ValueError(f"shard index {entry['index']!r}")
-            for name in entry.get("files", {}):
-                split, _, column = name.partition("/")
-                plain_name(split, f"{path}: shard {entry['index']}: folder of file", DataError)
-                plain_name(column, f"{path}: shard {entry['index']}: file", DataError)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise DataError(f"{path} is malformed ({type(e).__name__}: {e}); {_AGAIN}") from None
+        raise DataError(f"{path}: format {shown(manifest.get('format'))}, expected {FORMAT!r}")
+    unknown = sorted(set(manifest) - set(MANIFEST_KEYS))
+    if unknown:
+        raise DataError(f"{path}: unknown key(s) {shown(unknown)} (allowed: {', '.join(MANIFEST_KEYS)}); {_AGAIN}")
+    check_manifest_structure(manifest, str(path), _AGAIN)
     return manifest
 
 
@@ -138,6 +136,7 @@ def complete_manifest(out: Path, manifest: dict, shard_names: list[str]) -> tupl
     for entry, name in zip(manifest["shards"], shard_names, strict=True):
         path = out / "shards" / name / META
         meta = read_json(path, "preprocessed shard file", _AGAIN, DataError, keys=("samples", "skipped", "files"))
+        check_meta_structure(meta, str(path), _AGAIN)
         entry.update(samples=meta["samples"], skipped=meta["skipped"])
         if "files" in meta:
             entry["files"] = meta["files"]

@@ -70,6 +70,12 @@ def check_resume(data: Any, state: Any, where: str | Path) -> None:
     where = f"checkpoint {where}"
     if not isinstance(state, dict):
         raise DataError(f"{where}: its training state is {type(state).__name__}, not a mapping")
+    missing = [k for k in ("epoch", "batches") if k not in state]
+    if missing:
+        raise DataError(
+            f"{where}: its training state has no {' or '.join(missing)}: it was not saved by `neorec train`, "
+            "which resumes only from its own checkpoints"
+        )
     saved = state.get("batch_size")
     if saved is not None and saved != data.batch_size:
         raise ConfigError(

@@ -80,6 +80,8 @@ def mapped_empty(
     for n in shape:
         numel *= n
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes > sys.maxsize:  # more than the address space: mmap would raise OverflowError
+        raise MemoryError(f"a tensor of {nbytes:,} bytes is larger than the address space")
     if nbytes < min_bytes or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.empty(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
