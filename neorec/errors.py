@@ -5,6 +5,7 @@ bad input and 1 for a failure of the machine."""
 from __future__ import annotations
 
 import errno
+import re
 
 
 class NeorecError(Exception):
@@ -59,7 +60,15 @@ def state_mismatch(error: BaseException, limit: int = 200) -> str:
     a heading: missing or unexpected keys, size mismatches)."""
     lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
     first = next((line for line in lines[1:] if line), lines[0] if lines else type(error).__name__)
+    # torch says "from checkpoint" of whatever state it loads (a model.pt, an export file)
+    first = _SIZE_MISMATCH.sub(r"shape [\1] in the file, [\2] in the model", first)
     return first[:limit].rstrip(".")
+
+
+_SIZE_MISMATCH = re.compile(
+    r"copying a param with shape torch\.Size\(\[([^\]]*)\]\) from checkpoint, "
+    r"the shape in current model is torch\.Size\(\[([^\]]*)\]\)"
+)
 
 
 def failure(error: BaseException) -> tuple[int, str] | None:
