@@ -207,16 +207,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from neorec.planner.hardware import load_calibration
     from neorec.train.run_plan import plan_command
 
-    kinds = [k for k in args.kinds.split(",") if k] if args.kinds is not None else None
-    overrides = args.overrides + ([f"distributed.kinds=[{', '.join(kinds)}]"] if kinds is not None else [])
-    cfg = load_config(args.config or "default", overrides) if args.model == "config" else None
-    name = args.model if args.model != "config" else (cfg.name if cfg else "plan")
-    out_dir = output_folder(args.output_dir or f"runs/plan-{name}", "--output-dir")
     if args.calibrate and (args.nproc or 2) > max_processes():  # the calibration starts them on this machine
         raise NeorecError(
             f"--calibrate --nproc {args.nproc}: calibration starts that many processes on this machine; "
             f"give at most {max_processes()}{per_core()}"
         )
+    kinds = [k for k in args.kinds.split(",") if k] if args.kinds is not None else None
+    overrides = args.overrides + ([f"distributed.kinds=[{', '.join(kinds)}]"] if kinds is not None else [])
+    cfg = load_config(args.config or "default", overrides) if args.model == "config" else None
+    name = args.model if args.model != "config" else (cfg.name if cfg else "plan")
+    out_dir = output_folder(args.output_dir or f"runs/plan-{name}", "--output-dir")
     if args.calibrate:
         from neorec.planner.calibrate import calibrate
 
