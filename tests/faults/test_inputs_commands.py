@@ -230,6 +230,7 @@ FLAGS = [  # (argv, words of the error)
     (["data", "stream", "--out", "s", "--first-day", HUGE], "--first-day"),
     (["data", "stream", "--out", "s", "--seed", HUGE], "--seed"),
     (["data", "inspect", "--batches", HUGE], "--batches"),
+    (["checkpoint", "export-dcp", "r", "--out", "d", "--row-state-columns", "C1=0,-5"], "--row-state-columns"),
     (["train", "--nproc", "x" * 100_000], "(100000 characters)"),
     (["train", "--unknown-flag", "y" * 100_000], "unrecognized arguments"),
 ]  # fmt: skip
