@@ -71,6 +71,17 @@ _SIZE_MISMATCH = re.compile(
 )
 
 
+MAX_MESSAGE_CHARS = 4000  # of an error message: what an input quotes in one is cut short where it is made
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`message`, its middle left out when it is longer than `limit` characters (a safety net: each
+    message cuts what it quotes, but nothing should print megabytes)."""
+    if len(message) <= limit:
+        return message
+    return f"{message[: limit * 3 // 4]} ... ({len(message)} characters in all) ... {message[-limit // 8 :]}"
+
+
 def failure(error: BaseException) -> tuple[int, str] | None:
     """(exit code, one-line message) of an exception that a command reports as `neorec: error: ...`:
     2 for bad input (a NeorecError, a path that cannot be used, input nested too deeply, not UTF-8 or
@@ -78,7 +89,7 @@ def failure(error: BaseException) -> tuple[int, str] | None:
     1 for a failure of the machine (disk full, an I/O error, a file-size limit, out of memory, or a
     NeorecError caused by one). None for anything else: a bug, whose traceback is its report."""
     if isinstance(error, NeorecError):
-        return (1 if isinstance(error, MachineError) or _machine_cause(error) else 2), str(error)
+        return (1 if isinstance(error, MachineError) or _machine_cause(error) else 2), bounded(str(error))
     if out_of_memory(error):
         detail = " ".join(str(error).split())
         detail = detail[detail.find("DefaultCPUAllocator") :] if "DefaultCPUAllocator" in detail else detail

@@ -21,6 +21,7 @@ from tiny_cli import TINY, sets
 
 from neorec.cli import main
 from neorec.config.load import load_config
+from neorec.errors import NeorecError
 from neorec.serving import export_model
 from neorec.serving.file_format import read_export, write_export
 from neorec.train.trainer import Trainer
@@ -251,3 +252,14 @@ def test_a_config_of_60000_unknown_keys_is_one_short_line(tmp_path, capsys):
         capsys, main(["config", "show", "--config", str(path)]), 2, "60000 problems", "and 59995 more"
     )
     assert "unknown key 'train.k0'" in err
+
+
+def test_no_error_line_is_longer_than_4000_characters(capsys, monkeypatch):
+    def quoting_a_megabyte(args) -> int:
+        raise NeorecError("start " + "x" * 1_000_000 + " end")
+
+    monkeypatch.setattr("neorec.cli.cmd_config_keys", quoting_a_megabyte)
+    assert main(["config", "keys"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("neorec: error: start") and err.endswith(" end\n") and err.count("\n") == 1
+    assert len(err) < 4100 and "(1000010 characters in all)" in err
