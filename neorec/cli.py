@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from neorec.cli_args import count, output_folder, positive_int, seconds, writable
+from neorec.cli_args import MAX_BATCHES_READ, Parser, output_folder, seconds, whole_number, writable
+from neorec.config.limits import MAX_BATCH, MAX_RANKS, max_processes, max_threads, per_core
 from neorec.errors import NeorecError, failure, state_mismatch
 from neorec.utils.logging import setup_logging
 
@@ -206,6 +207,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from neorec.planner.hardware import load_calibration
     from neorec.train.run_plan import plan_command
 
+    if args.calibrate and (args.nproc or 2) > max_processes():  # the calibration starts them on this machine
+        raise NeorecError(
+            f"--calibrate --nproc {args.nproc}: calibration starts that many processes on this machine; "
+            f"give at most {max_processes()}{per_core()}"
+        )
     kinds = [k for k in args.kinds.split(",") if k] if args.kinds is not None else None
     overrides = args.overrides + ([f"distributed.kinds=[{', '.join(kinds)}]"] if kinds is not None else [])
     cfg = load_config(args.config or "default", overrides) if args.model == "config" else None
@@ -239,15 +245,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from neorec import __version__
 
-    parser = argparse.ArgumentParser(prog="neorec", description="Train deep learning recommendation models.")
+    parser = Parser(prog="neorec", description="Train deep learning recommendation models.")
     parser.add_argument("--version", action="version", version=f"neorec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model (default: synthetic Criteo-like data on CPU)")
     _add_config_args(p)
     p.add_argument("--output-dir", default=None, help="where logs, plots and the model go (default: from config)")
-    p.add_argument("--nproc", type=positive_int, default=None,
-                   help="processes on this machine: starts torchrun for you (sharded embeddings, gloo on CPU)")  # fmt: skip
+    p.add_argument("--nproc", type=whole_number(1, max_processes, per_core()), default=None,
+                   help="processes on this machine: starts torchrun for you (sharded embeddings, gloo on CPU); "
+                   "at most 4 per core")  # fmt: skip
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
                    help="continue from the newest complete checkpoint in checkpoint.dir (default <output_dir>/checkpoints), "
                         "or from the step-XXXXXXXX folder given")  # fmt: skip
@@ -284,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="what `neorec export` wrote: an .nrx file, a pt2 folder (or its model.pt2), or an aoti package")
     p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels; multitask: a column per task)")
     p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data")
-    p.add_argument("--batch-size", type=positive_int, default=None, help="samples per batch (default: data.eval_batch_size)")
+    p.add_argument("--batch-size", type=whole_number(1, MAX_BATCH), default=None,
+                   help="samples per batch (default: data.eval_batch_size)")  # fmt: skip
     p.add_argument("--with-labels", action="store_true", help="write CSV with a header: probability,label")
     p.add_argument("--bounds-check", default="error", choices=["error", "warn", "off"],
                    help="an id outside its table: stop naming it (error), drop it from its bag and count it (warn), or no check (off)")  # fmt: skip
@@ -294,18 +302,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--cluster", default="this", choices=["this", "a100-node", "h100-node", "paper"],
                    help="this machine (calibrated CPU), one 8-GPU node, or 16 x 8 GPUs (default: this)")  # fmt: skip
-    p.add_argument("--nproc", type=positive_int, default=None, help="ranks (default: 2 on this machine, the preset's otherwise)")
-    p.add_argument("--ranks-per-node", type=positive_int, default=None, help="ranks per node (default: the preset's)")
+    p.add_argument("--nproc", type=whole_number(1, MAX_RANKS), default=None,
+                   help="ranks (default: 2 on this machine, the preset's otherwise); with --calibrate, processes "
+                   "on this machine (at most 4 per core)")  # fmt: skip
+    p.add_argument("--ranks-per-node", type=whole_number(1, MAX_RANKS), default=None,
+                   help="ranks per node (default: the preset's)")  # fmt: skip
     p.add_argument("--model", default="config", choices=["config", "12t"],
                    help="config: the tables of --config; 12t: the 12-trillion-parameter dry run (on --cluster paper)")  # fmt: skip
     p.add_argument("--output-dir", default=None, help="where plan.json, report.txt, summary.json, plan.png go")
     p.add_argument("--baselines", action="store_true", help="also score round-robin and size-greedy plans")
-    p.add_argument("--batches", type=count, default=2, help="training batches read for access statistics (0: none)")
+    p.add_argument("--batches", type=whole_number(0, MAX_BATCHES_READ), default=2,
+                   help="training batches read for access statistics (0: none)")  # fmt: skip
     p.add_argument("--kinds", default=None,
                    help="sharding kinds the planner may use, e.g. tw,rw: sets distributed.kinds (default: its value, all kinds)")  # fmt: skip
     p.add_argument("--time-budget", type=seconds, default=25.0, help="seconds the planner may spend improving")
     p.add_argument("--calibrate", action="store_true", help="first measure this machine's speeds (about 20 s)")
-    p.add_argument("--threads", type=positive_int, default=1, help="--calibrate: threads per process")
+    p.add_argument("--threads", type=whole_number(1, max_threads, per_core()), default=1,
+                   help="--calibrate: threads per process (at most 4 per core, as train.threads)")  # fmt: skip
     p.add_argument("--calibration", default=None, help="calibration JSON to write/read (default ~/.cache/neorec/calibration.json)")
     p.set_defaults(func=cmd_plan)
 

@@ -7,8 +7,12 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from neorec.cli_args import count, output_folder, positive_int
+from neorec.cli_args import MAX_BATCHES_READ, output_folder, whole_number
+from neorec.config.limits import MAX_ROWS, MAX_SAMPLES, max_processes, per_core
 from neorec.errors import NeorecError
+
+MAX_LINE_BYTES = 64 << 20  # --max-line-bytes: a block of lines holds one such line, read at once
+MAX_DAYS = 100_000  # --days and --first-day of a stream (its ids shift by day and must fit int64)
 
 
 def cmd_data_generate(args: argparse.Namespace) -> int:
@@ -72,11 +76,13 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
     else:
         if not args.inputs:
             raise NeorecError("give Criteo TSV files to preprocess, or --synthetic")
-        try:
-            rows = [int(r) for r in args.table_rows.split(",")]
-        except ValueError:
-            msg = f"--table-rows: expected one integer or 26 comma-separated ones, got {args.table_rows!r}"
-            raise NeorecError(msg) from None
+        if args.config is not None or args.overrides:  # nothing of a config applies: the flags say it all
+            given = "--config" if args.config is not None else "--set"
+            raise NeorecError(
+                f"{given} describes the data of --synthetic or --parquet preprocessing; Criteo TSV files are "
+                "preprocessed as their flags say (--table-rows, --hashing, --vocab-threshold, ...): leave it out"
+            )
+        rows = _table_rows(args.table_rows)
         result = preprocess_criteo(
             args.inputs, args.out, eval_paths=args.eval_paths, eval_every=args.eval_every, hashing=args.hashing,
             table_rows=rows[0] if len(rows) == 1 else rows, vocab_threshold=args.vocab_threshold,
@@ -88,6 +94,20 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
     print(f"{result.out}: {result.num_shards} shards ({result.written} written now); samples: {samples}; "
           f"bad lines skipped: {skipped}")  # fmt: skip
     return 0
+
+
+def _table_rows(text: str) -> list[int]:
+    """--table-rows: one number or 26, comma-separated, each from 1 to MAX_ROWS."""
+    shown = text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:  # not integers, or one of more than 4300 digits
+        raise NeorecError(
+            f"--table-rows: expected one integer or 26 comma-separated ones, got {shown!r}"
+        ) from None
+    if not all(1 <= r <= MAX_ROWS for r in rows):
+        raise NeorecError(f"--table-rows {shown}: every count must be from 1 to {MAX_ROWS} (2^40)")
+    return rows
 
 
 def cmd_data_stream(args: argparse.Namespace) -> int:
@@ -150,7 +170,7 @@ def add_data_commands(sub: argparse._SubParsersAction, add_config_args: Callable
     )
     p.add_argument(
         "--eval-every",
-        type=int,
+        type=whole_number(2, MAX_SAMPLES),
         default=10,
         help="without --eval-paths, hold out lines whose number is a multiple of this",
     )
@@ -158,7 +178,7 @@ def add_data_commands(sub: argparse._SubParsersAction, add_config_args: Callable
         "--hashing", default="modulo", choices=["modulo", "hash"], help="how a hex value maps into its table"
     )
     p.add_argument("--table-rows", default="100000", help="rows per table: one number or 26, comma-separated")
-    p.add_argument("--vocab-threshold", type=int, default=None,
+    p.add_argument("--vocab-threshold", type=whole_number(1, MAX_SAMPLES), default=None,
                    help="instead of hashing: ids for values seen at least this often in training lines, 0 for the rest "
                         "(Parquet: the features with hashing vocab, counted into OUT/vocab = data.parquet.vocab_dir)")  # fmt: skip
     p.add_argument(
@@ -169,10 +189,13 @@ def add_data_commands(sub: argparse._SubParsersAction, add_config_args: Callable
     p.add_argument(
         "--bad-lines", default="fail", choices=["fail", "skip"], help="stop with file:line, or skip and count"
     )
-    p.add_argument("--max-line-bytes", type=positive_int, default=4096,
+    p.add_argument("--max-line-bytes", type=whole_number(1, MAX_LINE_BYTES), default=4096,
                    help="longer lines are bad lines (--bad-lines), never read whole; a Criteo line is under 500 bytes")  # fmt: skip
-    p.add_argument("--shard-lines", type=int, default=1_000_000, help="input lines per shard")
-    p.add_argument("--workers", type=positive_int, default=1, help="processes that write shards in parallel")
+    p.add_argument(
+        "--shard-lines", type=whole_number(1, MAX_SAMPLES), default=1_000_000, help="input lines per shard"
+    )
+    p.add_argument("--workers", type=whole_number(1, max_processes, per_core()), default=1,
+                   help="processes that write shards in parallel (at most 4 per core)")  # fmt: skip
     p.add_argument(
         "--synthetic", action="store_true", help="preprocess the synthetic data set of --config instead"
     )
@@ -195,14 +218,16 @@ def add_data_commands(sub: argparse._SubParsersAction, add_config_args: Callable
     p.add_argument(
         "--out", required=True, help="the folder of partitions (day-NNN/part-0.parquet, then _SUCCESS)"
     )
-    p.add_argument("--days", type=positive_int, default=4, help="partitions to write")
-    p.add_argument("--first-day", type=count, default=0, help="the first day's number (to add later days)")
-    p.add_argument("--rows", type=positive_int, default=20000, help="samples per day")
-    p.add_argument("--seed", type=count, default=0, help="the stream's seed")
+    p.add_argument("--days", type=whole_number(1, MAX_DAYS), default=4, help="partitions to write")
+    p.add_argument("--first-day", type=whole_number(0, MAX_DAYS), default=0,
+                   help="the first day's number (to add later days)")  # fmt: skip
+    p.add_argument("--rows", type=whole_number(1, MAX_SAMPLES), default=20000, help="samples per day")
+    p.add_argument("--seed", type=whole_number(0, 2**32 - 1), default=0, help="the stream's seed")
     p.set_defaults(func=cmd_data_stream)
     p = data.add_parser("inspect", help="summarise the data a config reads (features, sizes, id statistics)")
     add_config_args(p)
-    p.add_argument("--batches", type=count, default=4, help="training batches to sample for statistics")
+    p.add_argument("--batches", type=whole_number(0, MAX_BATCHES_READ), default=4,
+                   help="training batches to sample for statistics")  # fmt: skip
     p.set_defaults(func=cmd_data_inspect)
     p = data.add_parser(
         "download", help="download MovieLens latest-small, verified (Criteo: says where to get it)"

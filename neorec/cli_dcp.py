@@ -129,17 +129,25 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
 
 
 def _row_state_columns(items: list[str]) -> dict[str, list[int]]:
+    from neorec.config.limits import MAX_DIM
+
     out = {}
     for item in items:
         name, _, columns = item.partition("=")
+        shown = repr(item) if len(item) <= 80 else f"{item[:80]!r}... ({len(item)} characters)"
         try:
             out[name] = [int(c) for c in columns.split(",")]
-        except ValueError:
+        except ValueError:  # not integers, or one of more than 4300 digits
             raise NeorecError(
-                f"--row-state-columns {item!r}: expected TABLE=C0,C1,... (the first column of each shard), e.g. t1=0,64"
+                f"--row-state-columns {shown}: expected TABLE=C0,C1,... (the first column of each shard), e.g. t1=0,64"
             ) from None
         if not name:
-            raise NeorecError(f"--row-state-columns {item!r}: no table name before '='")
+            raise NeorecError(f"--row-state-columns {shown}: no table name before '='")
+        if len(out[name]) > MAX_DIM or not all(0 <= c < MAX_DIM for c in out[name]):
+            raise NeorecError(
+                f"--row-state-columns {shown}: a column shard starts at a column from 0 to {MAX_DIM - 1} "
+                f"(embedding.dim is at most {MAX_DIM})"
+            )
     return out
 
 

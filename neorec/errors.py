@@ -5,6 +5,7 @@ bad input and 1 for a failure of the machine."""
 from __future__ import annotations
 
 import errno
+import re
 
 
 class NeorecError(Exception):
@@ -59,7 +60,26 @@ def state_mismatch(error: BaseException, limit: int = 200) -> str:
     a heading: missing or unexpected keys, size mismatches)."""
     lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
     first = next((line for line in lines[1:] if line), lines[0] if lines else type(error).__name__)
+    # torch says "from checkpoint" of whatever state it loads (a model.pt, an export file)
+    first = _SIZE_MISMATCH.sub(r"shape [\1] in the file, [\2] in the model", first)
     return first[:limit].rstrip(".")
+
+
+_SIZE_MISMATCH = re.compile(
+    r"copying a param with shape torch\.Size\(\[([^\]]*)\]\) from checkpoint, "
+    r"the shape in current model is torch\.Size\(\[([^\]]*)\]\)"
+)
+
+
+MAX_MESSAGE_CHARS = 4000  # of an error message: what an input quotes in one is cut short where it is made
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`message`, its middle left out when it is longer than `limit` characters (a safety net: each
+    message cuts what it quotes, but nothing should print megabytes)."""
+    if len(message) <= limit:
+        return message
+    return f"{message[: limit * 3 // 4]} ... ({len(message)} characters in all) ... {message[-limit // 8 :]}"
 
 
 def failure(error: BaseException) -> tuple[int, str] | None:
@@ -69,7 +89,7 @@ def failure(error: BaseException) -> tuple[int, str] | None:
     1 for a failure of the machine (disk full, an I/O error, a file-size limit, out of memory, or a
     NeorecError caused by one). None for anything else: a bug, whose traceback is its report."""
     if isinstance(error, NeorecError):
-        return (1 if isinstance(error, MachineError) or _machine_cause(error) else 2), str(error)
+        return (1 if isinstance(error, MachineError) or _machine_cause(error) else 2), bounded(str(error))
     if out_of_memory(error):
         detail = " ".join(str(error).split())
         detail = detail[detail.find("DefaultCPUAllocator") :] if "DefaultCPUAllocator" in detail else detail

@@ -28,10 +28,24 @@ MAX_FEATURES = 1024  # synthetic features (the teacher draws their pairs)
 MAX_LAYERS = 256  # cross layers
 
 
+MAX_RANKS = 4096  # ranks of a cluster the planner plans for (its work grows as ranks^2: 4096 take minutes)
+
+
 def max_threads() -> int:
     """train.threads: at most 4 threads per core of this machine (more only thrash; far more abort
     OpenMP's thread pool)."""
     return 4 * (os.cpu_count() or 1)
+
+
+def max_processes() -> int:
+    """Processes a command starts on this machine (`neorec train --nproc`, calibration, preprocessing
+    workers): at most 4 per core, as threads."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def per_core() -> str:
+    """What max_threads and max_processes are, in words."""
+    return f" (4 per core of this machine's {os.cpu_count() or 1})"
 
 
 def machine_memory_bytes() -> int:

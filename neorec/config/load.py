@@ -228,17 +228,29 @@ def validate_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        lines = [_explain(err) for err in e.errors()]
-        if len(lines) == 1:
+        errors = e.errors()
+        # one line however many problems: the first few, each cut short, then how many more
+        lines = [_cut(_explain(err), MAX_PROBLEM_CHARS) for err in errors[:MAX_PROBLEMS_SHOWN]]
+        if len(errors) == 1:
             raise ConfigError(f"{where}: {lines[0]}") from None
-        raise ConfigError(f"{where}: {len(lines)} problems:\n  " + "\n  ".join(lines)) from None
+        more = f"; and {len(errors) - len(lines)} more" if len(errors) > len(lines) else ""
+        raise ConfigError(f"{where}: {len(errors)} problems: " + "; ".join(lines) + more) from None
+
+
+MAX_PROBLEMS_SHOWN = 5  # problems a config error lists (then "and N more")
+MAX_PROBLEM_CHARS = 300  # characters of each
+
+
+def _cut(text: str, limit: int) -> str:
+    """`text`, cut to `limit` characters."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _explain(err: dict[str, Any]) -> str:
     loc = [str(p) for p in err["loc"]]
     # pydantic adds union member names ("list[int]", "literal['none']") to the location; drop them
     loc = [p for p in loc if not _is_union_tag(p)]
-    key = ".".join(loc) or "(top level)"
+    key = _cut(".".join(loc), 120) or "(top level)"
     if err["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc[:-1])
         hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""

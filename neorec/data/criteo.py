@@ -49,6 +49,7 @@ from neorec.data.criteo_lines import (  # noqa: F401 (the rules of the format, i
 )
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.data.tsv_blocks import LineBlock, line_blocks, parse_fast
+from neorec.data.tsv_index import READ_ERRORS, read_error
 from neorec.errors import ConfigError, DataError
 from neorec.sparse import SparseBatch
 
@@ -169,8 +170,8 @@ class CriteoTSVReader:
                                 raise DataError(min(bad)[2] + FAIL_HINT)
                             self.skipped.update(reason for _, reason, _ in bad)
                         yield parsed
-            except (OSError, EOFError) as e:  # truncated or corrupt gzip
-                raise DataError(f"{path}: cannot read after line {number}: {e}") from e
+            except READ_ERRORS as e:  # a failing disk, a truncated or damaged .gz file
+                raise read_error(path, f"after line {number}", e) from e
 
 
 def _keep_mask(keep: Callable[[int], bool], numbers: np.ndarray) -> np.ndarray:

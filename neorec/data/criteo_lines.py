@@ -28,6 +28,7 @@ them per reason under `bad_lines="skip"`. Messages quote at most the first bytes
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import itertools
@@ -130,7 +131,7 @@ def parse_hex(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_tsv_file(path: PathLike, key: str | None = None) -> None:
-    """A Criteo TSV input exists, is a file and is not empty (0 bytes); DataError naming it if not, and for
+    """A Criteo TSV input exists, is a readable file and is not empty (0 bytes); DataError naming it if not, and for
     a missing one where Criteo's logs are (`key`: the config key that named it; None: the command line)."""
     path = Path(path)
     if path.is_dir():
@@ -139,6 +140,12 @@ def check_tsv_file(path: PathLike, key: str | None = None) -> None:
         raise DataError(f"{path}: no such file; {criteo_hint(key)}")
     if path.stat().st_size == 0:
         raise DataError(f"{path}: empty file; expected Criteo TSV lines (label, I1..I13, C1..C26)")
+    try:  # readable: refused before any work, as a missing file is
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        hint = "; check its permissions" if e.errno in (errno.EACCES, errno.EPERM) else ""
+        raise DataError(f"{path}: cannot be read ({e.strerror or e}){hint}") from e
 
 
 def open_tsv(path: Path) -> io.BufferedIOBase:

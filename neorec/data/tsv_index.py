@@ -13,6 +13,7 @@ offsets (positions in the decompressed stream) taken as its blocks go by.
 from __future__ import annotations
 
 import gzip
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -60,6 +61,21 @@ class BlockScan:
 
 def open_input(path: str | Path) -> IO[bytes]:
     return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
+
+
+# what a read of a TSV input raises: a failing disk or permission (OSError), a truncated .gz file
+# (EOFError) or damaged compressed data (zlib.error, gzip.BadGzipFile)
+READ_ERRORS = (OSError, EOFError, zlib.error)
+
+
+def read_error(path: PathLike, where: str, error: BaseException) -> DataError:
+    """The one-line error of a read of `path` that failed `where` ("after line 12"); raise it from
+    `error`, so that a failing disk (EIO) is reported as one (exit 1)."""
+    if isinstance(error, EOFError | zlib.error | gzip.BadGzipFile):
+        reason = f"damaged or truncated gzip data ({error})"
+    else:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return DataError(f"{path}: cannot read {where}: {reason}")
 
 
 def _filled(block: bytes) -> int:
@@ -123,8 +139,8 @@ def scan_stream(path: PathLike, shard_lines: int, block_bytes: int) -> list[Bloc
                 scans.append(scan_block(block, pos, lines_before, shard_lines))
                 lines_before += scans[-1].newlines
                 pos += len(block)
-        except (OSError, EOFError) as e:
-            raise DataError(f"{path}: cannot read after byte {pos} of its content: {e}") from e
+        except READ_ERRORS as e:
+            raise read_error(path, f"after line {lines_before} (byte {pos} of its content)", e) from e
     return scans
 
 

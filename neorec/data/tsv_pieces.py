@@ -26,7 +26,7 @@ import numpy as np
 from neorec.data.criteo_lines import FAIL_HINT, BadLine, Parsed, parse_lines, select
 from neorec.data.manifest import ShardPlan
 from neorec.data.tsv_blocks import LineBlock, line_blocks, parse_fast
-from neorec.data.tsv_index import FileIndex, open_input
+from neorec.data.tsv_index import READ_ERRORS, FileIndex, open_input, read_error
 from neorec.errors import DataError
 
 CHUNK_LINES = 16384  # lines per chunk of the line-by-line preprocessing, whose bad-line order is kept
@@ -111,8 +111,8 @@ def parse_pieces(
                     )
                     if outcome.error is not None and _past_error(piece, block, outcome):
                         return
-            except (OSError, EOFError) as e:  # truncated or corrupt gzip
-                raise DataError(f"{path}: cannot read near line {piece.first}: {e}") from e
+            except READ_ERRORS as e:  # a failing disk, a truncated or damaged .gz file
+                raise read_error(path, f"near line {piece.first}", e) from e
 
 
 class LineStream:

@@ -43,11 +43,16 @@ class TrainedModel:
     dense: dict[str, torch.Tensor]  # the model's state dict without the embedding collection
     origin: Path  # model.pt or the checkpoint folder
     id_maps: dict[str, torch.Tensor] = field(default_factory=dict)  # managed-collision table -> mc_keys
+    config_path: Path | None = None  # the config file the model was built from
 
     def inference_model(self, weights: dict | None = None) -> torch.nn.Module:
+        """The inference model over `weights` (default: the float tables); dense weights that do not fit
+        the config's model are one ExportError line."""
         w = self.weights if weights is None else weights
+        config = f"a config other than {self.config_path}" if self.config_path else "another config"
+        fix = f"; was it trained under {config}? export it with that one (--config)"
         return build_inference_model(
-            self.config, self.source.info, self.tables, w, self.dense, self.origin, self.id_maps
+            self.config, self.source.info, self.tables, w, self.dense, self.origin, self.id_maps, fix=fix
         )
 
 
@@ -125,7 +130,7 @@ def load_trained(
                 )
             id_maps[t.name] = state[key]
     dense = {k: v for k, v in state.items() if not k.startswith("embeddings.")}
-    return TrainedModel(cfg, source, tables, weights, dense, origin, id_maps)
+    return TrainedModel(cfg, source, tables, weights, dense, origin, id_maps, cfg_path)
 
 
 def find_run_config(path: Path) -> Path:
@@ -255,13 +260,16 @@ def export_model(
     trained = load_trained(path, config, source)
     cfg = trained.config
     check_exportable(cfg, path, format, trained.tables)
+    fp32_model = (
+        trained.inference_model()
+    )  # the dense weights fit the config's model, before anything is written
     weights: dict = trained.weights
     if quantize:
         weights = quantize_tables(trained.weights, scale_dtype, quantize)
     metrics: dict[str, dict[str, float]] = {}
     if measure:
         models = {
-            "fp32": trained.inference_model(),
+            "fp32": fp32_model,
             **({quantize: trained.inference_model(weights)} if quantize else {}),
         }
         for kind, model in models.items():

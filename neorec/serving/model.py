@@ -24,7 +24,7 @@ from neorec.data.batch import Batch
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.embedding.collection import dropped_ids
 from neorec.embedding.tables import TableConfig
-from neorec.errors import ConfigError, NeorecError
+from neorec.errors import ConfigError, NeorecError, state_mismatch
 from neorec.serving.aoti_package import AOTI_FORMAT, is_aoti, read_aoti
 from neorec.serving.embeddings import InferenceEmbeddings, TableWeights
 from neorec.serving.file_format import ExportError, read_export
@@ -91,19 +91,25 @@ def build_inference_model(
     where: str | Path,
     id_maps: dict[str, torch.Tensor] | None = None,
     bounds_check: str = "error",
+    fix: str = "",
 ) -> nn.Module:
     """The run's architecture over InferenceEmbeddings, with `dense` loaded; eval mode, frozen.
     id_maps: the mc_keys of each managed-collision table; bounds_check: what an id outside its
-    table does (neorec/sparse/bounds.py)."""
+    table does (neorec/sparse/bounds.py). Dense weights that do not fit the model are one ExportError
+    line naming `where` and the first parameter that differs, then `fix` ("; what to do")."""
     from neorec.train.build import build_model
 
     embeddings = InferenceEmbeddings(tables, weights, id_maps, bounds_check)
     model = build_model(cfg, info, embeddings)
     try:
         model.load_state_dict(dense, strict=True)
-    except RuntimeError as e:
+    except (
+        RuntimeError,
+        TypeError,
+        AttributeError,
+    ) as e:  # missing/unexpected keys, size mismatch; not tensors
         raise ExportError(
-            f"{where}: the dense model does not fit the architecture of its config: {e}"
+            f"{where}: its dense layers do not fit the model of its config: {state_mismatch(e)}{fix}"
         ) from None
     model.eval()
     model.requires_grad_(False)
@@ -220,10 +226,13 @@ def load_export(path: str | Path, bounds_check: str = "error") -> ExportedModel:
     dense = {k.removeprefix("dense/"): v for k, v in tensors.items() if k.startswith("dense/")}
     try:
         model = build_inference_model(
-            cfg, info, tables, weights, dense, f"export file {path}", id_maps, bounds_check
-        )
+            cfg, info, tables, weights, dense, f"export file {path}", id_maps, bounds_check,
+            fix="; the file does not hold what its header describes: export the run again",
+        )  # fmt: skip
     except ExportError:
         raise
     except (NeorecError, RuntimeError, ValueError) as e:  # e.g. table weights that do not match the header
-        raise ExportError(f"export file {path}: the model cannot be rebuilt ({e})") from None
+        raise ExportError(
+            f"export file {path}: the model cannot be rebuilt ({state_mismatch(e, 300)})"
+        ) from None
     return ExportedModel(model, cfg, info, header, path)

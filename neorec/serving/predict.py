@@ -23,7 +23,7 @@ from typing import BinaryIO
 import torch
 
 from neorec.data.batch import Batch
-from neorec.errors import ConfigError
+from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.metrics.evaluation import binary_metrics
 from neorec.serving.file_format import ExportError, check_output_file
 from neorec.serving.model import ExportedModel, load_export
@@ -113,7 +113,7 @@ def predict_file(
     check_output_file(out, "--out")
     exported = load_export(model, bounds_check)
     size = batch_size or exported.config.data.eval_batch_size
-    batches = data_batches(exported, size, data, bounds_check)
+    batches = _read(data_batches(exported, size, data, bounds_check), data)
     probs, labels = [], []
 
     tasks = exported.task_names
@@ -137,6 +137,18 @@ def predict_file(
     dropped = exported.dropped_ids()
     seconds = time.perf_counter() - start
     return PredictResult(out, n, seconds, metrics, exported.quantized, exported.quantization, dropped)
+
+
+def _read(batches: Iterator[Batch], data: str | Path | None) -> Iterator[Batch]:
+    """`batches`, a failed read of the data worded as one (naming the file), not as a failed write of
+    the predictions, which are written as the batches are read."""
+    try:
+        yield from batches
+    except OSError as e:
+        if isinstance(e, NeorecError):  # already worded
+            raise
+        name = e.filename if e.filename is not None else data or "the model's held-out data"
+        raise DataError(f"{name}: cannot be read ({e.strerror or e})") from e
 
 
 def _header(tasks: list[str], with_labels: bool) -> bytes:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from neorec.errors import NeorecError
+from neorec.errors import MACHINE_ERRNOS, PATH_ERRNOS, NeorecError
 
 CHECKSUM_KEY = "crc32"
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a write stopped for want of room
@@ -246,7 +246,12 @@ def check_zip(
             # writes folders, and testzip does not look at the flag
             entries = [] if folders else zf.infolist()
             folder = next((i.filename for i in entries if i.is_dir() or i.external_attr & 0x10), None)
-    except Exception as e:  # noqa: BLE001 - any failure to read the archive is damage
+    except OSError as e:  # the file cannot be read at all (permissions, a failing disk): no damage found
+        if e.errno not in PATH_ERRNOS | MACHINE_ERRNOS:  # EINVAL: a seek to where a damaged directory points
+            raise error(f"{what} {path} is damaged or truncated (not a readable zip archive: {e}); {hint}") from None
+        fix = "; check its permissions" if e.errno in (errno.EACCES, errno.EPERM) else ""
+        raise error(f"cannot read {what} {path}: {e.strerror or e}{fix}") from e  # exit 1 for EIO (errors.failure)
+    except Exception as e:  # noqa: BLE001 - any other failure to read the archive is damage
         raise error(f"{what} {path} is damaged or truncated (not a readable zip archive: {e}); {hint}") from None
     if folder is not None:
         raise error(

@@ -1,0 +1,265 @@
+"""Inputs that commands once reported with a traceback, a misleading message or not at all, through the
+real command line in this process: a model.pt that does not fit its run's config (export), an export
+file whose dense layers do not fit its header (predict), damaged .gz inputs, files that cannot be read
+(a TSV, model.pt: PermissionError and EIO raised by a patched `open`, since the tests run as root),
+`--config`/`--set` where they mean nothing, numeric flags out of bounds and a config of 60,000 unknown
+keys. Each is one `neorec: error:` line naming the file, flag or key, exit 2 for bad input and 1 for a
+failing disk, never a traceback; nothing is written."""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import io
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from tiny_cli import TINY, sets
+
+from neorec.cli import main
+from neorec.config.load import load_config
+from neorec.errors import NeorecError
+from neorec.serving import export_model
+from neorec.serving.file_format import read_export, write_export
+from neorec.train.trainer import Trainer
+
+FIXTURE_TSV = Path(__file__).parents[1] / "fixtures" / "criteo_20.tsv"
+CRITEO_RUN = [
+    "data.source=criteo_tsv", f"data.criteo={{train_paths: [{FIXTURE_TSV}], table_rows: 1000, hashing: hash}}",
+    "data.batch_size=8", "train.max_steps=1", "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
+]  # fmt: skip
+
+
+def one_line(capsys, code: int, want: int, *words: str, absent: tuple[str, ...] = ()) -> str:
+    """Exit `want`, exactly one error line holding every word and none of `absent`, no traceback."""
+    err = capsys.readouterr().err
+    assert code == want, err
+    assert err.startswith("neorec: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert len(err) < 1200, err
+    for w in words:
+        assert w in err, err
+    for w in absent:
+        assert w not in err, err
+    return err
+
+
+def run_main(argv: list[str]) -> int:
+    """`neorec argv`; argparse's mistakes exit through SystemExit."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A finished tiny synthetic run."""
+    out = tmp_path_factory.mktemp("run") / "run"
+    assert main(["train", *sets(TINY), "--output-dir", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def criteo_model(tmp_path_factory) -> Path:
+    """The export of a run on hashed Criteo TSV, which `neorec predict --data` scores TSV files with."""
+    root = tmp_path_factory.mktemp("criteo")
+    Trainer(load_config("default", CRITEO_RUN), root / "run").fit()
+    export_model(root / "run", root / "m.nrx", measure=False)
+    return root / "m.nrx"
+
+
+def unreadable(monkeypatch, path: Path, code: int = errno.EACCES) -> None:
+    """Opening `path` fails with `code` (EACCES: as for a file of mode 000 and a user who is not root)."""
+    target = os.path.abspath(path)
+
+    def patched(real):
+        def open_(file, *args, **kwargs):
+            if isinstance(file, str | Path) and os.path.abspath(file) == target:
+                raise OSError(code, os.strerror(code), str(file))
+            return real(file, *args, **kwargs)
+
+        return open_
+
+    monkeypatch.setattr(builtins, "open", patched(builtins.open))
+    monkeypatch.setattr(io, "open", patched(io.open))  # zipfile's
+
+
+def fake_gz(path: Path) -> Path:
+    """A gzip header, then bytes that are no deflate stream."""
+    path.write_bytes(b"\x1f\x8b\x08" + bytes((i * 151 + 7) % 256 for i in range(1000)))
+    return path
+
+
+# ---- export and predict: dense layers that do not fit the config ---------------------------------------
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"model.top_mlp": [32]}, ["top."]),
+        ({"model.arch": "dcnv2"}, ["cross"]),
+        (
+            {"data.synthetic.num_sparse": 3, "data.synthetic.rows": [50, 300, 7]},
+            ["top.0.weight", "[128, 26] in the file, [128, 22] in the model"],
+        ),
+    ],
+)
+@pytest.mark.parametrize("format", ["nrx", "pt2"])
+def test_export_of_a_model_pt_that_does_not_fit_its_config(run, tmp_path, capsys, change, words, format):
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    cfg = yaml.safe_load((bad / "config.yaml").read_text())
+    for key, value in change.items():
+        *sections, name = key.split(".")
+        node = cfg
+        for section in sections:
+            node = node[section]
+        node[name] = value
+    (bad / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    out = tmp_path / ("w.nrx" if format == "nrx" else "w")
+    code = main(["export", str(bad), "--out", str(out), "--no-eval", "--format", format])
+    one_line(capsys, code, 2, "model.pt", "do not fit", "--config", *words, absent=("checkpoint",))
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_predict_with_an_export_whose_dense_layers_do_not_fit_its_header(run, tmp_path, capsys):
+    export_model(run, tmp_path / "good.nrx", measure=False)
+    header, tensors = read_export(tmp_path / "good.nrx")
+    cfg = yaml.safe_load(header["config"])
+    cfg["model"]["top_mlp"] = [32]
+    write_export(tmp_path / "bad.nrx", {**header, "config": yaml.safe_dump(cfg)}, tensors)
+    code = main(["predict", str(tmp_path / "bad.nrx"), "--out", str(tmp_path / "p.txt")])
+    one_line(
+        capsys,
+        code,
+        2,
+        "export file",
+        "bad.nrx",
+        "do not fit",
+        "export the run again",
+        absent=("checkpoint",),
+    )
+    assert not (tmp_path / "p.txt").exists()
+
+
+# ---- damaged .gz inputs ----------------------------------------------------------------------------------
+def test_a_damaged_gz_file_as_input_of_every_command_that_reads_tsv(criteo_model, tmp_path, capsys):
+    fake = fake_gz(tmp_path / "fake.gz")
+    out = tmp_path / "out"
+    code = main(["predict", str(criteo_model), "--data", str(fake), "--out", str(out / "p.txt")])
+    one_line(capsys, code, 2, "fake.gz", "cannot read after line 0", "damaged or truncated gzip")
+    code = main(["data", "preprocess", str(fake), "--out", str(out / "pre"), "--no-progress"])
+    one_line(capsys, code, 2, "fake.gz", "cannot read after line 0", "damaged or truncated gzip")
+    criteo = ["data.source=criteo_tsv", f"data.criteo.train_paths=[{fake}]", "data.criteo.table_rows=100"]
+    code = main(["train", *sets([*TINY, *criteo]), "--output-dir", str(out / "run")])
+    one_line(capsys, code, 2, "fake.gz", "line", "damaged or truncated gzip")
+    assert not (out / "p.txt").exists() and not (out / "pre" / "manifest.json").exists()
+
+
+# ---- files that cannot be read ---------------------------------------------------------------------------
+def test_predict_names_the_data_file_it_cannot_read(criteo_model, tmp_path, capsys, monkeypatch):
+    data = shutil.copy(FIXTURE_TSV, tmp_path / "secret.tsv")
+    unreadable(monkeypatch, data)
+    code = main(["predict", str(criteo_model), "--data", str(data), "--out", str(tmp_path / "p.txt")])
+    one_line(capsys, code, 2, "secret.tsv", "Permission denied", absent=("write", "p.txt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret.tsv"]
+
+
+def test_train_on_an_unreadable_tsv_is_refused_before_the_run_folder_is_written(
+    tmp_path, capsys, monkeypatch
+):
+    data = shutil.copy(FIXTURE_TSV, tmp_path / "secret.tsv")
+    unreadable(monkeypatch, data)
+    criteo = ["data.source=criteo_tsv", f"data.criteo.train_paths=[{data}]", "data.criteo.table_rows=100"]
+    code = main(["train", *sets([*TINY, *criteo]), "--output-dir", str(tmp_path / "run")])
+    one_line(capsys, code, 2, "secret.tsv", "cannot be read", "Permission denied")
+    assert (
+        not (tmp_path / "run" / "config.yaml").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    )
+
+
+@pytest.mark.parametrize(
+    "code, exit_code, words",
+    [(errno.EACCES, 2, "Permission denied; check its permissions"), (errno.EIO, 1, "Input/output error")],
+)
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_a_model_pt_that_cannot_be_read_is_not_called_damaged(
+    run, tmp_path, capsys, monkeypatch, code, exit_code, words, command
+):
+    unreadable(monkeypatch, run / "model.pt", code)
+    argv = ["eval", str(run)] if command == "eval" else ["export", str(run), "--out", str(tmp_path / "m.nrx")]
+    one_line(capsys, main(argv), exit_code, "cannot read model file", "model.pt", words, absent=("damaged",))
+
+
+# ---- options where they mean nothing, flags out of bounds ---------------------------------------------
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        (["--config", "/nonexistent.yaml"], "--config describes"),
+        (["--set", "bogus.key=1"], "--set describes"),
+        (["--set", "data.batch_size=8", "--config", "default"], "--config describes"),
+    ],
+)
+def test_preprocessing_tsv_refuses_config_options(tmp_path, capsys, options, words):
+    code = main(
+        ["data", "preprocess", str(FIXTURE_TSV), "--out", str(tmp_path / "pre"), "--no-progress", *options]
+    )
+    one_line(capsys, code, 2, words, "--synthetic or --parquet")
+    assert not (tmp_path / "pre").exists()
+
+
+HUGE = "1" + "0" * 20
+FLAGS = [  # (argv, words of the error)
+    (["plan", "--nproc", "1000000000", "--cluster", "a100-node"], "--nproc: expected a whole number >= 1 and at most 4096"),
+    (["plan", "--ranks-per-node", HUGE], "--ranks-per-node"),
+    (["plan", "--calibrate", "--threads", "1000000000"], "--threads: expected a whole number >= 1 and at most"),
+    (["plan", "--calibrate", "--nproc", "4096"], "calibration starts that many processes"),
+    (["plan", "--batches", HUGE], "--batches"),
+    (["plan", "--time-budget", "nan"], "--time-budget"),
+    (["plan", "--time-budget", "1e300"], "at most 86400"),
+    (["train", "--nproc", "1000000"], "--nproc"),
+    (["predict", "m.nrx", "--out", "p", "--batch-size", HUGE], "--batch-size"),
+    (["data", "preprocess", "x.tsv", "--out", "o", "--table-rows", HUGE], "--table-rows"),
+    (["data", "preprocess", "x.tsv", "--out", "o", "--table-rows", "9" * 5000], "(5000 characters)"),
+    (["data", "preprocess", "x.tsv", "--out", "o", "--eval-every", HUGE], "--eval-every"),
+    (["data", "preprocess", "x.tsv", "--out", "o", "--shard-lines", HUGE], "--shard-lines"),
+    (["data", "preprocess", "x.tsv", "--out", "o", "--vocab-threshold", "-3"], "--vocab-threshold"),
+    (["data", "preprocess", "x.tsv", "--out", "o", "--max-line-bytes", HUGE], "--max-line-bytes"),
+    (["data", "preprocess", "x.tsv", "--out", "o", "--workers", "1000000"], "--workers"),
+    (["data", "stream", "--out", "s", "--rows", HUGE], "--rows"),
+    (["data", "stream", "--out", "s", "--first-day", HUGE], "--first-day"),
+    (["data", "stream", "--out", "s", "--seed", HUGE], "--seed"),
+    (["data", "inspect", "--batches", HUGE], "--batches"),
+    (["checkpoint", "export-dcp", "r", "--out", "d", "--row-state-columns", "C1=0,-5"], "--row-state-columns"),
+    (["train", "--nproc", "x" * 100_000], "(100000 characters)"),
+    (["train", "--unknown-flag", "y" * 100_000], "unrecognized arguments"),
+]  # fmt: skip
+
+
+def test_numeric_flags_are_bounded(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv, words in FLAGS:
+        one_line(capsys, run_main(argv), 2, words)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- error lines are bounded ---------------------------------------------------------------------------------
+def test_a_config_of_60000_unknown_keys_is_one_short_line(tmp_path, capsys):
+    path = tmp_path / "keys.yaml"
+    path.write_text("train:\n" + "".join(f"  k{i}: 1\n" for i in range(60_000)))
+    err = one_line(
+        capsys, main(["config", "show", "--config", str(path)]), 2, "60000 problems", "and 59995 more"
+    )
+    assert "unknown key 'train.k0'" in err
+
+
+def test_no_error_line_is_longer_than_4000_characters(capsys, monkeypatch):
+    def quoting_a_megabyte(args) -> int:
+        raise NeorecError("start " + "x" * 1_000_000 + " end")
+
+    monkeypatch.setattr("neorec.cli.cmd_config_keys", quoting_a_megabyte)
+    assert main(["config", "keys"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("neorec: error: start") and err.endswith(" end\n") and err.count("\n") == 1
+    assert len(err) < 4100 and "(1000010 characters in all)" in err
