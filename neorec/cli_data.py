@@ -47,6 +47,8 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
     output_folder(args.out, "--out")
     if args.synthetic and args.parquet:
         raise NeorecError("give --synthetic or --parquet, not both")
+    if args.synthetic or args.parquet:
+        _refuse_tsv_flags(args, "--synthetic" if args.synthetic else "--parquet")
     if args.parquet:
         from neorec.config.load import load_config
         from neorec.data.preprocess_parquet import preprocess_parquet
@@ -100,6 +102,25 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
     print(f"{result.out}: {result.num_shards} shards ({result.written} written now); samples: {samples}; "
           f"bad lines skipped: {skipped}")  # fmt: skip
     return 0
+
+
+# flags that describe Criteo TSV preprocessing only, and their defaults
+_TSV_FLAGS = {
+    "eval_paths": None, "eval_every": 10, "hashing": "modulo", "table_rows": "100000", "raw_features": "",
+    "bad_lines": "fail", "max_line_bytes": 4096,
+}  # fmt: skip
+
+
+def _refuse_tsv_flags(args: argparse.Namespace, mode: str) -> None:
+    """A flag of Criteo TSV preprocessing given to --synthetic or --parquet preprocessing, which would
+    not use it, is a mistake: refused, naming it (their data is described by --config/--set)."""
+    given = [f"--{k.replace('_', '-')}" for k, default in _TSV_FLAGS.items() if getattr(args, k) != default]
+    if given:
+        raise NeorecError(
+            f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} Criteo TSV preprocessing; {mode} "
+            "preprocessing takes its data's description from --config/--set: leave "
+            f"{'it' if len(given) == 1 else 'them'} out"
+        )
 
 
 def _load_numpy_single_threaded() -> None:

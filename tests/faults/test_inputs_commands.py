@@ -209,6 +209,21 @@ def test_preprocessing_tsv_refuses_config_options(tmp_path, capsys, options, wor
     assert not (tmp_path / "pre").exists()
 
 
+@pytest.mark.parametrize(
+    "mode, options, words",
+    [
+        ("--synthetic", ["--table-rows", "5"], "--table-rows describes Criteo TSV preprocessing; --synthetic"),
+        ("--parquet", ["--hashing", "hash", "--bad-lines", "skip"], "--hashing, --bad-lines describe"),
+        ("--synthetic", ["--eval-paths", "x.tsv"], "--eval-paths"),
+    ],
+)
+def test_synthetic_and_parquet_preprocessing_refuse_tsv_flags(tmp_path, capsys, mode, options, words):
+    """Flags that only Criteo TSV preprocessing reads are refused by the others, not ignored."""
+    code = main(["data", "preprocess", mode, "--out", str(tmp_path / "pre"), "--no-progress", *options])
+    one_line(capsys, code, 2, words)
+    assert not (tmp_path / "pre").exists()
+
+
 HUGE = "1" + "0" * 20
 FLAGS = [  # (argv, words of the error)
     (["plan", "--nproc", "1000000000", "--cluster", "a100-node"], "--nproc: expected a whole number >= 1 and at most 4096"),
