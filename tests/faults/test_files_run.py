@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 from forked import run_python
-from test_files_writer import _killed_during, assert_one_error, damaged, flipped, json_damage, run_cli, zip_damage
+from test_files_writer import (
+    _killed_during,
+    assert_one_error,
+    damaged,
+    flipped,
+    json_damage,
+    run_cli,
+    zip_damage,
+)
 
 from neorec.checkpoint import list_checkpoints
 from neorec.cli import main as cli_main
