@@ -24,17 +24,10 @@ from neorec.data.checks import check_dense, check_ids, check_labels, checked_mod
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.data.synthetic import SyntheticSource
 from neorec.errors import DataError
-from neorec.utils.files import check_json, file_crc32, write_atomic, write_json
+from neorec.utils.files import check_json, check_recorded, size_and_crc32, write_atomic, write_json
 
 _AGAIN = "write the shards again (`neorec data generate`)"
 _META_KEYS = ("num_dense", "features", "num_train_samples", "teacher_auc", "train_files", "eval_files", "files")
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError as e:
-        raise DataError(f"{path}: cannot read shard ({e.strerror or e}); {_AGAIN}") from None
 
 
 def write_shards(source: SyntheticSource, out: Path) -> list[Path]:
@@ -53,7 +46,7 @@ def write_shards(source: SyntheticSource, out: Path) -> list[Path]:
                     arrays[f"weights_{name}"] = b.weights[f].numpy()
             path = out / f"{split}-{i:05d}.npz"
             write_atomic(path, lambda f, a=arrays: np.savez(f, **a), "generated shard file")
-            files[path.name] = [path.stat().st_size, file_crc32(path)]
+            files[path.name] = size_and_crc32(path)
             paths.append(path)
     meta = {
         "num_dense": source.info.num_dense,
@@ -101,11 +94,8 @@ class ShardSource:
     def _read(self, path: Path) -> Block:
         if path not in self._checked and isinstance(self.meta.get("files"), dict):  # its size and crc32
             recorded = self.meta["files"].get(path.name)
-            if recorded is not None and [_size(path), file_crc32(path)] != recorded:
-                raise DataError(
-                    f"{path}: its size or crc32 differs from the one {self.root / 'meta.json'} records: the file "
-                    f"is damaged or was replaced; {_AGAIN}"
-                )
+            if recorded is not None:
+                check_recorded(path, recorded, self.root / "meta.json", _AGAIN, DataError)
         try:
             with np.load(path) as z:
                 arrays = {k: z[k] for k in z.files}

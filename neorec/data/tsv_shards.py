@@ -98,6 +98,7 @@ class _Layout:
         self.shard, self.eval_every = shard, settings["eval_every"]
         self.folder = _tmp(out, shard.index)
         self.types = column_types(settings, features)
+        self.names = list(self.types)
         self.widths = [dtype.itemsize * int(np.prod(shape)) for dtype, shape in self.types.values()]
         self.rows = split_rows(shard.role, shard.first, shard.count, self.eval_every)
         self.headers = {
@@ -106,7 +107,7 @@ class _Layout:
         }
 
     def path(self, split: str, column: int) -> Path:
-        return self.folder / split / f"{list(self.types)[column]}.npy"
+        return self.folder / split / f"{self.names[column]}.npy"
 
     def start(self, first: int) -> dict[str, int]:
         """The row of each split where the rows of line `first` on begin."""

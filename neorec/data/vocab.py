@@ -18,7 +18,15 @@ from pathlib import Path
 import numpy as np
 
 from neorec.errors import DataError
-from neorec.utils.files import file_crc32, plain_name, read_json, replace_folder, write_atomic, write_json
+from neorec.utils.files import (
+    check_recorded,
+    plain_name,
+    read_json,
+    replace_folder,
+    size_and_crc32,
+    write_atomic,
+    write_json,
+)
 
 _SETTINGS = "settings.json"
 _FILES = "files"  # settings.json's record of each vocabulary file: [size, crc32]
@@ -75,7 +83,7 @@ def save_vocabs(folder: Path, names: list[str], vocabs: list[np.ndarray], settin
         path = tmp / f"{plain_name(name, f'{folder}: feature', DataError)}.npy"
         array = np.ascontiguousarray(vocab, dtype=np.uint64)
         write_atomic(path, lambda f, a=array: np.save(f, a), "vocabulary file")
-        files[path.name] = [path.stat().st_size, file_crc32(path)]
+        files[path.name] = size_and_crc32(path)
     write_json(tmp / _SETTINGS, {**settings, _FILES: files}, "vocabulary file", sort_keys=True)
     replace_folder(tmp, folder.absolute())
 
@@ -102,11 +110,8 @@ def load_vocabs(folder: Path, names: list[str]) -> list[np.ndarray]:
         if not path.is_file():
             raise DataError(f"{path}: vocabulary file missing; {_AGAIN}")
         recorded = files.get(path.name)
-        if recorded is not None and [path.stat().st_size, file_crc32(path)] != recorded:
-            raise DataError(
-                f"{path}: its size or crc32 differs from the one {folder / _SETTINGS} records: the file is damaged "
-                f"or was replaced; {_AGAIN}"
-            )
+        if recorded is not None:
+            check_recorded(path, recorded, folder / _SETTINGS, _AGAIN, DataError)
         try:
             vocab = np.load(path, allow_pickle=False)
         except (OSError, ValueError, EOFError) as e:

@@ -148,6 +148,26 @@ def file_crc32(path: str | Path) -> int:
     return crc
 
 
+def size_and_crc32(path: str | Path) -> list[int]:
+    """[size, crc32] of a file, as the JSON file that lists it records them."""
+    return [Path(path).stat().st_size, file_crc32(path)]
+
+
+def check_recorded(
+    path: Path, recorded: list[int], record: Path, hint: str, error: type[Exception] = NeorecError
+) -> None:
+    """The file has the [size, crc32] that the JSON file `record` lists for it; `error` naming both if not."""
+    try:
+        actual = size_and_crc32(path)
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e}); {hint}") from None
+    if actual != recorded:
+        raise error(
+            f"{path}: its size or crc32 differs from the one {record} records: the file is damaged or was "
+            f"replaced; {hint}"
+        )
+
+
 # ---- JSON with a checksum ------------------------------------------------------------------------------
 def json_crc32(obj: Any) -> int:
     """crc32 of the canonical JSON of `obj`: what a file's "crc32" key records for the rest of it."""
