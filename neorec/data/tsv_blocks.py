@@ -28,7 +28,6 @@ from typing import IO
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 
 from neorec.data.criteo_lines import (
@@ -48,6 +47,21 @@ FAST_MAX_LINE = (
     1 + NUM_DENSE * _FAST_DENSE_BYTES + NUM_CATEGORICAL * MAX_HEX_DIGITS + NUM_DENSE + NUM_CATEGORICAL
 )
 _BOM = b"\xef\xbb\xbf"  # pyarrow.csv drops it at the start of its input; the line parser reads it as data
+
+try:  # the cast kernel without pyarrow.compute, whose import (wrappers of every kernel) costs 60 ms
+    from pyarrow._compute import CastOptions, call_function
+
+    _CAST_INT64 = CastOptions(pa.int64())
+
+    def _to_int64(values: pa.Array) -> pa.Array:
+        return call_function("cast", [values], _CAST_INT64)
+
+except ImportError:  # a pyarrow without that module
+    import pyarrow.compute as pc
+
+    def _to_int64(values: pa.Array) -> pa.Array:
+        return pc.cast(values, pa.int64())
+
 
 _COLUMNS = ["label", *DENSE_NAMES, *CATEGORICAL_NAMES]
 _READ = pcsv.ReadOptions(column_names=_COLUMNS, block_size=2 << 20, use_threads=False)
@@ -200,11 +214,10 @@ def parse_fast(data: bytes, num_lines: int, max_line_bytes: int) -> Parsed | Non
         rows = slice(row, row + len(columns[0]))
         if not _labels(columns[0], labels[rows]):
             return None
-        for j in range(NUM_DENSE):
-            values = _dense(columns[1 + j])
-            if values is None:
-                return None
-            dense[rows, j] = values
+        values = _dense(columns[1 : 1 + NUM_DENSE])
+        if values is None:
+            return None
+        dense[rows] = values.T
         for j in range(NUM_CATEGORICAL):
             if not _hex(columns[1 + NUM_DENSE + j], raw[j, rows]):
                 return None
@@ -244,28 +257,32 @@ def _labels(column: pa.Array, out: np.ndarray) -> bool:
     return True
 
 
-def _dense(column: pa.Array) -> np.ndarray | None:
+def _dense(columns: list[pa.Array]) -> np.ndarray | None:
+    """Decode the dense columns of a chunk into log(1 + max(x, 0)) [13, n] float32, one cast for all
+    of them; None for any value the fast path does not take."""
+    num_rows = len(columns[0])
+    column = pa.concat_arrays(columns)
     offsets, data = _buffers(column)
     lengths = np.diff(offsets)
-    if (len(lengths) and lengths.max() > _FAST_DENSE_BYTES) or not _DENSE_BYTE[data].all():
+    dense_bytes = np.take(_DENSE_BYTE, data, mode="clip")  # a uint8 is in the table: no bounds check
+    if (len(lengths) and lengths.max() > _FAST_DENSE_BYTES) or not dense_bytes.all():
         return None
     given = lengths > 0
     validity = pa.py_buffer(np.packbits(given, bitorder="little"))
     buffers = column.buffers()
     try:  # empty values are nulls to the cast, which rejects "", "-" and misplaced signs
-        ints = pc.cast(
-            pa.Array.from_buffers(pa.binary(), len(column), [validity, *buffers[1:]], offset=column.offset),
-            pa.int64(),
+        ints = _to_int64(
+            pa.Array.from_buffers(pa.binary(), len(column), [validity, *buffers[1:]], offset=column.offset)
         )
     except pa.ArrowInvalid:
         return None
     values = np.frombuffer(ints.buffers()[1], np.int64, len(ints), ints.offset)
-    small = np.where(given, np.clip(values, 0, len(_LOG1P) - 1), 0)
-    out = _LOG1P[small]
+    small = np.where(given, np.clip(values, 0, len(_LOG1P) - 1), 0)  # a null's slot holds no defined value
+    out = np.take(_LOG1P, small, mode="clip")
     large = np.flatnonzero(given & (values >= len(_LOG1P)))
     if len(large):
         out[large] = np.log1p(values[large].astype(np.float64)).astype(np.float32)
-    return out
+    return out.reshape(NUM_DENSE, num_rows)
 
 
 def _hex(column: pa.Array, out: np.ndarray) -> bool:
@@ -276,7 +293,7 @@ def _hex(column: pa.Array, out: np.ndarray) -> bool:
         full = np.diff(offsets) == MAX_HEX_DIGITS
         if MAX_HEX_DIGITS * int(np.count_nonzero(full)) != len(data):
             return False
-    pairs = np.take(_HEX_PAIR, data.view(np.uint16))
+    pairs = np.take(_HEX_PAIR, data.view(np.uint16), mode="clip")  # every uint16 is in the table
     if len(pairs) and pairs.max() > 0xFF:
         return False
     values = pairs.astype(np.uint8).view(">u4")  # 4 bytes of 2 hex digits each, most significant first
