@@ -18,8 +18,10 @@ Criteo layout (`--criteo-lines 1000000 4000000`): a generated file of that many 
 layout (200,000 lines drawn as above, repeated) is preprocessed by `neorec data preprocess FILE
 --table-rows 40000000` as a command (hashing, the split, the shards), with 1 and 2 `--workers`, next to
 pyarrow's streaming CSV reader parsing the same file on one thread (parse only: the floor any reader of
-this format pays) and, where torchrec is installed and for files of at most `--torchrec-max-lines`
-lines, TorchRec's `BinaryCriteoUtils.tsv_to_npys` (parse and write .npy, no hashing; it needs iopath). Each runs as its
+this format pays), `--repeats` rounds of the three in turn (medians; the 2-worker speedup is the
+median of the rounds' ratios), with the command's fixed cost measured on a 1-line file, and, where
+torchrec is installed and for files of at most `--torchrec-max-lines` lines, TorchRec's
+`BinaryCriteoUtils.tsv_to_npys` once (parse and write .npy, no hashing; it needs iopath). Each runs as its
 own process: CPU seconds are those of the process and its workers (user + system), peak memory the
 largest of them (ru_maxrss), MB per CPU-second the file's size over those seconds (less disturbed by a
 shared machine than the wall-clock rate).
@@ -143,11 +145,11 @@ BinaryCriteoUtils.tsv_to_npys(sys.argv[1], *(sys.argv[2] + s for s in ("_dense.n
 """
 
 
-def timed(cmd: list[str], mb: float) -> list[object]:
-    """Run a command; [wall s, MB/s, CPU s, MB per CPU-second, peak MiB] of it and its workers (wait4:
-    the command's resources with those of the workers it waited for). The command starts under
-    /usr/bin/time, a small process: Linux carries a parent's peak memory into a child it forks, and
-    this process's peak would hide the command's."""
+def measure(cmd: list[str]) -> tuple[float, float, float]:
+    """Run a command; (wall s, CPU s, peak MiB) of it and its workers (wait4: the command's resources with
+    those of the workers it waited for). The command starts under /usr/bin/time, a small process: Linux
+    carries a parent's peak memory into a child it forks, and this process's peak would hide the
+    command's."""
     launcher = ["/usr/bin/time", "-f", "%M"] if Path("/usr/bin/time").is_file() else []
     t0 = time.perf_counter()
     proc = subprocess.Popen([*launcher, *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -156,39 +158,59 @@ def timed(cmd: list[str], mb: float) -> list[object]:
     err = proc.stderr.read().decode() if proc.stderr else ""
     if os.waitstatus_to_exitcode(status):
         raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), cmd, stderr=err)
-    cpu = usage.ru_utime + usage.ru_stime
     peak_kib = int(err.split()[-1]) if launcher else usage.ru_maxrss
-    return [f"{wall:.1f}", f"{mb / wall:.0f}", f"{cpu:.1f}", f"{mb / cpu:.0f}", f"{peak_kib / 1024:,.0f}"]
+    return wall, usage.ru_utime + usage.ru_stime, peak_kib / 1024
+
+
+def summary(measured: list[tuple[float, float, float]], mb: float) -> list[str]:
+    """[wall s, MB/s, CPU s, MB per CPU-second, peak MiB]: the medians of the runs."""
+    wall, cpu, peak = (float(np.median(column)) for column in zip(*measured, strict=True))
+    rate, cpu_rate = (f"{mb / wall:.0f}", f"{mb / cpu:.0f}") if mb else ("-", "-")
+    return [f"{wall:.2f}", rate, f"{cpu:.2f}", cpu_rate, f"{peak:,.0f}"]
 
 
 def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
-    """neorec's preprocessing with 1 and 2 workers, pyarrow's parse and TorchRec's tsv_to_npys."""
-    rows = []
+    """neorec's preprocessing with 1 and 2 workers and pyarrow's parse, `--repeats` rounds in turn
+    (medians), the command's fixed cost (a 1-line file), and TorchRec's tsv_to_npys once."""
+    rows: list[list[object]] = []
+    speedups = []
     load_before = os.getloadavg()[0]
+    one_line = tmp / "one-line.tsv"
+    write_criteo_layout(one_line, 1, base_lines=1)
+    fixed = []
+    for _ in range(args.repeats):
+        fixed.append(measure(_neorec_command(one_line, tmp / "one-line", 1)))
+        shutil.rmtree(tmp / "one-line")
+    rows.append(["neorec preprocess, 1 worker, a 1-line file (the command's fixed cost)", "1", "0",
+                 *summary(fixed, 0.0)])  # fmt: skip
+    print(rows[-1], flush=True)
+    fixed_wall = float(np.median([f[0] for f in fixed]))
     for num_lines in args.criteo_lines:
         tsv = tmp / f"day-{num_lines}.tsv"
         write_criteo_layout(tsv, num_lines)
         mb = tsv.stat().st_size / 1e6
         subprocess.run(["cat", str(tsv)], check=True, stdout=subprocess.DEVNULL)  # into the page cache
-        for workers in (1, 2):
-            out = tmp / f"criteo-{num_lines}-{workers}"
-            cmd = [sys.executable, "-m", "neorec", "data", "preprocess", str(tsv), "--out", str(out),
-                   "--table-rows", "40000000", "--no-progress", "--workers", str(workers)]  # fmt: skip
-            rows.append(
-                [f"neorec preprocess, {workers} worker(s)", f"{num_lines:,}", f"{mb:.0f}", *timed(cmd, mb)]
-            )
+        runs: dict[str, list[tuple[float, float, float]]] = {}
+        pyarrow = f"pyarrow.csv streaming reader, 1 thread, {_PYARROW_BLOCK >> 20} MiB blocks (parse only)"
+        for _ in range(args.repeats):
+            for workers in (1, 2):
+                out = tmp / f"criteo-{num_lines}-{workers}"
+                runs.setdefault(f"neorec preprocess, {workers} worker(s)", []).append(
+                    measure(_neorec_command(tsv, out, workers))
+                )
+                shutil.rmtree(out)
+            runs.setdefault(pyarrow, []).append(measure([sys.executable, "-c", _PYARROW_PARSE, str(tsv)]))
+        for label, measured in runs.items():
+            rows.append([label, f"{num_lines:,}", f"{mb:.0f}", *summary(measured, mb)])
             print(rows[-1], flush=True)
-            shutil.rmtree(out)
-        cmd = [sys.executable, "-c", _PYARROW_PARSE, str(tsv)]
-        rows.append(
-            [
-                f"pyarrow.csv streaming reader, 1 thread, {_PYARROW_BLOCK >> 20} MiB blocks (parse only)",
-                f"{num_lines:,}",
-                f"{mb:.0f}",
-                *timed(cmd, mb),
-            ]
+        one, two = runs["neorec preprocess, 1 worker(s)"], runs["neorec preprocess, 2 worker(s)"]
+        ratios = [a[0] / b[0] for a, b in zip(one, two, strict=True)]
+        work = float(np.median([a[0] for a in one])) - fixed_wall
+        bound = (fixed_wall + work) / (fixed_wall + work / 2)
+        speedups.append(
+            f"{num_lines:,} lines {np.median(ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in ratios)}; "
+            f"perfect scaling of all but the fixed cost would give {bound:.2f}x)"
         )
-        print(rows[-1], flush=True)
         if num_lines <= args.torchrec_max_lines:
             try:  # TorchRec's dataset scripts read files through iopath
                 import iopath  # noqa: F401
@@ -197,8 +219,8 @@ def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
                 pass
             else:
                 cmd = [sys.executable, "-c", _TORCHREC, str(tsv), str(tmp / "torchrec")]
-                rows.append(["TorchRec BinaryCriteoUtils.tsv_to_npys (no hashing)", f"{num_lines:,}", f"{mb:.0f}",
-                             *timed(cmd, mb)])  # fmt: skip
+                rows.append(["TorchRec BinaryCriteoUtils.tsv_to_npys (no hashing), one run", f"{num_lines:,}",
+                             f"{mb:.0f}", *summary([measure(cmd)], mb)])  # fmt: skip
                 print(rows[-1], flush=True)
                 for p in tmp.glob("torchrec_*"):
                     p.unlink()
@@ -207,11 +229,19 @@ def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
             "drawn as in the TSV note, repeated), in the page cache before each run. neorec: `neorec data preprocess "
             "FILE --table-rows 40000000` (modulo hashing, every 10th line held out, shards of 1,000,000 lines, "
             "fsync'd .npy columns). CPU: user + system seconds of the command and its workers; peak: the largest "
-            "of their resident sizes. TorchRec runs only on files of at most "
+            f"of their resident sizes. Medians of {args.repeats} rounds; a round runs its commands one after the "
+            "other. The fixed cost (interpreter, imports, a 1-line shard written and fsync'd) is paid once per "
+            "command whatever the file's size. 2 workers against 1, the median of the rounds' wall-clock ratios: "
+            f"{'; '.join(speedups)}. TorchRec runs only on files of at most "
             f"{args.torchrec_max_lines:,} lines (it holds the whole file in memory). Load average (1 min) "
             f"{load_before:.1f} before the runs, {os.getloadavg()[0]:.1f} after: other processes share the "
             "cores, wall-clock figures are only as good as that.")  # fmt: skip
     return rows, note
+
+
+def _neorec_command(tsv: Path, out: Path, workers: int) -> list[str]:
+    return [sys.executable, "-m", "neorec", "data", "preprocess", str(tsv), "--out", str(out),
+            "--table-rows", "40000000", "--no-progress", "--workers", str(workers)]  # fmt: skip
 
 
 def bench_reader(args, tmp: Path) -> tuple[list[list[object]], str]:
@@ -299,6 +329,7 @@ def main() -> None:
     p.add_argument(
         "--torchrec-max-lines", type=int, default=1_000_000, help="largest file TorchRec's script reads"
     )
+    p.add_argument("--repeats", type=int, default=3, help="Criteo layout: rounds of the commands, in turn")
     args = p.parse_args()
     if args.criteo_lines:
         tmp = Path(args.tmp or tempfile.mkdtemp(prefix="neorec-ingestion-"))

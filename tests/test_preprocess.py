@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
 import re
 import shutil
 import time
@@ -293,3 +294,28 @@ def test_killed_process_resumes_to_identical_bytes(tmp_path):
         p = run_neorec([*cmd, "--out", str(tmp_path / out)], timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
     assert tree_digest(tmp_path / "killed") == tree_digest(tmp_path / "fresh")
+
+
+def _worker_pid(_job: int) -> int:
+    return os.getpid()
+
+
+def test_run_jobs_in_a_shared_pool_block_use_the_same_workers(forked_workers):
+    """Inside shared_pool, run_jobs calls with its worker count share one pool (a command's phases start
+    their workers once); outside it, each call starts and stops its own."""
+    from neorec.data.workers import run_jobs, shared_pool
+
+    def pids() -> set[int]:
+        return set(run_jobs(_worker_pid, list(range(8)), 2, False, "test", initializer=None))
+
+    with shared_pool(2, initializer=None):
+        first, second = pids(), pids()
+        assert first == second and len(first) <= 2
+        inside = first
+        other = set(run_jobs(_worker_pid, list(range(8)), 3, False, "test", initializer=None))
+        assert not other & inside  # another worker count: a pool of its own
+    after = pids()
+    assert not after & inside
+    for pid in inside:  # the block's workers have stopped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -71,7 +71,9 @@ from neorec.data.manifest import start_manifest as _start_manifest
 from neorec.data.preprocess_tsv import build_vocab, criteo_plan, index_files, write_criteo_shards
 from neorec.data.tsv_index import index_file
 from neorec.data.workers import run_jobs as _map
+from neorec.data.workers import shared_pool
 from neorec.errors import ConfigError, DataError
+from neorec.utils.malloc import keep_freed_memory
 
 if TYPE_CHECKING:
     from neorec.data.synthetic import SyntheticSource, SyntheticSpec
@@ -153,25 +155,26 @@ def preprocess_criteo(
     if raw_features:  # only when set: settings of earlier outputs stay equal, so they resume
         settings["categorical"]["raw_features"] = sorted(raw_features)
     out = Path(out)
-    manifest = _resume_or_start(out, settings)
-    if manifest is None:
-        roles = [(p, "split" if not evals else "train") for p in train] + [(p, "eval") for p in evals]
-        index = index_files([p for p, _ in roles], shard_lines, workers, progress)
-        for path, _ in roles:
-            if index[path].num_lines == 0:  # e.g. a .gz file of nothing: no shard would be written for it
-                raise DataError(f"{path}: no lines; expected Criteo TSV lines (label, I1..I13, C1..C26)")
-        plan = criteo_plan(roles, index, shard_lines)
-        if vocab_threshold:
-            if vocab_io.saved_settings(out / "vocab") != settings:  # counted by an interrupted run: reuse
-                build_vocab(out, settings, plan, index, vocab_threshold, workers, progress)
-            sizes = [v.size + 1 for v in vocab_io.load_vocabs(out / "vocab", CATEGORICAL_NAMES)]
-        else:
-            sizes = rows
-        features = [{"name": n, "num_ids": int(r), "multi_hot": False, "weighted": False}
-                    for n, r in zip(CATEGORICAL_NAMES, sizes, strict=True)]  # fmt: skip
-        manifest = _start_manifest(out, settings, plan, NUM_DENSE, features, {"dense": DENSE_NAMES})
-        return _some_training_samples(_write_shards(out, manifest, workers, progress, max_shards, index))
-    return _some_training_samples(_write_shards(out, manifest, workers, progress, max_shards))
+    with shared_pool(workers, initializer=keep_freed_memory):  # workers start once for every phase
+        manifest = _resume_or_start(out, settings)
+        if manifest is None:
+            roles = [(p, "split" if not evals else "train") for p in train] + [(p, "eval") for p in evals]
+            index = index_files([p for p, _ in roles], shard_lines, workers, progress)
+            for path, _ in roles:
+                if index[path].num_lines == 0:  # e.g. an empty .gz file: no shard would be written for it
+                    raise DataError(f"{path}: no lines; expected Criteo TSV lines (label, I1..I13, C1..C26)")
+            plan = criteo_plan(roles, index, shard_lines)
+            if vocab_threshold:
+                if vocab_io.saved_settings(out / "vocab") != settings:  # else counted by an interrupted run
+                    build_vocab(out, settings, plan, index, vocab_threshold, workers, progress)
+                sizes = [v.size + 1 for v in vocab_io.load_vocabs(out / "vocab", CATEGORICAL_NAMES)]
+            else:
+                sizes = rows
+            features = [{"name": n, "num_ids": int(r), "multi_hot": False, "weighted": False}
+                        for n, r in zip(CATEGORICAL_NAMES, sizes, strict=True)]  # fmt: skip
+            manifest = _start_manifest(out, settings, plan, NUM_DENSE, features, {"dense": DENSE_NAMES})
+            return _some_training_samples(_write_shards(out, manifest, workers, progress, max_shards, index))
+        return _some_training_samples(_write_shards(out, manifest, workers, progress, max_shards))
 
 
 def _some_training_samples(result: PreprocessResult) -> PreprocessResult:

@@ -167,6 +167,8 @@ def combine_scans(path: PathLike, shard_lines: int, scans: list[BlockScan]) -> F
         elif (num_newlines // shard_lines + 1) * shard_lines <= num_newlines + scan.newlines:
             reread.append((scan, num_newlines))
         num_newlines += scan.newlines
+    # a block is read again only for a shard that starts at a line of the file (not past its last one)
+    reread = [(scan, before) for scan, before in reread if (before // shard_lines + 1) * shard_lines < last_line]
     if reread:
         offsets += _reread_offsets(path, shard_lines, reread)
     offsets = [o for i, o in enumerate(offsets) if i * shard_lines < last_line]

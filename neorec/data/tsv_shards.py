@@ -20,6 +20,7 @@ folder, which the next run removes: the shard is written again from its input.
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import os
 import shutil
@@ -325,8 +326,10 @@ def _rewrite(layout: _Layout, split: str, c: int, pieces: list[dict], rows: int)
     return num_bytes, crc
 
 
+@functools.lru_cache(maxsize=1024)
 def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
-    """The header np.save writes for an array of this dtype and shape (format 1.0)."""
+    """The header np.save writes for an array of this dtype and shape (format 1.0); every piece of a
+    shard asks for the same ones."""
     buf = io.BytesIO()
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
     np.lib.format.write_array_header_1_0(buf, header)

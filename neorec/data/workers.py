@@ -4,6 +4,10 @@ Workers are forked when this process has not imported torch (the command line's 
 files does not): a forked worker starts at once, where a spawned one imports numpy and pyarrow again
 (about a second, which a short job does not pay back). A process that has imported torch spawns them
 instead: a forked child would inherit torch's OpenMP thread pool, which does not survive a fork.
+
+Within a `shared_pool` block, the calls of `run_jobs` with its number of workers and initializer run in
+one pool, started at the first of them: a command whose phases follow one another (index, count, write)
+starts its workers once.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import multiprocessing
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -27,6 +33,44 @@ def torch_worker_init() -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+@dataclass
+class _SharedPool:
+    workers: int
+    initializer: Callable[[], None] | None
+    pool: ProcessPoolExecutor | None = None
+
+
+_SHARED: list[_SharedPool] = []  # the pools of the open shared_pool blocks, innermost last
+
+
+@contextmanager
+def shared_pool(workers: int, initializer: Callable[[], None] | None = torch_worker_init) -> Iterator[None]:
+    """Run the `run_jobs` calls of this block that ask for `workers` processes and this initializer in
+    one pool (see the module's docstring); its workers stop at the end of the block."""
+    shared = _SharedPool(workers, initializer)
+    _SHARED.append(shared)
+    try:
+        yield
+    finally:
+        _SHARED.remove(shared)
+        if shared.pool is not None:
+            shared.pool.shutdown(cancel_futures=True)
+
+
+def _pool(
+    workers: int, num_jobs: int, initializer: Callable[[], None] | None
+) -> tuple[ProcessPoolExecutor, bool]:
+    """(the shared pool of `workers` processes, True), else (a new pool for `num_jobs` jobs, False)."""
+    for shared in reversed(_SHARED):
+        if shared.workers == workers and shared.initializer is initializer:
+            if shared.pool is None:
+                ctx = multiprocessing.get_context(start_method())
+                shared.pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=initializer)
+            return shared.pool, True
+    ctx = multiprocessing.get_context(start_method())
+    return ProcessPoolExecutor(min(workers, num_jobs), mp_context=ctx, initializer=initializer), False
 
 
 def run_jobs(
@@ -51,26 +95,29 @@ def run_jobs(
                 _advance(bar, unit_size(result) if unit_size else 1)
                 yield result
             return
-        ctx = multiprocessing.get_context(start_method())
-        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=initializer) as pool:
+        pool, shared = _pool(workers, len(jobs), initializer)
+        futures = []
+        try:
             futures = [pool.submit(fn, job) for job in jobs]
-            try:
-                for fut in as_completed(futures):
-                    if fut.cancelled():
-                        continue
-                    result = fut.result()
-                    key = stop_key(result) if stop_key else None
-                    if key is not None:
-                        stop = _least(stop, key)
-                        for i, other in enumerate(futures):
-                            if keys is not None and keys[i] > stop:
-                                other.cancel()
-                    _advance(bar, unit_size(result) if unit_size else 1)
-                    yield result
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
+            for fut in as_completed(futures):
+                if fut.cancelled():
+                    continue
+                result = fut.result()
+                key = stop_key(result) if stop_key else None
+                if key is not None:
+                    stop = _least(stop, key)
+                    for i, other in enumerate(futures):
+                        if keys is not None and keys[i] > stop:
+                            other.cancel()
+                _advance(bar, unit_size(result) if unit_size else 1)
+                yield result
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
+        finally:
+            if not shared:
+                pool.shutdown()
     finally:
         if bar is not None:
             bar.close()
