@@ -196,7 +196,7 @@ def test_truncated_or_corrupted_files_name_the_file(tmp_path):
     shard = path / "rank-00000.bin"
     good = shard.read_bytes()
     shard.write_bytes(good[: len(good) // 2])
-    with pytest.raises(CheckpointError, match=r"rank-00000\.bin has \d+ bytes .*truncated"):
+    with pytest.raises(CheckpointError, match=r"rank-00000\.bin: has \d+ bytes .*truncated"):
         load_checkpoint(path, *trained_engine(1))
     shard.write_bytes(good[:100] + bytes([good[100] ^ 0xFF]) + good[101:])
     with pytest.raises(CheckpointError, match=r"rank-00000\.bin: checksum mismatch"):

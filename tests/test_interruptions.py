@@ -150,7 +150,7 @@ def test_inspect_verify_fails_on_a_bad_file(tmp_path, capsys):
     (path / "dense.pt").write_bytes(b"")
     assert main(["checkpoint", "inspect", "--verify", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "2 bad file(s)" in err and "rank-00000.bin cannot be read" in err and "dense.pt has 0 bytes" in err
+    assert "2 bad file(s)" in err and "rank-00000.bin: cannot read" in err and "dense.pt: has 0 bytes" in err
     assert main(["checkpoint", "inspect", str(path)]) == 0  # without --verify: the manifest alone
 
 

@@ -17,7 +17,6 @@ import torch
 
 from neorec.errors import NeorecError
 from neorec.utils import files
-from neorec.utils.files import file_crc32
 
 DTYPES = {
     "float32": torch.float32,
@@ -68,20 +67,9 @@ class RawWriter:
 
 def check_file(path: Path, size: int, crc32: int | None) -> None:
     """The file exists, has the size the manifest recorded and (crc32 given) the same checksum."""
-    try:
-        actual = path.stat().st_size
-    except OSError as e:
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
-    if actual != size:
-        raise CheckpointError(
-            f"checkpoint file {path} has {actual} bytes but the manifest records {size}: the file is "
-            "truncated or was replaced; use an earlier checkpoint"
-        )
-    if crc32 is not None and file_crc32(path) != crc32:
-        raise CheckpointError(
-            f"checkpoint file {path}: checksum mismatch (crc32 differs from the manifest's): the file is "
-            "corrupted; use an earlier checkpoint"
-        )
+    files.check_recorded(
+        path, [size, crc32], "the manifest", "use an earlier checkpoint", CheckpointError, what="checkpoint file "
+    )
 
 
 def read_rows(

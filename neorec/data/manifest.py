@@ -28,7 +28,15 @@ from neorec.data.criteo_lines import DEFAULT_MAX_LINE_BYTES
 from neorec.data.manifest_checks import SPLITS as SPLITS
 from neorec.data.manifest_checks import check_manifest_structure, check_meta_structure
 from neorec.errors import DataError
-from neorec.utils.files import file_crc32, fsync_dir, plain_name, read_json, write_atomic, write_json
+from neorec.utils.files import (
+    check_recorded,
+    fsync_dir,
+    plain_name,
+    read_json,
+    size_and_crc32,
+    write_atomic,
+    write_json,
+)
 from neorec.utils.json_checks import shown
 
 FORMAT = "neorec-columnar-1"
@@ -164,7 +172,7 @@ def write_columns(
             arr = np.ascontiguousarray(values, dtype=dtype)
             path = folder / split / f"{key}.npy"
             write_atomic(path, lambda f, arr=arr: np.save(f, arr), "preprocessed shard file", _KEEPS)
-            files[f"{split}/{key}.npy"] = [path.stat().st_size, file_crc32(path)]
+            files[f"{split}/{key}.npy"] = size_and_crc32(path)
         samples[split] = int(len(cols["labels"]))
     meta = {"samples": samples, "skipped": dict(sorted(skipped.items())), "files": files}
     write_json(folder / META, meta, "preprocessed shard file")
@@ -182,18 +190,6 @@ def check_part_files(folder: Path, files: dict[str, list[int]]) -> None:
     """The .npy files of one shard's split (`folder` = shards/<k>/<split>) have the sizes and crc32s
     `files` (the manifest's entry of the shard) records; DataError naming the file otherwise."""
     split = folder.name
-    for name, (size, crc) in files.items():
-        if not name.startswith(split + "/"):
-            continue
-        path = folder / name.partition("/")[2]
-        try:
-            actual = path.stat().st_size
-        except OSError as e:
-            raise DataError(f"{path}: cannot read ({e.strerror or e}); {_AGAIN}") from None
-        if actual != size:
-            raise DataError(
-                f"{path}: has {actual} bytes but the manifest records {size}: the file is truncated or was "
-                f"replaced; {_AGAIN}"
-            )
-        if file_crc32(path) != crc:
-            raise DataError(f"{path}: checksum mismatch (its crc32 differs from the manifest's): the file is damaged; {_AGAIN}")
+    for name, recorded in files.items():
+        if name.startswith(split + "/"):
+            check_recorded(folder / name.partition("/")[2], recorded, "the manifest", _AGAIN, DataError)

@@ -192,6 +192,12 @@ def _flat(load: TableLoad, kind: str, k: int, tier: str, workload: Workload, clu
     if len(costs) < k:
         costs, works, everyone = costs * k, works * k, everyone * k
     everyone += sum(owner_work(load, kind, k, workload, cluster).values())
+    return _sharded(load, kind, k, tier, costs, works, everyone, kind in ROW_KINDS)
+
+
+def _sharded(load: TableLoad, kind: str, k: int, tier: str, costs: list[float], works: list, everyone: float,
+             row_split: bool) -> Option:  # fmt: skip
+    """The option of a table cut into k pieces (`row_split`: pieces of its rows)."""
     return Option(
         table=load.name,
         kind=kind,
@@ -202,7 +208,7 @@ def _flat(load: TableLoad, kind: str, k: int, tier: str, workload: Workload, clu
         everyone=everyone,
         init_bytes=max(w.init_bytes for w in works),
         group_key=_group_key(load),
-        mean_row_split=kind in ROW_KINDS and load.table.pooling == "mean",
+        mean_row_split=row_split and load.table.pooling == "mean",
     )
 
 
@@ -229,18 +235,7 @@ def _node(load: TableLoad, kind: str, tier: str, workload: Workload, cluster: Cl
         costs.append(sum(work.stages.values()) + _link_seconds(intra, inter, cluster))
         everyone += _link_seconds(x * intra_share, x * (1 - intra_share), cluster)
     everyone += _link_seconds(0.0, y, cluster) + sum(owner_work(load, kind, L, workload, cluster).values())
-    return Option(
-        table=load.name,
-        kind=kind,
-        num_shards=L,
-        tier=tier,
-        piece_costs=costs,
-        piece_memory=[_memory(w, tier) for w in works],
-        everyone=everyone,
-        init_bytes=max(w.init_bytes for w in works),
-        group_key=_group_key(load),
-        mean_row_split=kind == "twrw" and load.table.pooling == "mean",
-    )
+    return _sharded(load, kind, L, tier, costs, works, everyone, kind == "twrw")
 
 
 def _replicated(load: TableLoad, tier: str, workload: Workload, cluster: Cluster) -> Option:

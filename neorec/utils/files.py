@@ -23,7 +23,7 @@ import os
 import shutil
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -154,17 +154,27 @@ def size_and_crc32(path: str | Path) -> list[int]:
 
 
 def check_recorded(
-    path: Path, recorded: list[int], record: Path, hint: str, error: type[Exception] = NeorecError
-) -> None:
-    """The file has the [size, crc32] that the JSON file `record` lists for it; `error` naming both if not."""
+    path: Path, recorded: Sequence[int | None], record: str | Path, hint: str, error: type[Exception] = NeorecError,
+    what: str = "",
+) -> None:  # fmt: skip
+    """The file has the [size, crc32] that `record` (the file that lists it, or words for it) records; a
+    crc32 of None is not checked. An `error` naming the file, `record` and `hint` if not: the file
+    cannot be read, has another size (truncated or replaced) or another crc32 (damaged). `what` comes
+    before the file's path in the message ("checkpoint file ")."""
+    size, crc32 = recorded
     try:
-        actual = size_and_crc32(path)
+        actual = Path(path).stat().st_size
     except OSError as e:
-        raise error(f"{path}: cannot read ({e.strerror or e}); {hint}") from None
-    if actual != recorded:
+        raise error(f"{what}{path}: cannot read ({e.strerror or e}); {hint}") from None
+    if actual != size:
         raise error(
-            f"{path}: its size or crc32 differs from the one {record} records: the file is damaged or was "
+            f"{what}{path}: has {actual} bytes but {record} records {size}: the file is truncated or was "
             f"replaced; {hint}"
+        )
+    if crc32 is not None and file_crc32(path) != crc32:
+        raise error(
+            f"{what}{path}: checksum mismatch (its crc32 differs from the one {record} records): the file is "
+            f"damaged; {hint}"
         )
 
 
