@@ -83,15 +83,16 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         ;;
     tests)
         run tests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_fused_cuda.py tests/test_train_cuda.py \
-            tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py tests/test_synthetic_device.py
+            tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py tests/test_triton_engine.py \
+            tests/test_synthetic_device.py
         ;;
     kernels)
         run kernels ${KERNELS_LIMIT:-150} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} \
-            tests/test_triton_kernels.py tests/test_fused_cuda.py
+            tests/test_triton_kernels.py tests/test_triton_engine.py tests/test_fused_cuda.py
         ;;
     cachetests)
         run cachetests ${CACHE_TESTS_LIMIT:-180} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider -m gpu \
-            ${PYTEST_ARGS:-} tests/test_cache.py
+            ${PYTEST_ARGS:-} tests/test_cache.py tests/test_cache_reads.py tests/test_cache_ssd.py
         ;;
     ranktests)
         run ranktests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_train_cuda_ranks.py

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Installs everything the test suite needs: neorec itself (editable) with its `test` extra, Triton
-# for tests/test_triton_kernels.py (it runs the GPU kernels through Triton's interpreter where there
-# is no GPU), then TorchRec for tests/test_torchrec_interop.py. TorchRec goes in with --no-deps
-# because its declared dependency on the CUDA build of fbgemm-gpu would replace the CPU torch; the CPU
-# build fbgemm-gpu-cpu, matched to torch 2.13, and TorchRec's few pure-Python dependencies are
-# installed explicitly instead.
+# for tests/test_triton_kernels.py and test_triton_engine.py (they run the GPU kernels through
+# Triton's interpreter where there is no GPU), then TorchRec for tests/test_torchrec_interop.py.
+# TorchRec goes in with --no-deps because its declared dependency on the CUDA build of fbgemm-gpu
+# would replace the CPU torch; the CPU build fbgemm-gpu-cpu, matched to torch 2.13, and TorchRec's
+# few pure-Python dependencies are installed explicitly instead.
 # Safe to rerun: when the pinned versions are already there it only refreshes the editable install.
 set -euo pipefail
 cd "$(dirname "$0")/.."

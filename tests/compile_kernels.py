@@ -1,10 +1,10 @@
 """Compile neorec's Triton kernels for an H100 (sm_90) with Triton's own compiler and ptxas; no GPU needed.
 
-Triton's interpreter (which runs the kernels on CPU in tests/test_triton_kernels.py) executes them as
+Triton's interpreter (which runs the kernels on CPU in tests/test_triton_kernels.py and test_triton_engine.py) runs them as
 NumPy code and never generates GPU code, so it cannot catch what only code generation checks: types
 of constexpr branches, bitcasts, int64/uint32 mixes. This compiles every kernel, each update rule
 with the options that change its code, and prints one line per variant. It must run where
-TRITON_INTERPRET is unset (tests/test_triton_kernels.py starts it in a process of its own):
+TRITON_INTERPRET is unset (tests/test_triton_engine.py starts it in a process of its own):
 
     python tests/compile_kernels.py
 """

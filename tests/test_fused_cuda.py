@@ -2,8 +2,8 @@
 sizes, and a whole model training there. Needs a CUDA device (skipped without one).
 
 The kernels' own tests (every rule and dtype against the float64 reference, stochastic rounding,
-determinism with hot rows) are tests/test_triton_kernels.py, which runs on the GPU where there is
-one and through Triton's interpreter on CPU otherwise.
+determinism with hot rows) are tests/test_triton_kernels.py and test_triton_engine.py, which run on the
+GPU where there is one and through Triton's interpreter on CPU otherwise.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ its duration (_patch_lang) and puts them back at its end. Each call of a device 
 which walks every member of triton.language, triton.language.core and their tensor classes with
 inspect.getmembers only to find them mapped already: the kernels' device functions (triton_sums.py,
 triton_rules.py) are called thousands of times a step, and that walk is about half of the
-interpreter's time in tests/test_triton_kernels.py. `install` skips a device function's re-mapping
+interpreter's time in tests/test_triton_kernels.py and test_triton_engine.py. `install` skips a device function's re-mapping
 when the running launch has already mapped the language modules its globals see; a module it has
 not mapped is mapped as before. Nothing is changed outside the interpreter, nor where Triton's
 interpreter lacks the functions it wraps (another Triton version runs as it is, only slower).
