@@ -164,14 +164,15 @@ def check_recorded(
     size, crc32 = recorded
     try:
         actual = Path(path).stat().st_size
-    except OSError as e:
-        raise error(f"{what}{path}: cannot read ({e.strerror or e}); {hint}") from None
+        crc_differs = actual == size and crc32 is not None and file_crc32(path) != crc32
+    except OSError as e:  # raised from it: a failing disk (EIO) exits 1, as errors.failure says
+        raise error(f"{what}{path}: cannot read ({e.strerror or e}); {hint}") from e
     if actual != size:
         raise error(
             f"{what}{path}: has {actual} bytes but {record} records {size}: the file is truncated or was "
             f"replaced; {hint}"
         )
-    if crc32 is not None and file_crc32(path) != crc32:
+    if crc_differs:
         raise error(
             f"{what}{path}: checksum mismatch (its crc32 differs from the one {record} records): the file is "
             f"damaged; {hint}"
