@@ -85,15 +85,17 @@ def test_compiled_model_keeps_its_state_dict_keys_and_evaluates_eagerly():
     assert not model.bottom_stage.compiled_once and not model.top_stage.compiled_once
 
 
-def test_missing_cpp_compiler_is_a_config_error(monkeypatch):
+def test_missing_cpp_compiler_is_a_config_error():
     import torch._inductor.config as inductor_config
     from torch._inductor import cpp_builder
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-compiler-neorec",))
     cpp_builder.cpp_compiler_search.cache_clear()
     try:
-        with pytest.raises(ConfigError, match="train.compile"):
-            check_compiler(torch.device("cpu"))
+        # torch's own patch of its config: pytest's monkeypatch (9.2 and later) deletes on undo an
+        # attribute the object did not hold itself, and torch's config then has no cpp.cxx at all
+        with inductor_config.patch({"cpp.cxx": ("no-such-compiler-neorec",)}):
+            with pytest.raises(ConfigError, match="train.compile"):
+                check_compiler(torch.device("cpu"))
     finally:
         cpp_builder.cpp_compiler_search.cache_clear()
 

@@ -300,22 +300,31 @@ def _worker_pid(_job: int) -> int:
     return os.getpid()
 
 
-def test_run_jobs_in_a_shared_pool_block_use_the_same_workers(forked_workers):
+def test_run_jobs_in_a_shared_pool_block_use_the_same_workers(forked_workers, monkeypatch):
     """Inside shared_pool, run_jobs calls with its worker count share one pool (a command's phases start
-    their workers once); outside it, each call starts and stops its own."""
+    their workers once) and it stops at the block's end; outside it, each call starts its own."""
+    from neorec.data import workers
     from neorec.data.workers import run_jobs, shared_pool
 
-    def pids() -> set[int]:
-        return set(run_jobs(_worker_pid, list(range(8)), 2, False, "test", initializer=None))
+    pools = []
+
+    class CountedPool(workers.ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs) -> None:
+            pools.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", CountedPool)
+
+    def pids(num_workers: int = 2) -> set[int]:
+        return set(run_jobs(_worker_pid, list(range(8)), num_workers, False, "test", initializer=None))
 
     with shared_pool(2, initializer=None):
-        first, second = pids(), pids()
-        assert first == second and len(first) <= 2
-        inside = first
-        other = set(run_jobs(_worker_pid, list(range(8)), 3, False, "test", initializer=None))
-        assert not other & inside  # another worker count: a pool of its own
-    after = pids()
-    assert not after & inside
-    for pid in inside:  # the block's workers have stopped
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+        assert os.getpid() not in pids() | pids()  # the jobs ran in worker processes
+        assert len(pools) == 1  # both calls in one pool
+        pids(3)
+        assert len(pools) == 2  # another worker count: a pool of its own
+    with pytest.raises(RuntimeError, match="shutdown"):  # the block's pool has stopped
+        pools[0].submit(_worker_pid, 0)
+    pids()
+    pids()
+    assert len(pools) == 4  # outside the block, a pool per call
