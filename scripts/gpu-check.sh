@@ -26,6 +26,8 @@
 #            ahead on the worker (io thread on) against brought in at the lookup (off), then where
 #            each one's step time goes (host syncs by site, operators by host and device time)
 #   cache_ssd  the same with --tier ssd (GPU cache over SSD files, in $SSD_DIR or /tmp/neorec-ssd)
+#   ingestion  (not among the defaults) benchmarks/ingestion.py: Criteo TSV preprocessing with 1 and
+#            2 workers on this host's cores, where the workers do not share 2 cores with the rest
 # Packages the machine lacks (pydantic, tqdm) come from .whl/site when it is there: build it here with
 # `bash scripts/gpu-wheels.sh 3.12` (the other machine's Python) and copy it along with the tree.
 # The figures go to $OUT/gpu-results.jsonl (records, as benchmarks/records/ holds them);
@@ -136,8 +138,12 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         run cache_ssd ${SSD_LIMIT:-200} $PY benchmarks/cache.py --device cuda --tier ssd --zipf 1.05 --fractions 0.2 \
             --repeats 1 --dir "${SSD_DIR:-/tmp/neorec-ssd}" --no-append
         ;;
+    ingestion)
+        run ingestion ${INGESTION_LIMIT:-240} $PY benchmarks/ingestion.py --criteo-lines 1000000 4000000 --repeats 3 \
+            --torchrec-max-lines 0 --no-append
+        ;;
     *)
-        echo "unknown step $step (env tests kernels cachetests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd)" >&2
+        echo "unknown step $step (env tests kernels cachetests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd ingestion)" >&2
         exit 2
         ;;
     esac
