@@ -63,13 +63,12 @@ def _pool(
     workers: int, num_jobs: int, initializer: Callable[[], None] | None
 ) -> tuple[ProcessPoolExecutor, bool]:
     """(the shared pool of `workers` processes, True), else (a new pool for `num_jobs` jobs, False)."""
+    ctx = multiprocessing.get_context(start_method())
     for shared in reversed(_SHARED):
         if shared.workers == workers and shared.initializer is initializer:
             if shared.pool is None:
-                ctx = multiprocessing.get_context(start_method())
                 shared.pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=initializer)
             return shared.pool, True
-    ctx = multiprocessing.get_context(start_method())
     return ProcessPoolExecutor(min(workers, num_jobs), mp_context=ctx, initializer=initializer), False
 
 
