@@ -16,10 +16,12 @@ measured by benchmarks/train_throughput.py with 2 threads).
 
 Criteo layout (`--criteo-lines 1000000 4000000`): a generated file of that many lines in the Criteo
 layout (200,000 lines drawn as above, repeated) is preprocessed by `neorec data preprocess FILE
---table-rows 40000000` as a command (hashing, the split, the shards), with 1 and 2 `--workers`, next to
-pyarrow's streaming CSV reader parsing the same file on one thread (parse only: the floor any reader of
-this format pays), `--repeats` rounds of the three in turn (medians; the 2-worker speedup is the
-median of the rounds' ratios), with the command's fixed cost measured on a 1-line file, and, where
+--table-rows 40000000` as a command (hashing, the split, the shards), with 1 and 2 `--workers`, and as
+two 1-worker commands run at once on the two halves of its lines (the work divided perfectly: what the
+machine gives two cores of it), next to pyarrow's streaming CSV reader parsing the same file on one
+thread (parse only: the floor any reader of this format pays), `--repeats` rounds of the four in turn
+(medians; speedups are medians of the rounds' ratios), with the command's fixed cost measured on a
+1-line file, and, where
 torchrec is installed and for files of at most `--torchrec-max-lines` lines, TorchRec's
 `BinaryCriteoUtils.tsv_to_npys` once (parse and write .npy, no hashing; it needs iopath). Each runs as its
 own process: CPU seconds are those of the process and its workers (user + system), peak memory the
@@ -146,20 +148,48 @@ BinaryCriteoUtils.tsv_to_npys(sys.argv[1], *(sys.argv[2] + s for s in ("_dense.n
 
 
 def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
-    """Run a command; (wall s, CPU s, peak MiB) of it and its workers (wait4: the command's resources with
-    those of the workers it waited for). The command starts under /usr/bin/time, a small process: Linux
-    carries a parent's peak memory into a child it forks, and this process's peak would hide the
-    command's."""
+    """Run a command; (wall s, CPU s, peak MiB) of it and its workers (see measure_together)."""
+    return measure_together([cmd], env)
+
+
+def measure_together(cmds: list[list[str]], env: dict[str, str] | None = None) -> tuple[float, float, float]:
+    """Run commands at once; (wall s until the last one ends, CPU s of them all, the largest peak MiB).
+    A command's resources are those wait4 gives: its own with those of the workers it waited for. Each
+    starts under /usr/bin/time, a small process: Linux carries a parent's peak memory into a child it
+    forks, and this process's peak would hide the command's."""
     launcher = ["/usr/bin/time", "-f", "%M"] if Path("/usr/bin/time").is_file() else []
     t0 = time.perf_counter()
-    proc = subprocess.Popen([*launcher, *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status):
-        raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), cmd, stderr=err)
-    peak_kib = int(err.split()[-1]) if launcher else usage.ru_maxrss
-    return wall, usage.ru_utime + usage.ru_stime, peak_kib / 1024
+    procs = [
+        subprocess.Popen([*launcher, *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        for cmd in cmds
+    ]
+    cpu, peak_kib = 0.0, 0
+    for cmd, proc in zip(cmds, procs, strict=True):
+        _, status, usage = os.wait4(proc.pid, 0)
+        assert proc.stderr is not None
+        with proc.stderr:
+            err = proc.stderr.read().decode()
+        if os.waitstatus_to_exitcode(status):
+            raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), cmd, stderr=err)
+        cpu += usage.ru_utime + usage.ru_stime
+        peak_kib = max(peak_kib, int(err.split()[-1]) if launcher else usage.ru_maxrss)
+    return time.perf_counter() - t0, cpu, peak_kib / 1024
+
+
+def write_halves(path: Path, first: Path, second: Path) -> None:
+    """The lines of `path` in two files: those that start before its middle byte, and the rest."""
+    size = path.stat().st_size
+    with path.open("rb") as src:
+        src.seek(size // 2)
+        src.readline()
+        cut = src.tell()
+        src.seek(0)
+        for dest, length in ((first, cut), (second, size - cut)):
+            with dest.open("wb") as out:
+                while length:
+                    chunk = src.read(min(length, 8 << 20))
+                    out.write(chunk)
+                    length -= len(chunk)
 
 
 def summary(measured: list[tuple[float, float, float]], mb: float) -> list[str]:
@@ -194,7 +224,10 @@ def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
         tsv = tmp / f"day-{num_lines}.tsv"
         write_criteo_layout(tsv, num_lines)
         mb = tsv.stat().st_size / 1e6
-        subprocess.run(["cat", str(tsv)], check=True, stdout=subprocess.DEVNULL)  # into the page cache
+        halves = [tmp / f"day-{num_lines}-half{i}.tsv" for i in (1, 2)]
+        write_halves(tsv, *halves)
+        for path in (tsv, *halves):  # into the page cache
+            subprocess.run(["cat", str(path)], check=True, stdout=subprocess.DEVNULL)
         runs: dict[str, list[tuple[float, float, float]]] = {}
         pyarrow = f"pyarrow.csv streaming reader, 1 thread, {_PYARROW_BLOCK >> 20} MiB blocks (parse only)"
         for _ in range(args.repeats):
@@ -204,18 +237,19 @@ def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
                     measure(_neorec_command(tsv, out, workers), env)
                 )
                 shutil.rmtree(out)
-            runs.setdefault(pyarrow, []).append(measure([sys.executable, "-c", _PYARROW_PARSE, str(tsv)], env))
+            outs = [tmp / f"criteo-{num_lines}-half{i}" for i in (1, 2)]
+            runs.setdefault(_HALVES, []).append(
+                measure_together([_neorec_command(h, o, 1) for h, o in zip(halves, outs, strict=True)], env)
+            )
+            for out in outs:
+                shutil.rmtree(out)
+            runs.setdefault(pyarrow, []).append(
+                measure([sys.executable, "-c", _PYARROW_PARSE, str(tsv)], env)
+            )
         for label, measured in runs.items():
             rows.append([label, f"{num_lines:,}", f"{mb:.0f}", *summary(measured, mb)])
             print(rows[-1], flush=True)
-        one, two = runs["neorec preprocess, 1 worker(s)"], runs["neorec preprocess, 2 worker(s)"]
-        ratios = [a[0] / b[0] for a, b in zip(one, two, strict=True)]
-        work = float(np.median([a[0] for a in one])) - fixed_wall
-        bound = (fixed_wall + work) / (fixed_wall + work / 2)
-        speedups.append(
-            f"{num_lines:,} lines {np.median(ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in ratios)}; "
-            f"perfect scaling of all but the fixed cost would give {bound:.2f}x)"
-        )
+        speedups.append(f"{num_lines:,} lines: " + _scaling(runs, fixed_wall))
         if num_lines <= args.torchrec_max_lines:
             try:  # TorchRec's dataset scripts read files through iopath
                 import iopath  # noqa: F401
@@ -229,19 +263,44 @@ def bench_criteo_layout(args, tmp: Path) -> tuple[list[list[object]], str]:
                 print(rows[-1], flush=True)
                 for p in tmp.glob("torchrec_*"):
                     p.unlink()
-        tsv.unlink()
+        for path in (tsv, *halves):
+            path.unlink()
     note = (f"Criteo layout: generated files ({', '.join(f'{n:,}' for n in args.criteo_lines)} lines; 200,000 lines "
             "drawn as in the TSV note, repeated), in the page cache before each run. neorec: `neorec data preprocess "
             "FILE --table-rows 40000000` (modulo hashing, every 10th line held out, shards of 1,000,000 lines, "
             "fsync'd .npy columns). CPU: user + system seconds of the command and its workers; peak: the largest "
             f"of their resident sizes. Medians of {args.repeats} rounds; a round runs its commands one after the "
             "other, each with Python's compiled bytecode at hand, as an installed package has it. The fixed cost (interpreter, imports, a 1-line shard written and fsync'd) is paid once per "
-            "command whatever the file's size. 2 workers against 1, the median of the rounds' wall-clock ratios: "
-            f"{'; '.join(speedups)}. TorchRec runs only on files of at most "
+            "command whatever the file's size. Two 1-worker commands at once, each on one half of the file's lines: "
+            "the same work divided perfectly, with nothing shared but the machine, so their wall clock against "
+            "one command's is what this machine gives two cores of this work. Medians of the rounds' wall-clock "
+            f"ratios: {'; '.join(speedups)}. TorchRec runs only on files of at most "
             f"{args.torchrec_max_lines:,} lines (it holds the whole file in memory). Load average (1 min) "
             f"{load_before:.1f} before the runs, {os.getloadavg()[0]:.1f} after: other processes share the "
             "cores, wall-clock figures are only as good as that.")  # fmt: skip
     return rows, note
+
+
+_HALVES = "two 1-worker commands at once, each on half of the lines (the work divided perfectly)"
+
+
+def _scaling(runs: dict[str, list[tuple[float, float, float]]], fixed_wall: float) -> str:
+    """The 2-worker speedup, that of the halves run at once, and the first against the second, as medians
+    of the rounds' ratios (every round's shown), with the bound the fixed cost puts on perfect scaling."""
+    one, two = runs["neorec preprocess, 1 worker(s)"], runs["neorec preprocess, 2 worker(s)"]
+    halves = runs[_HALVES]
+
+    def ratios(a: list, b: list) -> str:
+        r = [x[0] / y[0] for x, y in zip(a, b, strict=True)]
+        return f"{np.median(r):.2f}x (rounds {', '.join(f'{v:.2f}' for v in r)})"
+
+    work = float(np.median([a[0] for a in one])) - fixed_wall
+    bound = (fixed_wall + work) / (fixed_wall + work / 2)
+    return (
+        f"one worker's time over two workers' {ratios(one, two)}, over the halves' at once "
+        f"{ratios(one, halves)}; the halves' over two workers' {ratios(halves, two)} (1.00: two workers as "
+        f"fast as the work divided perfectly); perfect scaling of all but the fixed cost would give {bound:.2f}x"
+    )
 
 
 def _neorec_command(tsv: Path, out: Path, workers: int) -> list[str]:
