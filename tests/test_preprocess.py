@@ -228,6 +228,27 @@ def test_bad_line_fails_with_file_and_line(tmp_path, forked_workers):
         preprocess_criteo([path], tmp_path / "out2", shard_lines=6, workers=2, progress=False)
 
 
+def test_a_full_disk_stops_preprocessing_before_any_line_is_parsed(tmp_path, monkeypatch):
+    """Every shard's files are reserved at their full size (posix_fallocate) before a line is parsed: a
+    full disk ends the command there, naming the file."""
+    import errno
+
+    from neorec.data import preprocess_tsv
+    from neorec.utils.files import FileWriteError
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    parsed = []
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(preprocess_tsv, "piece_job", parsed.append)
+    out = tmp_path / "out"
+    with pytest.raises(FileWriteError, match=r"cannot write preprocessed shard file .*/\.tmp-0000\d/\w+/\w+\.npy: "
+                       r"No space left on device \(is the disk full"):  # fmt: skip
+        preprocess_criteo([FIXTURE], out, shard_lines=6, progress=False)
+    assert parsed == [] and not list((out / "shards").glob("0*"))
+
+
 def test_bad_lines_are_skipped_and_counted_per_shard(tmp_path):
     path = corrupt(tmp_path / "bad.tsv", line=13, field=0, value="7")
     lines = path.read_text().split("\n")

@@ -19,9 +19,9 @@ from neorec.data import tsv_index
 from neorec.data import vocab as vocab_io
 from neorec.data.criteo_lines import CATEGORICAL_NAMES
 from neorec.data.manifest import ShardPlan
-from neorec.data.tsv_index import BlockScan, FileIndex, combine_scans, scan_range, scan_stream
+from neorec.data.tsv_index import BlockScan, FileIndex, combine_scans, reread_offsets, scan_range, scan_stream
 from neorec.data.tsv_pieces import Piece, PieceParse, error_key, parse_pieces, plan_pieces
-from neorec.data.tsv_shards import assemble_shard, piece_job, start_shard
+from neorec.data.tsv_shards import assemble_shard, piece_job, start_job
 from neorec.data.workers import run_jobs
 from neorec.errors import DataError
 from neorec.utils.malloc import keep_freed_memory
@@ -35,9 +35,16 @@ def index_job(job: tuple[str, int, int, int | None, int]) -> tuple[str, int, lis
     return path, start, scan_range(path, start, stop, block_bytes)
 
 
+def reread_job(job: tuple[int, str, int, list[tuple[BlockScan, int]]]) -> tuple[int, list[int]]:
+    """(job number, the offsets of the shard starts in these blocks of a file, read again)."""
+    number, path, shard_lines, reread = job
+    return number, reread_offsets(path, shard_lines, reread)
+
+
 def index_files(paths: list[str], shard_lines: int, workers: int, progress: bool) -> dict[str, FileIndex]:
     """The index of every file; a plain file is scanned in byte ranges of whole blocks, about two per
-    worker, so that the workers share one big file (neorec/data/tsv_index.py)."""
+    worker, so that the workers share one big file, and the blocks that hold its shard starts are read
+    again by the workers too (neorec/data/tsv_index.py)."""
     block_bytes = tsv_index.INDEX_BLOCK
     jobs: list[tuple[str, int, int, int | None, int]] = []
     for path in dict.fromkeys(paths):
@@ -51,8 +58,16 @@ def index_files(paths: list[str], shard_lines: int, workers: int, progress: bool
         index_job, jobs, workers, progress, "indexing", initializer=keep_freed_memory
     ):
         scans[path][start] = part
+
+    def find_offsets(path: str | Path, shard_lines: int, reread: list[tuple[BlockScan, int]]) -> list[int]:
+        reread_jobs = [(i, str(path), shard_lines, [block]) for i, block in enumerate(reread)]
+        found = dict(run_jobs(reread_job, reread_jobs, workers, False, "indexing", initializer=keep_freed_memory))
+        return [offset for i in range(len(reread_jobs)) for offset in found[i]]
+
     return {
-        path: combine_scans(path, shard_lines, [s for start in sorted(parts) for s in parts[start]])
+        path: combine_scans(
+            path, shard_lines, [s for start in sorted(parts) for s in parts[start]], find_offsets
+        )
         for path, parts in scans.items()
     }
 
@@ -107,8 +122,10 @@ def write_criteo_shards(
     if index is None:
         index = index_files(sorted({s.file for s in todo}), settings["shard_lines"], workers, progress)
     jobs = _jobs(todo, index)
-    for shard in todo:
-        start_shard(out, shard, settings, features)
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    starts = [(str(out), shard, settings, features) for shard in todo]  # the shards' files, by the workers
+    for _ in run_jobs(start_job, starts, workers, False, "shards", initializer=keep_freed_memory):
+        pass
     pieces_left = Counter(p.shard.index for job in jobs for p in job)
     pieces: dict[int, list[dict]] = defaultdict(list)
     skipped: dict[int, Counter] = defaultdict(Counter)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -89,25 +90,26 @@ def _filled(block: bytes) -> int:
 def scan_block(block: bytes, pos: int, lines_before: int | None = None, shard_lines: int = 0) -> BlockScan:
     """The scan of the block at byte `pos`; with `lines_before` (the newlines before it), also the
     offsets of the shard starts in it."""
-    count = int(np.count_nonzero(np.frombuffer(block, np.uint8) == 10))  # 3x bytes.count's speed
+    is_newline = np.frombuffer(block, np.uint8) == 10
+    count = int(np.count_nonzero(is_newline))  # 3x bytes.count's speed
     scan = BlockScan(pos, len(block), count, block.find(b"\n"), _filled(block))
     if scan.filled:
         scan.newlines_after = block.count(b"\n", scan.filled - 1)
         newline = block.find(b"\n", scan.filled - 1)
         scan.line_end = pos + (newline + 1 if newline >= 0 else len(block))
     if lines_before is not None:
-        scan.shard_offsets = _offsets_in(block, pos, lines_before, count, shard_lines)
+        shard_start = (lines_before // shard_lines + 1) * shard_lines <= lines_before + count
+        newlines = np.flatnonzero(is_newline) if shard_start else np.empty(0, np.intp)
+        scan.shard_offsets = _offsets_in(newlines, pos, lines_before, shard_lines)
     return scan
 
 
-def _offsets_in(block: bytes, pos: int, lines_before: int, count: int, shard_lines: int) -> list[int]:
-    """Offsets of the lines after newline number j * shard_lines that are in this block."""
+def _offsets_in(newlines: np.ndarray, pos: int, lines_before: int, shard_lines: int) -> list[int]:
+    """Offsets of the lines after newline number j * shard_lines that are in the block at byte `pos`
+    whose newlines are at `newlines` (positions in the block)."""
     first_target = (lines_before // shard_lines + 1) * shard_lines
-    targets = range(first_target, lines_before + count + 1, shard_lines)
-    if not targets:
-        return []
-    nl = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
-    return [pos + int(nl[t - lines_before - 1]) + 1 for t in targets]
+    targets = range(first_target, lines_before + len(newlines) + 1, shard_lines)
+    return [pos + int(newlines[t - lines_before - 1]) + 1 for t in targets]
 
 
 def scan_range(path: PathLike, start: int, stop: int | None, block_bytes: int) -> list[BlockScan]:
@@ -144,9 +146,17 @@ def scan_stream(path: PathLike, shard_lines: int, block_bytes: int) -> list[Bloc
     return scans
 
 
-def combine_scans(path: PathLike, shard_lines: int, scans: list[BlockScan]) -> FileIndex:
+# finds the shard offsets in blocks read again: (path, shard_lines, [(block, newlines before it)]) ->
+# the offsets, in order
+FindOffsets = Callable[[PathLike, int, list[tuple[BlockScan, int]]], list[int]]
+
+
+def combine_scans(
+    path: PathLike, shard_lines: int, scans: list[BlockScan], find_offsets: FindOffsets | None = None
+) -> FileIndex:
     """The index of a file from the scans of all its blocks, in order (see the module's docstring). The
-    last non-blank line ends at its newline, or at the end of the file, whatever blocks it spans."""
+    last non-blank line ends at its newline, or at the end of the file, whatever blocks it spans. The
+    blocks that hold shard starts are read again by `find_offsets` (default: `reread_offsets`, here)."""
     gz = str(path).endswith(".gz")
     num_newlines, last_line, end = 0, 0, 0
     open_line = False  # whether the last non-blank line so far goes on past `end` (blanks, a newline)
@@ -168,25 +178,33 @@ def combine_scans(path: PathLike, shard_lines: int, scans: list[BlockScan]) -> F
             reread.append((scan, num_newlines))
         num_newlines += scan.newlines
     # a block is read again only for a shard that starts at a line of the file (not past its last one)
-    reread = [(scan, before) for scan, before in reread if (before // shard_lines + 1) * shard_lines < last_line]
+    reread = [
+        (scan, before) for scan, before in reread if (before // shard_lines + 1) * shard_lines < last_line
+    ]
     if reread:
-        offsets += _reread_offsets(path, shard_lines, reread)
+        offsets += (find_offsets or reread_offsets)(path, shard_lines, reread)
     offsets = [o for i, o in enumerate(offsets) if i * shard_lines < last_line]
     starts = [(line, off) for line, off in starts if line <= last_line]
     return FileIndex(str(path), last_line, shard_lines, offsets, [] if gz else starts, -1 if gz else end)
 
 
-def _reread_offsets(path: PathLike, shard_lines: int, reread: list[tuple[BlockScan, int]]) -> list[int]:
+def reread_offsets(path: PathLike, shard_lines: int, reread: list[tuple[BlockScan, int]]) -> list[int]:
+    """The offsets of the shard starts in these blocks of a plain file, each given with the newlines
+    before it, read again; a block that is not as its scan found it is an error."""
     offsets: list[int] = []
-    with open(path, "rb") as f:
-        for scan, lines_before in reread:
-            f.seek(scan.pos)
-            block = f.read(scan.size)
-            if len(block) != scan.size or block.count(b"\n") != scan.newlines:
-                raise DataError(
-                    f"{path}: changed while it was indexed (near byte {scan.pos}); preprocess it again"
-                )
-            offsets += _offsets_in(block, scan.pos, lines_before, scan.newlines, shard_lines)
+    try:
+        with open(path, "rb") as f:
+            for scan, lines_before in reread:
+                f.seek(scan.pos)
+                block = f.read(scan.size)
+                newlines = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
+                if len(block) != scan.size or len(newlines) != scan.newlines:
+                    raise DataError(
+                        f"{path}: changed while it was indexed (near byte {scan.pos}); preprocess it again"
+                    )
+                offsets += _offsets_in(newlines, scan.pos, lines_before, shard_lines)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read again while indexing: {e}") from e
     return offsets
 
 

@@ -148,6 +148,12 @@ def start_shard(out: Path, shard: ShardPlan, settings: dict, features: list[dict
                 raise write_error(path, e, _WHAT, _KEEPS) from e
 
 
+def start_job(job: tuple[str, ShardPlan, dict, list[dict]]) -> None:
+    """start_shard in a worker: (output folder, shard, settings, features)."""
+    out, shard, settings, features = job
+    start_shard(Path(out), shard, settings, features)
+
+
 def _write_at(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data).cast("B")
     while len(view):
