@@ -39,6 +39,15 @@ def test_bad_configs_name_the_key(raw, expected):
         validate_config(raw)
 
 
+def test_a_key_with_control_characters_is_named_on_one_line():
+    """A key is shown escaped: the error stays one line whatever a --set or a file puts in it."""
+    with pytest.raises(ConfigError) as info:
+        validate_config({"data": {"follow": {"\n": None, "a\tb": 1}}})
+    assert "\n" not in str(info.value) and "\t" not in str(info.value)
+    assert "unknown key 'data.follow.\\n'" in str(info.value)
+    assert "unknown key 'data.follow.a\\tb'" in str(info.value)
+
+
 def test_bad_override_syntax_and_unknown_file(tmp_path):
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config("default", ["train.max_steps"])

@@ -250,7 +250,7 @@ def _explain(err: dict[str, Any]) -> str:
     loc = [str(p) for p in err["loc"]]
     # pydantic adds union member names ("list[int]", "literal['none']") to the location; drop them
     loc = [p for p in loc if not _is_union_tag(p)]
-    key = _cut(".".join(loc), 120) or "(top level)"
+    key = _cut(".".join(p if p.isprintable() else repr(p)[1:-1] for p in loc), 120) or "(top level)"
     if err["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc[:-1])
         hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
