@@ -219,7 +219,7 @@ def test_checkpoint_of_another_model_names_the_table(tmp_path):
     emb, model, opts = trained_engine()
     path = save_checkpoint(tmp_path, 3, emb, model, opts)
     tables = [t.model_copy(update={"rows": 38}) if t.name == "t0" else t for t in make_tables()]
-    with pytest.raises(CheckpointError, match=r"table 't0' is 37 x 8 there but 38 x 8"):
+    with pytest.raises(CheckpointError, match=r"table 't0' is 37 x 8 in its manifest.json but 38 x 8"):
         load_checkpoint(path, FusedEmbeddingCollection(tables, optimizer_config("adam")))
     with pytest.raises(CheckpointError, match=r"'t0'.*momentum1.*does not fit this optimizer"):
         load_checkpoint(path, FusedEmbeddingCollection(make_tables(), optimizer_config("rowwise_adagrad")))

@@ -88,20 +88,21 @@ def check_tables(manifest: dict, embeddings: EmbeddingCollection, where: Path) -
     current = {t.name: t for t in embeddings.tables}
     if set(saved) != set(current):
         raise CheckpointError(
-            f"checkpoint {where} has tables {sorted(saved)} but the model has {sorted(current)}; "
+            f"checkpoint {where}: its manifest.json lists tables {sorted(saved)} but the model has {sorted(current)}; "
             "load it into the model it was trained for"
         )
     for name, t in current.items():
         s = saved[name]
         if (s["rows"], s["dim"]) != (t.rows, t.dim):
             raise CheckpointError(
-                f"checkpoint {where}: table {name!r} is {s['rows']} x {s['dim']} there but {t.rows} x {t.dim} in the model"
+                f"checkpoint {where}: table {name!r} is {s['rows']} x {s['dim']} in its manifest.json but {t.rows} x "
+                f"{t.dim} in the model"
             )
         mc = t.managed_collision.model_dump(mode="json") if t.managed_collision is not None else None
         if s.get("managed_collision") != mc:
             raise CheckpointError(
-                f"checkpoint {where}: table {name!r} has managed_collision {s.get('managed_collision')} there but "
-                f"{mc} in the model; its rows and id map only fit the same setting"
+                f"checkpoint {where}: table {name!r} has managed_collision {s.get('managed_collision')} in its "
+                f"manifest.json but {mc} in the model; its rows and id map only fit the same setting"
             )
 
 

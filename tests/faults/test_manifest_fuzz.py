@@ -285,6 +285,18 @@ def test_checkpoint_manifest_cases(folders, copies, capsys):
     write_manifest(copies["run"] / STEP / "manifest.json", manifest)
 
 
+def test_export_of_a_manifest_that_does_not_fit_its_model(folders, copies, capsys):
+    """Values valid on their own that differ from the model the run's config builds: named, with the
+    manifest that holds them (found by the fuzz test above)."""
+    manifest = original(folders["run"] / STEP / "manifest.json")
+    name = manifest["tables"][2]["name"]
+    write_manifest(copies["run"] / STEP / "manifest.json", replaced(manifest, ("tables", 2, "managed_collision"), {}))
+    export = ["export", copies["run"] / STEP, "--out", folders["root"] / "x.nrx", "--no-eval"]
+    expected = f"table {name!r} has managed_collision {{'eviction': 'lru', 'buckets': 1}} in its manifest.json but None"
+    assert_one_error(*run_cli(export, capsys), "manifest.json", expected, damage="tables[2].managed_collision")
+    write_manifest(copies["run"] / STEP / "manifest.json", manifest)
+
+
 @pytest.mark.parametrize(
     ("path", "value", "expected"),
     [
