@@ -68,7 +68,7 @@ class RawWriter:
 def check_file(path: Path, size: int, crc32: int | None) -> None:
     """The file exists, has the size the manifest recorded and (crc32 given) the same checksum."""
     files.check_recorded(
-        path, [size, crc32], "the manifest", "use an earlier checkpoint", CheckpointError, what="checkpoint file "
+        path, [size, crc32], "its manifest.json", "use an earlier checkpoint", CheckpointError, what="checkpoint file "
     )
 
 

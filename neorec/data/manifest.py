@@ -192,4 +192,4 @@ def check_part_files(folder: Path, files: dict[str, list[int]]) -> None:
     split = folder.name
     for name, recorded in files.items():
         if name.startswith(split + "/"):
-            check_recorded(folder / name.partition("/")[2], recorded, "the manifest", _AGAIN, DataError)
+            check_recorded(folder / name.partition("/")[2], recorded, folder.parents[2] / "manifest.json", _AGAIN, DataError)

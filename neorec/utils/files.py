@@ -166,7 +166,7 @@ def check_recorded(
         actual = Path(path).stat().st_size
         crc_differs = actual == size and crc32 is not None and file_crc32(path) != crc32
     except OSError as e:  # raised from it: a failing disk (EIO) exits 1, as errors.failure says
-        raise error(f"{what}{path}: cannot read ({e.strerror or e}); {hint}") from e
+        raise error(f"{what}{path}: cannot read ({e.strerror or e}), though {record} lists it; {hint}") from e
     if actual != size:
         raise error(
             f"{what}{path}: has {actual} bytes but {record} records {size}: the file is truncated or was "
