@@ -114,12 +114,16 @@ class PieceReader:
     ) -> torch.Tensor:
         """[rows, cols] of a table's weight or 2-d state, or [rows] of per-row state (see module doc)."""
         pieces = self.by_key.get((table, state))
-        if not pieces:
-            hint = (
-                "it was trained with other tables" if state == "weight"
-                else "it was trained with another embedding optimizer; continue with the one it was trained with"
-            )  # fmt: skip
-            raise CheckpointError(f"checkpoint {self.folder} has no {state!r} for table {table!r}: {hint}")
+        if not pieces:  # the manifest lists the table (load.check_tables): damaged, or another optimizer's state
+            if state == "weight":
+                raise CheckpointError(
+                    f"checkpoint {self.folder}: its manifest.json lists table {table!r} but no piece of its weight: "
+                    "the checkpoint is incomplete or damaged; use an earlier checkpoint"
+                )
+            raise CheckpointError(
+                f"checkpoint {self.folder}: its manifest.json has no {state!r} piece for table {table!r}: it was "
+                "trained with another embedding optimizer; continue with the one it was trained with"
+            )
         (r0, r1), (c0, c1) = rows, cols
         out: torch.Tensor | None = None
         covered = 0
@@ -152,8 +156,9 @@ class PieceReader:
             covered += (b - a) * (cb - ca)
         if covered != (r1 - r0) * (c1 - c0):
             raise CheckpointError(
-                f"checkpoint {self.folder}: table {table!r} state {state!r}: its pieces cover {covered} of the "
-                f"{(r1 - r0) * (c1 - c0)} cells of rows [{r0}, {r1}) columns [{c0}, {c1}); the checkpoint is incomplete"
+                f"checkpoint {self.folder}: table {table!r} state {state!r}: the pieces its manifest.json lists cover "
+                f"{covered} of the {(r1 - r0) * (c1 - c0)} cells of rows [{r0}, {r1}) columns [{c0}, {c1}); the "
+                "checkpoint is incomplete; use an earlier checkpoint"
             )
         assert out is not None
         return out

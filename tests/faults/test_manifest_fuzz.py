@@ -289,11 +289,19 @@ def test_export_of_a_manifest_that_does_not_fit_its_model(folders, copies, capsy
     """Values valid on their own that differ from the model the run's config builds: named, with the
     manifest that holds them (found by the fuzz test above)."""
     manifest = original(folders["run"] / STEP / "manifest.json")
-    name = manifest["tables"][2]["name"]
-    write_manifest(copies["run"] / STEP / "manifest.json", replaced(manifest, ("tables", 2, "managed_collision"), {}))
+    name, first = manifest["tables"][2]["name"], manifest["tables"][0]["name"]
+    cases = [
+        (
+            ("tables", 2, "managed_collision"),
+            {},
+            f"table {name!r} has managed_collision {{'eviction': 'lru', 'buckets': 1}} in its manifest.json but None",
+        ),
+        (("pieces",), [], f"its manifest.json lists table {first!r} but no piece of its weight"),
+    ]
     export = ["export", copies["run"] / STEP, "--out", folders["root"] / "x.nrx", "--no-eval"]
-    expected = f"table {name!r} has managed_collision {{'eviction': 'lru', 'buckets': 1}} in its manifest.json but None"
-    assert_one_error(*run_cli(export, capsys), "manifest.json", expected, damage="tables[2].managed_collision")
+    for path, value, expected in cases:
+        write_manifest(copies["run"] / STEP / "manifest.json", replaced(manifest, path, value))
+        assert_one_error(*run_cli(export, capsys), "manifest.json", expected, damage=str(path))
     write_manifest(copies["run"] / STEP / "manifest.json", manifest)
 
 
