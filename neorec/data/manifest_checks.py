@@ -60,6 +60,7 @@ def check_manifest_structure(manifest: dict[str, Any], where: str, hint: str) ->
             if key in manifest:
                 c.fail(key, "is present, but the manifest is not complete")
         return
+    _check_shard_columns(c, shards, features)
     for key, names in (("num_samples", SPLITS), ("skipped", None)):
         totals = c.counts(c.field(manifest, key), key, names)
         summed: dict[str, int] = {}
@@ -95,6 +96,24 @@ def _check_features(c: JsonChecks, features: list) -> None:
         for flag in ("multi_hot", "weighted"):
             if flag in feature:
                 c.flag(feature[flag], f"{key}.{flag}")
+
+
+def _check_shard_columns(c: JsonChecks, shards: list, features: list) -> None:
+    """A written shard lists, for each split it holds samples of, every column file the reader opens:
+    dense, labels, each feature's ids, and the bag sizes and weights of multi-hot and weighted ones."""
+    needed = {"dense.npy": "every shard", "labels.npy": "every shard"}
+    for k, f in enumerate(features):
+        needed[f"ids_{f['name']}.npy"] = f"features[{k}]"
+        for flag, column in (("multi_hot", "lengths"), ("weighted", "weights")):
+            if f.get(flag):
+                needed[f"{column}_{f['name']}.npy"] = f"features[{k}] ({flag})"
+    for i, entry in enumerate(shards):
+        if "files" not in entry:  # a folder written before file checksums were recorded
+            continue
+        for split, n in entry["samples"].items():
+            for column, who in needed.items() if n else ():
+                if f"{split}/{column}" not in entry["files"]:
+                    c.fail(f"shards[{i}].files", f'lists no "{split}/{column}", which {who} needs')
 
 
 def check_shard_entry(c: JsonChecks, entry: Any, i: int, complete: bool) -> None:

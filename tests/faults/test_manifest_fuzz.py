@@ -186,6 +186,7 @@ PREPROCESSED = [
     ),
     (("shards", 0, "files", "train/labels.npy", 1), -1, 'shards[0].files["train/labels.npy"][1] is -1'),
     (("notes",), {"dense": ["a"]}, "notes.dense names 1 dense features, but num_dense is 13"),
+    (("features", 0, "multi_hot"), True, 'files lists no "train/lengths_C1.npy", which features[0] (multi_hot) needs'),
 ]
 
 
