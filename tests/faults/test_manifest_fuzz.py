@@ -269,6 +269,7 @@ CHECKPOINT = [
     (("version",), "2", 'version is "2", this neorec reads format versions 1 and 2'),
     (("version",), True, "version is true"),
     (("state", "batches"), "x", 'state.batches is "x"'),
+    (("dense", "name"), "0", "0: cannot read (No such file or directory), though its manifest.json lists it"),
 ]
 
 
