@@ -110,8 +110,8 @@ def _check_shard_columns(c: JsonChecks, shards: list, features: list) -> None:
     for i, entry in enumerate(shards):
         if "files" not in entry:  # a folder written before file checksums were recorded
             continue
-        for split, n in entry["samples"].items():
-            for column, who in needed.items() if n else ():
+        for split in (split for split, n in entry["samples"].items() if n):
+            for column, who in needed.items():
                 if f"{split}/{column}" not in entry["files"]:
                     c.fail(f"shards[{i}].files", f'lists no "{split}/{column}", which {who} needs')
 
