@@ -122,7 +122,6 @@ def write_criteo_shards(
     if index is None:
         index = index_files(sorted({s.file for s in todo}), settings["shard_lines"], workers, progress)
     jobs = _jobs(todo, index)
-    (out / "shards").mkdir(parents=True, exist_ok=True)
     starts = [(str(out), shard, settings, features) for shard in todo]  # the shards' files, by the workers
     for _ in run_jobs(start_job, starts, workers, False, "shards", initializer=keep_freed_memory):
         pass

@@ -191,6 +191,7 @@ def reread_offsets(path: PathLike, shard_lines: int, reread: list[tuple[BlockSca
     """The offsets of the shard starts in these blocks of a plain file, each given with the newlines
     before it, read again; a block that is not as its scan found it is an error."""
     offsets: list[int] = []
+    scan = reread[0][0]
     try:
         with open(path, "rb") as f:
             for scan, lines_before in reread:
@@ -203,7 +204,7 @@ def reread_offsets(path: PathLike, shard_lines: int, reread: list[tuple[BlockSca
                     )
                 offsets += _offsets_in(newlines, scan.pos, lines_before, shard_lines)
     except OSError as e:
-        raise DataError(f"{path}: cannot read again while indexing: {e}") from e
+        raise read_error(path, f"at byte {scan.pos} of its content, indexing it", e) from e
     return offsets
 
 
