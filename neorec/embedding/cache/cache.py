@@ -75,6 +75,8 @@ class RowCache(ReadAhead, SlotBookkeeping):
         if self._on_device:
             self.io = device_io.DeviceIO(self.io, device)
         self.records = self.layout.empty(self.capacity, device)
+        # the device as its tensors name it ("cuda" given: cuda:N), so that it compares equal to a batch's
+        self.device = device = self.records.device
         self.buffers = self.layout.views(self.records)  # per field: a strided view of the records
         # one entry more than rows: a sink that evictions of empty slots (row -1) write to
         self.slot_of = torch.full((self.num_rows + 1,), -1, dtype=torch.int32, device=device)
