@@ -24,6 +24,7 @@ from test_fused_engine import (
     train_both,
 )
 from test_triton_kernels import (
+    CUDA,
     DEVICE,
     exact_num_chunks,
     pytestmark,  # noqa: F401 - the same marks: skipped without triton, the interpreter's warnings ignored
@@ -192,6 +193,20 @@ def test_cached_group_joins_the_launches_and_updates_its_records_in_place(monkey
     assert_matches(engine, ref, outputs)
 
 
+def test_a_cache_on_a_device_named_without_its_index_takes_the_kernels() -> None:
+    """A cache built for "cuda" holds tensors on cuda:0, the device a batch's tensors name: the cache
+    names its device as its tensors do, so the kernels take its group (they compared "cuda" with
+    cuda:0 and sent every cached group through the torch path). On the CPU: "cpu:0" against "cpu"."""
+    factory = cached_storage_factory({"tags": "dram"}, CacheSettings(fraction=1.0, io_thread=False))
+    engine = FusedEmbeddingCollection(
+        make_tables(), EmbeddingOptimizerConfig(name="adagrad", lr=0.05), device="cuda" if CUDA else "cpu:0",
+        kernels="triton", group_storage_factory=factory, table_tiers={"tags": "dram"},
+    )  # fmt: skip
+    (gi,) = [gi for gi, storage in enumerate(engine.weights) if hasattr(storage, "cache")]
+    batch_device = torch.zeros(1, device="cuda" if CUDA else "cpu").device
+    assert engine.cached_kernels(gi, batch_device) and engine.cached_kernels(gi, batch_device, update=True)
+
+
 def test_cached_group_with_more_rows_than_its_cache_goes_through_copies(monkeypatch) -> None:
     """A cache of 3 rows for "tags": a batch's rows do not all get slots, so the kernels pool copies
     of its rows read through the cache and update copies of its unique rows, which go back through
@@ -215,6 +230,8 @@ def test_cached_group_with_more_rows_than_its_cache_goes_through_copies(monkeypa
     assert_matches(engine, ref, outputs)
 
 
+@pytest.mark.skipif(CUDA, reason="CPU tensors through Triton's interpreter stand in for a GPU here; on a GPU, "
+                    "test_cache.py's test_gpu_cache_over_host_memory_is_bitwise_uncached runs the same path")
 @pytest.mark.parametrize(
     ("name", "policy"), [("rowwise_adagrad", "lru"), ("adam", "lfu"), ("adagrad", "lru")]
 )
