@@ -49,8 +49,17 @@ def build(engine: str, tables: list[TableConfig], mode: str, tmp_path) -> torch.
         return FusedEmbeddingCollection(
             tables, OPTIMIZER, seed=0, group_storage_factory=factory, table_tiers=tiers, bounds_check=mode
         )
-    kernels = "triton" if engine == "triton" else "torch"
-    return FusedEmbeddingCollection(tables, OPTIMIZER, seed=0, kernels=kernels, bounds_check=mode)
+    if engine == "triton":  # compiled kernels on a GPU, else the interpreter (conftest.py)
+        emb = FusedEmbeddingCollection(
+            tables, OPTIMIZER, seed=0, kernels="triton", bounds_check=mode, device=device_of(engine)
+        )
+        emb.test_device = device_of(engine)
+        return emb
+    return FusedEmbeddingCollection(tables, OPTIMIZER, seed=0, kernels="torch", bounds_check=mode)
+
+
+def device_of(engine: str) -> str:
+    return "cuda" if engine == "triton" and torch.cuda.is_available() else "cpu"
 
 
 def step(emb: torch.nn.Module, sparse: SparseBatch) -> torch.Tensor:
@@ -59,9 +68,9 @@ def step(emb: torch.nn.Module, sparse: SparseBatch) -> torch.Tensor:
     opt = getattr(emb, "_test_opt", None)
     if opt is None:
         opt = emb._test_opt = emb.build_optimizer()
-    pooled = emb(sparse)
+    pooled = emb(sparse.to(getattr(emb, "test_device", "cpu")))
     g = torch.Generator().manual_seed(1)
-    loss = (pooled * torch.randn(pooled.shape, generator=g)).sum()
+    loss = (pooled * torch.randn(pooled.shape, generator=g).to(pooled.device)).sum()
     opt.zero_grad()
     loss.backward()
     opt.step()
@@ -69,7 +78,7 @@ def step(emb: torch.nn.Module, sparse: SparseBatch) -> torch.Tensor:
 
 
 def tables_of(emb: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in emb.table_weights().items()}
+    return {k: v.detach().cpu().clone() for k, v in emb.table_weights().items()}
 
 
 def batch(fa: list[list[int]], fb: list[list[int]], weights: bool = False) -> SparseBatch:
@@ -244,7 +253,7 @@ def test_warn_mode_trains_as_if_the_ids_were_not_there(engine, pooling, tmp_path
 @pytest.mark.parametrize("engine", ENGINES)
 def test_off_mode_does_not_look_at_the_ids(engine, tmp_path):
     emb = build(engine, two_tables(), "off", tmp_path)
-    sparse = batch([[1], [2]], [[3], [4]])
+    sparse = batch([[1], [2]], [[3], [4]]).to(device_of(engine))
     step(emb, sparse)
     assert sparse.known_id_limits() is None  # never computed: no check ran
 
