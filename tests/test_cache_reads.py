@@ -95,6 +95,11 @@ def test_device_path_reads_one_count_per_read_ahead_and_nothing_else(tmp_path, s
     assert_same_state(plain, cached)  # and the sums without a read of their count are exact
 
 
+def on_gpu_with_limits(sparse):
+    sparse.id_limits()  # kept by .to, as DeviceFeed keeps the limits a reader counted
+    return sparse.to("cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -116,8 +121,10 @@ def test_gpu_cache_steps_sync_once_per_read_ahead(tmp_path, policy) -> None:
     )
     assert len(cached.weights) == 1 and cached.weights[0].cache.io.background
     gen = torch.Generator().manual_seed(12)
-    # 128 samples: two batches' rows fit in the cache beside each other, so every read ahead is complete
-    batches = [batch(gen, ts, batch_size=128).to("cuda") for _ in range(20)]
+    # 128 samples: two batches' rows fit in the cache beside each other, so every read ahead is complete.
+    # Each batch's id limits are counted on the host before its copy, as the device feed does: the id
+    # check of a GPU batch without them reads them back (one sync, not the cache's)
+    batches = [on_gpu_with_limits(batch(gen, ts, batch_size=128)) for _ in range(20)]
     grads = [torch.randn(128, plain.output_dim, generator=gen).to("cuda") for _ in batches]
     syncs = {"ahead": 0, "lookup": 0, "update": 0}
     phase: list[str] = []
