@@ -57,7 +57,7 @@ def _assert_same_model(got, want) -> None:
     a, b = _tables(want), _tables(got)
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +107,9 @@ def test_checkpoint_of_two_gpu_ranks_resumes_on_four_and_on_the_cpu(tmp_path, si
                                   f"distributed.sharding={KINDS['rw']}"], resume=True)  # fmt: skip
     _assert_same_model(tmp_path / "four", single_gpu)
     _train(tmp_path / "cpu", 2, [*first, "train.max_steps=8"])
-    cpu = [s for s in SMALL if not s.startswith("train.max_steps")]
-    p = subprocess.run(
+    p = subprocess.run(  # SMALL's settings alone: the CPU, to step 12
         [sys.executable, "-m", "neorec", "train", "--output-dir", str(tmp_path / "cpu"), "--resume",
-         *[a for s in cpu + ["checkpoint.every_steps=4"] for a in ("--set", s)]],
+         *[a for s in SMALL + ["checkpoint.every_steps=4"] for a in ("--set", s)]],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-4000:]
