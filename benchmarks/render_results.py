@@ -45,6 +45,7 @@ BENCHMARKS = {
     "planner_shared_gpu": "Planner estimate for ranks sharing one GPU (`planner_shared_gpu.py`)",
     "planner_dry_run": "Planner dry run of the 12-trillion-parameter model (`neorec plan`, by hand)",
     "ingestion": "Data ingestion (`ingestion.py`)",
+    "data_sources": "Training from files on a GPU (`data_sources.py`)",
     "bounds_check": "The id check's cost (`bounds_check.py`)",
     "managed_collision": "Managed-collision tables (`managed_collision.py`)",
     "movielens": "MovieLens held-out AUC by split (`movielens.py`)",

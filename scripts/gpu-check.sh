@@ -13,6 +13,11 @@
 #   cachetests  the GPU row cache's GPU tests: bitwise against tables in GPU memory, syncs counted
 #   ranktests  ranks sharing the GPU over gloo against one GPU process (every sharding kind, cache,
 #            checkpoints across world sizes and devices, pipeline on/off)
+#   gputests  (not among the defaults) tests, cachetests and ranktests at once, spread over the host's
+#            cores by pytest-xdist (JOBS processes, default 8): the shortest way to run every GPU test
+#   bounds   benchmarks/bounds_check.py on the GPU at batch 16,384: the id check's cost per step
+#   sources  benchmarks/data_sources.py: criteo_kaggle at batch 16,384 from .npy shards and Parquet
+#            files on local disk against data drawn on the GPU (samples/s, data wait per step)
 #   profile  benchmarks/gpu_step_profile.py on criteo_kaggle at batch 16,384 and mlperf_dcnv2 (bf16):
 #            the feed alone, step time, every host sync site, the top kernels and operators
 #   kaggle   criteo_kaggle at batch 16,384 on the GPU: samples/s and data wait per step
@@ -86,11 +91,28 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
     tests)
         run tests ${TESTS_LIMIT:-300} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_fused_cuda.py tests/test_train_cuda.py \
             tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py tests/test_triton_engine.py \
-            tests/test_synthetic_device.py
+            tests/test_synthetic_device.py tests/test_id_bounds.py
         ;;
     kernels)
         run kernels ${KERNELS_LIMIT:-150} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} \
-            tests/test_triton_kernels.py tests/test_triton_engine.py tests/test_fused_cuda.py
+            tests/test_triton_kernels.py tests/test_triton_engine.py tests/test_fused_cuda.py tests/test_id_bounds.py
+        ;;
+    gputests)
+        XDIST=(-n "${JOBS:-8}" --dist load -p no:cacheprovider -q -rfE --durations 15)
+        run gputests ${TESTS_LIMIT:-240} bash -c "$PY -m pytest ${XDIST[*]} ${PYTEST_ARGS:-} tests/test_fused_cuda.py \
+            tests/test_train_cuda.py tests/test_device_feed.py tests/test_devices.py tests/test_triton_kernels.py \
+            tests/test_triton_engine.py tests/test_synthetic_device.py tests/test_id_bounds.py \
+            tests/test_train_cuda_ranks.py & a=\$!; $PY -m pytest ${XDIST[*]} -m gpu ${PYTEST_ARGS:-} \
+            tests/test_cache.py tests/test_cache_reads.py tests/test_cache_ssd.py >$OUT/gputests-cache.log 2>&1; \
+            b=\$?; wait \$a; a=\$?; tail -n 15 $OUT/gputests-cache.log; echo cache tests rc=\$b; exit \$((a|b))"
+        ;;
+    bounds)
+        run bounds ${BOUNDS_LIMIT:-90} $PY benchmarks/bounds_check.py --device cuda --batch-size 16384 --steps 20 \
+            --rounds 5
+        ;;
+    sources)
+        run sources ${SOURCES_LIMIT:-150} $PY benchmarks/data_sources.py --device cuda --batch-size 16384 --steps 240 \
+            --workers 8 --repeats "${SOURCES_REPEATS:-2}" --dir "${SOURCES_DIR:-/tmp/neorec-sources}" --results "$OUT/gpu-results.jsonl"
         ;;
     cachetests)
         run cachetests ${CACHE_TESTS_LIMIT:-180} $PY -m pytest -q -rfE --durations 10 -p no:cacheprovider -m gpu \
@@ -143,7 +165,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             --torchrec-max-lines 0 --no-append
         ;;
     *)
-        echo "unknown step $step (env tests kernels cachetests ranktests profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd ingestion)" >&2
+        echo "unknown step $step (env tests kernels cachetests ranktests gputests bounds sources profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd ingestion)" >&2
         exit 2
         ;;
     esac
