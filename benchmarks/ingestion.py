@@ -338,7 +338,7 @@ def bench_reader(args, tmp: Path) -> tuple[list[list[object]], str]:
             parquet, rank=rank, world_size=world, seed=cfg.seed
         ),
     }
-    batch = cfg.data.batch_size
+    batch = args.batch_size or cfg.data.batch_size
     rows = []
     for name, make in readers.items():
         for world_size in (1, 2):
@@ -378,6 +378,7 @@ def main() -> None:
     p.add_argument("--shard-lines", type=int, default=200_000, help="preprocess: lines per shard")
     p.add_argument("--samples", type=int, default=2_000_000, help="reader: Kaggle-like training samples")
     p.add_argument("--epochs", type=int, default=2, help="reader: epochs timed per rank")
+    p.add_argument("--batch-size", type=int, help="reader: global batch (default: criteo_kaggle's, 2048)")
     p.add_argument("--workers", type=int, default=2, help="preprocess: worker processes")
     p.add_argument("--train-rate", type=float, default=23000.0, help="training samples/s to compare with")
     p.add_argument("--tmp", default=None, help="scratch folder (default: a new temporary one, removed)")

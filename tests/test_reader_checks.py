@@ -232,6 +232,25 @@ def test_bounds_check_off_reads_no_id(clean, tmp_path, neorec_warnings, monkeypa
         read_all(source_of(fmt, root, "warn"))
 
 
+@pytest.mark.parametrize("kind", ["one_hot", "multi_hot"])
+def test_checked_parts_give_their_batches_id_limits(clean, tmp_path, kind):
+    """A part whose ids were all checked gives its batches its tables' bounds as id limits, so the
+    engines' id check reads none of their ids again (a GPU step reads nothing back); a part that
+    passed a bad id on (warn) or was not checked (off) gives none, and its ids are then scanned."""
+    root = copy(clean, tmp_path, "preprocessed", kind)
+    rows = SPECS[kind].rows
+    for b in preprocessed(root, bounds_check="error").train_batches(256):
+        assert b.sparse.known_id_limits() == ([0, 0, 0], [r - 1 for r in rows])
+        for key, r in zip(b.sparse.keys, rows, strict=True):
+            ids = b.sparse.feature(key)[0]
+            assert ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < r)
+    assert all(b.sparse.known_id_limits() is None for b in read_all(preprocessed(root, bounds_check="off")))
+    corrupt_ids(root, "preprocessed", kind, 1000)
+    batches = read_all(preprocessed(root, bounds_check="warn"))
+    (bad,) = [b for b in batches if 1000 in b.sparse.feature("C1")[0].tolist()]
+    assert bad.sparse.known_id_limits() is None and bad.sparse.id_limits()[1][0] == 1000
+
+
 def test_raw_ids_of_managed_collision_tables_need_only_be_nonnegative(tmp_path):
     paths = [write_tsv(tmp_path / "a.tsv", 0, 30)]
     preprocess_criteo(paths, tmp_path / "out", table_rows=1000, raw_features=["C1"], progress=False)

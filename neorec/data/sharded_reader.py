@@ -56,6 +56,7 @@ _LAYOUT_KEYS = ("seed", "rank", "world_size", "shuffle", "shuffle_window")
 
 
 _NUMBERS, _INTEGERS, _FLOATS = "biuf", "iu", "f"  # numpy dtype kinds a column may have
+_RAW_HIGH = (1 << 63) - 1  # the largest raw id of a managed-collision table
 
 
 class _Part:
@@ -65,6 +66,7 @@ class _Part:
 
     def __init__(self, folder: Path, features: list[FeatureSpec], num_dense: int) -> None:
         self.folder = folder
+        self.id_limits: tuple[list[int], list[int]] | None = None  # known once `check` found every id in place
         self.dense = self._load("dense", 2, _NUMBERS)
         self.labels = self._load("labels", 1, _NUMBERS)
         self.ids = [self._load(f"ids_{f.name}", 1, _INTEGERS) for f in features]
@@ -94,12 +96,18 @@ class _Part:
     ) -> None:
         """Stop (DataError naming the .npy file, row, column and value) at a label other than 0 or 1 or a
         dense value that is not finite; check ids against their tables as `bounds_check` says (`raw`:
-        features holding raw ids of managed-collision tables, which need only be >= 0)."""
+        features holding raw ids of managed-collision tables, which need only be >= 0). When every id
+        was checked and lies in its table, the tables' bounds become the part's id limits, which its
+        batches carry (the embedding engines' id check then reads no id of theirs again)."""
         check_labels(self.labels, str(self.folder / "labels.npy"))
         check_dense(self.dense, str(self.folder / "dense.npy"), dense_names)
+        outside = 0
         for f, ids, ln in zip(features, self.ids, self.lengths, strict=True):
-            check_ids(ids, str(self.folder / f"ids_{f.name}.npy"), f.name, f.num_ids, lengths=ln,
-                      raw=f.name in raw, mode=bounds_check)  # fmt: skip
+            outside += check_ids(ids, str(self.folder / f"ids_{f.name}.npy"), f.name, f.num_ids, lengths=ln,
+                                 raw=f.name in raw, mode=bounds_check)  # fmt: skip
+        if bounds_check != "off" and not outside:
+            highs = [_RAW_HIGH if f.name in raw else f.num_ids - 1 for f in features]
+            self.id_limits = ([0] * len(features), highs)
 
     def _load(self, name: str, ndim: int, kinds: str) -> np.ndarray:
         """Column `name`, memory-mapped, with `ndim` dimensions and a dtype of one of `kinds`."""
@@ -122,7 +130,7 @@ class _Part:
             values.append(ids[a:b])
             lengths.append(None if ln is None else ln[start:end])
             weights.append(None if w is None else w[a:b])
-        return Columns(self.dense[start:end], self.labels[start:end], values, lengths, weights)
+        return Columns(self.dense[start:end], self.labels[start:end], values, lengths, weights, self.id_limits)
 
 
 class PreprocessedSource:
@@ -172,7 +180,8 @@ class PreprocessedSource:
         self.info = SourceInfo(self.num_dense, self.features, self.num_samples("train"), notes)
         self._raw = set(manifest["settings"].get("categorical", {}).get("raw_features", ()))
         self._dense_names = [str(n) for n in notes.get("dense", [])]
-        self._checked: set[Path] = set()  # parts already checked (a reopened part is not rescanned)
+        # parts already checked (a reopened part is not rescanned) -> the id limits the check found
+        self._checked: dict[Path, tuple[list[int], list[int]] | None] = {}
         self._open: OrderedDict[Path, _Part] = OrderedDict()
         self._lock = threading.Lock()
         self._epoch, self._position = 0, 0  # what this reader has handed out
@@ -313,7 +322,8 @@ class PreprocessedSource:
                     )
                 if folder not in self._checked:  # before any of its samples are handed out
                     part.check(self.features, self._raw, self.bounds_check, self._dense_names)
-                    self._checked.add(folder)
+                    self._checked[folder] = part.id_limits
+                part.id_limits = self._checked[folder]
                 self._open[folder] = part
                 if len(self._open) > _OPEN_PARTS:
                     self._open.popitem(last=False)
