@@ -1,6 +1,7 @@
-"""Training from files against training on drawn data: criteo_kaggle from preprocessed .npy shards and
-from their Parquet copy, against the same config with its synthetic samples (on a GPU: drawn and kept
-in GPU memory, so the data costs the step nothing).
+"""Training from files against training on drawn data: criteo_kaggle from preprocessed .npy shards (with
+the reader's default gathering threads, and with one) and from their Parquet copy, against the same
+config with its synthetic samples (on a GPU: drawn and kept in GPU memory, so the data costs the step
+nothing).
 
     python benchmarks/data_sources.py --device cuda --batch-size 16384 --steps 240 --workers 8
     python benchmarks/data_sources.py --samples 200000 --batch-size 2048 --steps 60   # small, CPU
@@ -28,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import append_results, markdown_table  # noqa: E402
 
-SOURCES = ("synthetic (drawn)", "preprocessed .npy", "parquet")
+# the .npy reader twice: data.preprocessed.threads auto (one gathering thread per 4 cores, up to 4) and 1
+SOURCES = ("synthetic (drawn)", "preprocessed .npy", "preprocessed .npy, 1 thread", "parquet")
 
 
 def prepare(args) -> float:
@@ -72,8 +74,9 @@ def train(args, source: str, run: Path) -> dict[str, float]:
     sets = [f"train.device={args.device}", f"data.batch_size={args.batch_size}", f"train.max_steps={args.steps}",
             f"train.log_every={args.log_every}", "train.progress=false", "logging.plot=false",
             "logging.tensorboard=false", "train.eval_every=null", *(args.set or [])]  # fmt: skip
-    if source == "preprocessed .npy":
+    if source.startswith("preprocessed .npy"):
         sets += ["data.source=preprocessed", f"data.preprocessed.path={args.dir / 'data'}"]
+        sets += ["data.preprocessed.threads=1"] if source.endswith("1 thread") else []
     elif source.startswith("synthetic"):
         sets += [f"data.synthetic.train_samples={args.samples}"]
     cmd = [sys.executable, "-m", "neorec", "train", "--config", config, "--output-dir", str(run)]
@@ -103,7 +106,7 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--samples", type=int, default=4_000_000, help="training samples written")
     p.add_argument("--workers", type=int, default=4, help="preprocessing processes")
-    p.add_argument("--repeats", type=int, default=2, help="rounds of the three sources, in turn")
+    p.add_argument("--repeats", type=int, default=2, help="rounds of the sources, in turn")
     p.add_argument("--dir", type=Path, default=Path("/tmp/neorec-sources"))
     p.add_argument("--set", action="append", help="config override for every run (key=value)")
     p.add_argument("--results", type=Path, help="records file to append to (default: benchmarks/records/)")

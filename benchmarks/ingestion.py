@@ -331,8 +331,8 @@ def bench_reader(args, tmp: Path) -> tuple[list[list[object]], str]:
     parquet = ParquetConfig(paths=[str(out / "parquet" / "train")], eval_paths=[str(out / "parquet" / "eval")],
                             dense=[f"d{j}" for j in range(cfg.data.synthetic.num_dense)], features=features)  # fmt: skip
     readers = {
-        ".npy shards (PreprocessedSource)": lambda rank, world: PreprocessedSource(
-            out, rank=rank, world_size=world, seed=cfg.seed
+        f".npy shards (PreprocessedSource, {args.reader_threads} gathering thread(s))": lambda rank, world: (
+            PreprocessedSource(out, rank=rank, world_size=world, seed=cfg.seed, threads=args.reader_threads)
         ),
         "Parquet (ParquetSource)": lambda rank, world: ParquetSource(
             parquet, rank=rank, world_size=world, seed=cfg.seed
@@ -379,6 +379,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=2_000_000, help="reader: Kaggle-like training samples")
     p.add_argument("--epochs", type=int, default=2, help="reader: epochs timed per rank")
     p.add_argument("--batch-size", type=int, help="reader: global batch (default: criteo_kaggle's, 2048)")
+    p.add_argument("--reader-threads", type=int, default=1, help="reader: threads gathering .npy batches")
     p.add_argument("--workers", type=int, default=2, help="preprocess: worker processes")
     p.add_argument("--train-rate", type=float, default=23000.0, help="training samples/s to compare with")
     p.add_argument("--tmp", default=None, help="scratch folder (default: a new temporary one, removed)")

@@ -129,6 +129,39 @@ def test_resume_gives_exactly_the_remaining_samples(numbered, world_size, stop, 
         assert sample_numbers(restarted.train_batches(4, epoch=2)) == full  # the next pass starts afresh
 
 
+@pytest.mark.parametrize("threads", [2, 5])
+def test_threads_gather_the_same_batches_and_resume_alike(numbered, threads):
+    """Batches gathered by several threads are the batches of one, in the same order; the position
+    saved counts the batches handed out, not those gathered ahead."""
+    kw = dict(world_size=2, rank=1, seed=5, shuffle_window=7)
+    for batch_size in (1, 4, 9):
+        one = list(PreprocessedSource(numbered, **kw).train_batches(batch_size, epoch=1))
+        many = list(PreprocessedSource(numbered, threads=threads, **kw).train_batches(batch_size, epoch=1))
+        assert len(one) == len(many)
+        for a, b in zip(one, many, strict=True):
+            assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels) and a.sparse == b.sparse
+    source = PreprocessedSource(numbered, threads=threads, **kw)
+    it = source.train_batches(4, epoch=1)
+    head = sample_numbers(next(it) for _ in range(2))
+    assert source.state()["samples"] == 8
+    restarted = PreprocessedSource(numbered, threads=threads, **kw)
+    restarted.load_state(source.state())
+    full = sample_numbers(PreprocessedSource(numbered, **kw).train_batches(4, epoch=1))
+    assert head + sample_numbers(restarted.train_batches(4, epoch=1)) == full
+
+
+def test_reader_threads_auto_is_one_per_four_cores_of_each_process(monkeypatch):
+    from neorec.train.build import reader_threads
+
+    for cores, local, want in [(2, 1, 1), (16, 1, 4), (16, 2, 2), (64, 1, 4), (16, 8, 1)]:
+        monkeypatch.setattr("os.cpu_count", lambda c=cores: c)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        assert reader_threads("auto") == want
+    assert reader_threads(3) == 3
+    with pytest.raises(ConfigError, match="threads must be >= 1"):
+        PreprocessedSource(Path("."), threads=0)
+
+
 def test_resume_refuses_another_layout(numbered):
     state = PreprocessedSource(numbered, world_size=2).state()
     with pytest.raises(ConfigError, match=r"number of processes \(--nproc\) 2, this run has 4"):

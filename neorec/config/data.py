@@ -3,7 +3,7 @@ Re-exported by neorec.config.schema, where the other sections live."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -108,6 +108,12 @@ class PreprocessedConfig(Strict):
     shuffle: bool = Field(True, description="shuffle the shard order and the samples within a window, per epoch")
     shuffle_window: int = Field(131072, gt=0, le=2**31, description="samples permuted together (the shuffle buffer)")
     prefetch: int = Field(4, ge=0, le=1024, description="batches the reader's background threads make ahead")
+    threads: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto",
+        description="threads that gather training batches in parallel (the same batches in the same order "
+        "whatever their number); auto: one per 4 cores of the machine over its processes, 1 to 4 (a GPU "
+        "host's reader must keep up with a GPU step)",
+    )
 
 
 class ParquetFeatureConfig(Strict):

@@ -129,22 +129,34 @@ def _joined_limits(limits: list[tuple[list[int], list[int]] | None]) -> tuple[li
     return lows, highs
 
 
-def cut_batches(windows: Iterator[tuple[Columns, np.ndarray]], batch_size: int) -> Iterator[Columns]:
-    """Batches of `batch_size` samples (the last may be smaller) from (window, order of its samples)
-    pairs: consecutive entries of the orders, across window boundaries."""
-    pending: Columns | None = None
+def batch_pieces(
+    windows: Iterator[tuple[Columns, np.ndarray]], batch_size: int
+) -> Iterator[list[tuple[Columns, np.ndarray]]]:
+    """What each batch of `batch_size` samples (the last may be smaller) is made of, from (window, order
+    of its samples) pairs: consecutive entries of the orders, across window boundaries, as
+    (window, samples of it) pieces. Cutting is cheap; `assemble` does the gathering."""
+    pending: list[tuple[Columns, np.ndarray]] = []
+    count = 0
     for window, order in windows:
         pos = 0
         while pos < len(order):
-            need = batch_size - (len(pending) if pending is not None else 0)
-            part = window.take(order[pos : pos + need])
-            pos += need
-            if pending is not None:
-                part = Columns.cat([pending, part])
-            if len(part) == batch_size:
-                yield part
-                pending = None
-            else:
-                pending = part
-    if pending is not None and len(pending):
+            idx = order[pos : pos + batch_size - count]
+            pending.append((window, idx))
+            count, pos = count + len(idx), pos + len(idx)
+            if count == batch_size:
+                yield pending
+                pending, count = [], 0
+    if count:
         yield pending
+
+
+def assemble(pieces: list[tuple[Columns, np.ndarray]]) -> Columns:
+    """The samples of `pieces` (see `batch_pieces`), in order."""
+    parts = [window.take(idx) for window, idx in pieces]
+    return parts[0] if len(parts) == 1 else Columns.cat(parts)
+
+
+def cut_batches(windows: Iterator[tuple[Columns, np.ndarray]], batch_size: int) -> Iterator[Columns]:
+    """Batches of `batch_size` samples (the last may be smaller) from (window, order of its samples)
+    pairs: consecutive entries of the orders, across window boundaries."""
+    return (assemble(pieces) for pieces in batch_pieces(windows, batch_size))

@@ -1,17 +1,21 @@
-"""Produce batches in a background thread so the training step does not wait for the reader.
+"""Produce batches in background threads so the training step does not wait for the reader.
 
-Order is unchanged (one producer, one FIFO queue), so training stays deterministic. numpy and torch
-release the GIL in their heavy ops, so generation and parsing overlap with the step.
+Order is unchanged (one producer and one FIFO queue, or several workers whose results are handed
+out in the order of their inputs), so training stays deterministic. numpy and torch release the GIL
+in their heavy ops, so generation and parsing overlap with the step, and with each other.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
+R = TypeVar("R")
 _DONE = object()
 
 
@@ -51,3 +55,27 @@ def prefetch(items: Iterable[T], depth: int = 4) -> Iterator[T]:
     finally:
         stop.set()
         thread.join(timeout=5)
+
+
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, depth: int = 4) -> Iterator[R]:
+    """`fn` of each item, in the order of `items`, computed by `workers` threads with up to `depth`
+    results made ahead (at least `workers`); one worker: `prefetch` of the map. `items` is advanced on
+    the consumer's thread as results are taken, so it must be cheap (the cut of a batch, not its
+    gathering); an exception of `fn` re-raises here, where its result would have come."""
+    if workers <= 1:
+        yield from prefetch(map(fn, items), depth)
+        return
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="neorec-batch")
+    ahead: deque[Future] = deque()
+    it = iter(items)
+    try:
+        for item in it:
+            ahead.append(pool.submit(fn, item))
+            if len(ahead) > max(depth, workers):
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+    finally:
+        for future in ahead:
+            future.cancel()
+        pool.shutdown(wait=True)

@@ -17,8 +17,9 @@ shuffle_window) and the manifest:
 4. Batches: consecutive `batch_size` samples of that stream (the last one may be smaller).
 
 Reading: columns are memory-mapped, so a window reads only its slices of (at most a few) shards. One
-thread reads and permutes the next windows, another cuts them into ready `Batch`es
-(neorec.data.prefetch), so the training step finds batches waiting.
+thread reads and permutes the next windows, `threads` others gather ready `Batch`es out of them
+(neorec.data.prefetch; handed out in order, so the data is the same whatever their number), so the
+training step finds batches waiting.
 
 Resume: `state()` tells how many samples of which epoch this reader has handed out; after
 `load_state(state)`, the next `train_batches(batch_size, state["epoch"])` starts right after them (the
@@ -44,9 +45,9 @@ import numpy as np
 
 from neorec.data.batch import Batch
 from neorec.data.checks import check_dense, check_ids, check_labels, checked_mode
-from neorec.data.columns import Columns, cut_batches
+from neorec.data.columns import Columns, assemble, batch_pieces
 from neorec.data.manifest import SPLITS, check_part_files, load_manifest, shard_name
-from neorec.data.prefetch import prefetch
+from neorec.data.prefetch import ordered_map, prefetch
 from neorec.data.reader_position import checked_position
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.errors import ConfigError, DataError
@@ -147,13 +148,18 @@ class PreprocessedSource:
         shuffle_window: int = 1 << 17,
         prefetch: int = 4,
         bounds_check: str = "error",
+        threads: int = 1,
     ) -> None:
         """`bounds_check` (embedding.bounds_check): what a shard's ids outside their tables do when the
-        shard is opened: "error" stops, "warn" logs them and passes them on, "off" reads no id."""
+        shard is opened: "error" stops, "warn" logs them and passes them on, "off" reads no id.
+        `threads`: threads that gather training batches out of the windows, in parallel (the batches
+        come in the same order whatever their number)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
         if shuffle_window < 1:
             raise ConfigError(f"shuffle_window must be >= 1, got {shuffle_window}")
+        if threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {threads}")
         self.root = Path(root)
         manifest = load_manifest(self.root)
         if not manifest.get("complete"):
@@ -163,6 +169,7 @@ class PreprocessedSource:
             )
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.shuffle_window, self.prefetch = shuffle, shuffle_window, prefetch
+        self.threads = threads
         self.bounds_check = checked_mode(bounds_check)
         self.num_dense = int(manifest["num_dense"])
         self.features = [FeatureSpec(**f) for f in manifest["features"]]
@@ -299,11 +306,12 @@ class PreprocessedSource:
     def _batches(self, split: str, batch_size: int, epoch: int | None, start: int) -> Iterator[Batch]:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-        # one thread reads and orders windows, another gathers batches; this one only hands them out
+        # one thread reads and orders windows, `threads` gather batches; this one only hands them out
         windows = prefetch(self._windows(split, epoch, start), 1)
-        batches = (cols.to_batch(self.keys) for cols in cut_batches(windows, batch_size))
+        keys = self.keys
+        pieces = batch_pieces(windows, batch_size)
         position = start
-        for batch in prefetch(batches, self.prefetch):
+        for batch in ordered_map(lambda p: assemble(p).to_batch(keys), pieces, self.threads, self.prefetch):
             position += len(batch)
             if epoch is not None:
                 self._epoch, self._position = epoch, position

@@ -4,6 +4,7 @@ embeddings: neorec/train/embeddings.py; its sharding plan: neorec/train/run_plan
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -81,6 +82,15 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
     raise ConfigError(f"data.source {d.source!r} is not known")  # pragma: no cover - Literal checked
 
 
+def reader_threads(threads: int | str) -> int:
+    """data.preprocessed.threads: "auto" is one thread per 4 cores of this machine shared by the
+    processes on it (torchrun's LOCAL_WORLD_SIZE), at least 1 and at most 4."""
+    if threads != "auto":
+        return int(threads)
+    per_process = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(4, per_process // 4))
+
+
 def _preprocessed_source(cfg: RunConfig, topo) -> DataSource:
     """Preprocessed shards; features stored as raw hash values must be (and only they may be) the
     features of managed-collision tables."""
@@ -96,6 +106,7 @@ def _preprocessed_source(cfg: RunConfig, topo) -> DataSource:
     source = PreprocessedSource(
         p.path, rank=rank, world_size=world, seed=cfg.seed, shuffle=p.shuffle,
         shuffle_window=p.shuffle_window, prefetch=p.prefetch, bounds_check=cfg.embedding.bounds_check,
+        threads=reader_threads(p.threads),
     )  # fmt: skip
     stored = set(source.info.notes.get("settings", {}).get("categorical", {}).get("raw_features", ()))
     mapped = raw_features(cfg)
@@ -141,7 +152,7 @@ def _follow_source(cfg: RunConfig, topo) -> DataSource:
         def open_partition(path: Path, seed: int) -> DataSource:
             return PreprocessedSource(
                 path, rank=rank, world_size=world, seed=seed, shuffle=p.shuffle, shuffle_window=p.shuffle_window,
-                prefetch=p.prefetch, bounds_check=bounds,
+                prefetch=p.prefetch, bounds_check=bounds, threads=reader_threads(p.threads),
             )  # fmt: skip
 
         shuffle = p.shuffle
