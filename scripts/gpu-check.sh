@@ -111,7 +111,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             --rounds 5
         ;;
     sources)
-        run sources ${SOURCES_LIMIT:-150} $PY benchmarks/data_sources.py --device cuda --batch-size 16384 --steps 240 \
+        run sources ${SOURCES_LIMIT:-240} $PY benchmarks/data_sources.py --device cuda --batch-size 16384 --steps 240 \
             --workers 8 --repeats "${SOURCES_REPEATS:-2}" --dir "${SOURCES_DIR:-/tmp/neorec-sources}" --results "$OUT/gpu-results.jsonl"
         ;;
     cachetests)
