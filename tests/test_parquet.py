@@ -459,9 +459,25 @@ def test_ids_outside_their_table_follow_bounds_check(tmp_path, mode, neorec_warn
                         features=[{"name": "ids", "hashing": "none", "rows": 10}])  # fmt: skip
     (batch,) = list(ParquetSource(cfg, bounds_check=mode, seed=0).eval_batches(2))
     assert batch.sparse.values.tolist() == [1, 2, 50]
+    assert batch.sparse.known_id_limits() is None  # the engine's check scans these ids
     warned = [r.getMessage() for r in neorec_warnings.records]
     if mode == "off":
         assert not warned
     else:
         assert len(warned) == 1 and "a.parquet, row group 0, column 'ids': 1 ids of feature ids outside" in warned[0]
         assert "the first at row 1: 50" in warned[0]
+
+
+def test_row_groups_give_their_batches_id_limits(tmp_path):
+    """Ids that hashing maps into the table and checked ones (hashing none) are bounded by the table,
+    so the engines' id check reads none of them again; one unchecked feature (hashing none under
+    bounds_check off) leaves the batch's limits unknown."""
+    pq.write_table(pa.table({"label": [0, 1, 1], "a": [5, 7, 9], "b": [1, 2, 3], "s": ["x", "y", "x"]}),
+                   tmp_path / "t.parquet")  # fmt: skip
+    feats = [{"name": "a", "rows": 4}, {"name": "b", "hashing": "none", "rows": 10},
+             {"name": "s", "strings": "fnv1a", "hashing": "hash", "rows": 6}]  # fmt: skip
+    cfg = ParquetConfig(paths=[str(tmp_path / "t.parquet")], eval_paths=[str(tmp_path / "t.parquet")], features=feats)
+    (batch,) = list(ParquetSource(cfg, seed=0).train_batches(3))
+    assert batch.sparse.known_id_limits() == ([0, 0, 0], [3, 9, 5])
+    (batch,) = list(ParquetSource(cfg, seed=0, bounds_check="off").train_batches(3))
+    assert batch.sparse.known_id_limits() is None

@@ -118,13 +118,17 @@ class ColumnMap:
         if bad is not None:  # NaN or inf would reach the loss steps later, naming no file
             i, j = bad
             raise dense_error(where, i, repr(self.dense[j]), table.column(self.dense[j])[i].as_py())
-        values, lengths, weights = [], [], []
+        values, lengths, weights, limits = [], [], [], []
         for f, vocab in zip(self.features, self.vocabs, strict=True):
-            ids, ln = _ids(table.column(f.column).combine_chunks(), where, f, vocab, self.bounds_check)
+            ids, ln, known = _ids(table.column(f.column).combine_chunks(), where, f, vocab, self.bounds_check)
             values.append(ids)
             lengths.append(ln)
+            limits.append(known)
             weights.append(None if not f.weights else _weights(table.column(f.weights), ln, where, f))
-        return Columns(dense, labels.astype(np.float32), values, lengths, weights)
+        id_limits = None  # each feature's bounds, where all are known: its batches are then not scanned again
+        if all(x is not None for x in limits):
+            id_limits = ([low for low, _ in limits], [high for _, high in limits])
+        return Columns(dense, labels.astype(np.float32), values, lengths, weights, id_limits)
 
 
 def _is_number(t: pa.DataType) -> bool:
@@ -177,24 +181,31 @@ def raw_ids(column: pa.ChunkedArray, where: str, f: ParquetFeatureConfig) -> np.
 
 
 def _ids(arr: pa.Array, where: str, f: ParquetFeatureConfig, vocab: np.ndarray | None, bounds_check: str) -> tuple:
-    """(int64 rows, lengths or None) of one feature's column. With hashing none the values are the ids,
-    checked against the table as `bounds_check` says (warn: logged and passed on, for the embedding
-    engine to drop and count; off: not read)."""
+    """(int64 rows, lengths or None, (low, high) bounds of the rows or None) of one feature's column.
+    With hashing none the values are the ids, checked against the table as `bounds_check` says (warn:
+    logged and passed on, for the embedding engine to drop and count; off: not read, nor bounded);
+    the other hashings map every value into the table."""
     arr, lengths = _flatten(arr)
+    table = (0, f.rows - 1)
     if f.hashing == "none" and pa.types.is_integer(arr.type):
         raw = (pc.fill_null(arr, 0) if arr.null_count else arr).to_numpy()
+        if bounds_check == "off":
+            return raw, lengths, None
         if bounds_check == "warn":
-            check_ids(raw, f"{where}, column {f.column!r}", f.name, f.rows, lengths=lengths, mode="warn")
-            return raw, lengths
+            outside = check_ids(raw, f"{where}, column {f.column!r}", f.name, f.rows, lengths=lengths, mode="warn")
+            return raw, lengths, None if outside else table
         low, high = pc.min_max(arr).values()
-        if bounds_check == "error" and raw.size and (low.as_py() < 0 or high.as_py() >= f.rows):
+        if raw.size and (low.as_py() < 0 or high.as_py() >= f.rows):
             i = int(np.flatnonzero((raw < 0) | (raw >= f.rows))[0])
             raise DataError(
                 f"{where}, row {_row(i, lengths)}: column {f.column!r} holds id {raw[i]}, outside "
                 f"[0, {f.rows}) of feature {f.name}'s table (hashing none); set its rows, or hashing modulo/hash"
             )
-        return raw, lengths  # ids kept in their own integer type: the batch's concatenation widens them
-    return _rows(_raw_values(arr, where, f, lengths), f, vocab), lengths
+        return raw, lengths, table  # ids kept in their own integer type: the batch's concatenation widens them
+    if f.hashing == "vocab":
+        assert vocab is not None
+        table = (0, len(vocab))  # 0 for a value it lacks, else 1 + its place
+    return _rows(_raw_values(arr, where, f, lengths), f, vocab), lengths, table
 
 
 def _row(i: int, lengths: np.ndarray | None) -> int:
