@@ -20,6 +20,7 @@ from test_checkpoint import _children, _metrics, fit_rank
 
 from neorec.checkpoint import list_checkpoints
 from neorec.config.load import load_config
+from neorec.train.signals import StopSignals, TrainingStopped
 from neorec.train.trainer import Trainer
 
 RUN = [
@@ -109,6 +110,26 @@ def test_sigint_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_o
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [f"step-{step:08d}"]
     assert 3 <= step < 300
     _resume(command)
+    _same_run(tmp_path / "whole", tmp_path / "run")
+
+
+def test_a_stop_on_an_evaluation_step_keeps_its_evaluation(tmp_path, monkeypatch):
+    """A stop agreed after a step with a mid-run evaluation (every 4 steps here: the 8th) comes after
+    that evaluation, as the uninterrupted run has it, so the resumed run's metrics and model are those
+    of the uninterrupted one (stopped before it, neither the stopped run nor the resumed one ran it)."""
+    run = [*RUN, "train.max_steps=12", "train.eval_every=4", "train.log_every=4"]
+    Trainer(load_config("default", run), tmp_path / "whole").fit()
+    steps = [0]
+
+    def agreed(self) -> int:  # the flags every rank agrees on after each step: a stop after the 8th
+        steps[0] += 1
+        return signal.SIGTERM if steps[0] == 8 else 0
+
+    monkeypatch.setattr(StopSignals, "agreed", agreed)
+    with pytest.raises(TrainingStopped, match="after step 8"):
+        Trainer(load_config("default", run), tmp_path / "run").fit()
+    monkeypatch.undo()
+    Trainer(load_config("default", run), tmp_path / "run", resume=True).fit()
     _same_run(tmp_path / "whole", tmp_path / "run")
 
 

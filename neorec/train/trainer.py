@@ -268,9 +268,6 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                     if self.progressive is not None:
                         logger.log("progressive", step, self.progressive.window_metrics())
                     window_samples, window_start, window_wait = 0, now, 0.0
-                if signum := stop.agreed():  # collective: every rank stops after the same step
-                    running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
-                    self._stop(signum, step, epoch, in_epoch, logger, running, bar)
                 if every and step % every == 0 and (not total or step < total):  # the last step: the final one
                     self._eval(logger, step, mid_batches, teacher_auc)
                 if self.checkpoints.enabled and self.checkpoints.due(step):
@@ -281,6 +278,11 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                         running = self._read_losses(unread, step, result, running)
                         self._save_checkpoint(step, epoch, in_epoch, logger, running)
                     self._publish_snapshot(step)
+                # collective: every rank stops after the same step, once the step's evaluation, checkpoint
+                # and snapshot are done (a resumed run starts after them: stopped before, they were lost)
+                if signum := stop.agreed():
+                    running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
+                    self._stop(signum, step, epoch, in_epoch, logger, running, bar)
                 if t.max_steps is not None and step >= t.max_steps:
                     done = True
                     break
