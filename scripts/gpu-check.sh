@@ -15,9 +15,10 @@
 #            checkpoints across world sizes and devices, pipeline on/off)
 #   gputests  (not among the defaults) tests, cachetests and ranktests at once, spread over the host's
 #            cores by pytest-xdist (JOBS processes, default 8): the shortest way to run every GPU test
-#   bounds   benchmarks/bounds_check.py on the GPU at batch 16,384: the id check's cost per step
-#   sources  benchmarks/data_sources.py: criteo_kaggle at batch 16,384 from .npy shards and Parquet
-#            files on local disk against data drawn on the GPU (samples/s, data wait per step)
+#   bounds   (not among the defaults) benchmarks/bounds_check.py on the GPU at batch 16,384: the id check's cost per step
+#   sources  (not among the defaults) benchmarks/data_sources.py: criteo_kaggle at batch 16,384 from
+#            .npy shards and Parquet files on local disk against data drawn on the GPU (samples/s, data
+#            wait per step; SOURCES_REPEATS rounds, default 2)
 #   profile  benchmarks/gpu_step_profile.py on criteo_kaggle at batch 16,384 and mlperf_dcnv2 (bf16):
 #            the feed alone, step time, every host sync site, the top kernels and operators
 #   kaggle   criteo_kaggle at batch 16,384 on the GPU: samples/s and data wait per step
