@@ -154,7 +154,7 @@ def test_reader_threads_auto_is_one_per_four_cores_of_each_process(monkeypatch):
     from neorec.train.build import reader_threads
 
     for cores, local, want in [(2, 1, 1), (16, 1, 4), (16, 2, 2), (64, 1, 4), (16, 8, 1)]:
-        monkeypatch.setattr("os.cpu_count", lambda c=cores: c)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, c=cores: set(range(c)))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
         assert reader_threads("auto") == want
     assert reader_threads(3) == 3

@@ -111,8 +111,8 @@ class PreprocessedConfig(Strict):
     threads: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
         "auto",
         description="threads that gather training batches in parallel (the same batches in the same order "
-        "whatever their number); auto: one per 4 cores of the machine over its processes, 1 to 4 (a GPU "
-        "host's reader must keep up with a GPU step)",
+        "whatever their number); auto: one per 4 cores this process may use over the run's processes on "
+        "the machine, 1 to 4 (a GPU host's reader must keep up with a GPU step)",
     )
 
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from neorec.distributed.topology import PEER_TIMEOUT_SECONDS
 from neorec.errors import DistributedError
+from neorec.utils.cores import processes_on_node, usable_cores
 
 HEADER_SLOTS = 64  # int64 per header: sequence, total bytes, then offsets (max 61 ranks per node)
 SPIN_CHECKS = 200  # busy checks before sleeping on the pipe
@@ -101,7 +102,7 @@ class ShmGroup:
             [self._region(k, header_bytes + p * capacity, capacity) for p in (0, 1)] for k in range(self.size)
         ]
         self.bytes_copied = 0
-        self.spin_seconds = spin_seconds(max(self.size, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        self.spin_seconds = spin_seconds(max(self.size, processes_on_node()))
 
     def _region(self, rank: int, offset: int, size: int) -> torch.Tensor:
         start = rank * self._stride + offset
@@ -325,8 +326,7 @@ def spin_seconds(ranks_here: int) -> float:
     """How long a waiting rank busy-waits before sleeping: SPIN_SECONDS where the `ranks_here`
     processes of this machine x torch's intra-op threads each fit on the cores this process may use,
     else 0 (only SPIN_CHECKS checks)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return SPIN_SECONDS if ranks_here * torch.get_num_threads() <= cores else 0.0
+    return SPIN_SECONDS if ranks_here * torch.get_num_threads() <= usable_cores() else 0.0
 
 
 def _sum_in_order(bufs: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:

@@ -4,7 +4,6 @@ embeddings: neorec/train/embeddings.py; its sharding plan: neorec/train/run_plan
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ from neorec.data.source import DataSource, SourceInfo
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.tables import TableConfig, check_tables
 from neorec.errors import ConfigError
+from neorec.utils.cores import processes_on_node, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,11 @@ def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None 
 
 
 def reader_threads(threads: int | str) -> int:
-    """data.preprocessed.threads: "auto" is one thread per 4 cores of this machine shared by the
-    processes on it (torchrun's LOCAL_WORLD_SIZE), at least 1 and at most 4."""
+    """data.preprocessed.threads: "auto" is one thread per 4 cores this process may use, shared by the
+    run's processes on this machine, at least 1 and at most 4."""
     if threads != "auto":
         return int(threads)
-    per_process = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(1, min(4, per_process // 4))
+    return max(1, min(4, usable_cores() // processes_on_node() // 4))
 
 
 def _preprocessed_source(cfg: RunConfig, topo) -> DataSource:

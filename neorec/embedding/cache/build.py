@@ -31,6 +31,7 @@ from neorec.embedding.cache.cached_storage import CachedStorage
 from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.fused.storage import GroupStorageFactory, RowStorage, StorageSpec, build_tensor_storage
 from neorec.errors import ConfigError
+from neorec.utils.cores import processes_on_node, usable_cores
 
 TIERS = ("memory", "dram", "ssd")
 
@@ -109,8 +110,7 @@ def use_io_thread(setting: bool | str, device: torch.device | str = "cpu") -> bo
         raise ConfigError(f"embedding.cache.io_thread must be true, false or auto, got {setting!r}")
     if torch.device(device).type != "cpu":
         return True
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores > torch.get_num_threads() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return usable_cores() > torch.get_num_threads() * processes_on_node()
 
 
 def _backing(tier: str, table: str, specs: dict[str, StorageSpec], settings: CacheSettings):
@@ -137,7 +137,7 @@ def release_bytes(setting: float | str) -> int:
     the 20% cached sweep, benchmarks/RESULTS.md, "Measurements behind design choices"). A number bounds RSS under a budget."""
     if setting == "auto":
         pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        return pages * page // 4 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return pages * page // 4 // processes_on_node()
     if isinstance(setting, str) or not setting > 0:
         raise ConfigError(
             f"embedding.cache.release_mib must be a positive number of MiB or auto, got {setting!r}"
