@@ -53,8 +53,11 @@ def parquet_config(args) -> Path:
     as many rows as the manifest gives its feature."""
     import yaml
 
+    from neorec.data.manifest import load_manifest
+    from neorec.utils.files import write_text
+
     data = args.dir / "data"
-    manifest = json.loads((data / "manifest.json").read_text())
+    manifest = load_manifest(data)  # checked, as the reader checks it
     section = {
         "paths": [str(data / "parquet" / "train")],
         "eval_paths": [str(data / "parquet" / "eval")],
@@ -64,7 +67,7 @@ def parquet_config(args) -> Path:
         "features": [{"name": f["name"], "rows": f["num_ids"]} for f in manifest["features"]],
     }
     path = args.dir / "parquet.yaml"
-    path.write_text(yaml.safe_dump({"base": args.config, "data": {"source": "parquet", "parquet": section}}))
+    write_text(path, yaml.safe_dump({"base": args.config, "data": {"source": "parquet", "parquet": section}}), "config")
     return path
 
 
