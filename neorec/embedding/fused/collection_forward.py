@@ -16,6 +16,7 @@ from neorec.embedding.fused.lookup import FusedLookup
 from neorec.embedding.remap import remap_batch
 from neorec.errors import DataError
 from neorec.sparse import JaggedRows, SparseBatch
+from neorec.utils.stages import stage
 
 
 class CollectionForward:
@@ -37,7 +38,8 @@ class CollectionForward:
                 del self._prefetched[i]
                 break
         else:
-            sparse = self.bounds.check(sparse)
+            with stage("check_ids"):
+                sparse = self.bounds.check(sparse)
         if self.mapped:  # raw ids -> rows; a training batch's step is the update it will make
             sparse = remap_batch(sparse, self.mapped, self.num_updates + 1, self.training)
         if self._cached:  # bring the whole batch in at once (one eviction round), then read it
@@ -49,7 +51,8 @@ class CollectionForward:
         else:
             batches = self._prepare(sparse)
         anchor = torch.empty(0, device=sparse.values.device, requires_grad=True)
-        pooled, *rows = FusedLookup.apply(anchor, self, batches, sparse.batch_size)
+        with stage("lookup"):
+            pooled, *rows = FusedLookup.apply(anchor, self, batches, sparse.batch_size)
         if not self.sequence_names:
             return pooled, {}
         return pooled, self._sequences(sparse, batches, rows)
@@ -103,6 +106,10 @@ class CollectionForward:
         return self._prepare(sparse)
 
     def _prepare(self, sparse: SparseBatch) -> list[GroupBatch]:
+        with stage("prepare_bags"):
+            return self._prepare_groups(sparse)
+
+    def _prepare_groups(self, sparse: SparseBatch) -> list[GroupBatch]:
         out = []
         groups = zip(self.layout.groups, self._constants, self._group_features(sparse), strict=True)
         for g, c, (features, indices) in groups:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from neorec.embedding.fused.bags import GroupBatch
 from neorec.sparse import lengths_to_offsets
 from neorec.utils import index_ops
+from neorec.utils.stages import stage
 
 
 def sort_by_row(
@@ -37,16 +38,17 @@ def sort_by_row(
     On CPU the stable sort is a radix sort (index_ops.stable_sort): about 4 ms for the 438k ids of
     an MLPerf multi-hot batch of 2048 over 26M rows on this project's 2-core machine.
     """
-    sorted_rows, order = index_ops.stable_sort(batch.rows)
-    bags = batch.bags.index_select(0, order)
-    scales = batch.scales.index_select(0, order) if batch.scales is not None else None
-    if num_unique is not None and sorted_rows.numel():
-        first, _ = index_ops.runs(sorted_rows)
-        starts = index_ops.compact(first, num_unique)  # each run's first id
-        end = torch.full((1,), sorted_rows.numel(), dtype=starts.dtype, device=starts.device)
-        return sorted_rows.index_select(0, starts), torch.cat([starts, end]), bags, scales
-    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    return unique_rows, lengths_to_offsets(counts), bags, scales
+    with stage("sort"):
+        sorted_rows, order = index_ops.stable_sort(batch.rows)
+        bags = batch.bags.index_select(0, order)
+        scales = batch.scales.index_select(0, order) if batch.scales is not None else None
+        if num_unique is not None and sorted_rows.numel():
+            first, _ = index_ops.runs(sorted_rows)
+            starts = index_ops.compact(first, num_unique)  # each run's first id
+            end = torch.full((1,), sorted_rows.numel(), dtype=starts.dtype, device=starts.device)
+            return sorted_rows.index_select(0, starts), torch.cat([starts, end]), bags, scales
+        unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+        return unique_rows, lengths_to_offsets(counts), bags, scales
 
 
 def sort_by_row_on_device(
@@ -57,11 +59,12 @@ def sort_by_row_on_device(
     tensor), n the number of ids. Entries past U are padding: rows 0, empty runs of ids (offsets n).
     The ids of each row are in the same order as sort_by_row's, so sums over them are bitwise the
     same; a kernel launched over n programs returns at once past U."""
-    sorted_rows, order = torch.sort(batch.rows, stable=True)
-    bags = batch.bags.index_select(0, order)
-    scales = batch.scales.index_select(0, order) if batch.scales is not None else None
-    unique_rows, offsets, num_unique = index_ops.padded_runs(sorted_rows)
-    return unique_rows, offsets, bags, scales, num_unique
+    with stage("sort"):
+        sorted_rows, order = torch.sort(batch.rows, stable=True)
+        bags = batch.bags.index_select(0, order)
+        scales = batch.scales.index_select(0, order) if batch.scales is not None else None
+        unique_rows, offsets, num_unique = index_ops.padded_runs(sorted_rows)
+        return unique_rows, offsets, bags, scales, num_unique
 
 
 def id_weights(
@@ -106,14 +109,15 @@ def row_gradients(
     for k, first in enumerate(starts):
         last = starts[k + 1] if k + 1 < len(starts) else num_unique
         lo, hi = bounds[k], bounds[k + 1]
-        grads = F.embedding_bag(
-            bags[lo:hi],
-            grad_bags,
-            offsets[first : last + 1] - lo if lo else offsets[first : last + 1],
-            mode="sum",
-            per_sample_weights=weights[lo:hi] if weights is not None else None,
-            include_last_offset=True,
-        )
+        with stage("row_sums"):
+            grads = F.embedding_bag(
+                bags[lo:hi],
+                grad_bags,
+                offsets[first : last + 1] - lo if lo else offsets[first : last + 1],
+                mode="sum",
+                per_sample_weights=weights[lo:hi] if weights is not None else None,
+                include_last_offset=True,
+            )
         yield unique_rows[first:last], grads
 
 
@@ -132,15 +136,17 @@ def add_row_gradients(
     blocks of 2^17..2^21 elements measured slower than one call.
     """
     unique_rows, offsets, bags, scales = sort_by_row(batch)
-    sums = F.embedding_bag(
-        bags,
-        grad_bags,
-        offsets,
-        mode="sum",
-        per_sample_weights=id_weights(scales, bags, id_scale),
-        include_last_offset=True,
-    )
-    table.scatter_add_(0, unique_rows.unsqueeze(1).expand(-1, table.shape[1]), sums)
+    with stage("row_sums"):
+        sums = F.embedding_bag(
+            bags,
+            grad_bags,
+            offsets,
+            mode="sum",
+            per_sample_weights=id_weights(scales, bags, id_scale),
+            include_last_offset=True,
+        )
+    with stage("update"):
+        table.scatter_add_(0, unique_rows.unsqueeze(1).expand(-1, table.shape[1]), sums)
 
 
 def group_gradient(grad_out: torch.Tensor, runs: list[tuple[int, int]], dim: int) -> torch.Tensor:

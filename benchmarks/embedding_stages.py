@@ -1,0 +1,257 @@
+"""Where an embedding step's time goes, stage by stage, against the bytes each stage must move.
+
+The fused engine (neorec/embedding/fused) on embedding_ops.py's cases and Zipf ids, one
+implementation at a time in this process: its Triton kernels (a GPU; or Triton's interpreter with
+TRITON_INTERPRET=1, only to check this script on tiny sizes) or its torch path. A few forward +
+backward passes run under torch.profiler, whose ranges for the engine's stages (check_ids,
+prepare_bags, lookup, sort, row_sums, partial_sums, update_setup, update: neorec/utils/stages.py)
+give each stage's host time and, on a GPU, the device time of the kernels launched inside it. The
+passes themselves are timed apart, without the profiler, as embedding_ops*.py time them.
+
+Bytes per stage: what the stage as built reads and writes at the least, counted on each batch (ids
+n, bags, unique rows U, D columns of 4 bytes, S floats of optimizer state per row, ids of rows
+with more than the update kernel's chunk of ids):
+- check_ids: the ids read (8n);
+- prepare_bags: ids read, rows and bags written (24n), bag offsets (8 per bag);
+- lookup: a row read per id (4Dn), its row number (8n), offsets, the pooled output (4D per bag);
+- sort: rows and bags read, sorted bags written (24n), unique rows and their offsets (16U);
+- row_sums (torch path): a gradient row read per id with its bag (n(4D + 8)), U sums written;
+- partial_sums (Triton path): the same for the ids of rows summed in chunks, a row per chunk written;
+- update: the Triton path's sums of the other ids as above, chunks' sums read, and every unique
+  row's weights and state read and written (U(8D + 8S)); the torch path's update reads the sums too.
+The gradient row of a bag is read once per id of the bag, not once: that is how the sums are
+formed (ids sorted by row), and it is most of the backward's bytes on a multi-hot batch. The
+"minimal bytes" of embedding_ops*.py (the target's measure) count it once per bag.
+
+    python benchmarks/embedding_stages.py                        # CPU: the torch path, CPU batches
+    python benchmarks/embedding_stages.py --device cuda --scales 8   # GPU: Triton and torch paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import append_results, markdown_table  # noqa: E402
+from benchmarks.embedding_ops import CASES, STATE_FLOATS_PER_ROW, copy_bandwidth_gbs, fits, make_batches  # noqa: E402
+from neorec.embedding.fused import FusedEmbeddingCollection  # noqa: E402
+from neorec.embedding.fused.triton_fused_update import LONG_ROW_CHUNK  # noqa: E402
+from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig  # noqa: E402
+from neorec.sparse import SparseBatch  # noqa: E402
+from neorec.utils.malloc import keep_freed_memory  # noqa: E402
+from neorec.utils.stages import NAMES, PREFIX  # noqa: E402
+
+LABELS = {"triton": "Triton kernels", "torch_ops": "torch ops"}
+
+
+def batch_counts(emb: FusedEmbeddingCollection, sparse: SparseBatch, chunk: int) -> dict[str, int]:
+    """The counts the byte model needs, summed over the engine's groups: ids, bags, unique rows, the
+    ids of rows with more than `chunk` ids and those rows' chunks."""
+    out = dict.fromkeys(("ids", "bags", "unique", "chunked_ids", "chunks"), 0)
+    for gb in emb.prepare(sparse):
+        _, counts = torch.unique(gb.rows, return_counts=True)
+        long = counts[counts > chunk]
+        out["ids"] += gb.rows.numel()
+        out["bags"] += gb.offsets.numel() - 1
+        out["unique"] += counts.numel()
+        out["chunked_ids"] += int(long.sum())
+        out["chunks"] += int(((long + chunk - 1) // chunk).sum())
+    return out
+
+
+def stage_bytes(c: dict[str, int], dim: int, state: int, impl: str) -> dict[str, float]:
+    """Bytes each stage moves at the least for a batch of counts `c` (the module's doc)."""
+    n, bags, u = c["ids"], c["bags"], c["unique"]
+    grad_per_id = 4 * dim + 8  # a bag's gradient row and the bag's number
+    rows_and_state = u * (8 * dim + 8 * state)
+    out = {
+        "check_ids": 8 * n,
+        "prepare_bags": 24 * n + 8 * bags,
+        "lookup": (4 * dim + 8) * n + 8 * bags + 4 * dim * bags,
+        "sort": 24 * n + 16 * u,
+    }
+    if impl == "triton":
+        out["partial_sums"] = c["chunked_ids"] * grad_per_id + 4 * dim * c["chunks"]
+        out["update"] = (n - c["chunked_ids"]) * grad_per_id + 4 * dim * c["chunks"] + rows_and_state
+    else:
+        out["row_sums"] = n * grad_per_id + 4 * dim * u
+        out["update"] = 4 * dim * u + rows_and_state
+    return out
+
+
+def stage_times(prof, passes: int) -> dict[str, tuple[float, float]]:
+    """(host ms, device ms) per pass of each engine stage in a profile: the ranges' totals, less any
+    stage range nested in them, divided by the passes."""
+    totals: dict[str, list[float]] = {}
+
+    def nested(evt):  # the stage ranges nearest below evt
+        for child in evt.cpu_children:
+            if child.name.startswith(PREFIX):
+                yield child
+            else:
+                yield from nested(child)
+
+    for evt in prof.events():
+        if not evt.name.startswith(PREFIX) or evt.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        inner = list(nested(evt))
+        host = evt.cpu_time_total - sum(e.cpu_time_total for e in inner)
+        device = evt.device_time_total - sum(e.device_time_total for e in inner)
+        t = totals.setdefault(evt.name[len(PREFIX) :], [0.0, 0.0])
+        t[0] += host / 1e3
+        t[1] += device / 1e3
+    return {name: (h / passes, d / passes) for name, (h, d) in totals.items()}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(impl: str, opt: str, case: dict, batches: list, device: torch.device, args) -> dict:
+    """One implementation on one case: pass times without the profiler, then stage times with it."""
+    t, dim, b = case["tables"], case["dim"], case["batch"]
+    tables = [TableConfig(name=f"t{i}", rows=case["rows"], dim=dim, features=[f"f{i}"]) for i in range(t)]
+    emb = FusedEmbeddingCollection(
+        tables, EmbeddingOptimizerConfig(name=opt, lr=0.01), device=device,
+        kernels="triton" if impl == "triton" else "torch",
+        row_init=lambda ti, lo, hi: torch.zeros(hi - lo, dim),  # filled below, on the device
+    )  # fmt: skip
+    for w in emb.weights:
+        w.tensor.uniform_(-0.01, 0.01, generator=torch.Generator(device=device).manual_seed(0))
+    keys = [f"f{i}" for i in range(t)]
+    inputs = [SparseBatch(keys, ids.to(device), torch.diff(offsets).to(device)) for ids, offsets in batches]
+    grad = torch.randn(b, t * dim, generator=torch.Generator().manual_seed(1)).to(device) * 1e-3
+
+    fwd, bwd = [], []
+    for i, x in enumerate(inputs[: args.warmup + args.batches]):
+        sync(device)
+        t0 = time.perf_counter()
+        out = emb(x)
+        sync(device)
+        t1 = time.perf_counter()
+        out.backward(grad)
+        sync(device)
+        if i >= args.warmup:
+            fwd.append(1e3 * (t1 - t0))
+            bwd.append(1e3 * (time.perf_counter() - t1))
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiled = inputs[args.warmup + args.batches :]
+    with profile(activities=activities) as prof:
+        for x in profiled:
+            emb(x).backward(grad)
+        sync(device)
+    counts = [batch_counts(emb, x, LONG_ROW_CHUNK) for x in profiled]
+    mean_counts = {k: statistics.mean(c[k] for c in counts) for k in counts[0]}
+    return {
+        "fwd_ms": statistics.median(fwd),
+        "bwd_ms": statistics.median(bwd),
+        "stages": stage_times(prof, len(profiled)),
+        "bytes": stage_bytes(mean_counts, dim, STATE_FLOATS_PER_ROW[opt](dim), impl),
+        "counts": mean_counts,
+    }
+
+
+def table_rows(case_name: str, opt: str, impl: str, b: int, r: dict, copy_gbs: float, on_gpu: bool) -> list[list]:
+    """One row per stage that ran (step order), then the passes."""
+    rows = []
+    for name in NAMES:
+        if name not in r["stages"]:
+            continue
+        host, dev = r["stages"][name]
+        moved = r["bytes"].get(name)
+        ms = dev if on_gpu else host
+        gbs = moved / ms / 1e6 if moved and ms > 0 else None
+        rows.append([
+            case_name, f"{b:,}", opt, LABELS[impl], name, round(host, 3), round(dev, 3) if on_gpu else "-",
+            f"{moved / 1e6:,.1f}" if moved is not None else "-", f"{gbs:,.0f}" if gbs else "-",
+            f"{gbs / copy_gbs:.0%}" if gbs else "-",
+        ])  # fmt: skip
+    counted = sum(h for h, _ in r["stages"].values()), sum(d for _, d in r["stages"].values())
+    rows.append([case_name, f"{b:,}", opt, LABELS[impl], "stages together (profiled)", round(counted[0], 3),
+                 round(counted[1], 3) if on_gpu else "-", "-", "-", "-"])  # fmt: skip
+    rows.append([case_name, f"{b:,}", opt, LABELS[impl], "forward + backward (not profiled)",
+                 round(r["fwd_ms"] + r["bwd_ms"], 3), "-", "-", "-", "-"])  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--cases", default="onehot,multihot")
+    p.add_argument("--scales", default="1", help="batch multipliers of each case (GPU batches are larger: 8)")
+    p.add_argument("--optimizers", default="sgd,rowwise_adagrad,adam")
+    p.add_argument("--impls", default=None, help="triton,torch_ops (default: both on a GPU, torch_ops on CPU)")
+    p.add_argument("--rows", type=int, help="rows per table (default: the case's, fewer where they do not fit)")
+    p.add_argument("--batches", type=int, default=10, help="timed passes without the profiler (median)")
+    p.add_argument("--profiled", type=int, default=5, help="passes under the profiler (their mean per stage)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--zipf", type=float, default=1.05)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--results", default=None, help="records file (default: benchmarks/records/embedding_stages.jsonl)")
+    p.add_argument("--no-record", action="store_true", help="print the table only")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    impls = (args.impls or ("triton,torch_ops" if on_gpu else "torch_ops")).split(",")
+    if on_gpu:
+        from benchmarks.embedding_ops_gpu import copy_bandwidth_gbs as device_copy_gbs
+
+        copy_gbs = device_copy_gbs()
+        where = torch.cuda.get_device_name()
+    else:  # as training does on CPU (neorec/utils/host.py): freed temporaries are not faulted in anew
+        keep_freed_memory()
+        copy_gbs = copy_bandwidth_gbs(args.threads)
+        where = f"CPU, {args.threads} threads"
+    print(f"{where}: copy bandwidth {copy_gbs:.0f} GB/s (1 GiB copy, read + write)", flush=True)
+
+    header = ["case", "batch", "optimizer", "implementation", "stage", "host ms", "device ms", "MB moved",
+              "GB/s", "of copy"]  # fmt: skip
+    rows, sizes = [], []
+    for case_name in args.cases.split(","):
+        for scale in [int(s) for s in args.scales.split(",")]:
+            case = {**CASES[case_name]}
+            case["batch"] *= scale
+            case["rows"] = args.rows or case["rows"]
+            while not on_gpu and not fits(case, "adam", case["rows"]):
+                case["rows"] //= 2
+            data = make_batches(case, args.warmup + args.batches + args.profiled, args.zipf, seed=0)
+            sizes.append(f"{case_name} {case['rows']:,} rows/table")
+            for opt in args.optimizers.split(","):
+                for impl in impls:
+                    r = measure(impl, opt, case, data["batches"], device, args)
+                    print(case_name, case["batch"], opt, impl, {k: r[k] for k in ("fwd_ms", "bwd_ms", "counts")},
+                          flush=True)  # fmt: skip
+                    rows += table_rows(case_name, opt, impl, case["batch"], r, copy_gbs, on_gpu)
+                    gc.collect()  # this engine's tables, before the next one's
+                    if on_gpu:
+                        torch.cuda.empty_cache()
+    table = markdown_table(header, rows)
+    print(table)
+    notes = (
+        f"{where}. 26 tables ({', '.join(sizes)}; fp32), ids Zipf({args.zipf}) scattered over each table, lr 0.01. "
+        f"Per stage: the mean over {args.profiled} profiled passes (torch.profiler ranges of neorec/utils/stages.py; "
+        "host ms: the Python and launches, or on CPU the work; device ms: the kernels launched in the stage). "
+        f"Last row: the median of {args.batches} passes without the profiler. MB moved: the least the stage as "
+        "built reads and writes (the script's doc); GB/s over device time on a GPU, host time on CPU, set "
+        f"against a 1 GiB copy ({copy_gbs:.0f} GB/s)."
+    )
+    if not args.no_record:
+        append_results("Embedding step by stage (benchmarks/embedding_stages.py)", table, notes,
+                       path=Path(args.results) if args.results else None)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
