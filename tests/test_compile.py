@@ -16,6 +16,7 @@ from neorec.errors import ConfigError
 from neorec.model import compile as compile_module
 from neorec.model.compile import CompileError, apply_compile, check_compiler
 from neorec.train.trainer import Trainer
+from neorec.utils.kernel_cache import VARIABLES
 
 
 def has_cpp_compiler() -> bool:
@@ -44,10 +45,15 @@ def config(compiled: bool, *extra: str):
 @pytest.mark.skipif(
     not has_cpp_compiler(), reason="torch.compile's CPU kernels need a C++ compiler (g++/clang++)"
 )
-def test_compiled_training_matches_eager_and_checkpoints_are_interchangeable(tmp_path):
+def test_compiled_training_matches_eager_and_checkpoints_are_interchangeable(tmp_path, monkeypatch):
     eager = Trainer(config(False), tmp_path / "eager").fit()
-    compiled_trainer = Trainer(config(True), tmp_path / "compiled")
+    for variable in VARIABLES:  # the compiled run points them at its kernel cache; put back after the test
+        monkeypatch.setenv(variable, str(tmp_path / "before" / variable))
+    compiled_trainer = Trainer(config(True, f"train.kernel_cache={tmp_path / 'kernels'}"), tmp_path / "compiled")
     compiled = compiled_trainer.fit()
+    # what inductor compiled for the dense stages is kept in train.kernel_cache, for the next run to load
+    assert any(f.is_file() for f in (tmp_path / "kernels" / "inductor").rglob("*"))
+    assert not (tmp_path / "before").exists()
     assert len(compiled.losses) == len(eager.losses) == 14  # the last batch of epoch 0 (184 samples) included
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-5)
     assert compiled.eval["auc"] == pytest.approx(eager.eval["auc"], abs=1e-4)

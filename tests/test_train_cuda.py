@@ -119,3 +119,29 @@ def test_steady_state_gpu_steps_never_wait_on_the_host(tmp_path, optimizer):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(bool(torch.isfinite(x)) for x in losses)
+
+
+@needs_cuda
+def test_a_second_run_loads_the_kernels_the_first_compiled_into_train_kernel_cache(tmp_path):
+    """Each run in a process of its own (Triton keeps the kernels a process compiled in memory too):
+    the first compiles the engine's kernels into train.kernel_cache/triton, the second loads them
+    from there and adds nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from tiny_cli import sets
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    kept = tmp_path / "kernels" / "triton"
+
+    def train(name: str) -> set:
+        argv = [*sets([*TINY, "train.device=cuda", "train.max_steps=4", f"train.kernel_cache={tmp_path / 'kernels'}"])]
+        p = subprocess.run([sys.executable, "-m", "neorec", "train", *argv, "--output-dir", str(tmp_path / name)],
+                           capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-2000:]
+        return {f.relative_to(kept) for f in kept.rglob("*") if f.is_file()}
+
+    first = train("first")
+    assert any(f.suffix == ".cubin" for f in first), sorted(map(str, first))[:20]
+    assert train("second") == first

@@ -289,6 +289,13 @@ class TrainConfig(Strict):
         description="compile the dense stages (MLPs, interaction) with torch.compile; the embeddings stay eager "
         "(needs a C++ compiler on CPU; the first steps wait for compilation)",
     )
+    kernel_cache: str | None = Field(
+        None,
+        min_length=1,
+        description="a folder that keeps compiled kernels between runs: Triton's (the fused engine's GPU "
+        "kernels) and torch.compile's, in its triton/ and inductor/ (null: their own, ~/.triton/cache and "
+        "<tmp>/torchinductor_<user>)",
+    )
     dense_optimizer: DenseOptimizerConfig = Field(default_factory=DenseOptimizerConfig, description="MLP optimizer")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="learning-rate schedule")
 

@@ -219,15 +219,20 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
 
 def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
     """What every process of a one-machine run of `num_processes` would fail on, checked once before
-    they start: the batch divides over them, train.compile finds its compiler, `embedding.tables`
-    and `distributed.sharding` name tables of the data, and the sharding holds: the plan file under
-    the constraints, or the constraints the planner would refuse (run_constraints.py; the data's
-    feature list is read only where the config names a plan, constraints or tables)."""
+    they start: the batch divides over them, train.kernel_cache is a folder they can write,
+    train.compile finds its compiler, `embedding.tables` and `distributed.sharding` name tables of
+    the data, and the sharding holds: the plan file under the constraints, or the constraints the
+    planner would refuse (run_constraints.py; the data's feature list is read only where the config
+    names a plan, constraints or tables)."""
     if cfg.data.batch_size % num_processes:
         raise ConfigError(
             f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over {num_processes} processes"
         )
     task_labels(cfg)
+    if cfg.train.kernel_cache is not None:
+        from neorec.utils.kernel_cache import check_kernel_cache
+
+        check_kernel_cache(cfg.train.kernel_cache)
     if cfg.train.compile:
         from neorec.model.compile import check_compiler
 

@@ -53,6 +53,7 @@ from neorec.train.snapshots import PeriodicSnapshots
 from neorec.train.streaming import StreamHandling
 from neorec.utils.files import write_text
 from neorec.utils.host import keep_freed_memory
+from neorec.utils.kernel_cache import use_kernel_cache
 from neorec.utils.process_state import process_settings
 from neorec.utils.progress import progress_bar
 
@@ -82,6 +83,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                 # glibc's malloc settings stay changed after the call: glibc cannot report the values
                 # they replace, so they cannot be put back; they change how freed memory is reused only
                 keep_freed_memory()
+            use_kernel_cache(cfg.train.kernel_cache)  # before the first kernel compiles; stays set
             self.device = _training_device(cfg)
             self.topo = init_distributed(self.device, cfg.distributed.backend)
             self.comms = Comms(self.topo, transport=cfg.distributed.transport) if self.topo.world_size > 1 else None
