@@ -28,6 +28,11 @@
 #   ranks    criteo_kaggle at batch 16,384 with 2 ranks sharing the GPU over gloo, against one rank
 #   ops      benchmarks/embedding_ops_gpu.py (kernels against the device copy bandwidth, SGD, row-wise
 #            AdaGrad and Adam), with each implementation's kernels by device time
+#   stages   (not among the defaults) benchmarks/embedding_stages.py at 8x the CPU batches: each stage of the
+#            engine's step (sort, partial sums, update, ...) by host and device time, against its bytes
+#   warm     (not among the defaults) criteo_kaggle at batch 16,384 for 244 steps (4M samples) twice with
+#            train.kernel_cache in a fresh folder (KERNEL_CACHE): the second run's whole-run rate against its
+#            steady one is the start-up a run pays once its kernels are compiled
 #   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory), misses read
 #            ahead on the worker (io thread on) against brought in at the lookup (off), then where
 #            each one's step time goes (host syncs by site, operators by host and device time)
@@ -153,6 +158,16 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         run ops ${OPS_LIMIT:-240} $PY benchmarks/embedding_ops_gpu.py --scales 8 --optimizers rowwise_adagrad,sgd,adam \
             --profile --results "$OUT/gpu-results.jsonl"
         ;;
+    stages)
+        run stages ${STAGES_LIMIT:-200} $PY benchmarks/embedding_stages.py --device cuda --scales 8 \
+            --results "$OUT/gpu-results.jsonl"
+        ;;
+    warm)
+        rm -rf "${KERNEL_CACHE:-/tmp/neorec-kernels}"
+        for run_name in warm_first warm_second; do
+            kaggle_run $run_name 150 --set train.max_steps=244 --set train.kernel_cache="${KERNEL_CACHE:-/tmp/neorec-kernels}"
+        done
+        ;;
     cache)
         run cache ${CACHE_LIMIT:-150} $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
             --io-thread on off --repeats 1 --dir /tmp/neorec-tables --no-append --profile
@@ -166,7 +181,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             --torchrec-max-lines 0 --no-append
         ;;
     *)
-        echo "unknown step $step (env tests kernels cachetests ranktests gputests bounds sources profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd ingestion)" >&2
+        echo "unknown step $step (env tests kernels cachetests ranktests gputests bounds sources stages warm profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd ingestion)" >&2
         exit 2
         ;;
     esac
