@@ -149,42 +149,45 @@ def measure(impl: str, opt: str, case: dict, batches: list, device: torch.device
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     profiled = inputs[args.warmup + args.batches :]
-    with profile(activities=activities) as prof:
-        for x in profiled:
+    per_pass = []  # a profile of each pass: the median over passes leaves out a pass the machine held up
+    for x in profiled:
+        with profile(activities=activities) as prof:
             emb(x).backward(grad)
-        sync(device)
+            sync(device)
+        per_pass.append(stage_times(prof, 1))
+    stages = {
+        name: tuple(statistics.median(t.get(name, (0.0, 0.0))[k] for t in per_pass) for k in (0, 1))
+        for name in set().union(*per_pass)
+    }
     counts = [batch_counts(emb, x, LONG_ROW_CHUNK) for x in profiled]
     mean_counts = {k: statistics.mean(c[k] for c in counts) for k in counts[0]}
     return {
         "fwd_ms": statistics.median(fwd),
         "bwd_ms": statistics.median(bwd),
-        "stages": stage_times(prof, len(profiled)),
+        "stages": stages,
         "bytes": stage_bytes(mean_counts, dim, STATE_FLOATS_PER_ROW[opt](dim), impl),
         "counts": mean_counts,
     }
 
 
-def table_rows(case_name: str, opt: str, impl: str, b: int, r: dict, copy_gbs: float, on_gpu: bool) -> list[list]:
-    """One row per stage that ran (step order), then the passes."""
-    rows = []
+def table_row(case_name: str, opt: str, impl: str, b: int, r: dict, on_gpu: bool) -> list:
+    """One row: each stage's time (device time on a GPU, host time on CPU) and the rate at which it
+    moves its bytes, "-" for a stage the implementation has not; then the stages' host time
+    together (on a GPU: the launches and Python around the kernels) and the passes' time."""
+    cells = []
     for name in NAMES:
         if name not in r["stages"]:
+            cells.append("-")
             continue
         host, dev = r["stages"][name]
-        moved = r["bytes"].get(name)
         ms = dev if on_gpu else host
-        gbs = moved / ms / 1e6 if moved and ms > 0 else None
-        rows.append([
-            case_name, f"{b:,}", opt, LABELS[impl], name, round(host, 3), round(dev, 3) if on_gpu else "-",
-            f"{moved / 1e6:,.1f}" if moved is not None else "-", f"{gbs:,.0f}" if gbs else "-",
-            f"{gbs / copy_gbs:.0%}" if gbs else "-",
-        ])  # fmt: skip
-    counted = sum(h for h, _ in r["stages"].values()), sum(d for _, d in r["stages"].values())
-    rows.append([case_name, f"{b:,}", opt, LABELS[impl], "stages together (profiled)", round(counted[0], 3),
-                 round(counted[1], 3) if on_gpu else "-", "-", "-", "-"])  # fmt: skip
-    rows.append([case_name, f"{b:,}", opt, LABELS[impl], "forward + backward (not profiled)",
-                 round(r["fwd_ms"] + r["bwd_ms"], 3), "-", "-", "-", "-"])  # fmt: skip
-    return rows
+        moved = r["bytes"].get(name)
+        rate = f" · {moved / ms / 1e6:,.0f} GB/s" if moved and ms > 0 else ""
+        cells.append(f"{ms:.2f}{rate}")
+    stage_ms = sum((d if on_gpu else h) for h, d in r["stages"].values())
+    host_ms = sum(h for h, _ in r["stages"].values())
+    return [case_name, f"{b:,}", opt, LABELS[impl], *cells, round(stage_ms, 2), round(host_ms, 2),
+            round(r["fwd_ms"] + r["bwd_ms"], 2)]  # fmt: skip
 
 
 def main() -> None:
@@ -196,7 +199,7 @@ def main() -> None:
     p.add_argument("--impls", default=None, help="triton,torch_ops (default: both on a GPU, torch_ops on CPU)")
     p.add_argument("--rows", type=int, help="rows per table (default: the case's, fewer where they do not fit)")
     p.add_argument("--batches", type=int, default=10, help="timed passes without the profiler (median)")
-    p.add_argument("--profiled", type=int, default=5, help="passes under the profiler (their mean per stage)")
+    p.add_argument("--profiled", type=int, default=5, help="passes under the profiler (their median per stage)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -217,8 +220,8 @@ def main() -> None:
         where = f"CPU, {args.threads} threads"
     print(f"{where}: copy bandwidth {copy_gbs:.0f} GB/s (1 GiB copy, read + write)", flush=True)
 
-    header = ["case", "batch", "optimizer", "implementation", "stage", "host ms", "device ms", "MB moved",
-              "GB/s", "of copy"]  # fmt: skip
+    header = ["case", "batch", "optimizer", "implementation", *[f"{n} ms" for n in NAMES],
+              "stages ms", "stages host ms", "pass ms"]  # fmt: skip
     rows, sizes = [], []
     for case_name in args.cases.split(","):
         for scale in [int(s) for s in args.scales.split(",")]:
@@ -234,7 +237,7 @@ def main() -> None:
                     r = measure(impl, opt, case, data["batches"], device, args)
                     print(case_name, case["batch"], opt, impl, {k: r[k] for k in ("fwd_ms", "bwd_ms", "counts")},
                           flush=True)  # fmt: skip
-                    rows += table_rows(case_name, opt, impl, case["batch"], r, copy_gbs, on_gpu)
+                    rows.append(table_row(case_name, opt, impl, case["batch"], r, on_gpu))
                     gc.collect()  # this engine's tables, before the next one's
                     if on_gpu:
                         torch.cuda.empty_cache()
@@ -242,11 +245,12 @@ def main() -> None:
     print(table)
     notes = (
         f"{where}. 26 tables ({', '.join(sizes)}; fp32), ids Zipf({args.zipf}) scattered over each table, lr 0.01. "
-        f"Per stage: the mean over {args.profiled} profiled passes (torch.profiler ranges of neorec/utils/stages.py; "
-        "host ms: the Python and launches, or on CPU the work; device ms: the kernels launched in the stage). "
-        f"Last row: the median of {args.batches} passes without the profiler. MB moved: the least the stage as "
-        "built reads and writes (the script's doc); GB/s over device time on a GPU, host time on CPU, set "
-        f"against a 1 GiB copy ({copy_gbs:.0f} GB/s)."
+        f"Each stage (torch.profiler ranges of neorec/utils/stages.py): its time per pass, the median over "
+        f"{args.profiled} passes, each profiled by itself ({'device time: the kernels launched in the stage' if on_gpu else 'host time'}), "
+        "and the rate at which it moves the bytes it must (the least the stage as built reads and writes: the "
+        f"script's doc), against a 1 GiB copy at {copy_gbs:.0f} GB/s. stages ms: the stages together; stages host "
+        f"ms: their host time (on a GPU: Python and launches); pass ms: forward + backward, the median of "
+        f"{args.batches} passes without the profiler."
     )
     if not args.no_record:
         append_results("Embedding step by stage (benchmarks/embedding_stages.py)", table, notes,
