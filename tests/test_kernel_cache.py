@@ -46,11 +46,11 @@ def test_no_setting_leaves_the_compilers_as_they_are(variables_kept):
 
 def test_a_file_in_the_way_is_a_config_error(tmp_path):
     (tmp_path / "kernels").write_text("not a folder")
-    with pytest.raises(ConfigError, match=r"train.kernel_cache .*kernels is a file; give a folder"):
+    with pytest.raises(ConfigError, match=r"train.kernel_cache .*kernels is not a folder; give a folder"):
         check_kernel_cache(tmp_path / "kernels")
     (tmp_path / "k2").mkdir()
     (tmp_path / "k2" / "triton").write_text("")
-    with pytest.raises(ConfigError, match=r"train.kernel_cache .*k2/triton is a file"):
+    with pytest.raises(ConfigError, match=r"train.kernel_cache .*k2/triton is not a folder"):
         check_kernel_cache(tmp_path / "k2")
 
 
@@ -60,6 +60,6 @@ def test_an_unusable_kernel_cache_stops_the_command_before_the_run_starts(tmp_pa
     argv = ["train", *sets([*TINY, f"train.kernel_cache={tmp_path / 'kernels'}"]), "--output-dir", str(out)]
     p = subprocess.run([sys.executable, "-m", "neorec", *argv], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
-    assert "train.kernel_cache" in p.stderr and "is a file; give a folder" in p.stderr
+    assert "train.kernel_cache" in p.stderr and "is not a folder; give a folder" in p.stderr
     assert "Traceback" not in p.stderr
     assert not out.exists()

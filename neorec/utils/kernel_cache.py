@@ -35,7 +35,7 @@ def check_kernel_cache(directory: str | Path) -> None:
     for path in kernel_cache_folders(directory).values():
         blocked = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
         if blocked is not None:
-            raise ConfigError(f"train.kernel_cache {directory}: {blocked} is a file; give a folder")
+            raise ConfigError(f"train.kernel_cache {directory}: {blocked} is not a folder; give a folder")
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
