@@ -40,6 +40,8 @@ def writable(path: str, flag: str) -> str:
         folder = folder.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
+    if not folder.is_dir():  # a file (or device) where a folder of the path must be
+        raise NeorecError(f"{flag} {path}: {folder} is not a folder; choose another path")
     if os.access(folder, os.W_OK | os.X_OK):
         return path
     try:

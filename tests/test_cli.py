@@ -150,6 +150,8 @@ def test_output_paths_of_the_wrong_kind_are_refused(tmp_path, capsys):
     fails(capsys, ["data", "preprocess", str(FIXTURE), "--out", str(tmp_path / "file"), "--no-progress"], "is a file")
     fails(capsys, ["export", str(tmp_path), "--out", str(tmp_path / "folder")], "--out", "is a folder")
     fails(capsys, ["predict", str(tmp_path / "m.nrx"), "--out", str(tmp_path / "folder")], "--out", "is a folder")
+    # a file where a folder of the path must be
+    fails(capsys, ["export", str(tmp_path), "--out", str(tmp_path / "file" / "m.nrx")], "--out", "file is not a folder")
 
 
 # ---- data ------------------------------------------------------------------------------------------
