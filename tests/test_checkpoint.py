@@ -286,8 +286,11 @@ def test_inspect_shows_step_tables_ranges_and_files(tmp_path, capsys):
         and "rows [0, 50) cols [0, 8) in rank-00000.bin: weight, momentum1, momentum2" in text
     )
     assert "rank-00000.bin" in text and "ok" in text and "dense.pt" in text
+    assert "as the manifest records them" not in text
     assert main(["checkpoint", "inspect", str(tmp_path)]) == 0
-    assert "step-00000003" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # without --verify the files are not read: the listing says so, so that no one takes it for a check
+    assert "step-00000003" in out and "as the manifest records them; --verify reads the files" in out
     assert main(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
 

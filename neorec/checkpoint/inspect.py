@@ -71,5 +71,6 @@ def inspect_checkpoint(folder: str | Path, verify: bool = False) -> tuple[str, l
                 problems.append(str(e))
         total += f["bytes"]
         lines.append(f"  {f['name']}  {f['bytes']:,} bytes  crc32 {f['crc32']:08x}{status}")
-    lines.append(f"total       {total / 2**20:.2f} MiB in {len(entries)} files + manifest.json")
+    checked = "" if verify else " (sizes and checksums as the manifest records them; --verify reads the files)"
+    lines.append(f"total       {total / 2**20:.2f} MiB in {len(entries)} files + manifest.json{checked}")
     return "\n".join(lines), problems
