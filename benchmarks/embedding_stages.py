@@ -23,20 +23,30 @@ The gradient row of a bag is read once per id of the bag, not once: that is how 
 formed (ids sorted by row), and it is most of the backward's bytes on a multi-hot batch. The
 "minimal bytes" of embedding_ops*.py (the target's measure) count it once per bag.
 
+--host-only (no GPU needed): the Triton path with its kernels left out (their launches do nothing;
+the rest runs on CPU tensors, Triton's interpreter only building the kernels), on a small batch: what
+the host spends per pass around the kernels, stage by stage (a GPU pays it as launches and Python
+before its kernels can run).
+
     python benchmarks/embedding_stages.py                        # CPU: the torch path, CPU batches
     python benchmarks/embedding_stages.py --device cuda --scales 8   # GPU: Triton and torch paths
+    python benchmarks/embedding_stages.py --host-only --batch 64 --rows 1000
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+if "--host-only" in sys.argv:  # the kernels are built for Triton's interpreter, before neorec imports them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -50,7 +60,25 @@ from neorec.sparse import SparseBatch  # noqa: E402
 from neorec.utils.malloc import keep_freed_memory  # noqa: E402
 from neorec.utils.stages import NAMES, PREFIX  # noqa: E402
 
-LABELS = {"triton": "Triton kernels", "torch_ops": "torch ops"}
+LABELS = {"triton": "Triton kernels", "torch_ops": "torch ops", "host_only": "Triton path, kernels left out"}
+
+
+class _NoLaunch:
+    """A Triton kernel whose launches do nothing (--host-only)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def leave_out_kernels() -> None:
+    """Replace the fused engine's Triton kernels by launches that do nothing (--host-only)."""
+    from neorec.embedding.fused import triton_fused_update, triton_launch, triton_pool
+
+    if not triton_launch.usable(torch.device("cpu")):
+        raise SystemExit("--host-only needs the triton package (the kernels are built for its interpreter)")
+    triton_pool._pool_kernel = _NoLaunch()
+    triton_fused_update._update_kernel = _NoLaunch()
+    triton_fused_update._partial_kernel = _NoLaunch()
 
 
 def batch_counts(emb: FusedEmbeddingCollection, sparse: SparseBatch, chunk: int) -> dict[str, int]:
@@ -123,7 +151,7 @@ def measure(impl: str, opt: str, case: dict, batches: list, device: torch.device
     tables = [TableConfig(name=f"t{i}", rows=case["rows"], dim=dim, features=[f"f{i}"]) for i in range(t)]
     emb = FusedEmbeddingCollection(
         tables, EmbeddingOptimizerConfig(name=opt, lr=0.01), device=device,
-        kernels="triton" if impl == "triton" else "torch",
+        kernels="torch" if impl == "torch_ops" else "triton",
         row_init=lambda ti, lo, hi: torch.zeros(hi - lo, dim),  # filled below, on the device
     )  # fmt: skip
     for w in emb.weights:
@@ -165,7 +193,8 @@ def measure(impl: str, opt: str, case: dict, batches: list, device: torch.device
         "fwd_ms": statistics.median(fwd),
         "bwd_ms": statistics.median(bwd),
         "stages": stages,
-        "bytes": stage_bytes(mean_counts, dim, STATE_FLOATS_PER_ROW[opt](dim), impl),
+        # the kernels left out (--host-only) move nothing
+        "bytes": {} if impl == "host_only" else stage_bytes(mean_counts, dim, STATE_FLOATS_PER_ROW[opt](dim), impl),
         "counts": mean_counts,
     }
 
@@ -198,6 +227,8 @@ def main() -> None:
     p.add_argument("--optimizers", default="sgd,rowwise_adagrad,adam")
     p.add_argument("--impls", default=None, help="triton,torch_ops (default: both on a GPU, torch_ops on CPU)")
     p.add_argument("--rows", type=int, help="rows per table (default: the case's, fewer where they do not fit)")
+    p.add_argument("--batch", type=int, help="samples per batch instead of the case's times --scales")
+    p.add_argument("--host-only", action="store_true", help="the Triton path with its kernels left out (module doc)")
     p.add_argument("--batches", type=int, default=10, help="timed passes without the profiler (median)")
     p.add_argument("--profiled", type=int, default=5, help="passes under the profiler (their median per stage)")
     p.add_argument("--warmup", type=int, default=3)
@@ -209,6 +240,11 @@ def main() -> None:
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     impls = (args.impls or ("triton,torch_ops" if on_gpu else "torch_ops")).split(",")
+    if args.host_only:
+        if on_gpu:
+            raise SystemExit("--host-only runs on CPU tensors; leave out --device cuda")
+        leave_out_kernels()
+        impls = ["host_only"]
     if on_gpu:
         from benchmarks.embedding_ops_gpu import copy_bandwidth_gbs as device_copy_gbs
 
@@ -226,7 +262,7 @@ def main() -> None:
     for case_name in args.cases.split(","):
         for scale in [int(s) for s in args.scales.split(",")]:
             case = {**CASES[case_name]}
-            case["batch"] *= scale
+            case["batch"] = args.batch or case["batch"] * scale
             case["rows"] = args.rows or case["rows"]
             while not on_gpu and not fits(case, "adam", case["rows"]):
                 case["rows"] //= 2

@@ -355,3 +355,42 @@ def test_hot_row_in_default_chunks_is_deterministic() -> None:
         w0.double()[4:5], g, {"momentum1": s0["momentum1"].double()[4:5]}, 3, Hparams(**hp)
     )
     torch.testing.assert_close(w[4:5].double(), w64, rtol=1e-5, atol=1e-6)
+
+
+def test_float_hyper_parameters_are_the_torch_paths_and_kept_between_steps():
+    """hparam_table of floats: the values optimizers.py computes with Python floats (adam's bias
+    corrections of the step included), rounded to fp32; the same values and step give back the same
+    device table, other ones a table of their own."""
+    import math
+
+    from neorec.embedding.fused.triton_rules import HPARAM_COLUMNS
+
+    hp = {"lr": 0.03, "eps": 1e-8, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999}
+    table = triton_fused_update.hparam_table(hp, 7, 3, torch.device(DEVICE))
+    expected = {"lr": 0.03, "eps": 1e-8, "weight_decay": 0.0, "one_minus_beta1": 1.0 - 0.9,
+                "one_minus_beta2": 1.0 - 0.999, "adam_lr": 0.03 / (1.0 - 0.9**7),
+                "adam_sqrt_bias2": math.sqrt(1.0 - 0.999**7)}  # fmt: skip
+    want = torch.tensor([[expected[c] for c in HPARAM_COLUMNS]], dtype=torch.float32)
+    assert torch.equal(table.cpu(), want)
+    assert triton_fused_update.hparam_table(dict(hp), 7, 3, torch.device(DEVICE)) is table
+    other = triton_fused_update.hparam_table({**hp, "lr": 0.02}, 7, 3, torch.device(DEVICE))
+    assert other is not table and other[0, 0].item() == pytest.approx(0.02)
+    assert triton_fused_update.hparam_table(hp, 8, 3, torch.device(DEVICE)) is not table
+    # tables' own values (fp32, as group_hparams gives them): one row per table, computed on the device
+    per_table = {**hp, "lr": torch.tensor([0.03, 0.01, 0.02], device=DEVICE)}
+    rows = triton_fused_update.hparam_table(per_table, 7, 3, torch.device(DEVICE))
+    assert rows.shape == (3, len(HPARAM_COLUMNS)) and rows.device.type == torch.device(DEVICE).type
+    torch.testing.assert_close(rows[0].cpu(), want[0], rtol=1e-6, atol=0)
+
+
+def test_int_tables_are_aligned_views_of_one_copy():
+    from neorec.embedding.fused.triton_launch import _int_tables
+
+    columns = {"a": [1, 2, 3], "b": [], "c": [7], "d": [4, 5]}
+    tables = _int_tables(columns, torch.device(DEVICE))
+    base = tables["a"].untyped_storage().data_ptr()
+    for name, values in columns.items():
+        view = tables[name]
+        assert view.untyped_storage().data_ptr() == base  # one tensor, copied once
+        assert view.data_ptr() % 16 == 0, name  # Triton specialises on 16-byte aligned pointers
+        assert view[: len(values)].tolist() == values

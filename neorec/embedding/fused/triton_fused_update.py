@@ -16,6 +16,7 @@ rounding.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -214,20 +215,47 @@ def _gradient_source(groups: list[UpdateGroup]) -> dict[str, list[int]]:
     }
 
 
+# the device tables of hyper-parameters that are floats, by (values, step, device): a step whose
+# hyper-parameters are those of an earlier one reuses its table (launches only read it)
+_FLOAT_TABLES: dict[tuple, torch.Tensor] = {}
+_FLOAT_TABLES_KEPT = 16
+
+
 def hparam_table(
     hparams: Mapping[str, float | torch.Tensor], step: int, num_tables: int, device: torch.device
 ) -> torch.Tensor:
     """[1 or num_tables, len(HPARAM_COLUMNS)] fp32: the update's hyper-parameters (floats, or [T]
     tensors where a group's tables differ), with adam's bias corrections of `step` folded in.
-    One row when all are floats, computed in float64 like the torch path's Python floats."""
+
+    One row when all are floats, computed with Python floats as the torch path computes them
+    (optimizers.py), and kept: the next step with the same values and step gets the same table
+    with no work on the host or the device (a rule other than adam passes step 1, since it reads
+    no bias correction). Otherwise in float64 on the device the tensors are on (no read back)."""
     if all(isinstance(v, float) for v in hparams.values()):
-        values = {k: torch.tensor([v], dtype=torch.float64) for k, v in hparams.items()}
-    else:  # where the group's tables differ, on the device they are on (no read back to the host)
-        values = {
-            k: v.to(torch.float64) if isinstance(v, torch.Tensor)
-            else torch.full((num_tables,), v, dtype=torch.float64, device=device)
-            for k, v in hparams.items()
-        }  # fmt: skip
+        key = (tuple(sorted(hparams.items())), step, str(device))
+        table = _FLOAT_TABLES.get(key)
+        if table is None:
+            h = hparams
+            columns = {
+                "lr": h["lr"],
+                "eps": h["eps"],
+                "weight_decay": h["weight_decay"],
+                "one_minus_beta1": 1.0 - h["beta1"],
+                "one_minus_beta2": 1.0 - h["beta2"],
+                "adam_lr": h["lr"] / (1.0 - h["beta1"] ** step),
+                "adam_sqrt_bias2": math.sqrt(1.0 - h["beta2"] ** step),
+            }
+            row = [columns[name] for name in HPARAM_COLUMNS]
+            table = _to_device(torch.tensor([row], dtype=torch.float32), device)
+            if len(_FLOAT_TABLES) >= _FLOAT_TABLES_KEPT:
+                del _FLOAT_TABLES[next(iter(_FLOAT_TABLES))]  # the oldest
+            _FLOAT_TABLES[key] = table
+        return table
+    values = {
+        k: v.to(torch.float64) if isinstance(v, torch.Tensor)
+        else torch.full((num_tables,), v, dtype=torch.float64, device=device)
+        for k, v in hparams.items()
+    }  # fmt: skip
     b1, b2 = values["beta1"], values["beta2"]
     columns = {
         "lr": values["lr"],
@@ -306,7 +334,8 @@ def _launch_update(rule: str, groups: list[UpdateGroup], step: int, chunk: int, 
             for grp in groups
         ]  # fmt: skip
 
-        hps = [hparam_table(grp.hparams, step, grp.row_starts.numel(), device) for grp in groups]
+        table_step = step if rule == "adam" else 1  # only adam reads the step's bias corrections
+        hps = [hparam_table(grp.hparams, table_step, grp.row_starts.numel(), device) for grp in groups]
         # which table of its group each row belongs to, where tables' hyper-parameters or seeds differ
         multi_table = any(
             grp.row_starts.numel() > 1 and (stochastic or hp.shape[0] > 1)

@@ -56,14 +56,18 @@ def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _int_tables(columns: Mapping[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
     """Small int64 tables (the groups' pointers, strides, sizes) on `device`, all in one copy: views
-    of one tensor, each starting 16 bytes aligned (Triton specialises on aligned pointers)."""
+    of one tensor, each starting 16 bytes aligned (Triton specialises on aligned pointers), so a
+    column of odd length is followed by a zero, which its view holds too (the kernels index the
+    columns by group and never read it). One split makes the views: a slice per column costs a
+    dispatch each, and a launch takes up to 26 columns every step."""
     flat: list[int] = []
-    spans = {}
-    for name, values in columns.items():
-        spans[name] = (len(flat), len(values))
-        flat += values + [0] * (len(values) % 2)
+    sizes = []
+    for values in columns.values():
+        pad = len(values) % 2
+        flat += values + [0] * pad
+        sizes.append(len(values) + pad)
     packed = _to_device(torch.tensor(flat, dtype=torch.int64), device)
-    return {name: packed[start : start + n] for name, (start, n) in spans.items()}
+    return dict(zip(columns, packed.split(sizes), strict=True))
 
 
 def _num_warps(block_d: int) -> int:
