@@ -288,8 +288,17 @@ def main() -> None:
         f"ms: their host time (on a GPU: Python and launches); pass ms: forward + backward, the median of "
         f"{args.batches} passes without the profiler."
     )
+    if args.host_only:
+        notes += (
+            " The Triton path with its kernels' launches doing nothing, on CPU tensors: each stage's host "
+            "work around the kernels (the profiler adds its own cost to every op it records, so stages of "
+            "many small ops read high; the pass is timed without it)."
+        )
     if not args.no_record:
-        append_results("Embedding step by stage (benchmarks/embedding_stages.py)", table, notes,
+        title = "Embedding step by stage (benchmarks/embedding_stages.py)"
+        if args.host_only:
+            title = "Host work of the Triton path by stage, kernels left out (benchmarks/embedding_stages.py --host-only)"
+        append_results(title, table, notes,
                        path=Path(args.results) if args.results else None)  # fmt: skip
 
 
