@@ -156,6 +156,9 @@ if triton is not None:
                 u = first + local
                 row = tl.load(rows + local)
                 address = tl.load(at + local)
+                # the row's weights are read first, while its gradient is summed (they do not wait on it)
+                w_ptrs = table_ptr + address * w_stride + cols
+                w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
                 # the row's summed gradient, in id order: straight from its ids, or (a long row) from
                 # the partial sums of its chunks of ids, in chunk order
                 p0 = tl.load(part_offsets + u)
@@ -170,8 +173,6 @@ if triton is not None:
                     grad += tl.load(partial + p * p_stride + cols, mask=col_ok, other=0.0)
                 table = tl.load(_pointer(row_tables, g, tl.int64) + local) if MULTI_TABLE else 0
                 hp = _pointer(hparams, g, tl.float32) + table * NUM_HPARAMS
-                w_ptrs = table_ptr + address * w_stride + cols
-                w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
                 grad = grad + tl.load(hp + 2) * w  # weight decay
                 state_at = address * s_stride
                 w = apply_rule(

@@ -35,10 +35,9 @@ if triton is not None:
         return g
 
     @triton.jit
-    def _term(i, index, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
+    def _term(i, at, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
               HAS_SCALES: tl.constexpr, BY_FEATURE: tl.constexpr):  # fmt: skip
-        """Term i of _sum_rows, in fp32."""
-        at = tl.load(index + i)
+        """Term i of _sum_rows, in fp32: the row of `at`, id i's entry of its index."""
         if BY_FEATURE:  # int32 division: bags * features stay under 2^31 (fused_update checks)
             at32 = at.to(tl.int32)
             nf = num_features.to(tl.int32)
@@ -61,14 +60,19 @@ if triton is not None:
         The terms are added one at a time in id order, so the sum is the same whatever BLOCK_N,
         BLOCK_D and the launch. Whole blocks of BLOCK_N ids have their loads issued together (the
         inner loop is unrolled); the ids after the last whole block go one at a time, so a row or
-        bag of few ids spends nothing on slots it does not have."""
+        bag of few ids spends nothing on slots it does not have, and each of them has its index
+        entry read while the row of the id before it is read (the row's address waits on the
+        entry: read one after the other, every id would wait for two reads)."""
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         whole = start + (end - start) // BLOCK_N * BLOCK_N
         for first in range(start, whole, BLOCK_N):
             for j in tl.static_range(BLOCK_N):
-                acc += _term(first + j, index, scales, scaled, table, cols, col_ok, stride, num_features,
-                             feature_cols, HAS_SCALES, BY_FEATURE)  # fmt: skip
+                acc += _term(first + j, tl.load(index + first + j), scales, scaled, table, cols, col_ok, stride,
+                             num_features, feature_cols, HAS_SCALES, BY_FEATURE)  # fmt: skip
+        at = tl.load(index + whole, mask=whole < end, other=0)
         for i in range(whole, end):
-            acc += _term(i, index, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
+            following = tl.load(index + i + 1, mask=i + 1 < end, other=0)
+            acc += _term(i, at, scales, scaled, table, cols, col_ok, stride, num_features, feature_cols,
                          HAS_SCALES, BY_FEATURE)  # fmt: skip
+            at = following
         return acc
