@@ -33,6 +33,9 @@
 #   warm     (not among the defaults) criteo_kaggle at batch 16,384 for 244 steps (4M samples) twice with
 #            train.kernel_cache in a fresh folder (KERNEL_CACHE): the second run's whole-run rate against its
 #            steady one is the start-up a run pays once its kernels are compiled
+#   ab       (not among the defaults) the Triton kernels of an earlier tree (BEFORE: a folder with its neorec/ and
+#            benchmarks/, from `git archive REV neorec benchmarks | tar -x -C DIR`) and this tree's, in turn,
+#            two rounds of benchmarks/embedding_ops_gpu.py at 8x the CPU batches: a kernel change before and after
 #   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory), misses read
 #            ahead on the worker (io thread on) against brought in at the lookup (off), then where
 #            each one's step time goes (host syncs by site, operators by host and device time)
@@ -168,6 +171,19 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             kaggle_run $run_name 150 --set train.max_steps=244 --set train.kernel_cache="${KERNEL_CACHE:-/tmp/neorec-kernels}"
         done
         ;;
+    ab)
+        if [ ! -d "${BEFORE:-}/neorec" ]; then
+            echo "step ab: set BEFORE to a folder holding an earlier tree (git archive REV neorec benchmarks | tar -x -C DIR)" >&2
+            exit 2
+        fi
+        for round in 1 2; do  # the earlier tree's kernels and this tree's in turn, on the same GPU
+            for side in before after; do
+                root=.; [ $side = before ] && root=$BEFORE
+                run ab_${side}_$round ${AB_LIMIT:-120} $PY "$root/benchmarks/embedding_ops_gpu.py" --impls triton \
+                    --scales 8 --optimizers rowwise_adagrad,sgd --results "$OUT/ab-$side.jsonl"
+            done
+        done
+        ;;
     cache)
         run cache ${CACHE_LIMIT:-150} $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
             --io-thread on off --repeats 1 --dir /tmp/neorec-tables --no-append --profile
@@ -181,7 +197,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             --torchrec-max-lines 0 --no-append
         ;;
     *)
-        echo "unknown step $step (env tests kernels cachetests ranktests gputests bounds sources stages warm profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd ingestion)" >&2
+        echo "unknown step $step (env tests kernels cachetests ranktests gputests bounds sources stages warm ab profile kaggle kaggle_bf16 kaggle_compile dcnv2 ranks ops cache cache_ssd ingestion)" >&2
         exit 2
         ;;
     esac
