@@ -39,6 +39,15 @@ def test_bad_configs_name_the_key(raw, expected):
         validate_config(raw)
 
 
+def test_a_section_lists_its_allowed_keys_once_however_many_of_its_keys_are_unknown():
+    with pytest.raises(ConfigError) as e:
+        validate_config({"train": {"lrr": 1, "epoch": 2}, "model": {"archh": "dlrm"}})
+    message = str(e.value)
+    assert "unknown key 'train.lrr'" in message and "unknown key 'train.epoch'" in message
+    assert message.count("allowed keys here") == 2  # train's once, model's once
+    assert message.count("dense_optimizer") == 1
+
+
 def test_a_key_with_control_characters_is_named_on_one_line():
     """A key is shown escaped: the error stays one line whatever a --set or a file puts in it."""
     with pytest.raises(ConfigError) as info:

@@ -230,7 +230,8 @@ def validate_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
     except ValidationError as e:
         errors = e.errors()
         # one line however many problems: the first few, each cut short, then how many more
-        lines = [_cut(_explain(err), MAX_PROBLEM_CHARS) for err in errors[:MAX_PROBLEMS_SHOWN]]
+        hinted: set[tuple[str, ...]] = set()  # sections whose allowed keys a line lists already
+        lines = [_cut(_explain(err, hinted), MAX_PROBLEM_CHARS) for err in errors[:MAX_PROBLEMS_SHOWN]]
         if len(errors) == 1:
             raise ConfigError(f"{where}: {lines[0]}") from None
         more = f"; and {len(errors) - len(lines)} more" if len(errors) > len(lines) else ""
@@ -246,13 +247,18 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
-def _explain(err: dict[str, Any]) -> str:
+def _explain(err: dict[str, Any], hinted: set[tuple[str, ...]] | None = None) -> str:
+    """One problem of a config on a line. An unknown key comes with the keys its section allows,
+    once per section in `hinted` (the sections listed already, updated here)."""
     loc = [str(p) for p in err["loc"]]
     # pydantic adds union member names ("list[int]", "literal['none']") to the location; drop them
     loc = [p for p in loc if not _is_union_tag(p)]
     key = _cut(".".join(p if p.isprintable() else repr(p)[1:-1] for p in loc), 120) or "(top level)"
     if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(loc[:-1])
+        section = tuple(loc[:-1])
+        allowed = _allowed_keys(loc[:-1]) if hinted is None or section not in hinted else []
+        if hinted is not None:
+            hinted.add(section)
         hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
         return f"unknown key '{key}'{hint}"
     if err["type"] == "missing":
