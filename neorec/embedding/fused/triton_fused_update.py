@@ -41,7 +41,7 @@ except ImportError:  # CPU builds of PyTorch come without Triton
     tl = None
 
 if triton is not None:
-    from neorec.embedding.fused.triton_rules import apply_rule, stochastic_round, uniform_noise
+    from neorec.embedding.fused.triton_rules import apply_rule, read_state, stochastic_round, uniform_noise
     from neorec.embedding.fused.triton_sums import _group_of, _pointer, _sum_rows
 
 # ids of one row that one program sums; a row with more is split into chunks summed in parallel
@@ -156,9 +156,12 @@ if triton is not None:
                 u = first + local
                 row = tl.load(rows + local)
                 address = tl.load(at + local)
-                # the row's weights are read first, while its gradient is summed (they do not wait on it)
+                # the row's weights and state are read first, while its gradient is summed (they do
+                # not wait on it)
                 w_ptrs = table_ptr + address * w_stride + cols
                 w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+                state_at = address * s_stride
+                s1, s2 = read_state(state1 + state_at, state2 + state_at, cols, col_ok, RULE)
                 # the row's summed gradient, in id order: straight from its ids, or (a long row) from
                 # the partial sums of its chunks of ids, in chunk order
                 p0 = tl.load(part_offsets + u)
@@ -174,9 +177,8 @@ if triton is not None:
                 table = tl.load(_pointer(row_tables, g, tl.int64) + local) if MULTI_TABLE else 0
                 hp = _pointer(hparams, g, tl.float32) + table * NUM_HPARAMS
                 grad = grad + tl.load(hp + 2) * w  # weight decay
-                state_at = address * s_stride
                 w = apply_rule(
-                    w, grad, cols, col_ok, state1 + state_at, state2 + state_at, dim, hp, RULE, BLOCK_D
+                    w, grad, s1, s2, cols, col_ok, state1 + state_at, state2 + state_at, dim, hp, RULE, BLOCK_D
                 )
                 if STOCHASTIC:
                     key = tl.load(_pointer(keys, g, tl.int64) + table).to(tl.uint32)

@@ -99,33 +99,49 @@ if triton is not None:
         return tl.sum(x, axis=0)
 
     @triton.jit
-    def apply_rule(w, g, cols, col_ok, state1, state2, dim, hp,
+    def read_state(state1, state2, cols, col_ok, RULE: tl.constexpr):
+        """A row's optimizer state before its step, for apply_rule: (state1's, state2's) values
+        (row-wise adagrad's sum; adagrad's sums or adam's m [BLOCK_D]; adam's v), zeros for what
+        the rule has not. Read apart from the step so that a kernel can read it before the row's
+        gradient is summed: the reads do not wait on the sum."""
+        if RULE == 1:
+            s1 = tl.load(state1)
+            s2 = 0.0
+        elif RULE == 2:
+            s1 = tl.load(state1 + cols, mask=col_ok, other=0.0)
+            s2 = 0.0
+        elif RULE == 3:
+            s1 = tl.load(state1 + cols, mask=col_ok, other=0.0)
+            s2 = tl.load(state2 + cols, mask=col_ok, other=0.0)
+        else:
+            s1 = 0.0
+            s2 = 0.0
+        return s1, s2
+
+    @triton.jit
+    def apply_rule(w, g, s1, s2, cols, col_ok, state1, state2, dim, hp,
                    RULE: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
         """One row's step of optimizers.py's rule RULE: w, g [BLOCK_D] fp32 (g with weight decay
-        added, zero past the row's dim); updates the row's state in place (state1: adagrad's sum or
-        adam's m, state2: adam's v, each pointing at the row's first value) and returns the new w.
-        hp points at the row's table's hyper-parameters (HPARAM_COLUMNS)."""
+        added, zero past the row's dim), s1, s2 the row's state as read_state read it; stores the
+        new state in place (state1: adagrad's sum or adam's m, state2: adam's v, each pointing at
+        the row's first value) and returns the new w. hp points at the row's table's
+        hyper-parameters (HPARAM_COLUMNS)."""
         if RULE == 0:  # sgd
             w = w - tl.load(hp) * g
         elif RULE == 1:  # row-wise adagrad: one accumulator per row, the mean of g^2
             # each square rounded by itself (an fma with a zero addend), so that the compiler cannot
             # fuse it into the adds that follow, which it could do or not depending on the layout
-            acc = tl.load(state1) + pairwise_sum(tl.fma(g, g, 0.0), BLOCK_D) / dim
+            acc = s1 + pairwise_sum(tl.fma(g, g, 0.0), BLOCK_D) / dim
             tl.store(state1, acc)
             w = w - tl.load(hp) * g / (tl.sqrt_rn(acc) + tl.load(hp + 1))
         elif RULE == 2:  # adagrad: one accumulator per element
-            ptrs = state1 + cols
-            acc = tl.load(ptrs, mask=col_ok, other=0.0) + g * g
-            tl.store(ptrs, acc, mask=col_ok)
+            acc = s1 + g * g
+            tl.store(state1 + cols, acc, mask=col_ok)
             w = w - tl.load(hp) * g / (tl.sqrt_rn(acc) + tl.load(hp + 1))
         else:  # lazy adam: m, v lerp towards g, g^2; bias corrections of the global step
-            m_ptrs = state1 + cols
-            v_ptrs = state2 + cols
-            m = tl.load(m_ptrs, mask=col_ok, other=0.0)
-            v = tl.load(v_ptrs, mask=col_ok, other=0.0)
-            m = m + tl.load(hp + 3) * (g - m)
-            v = v + tl.load(hp + 4) * (g * g - v)
-            tl.store(m_ptrs, m, mask=col_ok)
-            tl.store(v_ptrs, v, mask=col_ok)
+            m = s1 + tl.load(hp + 3) * (g - s1)
+            v = s2 + tl.load(hp + 4) * (g * g - s2)
+            tl.store(state1 + cols, m, mask=col_ok)
+            tl.store(state2 + cols, v, mask=col_ok)
             w = w - tl.load(hp + 5) * m / (tl.sqrt_rn(v) / tl.load(hp + 6) + tl.load(hp + 1))
         return w
