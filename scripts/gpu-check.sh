@@ -35,7 +35,7 @@
 #            steady one is the start-up a run pays once its kernels are compiled
 #   ab       (not among the defaults) the Triton kernels of an earlier tree (BEFORE: a folder with its neorec/ and
 #            benchmarks/, from `git archive REV neorec benchmarks | tar -x -C DIR`) and this tree's, in turn,
-#            two rounds of benchmarks/embedding_ops_gpu.py at 8x the CPU batches: a kernel change before and after
+#            AB_ROUNDS rounds (default 2) of benchmarks/embedding_ops_gpu.py at 8x the CPU batches: a kernel change before and after
 #   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory), misses read
 #            ahead on the worker (io thread on) against brought in at the lookup (off), then where
 #            each one's step time goes (host syncs by site, operators by host and device time)
@@ -176,7 +176,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
             echo "step ab: set BEFORE to a folder holding an earlier tree (git archive REV neorec benchmarks | tar -x -C DIR)" >&2
             exit 2
         fi
-        for round in 1 2; do  # the earlier tree's kernels and this tree's in turn, on the same GPU
+        for round in $(seq "${AB_ROUNDS:-2}"); do  # the earlier tree's kernels and this tree's in turn, on the same GPU
             for side in before after; do
                 root=.; [ $side = before ] && root=$BEFORE
                 run ab_${side}_$round ${AB_LIMIT:-120} $PY "$root/benchmarks/embedding_ops_gpu.py" --impls triton \
