@@ -203,7 +203,12 @@ def _extend(head: bytes, piece: bytes, max_line_bytes: int) -> bytes:
 
 Parsed = tuple[np.ndarray, np.ndarray, np.ndarray]  # labels [n] f32, dense [n, 13] f32, raw hex [26, n] u32
 BadLine = tuple[int, str, str]  # (line number, reason, message)
-FAIL_HINT = "; pass bad_lines='skip' to skip and count such lines"
+# what skips and counts malformed lines instead: the config key (neorec train, data inspect), the
+# flag of `neorec data preprocess`, the argument of the readers' Python API
+FAIL_HINT = (
+    "; to skip and count such lines instead: data.criteo.bad_lines=skip (neorec data preprocess: "
+    "--bad-lines skip; Python: bad_lines='skip')"
+)
 
 
 def parse_lines(path: Path, chunk: list[tuple[int, bytes]]) -> tuple[Parsed, list[BadLine]]:
