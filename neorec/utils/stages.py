@@ -19,11 +19,15 @@ The engine's stages, in step order (names as they appear after "neorec."):
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import TypeVar
 
 import torch
 from torch.autograd.profiler import record_function
 
+F = TypeVar("F", bound=Callable)
 PREFIX = "neorec."
 NAMES = ("check_ids", "prepare_bags", "lookup", "sort", "row_sums", "partial_sums", "update_setup", "update")
 
@@ -33,3 +37,17 @@ def stage(name: str) -> AbstractContextManager:
     if torch.autograd._profiler_enabled():
         return record_function(PREFIX + name)
     return nullcontext()
+
+
+def staged(name: str) -> Callable[[F], F]:
+    """A decorator: each call of the function is the stage `name` (see stage)."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with stage(name):
+                return fn(*args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return wrap

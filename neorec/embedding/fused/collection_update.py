@@ -24,12 +24,13 @@ from neorec.embedding.fused.optimizers import RULES, Hparams, folded_sgd
 from neorec.embedding.fused.param_groups import FusedEmbeddingOptimizer
 from neorec.embedding.fused.rounding import to_storage, uniform_noise
 from neorec.embedding.fused.storage import TensorStorage
-from neorec.utils.stages import stage
+from neorec.utils.stages import staged
 
 
 class CollectionUpdate:
     """The collection's fused update: rules applied to rows, hyper-parameters, block sizes."""
 
+    @staged("update")
     def apply_update(
         self,
         gi: int,
@@ -47,19 +48,6 @@ class CollectionUpdate:
         unique=False: rows may repeat, as copies of one row with the same gradient; every copy is
         then read, updated and written alike (never added in place), which leaves the row as once.
         """
-        with stage("update"):
-            self._apply_update(gi, rows, grads, step, hparams, lr_folded, unique)
-
-    def _apply_update(
-        self,
-        gi: int,
-        rows: torch.Tensor,
-        grads: torch.Tensor,
-        step: int,
-        hparams: dict[str, float | torch.Tensor],
-        lr_folded: bool,
-        unique: bool,
-    ) -> None:
         g = self.layout.groups[gi]
         storage, state_storage = self.weights[gi], self.states[gi]
         if lr_folded and unique and self.adds_in_place(gi):  # w += g in one pass (rows are unique: no order)
