@@ -31,7 +31,7 @@ from neorec.embedding.fused.triton_launch import (
     _to_device,
 )
 from neorec.embedding.fused.triton_rules import HPARAM_COLUMNS, RULE_IDS
-from neorec.utils.stages import stage
+from neorec.utils.stages import staged
 
 try:
     import triton
@@ -321,95 +321,144 @@ def _launch_update(rule: str, groups: list[UpdateGroup], step: int, chunk: int, 
     """One launch of the update (and one of the long rows' partial sums) over `groups`, which share
     the rule, the weight dtype and the rounding. The launch's unique rows are the groups' one after
     the other (padded ones included): the programs of group g are [first_unique[g], first_unique[g + 1])."""
-    with stage("update_setup"):
-        device = groups[0].weight.device
-        max_dim = max(grp.weight.shape[1] for grp in groups)
-        block_d = triton.next_power_of_2(max_dim)
-        block_n = max(1, min(16, 2048 // block_d))
-        num_warps = _num_warps(block_d)
-        has_scales = any(grp.sorted_ids[3] is not None for grp in groups)
-        first_unique = _firsts([grp.sorted_ids[0].numel() for grp in groups])
-        num_unique, num_ids = first_unique[-1], sum(grp.sorted_ids[2].numel() for grp in groups)
-        # the real number of unique rows of each group: on the device for padded ids, else known here
-        counts = [
-            grp.sorted_ids[4] if len(grp.sorted_ids) > 4
-            else torch.full((1,), grp.sorted_ids[0].numel(), dtype=torch.int64, device=device)
-            for grp in groups
-        ]  # fmt: skip
+    launch = _setup(rule, groups, step, chunk, stochastic)
+    partial = _partial_sums(launch, groups, chunk)
+    _update_rows(launch, groups, rule, partial, stochastic)
 
-        table_step = step if rule == "adam" else 1  # only adam reads the step's bias corrections
-        hps = [hparam_table(grp.hparams, table_step, grp.row_starts.numel(), device) for grp in groups]
-        # which table of its group each row belongs to, where tables' hyper-parameters or seeds differ
-        multi_table = any(
-            grp.row_starts.numel() > 1 and (stochastic or hp.shape[0] > 1)
-            for grp, hp in zip(groups, hps, strict=True)
-        )
-        row_tables = [grp.sorted_ids[0] for grp in groups]  # any pointer when every row uses its group's table 0
-        if multi_table:
-            row_tables = [torch.searchsorted(grp.row_starts, grp.sorted_ids[0], right=True) - 1 for grp in groups]
-            hps = [hp.expand(len(grp.row_starts), -1).contiguous() for grp, hp in zip(groups, hps, strict=True)]
-        keys = [rounding.step_keys(grp.table_seeds, step) if stochastic else grp.row_starts for grp in groups]
 
-        # the chunks of long rows, over the launch's unique rows
-        seg_offsets = [grp.sorted_ids[1] for grp in groups]
-        ids_per_row = torch.cat([off[1:] - off[:-1] for off in seg_offsets])
-        parts = torch.where(ids_per_row > chunk, (ids_per_row + chunk - 1) // chunk, 0)
-        part_offsets = torch.zeros(num_unique + 1, dtype=torch.int64, device=device)
-        torch.cumsum(parts, 0, out=part_offsets[1:])
+@dataclass
+class _Launch:
+    """What _setup prepares on the host for a launch's kernels: block sizes, the launch's unique rows
+    and ids, where each row's chunks of partial sums are, and the groups' tables (_int_tables)."""
 
-        source = _gradient_source(groups)
-        tables = _int_tables(
-            {
-                "first_unique": first_unique,
-                "dims": [grp.weight.shape[1] for grp in groups],
-                "seg_offsets": [off.data_ptr() for off in seg_offsets],
-                **source,
-                "counts": [c.data_ptr() for c in counts],
-                "unique_rows": [grp.sorted_ids[0].data_ptr() for grp in groups],
-                "addresses": [
-                    (grp.addresses if grp.addresses is not None else grp.sorted_ids[0]).data_ptr()
-                    for grp in groups
-                ],
-                "weights": [grp.weight.data_ptr() for grp in groups],
-                "w_strides": [grp.weight.stride(0) for grp in groups],
-                # sgd has no state and only adam a second one: any pointer does, none is read
-                "states1": [grp.state.get("momentum1", grp.weight).data_ptr() for grp in groups],
-                "states2": [grp.state.get("momentum2", grp.weight).data_ptr() for grp in groups],
-                # values from one row's state to the next's: dim for [rows, dim], 1 for [rows], a
-                # record's for a cache's views (a rule's states share their layout)
-                "s_strides": [
-                    grp.state["momentum1"].stride(0) if "momentum1" in grp.state else 0 for grp in groups
-                ],
-                "hparams": [hp.data_ptr() for hp in hps],
-                "row_tables": [t.data_ptr() for t in row_tables],
-                "row_starts": [grp.row_starts.data_ptr() for grp in groups],
-                "keys": [k.data_ptr() for k in keys],
-            },
-            device,
-        )
-        gradient = {name: tables[name] for name in ("first_unique", "dims", "seg_offsets", *source)}
+    device: torch.device
+    max_dim: int
+    block_d: int
+    block_n: int
+    num_warps: int
+    has_scales: bool
+    multi_table: bool
+    num_unique: int
+    num_ids: int
+    part_offsets: torch.Tensor
+    tables: dict[str, torch.Tensor]
+    gradient: dict[str, torch.Tensor]  # the tables the sums read (both kernels)
+    # the tensors made here whose addresses the tables hold (counts, hyper-parameters, each row's
+    # table, rounding keys): kept alive until the kernels are launched
+    held: list[torch.Tensor]
 
-    with stage("partial_sums"):
-        bound = max_chunks(num_ids, chunk)
-        partial = groups[0].grad  # any fp32 pointer when there are no long rows
-        if bound:
-            # chunk p belongs to the row u with part_offsets[u] <= p < part_offsets[u + 1]; p past the
-            # real count gets u = num_unique, which its program never reads
-            p = torch.arange(bound, device=device)
-            part_rows = torch.searchsorted(part_offsets[1:], p, right=True)
-            part_index = p - part_offsets.index_select(0, part_rows)
-            partial = torch.empty(bound, max_dim, dtype=torch.float32, device=device)
-            _partial_kernel[(bound,)](
-                part_offsets[num_unique:], part_rows, part_index, partial, max_dim, len(groups), **gradient,
-                HAS_SCALES=has_scales, CHUNK=chunk, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
-            )  # fmt: skip
 
-    with stage("update"):
-        _update_kernel[(_resident_programs(device, num_unique, num_warps),)](
-            groups[0].weight, len(groups), part_offsets=part_offsets, partial=partial, p_stride=max_dim, **tables,
-            RULE=RULE_IDS[rule], HAS_SCALES=has_scales, MULTI_TABLE=multi_table, STOCHASTIC=stochastic,
-            NUM_HPARAMS=len(HPARAM_COLUMNS), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
-        )  # fmt: skip
+@staged("update_setup")
+def _setup(rule: str, groups: list[UpdateGroup], step: int, chunk: int, stochastic: bool) -> _Launch:
+    """The host's part of a launch: block sizes, hyper-parameter tables, the chunks of long rows and
+    the groups' pointer tables, all queued for the device without waiting on it."""
+    device = groups[0].weight.device
+    max_dim = max(grp.weight.shape[1] for grp in groups)
+    block_d = triton.next_power_of_2(max_dim)
+    block_n = max(1, min(16, 2048 // block_d))
+    num_warps = _num_warps(block_d)
+    has_scales = any(grp.sorted_ids[3] is not None for grp in groups)
+    first_unique = _firsts([grp.sorted_ids[0].numel() for grp in groups])
+    num_unique, num_ids = first_unique[-1], sum(grp.sorted_ids[2].numel() for grp in groups)
+    # the real number of unique rows of each group: on the device for padded ids, else known here
+    counts = [
+        grp.sorted_ids[4] if len(grp.sorted_ids) > 4
+        else torch.full((1,), grp.sorted_ids[0].numel(), dtype=torch.int64, device=device)
+        for grp in groups
+    ]  # fmt: skip
+
+    table_step = step if rule == "adam" else 1  # only adam reads the step's bias corrections
+    hps = [hparam_table(grp.hparams, table_step, grp.row_starts.numel(), device) for grp in groups]
+    # which table of its group each row belongs to, where tables' hyper-parameters or seeds differ
+    multi_table = any(
+        grp.row_starts.numel() > 1 and (stochastic or hp.shape[0] > 1)
+        for grp, hp in zip(groups, hps, strict=True)
+    )
+    row_tables = [grp.sorted_ids[0] for grp in groups]  # any pointer when every row uses its group's table 0
+    if multi_table:
+        row_tables = [torch.searchsorted(grp.row_starts, grp.sorted_ids[0], right=True) - 1 for grp in groups]
+        hps = [hp.expand(len(grp.row_starts), -1).contiguous() for grp, hp in zip(groups, hps, strict=True)]
+    keys = [rounding.step_keys(grp.table_seeds, step) if stochastic else grp.row_starts for grp in groups]
+
+    # the chunks of long rows, over the launch's unique rows
+    seg_offsets = [grp.sorted_ids[1] for grp in groups]
+    ids_per_row = torch.cat([off[1:] - off[:-1] for off in seg_offsets])
+    parts = torch.where(ids_per_row > chunk, (ids_per_row + chunk - 1) // chunk, 0)
+    part_offsets = torch.zeros(num_unique + 1, dtype=torch.int64, device=device)
+    torch.cumsum(parts, 0, out=part_offsets[1:])
+
+    source = _gradient_source(groups)
+    tables = _int_tables(
+        {
+            "first_unique": first_unique,
+            "dims": [grp.weight.shape[1] for grp in groups],
+            "seg_offsets": [off.data_ptr() for off in seg_offsets],
+            **source,
+            "counts": [c.data_ptr() for c in counts],
+            "unique_rows": [grp.sorted_ids[0].data_ptr() for grp in groups],
+            "addresses": [
+                (grp.addresses if grp.addresses is not None else grp.sorted_ids[0]).data_ptr()
+                for grp in groups
+            ],
+            "weights": [grp.weight.data_ptr() for grp in groups],
+            "w_strides": [grp.weight.stride(0) for grp in groups],
+            # sgd has no state and only adam a second one: any pointer does, none is read
+            "states1": [grp.state.get("momentum1", grp.weight).data_ptr() for grp in groups],
+            "states2": [grp.state.get("momentum2", grp.weight).data_ptr() for grp in groups],
+            # values from one row's state to the next's: dim for [rows, dim], 1 for [rows], a
+            # record's for a cache's views (a rule's states share their layout)
+            "s_strides": [
+                grp.state["momentum1"].stride(0) if "momentum1" in grp.state else 0 for grp in groups
+            ],
+            "hparams": [hp.data_ptr() for hp in hps],
+            "row_tables": [t.data_ptr() for t in row_tables],
+            "row_starts": [grp.row_starts.data_ptr() for grp in groups],
+            "keys": [k.data_ptr() for k in keys],
+        },
+        device,
+    )
+    gradient = {name: tables[name] for name in ("first_unique", "dims", "seg_offsets", *source)}
+    return _Launch(
+        device, max_dim, block_d, block_n, num_warps, has_scales, multi_table, num_unique, num_ids, part_offsets,
+        tables, gradient, held=[*counts, *hps, *row_tables, *keys],
+    )  # fmt: skip
+
+
+@staged("partial_sums")
+def _partial_sums(launch: _Launch, groups: list[UpdateGroup], chunk: int) -> torch.Tensor:
+    """The summed gradient of each chunk of `chunk` ids of the launch's long rows, [chunks, max_dim]
+    (launched over max_chunks' bound; programs past the real count return at once); when no row can
+    be long, any fp32 tensor (the update kernel reads none)."""
+    bound = max_chunks(launch.num_ids, chunk)
+    if not bound:
+        return groups[0].grad
+    # chunk p belongs to the row u with part_offsets[u] <= p < part_offsets[u + 1]; p past the real
+    # count gets u = num_unique, which its program never reads
+    part_offsets, device = launch.part_offsets, launch.device
+    p = torch.arange(bound, device=device)
+    part_rows = torch.searchsorted(part_offsets[1:], p, right=True)
+    part_index = p - part_offsets.index_select(0, part_rows)
+    partial = torch.empty(bound, launch.max_dim, dtype=torch.float32, device=device)
+    _partial_kernel[(bound,)](
+        part_offsets[launch.num_unique :], part_rows, part_index, partial, launch.max_dim, len(groups),
+        **launch.gradient, HAS_SCALES=launch.has_scales, CHUNK=chunk, BLOCK_N=launch.block_n,
+        BLOCK_D=launch.block_d, num_warps=launch.num_warps,
+    )  # fmt: skip
+    return partial
+
+
+@staged("update")
+def _update_rows(
+    launch: _Launch, groups: list[UpdateGroup], rule: str, partial: torch.Tensor, stochastic: bool
+) -> None:
+    """The update kernel over the launch's unique rows: each row's gradient summed (with its chunks'
+    partial sums) and the rule applied to it and its state."""
+    _update_kernel[(_resident_programs(launch.device, launch.num_unique, launch.num_warps),)](
+        groups[0].weight, len(groups), part_offsets=launch.part_offsets, partial=partial, p_stride=launch.max_dim,
+        **launch.tables, RULE=RULE_IDS[rule], HAS_SCALES=launch.has_scales, MULTI_TABLE=launch.multi_table,
+        STOCHASTIC=stochastic, NUM_HPARAMS=len(HPARAM_COLUMNS), BLOCK_N=launch.block_n, BLOCK_D=launch.block_d,
+        num_warps=launch.num_warps,
+    )  # fmt: skip
 
 
 def stochastic_round_rows(
