@@ -233,14 +233,14 @@ GOLDEN: dict[str, str] = {
     "preprocess/vocab_skip": "487ea2987873d86c7a80a7febc21c1f630356f2f61b1b5df19f2386a45b4aa6f",
     "preprocess/raw_features": "2bcfaa02abc46871eb3c6c0401164c225a0e2b5d2840b7ab37857ac99aeed94c",
     "preprocess/long_limit": "8026ece886cd0feb965759bc1a07d91d12a99fd2798bed084141110b4277e4e3",
-    "fail/bad_fail": "bad.tsv:370: dense feature I5 = '0x10' is not an integer (or empty); to skip and count such lines instead: data.criteo.bad_lines=skip (neorec data preprocess: --bad-lines skip; Python: bad_lines='skip')",
-    "fail/bad_edge_fail": "bad_edge.tsv:576: dense feature I3 = '12a' is not an integer (or empty); to skip and count such lines instead: data.criteo.bad_lines=skip (neorec data preprocess: --bad-lines skip; Python: bad_lines='skip')",
-    "fail/bad_gz_fail": "bad.tsv:370: dense feature I5 = '0x10' is not an integer (or empty); to skip and count such lines instead: data.criteo.bad_lines=skip (neorec data preprocess: --bad-lines skip; Python: bad_lines='skip')",
+    "fail/bad_fail": "bad.tsv:370: dense feature I5 = '0x10' is not an integer (or empty); data.criteo.bad_lines=skip (or --bad-lines skip) skips and counts such lines",
+    "fail/bad_edge_fail": "bad_edge.tsv:576: dense feature I3 = '12a' is not an integer (or empty); data.criteo.bad_lines=skip (or --bad-lines skip) skips and counts such lines",
+    "fail/bad_gz_fail": "bad.tsv:370: dense feature I5 = '0x10' is not an integer (or empty); data.criteo.bad_lines=skip (or --bad-lines skip) skips and counts such lines",
     "reader/plain": "a8821e2d977990755143a1eafbf1cdb8a0e335e380298dcddd0bffc0d85b404e",
     "reader/edge_hash": "7ce949aed41900e70764db68ee11c226cd3aca6d302f64735674a4031f7e4726",
     "reader/bad_skip": "0218aca86d85117cb3d1f5a8e201c45bdb9973cde876e5ded41d9f6903d533b7",
     "reader/raw": "3bfcfce5436d27e087c71c29928cba46305a0cdccb53737b7c719becdf7c89a6",
-    "reader/bad_fail": "bad_edge.tsv:154: label '2' is not 0 or 1; to skip and count such lines instead: data.criteo.bad_lines=skip (neorec data preprocess: --bad-lines skip; Python: bad_lines='skip')",
+    "reader/bad_fail": "bad_edge.tsv:154: label '2' is not 0 or 1; data.criteo.bad_lines=skip (or --bad-lines skip) skips and counts such lines",
 }
 
 

@@ -203,12 +203,9 @@ def _extend(head: bytes, piece: bytes, max_line_bytes: int) -> bytes:
 
 Parsed = tuple[np.ndarray, np.ndarray, np.ndarray]  # labels [n] f32, dense [n, 13] f32, raw hex [26, n] u32
 BadLine = tuple[int, str, str]  # (line number, reason, message)
-# what skips and counts malformed lines instead: the config key (neorec train, data inspect), the
-# flag of `neorec data preprocess`, the argument of the readers' Python API
-FAIL_HINT = (
-    "; to skip and count such lines instead: data.criteo.bad_lines=skip (neorec data preprocess: "
-    "--bad-lines skip; Python: bad_lines='skip')"
-)
+# what skips and counts malformed lines instead: the config key (neorec train, data inspect; the
+# readers' Python argument has its name) or the flag of `neorec data preprocess`
+FAIL_HINT = "; data.criteo.bad_lines=skip (or --bad-lines skip) skips and counts such lines"
 
 
 def parse_lines(path: Path, chunk: list[tuple[int, bytes]]) -> tuple[Parsed, list[BadLine]]:
