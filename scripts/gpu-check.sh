@@ -34,7 +34,8 @@
 #            train.kernel_cache in a fresh folder (KERNEL_CACHE): the second run's whole-run rate against its
 #            steady one is the start-up a run pays once its kernels are compiled
 #   ab       (not among the defaults) the Triton kernels of an earlier tree (BEFORE: a folder with its neorec/ and
-#            benchmarks/, from `git archive REV neorec benchmarks | tar -x -C DIR`) and this tree's, in turn,
+#            benchmarks/, from `git archive REV neorec benchmarks | tar -x -C DIR`; .ab-before is git-ignored,
+#            so carry it to the GPU machine as .whl is) and this tree's, in turn,
 #            AB_ROUNDS rounds (default 2) of benchmarks/embedding_ops_gpu.py at 8x the CPU batches: a kernel change before and after
 #   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory), misses read
 #            ahead on the worker (io thread on) against brought in at the lookup (off), then where
