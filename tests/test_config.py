@@ -48,6 +48,14 @@ def test_a_section_lists_its_allowed_keys_once_however_many_of_its_keys_are_unkn
     assert message.count("dense_optimizer") == 1
 
 
+def test_a_check_across_sections_is_its_own_message():
+    with pytest.raises(ConfigError) as e:
+        load_config("default", ["embedding.dim=8"])  # the default bottom MLP ends in 16
+    assert str(e.value).endswith(": model.bottom_mlp must end in embedding.dim (8) for dlrm's pairwise interaction, "
+                                 "got [64, 16]"), str(e.value)  # fmt: skip
+    assert "top level" not in str(e.value)
+
+
 def test_a_key_with_control_characters_is_named_on_one_line():
     """A key is shown escaped: the error stays one line whatever a --set or a file puts in it."""
     with pytest.raises(ConfigError) as info:

@@ -266,6 +266,8 @@ def _explain(err: dict[str, Any], hinted: set[tuple[str, ...]] | None = None) ->
     got = err.get("input")
     got_text = "" if isinstance(got, dict) else f" (got {_short(got)})"
     msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a check across sections (its message names the keys)
+        return f"{msg}{got_text}"
     return f"key '{key}': {msg}{got_text}"
 
 
