@@ -48,6 +48,20 @@ def test_a_section_lists_its_allowed_keys_once_however_many_of_its_keys_are_unkn
     assert message.count("dense_optimizer") == 1
 
 
+def test_table_settings_of_the_custom_preset_are_refused_under_another_preset():
+    """data.synthetic.num_sparse and rows choose the custom preset's tables: under a preset with its
+    own tables they would do nothing, so changing them there is refused, naming them."""
+    with pytest.raises(ConfigError, match=r"data.synthetic.num_sparse choose the tables of preset custom; "
+                       r"preset criteo_kaggle has its own 26"):  # fmt: skip
+        load_config("default", ["data.synthetic.num_sparse=4"])  # default.yaml: preset criteo_kaggle
+    with pytest.raises(ConfigError, match=r"data.synthetic.num_sparse and data.synthetic.rows choose"):
+        load_config("default", ["data.synthetic.num_sparse=4", "data.synthetic.rows=50"])
+    assert load_config("default", ["data.synthetic.preset=custom", "data.synthetic.num_sparse=4"]).data.synthetic.num_tables == 4
+    # a saved config holds every key at its value: the defaults pass under any preset
+    cfg = load_config("default")
+    assert validate_config(cfg.model_dump(mode="json")) == cfg
+
+
 def test_a_check_across_sections_is_its_own_message():
     with pytest.raises(ConfigError) as e:
         load_config("default", ["embedding.dim=8"])  # the default bottom MLP ends in 16

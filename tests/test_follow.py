@@ -230,8 +230,7 @@ def test_preprocessed_partitions_are_followed_once_their_manifest_is_complete(tm
     from neorec.data.preprocess import preprocess_synthetic
     from neorec.data.synthetic import spec_from_config
 
-    small = ["data.synthetic.num_sparse=3", "data.synthetic.rows=50", "data.synthetic.num_dense=2",
-             "data.synthetic.train_samples=300", "data.synthetic.eval_samples=100"]  # fmt: skip
+    small = ["data.synthetic.num_dense=2", "data.synthetic.train_samples=300", "data.synthetic.eval_samples=100"]
     base = load_config("default", small)
     stream = tmp_path / "s"
     for day in range(3):

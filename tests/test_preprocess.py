@@ -299,8 +299,7 @@ def test_killed_process_resumes_to_identical_bytes(tmp_path):
     """A real interruption: SIGKILL the CLI once its first shard is renamed, then rerun it."""
     from forked import run_neorec, start_neorec
 
-    sets = ["--set", "data.synthetic.train_samples=200000", "--set", "data.synthetic.eval_samples=20000",
-            "--set", "data.synthetic.rows=1000"]  # fmt: skip
+    sets = ["--set", "data.synthetic.train_samples=200000", "--set", "data.synthetic.eval_samples=20000"]
     # `python -m neorec ...` in processes forked from one that has imported neorec (tests/forked.py)
     cmd = ["data", "preprocess", "--synthetic", "--no-progress", *sets]
     proc = start_neorec([*cmd, "--out", str(tmp_path / "killed")])

@@ -47,6 +47,17 @@ class SyntheticConfig(Strict):
 
     @model_validator(mode="after")
     def _lengths(self) -> SyntheticConfig:
+        # they choose the tables of preset custom only: changed under another preset, they would do
+        # nothing (a saved config holds every key at its value, so a changed value is the mistake)
+        fields = type(self).model_fields
+        changed = [k for k in ("num_sparse", "rows") if getattr(self, k) != fields[k].default]
+        ignored = changed if self.preset != "custom" else []
+        if ignored:
+            keys = " and ".join(f"data.synthetic.{k}" for k in ignored)
+            raise ValueError(
+                f"{keys} choose the tables of preset custom; preset {self.preset} has its own 26: set "
+                f"data.synthetic.preset: custom to use them, or leave them out"
+            )
         if isinstance(self.rows, list) and self.preset == "custom" and len(self.rows) != self.num_sparse:
             raise ValueError(f"rows has {len(self.rows)} entries but num_sparse is {self.num_sparse}")
         if isinstance(self.multi_hot, list) and len(self.multi_hot) != self.num_tables:

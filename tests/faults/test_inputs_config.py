@@ -123,7 +123,7 @@ def test_sizes_within_bounds_that_exceed_this_machine_name_the_key(tmp_path, cap
     fails(capsys, ["eval", run, "--set", "model.top_mlp=[16384, 16384, 16384, 16384, 16384, 16384, 16384]",
                    "--set", "data.batch_size=16777216"], "lower model.top_mlp")  # fmt: skip
     big_teacher = sets(
-        ["data.synthetic.num_dense=1024", "data.synthetic.num_sparse=1024", "data.synthetic.latent_dim=8192"]
+        ["data.synthetic.num_dense=1024", "data.synthetic.latent_dim=8192"]
     )
     fails(
         capsys,
