@@ -17,7 +17,7 @@ rounding.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -238,17 +238,7 @@ def hparam_table(
         key = (tuple(sorted(hparams.items())), step, str(device))
         table = _FLOAT_TABLES.get(key)
         if table is None:
-            h = hparams
-            columns = {
-                "lr": h["lr"],
-                "eps": h["eps"],
-                "weight_decay": h["weight_decay"],
-                "one_minus_beta1": 1.0 - h["beta1"],
-                "one_minus_beta2": 1.0 - h["beta2"],
-                "adam_lr": h["lr"] / (1.0 - h["beta1"] ** step),
-                "adam_sqrt_bias2": math.sqrt(1.0 - h["beta2"] ** step),
-            }
-            row = [columns[name] for name in HPARAM_COLUMNS]
+            row = _hparam_columns(hparams, step, math.sqrt)
             table = _to_device(torch.tensor([row], dtype=torch.float32), device)
             if len(_FLOAT_TABLES) >= _FLOAT_TABLES_KEPT:
                 del _FLOAT_TABLES[next(iter(_FLOAT_TABLES))]  # the oldest
@@ -259,18 +249,23 @@ def hparam_table(
         else torch.full((num_tables,), v, dtype=torch.float64, device=device)
         for k, v in hparams.items()
     }  # fmt: skip
-    b1, b2 = values["beta1"], values["beta2"]
-    columns = {
-        "lr": values["lr"],
-        "eps": values["eps"],
-        "weight_decay": values["weight_decay"],
-        "one_minus_beta1": 1.0 - b1,
-        "one_minus_beta2": 1.0 - b2,
-        "adam_lr": values["lr"] / (1.0 - b1**step),
-        "adam_sqrt_bias2": (1.0 - b2**step).sqrt(),
-    }
-    table = torch.stack([columns[name] for name in HPARAM_COLUMNS], dim=1).to(torch.float32)
+    table = torch.stack(_hparam_columns(values, step, torch.sqrt), dim=1).to(torch.float32)
     return _to_device(table, device)
+
+
+def _hparam_columns(h: Mapping, step: int, sqrt: Callable) -> list:
+    """The values of HPARAM_COLUMNS, in order, from hyper-parameters `h` (Python floats, or float64
+    tensors with `sqrt` torch.sqrt): adam's bias corrections of `step` folded into two of them."""
+    columns = {
+        "lr": h["lr"],
+        "eps": h["eps"],
+        "weight_decay": h["weight_decay"],
+        "one_minus_beta1": 1.0 - h["beta1"],
+        "one_minus_beta2": 1.0 - h["beta2"],
+        "adam_lr": h["lr"] / (1.0 - h["beta1"] ** step),
+        "adam_sqrt_bias2": sqrt(1.0 - h["beta2"] ** step),
+    }
+    return [columns[name] for name in HPARAM_COLUMNS]
 
 
 def max_chunks(num_ids: int, chunk: int) -> int:
