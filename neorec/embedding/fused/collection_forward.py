@@ -16,7 +16,7 @@ from neorec.embedding.fused.lookup import FusedLookup
 from neorec.embedding.remap import remap_batch
 from neorec.errors import DataError
 from neorec.sparse import JaggedRows, SparseBatch
-from neorec.utils.stages import stage
+from neorec.utils.stages import stage, staged
 
 
 class CollectionForward:
@@ -105,11 +105,8 @@ class CollectionForward:
         not yet mapped to rows)."""
         return self._prepare(sparse)
 
+    @staged("prepare_bags")
     def _prepare(self, sparse: SparseBatch) -> list[GroupBatch]:
-        with stage("prepare_bags"):
-            return self._prepare_groups(sparse)
-
-    def _prepare_groups(self, sparse: SparseBatch) -> list[GroupBatch]:
         out = []
         groups = zip(self.layout.groups, self._constants, self._group_features(sparse), strict=True)
         for g, c, (features, indices) in groups:
