@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 
 from neorec.data.prefetch import prefetch
@@ -17,10 +19,32 @@ def test_order_kept_and_errors_reraised():
         next(it)
 
 
-def test_early_stop_releases_producer():
-    it = prefetch(iter(range(10**9)), depth=2)
+def _producers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "neorec-prefetch" and t.is_alive()]
+
+
+def _three_items(ending: str, asked_past_the_end: threading.Event):
+    """0, 1, 2, then the end of the stream or a failure; `asked_past_the_end` is set once the
+    producer has queued the last item and asks for more."""
+    yield from range(3)
+    asked_past_the_end.set()
+    if ending == "failed":
+        raise ValueError("reader failed")
+
+
+@pytest.mark.parametrize("ending", ["producing", "finished", "failed"])
+def test_a_consumer_that_stops_early_ends_the_producer(ending):
+    """A run that stops before its data ends (train.max_steps) closes the stream with the queue
+    full: the producer ends with it, whatever it was doing (making items, or waiting to queue the
+    end of the stream or its exception), instead of waiting on the queue for good with its items held."""
+    past_the_end = threading.Event()
+    items = iter(range(10**9)) if ending == "producing" else _three_items(ending, past_the_end)
+    it = prefetch(items, depth=2)
     assert next(it) == 0
+    if ending != "producing":  # the queue holds 1 and 2: the producer waits to queue what follows
+        assert past_the_end.wait(10)
     it.close()  # the finally block stops and joins the producer thread
+    assert _producers() == []
 
 
 @pytest.mark.parametrize("workers", [1, 2, 5])

@@ -27,20 +27,25 @@ def prefetch(items: Iterable[T], depth: int = 4) -> Iterator[T]:
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def put(item: object) -> bool:
+        """Queue `item` unless the consumer has stopped (a full queue it no longer reads would
+        hold the producer, and the items in it, for good); False once it has."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put(item):
                     return
-            q.put(_DONE)
+            put(_DONE)
         except BaseException as e:  # handed to the consumer
-            q.put(e)
+            put(e)
 
     thread = threading.Thread(target=produce, name="neorec-prefetch", daemon=True)
     thread.start()
