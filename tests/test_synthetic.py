@@ -103,3 +103,27 @@ def test_source_keeps_blocks_on_its_device():
     batch = next(iter(source.train_batches(64)))
     assert batch.dense.device == source.device == torch.device("cpu")
     assert source.block("train", 0) is source.block("train", 0)  # drawn once, kept
+
+
+def test_teacher_fit_is_made_once_per_spec_and_is_the_same(monkeypatch):
+    """A second source of the same teacher settings (a run that plans builds its data twice) takes
+    the first one's fit, bit for bit, without drawing the calibration sample again; other settings
+    (here the seed) get a fit of their own."""
+    from neorec.data import synthetic
+
+    spec = SyntheticSpec(rows=[50, 70, 90], train_samples=1000, eval_samples=200, seed=41)
+    synthetic._CALIBRATED.clear()
+    first = synthetic.Teacher(spec)
+
+    def no_draw(*args, **kwargs):
+        raise AssertionError("the calibration sample was drawn again")
+
+    with monkeypatch.context() as m:
+        m.setattr(synthetic, "_draw", no_draw)
+        again = synthetic.Teacher(SyntheticSpec(rows=[50, 70, 90], train_samples=5, eval_samples=7, seed=41))
+    assert (again.scale, again.bias) == (first.scale, first.bias)
+    other = synthetic.Teacher(SyntheticSpec(rows=[50, 70, 90], seed=42))
+    assert (other.scale, other.bias) != (first.scale, first.bias)
+    synthetic._CALIBRATED.clear()
+    fresh = synthetic.Teacher(spec)  # fitted afresh: the same values
+    assert (fresh.scale, fresh.bias) == (first.scale, first.bias)

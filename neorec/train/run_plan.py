@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neorec.config.schema import RunConfig
+from neorec.data.source import DataSource
 from neorec.distributed.plan import KINDS, ShardingPlan
 from neorec.distributed.topology import Topology
 from neorec.embedding.tables import TableConfig
@@ -35,13 +36,18 @@ log = logging.getLogger(__name__)
 
 
 def workload_for_run(
-    cfg: RunConfig, tables: list[TableConfig], num_batches: int = SAMPLE_BATCHES, one_machine: bool = False
+    cfg: RunConfig,
+    tables: list[TableConfig],
+    num_batches: int = SAMPLE_BATCHES,
+    one_machine: bool = False,
+    source: DataSource | None = None,
 ) -> Workload:
-    """The config's tables with access statistics measured on its first training batches.
+    """The config's tables with access statistics measured on its first training batches (of
+    `source`, the config's whole data; built here when not given).
     one_machine: every rank on this machine, so "auto" wire precisions are those of shared memory."""
     batches = []
     if num_batches > 0:
-        source = build_source(cfg)
+        source = source or build_source(cfg)
         for batch in source.train_batches(cfg.data.batch_size, 0):
             batches.append(batch)
             if len(batches) == num_batches:
@@ -153,10 +159,11 @@ def plan_command(
     elif model == "config":
         if cfg is None:
             raise ConfigError("neorec plan: a config is needed (--config) unless --model 12t")
-        tables = build_tables(cfg, build_source(cfg).info)
+        source = build_source(cfg)
+        tables = build_tables(cfg, source.info)
         cluster = cluster or preset(cluster_name, world_size, ranks_per_node, cfg.embedding.cache.directory)
         one_machine = cluster_name == "this" and cluster.num_nodes == 1
-        workload = workload_for_run(cfg, tables, batches, one_machine=one_machine)
+        workload = workload_for_run(cfg, tables, batches, one_machine=one_machine, source=source)
         constraints = run_constraints(cfg)
         kinds = kinds or run_kinds(cfg)
         about = (
