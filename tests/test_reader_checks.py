@@ -1,6 +1,6 @@
 """Readers stop at bad values with the file, row, column and value (neorec/data/checks.py): labels other
-than 0 or 1, dense values that are not finite, ids outside their tables (error / warn / off), and
-MovieLens ratings and ids; never train on them silently."""
+than 0 or 1, dense values and id weights that are not finite, ids outside their tables (error / warn /
+off), and MovieLens ratings and ids; never train on them silently."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ from neorec.utils.files import file_crc32, write_json
 
 ONE_HOT = SyntheticSpec(rows=[50, 1000, 7], num_dense=4, train_samples=2000, eval_samples=500, seed=3)
 MULTI_HOT = replace(ONE_HOT, bag_sizes=[2, 1, 3], variable_bags=True)
-SPECS = {"one_hot": ONE_HOT, "multi_hot": MULTI_HOT}
+WEIGHTED = replace(MULTI_HOT, weighted=True)
+SPECS = {"one_hot": ONE_HOT, "multi_hot": MULTI_HOT, "weighted": WEIGHTED}
 
 
 # ---- fixtures: clean data written by the project's own writers, corrupted per test --------------------
@@ -134,6 +135,36 @@ def test_npz_dense_not_finite_names_file_row_and_column(clean, tmp_path, split, 
         f"{root / f'{split}-00000.npz'}, row 9: dense column 2 = {np.float32(value)} is not finite"
     )
     with pytest.raises(DataError, match=where):
+        read_all(ShardSource(root), split)
+
+
+def sample_of(lengths: np.ndarray, position: int) -> int:
+    """The sample that holds value `position` of a multi-hot column with these bag sizes."""
+    return int(np.searchsorted(np.cumsum(lengths), position, side="right"))
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_preprocessed_weight_not_finite_names_file_row_and_feature(clean, tmp_path, split, value):
+    """A NaN weight would scale its id's row into the pooled sum: the run would stop steps later at a
+    NaN loss blamed on the learning rates, naming no file."""
+    root = copy(clean, tmp_path, "preprocessed", "weighted")
+    folder = part(root, split)
+    set_npy(folder / "weights_C3.npy", 40, value)
+    row = sample_of(np.load(folder / "lengths_C3.npy"), 40)
+    where = re.escape(f"{folder}/weights_C3.npy, row {row}: weight {np.float32(value)} of an id of feature 'C3'")
+    with pytest.raises(DataError, match=where + " is not finite.*must be finite numbers"):
+        read_all(preprocessed(root), split)
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_npz_weight_not_finite_names_file_row_and_feature(clean, tmp_path, split):
+    root = copy(clean, tmp_path, "npz", "weighted")
+    path = root / f"{split}-00000.npz"
+    set_npz(path, "weights_C1", 25, np.nan)
+    with np.load(path) as z:
+        row = sample_of(z["lengths_C1"], 25)
+    with pytest.raises(DataError, match=re.escape(f"{path}, row {row}: weight nan of an id of feature 'C1'")):
         read_all(ShardSource(root), split)
 
 
@@ -306,6 +337,27 @@ def test_parquet_dense_not_finite_names_file_row_group_row_and_column(tmp_path, 
     for split in ("train", "eval"):
         with pytest.raises(DataError, match=where):
             read_all(ParquetSource(config), split)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf"), 1e300], ids=["nan", "inf", "beyond_float32"])
+@pytest.mark.parametrize("multi_hot", [False, True])
+def test_parquet_weight_not_finite_names_file_row_group_row_and_feature(tmp_path, value, multi_hot):
+    """Zero and negative weights are weights; NaN, inf and a float64 beyond float32 are not."""
+    weights = [[0.5, 0.0], [-2.0], [1.0, value], [1.0]] if multi_hot else [0.5, -2.0, value, 0.0]
+    ids = [[1, 2], [3], [4, 5], [6]] if multi_hot else [1, 3, 4, 6]
+    table = pa.table({"label": [0, 1, 0, 1], "d0": [1.0] * 4, "ids": ids, "w": weights})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=2)
+    path = str(tmp_path / "t.parquet")
+    config = ParquetConfig(paths=[path], eval_paths=[path], dense=["d0"], shuffle=False,
+                           features=[{"name": "ids", "weights": "w"}])  # fmt: skip
+    where = re.escape(f"{tmp_path / 't.parquet'}, row group 1, row 0: weight {value!r} of an id of feature 'ids'")
+    for split in ("train", "eval"):
+        with pytest.raises(DataError, match=where):
+            read_all(ParquetSource(config), split)
+    table = table.set_column(3, "w", pa.array([[0.5, 0.0], [-2.0], [1.0, 3.0], [1.0]] if multi_hot else [0.5, -2.0, 3.0, 0.0]))
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=2)
+    batch = read_all(ParquetSource(config))[0]
+    assert batch.sparse.weights.tolist() == ([0.5, 0.0, -2.0, 1.0, 3.0, 1.0] if multi_hot else [0.5, -2.0, 3.0, 0.0])
 
 
 # ---- MovieLens ------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Value checks shared by the readers: labels, dense values and id ranges, with one wording for all.
+"""Value checks shared by the readers: labels, dense values, id weights and id ranges, with one wording
+for all.
 
 A reader runs them when it opens a file (a preprocessed shard's part, a generated .npz file, a Parquet
 row group), before any of its samples are handed out, so that a bad value stops the run with the file,
@@ -113,6 +114,23 @@ def check_dense(dense: np.ndarray, where: str, names: Sequence[str] | None = Non
         row, column = bad
         label = f"{column} ({names[column]})" if names and column < len(names) else str(column)
         raise dense_error(where, row, label, _at(dense, row, column))
+
+
+def check_weights(weights: np.ndarray, where: str, feature: str, lengths: np.ndarray | None = None) -> None:
+    """DataError naming `where`, the row (the sample; `lengths`: the bag sizes of a multi-hot column),
+    the feature and the value when an id's weight is NaN or infinite (a float64 beyond float32's range
+    included): it scales the id's row in the pooled sum, so it would reach the loss as a NaN that names
+    no file. Any finite weight is a weight (zero and negative ones included)."""
+    with np.errstate(over="ignore"):
+        bad = _first_not(weights, lambda x: np.isfinite(x.astype(np.float32, copy=False)))
+    if bad is not None:
+        position = bad[0]
+        row = position if lengths is None else _sample_of(position, lengths)
+        raise DataError(
+            f"{where}, row {row}: weight {quote(weights[position])} of an id of feature {feature!r} is not "
+            "finite as float32; id weights must be finite numbers (no NaN or inf, magnitude below 3.4e38): "
+            "fix the data"
+        )
 
 
 # ---- ids against their table -------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from neorec.config.schema import ParquetFeatureConfig
-from neorec.data.checks import check_ids, check_labels, dense_error, first_nonfinite
+from neorec.data.checks import check_ids, check_labels, check_weights, dense_error, first_nonfinite
 from neorec.data.columns import Columns
 from neorec.data.criteo import MAX_HEX_DIGITS, parse_hex
 from neorec.data.vocab import apply_vocab
@@ -278,4 +278,6 @@ def _weights(column: pa.ChunkedArray, lengths: np.ndarray | None, where: str, f:
                 f"{lengths[i]} ids of column {f.column!r}"
             )
         arr = pc.list_flatten(arr)
-    return pc.fill_null(arr, 1.0).to_numpy(zero_copy_only=False).astype(np.float32)
+    weights = pc.fill_null(arr, 1.0).to_numpy(zero_copy_only=False)
+    check_weights(weights, where, f.name, lengths)
+    return weights.astype(np.float32)

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from neorec.data.batch import Batch
-from neorec.data.checks import check_dense, check_ids, check_labels, checked_mode
+from neorec.data.checks import check_dense, check_ids, check_labels, check_weights, checked_mode
 from neorec.data.columns import Columns, assemble, batch_pieces
 from neorec.data.manifest import SPLITS, check_part_files, load_manifest, shard_name
 from neorec.data.prefetch import ordered_map, prefetch
@@ -95,15 +95,17 @@ class _Part:
     def check(
         self, features: list[FeatureSpec], raw: set[str], bounds_check: str, dense_names: list[str]
     ) -> None:
-        """Stop (DataError naming the .npy file, row, column and value) at a label other than 0 or 1 or a
-        dense value that is not finite; check ids against their tables as `bounds_check` says (`raw`:
+        """Stop (DataError naming the .npy file, row, column and value) at a label other than 0 or 1, a
+        dense value or an id weight that is not finite; check ids against their tables as `bounds_check` says (`raw`:
         features holding raw ids of managed-collision tables, which need only be >= 0). When every id
         was checked and lies in its table, the tables' bounds become the part's id limits, which its
         batches carry (the embedding engines' id check then reads no id of theirs again)."""
         check_labels(self.labels, str(self.folder / "labels.npy"))
         check_dense(self.dense, str(self.folder / "dense.npy"), dense_names)
         outside = 0
-        for f, ids, ln in zip(features, self.ids, self.lengths, strict=True):
+        for f, ids, ln, w in zip(features, self.ids, self.lengths, self.weights, strict=True):
+            if w is not None:
+                check_weights(w, str(self.folder / f"weights_{f.name}.npy"), f.name, ln)
             outside += check_ids(ids, str(self.folder / f"ids_{f.name}.npy"), f.name, f.num_ids, lengths=ln,
                                  raw=f.name in raw, mode=bounds_check)  # fmt: skip
         if bounds_check != "off" and not outside:

@@ -20,7 +20,7 @@ import torch
 
 from neorec.data.batch import Batch
 from neorec.data.blocks import Block, rebatch
-from neorec.data.checks import check_dense, check_ids, check_labels, checked_mode
+from neorec.data.checks import check_dense, check_ids, check_labels, check_weights, checked_mode
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.data.synthetic import SyntheticSource
 from neorec.errors import DataError
@@ -124,6 +124,8 @@ class ShardSource:
         check_labels(t["labels"].numpy(), str(path))
         check_dense(t["dense"].numpy(), str(path))
         for f in self.features:
+            if f"weights_{f.name}" in t:
+                check_weights(t[f"weights_{f.name}"].numpy(), str(path), f.name, t[f"lengths_{f.name}"].numpy())
             check_ids(t[f"values_{f.name}"].numpy(), str(path), f.name, f.num_ids,
                       lengths=t[f"lengths_{f.name}"].numpy(), mode=self.bounds_check)  # fmt: skip
 
