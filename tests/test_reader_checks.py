@@ -152,7 +152,9 @@ def test_preprocessed_weight_not_finite_names_file_row_and_feature(clean, tmp_pa
     folder = part(root, split)
     set_npy(folder / "weights_C3.npy", 40, value)
     row = sample_of(np.load(folder / "lengths_C3.npy"), 40)
-    where = re.escape(f"{folder}/weights_C3.npy, row {row}: weight {np.float32(value)} of an id of feature 'C3'")
+    where = re.escape(
+        f"{folder}/weights_C3.npy, row {row}: weight {np.float32(value)} of an id of feature 'C3'"
+    )
     with pytest.raises(DataError, match=where + " is not finite.*must be finite numbers"):
         read_all(preprocessed(root), split)
 
@@ -350,14 +352,20 @@ def test_parquet_weight_not_finite_names_file_row_group_row_and_feature(tmp_path
     path = str(tmp_path / "t.parquet")
     config = ParquetConfig(paths=[path], eval_paths=[path], dense=["d0"], shuffle=False,
                            features=[{"name": "ids", "weights": "w"}])  # fmt: skip
-    where = re.escape(f"{tmp_path / 't.parquet'}, row group 1, row 0: weight {value!r} of an id of feature 'ids'")
+    where = re.escape(
+        f"{tmp_path / 't.parquet'}, row group 1, row 0: weight {value!r} of an id of feature 'ids'"
+    )
     for split in ("train", "eval"):
         with pytest.raises(DataError, match=where):
             read_all(ParquetSource(config), split)
-    table = table.set_column(3, "w", pa.array([[0.5, 0.0], [-2.0], [1.0, 3.0], [1.0]] if multi_hot else [0.5, -2.0, 3.0, 0.0]))
+    table = table.set_column(
+        3, "w", pa.array([[0.5, 0.0], [-2.0], [1.0, 3.0], [1.0]] if multi_hot else [0.5, -2.0, 3.0, 0.0])
+    )
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=2)
     batch = read_all(ParquetSource(config))[0]
-    assert batch.sparse.weights.tolist() == ([0.5, 0.0, -2.0, 1.0, 3.0, 1.0] if multi_hot else [0.5, -2.0, 3.0, 0.0])
+    assert batch.sparse.weights.tolist() == (
+        [0.5, 0.0, -2.0, 1.0, 3.0, 1.0] if multi_hot else [0.5, -2.0, 3.0, 0.0]
+    )
 
 
 # ---- MovieLens ------------------------------------------------------------------------------------------

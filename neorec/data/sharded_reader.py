@@ -96,10 +96,11 @@ class _Part:
         self, features: list[FeatureSpec], raw: set[str], bounds_check: str, dense_names: list[str]
     ) -> None:
         """Stop (DataError naming the .npy file, row, column and value) at a label other than 0 or 1, a
-        dense value or an id weight that is not finite; check ids against their tables as `bounds_check` says (`raw`:
-        features holding raw ids of managed-collision tables, which need only be >= 0). When every id
-        was checked and lies in its table, the tables' bounds become the part's id limits, which its
-        batches carry (the embedding engines' id check then reads no id of theirs again)."""
+        dense value or an id weight that is not finite; check ids against their tables as
+        `bounds_check` says (`raw`: features holding raw ids of managed-collision tables, which need
+        only be >= 0). When every id was checked and lies in its table, the tables' bounds become the
+        part's id limits, which its batches carry (the embedding engines' id check then reads no id of
+        theirs again)."""
         check_labels(self.labels, str(self.folder / "labels.npy"))
         check_dense(self.dense, str(self.folder / "dense.npy"), dense_names)
         outside = 0

@@ -119,15 +119,16 @@ class ShardSource:
         )  # fmt: skip
 
     def _check(self, path: Path, t: dict[str, torch.Tensor]) -> None:
-        """The file's labels, dense values and ids (see the module docstring); rows are sample indices in
-        the file."""
+        """The file's labels, dense values, id weights and ids (see the module docstring); rows are
+        sample indices in the file."""
         check_labels(t["labels"].numpy(), str(path))
         check_dense(t["dense"].numpy(), str(path))
         for f in self.features:
+            lengths = t[f"lengths_{f.name}"].numpy()
             if f"weights_{f.name}" in t:
-                check_weights(t[f"weights_{f.name}"].numpy(), str(path), f.name, t[f"lengths_{f.name}"].numpy())
-            check_ids(t[f"values_{f.name}"].numpy(), str(path), f.name, f.num_ids,
-                      lengths=t[f"lengths_{f.name}"].numpy(), mode=self.bounds_check)  # fmt: skip
+                check_weights(t[f"weights_{f.name}"].numpy(), str(path), f.name, lengths)
+            check_ids(t[f"values_{f.name}"].numpy(), str(path), f.name, f.num_ids, lengths=lengths,
+                      mode=self.bounds_check)  # fmt: skip
 
     def _batches(
         self, split: str, batch_size: int, epoch: int, rank: int = 0, world_size: int = 1

@@ -47,7 +47,7 @@ def workload_for_run(
     one_machine: every rank on this machine, so "auto" wire precisions are those of shared memory."""
     batches = []
     if num_batches > 0:
-        source = source or build_source(cfg)
+        source = build_source(cfg) if source is None else source
         for batch in source.train_batches(cfg.data.batch_size, 0):
             batches.append(batch)
             if len(batches) == num_batches:
