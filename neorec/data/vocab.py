@@ -118,8 +118,25 @@ def load_vocabs(folder: Path, names: list[str]) -> list[np.ndarray]:
             raise DataError(f"{path}: not a readable vocabulary ({e}); {_AGAIN}") from None
         if vocab.ndim != 1 or vocab.dtype.kind not in "iu":
             raise DataError(f"{path}: a {vocab.dtype} array of shape {vocab.shape}, expected 1-D integers; {_AGAIN}")
-        vocabs.append(vocab)
+        vocabs.append(_checked_order(vocab, path))
     return vocabs
+
+
+def _checked_order(vocab: np.ndarray, path: Path) -> np.ndarray:
+    """`vocab` as uint64 once it holds distinct raw values >= 0 in increasing order, as ids are looked up
+    by binary search: a value out of order would map its raw values, and others', to id 0 unnoticed."""
+    if vocab.dtype.kind == "i" and vocab.size and int(vocab.min()) < 0:
+        i = int(np.argmax(vocab < 0))
+        raise DataError(f"{path}: entry {i} is {vocab[i]}; a vocabulary holds raw values >= 0")
+    vocab = vocab.astype(np.uint64, copy=False)
+    later = np.flatnonzero(vocab[1:] <= vocab[:-1])
+    if later.size:
+        i = int(later[0]) + 1
+        raise DataError(
+            f"{path}: entry {i} ({vocab[i]}) does not follow entry {i - 1} ({vocab[i - 1]}); a vocabulary "
+            "lists distinct raw values in increasing order (entry k is id k + 1), as np.unique gives them"
+        )
+    return vocab
 
 
 class SpillingCounts:

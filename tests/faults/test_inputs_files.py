@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -288,3 +289,28 @@ def test_vocabularies_are_checked_when_read_and_names_stay_in_their_folder(tmp_p
     for name in ("../../evil", "/etc/passwd", ".."):
         with pytest.raises(DataError, match="is not a plain name"):
             load_vocabs(folder, [name])
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ([5, 2, 9], r"entry 1 \(2\) does not follow entry 0 \(5\); a vocabulary lists distinct raw values"),
+        ([2, 5, 5, 9], r"entry 2 \(5\) does not follow entry 1 \(5\)"),
+        ([3, -1, 4], r"entry 1 is -1; a vocabulary holds raw values >= 0"),
+    ],
+    ids=["unsorted", "repeated", "negative"],
+)
+def test_a_vocabulary_written_by_hand_is_refused_out_of_order(tmp_path, values, message):
+    """A hand-written vocabulary (a folder without settings.json) is read without checksums, and ids
+    are found in it by binary search: out of order, raw values it holds would silently get id 0."""
+    from neorec.data.vocab import load_vocabs
+    from neorec.errors import DataError
+
+    folder = tmp_path / "vocab"
+    folder.mkdir()
+    np.save(folder / "C1.npy", np.array(values, np.int64))
+    with pytest.raises(DataError, match=re.escape(str(folder / "C1.npy")) + ": " + message):
+        load_vocabs(folder, ["C1"])
+    np.save(folder / "C1.npy", np.array(sorted(set(v for v in values if v >= 0)), np.int64))
+    (vocab,) = load_vocabs(folder, ["C1"])
+    assert vocab.dtype == np.uint64 and vocab.tolist() == sorted(set(v for v in values if v >= 0))
