@@ -4,6 +4,7 @@ CPU build cannot train, so it is written here as TorchRec names it), and the err
 key or table. Against TorchRec itself: tests/test_torchrec_dcp.py."""
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -126,3 +127,29 @@ def test_mistakes_name_the_key_or_table(tmp_path):
     with pytest.raises(NeorecError, match=r"names tables \['nope'\]"):
         save_dcp(source, tmp_path / "no", row_state_columns={"nope": [0]})
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize(
+    "key, index, shown",
+    [
+        (f"model.{EBC}t1.weight", (5, 2), "nan at row 5, column 2"),
+        (f"optim.state.{EBC}t0.weight.t0.momentum1", (9,), "inf at row 9"),
+    ],
+    ids=["weight", "row_state"],
+)
+def test_a_checkpoint_holding_nan_or_inf_is_refused_naming_key_and_row(tmp_path, key, index, shown):
+    """A checkpoint of a TorchRec run that diverged: loaded, its NaN would train to a NaN loss that
+    names the learning rates, not the checkpoint."""
+    source = _collection()
+    save_dcp(source, tmp_path / "ok", module_prefix="sparse.")
+    tensors = _everything(tmp_path / "ok")
+    tensors[key][index] = float("nan") if "nan" in shown else float("inf")
+    _save_plain(tmp_path / "bad", tensors)
+    message = re.escape(f"{tmp_path / 'bad'}: '{key}' holds {shown}: not a finite number")
+    with pytest.raises(NeorecError, match=message):
+        load_dcp(_collection(), tmp_path / "bad")
+    if key.startswith("optim."):  # the weights alone load: the bad state is not read
+        load_dcp(_collection(), tmp_path / "bad", optimizer_state=False)
+    else:
+        with pytest.raises(NeorecError, match=message):
+            load_dcp(_collection(), tmp_path / "bad", optimizer_state=False)

@@ -192,11 +192,33 @@ class _PartsLoadPlanner(LoadPlanner):
 
 
 def load_parts(reader: CheckedReader, parts: Mapping[str, Sequence[Part]]) -> None:
-    """Fill every part from the checkpoint, in this process alone (not a collective)."""
+    """Fill every part from the checkpoint, in this process alone (not a collective), and refuse a
+    value that is NaN or infinite (TorchRecInteropError naming the folder, key, row and value): a
+    checkpoint of a run that diverged would otherwise train to a NaN loss blamed on the learning rates."""
     if parts:
         with warnings.catch_warnings():  # DCP warns that one process loads alone, which is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({}, storage_reader=reader, planner=_PartsLoadPlanner(parts), no_dist=True)
+    for key, held in parts.items():
+        for offsets, t in held:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise TorchRecInteropError(
+                    f"{reader.path}: {key!r} holds {_first_nonfinite(t, offsets)}: not a finite number; the "
+                    "run that saved it diverged or the files are damaged, and a model cannot train from it"
+                )
+
+
+def _first_nonfinite(t: torch.Tensor, offsets: Sequence[int]) -> str:
+    """The first NaN or infinite value of part `t` (placed at `offsets` in its tensor) and where it is."""
+    flat = int(torch.argmin(torch.isfinite(t).flatten().to(torch.uint8)))
+    index = [
+        int(o) + int(i)
+        for o, i in zip(offsets, torch.unravel_index(torch.tensor(flat), t.shape), strict=True)
+    ]
+    where = f" at row {index[0]}" if index else ""
+    if len(index) > 1:
+        where += f", column {index[1]}"
+    return f"{t.flatten()[flat].item()}{where}"
 
 
 class _PartsSavePlanner(DefaultSavePlanner):
