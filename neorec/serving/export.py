@@ -24,8 +24,14 @@ from neorec.data.manifest import load_manifest
 from neorec.data.source import DataSource
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, feature_order
 from neorec.errors import NeorecError
-from neorec.serving.aoti_package import check_package_path
-from neorec.serving.file_format import ExportError, check_output_file, export_size, write_export
+from neorec.serving.aoti_package import check_package_path, is_aoti
+from neorec.serving.file_format import (
+    ExportError,
+    check_output_file,
+    export_size,
+    is_export_file,
+    write_export,
+)
 from neorec.serving.model import build_inference_model, file_tensors, info_to_json
 from neorec.serving.quantize import BITS, SCALE_DTYPES, QuantizedRows, kind_of, quantize_rows
 
@@ -254,9 +260,10 @@ def export_model(
         raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
     if format == "aoti":
         check_package_path(out)
+        check_output_file(out, "--out", is_aoti, "an AOTInductor package")
     start = time.perf_counter()
     if format == "nrx":  # a pt2 export is a folder, which may hold an earlier export to replace
-        check_output_file(out, "--out")
+        check_output_file(out, "--out", is_export_file, "a neorec export (.nrx)")
     trained = load_trained(path, config, source)
     cfg = trained.config
     check_exportable(cfg, path, format, trained.tables)

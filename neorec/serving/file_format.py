@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -84,10 +85,28 @@ def export_size(header: dict, tensors: dict[str, torch.Tensor]) -> int:
     return _data_start(len(text)) + sum(r.numel() + _pad(r.numel()) for r in raws)
 
 
-def check_output_file(path: str | Path, flag: str) -> None:
-    """An output file's path does not name a folder (checked before any work)."""
+def check_output_file(
+    path: str | Path, flag: str, replaces: Callable[[Path], bool] | None = None, kind: str = ""
+) -> None:
+    """An output file's path does not name a folder, nor (with `replaces`, which tells whether an
+    existing file is an earlier output of this `kind`) a file of anything else: a run's model.pt, a
+    config or data given by mistake are never written over. Checked before any work."""
     if Path(path).is_dir():
         raise ExportError(f"{flag} {path}: is a folder; give the path of the file to write")
+    if replaces is not None and Path(path).is_file() and not replaces(Path(path)):
+        raise ExportError(
+            f"{flag} {path}: is a file that is not {kind}; an export replaces only an earlier export of its "
+            "format, never a run's model.pt, a config or data: give a new path"
+        )
+
+
+def is_export_file(path: str | Path) -> bool:
+    """A file that starts as an export file does (its magic line); the rest is not read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
 
 
 def write_export(path: str | Path, header: dict, tensors: dict[str, torch.Tensor]) -> int:

@@ -14,7 +14,9 @@ are written with 9 significant digits, which round-trips float32 exactly.
 
 from __future__ import annotations
 
+import os
 import time
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ import torch
 from neorec.data.batch import Batch
 from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.metrics.evaluation import binary_metrics
-from neorec.serving.file_format import ExportError, check_output_file
+from neorec.serving.file_format import ExportError, check_output_file, is_export_file
 from neorec.serving.model import ExportedModel, load_export
 from neorec.utils.files import write_atomic
 
@@ -111,6 +113,7 @@ def predict_file(
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     start = time.perf_counter()
     check_output_file(out, "--out")
+    _check_not_an_input(Path(out), Path(model), data)
     exported = load_export(model, bounds_check)
     size = batch_size or exported.config.data.eval_batch_size
     batches = _read(data_batches(exported, size, data, bounds_check), data)
@@ -149,6 +152,17 @@ def _read(batches: Iterator[Batch], data: str | Path | None) -> Iterator[Batch]:
             raise
         name = e.filename if e.filename is not None else data or "the model's held-out data"
         raise DataError(f"{name}: cannot be read ({e.strerror or e})") from e
+
+
+def _check_not_an_input(out: Path, model: Path, data: str | Path | None) -> None:
+    """Predictions never replace the model or the data they are made from, nor any model file."""
+    for what, path in (("the model", model), ("the data", Path(data) if data is not None else None)):
+        if path is not None and out.exists() and path.exists() and os.path.samefile(out, path):
+            raise ExportError(
+                f"--out {out}: is {what} this command reads; give another path for the predictions"
+            )
+    if out.is_file() and (is_export_file(out) or zipfile.is_zipfile(out)):
+        raise ExportError(f"--out {out}: is a model file; predictions never replace one: give another path")
 
 
 def _header(tasks: list[str], with_labels: bool) -> bytes:

@@ -93,6 +93,45 @@ def fake_gz(path: Path) -> Path:
     return path
 
 
+# ---- export and predict never write over what they read --------------------------------------------------
+@pytest.mark.parametrize("target", ["model.pt", "config.yaml"])
+@pytest.mark.parametrize("format", ["nrx", "aoti"])
+def test_export_does_not_write_over_a_file_that_is_not_an_earlier_export(
+    run, tmp_path, capsys, target, format
+):
+    """`--out RUN/model.pt` replaced the trained model with the export; an export file replaces only an
+    earlier export of its format."""
+    root = Path(shutil.copytree(run, tmp_path / "run"))
+    out = root / target if format == "nrx" else (root / target).with_suffix(".pt2")
+    if format == "aoti":
+        shutil.copy(root / target, out)  # the same bytes under the package's suffix
+    before = out.read_bytes()
+    code = run_main(["export", str(root), "--out", str(out), "--format", format, "--no-eval"])
+    one_line(capsys, code, 2, f"--out {out}: is a file that is not", "give a new path")
+    assert out.read_bytes() == before
+    export = tmp_path / "m.nrx"
+    for _ in range(2):  # an earlier export is replaced
+        assert run_main(["export", str(root), "--out", str(export), "--no-eval"]) == 0
+    capsys.readouterr()
+
+
+def test_predict_does_not_write_over_its_model_its_data_or_any_model(criteo_model, run, tmp_path, capsys):
+    model = Path(shutil.copy(criteo_model, tmp_path / "m.nrx"))
+    data = Path(shutil.copy(FIXTURE_TSV, tmp_path / "day.tsv"))
+    for out, data_flag, words in [
+        (model, [], "is the model this command reads"),
+        (data, ["--data", str(data)], "is the data this command reads"),
+        (run / "model.pt", [], "is a model file; predictions never replace one"),
+    ]:
+        before = out.read_bytes()
+        code = run_main(["predict", str(model), *data_flag, "--out", str(out)])
+        one_line(capsys, code, 2, f"--out {out}: {words}")
+        assert out.read_bytes() == before
+    for _ in range(2):  # earlier predictions are replaced
+        assert run_main(["predict", str(model), "--data", str(data), "--out", str(tmp_path / "p.txt")]) == 0
+    capsys.readouterr()
+
+
 # ---- export and predict: dense layers that do not fit the config ---------------------------------------
 @pytest.mark.parametrize(
     "change, words",
