@@ -205,6 +205,7 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
     from neorec.planner.hardware import load_calibration
+    from neorec.train.run_folder import previous_run
     from neorec.train.run_plan import plan_command
 
     if args.calibrate and (args.nproc or 2) > max_processes():  # the calibration starts them on this machine
@@ -217,6 +218,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config or "default", overrides) if args.model == "config" else None
     name = args.model if args.model != "config" else (cfg.name if cfg else "plan")
     out_dir = output_folder(args.output_dir or f"runs/plan-{name}", "--output-dir")
+    run_files = [n for n in ("config.yaml", "metrics.jsonl") if (Path(out_dir) / n).is_file()]
+    if run_files:  # a run's folder (an earlier plan's holds the plan's files alone): its files would be replaced
+        found = run_files + previous_run(Path(out_dir), Path(out_dir) / "checkpoints")
+        raise NeorecError(
+            f"--output-dir {out_dir}: holds a run ({', '.join(found)}); neorec plan writes plan.json, report.txt, "
+            "summary.json and plan.png, which would replace the run's: give another folder"
+        )
     if args.calibrate:
         from neorec.planner.calibrate import calibrate
 

@@ -132,6 +132,20 @@ def test_predict_does_not_write_over_its_model_its_data_or_any_model(criteo_mode
     capsys.readouterr()
 
 
+def test_plan_does_not_write_over_a_runs_files(run, tmp_path, capsys):
+    """`neorec plan --output-dir RUN` replaced the run's summary.json (its final metrics) and plan.json;
+    a folder an earlier plan wrote is written again."""
+    root = Path(shutil.copytree(run, tmp_path / "run"))
+    before = (root / "summary.json").read_bytes()
+    code = run_main(["plan", *sets(TINY), "--batches", "1", "--output-dir", str(root)])
+    one_line(capsys, code, 2, f"--output-dir {root}: holds a run (config.yaml", "give another folder")
+    assert (root / "summary.json").read_bytes() == before and not (root / "report.txt").exists()
+    for _ in range(2):
+        assert run_main(["plan", *sets(TINY), "--batches", "1", "--output-dir", str(tmp_path / "plan")]) == 0
+    assert (tmp_path / "plan" / "report.txt").is_file()
+    capsys.readouterr()
+
+
 # ---- export and predict: dense layers that do not fit the config ---------------------------------------
 @pytest.mark.parametrize(
     "change, words",
