@@ -100,6 +100,7 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
     from neorec.interop.torchrec.dcp import save_dcp
+    from neorec.interop.torchrec.dcp_io import check_replaceable
     from neorec.model.dlrm import DLRM
     from neorec.serving.export import find_run_config
     from neorec.train.build import build_model, build_source, build_tables
@@ -110,6 +111,7 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
     cfg = load_config(str(Path(args.config) if args.config else find_run_config(path)))
     check_memory(cfg)
     writable(args.out, "--out")
+    check_replaceable(args.out)  # before any work: the checkpoint replaces the folder
     root = path
     if (path / "config.yaml").is_file():  # a run folder: its checkpoints
         root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else path / "checkpoints"

@@ -153,3 +153,39 @@ def test_a_checkpoint_holding_nan_or_inf_is_refused_naming_key_and_row(tmp_path,
     else:
         with pytest.raises(NeorecError, match=message):
             load_dcp(_collection(), tmp_path / "bad", optimizer_state=False)
+
+
+def test_a_checkpoint_replaces_only_an_earlier_checkpoint(tmp_path):
+    """The checkpoint replaces its folder whole: given a run's folder (or any other) by mistake, it
+    removed everything in it. Only an absent or empty folder, or an earlier DCP checkpoint, is taken."""
+    source = _collection()
+    save_dcp(source, tmp_path / "ckpt", module_prefix="sparse.")
+    save_dcp(source, tmp_path / "ckpt", module_prefix="sparse.")  # an earlier checkpoint: replaced
+    (tmp_path / "empty").mkdir()
+    save_dcp(source, tmp_path / "empty", module_prefix="sparse.")
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.yaml", "model.pt", "summary.json", "notes.txt"):
+        (run / name).write_text(name)
+    with pytest.raises(
+        NeorecError, match=r"run holds other files \(config.yaml, model.pt, notes.txt and 1 more\)"
+    ):
+        save_dcp(source, run, module_prefix="sparse.")
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "model.pt", "notes.txt", "summary.json"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NeorecError, match="file: is a file; a DCP checkpoint is a folder"):
+        save_dcp(source, tmp_path / "file", module_prefix="sparse.")
+
+
+def test_export_dcp_into_another_runs_folder_is_refused_before_any_work(tmp_path, capsys):
+    sets = [x for kv in [*TINY, "checkpoint.every_steps=2"] for x in ("--set", kv)]
+    assert main(["train", *sets, "--output-dir", str(tmp_path / "a")]) == 0
+    assert main(["train", *sets, "--output-dir", str(tmp_path / "b")]) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "b").iterdir()}
+    capsys.readouterr()
+    assert main(["checkpoint", "export-dcp", str(tmp_path / "a"), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"neorec: error: {tmp_path / 'b'} holds other files (") and "give a new folder" in err
+    ), err
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "b").iterdir()} == before

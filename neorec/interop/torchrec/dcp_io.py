@@ -256,6 +256,31 @@ class _PartsSavePlanner(DefaultSavePlanner):
         return self.by_index[(index.fqn, tuple(index.offset))]
 
 
+def check_replaceable(folder: str | Path) -> Path:
+    """`folder`, once it is known to be absent, empty or an earlier DCP checkpoint (its `.metadata` and
+    `.distcp` files alone), the only folder a checkpoint written there may replace: a run's folder or any
+    other given by mistake would be removed with everything in it."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise TorchRecInteropError(f"{folder}: is a file; a DCP checkpoint is a folder")
+    if not folder.name or folder.resolve() == Path.cwd().resolve():
+        raise TorchRecInteropError(
+            f"{folder}: name a folder of its own for the DCP checkpoint, not the current one"
+        )
+    others = (
+        sorted(p.name for p in folder.iterdir() if p.name != ".metadata" and p.suffix != ".distcp")
+        if folder.is_dir()
+        else []
+    )
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise TorchRecInteropError(
+            f"{folder} holds other files ({shown}); a DCP checkpoint replaces only an earlier one (.metadata and "
+            ".distcp files): give a new folder"
+        )
+    return folder
+
+
 def save_parts(
     folder: str | Path, parts: Mapping[str, Sequence[Part]], sizes: Mapping[str, Sequence[int]]
 ) -> Path:
@@ -263,7 +288,7 @@ def save_parts(
     write a DCP checkpoint whose tensor `key` has global size `sizes[key]` and is made of the parts
     of all ranks. It is written into a hidden temporary folder that is renamed to `folder` once
     complete, so `folder` never holds a partial checkpoint; an existing `folder` is replaced."""
-    folder = Path(folder)
+    folder = check_replaceable(folder)
     tmp = folder.with_name(f".{folder.name}.tmp")
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
