@@ -218,9 +218,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config or "default", overrides) if args.model == "config" else None
     name = args.model if args.model != "config" else (cfg.name if cfg else "plan")
     out_dir = output_folder(args.output_dir or f"runs/plan-{name}", "--output-dir")
-    run_files = [n for n in ("config.yaml", "metrics.jsonl") if (Path(out_dir) / n).is_file()]
+    folder = Path(out_dir)
+    run_files = [n for n in ("config.yaml", "metrics.jsonl") if (folder / n).is_file()]
     if run_files:  # a run's folder (an earlier plan's holds the plan's files alone): its files would be replaced
-        found = run_files + previous_run(Path(out_dir), Path(out_dir) / "checkpoints")
+        found = run_files + previous_run(folder, folder / "checkpoints")
         raise NeorecError(
             f"--output-dir {out_dir}: holds a run ({', '.join(found)}); neorec plan writes plan.json, report.txt, "
             "summary.json and plan.png, which would replace the run's: give another folder"

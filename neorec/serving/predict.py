@@ -156,8 +156,9 @@ def _read(batches: Iterator[Batch], data: str | Path | None) -> Iterator[Batch]:
 
 def _check_not_an_input(out: Path, model: Path, data: str | Path | None) -> None:
     """Predictions never replace the model or the data they are made from, nor any model file."""
-    for what, path in (("the model", model), ("the data", Path(data) if data is not None else None)):
-        if path is not None and out.exists() and path.exists() and os.path.samefile(out, path):
+    inputs = {"the model": model, **({"the data": Path(data)} if data is not None else {})}
+    for what, path in inputs.items():
+        if out.exists() and path.exists() and os.path.samefile(out, path):
             raise ExportError(
                 f"--out {out}: is {what} this command reads; give another path for the predictions"
             )

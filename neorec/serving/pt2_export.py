@@ -32,7 +32,7 @@ from neorec.serving.model import file_tensors
 from neorec.serving.pt2_file import HEADER_FILE, MODEL_FILE, WEIGHTS_FILE
 from neorec.serving.pt2_model import PT2_FORMAT, ScoringProgram, TableLookups
 from neorec.serving.safetensors_file import write_safetensors
-from neorec.utils.files import FileWriteError, file_crc32, replace_folder, write_atomic
+from neorec.utils.files import FileWriteError, file_crc32, foreign_files, replace_folder, write_atomic
 
 
 def example_inputs(
@@ -91,7 +91,7 @@ def write_pt2(
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
     ours = {MODEL_FILE, WEIGHTS_FILE, MODEL_FILE + ".tmp", WEIGHTS_FILE + ".tmp"}
-    others = sorted(p.name for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
+    others = foreign_files(out, ours.__contains__)
     if others:
         raise ExportError(
             f"{out} holds other files ({', '.join(others[:3])}); --format pt2 writes the whole folder: give a new "

@@ -113,6 +113,12 @@ def replace_folder(new: Path, place: Path) -> None:
     fsync_dir(place.parent)
 
 
+def foreign_files(folder: Path, ours: Callable[[str], bool]) -> list[str]:
+    """The names in `folder` (when it is one) that `ours` does not claim, sorted: what replacing the
+    folder whole (replace_folder) would remove besides an earlier version of itself."""
+    return sorted(p.name for p in folder.iterdir() if not ours(p.name)) if folder.is_dir() else []
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one step (renameat2 with RENAME_EXCHANGE); False where that is not available."""
     try:

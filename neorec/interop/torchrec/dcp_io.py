@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from neorec.interop.torchrec.common import TorchRecInteropError
-from neorec.utils.files import fsync_dir
+from neorec.utils.files import foreign_files, fsync_dir
 
 METADATA = ".metadata"
 Part = tuple[Sequence[int], torch.Tensor]  # (global offsets, the region's tensor)
@@ -267,11 +267,7 @@ def check_replaceable(folder: str | Path) -> Path:
         raise TorchRecInteropError(
             f"{folder}: name a folder of its own for the DCP checkpoint, not the current one"
         )
-    others = (
-        sorted(p.name for p in folder.iterdir() if p.name != ".metadata" and p.suffix != ".distcp")
-        if folder.is_dir()
-        else []
-    )
+    others = foreign_files(folder, lambda name: name == ".metadata" or Path(name).suffix == ".distcp")
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise TorchRecInteropError(
