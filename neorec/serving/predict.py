@@ -24,7 +24,9 @@ from typing import BinaryIO
 
 import torch
 
+from neorec.config.data import DataConfig
 from neorec.data.batch import Batch
+from neorec.data.locations import movielens_root
 from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.metrics.evaluation import binary_metrics
 from neorec.serving.file_format import ExportError, check_output_file, is_export_file
@@ -115,6 +117,8 @@ def predict_file(
     check_output_file(out, "--out")
     _check_not_an_input(Path(out), Path(model), data)
     exported = load_export(model, bounds_check)
+    if data is None:
+        _check_not_in_data(Path(out), exported.config.data)
     size = batch_size or exported.config.data.eval_batch_size
     batches = _read(data_batches(exported, size, data, bounds_check), data)
     probs, labels = [], []
@@ -164,6 +168,41 @@ def _check_not_an_input(out: Path, model: Path, data: str | Path | None) -> None
             )
     if out.is_file() and (is_export_file(out) or zipfile.is_zipfile(out)):
         raise ExportError(f"--out {out}: is a model file; predictions never replace one: give another path")
+
+
+def _check_not_in_data(out: Path, data: DataConfig) -> None:
+    """Predictions of a model's own held-out data never replace a file of the data sets its config
+    reads (its training or held-out files, or a file inside its data folders)."""
+    if not out.exists():
+        return
+    for path in _data_paths(data):
+        if not path.exists():
+            continue
+        inside = path.is_dir() and out.resolve().is_relative_to(path.resolve())
+        if inside or os.path.samefile(out, path):
+            raise ExportError(
+                f"--out {out}: is {'in ' if inside else ''}the model's data ({path}: data.source {data.source}); "
+                "give another path for the predictions"
+            )
+
+
+def _data_paths(data: DataConfig) -> list[Path]:
+    """The files and folders `data` reads: those of its source, and a followed folder."""
+    paths: list[str | Path] = []
+    if data.follow is not None:
+        paths.append(data.follow.dir)
+    if data.source == "shards" and data.shards_dir:
+        paths.append(data.shards_dir)
+    if data.source == "criteo_tsv" and data.criteo is not None:
+        paths += data.criteo.train_paths + (data.criteo.eval_paths or [])
+    if data.source == "movielens":
+        paths.append(movielens_root(data.movielens.root))
+    if data.source == "preprocessed" and data.preprocessed is not None and data.preprocessed.path:
+        paths.append(data.preprocessed.path)
+    if data.source == "parquet" and data.parquet is not None:
+        p = data.parquet
+        paths += p.paths + (p.eval_paths or []) + ([p.vocab_dir] if p.vocab_dir else [])
+    return [Path(x) for x in paths]
 
 
 def _header(tasks: list[str], with_labels: bool) -> bytes:

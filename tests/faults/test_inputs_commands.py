@@ -66,7 +66,8 @@ def run(tmp_path_factory) -> Path:
 def criteo_model(tmp_path_factory) -> Path:
     """The export of a run on hashed Criteo TSV, which `neorec predict --data` scores TSV files with."""
     root = tmp_path_factory.mktemp("criteo")
-    Trainer(load_config("default", CRITEO_RUN), root / "run").fit()
+    day = shutil.copy(FIXTURE_TSV, root / "day.tsv")  # the data its config names, which predict reads by default
+    Trainer(load_config("default", [*CRITEO_RUN, f"data.criteo.train_paths=[{day}]"]), root / "run").fit()
     export_model(root / "run", root / "m.nrx", measure=False)
     return root / "m.nrx"
 
@@ -119,17 +120,42 @@ def test_predict_does_not_write_over_its_model_its_data_or_any_model(criteo_mode
     model = Path(shutil.copy(criteo_model, tmp_path / "m.nrx"))
     data = Path(shutil.copy(FIXTURE_TSV, tmp_path / "day.tsv"))
     for out, data_flag, words in [
-        (model, [], "is the model this command reads"),
-        (data, ["--data", str(data)], "is the data this command reads"),
-        (run / "model.pt", [], "is a model file; predictions never replace one"),
+        (model, [], ["is the model this command reads"]),
+        (data, ["--data", str(data)], ["is the data this command reads"]),
+        (run / "model.pt", [], ["is a model file; predictions never replace one"]),
+        (criteo_model.parent / "day.tsv", [], ["is the model's data (", "data.source criteo_tsv"]),
     ]:
         before = out.read_bytes()
         code = run_main(["predict", str(model), *data_flag, "--out", str(out)])
-        one_line(capsys, code, 2, f"--out {out}: {words}")
+        one_line(capsys, code, 2, f"--out {out}: {words[0]}", *words[1:])
         assert out.read_bytes() == before
     for _ in range(2):  # earlier predictions are replaced
         assert run_main(["predict", str(model), "--data", str(data), "--out", str(tmp_path / "p.txt")]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"source": "shards", "shards_dir": "{d}"},
+        {"source": "preprocessed", "preprocessed": {"path": "{d}"}},
+        {"source": "movielens", "movielens": {"root": "{d}"}},
+        {"source": "parquet", "parquet": {"paths": ["{d}/sub"], "eval_paths": ["{d}"], "features": ["a"]}},
+    ],
+)
+def test_predictions_never_replace_a_file_in_the_models_data_folders(tmp_path, settings):
+    """Without --data, predict scores the data its model's config names; --out inside one of its folders
+    is refused (a file of a MovieLens, shards or Parquet folder was replaced by the predictions)."""
+    from neorec.config.data import DataConfig
+    from neorec.serving.predict import _check_not_in_data
+
+    data = DataConfig.model_validate(yaml.safe_load(str(settings).replace("{d}", str(tmp_path))))
+    (tmp_path / "sub").mkdir()
+    for inside in (tmp_path / "sub" / "ratings.csv", tmp_path / "ratings.csv"):
+        inside.write_text("userId,movieId,rating,timestamp\n")
+        with pytest.raises(NeorecError, match=f"--out {inside}: is in the model's data"):
+            _check_not_in_data(inside, data)
+    _check_not_in_data(tmp_path.parent / "elsewhere.txt", data)  # a path outside them is fine
 
 
 def test_plan_does_not_write_over_a_runs_files(run, tmp_path, capsys):
