@@ -66,7 +66,8 @@ def run(tmp_path_factory) -> Path:
 def criteo_model(tmp_path_factory) -> Path:
     """The export of a run on hashed Criteo TSV, which `neorec predict --data` scores TSV files with."""
     root = tmp_path_factory.mktemp("criteo")
-    day = shutil.copy(FIXTURE_TSV, root / "day.tsv")  # the data its config names, which predict reads by default
+    # the data its config names, which predict reads by default
+    day = shutil.copy(FIXTURE_TSV, root / "day.tsv")
     Trainer(load_config("default", [*CRITEO_RUN, f"data.criteo.train_paths=[{day}]"]), root / "run").fit()
     export_model(root / "run", root / "m.nrx", measure=False)
     return root / "m.nrx"
