@@ -67,7 +67,7 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     from neorec.interop.torchrec.dcp import load_dcp
     from neorec.interop.torchrec.dcp_io import read_metadata
     from neorec.model.dlrm import DLRM
-    from neorec.train.run_folder import check_output_dir, run_folders
+    from neorec.train.run_folder import check_output_dir, checkpoint_root, previous_run, run_folders
     from neorec.train.run_lock import hold_run_folders
     from neorec.train.trainer import Trainer
 
@@ -76,13 +76,19 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     read_metadata(args.dcp_dir)  # a DCP folder, before any model is built
     out_dir = Path(args.output_dir or cfg.resolved_output_dir)
     check_output_dir(out_dir)
+    if out_dir.is_dir() and out_dir.resolve() == Path(args.dcp_dir).resolve():
+        raise NeorecError(f"--output-dir {out_dir}: is the DCP folder read; give the run its own folder")
     with hold_run_folders(run_folders(cfg, out_dir)):
-        trainer = Trainer(cfg, out_dir)
-        root = trainer.checkpoints.root
+        root = checkpoint_root(cfg, out_dir)
         if root.is_dir() and any(root.iterdir()):
             raise NeorecError(
                 f"{root} already holds checkpoints; import into another --output-dir, or remove them first"
             )
+        if found := previous_run(out_dir, root):  # a finished run, whose model a resume would replace
+            raise NeorecError(
+                f"--output-dir {out_dir}: holds a run already ({', '.join(found)}); import into another folder"
+            )
+        trainer = Trainer(cfg, out_dir)
         target = trainer.model if isinstance(trainer.model, DLRM) else trainer.embeddings
         report = load_dcp(target, args.dcp_dir, optimizer_state=not args.no_optimizer_state)
         state = trainer.data.position(0, 0)

@@ -4,6 +4,7 @@ CPU build cannot train, so it is written here as TorchRec names it), and the err
 key or table. Against TorchRec itself: tests/test_torchrec_dcp.py."""
 
 import pickle
+import shutil
 import re
 
 import pytest
@@ -64,6 +65,25 @@ def test_export_then_import_a_run_and_train_on(tmp_path):
         assert torch.equal(back[key], value), key
     assert main(["train", *sets, "--output-dir", str(again), "--resume"]) == 0
     assert (again / "model.pt").is_file()
+
+
+def test_import_never_goes_into_a_finished_run_or_the_dcp_folder(tmp_path, capsys):
+    """import-dcp into the folder of a finished run wrote step 0 beside its model.pt, which the next
+    `--resume` then replaced; into the DCP folder, it mixed a run into the checkpoint."""
+    sets = [x for kv in [*TINY, "checkpoint.every_steps=2"] for x in ("--set", kv)]
+    assert main(["train", *sets, "--output-dir", str(tmp_path / "run")]) == 0
+    out = tmp_path / "dcp"
+    assert main(["checkpoint", "export-dcp", str(tmp_path / "run"), "--out", str(out)]) == 0
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # a finished run that kept no checkpoint
+    model = (tmp_path / "run" / "model.pt").read_bytes()
+    capsys.readouterr()
+    for folder, words in [(tmp_path / "run", "holds a run already (summary.json, model.pt)"),
+                          (out, "is the DCP folder read")]:  # fmt: skip
+        assert main(["checkpoint", "import-dcp", str(out), *sets, "--output-dir", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert f"--output-dir {folder}: {words}" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (out / "checkpoints").exists()
+    assert (tmp_path / "run" / "model.pt").read_bytes() == model
 
 
 def test_adam_moments_in_torchrecs_names(tmp_path):
