@@ -4,8 +4,8 @@ CPU build cannot train, so it is written here as TorchRec names it), and the err
 key or table. Against TorchRec itself: tests/test_torchrec_dcp.py."""
 
 import pickle
-import shutil
 import re
+import shutil
 
 import pytest
 import torch
