@@ -91,3 +91,58 @@ def check_resume(data: Any, state: Any, where: str | Path) -> None:
     layout = tuple(k for k in _LAYOUT_WORDS if hasattr(source, k))  # a Parquet reader has no shuffle_window
     reader = {**reader, "rank": data.rank} if data.reads_part else reader
     checked_position(source, reader, layout, where)
+
+
+# settings of a data section that do not change which samples train, in which order: eval-only ones
+# and the readers' speed (threads, batches made ahead); data.follow has its own stream position
+_NOT_THE_STREAM = {
+    "synthetic": {"eval_samples"},
+    "criteo": {"eval_paths"},
+    "preprocessed": {"prefetch", "threads"},
+    "parquet": {"eval_paths", "prefetch"},
+}
+_SECTION = {"synthetic": "synthetic", "criteo_tsv": "criteo", "movielens": "movielens",
+            "preprocessed": "preprocessed", "parquet": "parquet"}  # fmt: skip
+_PATH_KEYS = {"shards_dir", "criteo.train_paths", "movielens.root", "preprocessed.path", "parquet.paths",
+              "parquet.vocab_dir"}  # fmt: skip
+
+
+def data_settings(data: Any) -> dict[str, Any]:
+    """The settings of `data` (a DataConfig) that decide the training samples and their order, by
+    dotted key under `data.`: its source, and its source's section less the keys in _NOT_THE_STREAM.
+    Paths are made absolute, so that a resume from another working folder compares the same files."""
+    out: dict[str, Any] = {"source": data.source}
+    if data.source == "shards":
+        out["shards_dir"] = data.shards_dir
+    name = _SECTION.get(data.source)
+    section = getattr(data, name) if name else None
+    if section is not None:
+        for key, value in section.model_dump(mode="json").items():
+            if key not in _NOT_THE_STREAM.get(name, ()):
+                out[f"{name}.{key}"] = value
+    for key in _PATH_KEYS & out.keys():
+        value = out[key]
+        if value is not None:
+            out[key] = [_absolute(v) for v in value] if isinstance(value, list) else _absolute(value)
+    return out
+
+
+def _absolute(path: str) -> str:
+    return path if "://" in path else str(Path(path).absolute())
+
+
+def check_data_settings(data: Any, state: Any, where: str | Path) -> None:
+    """Refuse a checkpoint whose training data differs from this run's (`data_settings` saved in the
+    manifest's "state"): its data position would continue in other samples. A checkpoint saved
+    without them is not compared."""
+    saved = state.get("data_settings") if isinstance(state, dict) else None
+    if not isinstance(saved, dict):
+        return
+    now = data_settings(data)
+    for key in ["source", *sorted((saved.keys() | now.keys()) - {"source"})]:
+        if saved.get(key) != now.get(key):
+            raise ConfigError(
+                f"checkpoint {where} was trained with data.{key} {saved.get(key)!r}, this run has "
+                f"{now.get(key)!r}: resuming exactly needs the same data settings; resume with the "
+                "checkpoint's (its run's config.yaml), or start a new run (--overwrite)"
+            )

@@ -22,7 +22,7 @@ from neorec.checkpoint.periodic import PeriodicCheckpoints
 from neorec.checkpoint.save import checkpoint_name
 from neorec.config.schema import RunConfig
 from neorec.data.ranks import RankData
-from neorec.data.reader_position import check_resume
+from neorec.data.reader_position import check_data_settings, check_resume, data_settings
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import NeorecError
 from neorec.train.signals import TrainingStopped
@@ -65,6 +65,7 @@ class CheckpointHandling:
         reader's position where it has one. Rank 0's state is the one written."""
         state = self.data.position(epoch, in_epoch)
         state.update(batch_size=self.cfg.data.batch_size, seed=self.cfg.seed)  # must match on resume
+        state.update(data_settings=data_settings(self.cfg.data))  # and so must the data
         state.update(metrics_lines=logger.num_lines, running_loss=running)  # metrics.jsonl goes on seamlessly
         if getattr(self, "progressive", None) is not None:  # a followed stream: its partition so far (collective)
             state.update(self._stream_state())  # type: ignore[attr-defined]
@@ -80,7 +81,9 @@ class CheckpointHandling:
             if self.is_main:
                 log.info(f"no checkpoint in {self.checkpoints.root}; starting from step 0")
             return None
-        check_resume(self.data, read_manifest(path).get("state"), path)
+        state = read_manifest(path).get("state")
+        check_resume(self.data, state, path)
+        check_data_settings(self.cfg.data, state, path)
         return path
 
     def _resume(self, path: Path) -> tuple[int, int, dict | None]:

@@ -90,8 +90,10 @@ def check_resume_before_launch(cfg: RunConfig, out_dir: Path, resume: bool | str
     data position saved under another number of processes (reader_position.check_processes). Each
     process checks the rest before it loads or writes anything (reader_position.check_resume)."""
     from neorec.checkpoint.load import checkpoint_folder, latest_checkpoint, read_manifest
-    from neorec.data.reader_position import check_processes
+    from neorec.data.reader_position import check_data_settings, check_processes
 
     path = latest_checkpoint(checkpoint_root(cfg, out_dir)) if resume is True else checkpoint_folder(resume)
     if path is not None:
-        check_processes(read_manifest(path).get("state"), num_processes, path)
+        state = read_manifest(path).get("state")
+        check_processes(state, num_processes, path)
+        check_data_settings(cfg.data, state, path)

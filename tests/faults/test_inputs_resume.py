@@ -86,8 +86,9 @@ def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_co
     [
         (["model.arch=dcnv2"], "the dense model does not fit: size mismatch for"),
         (["embedding.optimizer.name=adam"], "another embedding optimizer"),
-        (["data.synthetic.rows=[60, 300, 7, 100]"], "C1"),
+        (["data.synthetic.rows=[60, 300, 7, 100]"], "data.synthetic.rows [50, 300, 7, 100], this"),
         (["seed=5"], "seed"),
+        (["data.synthetic.zipf_alpha=1.3"], "data.synthetic.zipf_alpha 1.1, this run has 1.3"),
     ],
 )
 def test_a_refused_resume_leaves_the_run_folder_as_it_was(change, expected, tmp_path, capfd):
@@ -107,3 +108,29 @@ def test_a_refused_resume_leaves_the_run_folder_as_it_was(change, expected, tmp_
     assert expected in lines[0], err
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != "neorec.lock"} == before
     assert main(["eval", str(run)]) == 0
+
+
+def test_the_data_settings_a_resume_compares(tmp_path, monkeypatch):
+    """Those that decide the training samples and their order, with paths made absolute; not the
+    held-out data's nor the reader's speed."""
+    from neorec.config.data import DataConfig
+    from neorec.data.reader_position import check_data_settings, data_settings
+    from neorec.errors import ConfigError
+
+    def settings(**preprocessed):
+        return DataConfig(source="preprocessed", preprocessed={"path": "data/criteo", **preprocessed})
+
+    monkeypatch.chdir(tmp_path)
+    saved = {"data_settings": data_settings(settings())}
+    check_data_settings(settings(path=str(tmp_path / "data/criteo"), prefetch=9, threads=3), saved, "ck")
+    window = "data.preprocessed.shuffle_window 131072, this run has 64"
+    for change, words in [({"path": "data/b"}, "data.preprocessed.path"), ({"shuffle_window": 64}, window)]:
+        with pytest.raises(ConfigError, match=f"checkpoint ck was trained with {words}"):
+            check_data_settings(settings(**change), saved, "ck")
+    check_data_settings(DataConfig(source="movielens"), {"batches": 3}, "ck")  # saved before they were
+    parquet = {"paths": ["a.parquet"], "eval_paths": ["b.parquet"], "features": ["x"]}
+    saved = {"data_settings": data_settings(DataConfig(source="parquet", parquet=parquet))}
+    other_eval = DataConfig(source="parquet", parquet={**parquet, "eval_paths": ["c.parquet"]})
+    check_data_settings(other_eval, saved, "ck")
+    with pytest.raises(ConfigError, match="data.source 'parquet', this run has 'movielens'"):
+        check_data_settings(DataConfig(source="movielens"), saved, "ck")
