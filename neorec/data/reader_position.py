@@ -21,6 +21,13 @@ _LAYOUT_WORDS = {
     "shuffle_window": "data.preprocessed.shuffle_window",
 }
 
+# how a message names the settings the synthetic source saves of itself (SyntheticSource.state)
+_SOURCE_WORDS = {
+    "seed": "seed",
+    "train_samples": "data.synthetic.train_samples",
+    "generator": "data.synthetic.generator (auto: device with train.device cuda and on_device, else host)",
+}
+
 
 def layout_mismatch(where: str, key: str, saved: Any, now: Any) -> ConfigError:
     """The error for a reader position saved under another layout (seed, processes, shuffle)."""
@@ -91,12 +98,20 @@ def check_resume(data: Any, state: Any, where: str | Path) -> None:
     layout = tuple(k for k in _LAYOUT_WORDS if hasattr(source, k))  # a Parquet reader has no shuffle_window
     reader = {**reader, "rank": data.rank} if data.reads_part else reader
     checked_position(source, reader, layout, where)
+    own = source.state() if hasattr(source, "state") and not hasattr(source, "position_after") else {}
+    for key, now in own.items():  # the rest of what the source saves of itself (the synthetic generator's)
+        if key not in (*layout, "epoch", "samples") and key in reader and reader[key] != now:
+            raise ConfigError(
+                f"{where} was trained with {_SOURCE_WORDS.get(key, key)} {reader[key]!r}, this run has {now!r}: "
+                "resuming exactly needs the same data settings"
+            )
 
 
 # settings of a data section that do not change which samples train, in which order: eval-only ones
-# and the readers' speed (threads, batches made ahead); data.follow has its own stream position
+# and the readers' speed (threads, batches made ahead); data.follow has its own stream position, and
+# the synthetic source its generator (host or device, "auto" resolved) in its own state
 _NOT_THE_STREAM = {
-    "synthetic": {"eval_samples"},
+    "synthetic": {"eval_samples", "on_device", "generator"},  # where samples are drawn: SyntheticSource.state
     "criteo": {"eval_paths"},
     "preprocessed": {"prefetch", "threads"},
     "parquet": {"eval_paths", "prefetch"},

@@ -366,8 +366,9 @@ class SyntheticSource:
 
     # ---- resume --------------------------------------------------------------------------------------
     def state(self) -> dict:
-        """What resuming checks besides the position: the data's seed and size."""
-        return {"seed": self.spec.seed, "train_samples": self.spec.train_samples}
+        """What resuming checks besides the position: the data's seed and size, and where its samples are
+        drawn (a device generator's random stream is not the host's)."""
+        return {"seed": self.spec.seed, "train_samples": self.spec.train_samples, "generator": self.generator}
 
     def load_state(self, state: dict) -> None:
         """Make the next training pass over `state["epoch"]` start after `state["samples"]` samples."""

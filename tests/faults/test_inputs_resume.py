@@ -89,6 +89,7 @@ def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_co
         (["data.synthetic.rows=[60, 300, 7, 100]"], "data.synthetic.rows [50, 300, 7, 100], this"),
         (["seed=5"], "seed"),
         (["data.synthetic.zipf_alpha=1.3"], "data.synthetic.zipf_alpha 1.1, this run has 1.3"),
+        (["data.synthetic.generator=device"], "on_device, else host) 'host', this run has 'device'"),
     ],
 )
 def test_a_refused_resume_leaves_the_run_folder_as_it_was(change, expected, tmp_path, capfd):
