@@ -102,8 +102,8 @@ def check_resume(data: Any, state: Any, where: str | Path) -> None:
     for key, now in own.items():  # the rest of what the source saves of itself (the synthetic generator's)
         if key not in (*layout, "epoch", "samples") and key in reader and reader[key] != now:
             raise ConfigError(
-                f"{where} was trained with {_SOURCE_WORDS.get(key, key)} {reader[key]!r}, this run has {now!r}: "
-                "resuming exactly needs the same data settings"
+                f"{where} was trained with {_SOURCE_WORDS.get(key, key)} {reader[key]!r}, this run has "
+                f"{now!r}: resuming exactly needs the same data settings"
             )
 
 
