@@ -19,12 +19,21 @@ def checkpoint_root(cfg: RunConfig, out_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
 
 
+def snapshot_root(cfg: RunConfig, out_dir: Path) -> Path:
+    return Path(cfg.snapshot.dir) if cfg.snapshot.dir else out_dir / "snapshots"
+
+
 def run_folders(cfg: RunConfig, out_dir: Path) -> list[Path]:
-    """The folders a run writes into and locks: the run folder, and checkpoint.dir where that lies
-    outside it and holds checkpoints or will (an absent one with checkpoints off is left alone)."""
-    root = checkpoint_root(cfg, out_dir)
-    inside = root.resolve().is_relative_to(out_dir.resolve())
-    return [out_dir] if inside or not (root.is_dir() or cfg.checkpoint.enabled) else [out_dir, root]
+    """The folders a run writes into and locks: the run folder, and checkpoint.dir and snapshot.dir
+    where they lie outside it and hold checkpoints (snapshots) or will (an absent one that the run
+    does not write is left alone)."""
+    folders = [out_dir]
+    for root, enabled in ((checkpoint_root(cfg, out_dir), cfg.checkpoint.enabled),
+                          (snapshot_root(cfg, out_dir), cfg.snapshot.enabled)):  # fmt: skip
+        inside = any(root.resolve().is_relative_to(f.resolve()) for f in folders)
+        if not inside and (root.is_dir() or enabled):
+            folders.append(root)
+    return folders
 
 
 def check_output_dir(out_dir: Path) -> None:
@@ -32,13 +41,17 @@ def check_output_dir(out_dir: Path) -> None:
         raise ConfigError(f"--output-dir {out_dir}: is a file; the run folder must be a folder")
 
 
-def previous_run(out_dir: Path, ckpt_root: Path) -> list[str]:
-    """What in `out_dir` (and the checkpoint folder) shows that a run was trained there already."""
+def previous_run(out_dir: Path, ckpt_root: Path, snapshots: Path | None = None) -> list[str]:
+    """What in `out_dir` (and the checkpoint and snapshot folders) shows that a run was trained there
+    already."""
     from neorec.checkpoint.save import list_checkpoints  # (torch: imported once the folder is locked)
+    from neorec.serving.snapshots import LATEST, list_snapshots
 
     found = [name for name in RESULTS if (out_dir / name).exists()]
     if list_checkpoints(ckpt_root):
         found.append(f"checkpoints in {ckpt_root}")
+    if snapshots is not None and (list_snapshots(snapshots) or (snapshots / LATEST).exists()):
+        found.append(f"snapshots in {snapshots}")
     return found
 
 
@@ -48,20 +61,28 @@ def check_run_folder(cfg: RunConfig, out_dir: Path, *, overwrite: bool, resume: 
     if overwrite and resume:
         raise ConfigError("--overwrite starts afresh and --resume continues: give one of them")
     root = checkpoint_root(cfg, out_dir)
-    found = previous_run(out_dir, root)
+    found = previous_run(out_dir, root, snapshot_root(cfg, out_dir))
     if not found or overwrite:
         return
     resumable = any(name.startswith("checkpoints in") for name in found)
+    # a run found in checkpoint.dir or snapshot.dir outside the run folder: another --output-dir is not enough
+    folders = (root, snapshot_root(cfg, out_dir))
+    outside = [p for p in folders if not p.resolve().is_relative_to(out_dir.resolve())]
+    elsewhere = any(x.endswith(f" in {p}") for p in outside for x in found)
+    where = "this run's folders hold" if elsewhere else f"{out_dir} holds"
+    new = "--output-dir for a new folder"
+    if elsewhere:
+        new = "new folders (--output-dir, checkpoint.dir, snapshot.dir)"
     if resume and not resumable:
         raise ConfigError(
-            f"{out_dir} holds a run ({', '.join(found)}) but no checkpoint in {root} to resume from: pass "
-            "--overwrite to replace it, or --output-dir for a new folder"
+            f"{where} a run ({', '.join(found)}) but no checkpoint in {root} to resume from: pass "
+            f"--overwrite to replace it, or {new}"
         )
     if not resume:
         continue_it = "--resume to continue it from its checkpoints, " if resumable else ""
         raise ConfigError(
-            f"{out_dir} holds a run already ({', '.join(found)}): pass {continue_it}--overwrite to replace it, "
-            "or --output-dir for a new folder"
+            f"{where} a run already ({', '.join(found)}): pass {continue_it}--overwrite to replace it, "
+            f"or {new}"
         )
 
 
@@ -72,7 +93,7 @@ def clear_run_folder(cfg: RunConfig, out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
     for name in STALE:
         shutil.rmtree(out_dir / name, ignore_errors=True)
-    snapshots = Path(cfg.snapshot.dir) if cfg.snapshot.dir else out_dir / "snapshots"
+    snapshots = snapshot_root(cfg, out_dir)
     if snapshots.is_dir():  # only snapshots and their pointer: snapshot.dir may be a folder with other files
         for path in snapshots.iterdir():
             if path.is_dir() and path.name.removeprefix(".tmp-").startswith("snapshot-"):

@@ -47,6 +47,7 @@ from neorec.train.logger import MetricsLogger, NoLogger
 from neorec.train.pipeline import pipelined
 from neorec.train.progressive import ProgressiveValidation
 from neorec.train.reporting import RunReporting, RunResult
+from neorec.train.run_folder import checkpoint_root, snapshot_root
 from neorec.train.schedule import lr_multiplier
 from neorec.train.signals import StopSignals
 from neorec.train.snapshots import PeriodicSnapshots
@@ -111,10 +112,9 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self.emb_opt = self.embeddings.build_optimizer()
             self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in (self.dense_opt, self.emb_opt)]
             self.out_dir = Path(out_dir or cfg.resolved_output_dir)
-            root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
+            root = checkpoint_root(cfg, self.out_dir)
             self.checkpoints = PeriodicCheckpoints(cfg.checkpoint, root, self.topo)
-            snapshots = Path(cfg.snapshot.dir) if cfg.snapshot.dir else self.out_dir / "snapshots"
-            self.snapshots = PeriodicSnapshots(cfg.snapshot, snapshots, self.topo)
+            self.snapshots = PeriodicSnapshots(cfg.snapshot, snapshot_root(cfg, self.out_dir), self.topo)
             # a followed stream (data.follow): each batch's partition, and its scores before training
             self.stream = self.source if hasattr(self.source, "batch_record") else None
             self.progressive = None

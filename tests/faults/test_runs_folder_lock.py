@@ -210,3 +210,37 @@ def test_checkpoint_dir_outside_the_run_folder_is_locked_too(tmp_path):
         with pytest.raises(RunFolderInUse, match=f"{shared} is in use by another run"):
             hold_run_folders(run_folders(cfg, tmp_path / "b"))
     assert run_folders(load_config("default", RUN), tmp_path / "a") == [tmp_path / "a"]
+
+
+def test_snapshot_dir_outside_the_run_folder_is_locked_too(tmp_path):
+    shared = tmp_path / "snapshots"
+    cfg = load_config("default", [*RUN, f"snapshot.dir={shared}", "snapshot.every_steps=5"])
+    from neorec.train.run_folder import run_folders
+
+    assert run_folders(cfg, tmp_path / "a") == [tmp_path / "a", shared]
+    with hold_run_folders(run_folders(cfg, tmp_path / "a")):
+        with pytest.raises(RunFolderInUse, match=f"{shared} is in use by another run"):
+            hold_run_folders(run_folders(cfg, tmp_path / "b"))
+    inside = load_config("default", [*RUN, f"snapshot.dir={tmp_path / 'a' / 's'}", "snapshot.every_steps=5"])
+    assert run_folders(inside, tmp_path / "a") == [tmp_path / "a"]
+
+
+def test_a_new_run_never_publishes_into_another_runs_snapshots(tmp_path, capsys):
+    """A second run given the same snapshot.dir (another --output-dir) replaced the first run's
+    snapshot of the same step and moved LATEST, which serving follows, to its own early model."""
+    shared = tmp_path / "snapshots"
+    sets = [f"snapshot.dir={shared}", "snapshot.every_steps=2", "train.max_steps=4", "train.epochs=1"]
+    assert main(_args(tmp_path / "a", sets)) == 0
+
+    def published() -> dict:
+        files = [p for p in shared.rglob("*") if p.is_file() and p.name != LOCK_FILE]
+        return {p.relative_to(shared): p.read_bytes() for p in files}
+
+    before = published()
+    capsys.readouterr()
+    assert main(_args(tmp_path / "b", sets)) == 2
+    err = capsys.readouterr().err
+    assert f"this run's folders hold a run already (snapshots in {shared}): pass --overwrite" in err, err
+    assert "new folders (--output-dir, checkpoint.dir, snapshot.dir)" in err
+    assert published() == before and not (tmp_path / "b" / "model.pt").exists()
+    assert main(_args(tmp_path / "b", sets, "--overwrite")) == 0  # the user's choice: snapshots start anew
