@@ -67,7 +67,13 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     from neorec.interop.torchrec.dcp import load_dcp
     from neorec.interop.torchrec.dcp_io import read_metadata
     from neorec.model.dlrm import DLRM
-    from neorec.train.run_folder import check_output_dir, checkpoint_root, previous_run, run_folders
+    from neorec.train.run_folder import (
+        check_output_dir,
+        checkpoint_root,
+        previous_run,
+        run_folders,
+        snapshot_root,
+    )
     from neorec.train.run_lock import hold_run_folders
     from neorec.train.trainer import Trainer
 
@@ -84,7 +90,8 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
             raise NeorecError(
                 f"{root} already holds checkpoints; import into another --output-dir, or remove them first"
             )
-        if found := previous_run(out_dir, root):  # a finished run, whose model a resume would replace
+        # a finished run, whose model a resume would replace
+        if found := previous_run(out_dir, root, snapshot_root(cfg, out_dir)):
             raise NeorecError(
                 f"--output-dir {out_dir}: holds a run already ({', '.join(found)}); import into another folder"
             )
