@@ -53,7 +53,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         checkpoint_folder(args.resume)
     out_dir = Path(args.output_dir or cfg.resolved_output_dir)
-    check_output_dir(out_dir)
+    check_output_dir(out_dir, cfg)
     nproc = args.nproc or 1
     if "RANK" not in os.environ:  # what every process would fail on, checked once, before the folder is touched
         check_before_launch(cfg, nproc)

@@ -81,7 +81,7 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     check_memory(cfg)
     read_metadata(args.dcp_dir)  # a DCP folder, before any model is built
     out_dir = Path(args.output_dir or cfg.resolved_output_dir)
-    check_output_dir(out_dir)
+    check_output_dir(out_dir, cfg)
     if out_dir.is_dir() and out_dir.resolve() == Path(args.dcp_dir).resolve():
         raise NeorecError(f"--output-dir {out_dir}: is the DCP folder read; give the run its own folder")
     with hold_run_folders(run_folders(cfg, out_dir)):

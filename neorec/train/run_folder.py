@@ -26,19 +26,32 @@ def snapshot_root(cfg: RunConfig, out_dir: Path) -> Path:
 def run_folders(cfg: RunConfig, out_dir: Path) -> list[Path]:
     """The folders a run writes into and locks: the run folder, and checkpoint.dir and snapshot.dir
     where they lie outside it and hold checkpoints (snapshots) or will (an absent one that the run
-    does not write is left alone)."""
+    does not write is left alone), and embedding.cache.directory, whose table files a run creates
+    afresh (two runs there would write each other's rows)."""
     folders = [out_dir]
+    cache = cfg.embedding.cache.directory
     for root, enabled in ((checkpoint_root(cfg, out_dir), cfg.checkpoint.enabled),
-                          (snapshot_root(cfg, out_dir), cfg.snapshot.enabled)):  # fmt: skip
+                          (snapshot_root(cfg, out_dir), cfg.snapshot.enabled),
+                          (Path(cache) if cache else None, True)):  # fmt: skip
+        if root is None:
+            continue
         inside = any(root.resolve().is_relative_to(f.resolve()) for f in folders)
         if not inside and (root.is_dir() or enabled):
             folders.append(root)
     return folders
 
 
-def check_output_dir(out_dir: Path) -> None:
+def check_output_dir(out_dir: Path, cfg: RunConfig | None = None) -> None:
+    """The run folder, and with `cfg` the other folders the run writes (run_folders), are folders or
+    absent: a file there is refused naming its setting."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"--output-dir {out_dir}: is a file; the run folder must be a folder")
+    if cfg is None:
+        return
+    for key, folder in (("checkpoint.dir", cfg.checkpoint.dir), ("snapshot.dir", cfg.snapshot.dir),
+                        ("embedding.cache.directory", cfg.embedding.cache.directory)):  # fmt: skip
+        if folder and Path(folder).exists() and not Path(folder).is_dir():
+            raise ConfigError(f"{key} {folder}: is a file; give a folder")
 
 
 def previous_run(out_dir: Path, ckpt_root: Path, snapshots: Path | None = None) -> list[str]:

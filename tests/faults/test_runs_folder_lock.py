@@ -244,3 +244,27 @@ def test_a_new_run_never_publishes_into_another_runs_snapshots(tmp_path, capsys)
     assert "new folders (--output-dir, checkpoint.dir, snapshot.dir)" in err
     assert published() == before and not (tmp_path / "b" / "model.pt").exists()
     assert main(_args(tmp_path / "b", sets, "--overwrite")) == 0  # the user's choice: snapshots start anew
+
+
+def test_the_ssd_tables_folder_is_locked_too(tmp_path):
+    """Two runs with one embedding.cache.directory created the same table files afresh: each would
+    train on rows the other wrote (or fault on a file cut short under its map)."""
+    cache = tmp_path / "nvme"
+    cfg = load_config("default", [*RUN, "embedding.tier=ssd", f"embedding.cache.directory={cache}"])
+    from neorec.train.run_folder import run_folders
+
+    assert run_folders(cfg, tmp_path / "a") == [tmp_path / "a", cache]
+    with hold_run_folders(run_folders(cfg, tmp_path / "a")):
+        with pytest.raises(RunFolderInUse, match=f"{cache} is in use by another run"):
+            hold_run_folders(run_folders(cfg, tmp_path / "b"))
+
+
+@pytest.mark.parametrize("key", ["checkpoint.dir", "snapshot.dir", "embedding.cache.directory"])
+def test_a_file_where_a_folder_of_the_run_goes_is_named_by_its_key(tmp_path, capsys, key):
+    file = tmp_path / "file"
+    file.write_text("mine\n")
+    sets = ["checkpoint.every_steps=1", "snapshot.every_steps=1", "embedding.tier=ssd"]
+    sets += [f"embedding.cache.directory={tmp_path / 'cache'}", f"{key}={file}"]
+    assert main(_args(tmp_path / "run", sets)) == 2
+    assert capsys.readouterr().err == f"neorec: error: {key} {file}: is a file; give a folder\n"
+    assert file.read_text() == "mine\n" and not (tmp_path / "run").exists()
