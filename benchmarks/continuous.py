@@ -48,8 +48,14 @@ def day_auc(trainer: Trainer, stream: Path, day: int) -> float:
     """AUC of the trained model, as it is, on one day's samples."""
     parquet = trainer.cfg.data.parquet
     assert parquet is not None
-    config = parquet.model_copy(update={"eval_paths": [str(stream / partition_name(day))]})
-    config = config.model_copy(update={"paths": config.eval_paths})  # the reader needs training files too
+    # the reader needs training files too (not read here): the next day's, or the day before the last
+    other = day + 1 if (stream / partition_name(day + 1)).is_dir() else day - 1
+    config = parquet.model_copy(
+        update={
+            "eval_paths": [str(stream / partition_name(day))],
+            "paths": [str(stream / partition_name(other))],
+        }
+    )
     source = ParquetSource(config, seed=trainer.cfg.seed)
     return evaluate(trainer.model, source, 4096)["auc"]
 

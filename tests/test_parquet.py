@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def test_held_out_files_instead_of_a_column(tmp_path):
     tsv_to_parquet(FIXTURE, tmp_path / "ev" / "part-0.parquet", 5, eval_every=None)
     cfg = criteo_config([train], eval_column=None, eval_paths=[str(tmp_path / "ev")])
     source = ParquetSource(cfg)
-    tsv = CriteoTSVSource(FIXTURE, eval_paths=FIXTURE, table_rows=1000)
+    tsv = CriteoTSVSource(FIXTURE, eval_paths=shutil.copy(FIXTURE, tmp_path / "held.tsv"), table_rows=1000)
     assert source.info.num_train_samples == 20 and source.num_samples("eval") == 20
     for g, w in zip(source.eval_batches(6), tsv.eval_batches(6), strict=True):
         assert_same(g, w)
@@ -455,7 +456,9 @@ def test_ids_outside_their_table_follow_bounds_check(tmp_path, mode, neorec_warn
     """hashing none: warn logs the id (file, row group, row) and passes it on for the engine to drop
     and count; off reads no id."""
     pq.write_table(pa.table({"label": [0, 1], "ids": pa.array([[1], [2, 50]])}), tmp_path / "a.parquet")
-    cfg = ParquetConfig(paths=[str(tmp_path / "a.parquet")], eval_column=None, eval_paths=[str(tmp_path / "a.parquet")],
+    shutil.copy(tmp_path / "a.parquet", tmp_path / "held.parquet")
+    cfg = ParquetConfig(paths=[str(tmp_path / "a.parquet")], eval_column=None,
+                        eval_paths=[str(tmp_path / "held.parquet")],
                         features=[{"name": "ids", "hashing": "none", "rows": 10}])  # fmt: skip
     (batch,) = list(ParquetSource(cfg, bounds_check=mode, seed=0).eval_batches(2))
     assert batch.sparse.values.tolist() == [1, 2, 50]
@@ -464,7 +467,8 @@ def test_ids_outside_their_table_follow_bounds_check(tmp_path, mode, neorec_warn
     if mode == "off":
         assert not warned
     else:
-        assert len(warned) == 1 and "a.parquet, row group 0, column 'ids': 1 ids of feature ids outside" in warned[0]
+        assert len(warned) == 1
+        assert "held.parquet, row group 0, column 'ids': 1 ids of feature ids outside" in warned[0]
         assert "the first at row 1: 50" in warned[0]
 
 
@@ -476,7 +480,9 @@ def test_row_groups_give_their_batches_id_limits(tmp_path):
                    tmp_path / "t.parquet")  # fmt: skip
     feats = [{"name": "a", "rows": 4}, {"name": "b", "hashing": "none", "rows": 10},
              {"name": "s", "strings": "fnv1a", "hashing": "hash", "rows": 6}]  # fmt: skip
-    cfg = ParquetConfig(paths=[str(tmp_path / "t.parquet")], eval_paths=[str(tmp_path / "t.parquet")], features=feats)
+    shutil.copy(tmp_path / "t.parquet", tmp_path / "held.parquet")
+    held = str(tmp_path / "held.parquet")
+    cfg = ParquetConfig(paths=[str(tmp_path / "t.parquet")], eval_paths=[held], features=feats)
     (batch,) = list(ParquetSource(cfg, seed=0).train_batches(3))
     assert batch.sparse.known_id_limits() == ([0, 0, 0], [3, 9, 5])
     (batch,) = list(ParquetSource(cfg, seed=0, bounds_check="off").train_batches(3))

@@ -328,15 +328,17 @@ def test_parquet_dense_not_finite_names_file_row_group_row_and_column(tmp_path, 
     table = pa.table({"label": [0, 1, 0, 1, 0], "d0": [1.0] * 5, "d1": d, "ids": [1, 2, 3, 4, 5]})
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=2)
     path = str(tmp_path / "t.parquet")
-    config = ParquetConfig(paths=[path], eval_paths=[path], dense=["d0", "d1"], dense_log1p=log1p,
+    shutil.copy(path, tmp_path / "e.parquet")  # the held-out file: the same rows under another name
+    held = str(tmp_path / "e.parquet")
+    config = ParquetConfig(paths=[path], eval_paths=[held], dense=["d0", "d1"], dense_log1p=log1p,
                            features=["ids"], shuffle=False)  # fmt: skip
     if log1p and value == 1e300:  # log(1 + 1e300) is 690.8: finite
         assert len(read_all(ParquetSource(config))[0]) == 5
         return
-    where = re.escape(
-        f"{tmp_path / 't.parquet'}, row group 1, row 1: dense column 'd1' = {value!r} is not finite"
-    )
-    for split in ("train", "eval"):
+    for split, name in (("train", "t.parquet"), ("eval", "e.parquet")):
+        where = re.escape(
+            f"{tmp_path / name}, row group 1, row 1: dense column 'd1' = {value!r} is not finite"
+        )
         with pytest.raises(DataError, match=where):
             read_all(ParquetSource(config), split)
 
@@ -350,12 +352,14 @@ def test_parquet_weight_not_finite_names_file_row_group_row_and_feature(tmp_path
     table = pa.table({"label": [0, 1, 0, 1], "d0": [1.0] * 4, "ids": ids, "w": weights})
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=2)
     path = str(tmp_path / "t.parquet")
-    config = ParquetConfig(paths=[path], eval_paths=[path], dense=["d0"], shuffle=False,
+    shutil.copy(path, tmp_path / "e.parquet")  # the held-out file: the same rows under another name
+    held = str(tmp_path / "e.parquet")
+    config = ParquetConfig(paths=[path], eval_paths=[held], dense=["d0"], shuffle=False,
                            features=[{"name": "ids", "weights": "w"}])  # fmt: skip
-    where = re.escape(
-        f"{tmp_path / 't.parquet'}, row group 1, row 0: weight {value!r} of an id of feature 'ids'"
-    )
-    for split in ("train", "eval"):
+    for split, name in (("train", "t.parquet"), ("eval", "e.parquet")):
+        where = re.escape(
+            f"{tmp_path / name}, row group 1, row 0: weight {value!r} of an id of feature 'ids'"
+        )
         with pytest.raises(DataError, match=where):
             read_all(ParquetSource(config), split)
     table = table.set_column(

@@ -47,6 +47,7 @@ from neorec.data.criteo_lines import (  # noqa: F401 (the rules of the format, i
     select,
     splitmix64,
 )
+from neorec.data.file_roles import FileRoles
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.data.tsv_blocks import LineBlock, line_blocks, parse_fast
 from neorec.data.tsv_index import READ_ERRORS, read_error
@@ -264,10 +265,14 @@ class CriteoTSVSource:
             raise ConfigError("train_paths is empty: give at least one Criteo TSV file")
         if self.eval_paths is None and eval_every < 2:
             raise ConfigError(f"eval_every must be >= 2 when no eval_paths are given, got {eval_every}")
-        for path in self.train_paths + (self.eval_paths or []):
-            check_tsv_file(
-                path, "data.criteo.train_paths" if path in self.train_paths else "data.criteo.eval_paths"
-            )
+        once = FileRoles()
+        for role, key, paths in (
+            ("train", "train_paths", self.train_paths),
+            ("eval", "eval_paths", self.eval_paths),
+        ):
+            for path in paths or []:
+                check_tsv_file(path, f"data.criteo.{key}")
+                once.add(str(path), role, f"data.criteo.{key}")
         self.table_rows = resolve_table_rows(table_rows)
         self.hashing = hashing
         self.bad_lines = bad_lines

@@ -52,6 +52,7 @@ from neorec.config.schema import ParquetConfig
 from neorec.data.batch import Batch
 from neorec.data.checks import checked_mode
 from neorec.data.columns import Columns, cut_batches
+from neorec.data.file_roles import FileRoles
 from neorec.data.parquet_columns import ColumnMap, held_out
 from neorec.data.prefetch import prefetch
 from neorec.data.reader_position import checked_position
@@ -137,9 +138,12 @@ class ParquetSource:
         self.groups: dict[str, list[RowGroup]] = {split: [] for split in SPLITS}
         multi_hot: list[bool] | None = None
         roles = [(p, "paths") for p in config.paths] + [(p, "eval_paths") for p in config.eval_paths or []]
+        once = FileRoles()
         for path, role in roles:
             fs, files = list_files(path)
             for name in files:
+                split = "train" if role == "paths" else "eval"
+                once.add(file_uri(fs, name), split, f"data.parquet.{role}: {path}")
                 pf = open_parquet(fs, name)
                 by_column = role == "paths" and config.eval_column is not None
                 hot = self.map.check_schema(name, pf.schema_arrow, with_eval_column=by_column)

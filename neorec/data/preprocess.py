@@ -57,6 +57,7 @@ from neorec.data.criteo_lines import (
     check_tsv_file,
     resolve_table_rows,
 )
+from neorec.data.file_roles import FileRoles
 from neorec.data.manifest import (  # preprocess_parquet and tests import some from here
     SPLITS,
     ShardPlan,
@@ -120,8 +121,11 @@ def preprocess_criteo(
     evals = [str(p) for p in eval_paths] if eval_paths else []
     if not train:
         raise ConfigError("paths is empty: give at least one Criteo TSV file")
-    for p in train + evals:
-        check_tsv_file(p)
+    once = FileRoles()
+    for role, named, files in (("train", "the training inputs", train), ("eval", "--eval-paths", evals)):
+        for p in files:
+            check_tsv_file(p)
+            once.add(p, role, named)
     check_reader_options(hashing, bad_lines, max_line_bytes)
     if not evals and eval_every < 2:
         raise ConfigError(f"eval_every must be >= 2 when no eval_paths are given, got {eval_every}")

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from neorec.config.schema import ParquetConfig
 from neorec.data import vocab as vocab_io
+from neorec.data.file_roles import FileRoles
 from neorec.data.manifest import ShardPlan, resume_or_start, start_manifest
 from neorec.data.parquet import column_map, file_uri, list_files, open_parquet, open_uri
 from neorec.data.parquet_columns import held_out, raw_ids
@@ -52,9 +53,12 @@ def preprocess_parquet(
     sizes: list[int] = []
     multi_hot: list[bool] = []
     roles = [(p, "column" if config.eval_column else "train") for p in config.paths]
+    once = FileRoles()
     for path, role in roles + [(p, "eval") for p in config.eval_paths or []]:
         fs, files = list_files(path)
+        key = "eval_paths" if role == "eval" else "paths"
         for name in files:
+            once.add(file_uri(fs, name), "eval" if role == "eval" else "train", f"data.parquet.{key}: {path}")
             pf = open_parquet(fs, name)
             multi_hot = cmap.check_schema(name, pf.schema_arrow, with_eval_column=role == "column")
             sizes.append(fs.get_file_info(name).size)

@@ -314,3 +314,61 @@ def test_a_vocabulary_written_by_hand_is_refused_out_of_order(tmp_path, values, 
     np.save(folder / "C1.npy", np.array(sorted(set(v for v in values if v >= 0)), np.int64))
     (vocab,) = load_vocabs(folder, ["C1"])
     assert vocab.dtype == np.uint64 and vocab.tolist() == sorted(set(v for v in values if v >= 0))
+
+
+# ---- a data file in two roles ----------------------------------------------------------------------------
+FIXTURE_TSV = Path(__file__).parent.parent / "fixtures" / "criteo_20.tsv"
+
+
+def test_one_role_per_file_known_by_its_real_path(tmp_path):
+    from neorec.data.file_roles import FileRoles
+    from neorec.errors import ConfigError
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.tsv").write_text("")
+    (tmp_path / "link.tsv").symlink_to(tmp_path / "d" / "a.tsv")
+    roles = FileRoles()
+    roles.add(str(tmp_path / "d" / "a.tsv"), "train", "inputs")
+    roles.add(str(tmp_path / "d" / "b.tsv"), "train", "inputs")  # another file
+    roles.add("s3://bucket/d/a.tsv", "eval", "eval_paths")  # a file elsewhere
+    for other in (str(tmp_path / "d" / ".." / "d" / "a.tsv"), str(tmp_path / "link.tsv")):
+        both = "is both a training file \\(inputs\\) and a held-out file \\(ev\\)"
+        with pytest.raises(ConfigError, match=both):
+            roles.add(other, "eval", "ev")
+        with pytest.raises(ConfigError, match="is listed twice as a training file \\(inputs; more\\)"):
+            roles.add(other, "train", "more")
+
+
+def test_a_held_out_tsv_file_that_also_trains_is_refused(tmp_path, capsys):
+    """The same file in data.criteo.train_paths and eval_paths trained on the samples it then scored."""
+    day = shutil.copy(FIXTURE_TSV, tmp_path / "day.tsv")
+    criteo = f"data.criteo={{train_paths: [{day}], eval_paths: [{day}], table_rows: 1000}}"
+    argv = ["train", *sets(["data.source=criteo_tsv", criteo, "data.batch_size=4", *QUIET])]
+    fails(capsys, [*argv, "--output-dir", str(tmp_path / "run")], f"{day}: is both a training",
+          "(data.criteo.train_paths) and a held-out file (data.criteo.eval_paths)")  # fmt: skip
+    assert not (tmp_path / "run" / "model.pt").exists()
+    both, twice = "is both a training file (the training inputs) and a held", "is listed twice as a training"
+    for inputs, words in [([day, "--eval-paths", day], both), ([day, day], twice)]:
+        out = tmp_path / "pre"
+        argv = ["data", "preprocess", *map(str, inputs), "--out", str(out), "--table-rows", "100"]
+        fails(capsys, argv, words)
+        assert not out.exists()
+
+
+def test_a_held_out_parquet_file_in_a_training_folder_is_refused(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "days").mkdir()
+    for day in range(2):
+        table = pa.table({"label": [0, 1] * 20, "a": list(range(40))})
+        pq.write_table(table, tmp_path / "days" / f"{day}.parquet")
+    held = tmp_path / "days" / "1.parquet"
+    files = f"paths: [{tmp_path}/days], eval_paths: [{held}]"
+    section = f"data.parquet={{{files}, features: [a], table_rows: 50}}"
+    argv = ["train", *sets(["data.source=parquet", section, "data.batch_size=8", *QUIET])]
+    words = f"{held}: is both a training file (data.parquet.paths: {tmp_path}/days) and a held-out file"
+    fails(capsys, [*argv, "--output-dir", str(tmp_path / "run")], words)
+    out = tmp_path / "pre"
+    fails(capsys, ["data", "preprocess", "--parquet", *argv[1:], "--out", str(out)], words)
+    assert not out.exists() and not (tmp_path / "run" / "model.pt").exists()
