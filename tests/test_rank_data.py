@@ -70,7 +70,8 @@ def test_synthetic_resume_starts_after_the_trained_samples_without_drawing_them(
     source = SyntheticSource(SPEC)
     data = RankData(source, 1000)
     position = json.loads(json.dumps(data.position(epoch, skip)))  # as a checkpoint stores it
-    assert position["reader"] == {"seed": 4, "train_samples": 40000, "epoch": epoch, "samples": 1000 * skip}
+    want = {"seed": 4, "train_samples": 40000, "generator": "host", "epoch": epoch, "samples": 1000 * skip}
+    assert position["reader"] == want
     tail = list(data.train_batches(epoch, position))
     assert len(tail) == len(full) - skip
     for got, want in zip(tail, full[skip:], strict=True):
