@@ -7,6 +7,7 @@ before loading it; the trainer checks a checkpoint's with `check_resume` before 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -118,15 +119,16 @@ _NOT_THE_STREAM = {
 }
 _SECTION = {"synthetic": "synthetic", "criteo_tsv": "criteo", "movielens": "movielens",
             "preprocessed": "preprocessed", "parquet": "parquet"}  # fmt: skip
+_WORKING_FOLDER = "working_folder"
 _PATH_KEYS = {"shards_dir", "criteo.train_paths", "movielens.root", "preprocessed.path", "parquet.paths",
               "parquet.vocab_dir"}  # fmt: skip
 
 
 def data_settings(data: Any) -> dict[str, Any]:
     """The settings of `data` (a DataConfig) that decide the training samples and their order, by
-    dotted key under `data.`: its source, and its source's section less the keys in _NOT_THE_STREAM.
-    Paths are made absolute, so that a resume from another working folder compares the same files."""
-    out: dict[str, Any] = {"source": data.source}
+    dotted key under `data.`: its source, and its source's section less the keys in _NOT_THE_STREAM;
+    and the working folder that relative paths among them start from (_WORKING_FOLDER)."""
+    out: dict[str, Any] = {"source": data.source, _WORKING_FOLDER: os.getcwd()}
     if data.source == "shards":
         out["shards_dir"] = data.shards_dir
     name = _SECTION.get(data.source)
@@ -135,29 +137,39 @@ def data_settings(data: Any) -> dict[str, Any]:
         for key, value in section.model_dump(mode="json").items():
             if key not in _NOT_THE_STREAM.get(name, ()):
                 out[f"{name}.{key}"] = value
-    for key in _PATH_KEYS & out.keys():
-        value = out[key]
-        if value is not None:
-            out[key] = [_absolute(v) for v in value] if isinstance(value, list) else _absolute(value)
     return out
-
-
-def _absolute(path: str) -> str:
-    return path if "://" in path else str(Path(path).absolute())
 
 
 def check_data_settings(data: Any, state: Any, where: str | Path) -> None:
     """Refuse a checkpoint whose training data differs from this run's (`data_settings` saved in the
-    manifest's "state"): its data position would continue in other samples. A checkpoint saved
-    without them is not compared."""
+    manifest's "state"): its data position would continue in other samples. A path is the same when it
+    is written the same (on every node of a job, whatever folder each works in) or names the same
+    place from each run's working folder. A checkpoint saved without them is not compared."""
     saved = state.get("data_settings") if isinstance(state, dict) else None
     if not isinstance(saved, dict):
         return
     now = data_settings(data)
-    for key in ["source", *sorted((saved.keys() | now.keys()) - {"source"})]:
-        if saved.get(key) != now.get(key):
-            raise ConfigError(
-                f"checkpoint {where} was trained with data.{key} {saved.get(key)!r}, this run has "
-                f"{now.get(key)!r}: resuming exactly needs the same data settings; resume with the "
-                "checkpoint's (its run's config.yaml), or start a new run (--overwrite)"
-            )
+    keys = (saved.keys() | now.keys()) - {"source", _WORKING_FOLDER}
+    for key in ["source", *sorted(keys)]:
+        was, is_ = saved.get(key), now.get(key)
+        if was == is_ or (key in _PATH_KEYS and _places(saved, was) == _places(now, is_)):
+            continue
+        raise ConfigError(
+            f"checkpoint {where} was trained with data.{key} {was!r}, this run has {is_!r}: resuming exactly "
+            "needs the same data settings; resume with the checkpoint's (its run's config.yaml), or start a "
+            "new run (--overwrite)"
+        )
+
+
+def _places(settings: dict, value: Any) -> Any:
+    """The path or paths `value` from the working folder `settings` were taken in (URIs as they are)."""
+    folder = settings.get(_WORKING_FOLDER)
+    if not isinstance(folder, str) or not isinstance(value, str | list):
+        return value
+
+    def place(path: Any) -> Any:
+        if not isinstance(path, str) or "://" in path:
+            return path
+        return os.path.normpath(os.path.join(folder, path))
+
+    return [place(p) for p in value] if isinstance(value, list) else place(value)

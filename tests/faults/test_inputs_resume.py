@@ -128,6 +128,12 @@ def test_the_data_settings_a_resume_compares(tmp_path, monkeypatch):
     for change, words in [({"path": "data/b"}, "data.preprocessed.path"), ({"shuffle_window": 64}, window)]:
         with pytest.raises(ConfigError, match=f"checkpoint ck was trained with {words}"):
             check_data_settings(settings(**change), saved, "ck")
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")  # another node of the job, working in another folder
+    check_data_settings(settings(), saved, "ck")  # the path written the same
+    check_data_settings(settings(path=str(tmp_path / "data/criteo")), saved, "ck")  # the same place
+    with pytest.raises(ConfigError, match="data.preprocessed.path 'data/criteo', this run has '/"):
+        check_data_settings(settings(path=str(tmp_path / "b/data/criteo")), saved, "ck")  # another place
     check_data_settings(DataConfig(source="movielens"), {"batches": 3}, "ck")  # saved before they were
     parquet = {"paths": ["a.parquet"], "eval_paths": ["b.parquet"], "features": ["x"]}
     saved = {"data_settings": data_settings(DataConfig(source="parquet", parquet=parquet))}
