@@ -88,6 +88,21 @@ def list_files(path: str) -> tuple[pafs.FileSystem, list[str]]:
     return dataset.filesystem, files
 
 
+def listed_files(config: ParquetConfig) -> list[tuple[str, pafs.FileSystem, str]]:
+    """(key, filesystem, file) of every file of data.parquet.paths, then of eval_paths ("paths" or
+    "eval_paths" as key), listed without being opened; a file named twice, or both for training and
+    as held out (a held-out file inside a training folder), is refused (neorec/data/file_roles.py)."""
+    once, out = FileRoles(), []
+    for key, paths in (("paths", config.paths), ("eval_paths", config.eval_paths or [])):
+        for path in paths:
+            fs, files = list_files(path)
+            for name in files:
+                role = "train" if key == "paths" else "eval"
+                once.add(file_uri(fs, name), role, f"data.parquet.{key}: {path}")
+                out.append((key, fs, name))
+    return out
+
+
 def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(fs.open_input_file(path))
@@ -137,26 +152,20 @@ class ParquetSource:
         self.files: list[tuple[pafs.FileSystem, str]] = []
         self.groups: dict[str, list[RowGroup]] = {split: [] for split in SPLITS}
         multi_hot: list[bool] | None = None
-        roles = [(p, "paths") for p in config.paths] + [(p, "eval_paths") for p in config.eval_paths or []]
-        once = FileRoles()
-        for path, role in roles:
-            fs, files = list_files(path)
-            for name in files:
-                split = "train" if role == "paths" else "eval"
-                once.add(file_uri(fs, name), split, f"data.parquet.{role}: {path}")
-                pf = open_parquet(fs, name)
-                by_column = role == "paths" and config.eval_column is not None
-                hot = self.map.check_schema(name, pf.schema_arrow, with_eval_column=by_column)
-                if multi_hot is not None and hot != multi_hot:
-                    f = int(np.flatnonzero(np.array(hot) != np.array(multi_hot))[0])
-                    raise DataError(
-                        f"{name}: column {features[f].column!r} is {'a list' if hot[f] else 'not a list'} "
-                        f"here but {'a list' if multi_hot[f] else 'not a list'} in {self.files[0][1]}"
-                    )
-                multi_hot = hot
-                self.files.append((fs, name))
-                for g in range(pf.num_row_groups):
-                    self._add_group(pf, len(self.files) - 1, g, role, by_column)
+        for role, fs, name in listed_files(config):
+            pf = open_parquet(fs, name)
+            by_column = role == "paths" and config.eval_column is not None
+            hot = self.map.check_schema(name, pf.schema_arrow, with_eval_column=by_column)
+            if multi_hot is not None and hot != multi_hot:
+                f = int(np.flatnonzero(np.array(hot) != np.array(multi_hot))[0])
+                raise DataError(
+                    f"{name}: column {features[f].column!r} is {'a list' if hot[f] else 'not a list'} "
+                    f"here but {'a list' if multi_hot[f] else 'not a list'} in {self.files[0][1]}"
+                )
+            multi_hot = hot
+            self.files.append((fs, name))
+            for g in range(pf.num_row_groups):
+                self._add_group(pf, len(self.files) - 1, g, role, by_column)
         assert multi_hot is not None
         if self.num_samples("train") == 0:
             raise DataError(

@@ -21,9 +21,8 @@ import pyarrow as pa
 
 from neorec.config.schema import ParquetConfig
 from neorec.data import vocab as vocab_io
-from neorec.data.file_roles import FileRoles
 from neorec.data.manifest import ShardPlan, resume_or_start, start_manifest
-from neorec.data.parquet import column_map, file_uri, list_files, open_parquet, open_uri
+from neorec.data.parquet import column_map, file_uri, listed_files, open_parquet, open_uri
 from neorec.data.parquet_columns import held_out, raw_ids
 from neorec.data.preprocess import PreprocessResult, _map, _write_shards
 from neorec.errors import ConfigError
@@ -52,22 +51,17 @@ def preprocess_parquet(
     plan: list[ShardPlan] = []
     sizes: list[int] = []
     multi_hot: list[bool] = []
-    roles = [(p, "column" if config.eval_column else "train") for p in config.paths]
-    once = FileRoles()
-    for path, role in roles + [(p, "eval") for p in config.eval_paths or []]:
-        fs, files = list_files(path)
-        key = "eval_paths" if role == "eval" else "paths"
-        for name in files:
-            once.add(file_uri(fs, name), "eval" if role == "eval" else "train", f"data.parquet.{key}: {path}")
-            pf = open_parquet(fs, name)
-            multi_hot = cmap.check_schema(name, pf.schema_arrow, with_eval_column=role == "column")
-            sizes.append(fs.get_file_info(name).size)
-            first, rows = 0, 0
-            for g in range(pf.num_row_groups):
-                rows += pf.metadata.row_group(g).num_rows
-                if rows >= shard_rows or g == pf.num_row_groups - 1:
-                    plan.append(ShardPlan(len(plan), file_uri(fs, name), role, first, g + 1 - first))
-                    first, rows = g + 1, 0
+    for key, fs, name in listed_files(config):
+        role = "eval" if key == "eval_paths" else "column" if config.eval_column else "train"
+        pf = open_parquet(fs, name)
+        multi_hot = cmap.check_schema(name, pf.schema_arrow, with_eval_column=role == "column")
+        sizes.append(fs.get_file_info(name).size)
+        first, rows = 0, 0
+        for g in range(pf.num_row_groups):
+            rows += pf.metadata.row_group(g).num_rows
+            if rows >= shard_rows or g == pf.num_row_groups - 1:
+                plan.append(ShardPlan(len(plan), file_uri(fs, name), role, first, g + 1 - first))
+                first, rows = g + 1, 0
     parquet = config.model_dump(mode="json", exclude=set(_READ_ONLY))
     settings: dict = {"input": "parquet", "parquet": parquet, "sizes": sizes, "shard_rows": shard_rows}
     if parquet_output:

@@ -219,7 +219,8 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
 
 def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
     """What every process of a one-machine run of `num_processes` would fail on, checked once before
-    they start: the batch divides over them, train.kernel_cache is a folder they can write,
+    they start: the batch divides over them, the data files of a Parquet or Criteo TSV source exist and
+    have one role each, train.kernel_cache is a folder they can write,
     train.compile finds its compiler, `embedding.tables` and `distributed.sharding` name tables of
     the data, and the sharding holds: the plan file under the constraints, or the constraints the
     planner would refuse (run_constraints.py; the data's feature list is read only where the config
@@ -229,6 +230,12 @@ def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
             f"data.batch_size {cfg.data.batch_size} is the global batch and must divide over {num_processes} processes"
         )
     task_labels(cfg)
+    if cfg.data.follow is None and cfg.data.source == "parquet" and cfg.data.parquet is not None:
+        from neorec.data.parquet import listed_files
+
+        listed_files(cfg.data.parquet)  # each file in one role (listed, not opened: each process reads them)
+    elif cfg.data.follow is None and cfg.data.source == "criteo_tsv":
+        build_source(cfg)  # its files: present, readable, each in one role
     if cfg.train.kernel_cache is not None:
         from neorec.utils.kernel_cache import check_kernel_cache
 

@@ -369,6 +369,8 @@ def test_a_held_out_parquet_file_in_a_training_folder_is_refused(tmp_path, capsy
     argv = ["train", *sets(["data.source=parquet", section, "data.batch_size=8", *QUIET])]
     words = f"{held}: is both a training file (data.parquet.paths: {tmp_path}/days) and a held-out file"
     fails(capsys, [*argv, "--output-dir", str(tmp_path / "run")], words)
+    err = fails(capsys, [*argv, "--output-dir", str(tmp_path / "run"), "--nproc", "2"], words)
+    assert "rank" not in err  # refused before any process started
     out = tmp_path / "pre"
     fails(capsys, ["data", "preprocess", "--parquet", *argv[1:], "--out", str(out)], words)
     assert not out.exists() and not (tmp_path / "run" / "model.pt").exists()
