@@ -147,19 +147,33 @@ def load_checkpoint(
             raise CheckpointError(
                 f"checkpoint file {folder / DENSE} has no optimizer {key!r}; it has {sorted(saved['optimizers'])}"
             )
-        try:
-            opt.load_state_dict(saved["optimizers"][key])
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise CheckpointError(
-                f"checkpoint file {folder / DENSE}: optimizer {key!r} does not fit: {state_mismatch(e)}; "
-                f"{_SAME_MODEL}"
-            ) from None
+        load_optimizer(opt, saved["optimizers"][key], f"checkpoint file {folder / DENSE}: optimizer {key!r}")
     if restore_rng:
         set_rng_state(saved["rng"])
     return manifest
 
 
 _SAME_MODEL = "continue with the model and optimizer settings the checkpoint was trained with"
+
+
+def load_optimizer(opt: torch.optim.Optimizer, saved: dict, where: str) -> None:
+    """The checkpoint's optimizer state (Adam's moments and step, Adagrad's sums, momentum buffers)
+    into `opt`, whose own settings (learning rate, weight decay, eps, momentum, betas) stay: torch's
+    load_state_dict would put the saved ones back, ignoring those of the run that resumes. A state
+    saved by another kind of optimizer (other settings' names) is refused."""
+    mine = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+    try:
+        opt.load_state_dict(saved)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{where} does not fit: {state_mismatch(e)}; {_SAME_MODEL}") from None
+    for group, settings in zip(opt.param_groups, mine, strict=True):
+        theirs = sorted(group.keys() - {"params"})
+        if theirs != sorted(settings):
+            raise CheckpointError(
+                f"{where} was saved by another kind of optimizer (settings {theirs}, this one's "
+                f"{sorted(settings)}); {_SAME_MODEL}"
+            )
+        group.update(settings)
 
 
 def load_dense(model: nn.Module, state: dict, where: Path) -> None:

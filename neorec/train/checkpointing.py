@@ -24,7 +24,7 @@ from neorec.config.schema import RunConfig
 from neorec.data.ranks import RankData
 from neorec.data.reader_position import check_data_settings, check_resume, data_settings
 from neorec.embedding.collection import EmbeddingCollection
-from neorec.errors import NeorecError
+from neorec.errors import ConfigError, NeorecError
 from neorec.train.signals import TrainingStopped
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class CheckpointHandling:
         state = self.data.position(epoch, in_epoch)
         state.update(batch_size=self.cfg.data.batch_size, seed=self.cfg.seed)  # must match on resume
         state.update(data_settings=data_settings(self.cfg.data))  # and so must the data
+        state.update(dense_optimizer=self.cfg.train.dense_optimizer.name)  # and the kind of its state
         state.update(metrics_lines=logger.num_lines, running_loss=running)  # metrics.jsonl goes on seamlessly
         if getattr(self, "progressive", None) is not None:  # a followed stream: its partition so far (collective)
             state.update(self._stream_state())  # type: ignore[attr-defined]
@@ -84,6 +85,12 @@ class CheckpointHandling:
         state = read_manifest(path).get("state")
         check_resume(self.data, state, path)
         check_data_settings(self.cfg.data, state, path)
+        saved, now = (state or {}).get("dense_optimizer"), self.cfg.train.dense_optimizer.name
+        if saved is not None and saved != now:
+            raise ConfigError(
+                f"checkpoint {path} was trained with train.dense_optimizer.name {saved}, this run has {now}: "
+                f"its state does not fit; continue with {saved}, or start a new run (--overwrite)"
+            )
         return path
 
     def _resume(self, path: Path) -> tuple[int, int, dict | None]:

@@ -90,6 +90,7 @@ def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_co
         (["seed=5"], "seed"),
         (["data.synthetic.zipf_alpha=1.3"], "data.synthetic.zipf_alpha 1.1, this run has 1.3"),
         (["data.synthetic.generator=device"], "on_device, else host) 'host', this run has 'device'"),
+        (["train.dense_optimizer.name=sgd"], "train.dense_optimizer.name adam, this run has sgd: its state"),
     ],
 )
 def test_a_refused_resume_leaves_the_run_folder_as_it_was(change, expected, tmp_path, capfd):
@@ -141,3 +142,27 @@ def test_the_data_settings_a_resume_compares(tmp_path, monkeypatch):
     check_data_settings(other_eval, saved, "ck")
     with pytest.raises(ConfigError, match="data.source 'parquet', this run has 'movielens'"):
         check_data_settings(DataConfig(source="movielens"), saved, "ck")
+
+
+def test_an_optimizers_state_is_loaded_and_this_runs_settings_kept():
+    """torch's load_state_dict put the checkpoint's weight decay, eps, momentum and betas back over the
+    resumed run's config, without a word; and an Adam state loaded into SGD failed at the first step
+    with a KeyError traceback."""
+    import torch
+
+    from neorec.checkpoint.files import CheckpointError
+    from neorec.checkpoint.load import load_optimizer
+
+    w = torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.Adam([w], lr=0.1, eps=1e-8, weight_decay=0.0)
+    w.grad = torch.full((3,), 0.5)
+    adam.step()
+    saved = adam.state_dict()
+    again = torch.optim.Adam([w], lr=0.2, eps=1e-3, weight_decay=0.5, betas=(0.8, 0.9))
+    load_optimizer(again, saved, "here")
+    group = again.param_groups[0]
+    assert (group["lr"], group["eps"], group["weight_decay"], group["betas"]) == (0.2, 1e-3, 0.5, (0.8, 0.9))
+    assert torch.equal(again.state[w]["exp_avg"], adam.state[w]["exp_avg"])
+    for other in (torch.optim.SGD([w], lr=0.1, momentum=0.9), torch.optim.Adagrad([w], lr=0.1)):
+        with pytest.raises(CheckpointError, match="here was saved by another kind of optimizer"):
+            load_optimizer(other, saved, "here")
