@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a finished run on its held-out data")
     p.add_argument("run_dir", help="the folder `neorec train` wrote")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the run's config, e.g. --set data.eval_batch_size=4096 (repeatable)")  # fmt: skip
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="write a single-process inference model of a run (optionally quantized tables)")
