@@ -108,12 +108,14 @@ def check_resume(data: Any, state: Any, where: str | Path) -> None:
             )
 
 
-# settings of a data section that do not change which samples train, in which order: eval-only ones
-# and the readers' speed (threads, batches made ahead); data.follow has its own stream position, and
-# the synthetic source its generator (host or device, "auto" resolved) in its own state
+# settings of a data section that do not change which samples train, in which order: eval-only ones,
+# the readers' speed (threads, batches made ahead) and what a TSV line that stopped the run may be
+# (bad_lines: fail stops at the first bad line, so the lines before a resume are the same under skip);
+# data.follow has its own stream position, and the synthetic source its generator (host or device,
+# "auto" resolved) in its own state
 _NOT_THE_STREAM = {
     "synthetic": {"eval_samples", "on_device", "generator"},  # where samples are drawn: SyntheticSource.state
-    "criteo": {"eval_paths"},
+    "criteo": {"eval_paths", "bad_lines", "max_line_bytes"},
     "preprocessed": {"prefetch", "threads"},
     "parquet": {"eval_paths", "prefetch"},
 }

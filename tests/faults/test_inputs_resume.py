@@ -136,6 +136,9 @@ def test_the_data_settings_a_resume_compares(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="data.preprocessed.path 'data/criteo', this run has '/"):
         check_data_settings(settings(path=str(tmp_path / "b/data/criteo")), saved, "ck")  # another place
     check_data_settings(DataConfig(source="movielens"), {"batches": 3}, "ck")  # saved before they were
+    criteo = {"train_paths": ["day.tsv"], "bad_lines": "fail"}  # stopped at a bad line: resumed skipping them
+    saved = {"data_settings": data_settings(DataConfig(source="criteo_tsv", criteo=criteo))}
+    check_data_settings(DataConfig(source="criteo_tsv", criteo={**criteo, "bad_lines": "skip"}), saved, "ck")
     parquet = {"paths": ["a.parquet"], "eval_paths": ["b.parquet"], "features": ["x"]}
     saved = {"data_settings": data_settings(DataConfig(source="parquet", parquet=parquet))}
     other_eval = DataConfig(source="parquet", parquet={**parquet, "eval_paths": ["c.parquet"]})
