@@ -16,6 +16,7 @@ Takes 20-40 s on a 2-core machine.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -23,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from neorec.errors import MachineError, failure
-from neorec.planner.hardware import CALIBRATION_KEYS, calibration_path, calibration_values
+from neorec.errors import ConfigError, MachineError, failure
+from neorec.planner.hardware import CALIBRATION_KEYS, calibration_path, calibration_values, load_calibration
 from neorec.utils.files import write_json
 
 ROWS = 1 << 20
@@ -245,11 +246,44 @@ def _rank_main(rank: int, world: int, init_file: str, threads: int, queue) -> No
         queue.put((rank, None, (machine, known[1] if machine else repr(e))))
 
 
+_DAMAGED_BYTES = 64 * 1024  # a calibration is under 1 KiB; a larger file is something else
+
+
+def check_calibration_target(target: Path) -> None:
+    """The file a calibration is written to: new, or an earlier calibration, which it replaces (also a
+    damaged one: a small .json file that is not another JSON object); any other file (a run's model.pt
+    or summary.json given by mistake) is refused before anything is measured."""
+    if target.is_dir():
+        raise ConfigError(f"--calibration {target}: is a folder; give the path of the calibration file")
+    if not target.exists():
+        return
+    try:
+        load_calibration(target)
+        return
+    except ConfigError:
+        pass
+    other = target.suffix != ".json" or target.stat().st_size > _DAMAGED_BYTES
+    if not other:
+        try:
+            data = json.loads(target.read_bytes())
+            other = isinstance(data, dict) and not any(k in data for k in CALIBRATION_KEYS)
+        except (ValueError, OSError):  # not JSON (or not UTF-8): a damaged calibration
+            pass
+    if other:
+        raise ConfigError(
+            f"--calibration {target}: is a file that is not a calibration; a calibration replaces only an "
+            "earlier one: give a new path"
+        )
+
+
 def calibrate(
     world_size: int = 2, threads: int = 1, path: str | Path | None = None, timeout: float = 300
 ) -> dict:
     """Run the benchmarks on `world_size` processes; save and return the mean speeds."""
     import tempfile
+
+    target = Path(path) if path else calibration_path()
+    check_calibration_target(target)
 
     import torch.multiprocessing as mp
 
@@ -291,7 +325,6 @@ def calibrate(
         "threads": threads,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
-    target = Path(path) if path else calibration_path()
     calibration_values(calibration, f"calibration of this machine for {target}")  # a NaN speed is never written
     target.parent.mkdir(parents=True, exist_ok=True)
     write_json(target, calibration, "calibration file", indent=2)  # atomic, with a "crc32" of its content

@@ -173,6 +173,25 @@ def test_plan_does_not_write_over_a_runs_files(run, tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_a_calibration_replaces_only_an_earlier_one(run, tmp_path, capsys):
+    """`neorec plan --calibrate --calibration RUN/model.pt` replaced the trained model with the speeds
+    of this machine; refused before anything is measured, naming --calibration."""
+    from neorec.planner.calibrate import check_calibration_target
+
+    root = Path(shutil.copytree(run, tmp_path / "run"))
+    for target, words in [(root / "model.pt", "is a file that is not a calibration"),
+                          (root / "summary.json", "is a file that is not a calibration"),
+                          (root, "is a folder")]:  # fmt: skip
+        before = target.read_bytes() if target.is_file() else None
+        code = run_main(["plan", "--calibrate", "--nproc", "2", "--calibration", str(target)])
+        one_line(capsys, code, 2, f"--calibration {target}: {words}")
+        assert before is None or target.read_bytes() == before
+    for damaged in (b"[1, 2]", b'{"lookup_bandwidth": NaN}', b"\xff\xfe not text"):  # an earlier one, damaged
+        (tmp_path / "calibration.json").write_bytes(damaged)
+        check_calibration_target(tmp_path / "calibration.json")
+    check_calibration_target(tmp_path / "new.json")
+
+
 # ---- export and predict: dense layers that do not fit the config ---------------------------------------
 @pytest.mark.parametrize(
     "change, words",
