@@ -20,11 +20,12 @@ MAX_DAYS = 100_000  # --days and --first-day of a stream (its ids shift by day a
 def cmd_data_generate(args: argparse.Namespace) -> int:
     from neorec.config.limits import TEACHER, check_memory
     from neorec.config.load import load_config
-    from neorec.data.shards import write_shards
+    from neorec.data.shards import check_shards_folder, write_shards
     from neorec.data.synthetic import SyntheticSource, spec_from_config
 
     cfg = load_config(args.config or "default", args.overrides)
     output_folder(args.out, "--out")
+    check_shards_folder(Path(args.out))
     check_memory(cfg, keys=(TEACHER,))
     source = SyntheticSource(spec_from_config(cfg.data.synthetic, cfg.seed), cache=False)
     paths = write_shards(source, Path(args.out))

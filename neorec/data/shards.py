@@ -10,6 +10,7 @@ ids within their features' `num_ids` as `bounds_check` says.
 from __future__ import annotations
 
 import json
+import re
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -23,16 +24,41 @@ from neorec.data.blocks import Block, rebatch
 from neorec.data.checks import check_dense, check_ids, check_labels, check_weights, checked_mode
 from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.data.synthetic import SyntheticSource
-from neorec.errors import DataError
-from neorec.utils.files import check_json, check_recorded, size_and_crc32, write_atomic, write_json
+from neorec.errors import ConfigError, DataError
+from neorec.utils.files import (
+    check_json,
+    check_recorded,
+    foreign_files,
+    size_and_crc32,
+    write_atomic,
+    write_json,
+)
 
 _AGAIN = "write the shards again (`neorec data generate`)"
 _META_KEYS = ("num_dense", "features", "num_train_samples", "teacher_auc", "train_files", "eval_files", "files")
 
 
+# what write_shards writes, and its temporaries
+_OURS = re.compile(r"^((train|eval)-\d{5}\.npz|meta\.json)(\.tmp)?$")
+
+
+def check_shards_folder(out: Path, flag: str = "--out") -> None:
+    """The folder `write_shards` writes: new, empty or an earlier set of generated shards, which it
+    replaces; a folder holding other files (a run's, a preprocessed data set's) is refused."""
+    others = foreign_files(out, lambda name: _OURS.match(name) is not None)
+    if others:
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        raise ConfigError(
+            f"{flag} {out}: holds files that `neorec data generate` does not write ({shown}); generated "
+            "shards replace only earlier ones: give a new or empty folder"
+        )
+
+
 def write_shards(source: SyntheticSource, out: Path) -> list[Path]:
     """Write every train and eval block of `source`, then meta.json with each file's size and crc32;
-    every file through write_atomic (temporary name, fsync, rename)."""
+    every file through write_atomic (temporary name, fsync, rename). `out` is new, empty or an earlier
+    set (check_shards_folder), whose files beyond this set's are removed once meta.json is written."""
+    check_shards_folder(out, "folder")
     out.mkdir(parents=True, exist_ok=True)
     paths, files = [], {}
     for split in ("train", "eval"):
@@ -58,6 +84,8 @@ def write_shards(source: SyntheticSource, out: Path) -> list[Path]:
         "files": files,
     }
     write_json(out / "meta.json", meta, "generated shard file", indent=2)
+    for stale in foreign_files(out, lambda name: name in files or name == "meta.json"):
+        (out / stale).unlink(missing_ok=True)  # of an earlier, larger set: _OURS names alone are here
     return paths
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import errno
 import io
+import json
 import os
 import shutil
 from pathlib import Path
@@ -377,3 +378,20 @@ def test_no_error_line_is_longer_than_4000_characters(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("neorec: error: start") and err.endswith(" end\n") and err.count("\n") == 1
     assert len(err) < 4100 and "(1000010 characters in all)" in err
+
+
+def test_generated_shards_replace_only_earlier_ones(run, tmp_path, capsys):
+    """`neorec data generate --out RUN` wrote its .npz files and meta.json among a run's files; a folder
+    holding other files is refused, and an earlier, larger set is replaced whole."""
+    root = Path(shutil.copytree(run, tmp_path / "run"))
+    before = sorted(p.name for p in root.iterdir())
+    code = run_main(["data", "generate", *sets(TINY), "--out", str(root)])
+    one_line(capsys, code, 2, f"--out {root}: holds files that `neorec data generate` does not write (config")
+    assert sorted(p.name for p in root.iterdir()) == before
+    out = tmp_path / "shards"
+    for samples in (3000, 1000):  # the second set is smaller: the first's extra files go
+        assert run_main(["data", "generate", *sets([*TINY, f"data.synthetic.train_samples={samples}"]),
+                         "--out", str(out)]) == 0  # fmt: skip
+    meta = json.loads((out / "meta.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == sorted([*meta["files"], "meta.json"])
+    capsys.readouterr()
