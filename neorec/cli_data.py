@@ -156,7 +156,15 @@ def cmd_data_stream(args: argparse.Namespace) -> int:
 
     output_folder(args.out, "--out")
     spec = DriftSpec(rows=args.rows, seed=args.seed)
-    for day in range(args.first_day, args.first_day + args.days):
+    days = range(args.first_day, args.first_day + args.days)
+    # a complete partition is published: a follower may have trained on it, so it is never written again
+    done = [partition_name(d) for d in days if (Path(args.out) / partition_name(d) / "_SUCCESS").exists()]
+    if done:
+        raise NeorecError(
+            f"--out {args.out}: partition {done[0]} is complete already (it has _SUCCESS); partitions are "
+            f"written once: start after the last one with --first-day"
+        )
+    for day in days:
         write_day(spec, args.out, day)
     last = partition_name(args.first_day + args.days - 1)
     print(

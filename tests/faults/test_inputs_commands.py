@@ -395,3 +395,19 @@ def test_generated_shards_replace_only_earlier_ones(run, tmp_path, capsys):
     meta = json.loads((out / "meta.json").read_text())
     assert sorted(p.name for p in out.iterdir()) == sorted([*meta["files"], "meta.json"])
     capsys.readouterr()
+
+
+def test_a_complete_stream_partition_is_never_written_again(tmp_path, capsys):
+    """`neorec data stream` wrote over day-000 of an earlier stream, which a follower may have trained
+    on as it was; an unfinished partition (no _SUCCESS) is written again."""
+    out = tmp_path / "daily"
+    assert run_main(["data", "stream", "--out", str(out), "--days", "2", "--rows", "500"]) == 0
+    before = (out / "day-001" / "part-0.parquet").read_bytes()
+    (out / "day-000" / "_SUCCESS").unlink()  # a stream stopped while writing day-000
+    code = run_main(["data", "stream", "--out", str(out), "--days", "2", "--rows", "500", "--seed", "7"])
+    one_line(capsys, code, 2, f"--out {out}: partition day-001 is complete already", "--first-day")
+    assert (out / "day-001" / "part-0.parquet").read_bytes() == before
+    stream = ["data", "stream", "--out", str(out), "--days", "1", "--rows", "500"]
+    assert run_main(stream) == 0 and run_main([*stream, "--first-day", "2"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["day-000", "day-001", "day-002"]
+    capsys.readouterr()
