@@ -118,6 +118,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
     from neorec.train.evaluation import evaluate
+    from neorec.train.run_folder import private_cache_directory
     from neorec.train.trainer import Trainer
     from neorec.utils.process_state import process_settings
 
@@ -127,11 +128,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise NeorecError(f"{run}: not a finished run folder (needs config.yaml and model.pt from `neorec train`)")
     cfg = load_config(str(cfg_path), args.overrides)
     check_memory(cfg)  # the tables and layers of the config fit this machine, before any is built
-    trainer = Trainer(cfg, run)
-    state = load_model_state(run / "model.pt")  # checked against its CRC32s, loaded on the CPU (a GPU run's too)
-    check_model_state(trainer.model, state, run / "model.pt", args.overrides)
-    with process_settings(cfg.train.threads):  # as training evaluated
-        metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size)
+    with private_cache_directory(cfg) as cfg:  # a run training there keeps its ssd tables' files
+        trainer = Trainer(cfg, run)
+        state = load_model_state(run / "model.pt")  # checked against its CRC32s, on the CPU (a GPU run's too)
+        check_model_state(trainer.model, state, run / "model.pt", args.overrides)
+        with process_settings(cfg.train.threads):  # as training evaluated
+            metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size)
     width = max(len(k) for k in metrics)
     for k, v in metrics.items():
         print(f"{k.ljust(width)} | {v:.6g}" if isinstance(v, float) else f"{k.ljust(width)} | {v}")

@@ -118,6 +118,7 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
     from neorec.serving.export import find_run_config
     from neorec.train.build import build_model, build_source, build_tables
     from neorec.train.embeddings import build_embeddings
+    from neorec.train.run_folder import private_cache_directory
 
     columns = _row_state_columns(args.row_state_columns)
     path = Path(args.checkpoint)
@@ -129,15 +130,17 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
     if (path / "config.yaml").is_file():  # a run folder: its checkpoints
         root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else path / "checkpoints"
     folder = resolve_checkpoint(root)
-    source = build_source(cfg)
-    embeddings = build_embeddings(cfg, build_tables(cfg, source.info), device="cpu")
-    model = build_model(cfg, source.info, embeddings, source)
-    load_checkpoint(folder, embeddings, model, restore_rng=False)
-    target = model if isinstance(model, DLRM) else embeddings
-    report = save_dcp(
-        target, args.out, prefix=args.prefix, module_prefix=args.module_prefix,
-        optimizer_prefix=None if args.no_optimizer_state else args.optimizer_prefix, row_state_columns=columns,
-    )  # fmt: skip
+    with private_cache_directory(cfg) as cfg:  # a run training there keeps its ssd tables' files
+        source = build_source(cfg)
+        embeddings = build_embeddings(cfg, build_tables(cfg, source.info), device="cpu")
+        model = build_model(cfg, source.info, embeddings, source)
+        load_checkpoint(folder, embeddings, model, restore_rng=False)
+        target = model if isinstance(model, DLRM) else embeddings
+        optimizer_prefix = None if args.no_optimizer_state else args.optimizer_prefix
+        report = save_dcp(
+            target, args.out, prefix=args.prefix, module_prefix=args.module_prefix,
+            optimizer_prefix=optimizer_prefix, row_state_columns=columns,
+        )  # fmt: skip
     print(report_text(report, "wrote", target is model))
     print(f"wrote {args.out} from {folder}")
     return 0

@@ -5,6 +5,9 @@ lock (run_folders; neorec/train/run_lock.py), so that no other run can start the
 from __future__ import annotations
 
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from neorec.config.schema import RunConfig
@@ -39,6 +42,24 @@ def run_folders(cfg: RunConfig, out_dir: Path) -> list[Path]:
         if not inside and (root.is_dir() or enabled):
             folders.append(root)
     return folders
+
+
+@contextmanager
+def private_cache_directory(cfg: RunConfig) -> Iterator[RunConfig]:
+    """`cfg` for a command that reads a run without training it (eval, export-dcp): the files of its
+    ssd tables go into a folder of their own inside embedding.cache.directory, removed afterwards, as
+    a run training there (which holds the folder) creates its tables' files afresh under those names."""
+    directory = cfg.embedding.cache.directory
+    if directory is None:
+        yield cfg
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    own = tempfile.mkdtemp(prefix=".neorec-reader-", dir=directory)
+    try:
+        cache = cfg.embedding.cache.model_copy(update={"directory": own})
+        yield cfg.model_copy(update={"embedding": cfg.embedding.model_copy(update={"cache": cache})})
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def check_output_dir(out_dir: Path, cfg: RunConfig | None = None) -> None:

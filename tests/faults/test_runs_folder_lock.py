@@ -268,3 +268,22 @@ def test_a_file_where_a_folder_of_the_run_goes_is_named_by_its_key(tmp_path, cap
     assert main(_args(tmp_path / "run", sets)) == 2
     assert capsys.readouterr().err == f"neorec: error: {key} {file}: is a file; give a folder\n"
     assert file.read_text() == "mine\n" and not (tmp_path / "run").exists()
+
+
+def test_reading_a_run_leaves_the_ssd_tables_of_a_run_training_there_alone(tmp_path):
+    """`neorec eval` and `checkpoint export-dcp` of a run with ssd tables built its tables in
+    embedding.cache.directory afresh, under the names a run training there maps (tested: that run's
+    rows were replaced mid-training). They now build them in a folder of their own, removed after."""
+    cache = tmp_path / "nvme"
+    sets = ["embedding.tier=ssd", f"embedding.cache.directory={cache}", "train.max_steps=2", "train.epochs=1",
+            "checkpoint.every_steps=2"]  # fmt: skip
+    assert main(_args(tmp_path / "run", sets)) == 0
+    theirs = {p.name: p.read_bytes() for p in cache.iterdir() if p.is_file() and p.name != LOCK_FILE}
+    assert any(name.endswith(".rows.bin") for name in theirs)
+    for name in theirs:  # what a run training there now holds
+        (cache / name).write_bytes(b"another run's rows")
+    assert main(["eval", str(tmp_path / "run")]) == 0
+    assert main(["checkpoint", "export-dcp", str(tmp_path / "run"), "--out", str(tmp_path / "dcp")]) == 0
+    assert {p.name: p.read_bytes() for p in cache.iterdir() if p.name != LOCK_FILE} == {
+        name: b"another run's rows" for name in theirs
+    }
