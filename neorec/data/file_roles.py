@@ -32,7 +32,8 @@ class FileRoles:
         if first_role == role:
             where = first_named if first_named == named else f"{first_named}; {named}"
             raise ConfigError(
-                f"{file}: is listed twice as {ROLES[role]} ({where}): each file is read once an epoch; name it once"
+                f"{file}: is listed twice as {ROLES[role]} ({where}): each file is read once an epoch; "
+                "name it once"
             )
         raise ConfigError(
             f"{file}: is both {ROLES[first_role]} ({first_named}) and {ROLES[role]} ({named}): held-out "
