@@ -282,10 +282,10 @@ def calibrate(
     """Run the benchmarks on `world_size` processes; save and return the mean speeds."""
     import tempfile
 
+    import torch.multiprocessing as mp
+
     target = Path(path) if path else calibration_path()
     check_calibration_target(target)
-
-    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
