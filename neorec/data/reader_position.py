@@ -22,11 +22,13 @@ _LAYOUT_WORDS = {
     "shuffle_window": "data.preprocessed.shuffle_window",
 }
 
-# how a message names the settings the synthetic source saves of itself (SyntheticSource.state)
+# how a message names what a source saves of itself besides its layout (SyntheticSource.state,
+# PreprocessedSource.state)
 _SOURCE_WORDS = {
     "seed": "seed",
     "train_samples": "data.synthetic.train_samples",
     "generator": "data.synthetic.generator (auto: device with train.device cuda and on_device, else host)",
+    "data_crc32": "the data set of data.preprocessed.path (its manifest.json's checksum; written again?)",
 }
 
 
@@ -100,7 +102,7 @@ def check_resume(data: Any, state: Any, where: str | Path) -> None:
     reader = {**reader, "rank": data.rank} if data.reads_part else reader
     checked_position(source, reader, layout, where)
     own = source.state() if hasattr(source, "state") and not hasattr(source, "position_after") else {}
-    for key, now in own.items():  # the rest of what the source saves of itself (the synthetic generator's)
+    for key, now in own.items():  # the rest of what the source saves of itself (generator, data set)
         if key not in (*layout, "epoch", "samples") and key in reader and reader[key] != now:
             raise ConfigError(
                 f"{where} was trained with {_SOURCE_WORDS.get(key, key)} {reader[key]!r}, this run has "

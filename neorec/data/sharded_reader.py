@@ -35,7 +35,9 @@ the batches, and the ranks' scores gathered in rank order are that batch's score
 
 from __future__ import annotations
 
+import json
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,6 +198,9 @@ class PreprocessedSource:
         self._lock = threading.Lock()
         self._epoch, self._position = 0, 0  # what this reader has handed out
         self._resume: tuple[int, int] | None = None
+        # the data set itself (its settings, shards and every file's crc32): a folder written again with
+        # other inputs or settings under the same path has another, which a resume refuses
+        self.data_crc32 = zlib.crc32(json.dumps(manifest, sort_keys=True).encode())
 
     @property
     def num_skipped(self) -> int:
@@ -252,7 +257,8 @@ class PreprocessedSource:
     def state(self) -> dict[str, Any]:
         """Position after the latest training batch handed out (plus the layout it is valid for)."""
         return {"epoch": self._epoch, "samples": self._position, "seed": self.seed, "rank": self.rank,
-                "world_size": self.world_size, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window}  # fmt: skip
+                "world_size": self.world_size, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
+                "data_crc32": self.data_crc32}  # fmt: skip
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Make the next `train_batches(.., state["epoch"])` continue after `state["samples"]` samples."""

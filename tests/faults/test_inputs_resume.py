@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -169,3 +170,28 @@ def test_an_optimizers_state_is_loaded_and_this_runs_settings_kept():
     for other in (torch.optim.SGD([w], lr=0.1, momentum=0.9), torch.optim.Adagrad([w], lr=0.1)):
         with pytest.raises(CheckpointError, match="here was saved by another kind of optimizer"):
             load_optimizer(other, saved, "here")
+
+
+def test_a_preprocessed_folder_written_again_under_the_same_path(tmp_path, capfd):
+    """The settings compare the path, not what is there: a folder preprocessed again with other
+    settings (here another hashing) continued the saved position in other ids. Its manifest's checksum
+    is saved with the position; the same folder written again alike resumes."""
+    fixture = Path(__file__).parents[1] / "fixtures" / "criteo_20.tsv"
+    data, run = tmp_path / "pre", tmp_path / "run"
+
+    def preprocess(*flags: str) -> None:
+        shutil.rmtree(data, ignore_errors=True)
+        argv = ["data", "preprocess", str(fixture), "--out", str(data), "--table-rows", "100"]
+        assert main([*argv, "--no-progress", *flags]) == 0
+
+    settings = ["data.source=preprocessed", f"data.preprocessed.path={data}", "data.batch_size=4"]
+    train = ["train", "--output-dir", str(run), *sets([*QUIET, *settings, "checkpoint.every_steps=1"])]
+    preprocess()
+    assert main([*train, *sets(["train.max_steps=2"])]) == 0
+    preprocess("--hashing", "hash")
+    capfd.readouterr()
+    assert main([*train, *sets(["train.max_steps=4"]), "--resume"]) == 2
+    err = capfd.readouterr().err
+    assert "was trained with the data set of data.preprocessed.path (its manifest.json's checksum" in err, err
+    preprocess()
+    assert main([*train, *sets(["train.max_steps=4"]), "--resume"]) == 0
