@@ -34,7 +34,9 @@ reading from the row group that holds the next sample.
 
 from __future__ import annotations
 
+import json
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -183,6 +185,12 @@ class ParquetSource:
         self._lock = threading.Lock()
         self._epoch, self._position = 0, 0  # what this reader has handed out
         self._resume: tuple[int, int] | None = None
+        # the training files as read (their order and names, row groups, rows; not the folders, whose
+        # paths the run's data settings compare): files added to a training folder, or written again,
+        # would move the saved position to other samples, which a resume refuses
+        train = self.groups["train"]
+        groups = [(g.file, Path(self.files[g.file][1]).name, g.group, g.samples["train"]) for g in train]
+        self.files_crc32 = zlib.crc32(json.dumps(groups).encode())
 
     def _add_group(self, pf: pq.ParquetFile, file: int, g: int, role: str, by_column: bool) -> None:
         rows = pf.metadata.row_group(g).num_rows
@@ -246,7 +254,8 @@ class ParquetSource:
     def state(self) -> dict[str, Any]:
         """Position after the latest training batch handed out (plus the layout it is valid for)."""
         return {"epoch": self._epoch, "samples": self._position, "seed": self.seed, "rank": self.rank,
-                "world_size": self.world_size, "shuffle": self.shuffle}  # fmt: skip
+                "world_size": self.world_size, "shuffle": self.shuffle,
+                "files_crc32": self.files_crc32}  # fmt: skip
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Make the next `train_batches(.., state["epoch"])` continue after `state["samples"]` samples."""

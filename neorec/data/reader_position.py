@@ -23,12 +23,14 @@ _LAYOUT_WORDS = {
 }
 
 # how a message names what a source saves of itself besides its layout (SyntheticSource.state,
-# PreprocessedSource.state)
+# PreprocessedSource.state, ParquetSource.state)
 _SOURCE_WORDS = {
     "seed": "seed",
     "train_samples": "data.synthetic.train_samples",
     "generator": "data.synthetic.generator (auto: device with train.device cuda and on_device, else host)",
     "data_crc32": "the data set of data.preprocessed.path (its manifest.json's checksum; written again?)",
+    "files_crc32": "the training files of data.parquet.paths (a checksum of their names, row groups and "
+    "rows; files added or written again? a folder that grows is for data.follow)",
 }
 
 

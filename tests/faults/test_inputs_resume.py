@@ -195,3 +195,24 @@ def test_a_preprocessed_folder_written_again_under_the_same_path(tmp_path, capfd
     assert "was trained with the data set of data.preprocessed.path (its manifest.json's checksum" in err, err
     preprocess()
     assert main([*train, *sets(["train.max_steps=4"]), "--resume"]) == 0
+
+
+def test_a_parquet_training_folder_that_grew_since_the_checkpoint(tmp_path, capfd):
+    """A file added to a training folder changes the epoch's row groups, so the saved position would
+    continue in other samples: refused, pointing at data.follow (for a folder that grows)."""
+    folder = tmp_path / "train"
+    folder.mkdir()
+    table = pa.table({"label": [0, 1] * 200, "d0": [0.5] * 400, "a": list(range(400))})
+    pq.write_table(table, folder / "part-0.parquet", row_group_size=100)
+    pq.write_table(table, tmp_path / "held.parquet")
+    files = f"paths: [{folder}], eval_paths: [{tmp_path}/held.parquet]"
+    section = f"data.parquet={{{files}, dense: [d0], features: [a]}}"
+    base = [*QUIET, "data.source=parquet", section, "data.batch_size=50", "checkpoint.every_steps=1"]
+    train = ["train", "--output-dir", str(tmp_path / "run")]
+    assert main([*train, *sets([*base, "train.max_steps=2"])]) == 0
+    assert main([*train, *sets([*base, "train.max_steps=3"]), "--resume"]) == 0  # the same files
+    pq.write_table(table, folder / "part-1.parquet", row_group_size=100)
+    capfd.readouterr()
+    assert main([*train, *sets([*base, "train.max_steps=4"]), "--resume"]) == 2
+    err = capfd.readouterr().err
+    assert "was trained with the training files of data.parquet.paths" in err and "data.follow" in err, err
