@@ -49,12 +49,19 @@ def private_cache_directory(cfg: RunConfig) -> Iterator[RunConfig]:
     """`cfg` for a command that reads a run without training it (eval, export-dcp): the files of its
     ssd tables go into a folder of their own inside embedding.cache.directory, removed afterwards, as
     a run training there (which holds the folder) creates its tables' files afresh under those names."""
-    directory = cfg.embedding.cache.directory
-    if directory is None:
+    e = cfg.embedding
+    ssd = e.tier == "ssd" or any(t.tier == "ssd" for t in e.tables.values())  # one process: no plan's tiers
+    if e.cache.directory is None or not ssd:
         yield cfg
         return
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    own = tempfile.mkdtemp(prefix=".neorec-reader-", dir=directory)
+    try:
+        Path(e.cache.directory).mkdir(parents=True, exist_ok=True)
+        own = tempfile.mkdtemp(prefix=".neorec-reader-", dir=e.cache.directory)
+    except OSError as err:
+        raise ConfigError(
+            f"embedding.cache.directory {e.cache.directory}: cannot hold the ssd tables' files "
+            f"({err.strerror or err}); set it to a folder this user can write"
+        ) from None
     try:
         cache = cfg.embedding.cache.model_copy(update={"directory": own})
         yield cfg.model_copy(update={"embedding": cfg.embedding.model_copy(update={"cache": cache})})

@@ -287,3 +287,17 @@ def test_reading_a_run_leaves_the_ssd_tables_of_a_run_training_there_alone(tmp_p
     assert {p.name: p.read_bytes() for p in cache.iterdir() if p.name != LOCK_FILE} == {
         name: b"another run's rows" for name in theirs
     }
+
+
+def test_reading_a_run_without_ssd_tables_leaves_the_cache_folder_alone(tmp_path):
+    from neorec.errors import ConfigError
+    from neorec.train.run_folder import private_cache_directory
+
+    cfg = load_config("default", [*RUN, f"embedding.cache.directory={tmp_path / 'nvme'}"])  # tier memory
+    with private_cache_directory(cfg) as same:
+        assert same is cfg and not (tmp_path / "nvme").exists()
+    (tmp_path / "file").write_text("")
+    ssd = load_config("default", [*RUN, "embedding.tier=ssd", f"embedding.cache.directory={tmp_path}/file"])
+    with pytest.raises(ConfigError, match="embedding.cache.directory .*file: cannot hold the ssd tables"):
+        with private_cache_directory(ssd):
+            pass
