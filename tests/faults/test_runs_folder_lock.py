@@ -200,29 +200,28 @@ def test_readers_of_a_held_folder_leave_its_lock_alone(tmp_path, capsys):
     hold_run_folders([out]).release()  # free once its holder let go
 
 
-def test_checkpoint_dir_outside_the_run_folder_is_locked_too(tmp_path):
-    shared = tmp_path / "checkpoints"
-    cfg = load_config("default", [*RUN, f"checkpoint.dir={shared}", "checkpoint.every_steps=5"])
+@pytest.mark.parametrize(
+    "key, sets",
+    [
+        ("checkpoint.dir", ["checkpoint.every_steps=5"]),
+        ("snapshot.dir", ["snapshot.every_steps=5"]),
+        # two runs with one cache folder created the same table files afresh: each would train on rows
+        # the other wrote (or fault on a file cut short under its map)
+        ("embedding.cache.directory", ["embedding.tier=ssd"]),
+    ],
+)
+def test_a_folder_of_the_run_outside_its_run_folder_is_locked_too(tmp_path, key, sets):
     from neorec.train.run_folder import run_folders
 
+    shared = tmp_path / "shared"
+    cfg = load_config("default", [*RUN, f"{key}={shared}", *sets])
     assert run_folders(cfg, tmp_path / "a") == [tmp_path / "a", shared]
     with hold_run_folders(run_folders(cfg, tmp_path / "a")):
         with pytest.raises(RunFolderInUse, match=f"{shared} is in use by another run"):
             hold_run_folders(run_folders(cfg, tmp_path / "b"))
-    assert run_folders(load_config("default", RUN), tmp_path / "a") == [tmp_path / "a"]
-
-
-def test_snapshot_dir_outside_the_run_folder_is_locked_too(tmp_path):
-    shared = tmp_path / "snapshots"
-    cfg = load_config("default", [*RUN, f"snapshot.dir={shared}", "snapshot.every_steps=5"])
-    from neorec.train.run_folder import run_folders
-
-    assert run_folders(cfg, tmp_path / "a") == [tmp_path / "a", shared]
-    with hold_run_folders(run_folders(cfg, tmp_path / "a")):
-        with pytest.raises(RunFolderInUse, match=f"{shared} is in use by another run"):
-            hold_run_folders(run_folders(cfg, tmp_path / "b"))
-    inside = load_config("default", [*RUN, f"snapshot.dir={tmp_path / 'a' / 's'}", "snapshot.every_steps=5"])
+    inside = load_config("default", [*RUN, f"{key}={tmp_path / 'a' / 's'}", *sets])
     assert run_folders(inside, tmp_path / "a") == [tmp_path / "a"]
+    assert run_folders(load_config("default", RUN), tmp_path / "a") == [tmp_path / "a"]
 
 
 def test_a_new_run_never_publishes_into_another_runs_snapshots(tmp_path, capsys):
@@ -244,19 +243,6 @@ def test_a_new_run_never_publishes_into_another_runs_snapshots(tmp_path, capsys)
     assert "new folders (--output-dir, checkpoint.dir, snapshot.dir)" in err
     assert published() == before and not (tmp_path / "b" / "model.pt").exists()
     assert main(_args(tmp_path / "b", sets, "--overwrite")) == 0  # the user's choice: snapshots start anew
-
-
-def test_the_ssd_tables_folder_is_locked_too(tmp_path):
-    """Two runs with one embedding.cache.directory created the same table files afresh: each would
-    train on rows the other wrote (or fault on a file cut short under its map)."""
-    cache = tmp_path / "nvme"
-    cfg = load_config("default", [*RUN, "embedding.tier=ssd", f"embedding.cache.directory={cache}"])
-    from neorec.train.run_folder import run_folders
-
-    assert run_folders(cfg, tmp_path / "a") == [tmp_path / "a", cache]
-    with hold_run_folders(run_folders(cfg, tmp_path / "a")):
-        with pytest.raises(RunFolderInUse, match=f"{cache} is in use by another run"):
-            hold_run_folders(run_folders(cfg, tmp_path / "b"))
 
 
 @pytest.mark.parametrize("key", ["checkpoint.dir", "snapshot.dir", "embedding.cache.directory"])
