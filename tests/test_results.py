@@ -53,8 +53,8 @@ def test_pages_are_what_the_records_give() -> None:
     assert sorted(rr.HISTORY.glob("*.md")) == sorted(p for p in pages if p.parent == rr.HISTORY)
 
 
-def test_results_page_is_under_650_lines() -> None:
-    assert len(rr.RESULTS.read_text().splitlines()) < 650
+def test_results_page_is_under_700_lines() -> None:
+    assert len(rr.RESULTS.read_text().splitlines()) < 700
 
 
 def test_a_later_run_of_a_title_replaces_the_earlier_one_per_machine_kind() -> None:
