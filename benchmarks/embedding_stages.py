@@ -5,7 +5,7 @@ implementation at a time in this process: its Triton kernels (a GPU; or Triton's
 TRITON_INTERPRET=1, only to check this script on tiny sizes) or its torch path. A few forward +
 backward passes run under torch.profiler, whose ranges for the engine's stages (check_ids,
 prepare_bags, lookup, sort, row_sums, partial_sums, update_setup, update: neorec/utils/stages.py)
-give each stage's host time and, on a GPU, the device time of the kernels launched inside it. The
+give each stage's host time and, on a GPU, the device time of the kernels that ran inside it. The
 passes themselves are timed apart, without the profiler, as embedding_ops*.py time them.
 
 Bytes per stage: what the stage as built reads and writes at the least, counted on each batch (ids
@@ -116,9 +116,42 @@ def stage_bytes(c: dict[str, int], dim: int, state: int, impl: str) -> dict[str,
     return out
 
 
+def on_device(evt) -> bool:
+    return evt.device_type != torch.autograd.DeviceType.CPU
+
+
+def stage_device_ms(events) -> dict[str, float]:
+    """Device time of each stage in a profile's events: the kernels, copies and fills that ran inside
+    the stage's range on the device (the profiler's device-side copy of a range spans its first
+    kernel's start to its last one's end), each counted once, in the innermost range that holds it.
+    The device-side ranges, not the kernels' links to the CPU range that launched them: on an H200
+    with torch 2.11 the kernels Triton launches in the backward were linked to no CPU range, and
+    their stages read 0 ms."""
+    windows = sorted(
+        ((e.time_range.start, e.time_range.end, e.name[len(PREFIX) :]) for e in events
+         if on_device(e) and e.name.startswith(PREFIX)),
+        key=lambda w: (w[0], -w[1]),
+    )  # fmt: skip
+    totals: dict[str, float] = {}
+    for e in events:
+        if not on_device(e) or e.name.startswith(PREFIX) or getattr(e, "is_user_annotation", False):
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        inner = None
+        for w_start, w_end, name in windows:  # outer ranges sort before the ones nested in them
+            if w_start > start:
+                break
+            if end <= w_end:
+                inner = name
+        if inner is not None:
+            totals[inner] = totals.get(inner, 0.0) + (end - start) / 1e3
+    return totals
+
+
 def stage_times(prof, passes: int) -> dict[str, tuple[float, float]]:
-    """(host ms, device ms) per pass of each engine stage in a profile: the ranges' totals, less any
-    stage range nested in them, divided by the passes."""
+    """(host ms, device ms) per pass of each engine stage in a profile: the CPU ranges' totals, less
+    any stage range nested in them, and the device time of the work inside each range on the device
+    (stage_device_ms), divided by the passes."""
     totals: dict[str, list[float]] = {}
 
     def nested(evt):  # the stage ranges nearest below evt
@@ -128,15 +161,14 @@ def stage_times(prof, passes: int) -> dict[str, tuple[float, float]]:
             else:
                 yield from nested(child)
 
-    for evt in prof.events():
-        if not evt.name.startswith(PREFIX) or evt.device_type != torch.autograd.DeviceType.CPU:
+    events = prof.events()
+    for evt in events:
+        if not evt.name.startswith(PREFIX) or on_device(evt):
             continue
-        inner = list(nested(evt))
-        host = evt.cpu_time_total - sum(e.cpu_time_total for e in inner)
-        device = evt.device_time_total - sum(e.device_time_total for e in inner)
-        t = totals.setdefault(evt.name[len(PREFIX) :], [0.0, 0.0])
-        t[0] += host / 1e3
-        t[1] += device / 1e3
+        host = evt.cpu_time_total - sum(e.cpu_time_total for e in nested(evt))
+        totals.setdefault(evt.name[len(PREFIX) :], [0.0, 0.0])[0] += host / 1e3
+    for name, ms in stage_device_ms(events).items():
+        totals.setdefault(name, [0.0, 0.0])[1] += ms
     return {name: (h / passes, d / passes) for name, (h, d) in totals.items()}
 
 
@@ -287,7 +319,7 @@ def main() -> None:
     notes = (
         f"{where}. 26 tables ({', '.join(sizes)}; fp32), ids Zipf({args.zipf}) scattered over each table, lr 0.01. "
         f"Each stage (torch.profiler ranges of neorec/utils/stages.py): its time per pass, the median over "
-        f"{args.profiled} passes, each profiled by itself ({'device time: the kernels launched in the stage' if on_gpu else 'host time'}), "
+        f"{args.profiled} passes, each profiled by itself ({'device time: the kernels that ran inside the stage on the device' if on_gpu else 'host time'}), "
         "and the rate at which it moves the bytes it must (the least the stage as built reads and writes: the "
         f"script's doc), against a 1 GiB copy at {copy_gbs:.0f} GB/s. stages ms: the stages together; stages host "
         f"ms: their host time (on a GPU: Python and launches); pass ms: forward + backward, the median of "

@@ -10,6 +10,7 @@ import argparse
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.embedding_stages import batch_counts, measure, stage_bytes, stage_times  # noqa: E402
+from benchmarks.embedding_stages import batch_counts, measure, stage_bytes, stage_device_ms, stage_times  # noqa: E402
 from neorec.embedding.fused import FusedEmbeddingCollection  # noqa: E402
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig  # noqa: E402
 from neorec.sparse import SparseBatch  # noqa: E402
@@ -74,6 +75,33 @@ def test_stage_times_leave_out_stages_nested_in_a_stage():
     inner = sum(e.cpu_time_total for e in prof.events() if e.name == "neorec.sort") / 1e3 / 2
     assert events and times["sort"][0] == pytest.approx(inner)
     assert times["update"][0] == pytest.approx(outer - inner)
+
+
+def _event(name, start, end, device="cuda", annotation=False):
+    """A profiler event as stage_device_ms reads it (times in microseconds)."""
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end),
+                           is_user_annotation=annotation)  # fmt: skip
+
+
+def test_device_time_goes_to_the_innermost_stage_range_on_the_device():
+    events = [
+        _event("neorec.update", 0, 300, device="cpu", annotation=True),  # host side: no device time
+        _event("neorec.update", 100, 900, annotation=True),  # the ranges' device-side copies
+        _event("neorec.partial_sums", 100, 400, annotation=True),
+        _event("neorec.update", 500, 900, annotation=True),  # nested in the outer update, same name
+        _event("neorec.sort", 1000, 1200, annotation=True),
+        _event("partial_sums_kernel", 100, 400),  # linked to no CPU range, as Triton's were on a GPU
+        _event("_update_kernel", 500, 850),
+        _event("Memset (Device)", 450, 470),  # between the nested ranges: the outer update's own
+        _event("radix_sort", 1000, 1100),
+        _event("radix_sort", 1150, 1200),
+        _event("gemm", 1300, 1400),  # in no stage
+        _event("ProfilerStep#1", 0, 2000, annotation=True),  # another range on the device: not work
+    ]
+    ms = stage_device_ms(events)
+    assert ms == pytest.approx({"partial_sums": 0.3, "update": 0.35 + 0.02, "sort": 0.15})
+    assert stage_device_ms([e for e in events if not e.name.startswith("neorec.")]) == {}
 
 
 def test_the_byte_model_counts_a_gradient_row_per_id_and_each_unique_row_once():
