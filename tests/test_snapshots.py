@@ -1,6 +1,7 @@
 """Snapshots for serving (neorec/serving/snapshots.py): LATEST only ever names a complete, verified
 export, a reader racing the publisher never opens a partial one, a publisher killed at any moment
-leaves LATEST readable, and old snapshots are pruned by count."""
+leaves LATEST readable, old snapshots are pruned by count, and a run resumed from an older
+checkpoint withdraws the snapshots of the steps it trains again."""
 
 from __future__ import annotations
 
@@ -9,10 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from forked import run_python
+from forked import run_neorec, run_python
 
 from neorec.serving.file_format import ExportError, read_export, write_export
-from neorec.serving.snapshots import SnapshotError, check_snapshot, latest_snapshot, list_snapshots, publish
+from neorec.serving.snapshots import (
+    SnapshotError,
+    check_snapshot,
+    latest_snapshot,
+    list_snapshots,
+    publish,
+    withdraw_after,
+)
 
 
 def write_model(step: int):
@@ -119,3 +127,46 @@ def test_a_publisher_killed_at_any_moment_leaves_latest_complete(tmp_path, secon
     publish(tmp_path, step + 100, write_model(step + 100), verify, keep=2)
     assert not list(tmp_path.glob(".tmp-*"))
     assert latest_snapshot(tmp_path).name == f"snapshot-{step + 100:08d}"
+
+
+def test_withdrawing_later_steps_moves_latest_back_before_removing_them(tmp_path):
+    for step in (2, 4, 6):
+        publish(tmp_path, step, write_model(step), verify, keep=5)
+    assert withdraw_after(tmp_path, 6) == []  # nothing after the newest
+    gone = withdraw_after(tmp_path, 3)
+    assert [p.name for p in gone] == ["snapshot-00000004", "snapshot-00000006"]
+    assert [p.name for p in list_snapshots(tmp_path)] == ["snapshot-00000002"]
+    assert latest_snapshot(tmp_path).name == "snapshot-00000002"
+    # a publish of a withdrawn step writes its own export
+    publish(tmp_path, 4, write_model(40), verify, keep=5)
+    assert read_export(latest_snapshot(tmp_path) / "model.nrx")[0]["step"] == 40
+    # the newest snapshot before the resumed step is damaged: LATEST goes to the one before it
+    publish(tmp_path, 6, write_model(6), verify, keep=5)
+    (tmp_path / "snapshot-00000004" / "model.nrx").write_bytes(b"damaged")
+    withdraw_after(tmp_path, 5)
+    assert latest_snapshot(tmp_path).name == "snapshot-00000002"
+    # none before it: LATEST is removed, so nothing of the replaced run is served
+    withdraw_after(tmp_path, 1)
+    assert list_snapshots(tmp_path) == [] and not (tmp_path / "LATEST").exists()
+
+
+def test_a_run_resumed_from_an_older_checkpoint_publishes_its_own_snapshots(tmp_path):
+    """--resume PATH of an older checkpoint with another learning rate: the snapshots the first run
+    published after that checkpoint are withdrawn, and LATEST names the resumed run's own export of
+    each step (the first run's was kept and named before)."""
+    run = ["train", "--output-dir", str(tmp_path), "--set", "data.synthetic.train_samples=16384",
+           "--set", "data.synthetic.eval_samples=1024", "--set", "train.progress=false",
+           "--set", "logging.plot=false", "--set", "logging.tensorboard=false",
+           "--set", "checkpoint.every_steps=2", "--set", "snapshot.every_steps=2", "--set", "snapshot.keep=5"]  # fmt: skip
+    first = run_neorec([*run, "--set", "train.max_steps=6"])
+    assert first.returncode == 0, first.stderr
+    snapshots = tmp_path / "snapshots"
+    before = check_snapshot(snapshots / "snapshot-00000004")["files"]["model.nrx"]["crc32"]
+    resumed = run_neorec([*run, "--set", "train.max_steps=4", "--set", "embedding.optimizer.lr=0.5",
+                          "--resume", str(tmp_path / "checkpoints" / "step-00000002")])  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    latest = latest_snapshot(snapshots)
+    assert latest.name == "snapshot-00000004"
+    assert check_snapshot(latest)["files"]["model.nrx"]["crc32"] != before
+    assert [p.name for p in list_snapshots(snapshots)] == ["snapshot-00000002", "snapshot-00000004"]
+    assert "removed snapshot-00000004, snapshot-00000006, of steps after step 2" in resumed.stderr

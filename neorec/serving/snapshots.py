@@ -14,6 +14,11 @@ which the next publish removes. Old snapshots are removed beyond the newest `kee
 LATEST names); with keep >= 2 a reader that just read LATEST has at least one publish's time to open
 its files, and an open file stays readable after its folder is removed.
 
+A run resumed from an older checkpoint trains the later steps again, perhaps with other settings:
+`withdraw_after` moves LATEST back to the newest intact snapshot of the resumed step or before (or
+removes it when there is none), then removes the snapshots of later steps, so that neither serving
+nor a later publish takes a model of the run the resumed one replaced.
+
 Reading (`latest_snapshot`): LATEST's checksum, a plain folder name, snapshot.json's checksum, and every
 file's size and crc32 against it.
 """
@@ -71,7 +76,7 @@ def publish(
     final = root / snapshot_name(step)
     for leftover in root.glob(".tmp-snapshot-*"):  # a publish cut short: never named by LATEST
         shutil.rmtree(leftover, ignore_errors=True)
-    if final.is_dir():  # published before a restart from an earlier checkpoint retrained this step
+    if final.is_dir():  # this step published before (the trainer withdraws later steps when it resumes)
         try:
             check_snapshot(final)
         except SnapshotError:
@@ -106,6 +111,34 @@ def publish(
     write_json(root / LATEST, {"snapshot": final.name, "step": step}, "snapshot pointer")
     prune(root, keep)
     return final
+
+
+def withdraw_after(root: str | Path, step: int) -> list[Path]:
+    """A run resumed at `step` trains the later steps again (from an older checkpoint, perhaps with
+    other settings), so the snapshots of later steps are of a model it will not have: LATEST is moved
+    back to the newest intact snapshot of `step` or before (removed when there is none) before those
+    folders are removed. Serving never follows, and a publish never finds, a snapshot of a run this
+    one replaced. Returns the folders removed."""
+    root = Path(root)
+    found = [(int(_NAME.match(p.name).group(1)), p) for p in list_snapshots(root)]
+    later = [p for s, p in found if s > step]
+    if not later:
+        return []
+    pointer = root / LATEST
+    if pointer.exists() and _latest_name(root) not in {p.name for s, p in found if s <= step}:
+        for s, p in reversed([(s, p) for s, p in found if s <= step]):
+            try:
+                check_snapshot(p)
+            except SnapshotError:
+                continue
+            write_json(pointer, {"snapshot": p.name, "step": s}, "snapshot pointer")
+            break
+        else:
+            pointer.unlink()
+            fsync_dir(root)
+    for p in later:
+        shutil.rmtree(p, ignore_errors=True)
+    return later
 
 
 def prune(root: Path, keep: int) -> list[Path]:

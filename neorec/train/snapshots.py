@@ -20,7 +20,14 @@ from neorec.checkpoint.periodic import is_due
 from neorec.config.continuous import SnapshotConfig
 from neorec.data.source import DataSource
 from neorec.distributed.topology import Topology
-from neorec.serving.snapshots import list_snapshots, publish, snapshot_name
+from neorec.serving.snapshots import (
+    SnapshotError,
+    latest_snapshot,
+    list_snapshots,
+    publish,
+    snapshot_name,
+    withdraw_after,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,22 @@ class PeriodicSnapshots:
         if not self.enabled or step == 0 or c.every_steps is None or step % c.every_steps:
             return False
         return not any(p.name == snapshot_name(step) for p in list_snapshots(self.root))
+
+    def resumed_at(self, step: int) -> None:
+        """Rank 0, a run resumed at `step`: the snapshots of later steps, of the run this one replaces,
+        are withdrawn (serving.snapshots.withdraw_after), whether or not this run publishes any."""
+        if self.topo.rank != 0:
+            return
+        gone = withdraw_after(self.root, step)
+        if gone:
+            try:
+                now = f"LATEST names {latest_snapshot(self.root, verify=False).name}"
+            except SnapshotError:
+                now = "none is published"
+            log.warning(
+                f"{self.root}: removed {', '.join(p.name for p in gone)}, of steps after step {step}, which "
+                f"this resumed run trains again; {now}"
+            )
 
     def publish(self, step: int, checkpoint: Path, config: Path, source: DataSource) -> Path | None:
         """Rank 0: export checkpoint `checkpoint` (of `step`; `config` the run's config.yaml) and publish

@@ -225,6 +225,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         done = t.max_steps is not None and step >= t.max_steps
         epoch, in_epoch = first_epoch, 0
         start = time.perf_counter()
+        if position is not None:  # resumed: snapshots of later steps are of the run this one replaces
+            self.snapshots.resumed_at(step)
         if self.snapshots.missing(step):  # resumed between a checkpoint and its snapshot
             self._publish_snapshot(step)
         for epoch in range(first_epoch, t.epochs):
