@@ -157,7 +157,8 @@ def test_a_run_resumed_from_an_older_checkpoint_publishes_its_own_snapshots(tmp_
     run = ["train", "--output-dir", str(tmp_path), "--set", "data.synthetic.train_samples=16384",
            "--set", "data.synthetic.eval_samples=1024", "--set", "train.progress=false",
            "--set", "logging.plot=false", "--set", "logging.tensorboard=false",
-           "--set", "checkpoint.every_steps=2", "--set", "snapshot.every_steps=2", "--set", "snapshot.keep=5"]  # fmt: skip
+           "--set", "checkpoint.every_steps=2", "--set", "snapshot.every_steps=2",
+           "--set", "snapshot.keep=5"]  # fmt: skip
     first = run_neorec([*run, "--set", "train.max_steps=6"])
     assert first.returncode == 0, first.stderr
     snapshots = tmp_path / "snapshots"
