@@ -298,6 +298,11 @@ class CriteoTSVSource:
         keep = None if self.eval_paths is not None else EveryNth(self.eval_every, held_out=False)
         yield from self._reader("train", self.train_paths, keep).batches(batch_size)
 
+    def training_file_bytes(self) -> list[int]:
+        """The size of each training file, in order: saved with a checkpoint, so that a resume over
+        files written again or grown since is refused (this source re-reads the trained lines)."""
+        return [path.stat().st_size for path in self.train_paths]
+
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
         if self.eval_paths is not None:
             reader = self._reader("eval", self.eval_paths, None)

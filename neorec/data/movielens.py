@@ -355,6 +355,11 @@ class MovieLensSource:
         self.dense = torch.stack([release, rating_time, age], dim=1).to(torch.float32)
 
     # ---- batches --------------------------------------------------------------------------------
+    def training_file_bytes(self) -> list[int]:
+        """The sizes of movies.csv and ratings.csv: saved with a checkpoint, so that a resume over
+        files written again since is refused (the split and the features come from them)."""
+        return [(self.root / name).stat().st_size for name in ("movies.csv", "ratings.csv")]
+
     def train_batches(self, batch_size: int, epoch: int = 0) -> Iterator[Batch]:
         """The training ratings in an order shuffled by (seed, epoch); the last batch may be smaller."""
         perm = torch.from_numpy(np.random.default_rng([self.seed, epoch]).permutation(len(self.train_index)))

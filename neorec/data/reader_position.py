@@ -126,6 +126,7 @@ _NOT_THE_STREAM = {
 _SECTION = {"synthetic": "synthetic", "criteo_tsv": "criteo", "movielens": "movielens",
             "preprocessed": "preprocessed", "parquet": "parquet"}  # fmt: skip
 _WORKING_FOLDER = "working_folder"
+_FILE_BYTES = "training_file_bytes"  # in a checkpoint's state: check_training_files
 _PATH_KEYS = {"shards_dir", "criteo.train_paths", "movielens.root", "preprocessed.path", "parquet.paths",
               "parquet.vocab_dir"}  # fmt: skip
 
@@ -165,6 +166,29 @@ def check_data_settings(data: Any, state: Any, where: str | Path) -> None:
             "needs the same data settings; resume with the checkpoint's (its run's config.yaml), or start a "
             "new run (--overwrite)"
         )
+
+
+def check_training_files(source: Any, state: Any, where: str | Path) -> None:
+    """Refuse a checkpoint trained on files of other sizes than `source`'s now (a source that re-reads
+    the trained lines on a resume, TSV or MovieLens, saves its training_file_bytes in the manifest's
+    "state"): written again or grown since, they would continue in other samples. A checkpoint saved
+    without them, or a source without them, is not compared."""
+    saved = state.get(_FILE_BYTES) if isinstance(state, dict) else None
+    if saved is None or not hasattr(source, "training_file_bytes"):
+        return
+    now = source.training_file_bytes()
+    if saved != now:
+        raise ConfigError(
+            f"checkpoint {where} was trained on files of {saved} bytes, the data files have {now} bytes now: "
+            "written again or grown since, they continue in other samples; resume over the files it trained "
+            "on, or start a new run (--overwrite)"
+        )
+
+
+def training_file_state(source: Any) -> dict[str, Any]:
+    """What a checkpoint saves of `source`'s files for check_training_files (nothing for a source that
+    keeps a position of its own or draws its data)."""
+    return {_FILE_BYTES: source.training_file_bytes()} if hasattr(source, "training_file_bytes") else {}
 
 
 def _places(settings: dict, value: Any) -> Any:

@@ -22,7 +22,13 @@ from neorec.checkpoint.periodic import PeriodicCheckpoints
 from neorec.checkpoint.save import checkpoint_name
 from neorec.config.schema import RunConfig
 from neorec.data.ranks import RankData
-from neorec.data.reader_position import check_data_settings, check_resume, data_settings
+from neorec.data.reader_position import (
+    check_data_settings,
+    check_resume,
+    check_training_files,
+    data_settings,
+    training_file_state,
+)
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError, NeorecError
 from neorec.train.signals import TrainingStopped
@@ -66,6 +72,7 @@ class CheckpointHandling:
         state = self.data.position(epoch, in_epoch)
         state.update(batch_size=self.cfg.data.batch_size, seed=self.cfg.seed)  # must match on resume
         state.update(data_settings=data_settings(self.cfg.data))  # and so must the data
+        state.update(training_file_state(self.source))  # and the files a TSV or MovieLens source re-reads
         state.update(dense_optimizer=self.cfg.train.dense_optimizer.name)  # and the kind of its state
         state.update(metrics_lines=logger.num_lines, running_loss=running)  # metrics.jsonl goes on seamlessly
         if getattr(self, "progressive", None) is not None:  # a followed stream: its partition so far (collective)
@@ -85,6 +92,7 @@ class CheckpointHandling:
         state = read_manifest(path).get("state")
         check_resume(self.data, state, path)
         check_data_settings(self.cfg.data, state, path)
+        check_training_files(self.source, state, path)
         saved, now = (state or {}).get("dense_optimizer"), self.cfg.train.dense_optimizer.name
         if saved is not None and saved != now:
             raise ConfigError(

@@ -216,3 +216,34 @@ def test_a_parquet_training_folder_that_grew_since_the_checkpoint(tmp_path, capf
     assert main([*train, *sets([*base, "train.max_steps=4"]), "--resume"]) == 2
     err = capfd.readouterr().err
     assert "was trained with the training files of data.parquet.paths" in err and "data.follow" in err, err
+
+
+@pytest.mark.parametrize("source", ["criteo_tsv", "movielens"])
+def test_files_a_source_reads_again_written_again_since_the_checkpoint(source, tmp_path, capfd):
+    """TSV and MovieLens sources keep no position of their own: a resume reads the trained lines
+    again. Files written again or grown under the same paths continued in other samples; their sizes
+    are saved with the checkpoint, and a resume over other sizes is refused (the same files resume)."""
+    fixtures = Path(__file__).parents[1] / "fixtures"
+    if source == "criteo_tsv":
+        changed = tmp_path / "day_0.tsv"
+        shutil.copy(fixtures / "criteo_20.tsv", changed)
+        settings = ["data.source=criteo_tsv", f"data.criteo.train_paths=[{changed}]",
+                    "data.criteo.table_rows=100", "data.batch_size=4"]  # fmt: skip
+    else:
+        shared = Path(__file__).parents[3] / "shared" / "data" / "ml-latest-small"
+        if not (shared / "ratings.csv").is_file():
+            pytest.skip(f"shared MovieLens latest-small not found at {shared}")
+        root = tmp_path / "ml"
+        shutil.copytree(shared, root)
+        changed = root / "ratings.csv"
+        settings = ["data.source=movielens", f"data.movielens.root={root}", "data.batch_size=256"]
+    run = tmp_path / "run"
+    train = ["train", "--output-dir", str(run), *sets([*QUIET, *settings, "checkpoint.every_steps=1"])]
+    assert main([*train, *sets(["train.max_steps=2"])]) == 0
+    assert main([*train, *sets(["train.max_steps=3"]), "--resume"]) == 0  # the same files
+    lines = changed.read_text().splitlines(keepends=True)
+    changed.write_text("".join(lines[:1] + lines[2:]))  # a line fewer
+    capfd.readouterr()
+    assert main([*train, *sets(["train.max_steps=4"]), "--resume"]) == 2
+    err = capfd.readouterr().err
+    assert "was trained on files of" in err and "written again or grown since" in err, err
