@@ -6,7 +6,8 @@ Builds the trainer of a config on the GPU and runs its own loop (data feed, pipe
 
 Prints, in order:
   1. the data feed alone (batches per second with no training), so that a slow feed shows apart;
-  2. steady-state step time and samples/s over --steps steps (synchronised before and after);
+  2. steady-state step time and samples/s over --steps steps (synchronised before and after), and
+     the training thread's CPU time a step against it (the rest: waiting for the GIL, data or GPU);
   3. every place a step synchronises with the host (torch.cuda.set_sync_debug_mode("warn") over
      three steps), as neorec file:line with a count, the innermost neorec frame of each warning;
   4. a torch.profiler table of the top kernels by GPU time and of the top operators by CPU time,
@@ -109,13 +110,18 @@ def main() -> None:
     for _ in range(args.warmup):
         trainer.train_step(next(it), is_local=True)
     sync()
-    t0 = time.perf_counter()
+    t0, own0, all0 = time.perf_counter(), time.thread_time(), time.process_time()
     for _ in range(args.steps):
         trainer.train_step(next(it), is_local=True)
     sync()
     step_s = (time.perf_counter() - t0) / args.steps
+    own_s, all_s = (time.thread_time() - own0) / args.steps, (time.process_time() - all0) / args.steps
     peak = f", peak {torch.cuda.max_memory_allocated() / 2**20:,.0f} MiB" if cuda else ""
     print(f"step: {1000 * step_s:.2f} ms, {bs / step_s:,.0f} samples/s{peak}", flush=True)
+    # the training thread's CPU time against the step's: the rest it spent not running (waiting for
+    # the GIL while the reader's threads held it, for a batch, or for the GPU)
+    print(f"training thread: {1000 * own_s:.2f} ms of CPU a step, {1000 * (step_s - own_s):.2f} ms not running; "
+          f"the process's other threads: {1000 * (all_s - own_s):.2f} ms of CPU a step", flush=True)  # fmt: skip
 
     # 3. host syncs
     if cuda:
