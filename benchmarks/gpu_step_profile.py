@@ -120,8 +120,8 @@ def main() -> None:
     print(f"step: {1000 * step_s:.2f} ms, {bs / step_s:,.0f} samples/s{peak}", flush=True)
     # the training thread's CPU time against the step's: the rest it spent not running (waiting for
     # the GIL while the reader's threads held it, for a batch, or for the GPU)
-    print(f"training thread: {1000 * own_s:.2f} ms of CPU a step, {1000 * (step_s - own_s):.2f} ms not running; "
-          f"the process's other threads: {1000 * (all_s - own_s):.2f} ms of CPU a step", flush=True)  # fmt: skip
+    print(f"training thread: {1000 * own_s:.2f} ms of CPU a step, {1000 * (step_s - own_s):.2f} ms not "
+          f"running; the process's other threads: {1000 * (all_s - own_s):.2f} ms of CPU a step")  # fmt: skip
 
     # 3. host syncs
     if cuda:

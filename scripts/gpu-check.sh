@@ -21,9 +21,9 @@
 #            wait per step; SOURCES_REPEATS rounds, default 2)
 #   profile  benchmarks/gpu_step_profile.py on criteo_kaggle at batch 16,384 and mlperf_dcnv2 (bf16):
 #            the feed alone, step time, every host sync site, the top kernels and operators
-#   feedprofile  (not among the defaults) benchmarks/gpu_step_profile.py on criteo_kaggle at batch 16,384 with data
-#            drawn on the GPU and read from .npy shards (SOURCES_DIR, written if missing): step time and the
-#            training thread's CPU time a step (what it spent not running: the GIL, data, the GPU)
+#   feedprofile  (not among the defaults) benchmarks/gpu_step_profile.py on criteo_kaggle at batch 16,384
+#            with data drawn on the GPU and read from .npy shards (SOURCES_DIR, written if missing): step time
+#            and the training thread's CPU time a step (what it spent not running: the GIL, data, the GPU)
 #   kaggle   criteo_kaggle at batch 16,384 on the GPU: samples/s and data wait per step
 #   kaggle_bf16  the same with bf16 dense math
 #   kaggle_compile  the same with train.compile (the dense stages through torch.compile)
@@ -140,14 +140,15 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         ;;
     feedprofile)  # the training thread with data drawn on the GPU against fed by the .npy reader
         data=${SOURCES_DIR:-/tmp/neorec-sources}/data
-        [ -f "$data/manifest.json" ] || $PY -m neorec data preprocess --synthetic --config criteo_kaggle --out "$data" \
-            --workers 8 --parquet-output --no-progress --set data.synthetic.train_samples=4000000 \
+        [ -f "$data/manifest.json" ] || $PY -m neorec data preprocess --synthetic --config criteo_kaggle \
+            --out "$data" --workers 8 --parquet-output --no-progress --set data.synthetic.train_samples=4000000 \
             --set data.synthetic.eval_samples=200000 >"$OUT/feedprofile_data.log" 2>&1
-        run feedprofile_drawn ${PROFILE_LIMIT:-120} $PY benchmarks/gpu_step_profile.py --config criteo_kaggle \
-            --set data.batch_size=16384
+        run feedprofile_drawn ${PROFILE_LIMIT:-120} $PY benchmarks/gpu_step_profile.py \
+            --config criteo_kaggle --set data.batch_size=16384
         run feedprofile_npy ${PROFILE_LIMIT:-120} $PY benchmarks/gpu_step_profile.py --config criteo_kaggle \
             --set data.batch_size=16384 --set data.source=preprocessed --set data.preprocessed.path="$data"
-        grep -h "^step:\|^training thread" "$OUT/feedprofile_drawn.log" "$OUT/feedprofile_npy.log" | tee -a "$OUT/summary.txt"
+        grep -h "^step:\|^training thread" "$OUT/feedprofile_drawn.log" "$OUT/feedprofile_npy.log" \
+            | tee -a "$OUT/summary.txt"
         ;;
     kaggle)
         kaggle_run kaggle 150
