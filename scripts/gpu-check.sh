@@ -141,8 +141,9 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
     feedprofile)  # the training thread with data drawn on the GPU against fed by the .npy reader
         data=${SOURCES_DIR:-/tmp/neorec-sources}/data
         [ -f "$data/manifest.json" ] || $PY -m neorec data preprocess --synthetic --config criteo_kaggle \
-            --out "$data" --workers 8 --parquet-output --no-progress --set data.synthetic.train_samples=4000000 \
-            --set data.synthetic.eval_samples=200000 >"$OUT/feedprofile_data.log" 2>&1
+            --out "$data" --workers 8 --parquet-output --no-progress \
+            --set data.synthetic.train_samples=4000000 --set data.synthetic.eval_samples=200000 \
+            >"$OUT/feedprofile_data.log" 2>&1
         run feedprofile_drawn ${PROFILE_LIMIT:-120} $PY benchmarks/gpu_step_profile.py \
             --config criteo_kaggle --set data.batch_size=16384
         run feedprofile_npy ${PROFILE_LIMIT:-120} $PY benchmarks/gpu_step_profile.py --config criteo_kaggle \
