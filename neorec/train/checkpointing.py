@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 import torch
+import yaml
 from torch import nn
 
 from neorec.checkpoint import load_checkpoint
@@ -20,6 +21,7 @@ from neorec.checkpoint.files import CheckpointError
 from neorec.checkpoint.load import read_manifest
 from neorec.checkpoint.periodic import PeriodicCheckpoints
 from neorec.checkpoint.save import checkpoint_name
+from neorec.config.load import config_changes
 from neorec.config.schema import RunConfig
 from neorec.data.ranks import RankData
 from neorec.data.reader_position import (
@@ -34,6 +36,8 @@ from neorec.errors import ConfigError, NeorecError
 from neorec.train.signals import TrainingStopped
 
 log = logging.getLogger(__name__)
+# settings a resume changes on purpose, not named among the changed ones: how far to train, the bar
+_HOW_LONG = {"train.max_steps", "train.progress"}
 
 
 class TrainingDiverged(NeorecError, FloatingPointError):
@@ -79,6 +83,23 @@ class CheckpointHandling:
             state.update(self._stream_state())  # type: ignore[attr-defined]
         optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
         self.checkpoints.save(step, self.embeddings, self.model, optimizers, state)
+
+    def _say_changed_settings(self, step: int) -> None:
+        """Rank 0, resumed at `step`, before the run's config.yaml is replaced: the settings that differ
+        from the ones it names (a flag left out of the resuming command changes a setting silently
+        otherwise; what may change applies from the resumed step, docs/checkpoints.md)."""
+        previous = self.out_dir / "config.yaml"
+        try:
+            changes = config_changes(yaml.safe_load(previous.read_text()), self.cfg)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):  # none, or not readable: nothing to compare
+            return
+        changes = [c for c in changes if c.split(":")[0] not in _HOW_LONG]
+        if changes:
+            more = f"; and {len(changes) - 10} more" if len(changes) > 10 else ""
+            log.warning(
+                f"resumed at step {step} with settings other than {previous}'s, from this step on: "
+                + "; ".join(changes[:10]) + more
+            )
 
     def _checkpoint_to_resume(self) -> Path | None:
         """The checkpoint `resume` names (None: none yet, start from step 0), once its data position is

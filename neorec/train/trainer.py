@@ -201,6 +201,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         step, first_epoch, position = self._resume(to_resume) if to_resume is not None else (0, 0, None)
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+            if to_resume is not None:
+                self._say_changed_settings(step)
             write_text(self.out_dir / "config.yaml", dump_config(cfg), "run config")  # atomic
             plan = getattr(self.embeddings, "plan", None)  # sharded: the plan every rank trains with
             if plan is not None:

@@ -247,3 +247,19 @@ def test_files_a_source_reads_again_written_again_since_the_checkpoint(source, t
     assert main([*train, *sets(["train.max_steps=4"]), "--resume"]) == 2
     err = capfd.readouterr().err
     assert "was trained on files of" in err and "written again or grown since" in err, err
+
+
+def test_a_resume_names_the_settings_that_differ_from_the_runs(tmp_path, capfd):
+    """A flag left out of the resuming command changed a setting without a word (the run's config.yaml
+    was replaced by the new one): the settings that differ from it are named, how far to train not."""
+    base = ["train", "--output-dir", str(tmp_path / "run"),
+            *sets([*QUIET, "data.synthetic.train_samples=4096", "checkpoint.every_steps=1"])]  # fmt: skip
+    assert main([*base, *sets(["train.max_steps=1", "embedding.optimizer.lr=0.5"])]) == 0
+    capfd.readouterr()
+    assert main([*base, *sets(["train.max_steps=2"]), "--resume"]) == 0
+    err = capfd.readouterr().err
+    assert "resumed at step 1 with settings other than" in err, err
+    assert "embedding.optimizer.lr: 0.5 -> 0.1" in err, err
+    assert "train.max_steps" not in err
+    assert main([*base, *sets(["train.max_steps=3"]), "--resume"]) == 0  # the same settings: nothing said
+    assert "settings other than" not in capfd.readouterr().err
