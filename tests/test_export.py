@@ -4,6 +4,7 @@ int8 AUC within 0.002 of fp32, and `neorec predict`."""
 
 from __future__ import annotations
 
+import gzip
 import math
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import torch
 
 from neorec.cli import main as cli_main
 from neorec.config.load import load_config
-from neorec.errors import DataError
+from neorec.data.criteo import CriteoTSVReader
+from neorec.errors import ConfigError, DataError
 from neorec.metrics.evaluation import binary_metrics
 from neorec.serving import ExportError, export_model, load_export, predict_file
 from neorec.serving import quantize as quantize_module
@@ -340,6 +342,26 @@ def test_predict_criteo_tsv(tmp_path):
     with pytest.raises(DataError, match=f"{bad}:21"):
         predict_file(tmp_path / "m.nrx", tmp_path / "c.txt", data=bad)
     assert not list(tmp_path.glob("c.txt*"))
+    # Lines without the label (Criteo's test files: 39 fields), plain and .gz, score as their labeled
+    # lines do (through the fast parser, and line by line where a block holds a bad line); no metrics
+    lines = CRITEO.read_text().splitlines(True)
+    unlabeled = tmp_path / "test.tsv"
+    unlabeled.write_text("".join(x.split("\t", 1)[1] for x in lines))
+    zipped = tmp_path / "test.tsv.gz"
+    zipped.write_bytes(gzip.compress(unlabeled.read_bytes()))
+    for path in (unlabeled, zipped):
+        u = predict_file(tmp_path / "m.nrx", tmp_path / "u.txt", data=path, batch_size=64)
+        assert (tmp_path / "u.txt").read_text() == (tmp_path / "p.txt").read_text() and u.metrics == {}
+    with pytest.raises(ConfigError, match="--with-labels: .*test.tsv has no labels"):
+        predict_file(tmp_path / "m.nrx", tmp_path / "u.csv", data=unlabeled, with_labels=True)
+    mixed = tmp_path / "mixed.tsv"
+    mixed.write_text(unlabeled.read_text() + lines[0])  # a labeled line among unlabeled ones
+    with pytest.raises(DataError, match=r"mixed.tsv:201: expected 39 tab-separated fields \(I1..I13, C1"):
+        predict_file(tmp_path / "m.nrx", tmp_path / "c.txt", data=mixed)
+    # that block read line by line (the bad line skipped) gives the labeled file's values
+    (whole,) = CriteoTSVReader([CRITEO], 1000, "hash").batches(1000)
+    (lined,) = CriteoTSVReader([mixed], 1000, "hash", "skip", labeled=False).batches(1000)
+    assert torch.equal(whole.dense, lined.dense) and torch.equal(whole.sparse.values, lined.sparse.values)
 
 
 @pytest.mark.skipif(

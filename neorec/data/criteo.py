@@ -46,6 +46,7 @@ from neorec.data.criteo_lines import (  # noqa: F401 (the rules of the format, i
     resolve_table_rows,
     select,
     splitmix64,
+    with_label,
 )
 from neorec.data.file_roles import FileRoles
 from neorec.data.source import FeatureSpec, SourceInfo
@@ -90,11 +91,13 @@ class CriteoTSVReader:
         raw_features: Sequence[str] = (),
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         block_bytes: int | None = None,
+        labeled: bool = True,
     ) -> None:
         """max_line_bytes: longer lines (without the newline) are bad lines, never held whole; block_bytes:
         lines are parsed in blocks of about this many bytes (None:
         tsv_blocks.BLOCK_BYTES); chunk_lines: lines per chunk parsed line
-        by line (blocks the fast parser leaves, neorec/data/tsv_blocks.py)."""
+        by line (blocks the fast parser leaves, neorec/data/tsv_blocks.py); labeled=False: lines
+        without the label field (39 fields, Criteo's test files), read with label 0."""
         self.paths = [Path(p) for p in paths]
         unknown = sorted(set(raw_features) - set(CATEGORICAL_NAMES))
         if unknown:
@@ -110,6 +113,7 @@ class CriteoTSVReader:
         self.chunk_lines = chunk_lines
         self.max_line_bytes = max_line_bytes
         self.block_bytes = block_bytes
+        self.labeled = labeled
         self.skipped: Counter[str] = Counter()  # reason -> lines skipped so far in this pass
 
     @property
@@ -157,7 +161,10 @@ class CriteoTSVReader:
                     kept = None if self.keep_line is None else _keep_mask(self.keep_line, block.numbers())
                     if kept is not None and not kept.any():
                         continue
-                    parsed = parse_fast(block.data, block.num_lines, self.max_line_bytes)
+                    data = block.data
+                    if not self.labeled and block.long_line is None:
+                        data = with_label(data)
+                    parsed = parse_fast(data, block.num_lines, self.max_line_bytes)
                     if parsed is not None:
                         yield parsed if kept is None else select(parsed, kept)
                         continue
@@ -165,7 +172,7 @@ class CriteoTSVReader:
                     if kept is not None:
                         lines = [line for line, k in zip(lines, kept, strict=True) if k]
                     for start in range(0, len(lines), self.chunk_lines):
-                        parsed, bad = parse_lines(path, lines[start : start + self.chunk_lines])
+                        parsed, bad = parse_lines(path, lines[start : start + self.chunk_lines], self.labeled)
                         if bad:
                             if self.bad_lines == "fail":
                                 raise DataError(min(bad)[2] + FAIL_HINT)

@@ -55,6 +55,7 @@ DEFAULT_MAX_LINE_BYTES = 4096  # a valid Criteo line is under 500 bytes
 _DENSE_WIDTH = 1 + MAX_DENSE_DIGITS  # bytes of the widest valid dense value: a sign and 18 digits
 _DENSE, _HEX = slice(1, 1 + NUM_DENSE), slice(1 + NUM_DENSE, NUM_FIELDS)  # their fields in a line
 _QUOTE_BYTES = 40  # messages quote at most this many bytes of a bad value
+UNLABELED = b"0\t"  # the label field put in front of a line of a file without labels
 _READ_BYTES = 1 << 18  # lines are read in blocks of at most this size
 
 # ASCII byte -> hex digit value, 255 for anything that is not a hex digit.
@@ -208,13 +209,19 @@ BadLine = tuple[int, str, str]  # (line number, reason, message)
 FAIL_HINT = "; data.criteo.bad_lines=skip (or --bad-lines skip) skips and counts such lines"
 
 
-def parse_lines(path: Path, chunk: list[tuple[int, bytes]]) -> tuple[Parsed, list[BadLine]]:
+def parse_lines(
+    path: Path, chunk: list[tuple[int, bytes]], labeled: bool = True
+) -> tuple[Parsed, list[BadLine]]:
     """The valid lines of a chunk of (line number, line without its newline, as read_lines gives it)
-    as (labels, dense, raw hex values [26, n]), and the bad lines, with the first problem of each."""
+    as (labels, dense, raw hex values [26, n]), and the bad lines, with the first problem of each.
+    labeled=False: lines of 39 fields without the label (Criteo's test files), read with label 0."""
+    if not labeled:
+        chunk = [(n, line if isinstance(line, LongLine) else UNLABELED + line) for n, line in chunk]
     lines = [line for _, line in chunk]
     num_tabs = np.fromiter(map(bytes.count, lines, itertools.repeat(b"\t")), np.int64, len(lines))
     bad = [
-        _describe_shape(path, *chunk[i], num_tabs[i] + 1) for i in np.flatnonzero(num_tabs != NUM_FIELDS - 1)
+        _describe_shape(path, *chunk[i], num_tabs[i] + 1, labeled)
+        for i in np.flatnonzero(num_tabs != NUM_FIELDS - 1)
     ]
     rows = np.flatnonzero(num_tabs == NUM_FIELDS - 1)  # chunk position of each line parsed below
     ok = np.zeros(0, dtype=bool)
@@ -284,13 +291,32 @@ def _quote(value: bytes) -> str:
     return f"{value[:_QUOTE_BYTES].decode(errors='replace')!r}... ({len(value)} bytes)"
 
 
-def _describe_shape(path: Path, number: int, line: bytes, num_fields: int) -> BadLine:
-    """A line that is too long or has not 40 fields, as (line number, reason, message)."""
+def _describe_shape(path: Path, number: int, line: bytes, num_fields: int, labeled: bool = True) -> BadLine:
+    """A line that is too long or has not 40 fields (39 unlabeled), as (line number, reason, message)."""
     if isinstance(line, LongLine):
         why = f"line of {line.length} bytes (starting {_quote(line.head)}) is longer than max_line_bytes={line.limit}"
         return number, "line_length", f"{path}:{number}: {why}; a valid Criteo line is under 500 bytes"
-    msg = f"{path}:{number}: expected {NUM_FIELDS} tab-separated fields (label, I1..I13, C1..C26), got {num_fields}"
-    return number, "field_count", msg
+    if labeled:
+        expected = f"{NUM_FIELDS} tab-separated fields (label, I1..I13, C1..C26)"
+    else:  # its label field was added to the line
+        expected = f"{NUM_FIELDS - 1} tab-separated fields (I1..I13, C1..C26: no label)"
+        num_fields -= 1
+    return number, "field_count", f"{path}:{number}: expected {expected}, got {num_fields}"
+
+
+def with_label(data: bytes) -> bytes:
+    """A block of unlabeled lines (39 fields) with the label 0 put in front of each line."""
+    if not data:
+        return data
+    body = data[:-1] if data.endswith(b"\n") else data
+    return UNLABELED + body.replace(b"\n", b"\n" + UNLABELED) + data[len(body) :]
+
+
+def is_unlabeled(path: Path) -> bool:
+    """Whether the first line of a Criteo TSV file has the 39 fields of a file without labels."""
+    with open_tsv(path) as f:
+        first = f.readline(DEFAULT_MAX_LINE_BYTES + 1)
+    return first.count(b"\t") == NUM_FIELDS - 2
 
 
 def _describe(

@@ -3,7 +3,8 @@
 Data: by default the held-out set of the model's own config (synthetic, Criteo TSV, MovieLens,
 preprocessed shards), in the order `neorec eval` reads it; or `data=` a raw Criteo TSV file (plain or
 .gz), hashed into the model's tables as it was trained (see export.tsv_mapping); only a model trained on
-hashed Criteo data takes one.
+hashed Criteo data takes one. A file whose first line has 39 fields is read as lines without labels
+(Criteo's test files: I1..I13, C1..C26): its predictions come without metrics or labels.
 
 Output (written under a temporary name and renamed, so a reader never sees half a file): one
 probability per line, or with `with_labels` a CSV with a header `probability,label`. A multi-task
@@ -46,10 +47,14 @@ class PredictResult:
 
 
 def data_batches(
-    exported: ExportedModel, batch_size: int, data: str | Path | None = None, bounds_check: str = "error"
+    exported: ExportedModel,
+    batch_size: int,
+    data: str | Path | None = None,
+    bounds_check: str = "error",
+    labeled: bool = True,
 ) -> Iterator[Batch]:
     """Batches to score: the held-out set of the model's config (its readers checking ids as
-    `bounds_check` says), or a Criteo TSV file."""
+    `bounds_check` says), or a Criteo TSV file (labeled=False: its lines have no label field)."""
     if data is None:
         from neorec.train.build import build_source
 
@@ -88,7 +93,7 @@ def data_batches(
     # managed-collision tables take the raw hash value, as in training; their id maps give the rows
     raw = sorted(raw_features(exported.config))
     reader = CriteoTSVReader(
-        [data], rows, hashing, bad_lines, raw_features=raw, max_line_bytes=max_line_bytes
+        [data], rows, hashing, bad_lines, raw_features=raw, max_line_bytes=max_line_bytes, labeled=labeled
     )
     return reader.batches(batch_size)
 
@@ -119,8 +124,11 @@ def predict_file(
     exported = load_export(model, bounds_check)
     if data is None:
         _check_not_in_data(Path(out), exported.config.data)
+    labeled = data is None or not _unlabeled_tsv(Path(data))
+    if with_labels and not labeled:
+        raise ConfigError(f"--with-labels: {data} has no labels (its lines have 39 fields: I1..I13, C1..C26)")
     size = batch_size or exported.config.data.eval_batch_size
-    batches = _read(data_batches(exported, size, data, bounds_check), data)
+    batches = _read(data_batches(exported, size, data, bounds_check, labeled), data)
     probs, labels = [], []
 
     tasks = exported.task_names
@@ -138,12 +146,23 @@ def predict_file(
     write_atomic(out, write, "predictions file")  # a failure, e.g. a bad line in the data, leaves no file
     n = sum(p.shape[0] for p in probs)
     metrics = {}
-    if n:  # a multi-task model's metrics are per task, named <task>/<metric> (neorec.model.multitask)
+    if n and labeled:  # a multi-task model's are per task, named <task>/<metric> (neorec.model.multitask)
         metrics_of = getattr(exported.model, "held_out_metrics", binary_metrics)
         metrics = metrics_of(torch.cat(probs), torch.cat(labels))
     dropped = exported.dropped_ids()
     seconds = time.perf_counter() - start
     return PredictResult(out, n, seconds, metrics, exported.quantized, exported.quantization, dropped)
+
+
+def _unlabeled_tsv(data: Path) -> bool:
+    """Whether `data` (a Criteo TSV file, checked later) is one without labels; a file that cannot be
+    opened is the reader's to report."""
+    from neorec.data.criteo_lines import is_unlabeled
+
+    try:
+        return is_unlabeled(data)
+    except (OSError, EOFError, NeorecError):
+        return False
 
 
 def _read(batches: Iterator[Batch], data: str | Path | None) -> Iterator[Batch]:
