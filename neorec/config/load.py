@@ -302,10 +302,10 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def config_changes(previous: Any, cfg: RunConfig) -> list[str]:
+def config_changes(previous: dict, cfg: RunConfig) -> list[str]:
     """The settings of `cfg` that differ from `previous` (a run's config.yaml as loaded), as
     "key: old -> new" by dotted key, in the config's order; keys only one of them has count too."""
-    old, new = _flat(previous if isinstance(previous, dict) else {}), _flat(cfg.model_dump(mode="json"))
+    old, new = _flat(previous), _flat(cfg.model_dump(mode="json"))
     return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in {**new, **old}
             if old.get(k) != new.get(k)]  # fmt: skip
 

@@ -90,10 +90,12 @@ class CheckpointHandling:
         otherwise; what may change applies from the resumed step, docs/checkpoints.md)."""
         previous = self.out_dir / "config.yaml"
         try:
-            changes = config_changes(yaml.safe_load(previous.read_text()), self.cfg)
+            saved = yaml.safe_load(previous.read_text())
         except (OSError, UnicodeDecodeError, yaml.YAMLError):  # none, or not readable: nothing to compare
             return
-        changes = [c for c in changes if c.split(":")[0] not in _HOW_LONG]
+        if not isinstance(saved, dict):
+            return
+        changes = [c for c in config_changes(saved, self.cfg) if c.split(":")[0] not in _HOW_LONG]
         if changes:
             more = f"; and {len(changes) - 10} more" if len(changes) > 10 else ""
             log.warning(
