@@ -227,23 +227,26 @@ def this_machine(
 
 # ---- GPUs -----------------------------------------------------------------------------------------
 # Share of the data-sheet rate that neorec's work reaches. Measured (benchmarks/RESULTS.md,
-# 2026-11-26; 26 tables of 1M rows, Zipf 1.05):
+# 2026-11-26 and 2026-11-28; 26 tables of 1M rows, Zipf 1.05):
 # - hbm_lookup: the Triton pooling kernel, multi-hot batch 16,384, dim 128, on an H100: 0.95 ms for
-#   2.0 GB of rows read and output written, 2.1 TB/s of 3.35 (benchmarks/embedding_ops_gpu.py --profile).
+#   2.0 GB of rows read and output written, 2.1 TB/s of 3.35 (benchmarks/embedding_ops_gpu.py --profile);
+#   on an H200 (2026-11-28, benchmarks/embedding_stages.py, the lookup's device time): 0.69 ms, 2.98
+#   TB/s of 4.8 (0.62).
 # - hbm_update: the fused backward+update (sort, gradient sums, row-wise AdaGrad) on an H200, timed
 #   from the host: 4.2 ms for 1.07 GB of gradient, rows and state, 252 GB/s of 4.8 TB/s.
 # - host_cache: a row cache in GPU memory over host memory, 20% of rows cached, batch 2,048, dim 64,
-#   AdaGrad, on an H200 (benchmarks/cache.py --device cuda --tier dram): 2.55 ms more per step than
-#   the tables in GPU memory for 5.08 MiB of records brought in and as much written back. Costed
-#   as the host tier's lookup rate L and update rate L / 2 (tiers.cache_traffic: 3 x 5.33 MB / L =
-#   2.55 ms), L = 6.3 GB/s of the 64 GB/s of PCIe 5 x16. At this batch both runs are bound by host
-#   time, so this is mostly the cache's bookkeeping, not the link.
+#   AdaGrad, on an H200 (benchmarks/cache.py --device cuda --tier dram, 2026-11-28): 3.83 ms more
+#   per step than the tables in GPU memory (10.46 against 6.63 ms) for 5.08 MiB of records brought
+#   in and as much written back (2.55 ms on 2026-11-26, the cached groups then on the torch path).
+#   Costed as the host tier's lookup rate L and update rate L / 2 (tiers.cache_traffic: 3 x 5.33 MB
+#   / L = 3.83 ms), L = 4.2 GB/s of the 64 GB/s of PCIe 5 x16. At this batch both runs are bound by
+#   host time, so this is mostly the cache's bookkeeping, not the link.
 # Assumed (not measured here: the lent machines have one GPU): nvlink, rdma, and pcie for ranks that
 # share a GPU and exchange through pinned host memory.
 GPU_EFFICIENCY = {
     "hbm_lookup": 0.63,
     "hbm_update": 0.053,
-    "host_cache": 0.098,
+    "host_cache": 0.065,
     "pcie": 0.5,
     "nvlink": 0.7,
     "rdma": 0.8,
