@@ -42,7 +42,8 @@
 #            AB_ROUNDS rounds (default 2) of benchmarks/embedding_ops_gpu.py at 8x the CPU batches: a kernel change before and after
 #   cache    benchmarks/cache.py --device cuda --tier dram (GPU cache over host memory), misses read
 #            ahead on the worker (io thread on) against brought in at the lookup (off), then where
-#            each one's step time goes (host syncs by site, operators by host and device time)
+#            each one's step time goes (host syncs by site, operators by host and device time); timed
+#            after CACHE_WARMUP steps (default 300: after 10 the misses are mostly first reads)
 #   cache_ssd  the same with --tier ssd (GPU cache over SSD files, in $SSD_DIR or /tmp/neorec-ssd)
 #   ingestion  (not among the defaults) benchmarks/ingestion.py: Criteo TSV preprocessing with 1 and
 #            2 workers on this host's cores, where the workers do not share 2 cores with the rest
@@ -203,11 +204,13 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
         ;;
     cache)
         run cache ${CACHE_LIMIT:-150} $PY benchmarks/cache.py --device cuda --tier dram --zipf 1.05 --fractions 0.2 1.0 \
-            --io-thread on off --repeats 1 --dir /tmp/neorec-tables --no-append --profile
+            --io-thread on off --repeats 1 --warmup ${CACHE_WARMUP:-300} --steps 60 --dir /tmp/neorec-tables \
+            --no-append --profile
         ;;
     cache_ssd)
         run cache_ssd ${SSD_LIMIT:-200} $PY benchmarks/cache.py --device cuda --tier ssd --zipf 1.05 --fractions 0.2 \
-            --repeats 1 --dir "${SSD_DIR:-/tmp/neorec-ssd}" --no-append
+            --repeats 1 --warmup ${CACHE_WARMUP:-300} --steps 60 --dir "${SSD_DIR:-/tmp/neorec-ssd}" \
+            --no-append
         ;;
     ingestion)
         run ingestion ${INGESTION_LIMIT:-240} $PY benchmarks/ingestion.py --criteo-lines 1000000 4000000 --repeats 3 \
