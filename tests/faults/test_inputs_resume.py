@@ -253,7 +253,8 @@ def test_a_resume_names_the_settings_that_differ_from_the_runs(tmp_path, capfd):
     """A flag left out of the resuming command changed a setting without a word (the run's config.yaml
     was replaced by the new one): the settings that differ from it are named, how far to train not."""
     base = ["train", "--output-dir", str(tmp_path / "run"),
-            *sets([*QUIET, "data.synthetic.train_samples=4096", "checkpoint.every_steps=1"])]  # fmt: skip
+            *sets([*QUIET, "data.synthetic.train_samples=4096", "data.synthetic.eval_samples=512",
+                   "checkpoint.every_steps=1"])]  # fmt: skip
     assert main([*base, *sets(["train.max_steps=1", "embedding.optimizer.lr=0.5"])]) == 0
     capfd.readouterr()
     assert main([*base, *sets(["train.max_steps=2"]), "--resume"]) == 0
