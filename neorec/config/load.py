@@ -21,6 +21,7 @@ which can multiply a small text into gigabytes) are errors naming the line.
 from __future__ import annotations
 
 import typing
+from collections.abc import Collection
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -302,12 +303,13 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def config_changes(previous: dict, cfg: RunConfig) -> list[str]:
+def config_changes(previous: dict, cfg: RunConfig, ignore: Collection[str] = ()) -> list[str]:
     """The settings of `cfg` that differ from `previous` (a run's config.yaml as loaded), as
-    "key: old -> new" by dotted key, in the config's order; keys only one of them has count too."""
+    "key: old -> new" by dotted key, in the config's order; keys only one of them has count too, the
+    dotted keys in `ignore` not."""
     old, new = _flat(previous), _flat(cfg.model_dump(mode="json"))
     return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in {**new, **old}
-            if old.get(k) != new.get(k)]  # fmt: skip
+            if old.get(k) != new.get(k) and k not in ignore]  # fmt: skip
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -234,10 +234,20 @@ class EmbeddingConfig(Strict):
     def _bounds_check_off(cls, v):
         return "off" if v is False else v  # YAML reads a bare `off` as false
 
+    @property
+    def ssd_tables(self) -> list[str]:
+        """The tables embedding.tables puts on ssd (all of them when embedding.tier is ssd, besides)."""
+        return [n for n, o in self.tables.items() if o.tier == "ssd"]
+
+    @property
+    def uses_ssd(self) -> bool:
+        """Whether any table's files go into cache.directory (the plan's tiers aside)."""
+        return self.tier == "ssd" or bool(self.ssd_tables)
+
     @model_validator(mode="after")
     def _cache_directory(self) -> EmbeddingConfig:
-        ssd = [n for n, o in self.tables.items() if o.tier == "ssd"]
-        if (self.tier == "ssd" or ssd) and self.cache.directory is None:
+        ssd = self.ssd_tables
+        if self.uses_ssd and self.cache.directory is None:
             which = "embedding.tier is ssd" if self.tier == "ssd" else f"embedding.tables {ssd} have tier ssd"
             raise ValueError(f"{which}: set embedding.cache.directory to a folder for their files")
         return self

@@ -95,7 +95,7 @@ class CheckpointHandling:
             return
         if not isinstance(saved, dict):
             return
-        changes = [c for c in config_changes(saved, self.cfg) if c.split(":")[0] not in _HOW_LONG]
+        changes = config_changes(saved, self.cfg, ignore=_HOW_LONG)
         if changes:
             more = f"; and {len(changes) - 10} more" if len(changes) > 10 else ""
             log.warning(

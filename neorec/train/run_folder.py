@@ -50,8 +50,7 @@ def private_cache_directory(cfg: RunConfig) -> Iterator[RunConfig]:
     ssd tables go into a folder of their own inside embedding.cache.directory, removed afterwards, as
     a run training there (which holds the folder) creates its tables' files afresh under those names."""
     e = cfg.embedding
-    ssd = e.tier == "ssd" or any(t.tier == "ssd" for t in e.tables.values())  # one process: no plan's tiers
-    if e.cache.directory is None or not ssd:
+    if e.cache.directory is None or not e.uses_ssd:  # one process: no plan's tiers
         yield cfg
         return
     try:
