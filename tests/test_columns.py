@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neorec.data.columns import Columns, cut_batches
+from neorec.data.packed import PackedColumns
 
 
 def random_columns(rng: np.random.Generator, n: int, kinds: list[str], id_dtype) -> Columns:
@@ -85,3 +86,66 @@ def test_cut_batches_cross_window_boundaries_in_order():
     got = [s for batch in cut_batches(zip(windows, orders, strict=True), 32) for s in samples(batch)]
     assert got == want
     assert [len(b) for b in cut_batches(zip(windows, orders, strict=True), 32)] == [32, 32, 32, 20]
+
+
+def same_batches(a, b) -> bool:
+    sa, sb = a.sparse, b.sparse
+    same_weights = (sa.weights is None) == (sb.weights is None) and (
+        sa.weights is None or torch.equal(sa.weights, sb.weights)
+    )
+    return (
+        torch.equal(a.dense, b.dense)
+        and torch.equal(a.labels, b.labels)
+        and torch.equal(sa.values, sb.values)
+        and torch.equal(sa.lengths, sb.lengths)
+        and sa.values.dtype == sb.values.dtype == torch.int64
+        and sa.length_per_key() == sb.length_per_key()
+        and sa.known_id_limits() == sb.known_id_limits()
+        and same_weights
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 200), min_size=1, max_size=3),
+    kinds=st.lists(st.sampled_from(["one", "multi", "weighted", "one_weighted"]), min_size=1, max_size=5),
+    dtypes=st.lists(st.sampled_from([np.int32, np.int64, np.uint32]), min_size=3, max_size=3),
+    batch=st.integers(1, 300),
+    limits=st.booleans(),
+    all_one_hot=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_packed_windows_give_the_batches_of_the_columns(sizes, kinds, dtypes, batch, limits, all_one_hot, seed):
+    """A window packed from pieces (ids of mixed integer dtypes, one-hot weighted ones among them) gives,
+    cut into batches across windows, the batches the concatenated columns give, bit for bit; every
+    feature one-hot (Criteo's case) takes a path of its own."""
+    rng = np.random.default_rng(seed)
+    kinds = ["one"] * (len(kinds) + 1) if all_one_hot else kinds
+
+    def piece(n: int, dtype) -> Columns:
+        cols = random_columns(rng, n, ["one" if k == "one_weighted" else k for k in kinds], dtype)
+        for f, kind in enumerate(kinds):
+            if kind == "one_weighted":
+                cols.weights[f] = rng.random(n, dtype=np.float32)
+        if limits:
+            cols.id_limits = ([0] * len(kinds), [1 << 30] * len(kinds))
+        return cols
+
+    windows = [[piece(n, dtypes[i % 3]) for i, n in enumerate(sizes)] for _ in range(2)]
+    orders = [rng.permutation(sum(sizes)) for _ in windows]
+    keys = [f"f{f}" for f in range(len(kinds))]
+    packed = [PackedColumns.pack(w) for w in windows]
+    plain = [Columns.cat(w) for w in windows]
+    assert packed[0].packed == [f for f, k in enumerate(kinds) if k == "one"]
+    got = [b.to_batch(keys) for b in cut_batches(zip(packed, orders, strict=True), batch)]
+    want = [b.to_batch(keys) for b in cut_batches(zip(plain, orders, strict=True), batch)]
+    assert len(got) == len(want) and all(same_batches(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_packed_ids_of_signed_and_unsigned_64_bits_stay_integers():
+    """numpy widens int64 and uint64 together to floats; a packed window holds them as int64."""
+    rng = np.random.default_rng(0)
+    a, b = random_columns(rng, 4, ["one"], np.int64), random_columns(rng, 3, ["one"], np.uint64)
+    window = PackedColumns.pack([a, b])
+    assert window.rows.dtype == np.int64
+    assert window.rows[:, 0].tolist() == a.values[0].tolist() + b.values[0].tolist()

@@ -7,7 +7,7 @@ intra-op thread pool; tensors are made at the end with `torch.from_numpy` (no co
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,18 +39,13 @@ class Columns:
     def cat(parts: list[Columns]) -> Columns:
         """Concatenate, copying into owned arrays of the working dtypes (also when there is one part).
         Ids keep their integer dtype (the int32 of preprocessed shards) until `to_batch` widens them:
-        a batch's gather from a shuffle window then reads half the bytes."""
+        a batch's gather from a shuffle window then reads half the bytes. A feature whose values are
+        None (packed elsewhere: neorec/data/packed.py) stays None."""
         first = parts[0]
-
-        def join(arrays: list, dtype) -> np.ndarray:
-            if dtype is None:  # ids: the widest of the parts' integer dtypes
-                dtype = np.result_type(*(a.dtype for a in arrays))
-            return np.concatenate(arrays, dtype=dtype)
-
         return Columns(
             join([p.dense for p in parts], np.float32),
             join([p.labels for p in parts], np.float32),
-            [join([p.values[f] for p in parts], None) for f in range(len(first.values))],
+            [None if v is None else join([p.values[f] for p in parts]) for f, v in enumerate(first.values)],
             [
                 None if ln is None else join([p.lengths[f] for p in parts], np.int64)
                 for f, ln in enumerate(first.lengths)
@@ -59,7 +54,7 @@ class Columns:
                 None if w is None else join([p.weights[f] for p in parts], np.float32)
                 for f, w in enumerate(first.weights)
             ],
-            _joined_limits([p.id_limits for p in parts]),
+            joined_limits([p.id_limits for p in parts]),
         )
 
     def take(self, idx: np.ndarray) -> Columns:
@@ -79,23 +74,7 @@ class Columns:
         def gather(column: np.ndarray) -> np.ndarray:
             return column.take(ordered, axis=0).take(back, axis=0)
 
-        values, lengths, weights = [], [], []
-        for f, (v, ln, w) in enumerate(zip(self.values, self.lengths, self.weights, strict=True)):
-            if ln is None:
-                values.append(gather(v))
-                weights.append(None if w is None else gather(w))
-                lengths.append(None)
-                continue
-            # multi-hot: gather each chosen sample's run of ids
-            if f not in self._offsets:
-                self._offsets[f] = np.concatenate([[0], np.cumsum(ln, dtype=np.int64)])
-            offsets = self._offsets[f]
-            new_len = ln[idx]
-            run_start = np.cumsum(new_len) - new_len  # where each chosen run starts in the output
-            sel = np.repeat(offsets[idx] - run_start, new_len) + np.arange(int(new_len.sum()))
-            lengths.append(new_len)
-            values.append(v[sel])
-            weights.append(None if w is None else w[sel])
+        values, lengths, weights = take_features(self, idx, gather)
         return Columns(gather(self.dense), gather(self.labels), values, lengths, weights, self.id_limits)
 
     def to_batch(self, keys: list[str]) -> Batch:
@@ -127,7 +106,48 @@ class Columns:
         return Batch(torch.from_numpy(self.dense), sparse, torch.from_numpy(self.labels))
 
 
-def _joined_limits(limits: list[tuple[list[int], list[int]] | None]) -> tuple[list[int], list[int]] | None:
+def join(arrays: list[np.ndarray], dtype=None) -> np.ndarray:
+    """`arrays` concatenated into an owned array of `dtype` (None: ids, of `ids_dtype`)."""
+    return np.concatenate(arrays, dtype=ids_dtype(arrays) if dtype is None else dtype)
+
+
+def ids_dtype(arrays: list[np.ndarray]) -> np.dtype:
+    """The dtype that holds the ids of all `arrays`: the widest of their integer dtypes (int64 where
+    signed and unsigned 64-bit ids mix, which numpy would widen to floats)."""
+    if not arrays:
+        return np.dtype(np.int32)
+    dtype = np.result_type(*(a.dtype for a in arrays))
+    return dtype if dtype.kind in "iu" else np.dtype(np.int64)
+
+
+def take_features(
+    columns: Columns, idx: np.ndarray, gather: Callable[[np.ndarray], np.ndarray]
+) -> tuple[list, list[np.ndarray | None], list[np.ndarray | None]]:
+    """(values, lengths, weights) of samples `idx` of every feature of `columns`: a one-hot feature's
+    ids and weights by `gather`, a multi-hot feature's each chosen sample's run of ids; a feature whose
+    values are None (packed elsewhere, neorec/data/packed.py) stays None."""
+    values: list = []
+    lengths: list[np.ndarray | None] = []
+    weights: list[np.ndarray | None] = []
+    for f, (v, ln, w) in enumerate(zip(columns.values, columns.lengths, columns.weights, strict=True)):
+        if v is None or ln is None:
+            values.append(None if v is None else gather(v))
+            lengths.append(None)
+            weights.append(None if w is None else gather(w))
+            continue
+        if f not in columns._offsets:
+            columns._offsets[f] = np.concatenate([[0], np.cumsum(ln, dtype=np.int64)])
+        offsets = columns._offsets[f]
+        new_len = ln[idx]
+        run_start = np.cumsum(new_len) - new_len  # where each chosen run starts in the output
+        sel = np.repeat(offsets[idx] - run_start, new_len) + np.arange(int(new_len.sum()))
+        values.append(v[sel])
+        lengths.append(new_len)
+        weights.append(None if w is None else w[sel])
+    return values, lengths, weights
+
+
+def joined_limits(limits: list[tuple[list[int], list[int]] | None]) -> tuple[list[int], list[int]] | None:
     """The id limits of concatenated columns: known when every part's are."""
     if any(x is None for x in limits):
         return None
@@ -158,9 +178,10 @@ def batch_pieces(
 
 
 def assemble(pieces: list[tuple[Columns, np.ndarray]]) -> Columns:
-    """The samples of `pieces` (see `batch_pieces`), in order."""
+    """The samples of `pieces` (see `batch_pieces`), in order, of the windows' kind (Columns, or the
+    PackedColumns of neorec/data/packed.py)."""
     parts = [window.take(idx) for window, idx in pieces]
-    return parts[0] if len(parts) == 1 else Columns.cat(parts)
+    return parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
 
 
 def cut_batches(windows: Iterator[tuple[Columns, np.ndarray]], batch_size: int) -> Iterator[Columns]:

@@ -55,6 +55,7 @@ from neorec.data.batch import Batch
 from neorec.data.checks import checked_mode
 from neorec.data.columns import Columns, cut_batches
 from neorec.data.file_roles import FileRoles
+from neorec.data.packed import PackedColumns
 from neorec.data.parquet_columns import ColumnMap, held_out
 from neorec.data.prefetch import prefetch
 from neorec.data.reader_position import checked_position
@@ -300,15 +301,18 @@ class ParquetSource:
             cols = cols.take(np.flatnonzero(mask if split == "eval" else ~mask))
         return cols
 
-    def _windows(self, split: str, epoch: int | None, lo: int, hi: int) -> Iterator[tuple[Columns, np.ndarray]]:
-        """(row group's samples, order of the ones to take) for samples [lo, hi) of the epoch."""
+    def _windows(
+        self, split: str, epoch: int | None, lo: int, hi: int
+    ) -> Iterator[tuple[PackedColumns, np.ndarray]]:
+        """(row group's samples, packed (neorec/data/packed.py), order of the ones to take) for samples
+        [lo, hi) of the epoch."""
         shuffled = epoch is not None and self.shuffle
         for i, a, b in self._pieces(split, epoch, lo, hi):
             cols = self._read(split, i)
             order = np.arange(len(cols))
             if shuffled:
                 order = np.random.default_rng([self.seed, epoch, i]).permutation(len(cols))
-            yield cols, order[a:b]
+            yield PackedColumns.pack([cols]), order[a:b]
 
     def _batches(self, split: str, batch_size: int, epoch: int | None, lo: int, hi: int) -> Iterator[Batch]:
         if batch_size < 1:

@@ -17,9 +17,10 @@ shuffle_window) and the manifest:
 4. Batches: consecutive `batch_size` samples of that stream (the last one may be smaller).
 
 Reading: columns are memory-mapped, so a window reads only its slices of (at most a few) shards. One
-thread reads and permutes the next windows, `threads` others gather ready `Batch`es out of them
-(neorec.data.prefetch; handed out in order, so the data is the same whatever their number), so the
-training step finds batches waiting.
+thread reads the next windows, packs them (neorec/data/packed.py: a sample's one-hot ids in one row)
+and permutes them, `threads` others gather ready `Batch`es out of them (neorec.data.prefetch; handed
+out in order, so the data is the same whatever their number), so the training step finds batches
+waiting.
 
 Resume: `state()` tells how many samples of which epoch this reader has handed out; after
 `load_state(state)`, the next `train_batches(batch_size, state["epoch"])` starts right after them (the
@@ -49,6 +50,7 @@ from neorec.data.batch import Batch
 from neorec.data.checks import check_dense, check_ids, check_labels, check_weights, checked_mode
 from neorec.data.columns import Columns, assemble, batch_pieces
 from neorec.data.manifest import SPLITS, check_part_files, load_manifest, shard_name
+from neorec.data.packed import PackedColumns
 from neorec.data.prefetch import ordered_map, prefetch
 from neorec.data.reader_position import checked_position
 from neorec.data.source import FeatureSpec, SourceInfo
@@ -287,7 +289,9 @@ class PreprocessedSource:
             pos += size
         return pieces
 
-    def _windows(self, split: str, epoch: int | None, start: int) -> Iterator[tuple[Columns, np.ndarray]]:
+    def _windows(
+        self, split: str, epoch: int | None, start: int
+    ) -> Iterator[tuple[PackedColumns, np.ndarray]]:
         """(window, order of its samples) for this rank's samples from position `start` on."""
         pieces = self._rank_pieces(split, epoch)
         window = self.shuffle_window
@@ -303,7 +307,7 @@ class PreprocessedSource:
                 a, pos = a + take, pos + take
                 if pos == (w + 1) * window or (last and a == b):
                     if pending:
-                        block = Columns.cat(pending)
+                        block = PackedColumns.pack(pending)
                         order = np.arange(len(block))
                         if shuffled:
                             order = np.random.default_rng([self.seed, epoch, self.rank, w]).permutation(
