@@ -1,6 +1,7 @@
 """Followed streams (data.follow), the less travelled paths: pt2 snapshots published by time (the clock
 injected, nothing sleeps) and scored as `neorec predict` scores them, partitions taken by the time
-they were completed, and a stop signal while the run waits for a partition."""
+they were completed, a stop signal while the run waits for a partition, and a finished partition
+completed again."""
 
 from __future__ import annotations
 
@@ -113,3 +114,40 @@ def test_a_stop_signal_while_waiting_for_a_partition_ends_with_a_checkpoint_and_
     assert result.partitions[0] == {**ref.partitions[1]}
     want = ref_trainer.model.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in resumed.model.state_dict().items())
+
+
+def test_a_finished_partition_completed_again_is_named_not_trained_again(tmp_path, neorec_warnings):
+    """day 0 is written again (a later marker) while the run waits after day 1: the run warns once,
+    naming it and both completion times, and goes on to day 2 without training day 0 again; the
+    completion times travel in the position, so a resumed run tells too."""
+    stream = tmp_path / "s"
+    write_days(stream, range(2))
+    cfg = follow_config(tmp_path / "run", stream, "data.follow.until=day-002", "data.follow.idle_timeout=60")
+    trainer = Trainer(cfg)
+
+    def land() -> None:
+        deadline, both = time.monotonic() + 60, [("day-000", "done"), ("day-001", "done")]
+        while time.monotonic() < deadline and trainer.source._finished != both:
+            time.sleep(0.01)
+        marker = write_day(SPEC, stream, 0) / "_SUCCESS"
+        later = marker.stat().st_mtime + 5
+        os.utime(marker, (later, later))
+        time.sleep(0.3)  # polled a few times while day 2 is not there: one warning
+        write_day(SPEC, stream, 2)
+
+    writer = threading.Thread(target=land)
+    writer.start()
+    result = trainer.fit()
+    writer.join()
+    assert partitions_logged(result) == ["day-000", "day-001", "day-002"]
+    told = [r.getMessage() for r in neorec_warnings.records if "completed again" in r.getMessage()]
+    assert len(told) == 1 and "partition day-000 " in told[0] and "_SUCCESS is from" in told[0], told
+    position = trainer.source.state()
+    assert set(position["completed"]) == {"day-000", "day-001", "day-002"}
+
+    again = Trainer(cfg).source  # a resumed stream, whose position says day 1 was completed at time 1
+    again.load_state({**position, "completed": {**position["completed"], "day-001": 1.0}})
+    neorec_warnings.clear()
+    again._choose({"day-000", "day-001", "day-002"})
+    told = [r.getMessage() for r in neorec_warnings.records if "completed again" in r.getMessage()]
+    assert [m.split()[2] for m in told] == ["day-000", "day-001"], told

@@ -23,6 +23,10 @@ Position (`state()`, exact resume): the partitions finished (done or skipped, in
 read and the samples of this rank's share read from it. After `load_state`, the stream continues inside
 that partition, then takes the complete partitions not yet finished, in order: one that landed while
 the job was down is picked up.
+
+A partition is read once, by name. One completed again after the stream finished it (its marker or
+manifest rewritten: a producer that re-ran a day) is not trained again; rank 0 warns, naming it and
+both completion times, which the position keeps for every finished partition.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch
 
 from neorec.config.continuous import FollowConfig
 from neorec.data.batch import Batch
-from neorec.data.partitions import list_partitions
+from neorec.data.partitions import Partition, completion_file, list_partitions
 from neorec.data.reader_position import checked_position
 from neorec.data.source import DataSource, SourceInfo
 from neorec.errors import ConfigError, DataError
@@ -130,6 +134,10 @@ class FollowSource:
         self.ended: str | None = None  # why the stream ended: "until", "idle" or "signal"
         self._agreement = RankAgreement(rank, world_size)
         self._finished: list[tuple[str, str]] = []  # (partition, "done" | "skipped"), in stream order
+        # rank 0: when each partition it chose was completed (its marker's or manifest's modification
+        # time), to tell a finished partition completed again under the same name
+        self._completed: dict[str, float] = {}
+        self._told_rewritten: set[str] = set()
         self._current: tuple[str, int] | None = (
             None  # (partition, samples of this rank's share read) to continue
         )
@@ -201,8 +209,14 @@ class FollowSource:
             raise DataError(
                 f"follow position {str(state)[:200]}: malformed (expected done, skipped, partition, batches)"
             )
+        completed = state.get("completed") or {}
+        if not isinstance(completed, dict) or not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) for t in completed.values()
+        ):
+            raise DataError(f"follow position: completed {str(completed)[:200]}: malformed (partition: time)")
         order = state.get("order") or [[n, "done"] for n in done] + [[n, "skipped"] for n in skipped]
         self._finished = [(str(n), str(s)) for n, s in order]
+        self._completed = {str(n): float(t) for n, t in completed.items()}
         self._current = (partition, int(state["samples"])) if partition is not None else None
         self._batches = batches
         self._records.clear()
@@ -213,6 +227,7 @@ class FollowSource:
             "done": [n for n, s in finished if s == "done"],
             "skipped": [n for n, s in finished if s == "skipped"],
             "order": [[n, s] for n, s in finished],
+            "completed": {n: self._completed[n] for n, _ in finished if n in self._completed},
             "partition": current[0] if current else None,
             "samples": current[1] if current else 0,
         }
@@ -330,7 +345,9 @@ class FollowSource:
             return "end:signal"
         for p in list_partitions(self.root, self.kind, self.config.marker, self.config.order):
             if p.name not in seen:
+                self._completed[p.name] = p.completed
                 return f"partition:{p.name}"
+            self._tell_if_rewritten(p)
         now = time.monotonic()
         if self._idle_since is None:
             self._idle_since = now
@@ -338,6 +355,22 @@ class FollowSource:
         if self.config.idle_timeout is not None and now - self._idle_since >= self.config.idle_timeout:
             return "end:idle"
         return "wait"
+
+    def _tell_if_rewritten(self, partition: Partition) -> None:
+        """Warn (once) when a partition the stream finished was completed again since: the stream takes
+        each name once, so its new data is not trained, which must not pass unseen."""
+        before = self._completed.get(partition.name)
+        if before is None or partition.completed == before or partition.name in self._told_rewritten:
+            return
+        self._told_rewritten.add(partition.name)
+        what = dict(self._finished).get(partition.name, "done")
+        how = "trained" if what == "done" else "skipped as bad"
+        marker = completion_file(partition.path, self.kind, self.config.marker).name
+        log.warning(
+            f"data.follow: partition {partition.name} was completed again after this run {how} it (its "
+            f"{marker} is from {_when(partition.completed)}, was {_when(before)}); a partition is read once, "
+            "by name, so its new data is not trained: write it under a new name to train it"
+        )
 
     def _waiting_for(self) -> str:
         what = f"a {self.config.marker} file" if self.kind == "parquet" else "a complete manifest.json"
@@ -347,3 +380,8 @@ class FollowSource:
             else "with no limit"
         )
         return f"a subfolder with {what}, {limit}"
+
+
+def _when(timestamp: float) -> str:
+    """A modification time as local date and time, to the second."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
