@@ -302,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("predict", help="score data with an exported model and write the predictions")
     p.add_argument("model", help="what `neorec export` wrote: an .nrx file, a pt2 folder (or its model.pt2), or an aoti package")
     p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels; multitask: a column per task)")
-    p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz); default: the model's held-out data")
+    p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz), or Parquet files (a file or folder) "
+                   "for a model trained on Parquet; default: the model's held-out data")  # fmt: skip
     p.add_argument("--batch-size", type=whole_number(1, MAX_BATCH), default=None,
                    help="samples per batch (default: data.eval_batch_size)")  # fmt: skip
     p.add_argument("--with-labels", action="store_true", help="write CSV with a header: probability,label")

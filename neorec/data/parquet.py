@@ -113,16 +113,19 @@ def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
 
 
-def column_map(config: ParquetConfig, with_vocabs: bool = True, bounds_check: str = "error") -> ColumnMap:
+def column_map(
+    config: ParquetConfig, with_vocabs: bool = True, bounds_check: str = "error", labeled: bool = True
+) -> ColumnMap:
     """The config's columns, with every feature's settings and vocabulary (hashing vocab) resolved
-    (`with_vocabs=False`: vocabularies not loaded, for checking files before they are counted)."""
+    (`with_vocabs=False`: vocabularies not loaded, for checking files before they are counted;
+    `labeled=False`: files without the label column, whose rows are scored only)."""
     features = config.feature_configs()
     names = [f.name for f in features if f.hashing == "vocab"]
     loaded = dict(zip(names, load_vocabs(Path(config.vocab_dir), names), strict=True)) if names and with_vocabs else {}
     vocabs = [loaded.get(f.name) for f in features]
-    return ColumnMap(
-        config.label, list(config.dense), config.dense_log1p, features, vocabs, config.eval_column, bounds_check
-    )
+    label = config.label if labeled else None
+    dense, eval_column = list(config.dense), config.eval_column
+    return ColumnMap(label, dense, config.dense_log1p, features, vocabs, eval_column, bounds_check)
 
 
 def file_uri(fs: pafs.FileSystem, path: str) -> str:
@@ -141,16 +144,24 @@ class ParquetSource:
     """DataSource over Parquet files; this rank's share only (see the module docstring)."""
 
     def __init__(
-        self, config: ParquetConfig, *, rank: int = 0, world_size: int = 1, seed: int = 0, bounds_check: str = "error"
+        self,
+        config: ParquetConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        bounds_check: str = "error",
+        labeled: bool = True,
     ) -> None:
         """`bounds_check` (embedding.bounds_check): what ids outside their tables (hashing none) do when a
         row group is read: "error" stops naming file, row group, row and column, "warn" logs them and
-        passes them on for the embedding engine to drop, "off" reads no id."""
+        passes them on for the embedding engine to drop, "off" reads no id. `labeled=False`: files
+        without the label column, to be scored (their labels read as 0)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
         self.config = config
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, config.shuffle
-        self.map = column_map(config, bounds_check=checked_mode(bounds_check))
+        self.map = column_map(config, bounds_check=checked_mode(bounds_check), labeled=labeled)
         features, vocabs = self.map.features, self.map.vocabs
         self.files: list[tuple[pafs.FileSystem, str]] = []
         self.groups: dict[str, list[RowGroup]] = {split: [] for split in SPLITS}

@@ -42,7 +42,7 @@ _FNV_PRIME = np.uint64(0x100000001B3)
 class ColumnMap:
     """Which columns hold what, with every feature's settings resolved (ParquetConfig.feature_configs)."""
 
-    label: str
+    label: str | None  # None: rows without labels (scored, not trained or evaluated), labels read as 0
     dense: list[str]
     dense_log1p: bool
     features: list[ParquetFeatureConfig]
@@ -52,7 +52,7 @@ class ColumnMap:
 
     def columns(self, with_eval_column: bool) -> list[str]:
         """The columns a row group is read with."""
-        names = [self.label, *self.dense]
+        names = ([self.label] if self.label is not None else []) + self.dense
         for f in self.features:
             names += [f.column] + ([f.weights] if f.weights else [])
         if with_eval_column and self.eval_column:
@@ -74,8 +74,9 @@ class ColumnMap:
             if not ok:
                 raise DataError(f"{path}: column {name!r} has type {kind}; {what}")
 
-        t = field(self.label, "data.parquet.label")
-        expect(_is_number(t), self.label, str(t), "the label must be 0/1 integers, floats or booleans")
+        if self.label is not None:
+            t = field(self.label, "data.parquet.label")
+            expect(_is_number(t), self.label, str(t), "the label must be 0/1 integers, floats or booleans")
         for name in self.dense:
             t = field(name, "data.parquet.dense")
             expect(_is_number(t), name, str(t), "dense features must be numbers or booleans")
@@ -103,8 +104,11 @@ class ColumnMap:
 
     def to_columns(self, table: pa.Table, where: str) -> Columns:
         """A table of the `columns()` of one row group (`where`: its file and row group, for errors)."""
-        labels = _numbers(table.column(self.label), where, self.label, nulls="error")
-        check_labels(labels, where, f"label column {self.label!r}")
+        if self.label is None:
+            labels = np.zeros(table.num_rows, np.float32)
+        else:
+            labels = _numbers(table.column(self.label), where, self.label, nulls="error")
+            check_labels(labels, where, f"label column {self.label!r}")
         n = len(labels)
         # log1p in float64 as the Criteo reader computes it; plain values go straight to float32
         dense = np.empty((n, len(self.dense)), np.float64 if self.dense_log1p else np.float32)

@@ -1,10 +1,16 @@
 """`neorec predict`: score a data file with an exported model, in batches, and write the predictions.
 
 Data: by default the held-out set of the model's own config (synthetic, Criteo TSV, MovieLens,
-preprocessed shards), in the order `neorec eval` reads it; or `data=` a raw Criteo TSV file (plain or
-.gz), hashed into the model's tables as it was trained (see export.tsv_mapping); only a model trained on
-hashed Criteo data takes one. A file whose first line has 39 fields is read as lines without labels
-(Criteo's test files: I1..I13, C1..C26): its predictions come without metrics or labels.
+preprocessed shards, Parquet), in the order `neorec eval` reads it; or `data=` other files, mapped to
+the model's rows as its training data was:
+- a raw Criteo TSV file (plain or .gz), hashed into the model's tables as it was trained (see
+  export.tsv_mapping), for a model trained on hashed Criteo data. A file whose first line has 39
+  fields is read as lines without labels (Criteo's test files: I1..I13, C1..C26);
+- Parquet files (a file or a folder, as data.parquet.paths takes them), for a model trained on
+  Parquet (data.source parquet, followed streams included): read in file order with the model's
+  column mapping (hashing, vocabularies, raw ids of managed-collision tables). Files without the
+  label column are scored without labels.
+Predictions of data without labels come without metrics or labels.
 
 Output (written under a temporary name and renamed, so a reader never sees half a file): one
 probability per line, or with `with_labels` a CSV with a header `probability,label`. A multi-task
@@ -26,6 +32,7 @@ from typing import BinaryIO
 import torch
 
 from neorec.config.data import DataConfig
+from neorec.config.schema import RunConfig
 from neorec.data.batch import Batch
 from neorec.data.locations import movielens_root
 from neorec.errors import ConfigError, DataError, NeorecError
@@ -54,13 +61,15 @@ def data_batches(
     labeled: bool = True,
 ) -> Iterator[Batch]:
     """Batches to score: the held-out set of the model's config (its readers checking ids as
-    `bounds_check` says), or a Criteo TSV file (labeled=False: its lines have no label field)."""
-    if data is None:
-        from neorec.train.build import build_source
+    `bounds_check` says), or the files `data` (labeled=False: they have no labels)."""
+    from neorec.train.build import build_source
 
-        cfg = exported.config.model_copy(deep=True)
-        cfg.embedding.bounds_check = bounds_check
+    cfg = exported.config.model_copy(deep=True)
+    cfg.embedding.bounds_check = bounds_check
+    if data is None:
         return build_source(cfg).eval_batches(batch_size)
+    if cfg.data.source == "parquet":
+        return _parquet_batches(cfg, data, batch_size, labeled)
     from neorec.data.criteo import (
         CATEGORICAL_NAMES,
         DEFAULT_MAX_LINE_BYTES,
@@ -80,7 +89,7 @@ def data_batches(
     if hashing is None:
         trained_on = exported.header.get("training_data") or f"{source} data (data.source: {source})"
         raise ExportError(
-            f"model {path} was trained on {trained_on}, not on hashed Criteo TSV, so --data (raw Criteo TSV) "
+            f"model {path} was trained on {trained_on}, not on hashed Criteo TSV or Parquet, so --data "
             "cannot be mapped to its ids; leave out --data to score the model's own held-out data"
         )
     check_tsv_file(data)
@@ -124,9 +133,10 @@ def predict_file(
     exported = load_export(model, bounds_check)
     if data is None:
         _check_not_in_data(Path(out), exported.config.data)
-    labeled = data is None or not _unlabeled_tsv(Path(data))
-    if with_labels and not labeled:
-        raise ConfigError(f"--with-labels: {data} has no labels (its lines have 39 fields: I1..I13, C1..C26)")
+    missing = None if data is None else _missing_labels(exported, Path(data))
+    if with_labels and missing:
+        raise ConfigError(f"--with-labels: {data} has no labels ({missing})")
+    labeled = missing is None
     size = batch_size or exported.config.data.eval_batch_size
     batches = _read(data_batches(exported, size, data, bounds_check, labeled), data)
     probs, labels = [], []
@@ -152,6 +162,35 @@ def predict_file(
     dropped = exported.dropped_ids()
     seconds = time.perf_counter() - start
     return PredictResult(out, n, seconds, metrics, exported.quantized, exported.quantization, dropped)
+
+
+def _parquet_batches(cfg: RunConfig, data: str | Path, batch_size: int, labeled: bool) -> Iterator[Batch]:
+    """The rows of the Parquet files `data`, in file order, read with the column mapping of the model's
+    config `cfg` (the source training built, its files replaced)."""
+    from neorec.data.parquet import ParquetSource
+
+    assert cfg.data.parquet is not None  # a parquet model's config has its section
+    files = {"paths": [str(data)], "eval_paths": None, "eval_column": None, "shuffle": False}
+    config = cfg.data.parquet.model_copy(update=files)
+    source = ParquetSource(config, bounds_check=cfg.embedding.bounds_check, labeled=labeled)
+    return source.train_batches(batch_size, 0)
+
+
+def _missing_labels(exported: ExportedModel, data: Path) -> str | None:
+    """Why the files `data` have no labels (None: they have): Criteo TSV lines of 39 fields, or Parquet
+    files (the first one listed) without the label column of the model's config. What cannot be
+    opened is the reader's to report."""
+    parquet = exported.config.data.parquet
+    if exported.config.data.source != "parquet" or parquet is None:
+        return "its lines have 39 fields: I1..I13, C1..C26" if _unlabeled_tsv(data) else None
+    from neorec.data.parquet import list_files, open_parquet
+
+    try:
+        fs, files = list_files(str(data))
+        names = open_parquet(fs, files[0]).schema_arrow.names
+    except (OSError, NeorecError):
+        return None
+    return None if parquet.label in names else f"{files[0]} has no column {parquet.label!r}"
 
 
 def _unlabeled_tsv(data: Path) -> bool:
@@ -185,6 +224,8 @@ def _check_not_an_input(out: Path, model: Path, data: str | Path | None) -> None
             raise ExportError(
                 f"--out {out}: is {what} this command reads; give another path for the predictions"
             )
+    if data is not None and Path(data).is_dir() and out.resolve().is_relative_to(Path(data).resolve()):
+        raise ExportError(f"--out {out}: is inside the data folder {data}; give a path outside it")
     if out.is_file() and (is_export_file(out) or zipfile.is_zipfile(out)):
         raise ExportError(f"--out {out}: is a model file; predictions never replace one: give another path")
 

@@ -1,0 +1,64 @@
+"""`neorec predict --data` over Parquet files, for a model trained on Parquet: the files are read in
+file order with the model's column mapping (raw ids into its managed-collision tables here), so its
+own held-out files score as its held-out set does; files without the label column are scored without
+labels; what cannot be scored is refused naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from neorec.config.load import load_config
+from neorec.data.drifting import DriftSpec, partition_name, write_day
+from neorec.errors import ConfigError
+from neorec.serving import ExportError, export_model, predict_file
+from neorec.train.trainer import Trainer
+
+SPEC = DriftSpec(rows=300, vocab=200, shift=50, row_group=128)
+
+
+@pytest.fixture(scope="module")
+def parquet_model(tmp_path_factory) -> tuple[Path, Path]:
+    """(a model trained on day 0 of a drifting stream with day 1 held out, the stream's folder)."""
+    root = tmp_path_factory.mktemp("parquet_model")
+    stream = root / "daily"
+    for day in range(3):
+        write_day(SPEC, stream, day)
+    sets = [
+        "data.follow=null", f"data.parquet.paths=[{stream / partition_name(0)}]",
+        f"data.parquet.eval_paths=[{stream / partition_name(1)}]", "data.batch_size=100", "data.eval_batch_size=64",
+        "train.max_steps=3", "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
+    ]  # fmt: skip
+    Trainer(load_config("continuous", sets), root / "run").fit()
+    export_model(root / "run", root / "m.nrx", measure=False)
+    return root / "m.nrx", stream
+
+
+def test_its_own_held_out_files_score_as_its_held_out_set(parquet_model, tmp_path):
+    model, stream = parquet_model
+    own = predict_file(model, tmp_path / "own.csv", with_labels=True)
+    given = predict_file(model, tmp_path / "given.csv", data=stream / partition_name(1), with_labels=True)
+    assert given.num_samples == own.num_samples == SPEC.rows
+    assert (tmp_path / "given.csv").read_text() == (tmp_path / "own.csv").read_text()
+    assert given.metrics == own.metrics and 0 < given.metrics["auc"] < 1
+
+
+def test_files_without_the_label_column_are_scored_without_labels(parquet_model, tmp_path):
+    model, stream = parquet_model
+    labeled = predict_file(model, tmp_path / "a.txt", data=stream / partition_name(2))
+    table = pq.read_table(next((stream / partition_name(2)).glob("*.parquet")))
+    (tmp_path / "new").mkdir()
+    pq.write_table(table.drop_columns(["label"]), tmp_path / "new" / "part-0.parquet", row_group_size=100)
+    unlabeled = predict_file(model, tmp_path / "b.txt", data=tmp_path / "new")
+    assert unlabeled.num_samples == labeled.num_samples == SPEC.rows
+    assert (tmp_path / "b.txt").read_text() == (tmp_path / "a.txt").read_text()
+    assert labeled.metrics and not unlabeled.metrics
+    with pytest.raises(
+        ConfigError, match=r"--with-labels: .* has no labels \(.*part-0.parquet has no column 'label'"
+    ):
+        predict_file(model, tmp_path / "c.txt", data=tmp_path / "new", with_labels=True)
+    with pytest.raises(ExportError, match="is inside the data folder"):
+        predict_file(model, tmp_path / "new" / "p.txt", data=tmp_path / "new")
+    assert not (tmp_path / "c.txt").exists() and not (tmp_path / "new" / "p.txt").exists()
