@@ -127,6 +127,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not cfg_path.is_file() or not (run / "model.pt").is_file():
         raise NeorecError(f"{run}: not a finished run folder (needs config.yaml and model.pt from `neorec train`)")
     cfg = load_config(str(cfg_path), args.overrides)
+    if cfg.data.follow is not None:  # its source would wait for partitions, and has no held-out set
+        raise NeorecError(
+            f"{run}: followed a stream (data.follow), which has no held-out set: every batch was scored "
+            "before it trained (progressive metrics: the \"partition\" lines of its metrics.jsonl); to score "
+            f"other data, `neorec export {run} --out FILE` and `neorec predict FILE --data ...`"
+        )
     check_memory(cfg)  # the tables and layers of the config fit this machine, before any is built
     with private_cache_directory(cfg) as cfg:  # a run training there keeps its ssd tables' files
         trainer = Trainer(cfg, run)
@@ -134,6 +140,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_model_state(trainer.model, state, run / "model.pt", args.overrides)
         with process_settings(cfg.train.threads):  # as training evaluated
             metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size)
+    if not metrics:
+        raise NeorecError(f"{run}: its config's data has no held-out samples to evaluate")
     width = max(len(k) for k in metrics)
     for k, v in metrics.items():
         print(f"{k.ljust(width)} | {v:.6g}" if isinstance(v, float) else f"{k.ljust(width)} | {v}")

@@ -196,6 +196,20 @@ def test_predict_data_refuses_a_model_not_trained_on_hashed_criteo(tmp_path, cap
     assert not (tmp_path / "p.txt").exists()
 
 
+def test_eval_of_a_followed_stream_says_it_has_no_held_out_set(tmp_path, capsys):
+    """A followed stream's run has no held-out set (its batches were scored before they trained): eval
+    says so and what to do, rather than wait for the stream's partitions or fail on no metrics."""
+    from neorec.config.reference import show_config
+
+    run = tmp_path / "stream"
+    run.mkdir()
+    cfg = load_config("continuous", [f"data.follow.dir={tmp_path / 'gone'}"])
+    (run / "config.yaml").write_text(show_config(cfg))
+    (run / "model.pt").write_bytes(b"")
+    fails(capsys, ["eval", str(run)], "followed a stream (data.follow)", "no held-out set", "metrics.jsonl",
+          "neorec predict")  # fmt: skip
+
+
 # ---- from a shell ----------------------------------------------------------------------------------
 def test_console_script_prints_errors_without_traceback(tmp_path):
     exe = shutil.which("neorec") or pytest.skip("the neorec console script is not installed")
