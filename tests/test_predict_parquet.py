@@ -1,17 +1,20 @@
 """`neorec predict --data` over Parquet files, for a model trained on Parquet: the files are read in
 file order with the model's column mapping (raw ids into its managed-collision tables here), so its
 own held-out files score as its held-out set does; files without the label column are scored without
-labels; what cannot be scored is refused naming it."""
+labels; what cannot be scored is refused naming it. Vocabularies (hashing vocab) counted again in
+their folder are refused by a resume and by predict: the ids would mean other values."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from neorec.config.load import load_config
 from neorec.data.drifting import DriftSpec, partition_name, write_day
+from neorec.data.vocab import save_vocabs
 from neorec.errors import ConfigError
 from neorec.serving import ExportError, export_model, predict_file
 from neorec.train.trainer import Trainer
@@ -28,7 +31,8 @@ def parquet_model(tmp_path_factory) -> tuple[Path, Path]:
         write_day(SPEC, stream, day)
     sets = [
         "data.follow=null", f"data.parquet.paths=[{stream / partition_name(0)}]",
-        f"data.parquet.eval_paths=[{stream / partition_name(1)}]", "data.batch_size=100", "data.eval_batch_size=64",
+        f"data.parquet.eval_paths=[{stream / partition_name(1)}]", "data.batch_size=100",
+        "data.eval_batch_size=64",
         "train.max_steps=3", "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
     ]  # fmt: skip
     Trainer(load_config("continuous", sets), root / "run").fit()
@@ -62,3 +66,34 @@ def test_files_without_the_label_column_are_scored_without_labels(parquet_model,
     with pytest.raises(ExportError, match="is inside the data folder"):
         predict_file(model, tmp_path / "new" / "p.txt", data=tmp_path / "new")
     assert not (tmp_path / "c.txt").exists() and not (tmp_path / "new" / "p.txt").exists()
+
+
+def test_vocabularies_counted_again_are_refused_by_a_resume_and_by_predict(tmp_path):
+    stream = tmp_path / "daily"
+    for day in range(2):
+        write_day(SPEC, stream, day)
+    table = pq.read_table(next((stream / partition_name(0)).glob("*.parquet")))
+    values = np.unique(table.column("c0").to_numpy().astype(np.uint64))
+    vocab = tmp_path / "vocab"
+    save_vocabs(vocab, ["c0"], [values[::2]], {"counted": "by hand"})
+    sets = [
+        "data.follow=null", f"data.parquet.paths=[{stream / partition_name(0)}]",
+        f"data.parquet.eval_paths=[{stream / partition_name(1)}]", "data.parquet.hashing=modulo",
+        "data.parquet.table_rows=4096", f"data.parquet.vocab_dir={vocab}",
+        "data.parquet.features=[{name: c0, hashing: vocab}, c1, c2, c3]", "embedding.tables={}",
+        "data.batch_size=50", "checkpoint.every_steps=2", "train.progress=false", "logging.plot=false",
+        "logging.tensorboard=false",
+    ]  # fmt: skip
+    Trainer(load_config("continuous", [*sets, "train.max_steps=2"]), tmp_path / "run").fit()
+    export_model(tmp_path / "run", tmp_path / "m.nrx", measure=False)
+    predict_file(tmp_path / "m.nrx", tmp_path / "before.txt")
+
+    save_vocabs(vocab, ["c0"], [values[1::2]], {"counted": "by hand, again"})
+    with pytest.raises(
+        ConfigError, match=r"trained with the vocabularies of data.parquet.vocab_dir .*counted again"
+    ):
+        Trainer(load_config("continuous", [*sets, "train.max_steps=4"]), tmp_path / "run", resume=True).fit()
+    for data in (None, stream / partition_name(1)):
+        with pytest.raises(ExportError, match=r"vocabularies in .* are not the ones it was exported with"):
+            predict_file(tmp_path / "m.nrx", tmp_path / "after.txt", data=data)
+    assert not (tmp_path / "after.txt").exists()

@@ -60,7 +60,7 @@ from neorec.data.parquet_columns import ColumnMap, held_out
 from neorec.data.prefetch import prefetch
 from neorec.data.reader_position import checked_position
 from neorec.data.source import FeatureSpec, SourceInfo
-from neorec.data.vocab import load_vocabs
+from neorec.data.vocab import load_vocabs, vocabs_crc32
 from neorec.errors import ConfigError, DataError
 
 SPLITS = ("train", "eval")
@@ -203,6 +203,8 @@ class ParquetSource:
         train = self.groups["train"]
         groups = [(g.file, Path(self.files[g.file][1]).name, g.group, g.samples["train"]) for g in train]
         self.files_crc32 = zlib.crc32(json.dumps(groups).encode())
+        # and the vocabularies the ids are mapped with (hashing vocab), which may be counted again in place
+        self.vocab_crc32 = vocabs_crc32([f.name for f in features], vocabs)
 
     def _add_group(self, pf: pq.ParquetFile, file: int, g: int, role: str, by_column: bool) -> None:
         rows = pf.metadata.row_group(g).num_rows
@@ -267,7 +269,8 @@ class ParquetSource:
         """Position after the latest training batch handed out (plus the layout it is valid for)."""
         return {"epoch": self._epoch, "samples": self._position, "seed": self.seed, "rank": self.rank,
                 "world_size": self.world_size, "shuffle": self.shuffle,
-                "files_crc32": self.files_crc32}  # fmt: skip
+                "files_crc32": self.files_crc32,
+                **({"vocab_crc32": self.vocab_crc32} if self.vocab_crc32 is not None else {})}  # fmt: skip
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Make the next `train_batches(.., state["epoch"])` continue after `state["samples"]` samples."""

@@ -31,6 +31,8 @@ _SOURCE_WORDS = {
     "data_crc32": "the data set of data.preprocessed.path (its manifest.json's checksum; written again?)",
     "files_crc32": "the training files of data.parquet.paths (a checksum of their names, row groups and "
     "rows; files added or written again? a folder that grows is for data.follow)",
+    "vocab_crc32": "the vocabularies of data.parquet.vocab_dir (a checksum of their values; counted again? "
+    "ids would map to other rows)",
 }
 
 

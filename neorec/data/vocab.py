@@ -13,6 +13,7 @@ disk (`SpillingCounts`): memory stays bounded however many distinct values the d
 from __future__ import annotations
 
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,21 @@ def apply_vocab(raw: np.ndarray, vocab: np.ndarray) -> np.ndarray:
     pos = np.searchsorted(vocab, raw)
     found = vocab[np.minimum(pos, vocab.size - 1)] == raw
     return np.where(found, pos + 1, 0).astype(np.int64)
+
+
+def vocabs_crc32(names: list[str], vocabs: list[np.ndarray | None]) -> int | None:
+    """A checksum of the vocabularies in use (per feature its name and its values; None where a feature
+    has none), or None when no feature has one: a vocabulary counted again under the same folder gives
+    another, so a checkpoint or an export trained on the old one is not continued or served on the new
+    one, whose ids would mean other values."""
+    if all(v is None for v in vocabs):
+        return None
+    crc = 0
+    for name, vocab in zip(names, vocabs, strict=True):
+        if vocab is not None:
+            crc = zlib.crc32(name.encode(), crc)
+            crc = zlib.crc32(memoryview(np.ascontiguousarray(vocab, dtype=np.uint64)).cast("B"), crc)
+    return crc
 
 
 def save_vocabs(folder: Path, names: list[str], vocabs: list[np.ndarray], settings: dict) -> None:

@@ -290,6 +290,7 @@ def export_model(
         "quantization": {"kind": kind_of(bits), "bits": bits, "scale_dtype": scale_dtype} if bits else None,
         "tsv_hashing": tsv_mapping(cfg)[0],
         "training_data": tsv_mapping(cfg)[1],
+        "vocab_crc32": getattr(trained.source, "vocab_crc32", None),  # the vocabularies of hashing vocab
         "eval": metrics,
         "origin": str(trained.origin),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -67,9 +67,11 @@ def data_batches(
     cfg = exported.config.model_copy(deep=True)
     cfg.embedding.bounds_check = bounds_check
     if data is None:
-        return build_source(cfg).eval_batches(batch_size)
+        source = build_source(cfg)
+        _check_vocabularies(exported, source)
+        return source.eval_batches(batch_size)
     if cfg.data.source == "parquet":
-        return _parquet_batches(cfg, data, batch_size, labeled)
+        return _parquet_batches(exported, cfg, data, batch_size, labeled)
     from neorec.data.criteo import (
         CATEGORICAL_NAMES,
         DEFAULT_MAX_LINE_BYTES,
@@ -164,7 +166,9 @@ def predict_file(
     return PredictResult(out, n, seconds, metrics, exported.quantized, exported.quantization, dropped)
 
 
-def _parquet_batches(cfg: RunConfig, data: str | Path, batch_size: int, labeled: bool) -> Iterator[Batch]:
+def _parquet_batches(
+    exported: ExportedModel, cfg: RunConfig, data: str | Path, batch_size: int, labeled: bool
+) -> Iterator[Batch]:
     """The rows of the Parquet files `data`, in file order, read with the column mapping of the model's
     config `cfg` (the source training built, its files replaced)."""
     from neorec.data.parquet import ParquetSource
@@ -173,7 +177,21 @@ def _parquet_batches(cfg: RunConfig, data: str | Path, batch_size: int, labeled:
     files = {"paths": [str(data)], "eval_paths": None, "eval_column": None, "shuffle": False}
     config = cfg.data.parquet.model_copy(update=files)
     source = ParquetSource(config, bounds_check=cfg.embedding.bounds_check, labeled=labeled)
+    _check_vocabularies(exported, source)
     return source.train_batches(batch_size, 0)
+
+
+def _check_vocabularies(exported: ExportedModel, source) -> None:
+    """Refuse to score with vocabularies (hashing vocab) other than the ones the model was exported
+    with: counted again in the same folder, they would give its ids to other values."""
+    saved, now = exported.header.get("vocab_crc32"), getattr(source, "vocab_crc32", None)
+    if saved is not None and now is not None and saved != now:
+        vocab_dir = exported.config.data.parquet.vocab_dir if exported.config.data.parquet else None
+        raise ExportError(
+            f"model {exported.path}: the vocabularies in {vocab_dir} are not the ones it was exported with "
+            f"(checksum {now:#010x}, was {saved:#010x}; counted again?): its ids would mean other values; "
+            "score with the vocabularies it was trained on"
+        )
 
 
 def _missing_labels(exported: ExportedModel, data: Path) -> str | None:
