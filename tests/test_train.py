@@ -86,6 +86,9 @@ def test_cli_train_eval_and_outputs(tmp_path):
     e = neorec("eval", str(tmp_path / "out"), cwd=tmp_path)
     assert e.returncode == 0, e.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    ends = summary["startup"]["step_ends_s"]  # where start-up went: first batch, then each first step ends
+    assert len(ends) == min(10, summary["steps"]) and 0 < summary["startup"]["first_batch_s"] <= ends[0]
+    assert ends == sorted(ends) and ends[-1] <= summary["train_seconds"] and "first batch after" in p.stdout
     auc_line = next(line for line in e.stdout.splitlines() if line.startswith("auc"))
     assert float(auc_line.split("|")[1]) == pytest.approx(summary["eval_auc"], abs=1e-6)
 

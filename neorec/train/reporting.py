@@ -43,6 +43,17 @@ class RunResult:
     comm_bytes_per_step: dict[str, float] = field(default_factory=dict)  # rank 0's sends, by exchange
     dropped_ids: dict[str, int] = field(default_factory=dict)  # bounds_check warn: per feature, all ranks
     partitions: list[dict] = field(default_factory=list)  # data.follow: each partition's progressive metrics
+    # seconds from the start of training to the first batch in hand and to the end of each of the first
+    # STARTUP_STEPS steps on the host (a GPU's work is queued, not waited for): where start-up goes
+    first_batch_seconds: float | None = None
+    step_ends: list[float] = field(default_factory=list)
+
+    @property
+    def startup(self) -> dict:
+        if self.first_batch_seconds is None:
+            return {}
+        ends = [round(t, 4) for t in self.step_ends]
+        return {"first_batch_s": round(self.first_batch_seconds, 4), "step_ends_s": ends}
 
     @property
     def samples_per_second(self) -> float:
@@ -158,6 +169,7 @@ class RunReporting:
             "train_seconds": round(result.train_seconds, 3),
             "samples_per_s": round(result.samples_per_second, 1),
             "data_wait_ms_per_step": round(1000 * self.timings["data_wait"] / max(result.steps, 1), 3),
+            **({"startup": result.startup} if result.startup else {}),
             "skipped_lines": result.skipped_lines,
             **({"dropped_ids": result.dropped_ids} if result.dropped_ids else {}),
             "processes": self.topo.world_size,
@@ -189,6 +201,21 @@ def train_line(
     return " | ".join(parts)
 
 
+STARTUP_STEPS = 10
+
+
+def startup_text(startup: dict) -> str:
+    """The start-up of a run in words: when its first batch came and its first step ended, and the
+    pace of the next steps (host time: on a GPU, until its queue of work is full)."""
+    ends = startup.get("step_ends_s") or []
+    if not ends:
+        return ""
+    text = f"first batch after {startup['first_batch_s']:.2f} s, step 1 done at {ends[0]:.2f} s"
+    if len(ends) > 1:
+        text += f", steps 2-{len(ends)} {1000 * (ends[-1] - ends[0]) / (len(ends) - 1):.1f} ms each"
+    return text
+
+
 def summary_table(result: RunResult) -> str:
     """The final human-readable summary."""
     rows = [
@@ -197,6 +224,8 @@ def summary_table(result: RunResult) -> str:
         ("train time", f"{result.train_seconds:.1f} s"),
         ("throughput", f"{result.samples_per_second:,.0f} samples/s"),
     ]
+    if startup := startup_text(result.startup):
+        rows.append(("start-up", startup))
     e = result.eval
     for key, label in [("auc", "AUC"), ("ne", "normalized entropy"), ("log_loss", "log loss"),
                        ("accuracy", "accuracy"), ("calibration", "calibration (pred/obs CTR)")]:  # fmt: skip

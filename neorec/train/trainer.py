@@ -46,7 +46,7 @@ from neorec.train.evaluation import eval_schedule, evaluate
 from neorec.train.logger import MetricsLogger, NoLogger
 from neorec.train.pipeline import pipelined
 from neorec.train.progressive import ProgressiveValidation
-from neorec.train.reporting import RunReporting, RunResult
+from neorec.train.reporting import STARTUP_STEPS, RunReporting, RunResult
 from neorec.train.run_folder import checkpoint_root, snapshot_root
 from neorec.train.schedule import lr_multiplier
 from neorec.train.signals import StopSignals
@@ -239,6 +239,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             feed, batches = self.training_batches(epoch, resume_at)
             waited = 0.0
             for local in batches:
+                if result.first_batch_seconds is None:
+                    result.first_batch_seconds = time.perf_counter() - start
                 self.timings["data_wait"] += feed.wait_seconds - waited
                 window_wait += feed.wait_seconds - waited
                 waited = feed.wait_seconds
@@ -256,6 +258,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                 self._set_lr(step, total)
                 unread.append(self.train_step(local, is_local=True))  # read back at log steps only
                 step += 1
+                if len(result.step_ends) < STARTUP_STEPS:
+                    result.step_ends.append(time.perf_counter() - start)
                 if self.progressive is not None:  # the training forward's scores: before this batch's update
                     self.progressive.add(self.last_outputs, local.labels)
                 if record is not None and record.last:
