@@ -97,3 +97,29 @@ def test_vocabularies_counted_again_are_refused_by_a_resume_and_by_predict(tmp_p
         with pytest.raises(ExportError, match=r"vocabularies in .* are not the ones it was exported with"):
             predict_file(tmp_path / "m.nrx", tmp_path / "after.txt", data=data)
     assert not (tmp_path / "after.txt").exists()
+
+
+def test_a_followed_streams_model_exports_without_waiting_and_scores_only_given_data(tmp_path):
+    """A stream's run (no idle timeout: it would wait for partitions for ever) exports from a complete
+    partition, never waiting for one: with none there, export says so at once; predict without --data
+    says the stream has no held-out set (it wrote an empty file before) and scores --data."""
+    stream = tmp_path / "daily"
+    write_day(SPEC, stream, 0)
+    sets = [f"data.follow.dir={stream}", "data.follow.until=day-000", "data.follow.idle_timeout=null",
+            "data.batch_size=100", "train.progress=false", "logging.plot=false",
+            "logging.tensorboard=false"]  # fmt: skip
+    Trainer(load_config("continuous", sets), tmp_path / "run").fit()
+    export_model(tmp_path / "run", tmp_path / "m.nrx", measure=False)
+    with pytest.raises(
+        ExportError, match=r"followed stream \(data.follow\), which has no held-out set: give --data"
+    ):
+        predict_file(tmp_path / "m.nrx", tmp_path / "p.txt")
+    assert (
+        predict_file(tmp_path / "m.nrx", tmp_path / "p.txt", data=stream / partition_name(0)).num_samples
+        == 300
+    )
+
+    (stream / partition_name(0)).rename(tmp_path / "elsewhere")
+    with pytest.raises(ExportError, match=r"complete partition of data.follow.dir .*, which holds none now"):
+        export_model(tmp_path / "run", tmp_path / "again.nrx", measure=False)
+    assert not (tmp_path / "again.nrx").exists()

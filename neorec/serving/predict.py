@@ -67,6 +67,11 @@ def data_batches(
     cfg = exported.config.model_copy(deep=True)
     cfg.embedding.bounds_check = bounds_check
     if data is None:
+        if cfg.data.follow is not None:  # its source would wait for partitions, and has no held-out set
+            raise ExportError(
+                f"model {exported.path} was trained on a followed stream (data.follow), which has no "
+                "held-out set: give --data (Parquet files) to score"
+            )
         source = build_source(cfg)
         _check_vocabularies(exported, source)
         return source.eval_batches(batch_size)
