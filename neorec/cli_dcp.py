@@ -131,7 +131,7 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
         root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else path / "checkpoints"
     folder = resolve_checkpoint(root)
     with private_cache_directory(cfg) as cfg:  # a run training there keeps its ssd tables' files
-        source = build_source(cfg)
+        source = build_source(cfg, wait=False)
         embeddings = build_embeddings(cfg, build_tables(cfg, source.info), device="cpu")
         model = build_model(cfg, source.info, embeddings, source)
         load_checkpoint(folder, embeddings, model, restore_rng=False)

@@ -12,10 +12,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from neorec.cli import main as cli_main
 from neorec.config.load import load_config
 from neorec.data.drifting import DriftSpec, partition_name, write_day
 from neorec.data.vocab import save_vocabs
-from neorec.errors import ConfigError
+from neorec.errors import ConfigError, DataError
 from neorec.serving import ExportError, export_model, predict_file
 from neorec.train.trainer import Trainer
 
@@ -99,10 +100,10 @@ def test_vocabularies_counted_again_are_refused_by_a_resume_and_by_predict(tmp_p
     assert not (tmp_path / "after.txt").exists()
 
 
-def test_a_followed_streams_model_exports_without_waiting_and_scores_only_given_data(tmp_path):
+def test_a_followed_streams_model_exports_without_waiting_and_scores_only_given_data(tmp_path, capsys):
     """A stream's run (no idle timeout: it would wait for partitions for ever) exports from a complete
-    partition, never waiting for one: with none there, export says so at once; predict without --data
-    says the stream has no held-out set (it wrote an empty file before) and scores --data."""
+    partition, never waiting for one: with none there, export and plan say so at once; predict without
+    --data says the stream has no held-out set (it wrote an empty file before) and scores --data."""
     stream = tmp_path / "daily"
     write_day(SPEC, stream, 0)
     sets = [f"data.follow.dir={stream}", "data.follow.until=day-000", "data.follow.idle_timeout=null",
@@ -120,6 +121,8 @@ def test_a_followed_streams_model_exports_without_waiting_and_scores_only_given_
     )
 
     (stream / partition_name(0)).rename(tmp_path / "elsewhere")
-    with pytest.raises(ExportError, match=r"complete partition of data.follow.dir .*, which holds none now"):
+    with pytest.raises(DataError, match=r"data.follow.dir .*: holds no complete partition .*does not wait"):
         export_model(tmp_path / "run", tmp_path / "again.nrx", measure=False)
     assert not (tmp_path / "again.nrx").exists()
+    cmd = ["plan", "--config", str(tmp_path / "run" / "config.yaml"), "--output-dir", str(tmp_path / "plan")]
+    assert cli_main(cmd) == 2 and "holds no complete partition" in capsys.readouterr().err

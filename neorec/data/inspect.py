@@ -12,7 +12,7 @@ from neorec.train.build import build_source
 
 def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> str:
     cfg = load_config(config, overrides)
-    source = build_source(cfg)
+    source = build_source(cfg, wait=False)
     info = source.info
     batches = list(itertools.islice(source.train_batches(cfg.data.batch_size, 0), num_batches))
     lines = [f"source: {cfg.data.source}   dense features: {info.num_dense}   categorical features: {len(info.features)}"]

@@ -92,7 +92,7 @@ def load_trained(
     (a step-XXXXXXXX folder or a folder of them). `config` replaces the run's config.yaml, and is
     needed for a checkpoint that does not lie under its run folder. `source`: the run's data source
     when the caller has it (a training job publishing snapshots), else built from the config."""
-    from neorec.train.build import build_tables
+    from neorec.train.build import build_source, build_tables
 
     path = Path(path)
     is_run = (path / "config.yaml").is_file()
@@ -103,7 +103,7 @@ def load_trained(
         )
     cfg_path = Path(config) if config else find_run_config(path)
     cfg = load_config(str(cfg_path))
-    source = source if source is not None else _data_source(cfg, path)
+    source = source if source is not None else build_source(cfg, wait=False)
     tables = build_tables(cfg, source.info)
     if is_run and (path / "model.pt").is_file():
         state = load_model_state(path / "model.pt", ExportError)  # every zip entry's CRC32 checked first
@@ -148,23 +148,6 @@ def find_run_config(path: Path) -> Path:
     raise ExportError(
         f"{path}: no config.yaml here or in the folders above; give the run's config with --config"
     )
-
-
-def _data_source(cfg: RunConfig, path: Path) -> DataSource:
-    """The run's data source, whose schema (features, list columns) the model is built for. A followed
-    stream's comes from its first complete partition, which must be there: export never waits for one."""
-    from neorec.data.partitions import list_partitions
-    from neorec.train.build import build_source
-
-    follow = cfg.data.follow
-    if follow is not None:
-        if not list_partitions(follow.dir, cfg.data.source, follow.marker, follow.order):
-            raise ExportError(
-                f"{path} trained on a followed stream, whose schema (features, list columns) is read from a "
-                f"complete partition of data.follow.dir {follow.dir}, which holds none now; put one there, "
-                "or give --config a copy of the run's config.yaml whose data.follow.dir holds one"
-            )
-    return build_source(cfg)
 
 
 def _checkpoint_state(folder: Path, cfg: RunConfig, source: DataSource, tables: list[TableConfig]) -> dict:

@@ -13,19 +13,25 @@ from neorec.config.schema import DenseOptimizerConfig, RunConfig
 from neorec.data.source import DataSource, SourceInfo
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.tables import TableConfig, check_tables
-from neorec.errors import ConfigError
+from neorec.errors import ConfigError, DataError
 from neorec.utils.cores import processes_on_node, usable_cores
 
 log = logging.getLogger(__name__)
 
 
-def build_source(cfg: RunConfig, topo=None, device_of_rank: torch.device | None = None) -> DataSource:
+def build_source(
+    cfg: RunConfig, topo=None, device_of_rank: torch.device | None = None, *, wait: bool = True
+) -> DataSource:
     """The configured source; with `topo` (a Topology), a per-rank reader where the source has one
     (`preprocessed`, `parquet`: this rank's part of the data only). `device_of_rank`: the rank's training
-    device, where the synthetic source keeps its samples (data.synthetic.on_device)."""
+    device, where the synthetic source keeps its samples (data.synthetic.on_device). `wait=False`: a
+    followed stream with no complete partition is a DataError at once (commands that read its schema
+    or first batches and end: export, plan, inspect), where training waits for one."""
     d = cfg.data
     labels = task_labels(cfg)
     if d.follow is not None:
+        if not wait:
+            _check_has_partition(cfg)
         return _follow_source(cfg, topo)
     if d.source == "synthetic":
         from neorec.data.synthetic import SyntheticSource, spec_from_config
@@ -120,6 +126,19 @@ def _preprocessed_source(cfg: RunConfig, topo) -> DataSource:
             "--raw-features to give the managed-collision tables raw ids", p.path, sorted(mapped - stored),
         )
     return source
+
+
+def _check_has_partition(cfg: RunConfig) -> None:
+    from neorec.data.partitions import list_partitions
+
+    follow = cfg.data.follow
+    assert follow is not None
+    if not list_partitions(follow.dir, cfg.data.source, follow.marker, follow.order):
+        what = f"a {follow.marker} file" if cfg.data.source == "parquet" else "a complete manifest.json"
+        raise DataError(
+            f"data.follow.dir {follow.dir}: holds no complete partition (a subfolder with {what}), whose "
+            "schema and batches this command reads; it does not wait for one as training does"
+        )
 
 
 def _follow_source(cfg: RunConfig, topo) -> DataSource:

@@ -159,7 +159,7 @@ def plan_command(
     elif model == "config":
         if cfg is None:
             raise ConfigError("neorec plan: a config is needed (--config) unless --model 12t")
-        source = build_source(cfg)
+        source = build_source(cfg, wait=False)
         tables = build_tables(cfg, source.info)
         cluster = cluster or preset(cluster_name, world_size, ranks_per_node, cfg.embedding.cache.directory)
         one_machine = cluster_name == "this" and cluster.num_nodes == 1
