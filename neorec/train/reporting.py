@@ -29,6 +29,8 @@ from neorec.utils.json_values import strict_dumps
 
 log = logging.getLogger(__name__)
 
+STARTUP_STEPS = 10  # steps whose ends a run's start-up records
+
 
 @dataclass
 class RunResult:
@@ -199,9 +201,6 @@ def train_line(
         rate = "n/a" if hit is None or hit != hit else f"{hit:.3f}"
         parts.append(f"cache hit rate {rate}, {moved:,.1f} MiB moved (since the start)")
     return " | ".join(parts)
-
-
-STARTUP_STEPS = 10
 
 
 def startup_text(startup: dict) -> str:
