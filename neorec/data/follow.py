@@ -26,7 +26,7 @@ the job was down is picked up.
 
 A partition is read once, by name. One completed again after the stream finished it (its marker or
 manifest rewritten: a producer that re-ran a day) is not trained again; rank 0 warns, naming it and
-both completion times, which the position keeps for every finished partition.
+both completion times, which the position keeps for every partition finished or being read.
 """
 
 from __future__ import annotations
@@ -227,7 +227,11 @@ class FollowSource:
             "done": [n for n, s in finished if s == "done"],
             "skipped": [n for n, s in finished if s == "skipped"],
             "order": [[n, s] for n, s in finished],
-            "completed": {n: self._completed[n] for n, _ in finished if n in self._completed},
+            "completed": {
+                n: self._completed[n]
+                for n in [n for n, _ in finished] + ([current[0]] if current else [])
+                if n in self._completed
+            },
             "partition": current[0] if current else None,
             "samples": current[1] if current else 0,
         }
