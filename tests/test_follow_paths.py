@@ -1,7 +1,7 @@
 """Followed streams (data.follow), the less travelled paths: pt2 snapshots published by time (the clock
 injected, nothing sleeps) and scored as `neorec predict` scores them, partitions taken by the time
-they were completed, a stop signal while the run waits for a partition, and a finished partition
-completed again."""
+they were completed, a stop signal while the run waits for a partition, a finished partition
+completed again, and a stream that ends idle before --until."""
 
 from __future__ import annotations
 
@@ -151,3 +151,14 @@ def test_a_finished_partition_completed_again_is_named_not_trained_again(tmp_pat
     again._choose({"day-000", "day-001", "day-002"})
     told = [r.getMessage() for r in neorec_warnings.records if "completed again" in r.getMessage()]
     assert [m.split()[2] for m in told] == ["day-000", "day-001"], told
+
+
+def test_a_stream_that_goes_idle_before_until_says_so(tmp_path, neorec_warnings):
+    """--until names a partition that never comes and the idle timeout ends the run: a warning names
+    both and the last partition trained (a daily job must not read this as done)."""
+    stream = tmp_path / "s"
+    write_days(stream, range(2))
+    cfg = follow_config(tmp_path / "run", stream, "data.follow.until=day-003", "data.follow.idle_timeout=0.2")
+    assert partitions_logged(Trainer(cfg).fit()) == ["day-000", "day-001"]
+    told = [r.getMessage() for r in neorec_warnings.records if "ends before --until" in r.getMessage()]
+    assert len(told) == 1 and "--until day-003" in told[0] and "last partition finished is day-001" in told[0]

@@ -336,7 +336,14 @@ class FollowSource:
                 return name
             if kind == "end":
                 self.ended = name
-                if name == "idle":
+                if name == "idle" and self.config.until is not None:  # a goal not met must not pass unseen
+                    last = self._finished[-1][0] if self._finished else "none"
+                    log.warning(
+                        f"data.follow: no new partition in {self.root} for {self.config.idle_timeout} s; "
+                        f"the run ends before --until {self.config.until} (data.follow.until): the last "
+                        f"partition finished is {last}"
+                    )
+                elif name == "idle":
                     log.info(
                         f"data.follow: no new partition in {self.root} for {self.config.idle_timeout} s; the run ends"
                     )
