@@ -6,6 +6,7 @@ completed again, and a stream that ends idle before --until."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -144,6 +145,15 @@ def test_a_finished_partition_completed_again_is_named_not_trained_again(tmp_pat
     assert len(told) == 1 and "partition day-000 " in told[0] and "_SUCCESS is from" in told[0], told
     position = trainer.source.state()
     assert set(position["completed"]) == {"day-000", "day-001", "day-002"}
+
+    copy = tmp_path / "copy"  # the same stream moved: its partitions count as done by name, said once
+    shutil.copytree(stream, copy)
+    moved = Trainer(follow_config(tmp_path / "run2", copy)).source
+    neorec_warnings.clear()
+    moved.load_state(position)
+    moved._choose({"day-000", "day-001", "day-002"})
+    told = [r.getMessage() for r in neorec_warnings.records]
+    assert len(told) == 1 and f"the position resumed was saved following {stream.resolve()}" in told[0], told
 
     again = Trainer(cfg).source  # a resumed stream, whose position says day 1 was completed at time 1
     again.load_state({**position, "completed": {**position["completed"], "day-001": 1.0}})

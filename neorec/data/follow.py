@@ -22,7 +22,9 @@ trained whole or not at all.
 Position (`state()`, exact resume): the partitions finished (done or skipped, in order), the one being
 read and the samples of this rank's share read from it. After `load_state`, the stream continues inside
 that partition, then takes the complete partitions not yet finished, in order: one that landed while
-the job was down is picked up.
+the job was down is picked up. The position names the folder followed: resumed over another one (the
+stream moved, or another stream), its finished partitions count as finished there too, by name, with
+a warning naming both folders.
 
 A partition is read once, by name. One completed again after the stream finished it (its marker or
 manifest rewritten: a producer that re-ran a day) is not trained again; rank 0 warns, naming it and
@@ -129,6 +131,7 @@ class FollowSource:
             raise ConfigError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
         self.config, self.kind, self._open_source = config, kind, open_partition
         self.root = Path(config.dir)
+        self._place = str(self.root.resolve())  # the folder followed, as the position names it
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.stop_requested: Callable[[], bool] = lambda: False  # the trainer's stop signals, while it trains
         self.ended: str | None = None  # why the stream ended: "until", "idle" or "signal"
@@ -215,6 +218,14 @@ class FollowSource:
         ):
             raise DataError(f"follow position: completed {str(completed)[:200]}: malformed (partition: time)")
         order = state.get("order") or [[n, "done"] for n in done] + [[n, "skipped"] for n in skipped]
+        saved = state.get("dir")
+        if isinstance(saved, str) and saved != self._place:  # moved, or another stream: say which
+            completed = {}  # another folder's completion times
+            if self.rank == 0:
+                log.warning(
+                    f"data.follow.dir {self.root}: the position resumed was saved following {saved}; the "
+                    f"{len(order)} partitions it finished count as finished here too, by name"
+                )
         self._finished = [(str(n), str(s)) for n, s in order]
         self._completed = {str(n): float(t) for n, t in completed.items()}
         self._current = (partition, int(state["samples"])) if partition is not None else None
@@ -234,6 +245,7 @@ class FollowSource:
             },
             "partition": current[0] if current else None,
             "samples": current[1] if current else 0,
+            "dir": self._place,
         }
 
     # ---- the stream ----------------------------------------------------------------------------------
