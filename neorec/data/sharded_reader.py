@@ -50,6 +50,7 @@ from neorec.data.batch import Batch
 from neorec.data.checks import check_dense, check_ids, check_labels, check_weights, checked_mode
 from neorec.data.columns import Columns, assemble, batch_pieces
 from neorec.data.manifest import SPLITS, check_part_files, load_manifest, shard_name
+from neorec.data.npy_map import map_npy
 from neorec.data.packed import PackedColumns
 from neorec.data.prefetch import ordered_map, prefetch
 from neorec.data.reader_position import checked_position
@@ -121,7 +122,7 @@ class _Part:
         """Column `name`, memory-mapped, with `ndim` dimensions and a dtype of one of `kinds`."""
         path = self.folder / f"{name}.npy"
         try:
-            array = np.load(path, mmap_mode="r")
+            array = map_npy(path)
         except (OSError, ValueError, EOFError) as e:
             raise DataError(f"{path}: cannot read ({e}); preprocess again into a new folder") from None
         if not isinstance(array, np.ndarray) or array.ndim != ndim or array.dtype.kind not in kinds:
