@@ -205,11 +205,30 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from neorec.checkpoint import CheckpointError
     from neorec.checkpoint.inspect import inspect_checkpoint
 
-    text, problems = inspect_checkpoint(args.dir, verify=args.verify)
+    text, problems = inspect_checkpoint(checkpoints_of(Path(args.dir)), verify=args.verify)
     print(text)
     if problems:
         raise CheckpointError(f"{len(problems)} bad file(s): " + "; ".join(problems))
     return 0
+
+
+def checkpoints_of(path: Path) -> Path:
+    """`path`, or for a run folder (config.yaml, no checkpoint manifest) the folder of its checkpoints,
+    checked to hold one: a run that saved none is said to in words naming the setting."""
+    from neorec.checkpoint import CheckpointError
+    from neorec.checkpoint.load import latest_checkpoint
+    from neorec.config.load import load_config
+    from neorec.train.run_folder import checkpoint_root
+
+    if not (path / "config.yaml").is_file() or (path / "manifest.json").is_file():
+        return path
+    root = checkpoint_root(load_config(str(path / "config.yaml")), path)
+    if latest_checkpoint(root) is None:
+        raise CheckpointError(
+            f"{path}: a run folder whose checkpoints ({root}) hold no complete checkpoint: the run saved "
+            "none (checkpoint.every_steps, checkpoint.every_minutes) or they were removed"
+        )
+    return root
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -210,6 +210,17 @@ def test_eval_of_a_followed_stream_says_it_has_no_held_out_set(tmp_path, capsys)
           "neorec predict")  # fmt: skip
 
 
+def test_checkpoint_inspect_of_a_run_folder_reads_its_checkpoints(tmp_path, capsys):
+    """A run folder stands for its checkpoint folder; one that saved none is said to, naming the settings."""
+    run, bare = tmp_path / "run", tmp_path / "bare"
+    Trainer(load_config("default", [*TINY, "checkpoint.every_steps=1"]), run).fit()
+    Trainer(load_config("default", TINY), bare).fit()
+    assert main(["checkpoint", "inspect", str(run)]) == 0
+    assert f"checkpoint  {run / 'checkpoints' / 'step-00000002'}" in capsys.readouterr().out
+    fails(capsys, ["checkpoint", "inspect", str(bare)], f"{bare}: a run folder whose checkpoints",
+          "hold no complete checkpoint", "checkpoint.every_steps")  # fmt: skip
+
+
 # ---- from a shell ----------------------------------------------------------------------------------
 def test_console_script_prints_errors_without_traceback(tmp_path):
     exe = shutil.which("neorec") or pytest.skip("the neorec console script is not installed")
