@@ -221,6 +221,22 @@ def test_checkpoint_inspect_of_a_run_folder_reads_its_checkpoints(tmp_path, caps
           "hold no complete checkpoint", "checkpoint.every_steps")  # fmt: skip
 
 
+def test_outputs_never_take_a_place_a_run_folder_keeps(tmp_path, capsys):
+    """export and predict refuse --out named as a run's own file or folder inside the run folder, even
+    one not there yet (an export named checkpoints would block the run's resume)."""
+    run = tmp_path / "run"
+    Trainer(load_config("default", TINY), run).fit()
+    export_model(run, tmp_path / "m.nrx", measure=False)
+    for argv, name in (
+        (["export", str(run), "--out", str(run / "checkpoints")], "checkpoints"),
+        (["export", str(run), "--out", str(run / "snapshots"), "--format", "pt2"], "snapshots"),
+        (["predict", str(tmp_path / "m.nrx"), "--out", str(run / "tensorboard")], "tensorboard"),
+    ):
+        fails(capsys, argv, f"is where the run in {run} keeps its {name}")
+        assert not (run / name).exists()
+    assert main(["export", str(run), "--out", str(run / "m.nrx")]) == 0  # a name of its own is fine
+
+
 # ---- from a shell ----------------------------------------------------------------------------------
 def test_console_script_prints_errors_without_traceback(tmp_path):
     exe = shutil.which("neorec") or pytest.skip("the neorec console script is not installed")

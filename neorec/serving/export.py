@@ -27,6 +27,7 @@ from neorec.errors import NeorecError
 from neorec.serving.aoti_package import check_package_path, is_aoti
 from neorec.serving.file_format import (
     ExportError,
+    check_not_a_run_place,
     check_output_file,
     export_size,
     is_export_file,
@@ -256,6 +257,8 @@ def export_model(
     if format not in FORMATS:
         raise ExportError(f"export format must be one of {list(FORMATS)}, got {format!r}")
     quantize = quantization(int8, quantize)
+    if format == "pt2":
+        check_not_a_run_place(out, "--out")
     if format == "pt2" and Path(out).is_file():
         raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
     if format == "aoti":

@@ -25,6 +25,7 @@ from typing import BinaryIO
 import torch
 
 from neorec.errors import NeorecError
+from neorec.train.run_folder import RUN_PLACES
 from neorec.utils.files import write_atomic
 
 MAGIC = b"neorec-export\n"
@@ -91,12 +92,23 @@ def check_output_file(
     """An output file's path does not name a folder, nor (with `replaces`, which tells whether an
     existing file is an earlier output of this `kind`) a file of anything else: a run's model.pt, a
     config or data given by mistake are never written over. Checked before any work."""
+    check_not_a_run_place(path, flag)
     if Path(path).is_dir():
         raise ExportError(f"{flag} {path}: is a folder; give the path of the file to write")
     if replaces is not None and Path(path).is_file() and not replaces(Path(path)):
         raise ExportError(
             f"{flag} {path}: is a file that is not {kind}; an export replaces only an earlier export of its "
             "format, never a run's model.pt, a config or data: give a new path"
+        )
+
+
+def check_not_a_run_place(path: str | Path, flag: str) -> None:
+    """An output is never written where a run folder (one holding config.yaml) keeps one of its own
+    files or folders, even one not there yet: a later resume or run would find it in the way."""
+    path = Path(path)
+    if path.name in RUN_PLACES and (path.parent / "config.yaml").is_file():
+        raise ExportError(
+            f"{flag} {path}: is where the run in {path.parent} keeps its {path.name}; give another path"
         )
 
 

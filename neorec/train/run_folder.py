@@ -16,6 +16,9 @@ from neorec.errors import ConfigError
 RESULTS = ("summary.json", "model.pt")  # written when a run finishes
 STARTED = ("plan.json",)  # written when a sharded run starts (a run of one process writes none)
 STALE = ("tensorboard",)  # added to by every run that writes it, so an overwritten run's events would stay
+# every name a run writes in its folder (outputs of other commands never take one: serving/file_format.py)
+RUN_PLACES = ("config.yaml", "metrics.jsonl", "curves.png", "checkpoints", "snapshots", *RESULTS, *STARTED,
+              *STALE)  # fmt: skip
 
 
 def checkpoint_root(cfg: RunConfig, out_dir: Path) -> Path:
