@@ -92,7 +92,6 @@ def check_output_file(
     """An output file's path does not name a folder, nor (with `replaces`, which tells whether an
     existing file is an earlier output of this `kind`) a file of anything else: a run's model.pt, a
     config or data given by mistake are never written over. Checked before any work."""
-    check_not_a_run_place(path, flag)
     if Path(path).is_dir():
         raise ExportError(f"{flag} {path}: is a folder; give the path of the file to write")
     if replaces is not None and Path(path).is_file() and not replaces(Path(path)):
@@ -100,6 +99,8 @@ def check_output_file(
             f"{flag} {path}: is a file that is not {kind}; an export replaces only an earlier export of its "
             "format, never a run's model.pt, a config or data: give a new path"
         )
+    if replaces is not None:  # an export's path (predict calls it after the checks of its inputs)
+        check_not_a_run_place(path, flag)
 
 
 def check_not_a_run_place(path: str | Path, flag: str) -> None:

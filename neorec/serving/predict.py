@@ -37,7 +37,7 @@ from neorec.data.batch import Batch
 from neorec.data.locations import movielens_root
 from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.metrics.evaluation import binary_metrics
-from neorec.serving.file_format import ExportError, check_output_file, is_export_file
+from neorec.serving.file_format import ExportError, check_not_a_run_place, check_output_file, is_export_file
 from neorec.serving.model import ExportedModel, load_export
 from neorec.utils.files import write_atomic
 
@@ -137,6 +137,7 @@ def predict_file(
     start = time.perf_counter()
     check_output_file(out, "--out")
     _check_not_an_input(Path(out), Path(model), data)
+    check_not_a_run_place(out, "--out")
     exported = load_export(model, bounds_check)
     if data is None:
         _check_not_in_data(Path(out), exported.config.data)
