@@ -217,10 +217,11 @@ def checkpoints_of(path: Path) -> Path:
     checked to hold one: a run that saved none is said to in words naming the setting."""
     from neorec.checkpoint import CheckpointError
     from neorec.checkpoint.load import latest_checkpoint
+    from neorec.checkpoint.save import MANIFEST
     from neorec.config.load import load_config
     from neorec.train.run_folder import checkpoint_root
 
-    if not (path / "config.yaml").is_file() or (path / "manifest.json").is_file():
+    if not (path / "config.yaml").is_file() or (path / MANIFEST).is_file():
         return path
     root = checkpoint_root(load_config(str(path / "config.yaml")), path)
     if latest_checkpoint(root) is None:

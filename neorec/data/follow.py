@@ -45,7 +45,7 @@ import torch
 
 from neorec.config.continuous import FollowConfig
 from neorec.data.batch import Batch
-from neorec.data.partitions import Partition, completion_file, list_partitions
+from neorec.data.partitions import Partition, completion_file, completion_text, list_partitions
 from neorec.data.reader_position import checked_position
 from neorec.data.source import DataSource, SourceInfo
 from neorec.errors import ConfigError, DataError
@@ -396,7 +396,7 @@ class FollowSource:
         )
 
     def _waiting_for(self) -> str:
-        what = f"a {self.config.marker} file" if self.kind == "parquet" else "a complete manifest.json"
+        what = completion_text(self.kind, self.config.marker)
         limit = (
             f"for up to {self.config.idle_timeout} s"
             if self.config.idle_timeout is not None

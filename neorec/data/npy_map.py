@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import io
 import mmap
-import threading
 from pathlib import Path
 
 import numpy as np
 from numpy.lib import format as npy_format
 
 _MAGIC = b"\x93NUMPY"
-_HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}  # header bytes -> shape, fortran, dtype
-_LOCK = threading.Lock()
+# header bytes -> shape, fortran order, dtype (dict operations are atomic: two threads that meet a new
+# header at once parse it twice, no worse)
+_HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}
 
 
 def map_npy(path: str | Path) -> np.ndarray:
@@ -61,15 +61,13 @@ def map_npy(path: str | Path) -> np.ndarray:
 
 def _parsed(header: bytes, major: int) -> tuple[tuple[int, ...], bool, np.dtype]:
     """(shape, fortran order, dtype) of a .npy header, parsed by numpy once per distinct header."""
-    with _LOCK:
-        known = _HEADERS.get(header)
+    known = _HEADERS.get(header)
     if known is not None:
         return known
     stream = io.BytesIO(header)
     stream.seek(8)
     read = npy_format.read_array_header_1_0 if major == 1 else npy_format.read_array_header_2_0
     parsed = read(stream)
-    with _LOCK:
-        if len(_HEADERS) < 4096:  # a data set has a few; a bound in case of many odd files
-            _HEADERS[header] = parsed
+    if len(_HEADERS) < 4096:  # a data set has a few; a bound in case of many odd files
+        _HEADERS[header] = parsed
     return parsed

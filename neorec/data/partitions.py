@@ -32,6 +32,11 @@ def completion_file(path: Path, kind: str, marker: str) -> Path:
     return path / ("manifest.json" if kind == "preprocessed" else marker)
 
 
+def completion_text(kind: str, marker: str) -> str:
+    """What a partition of a `kind` stream needs to be complete, in words."""
+    return f"a {marker} file" if kind == "parquet" else "a complete manifest.json"
+
+
 def is_complete(path: Path, kind: str, marker: str) -> bool:
     """Whether partition `path` of a `kind` ("parquet" or "preprocessed") stream is complete."""
     done = completion_file(path, kind, marker)

@@ -257,8 +257,6 @@ def export_model(
     if format not in FORMATS:
         raise ExportError(f"export format must be one of {list(FORMATS)}, got {format!r}")
     quantize = quantization(int8, quantize)
-    if format == "pt2":
-        check_not_a_run_place(out, "--out")
     if format == "pt2" and Path(out).is_file():
         raise ExportError(f"{out} is a file; --format pt2 writes a folder (model.pt2, weights.safetensors)")
     if format == "aoti":
@@ -267,6 +265,7 @@ def export_model(
     start = time.perf_counter()
     if format == "nrx":  # a pt2 export is a folder, which may hold an earlier export to replace
         check_output_file(out, "--out", is_export_file, "a neorec export (.nrx)")
+    check_not_a_run_place(out, "--out")  # after the checks that word an existing file's refusal
     trained = load_trained(path, config, source)
     cfg = trained.config
     check_exportable(cfg, path, format, trained.tables)

@@ -99,8 +99,6 @@ def check_output_file(
             f"{flag} {path}: is a file that is not {kind}; an export replaces only an earlier export of its "
             "format, never a run's model.pt, a config or data: give a new path"
         )
-    if replaces is not None:  # an export's path (predict calls it after the checks of its inputs)
-        check_not_a_run_place(path, flag)
 
 
 def check_not_a_run_place(path: str | Path, flag: str) -> None:

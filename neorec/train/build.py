@@ -129,12 +129,12 @@ def _preprocessed_source(cfg: RunConfig, topo) -> DataSource:
 
 
 def _check_has_partition(cfg: RunConfig) -> None:
-    from neorec.data.partitions import list_partitions
+    from neorec.data.partitions import completion_text, list_partitions
 
     follow = cfg.data.follow
     assert follow is not None
     if not list_partitions(follow.dir, cfg.data.source, follow.marker, follow.order):
-        what = f"a {follow.marker} file" if cfg.data.source == "parquet" else "a complete manifest.json"
+        what = completion_text(cfg.data.source, follow.marker)
         raise DataError(
             f"data.follow.dir {follow.dir}: holds no complete partition (a subfolder with {what}), whose "
             "schema and batches this command reads; it does not wait for one as training does"
