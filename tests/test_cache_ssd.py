@@ -369,3 +369,45 @@ def test_release_auto_is_a_quarter_of_memory_per_process_on_the_node(monkeypatch
     for bad in ("sometimes", 0, -1.0):
         with pytest.raises(ConfigError, match="embedding.cache.release_mib"):
             release_bytes(bad)
+
+
+def test_a_disk_without_room_is_refused_before_a_table_file_is_written(tmp_path, monkeypatch) -> None:
+    """The table file and its write log need more than the disk's free space (an earlier run's files
+    of those names count as room, as they are replaced): refused naming the folder and the sizes,
+    before anything is written. A disk filled meanwhile (posix_fallocate) or a write that fails leaves
+    no part of a file behind."""
+    import collections
+    import errno
+
+    from neorec.embedding.cache import backing
+    from neorec.embedding.cache.records import RecordLayout
+    from neorec.errors import MachineError
+
+    layout = RecordLayout([("weight", 16, torch.float32)])  # 64 bytes a row
+    inits = {"weight": lambda a, b: torch.zeros(b - a, 16)}
+    usage = collections.namedtuple("usage", "total used free")
+    free = {"bytes": 1000 * 64 * 2 - 1}  # one record short of the 1000-row file and its log of 1000 rows
+    monkeypatch.setattr(backing.shutil, "disk_usage", lambda p: usage(1 << 40, 0, free["bytes"]))
+    path = tmp_path / "tables" / "t.rows.bin"
+    with pytest.raises(MachineError, match=r"tables: the disk has 0\.1 MiB free, but table file t\.rows\.bin"
+                       r" needs 0\.1 MiB .*write log"):  # fmt: skip
+        backing.create_ssd_file(path, layout, 1000, inits, log_fraction=1.0)
+    assert not path.exists()
+    backing.create_ssd_file(path, layout, 1000, inits, log_fraction=0.0)  # no log: room enough
+    assert path.stat().st_size == 64_000
+    free["bytes"] = 64_000  # with the old file's 64,000 bytes the log has room
+    backing.create_ssd_file(path, layout, 1000, inits, log_fraction=1.0)
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(backing.os, "posix_fallocate", full)
+    with pytest.raises(MachineError, match=r"t\.rows\.bin: no room on the disk for the weights"):
+        backing.create_ssd_file(path, layout, 1000, inits)
+    assert not path.exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(backing.shutil, "disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
+    inits["weight"] = lambda a, b: (_ for _ in ()).throw(OSError(errno.EIO, os.strerror(errno.EIO)))
+    with pytest.raises(OSError, match="Input/output error") as failed:
+        backing.create_ssd_file(path, layout, 1000, inits)
+    assert failed.value.filename == str(path) and not path.exists()

@@ -126,8 +126,7 @@ def _acquire(fd: int, path: Path, job: str) -> bool:
                 )
                 return False
         else:  # the first of its run: say who holds it, then let the rest of the run join
-            os.ftruncate(fd, 0)
-            os.write(fd, _record(job))
+            _write_record(fd, path, job, first=True)
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 return True
@@ -141,11 +140,22 @@ def _acquire(fd: int, path: Path, job: str) -> bool:
             except BlockingIOError:
                 pass  # the first process of this run is between taking the lock and sharing it
             else:
-                os.write(fd, _record(job))
+                _write_record(fd, path, job)
                 return True
         if time.monotonic() - start >= (SETTLE_SECONDS if ours or not holders else OTHER_JOB_SECONDS):
             raise RunFolderInUse(in_use_message(path.parent, holders))
         time.sleep(_POLL_SECONDS)
+
+
+def _write_record(fd: int, path: Path, job: str, first: bool = False) -> None:
+    """Add this process to the lock file (`first`: in place of the last run's processes); a failed
+    write (a full disk) names the file."""
+    try:
+        if first:
+            os.ftruncate(fd, 0)
+        os.write(fd, _record(job))
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def _record(job: str) -> bytes:

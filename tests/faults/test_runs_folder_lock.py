@@ -5,6 +5,7 @@ A run is held still with SIGSTOP while the second one tries, so that nothing dep
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -254,6 +255,21 @@ def test_a_file_where_a_folder_of_the_run_goes_is_named_by_its_key(tmp_path, cap
     assert main(_args(tmp_path / "run", sets)) == 2
     assert capsys.readouterr().err == f"neorec: error: {key} {file}: is a file; give a folder\n"
     assert file.read_text() == "mine\n" and not (tmp_path / "run").exists()
+
+
+def test_a_lock_file_that_cannot_be_written_is_named(tmp_path, capsys, monkeypatch):
+    """A full disk when the run writes who holds its folder: one line naming the lock file, exit 1."""
+    write = os.write
+
+    def full_for_locks(fd: int, data: bytes) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(LOCK_FILE):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_for_locks)
+    assert main(_args(tmp_path / "run", [])) == 1
+    lock = tmp_path / "run" / LOCK_FILE
+    assert capsys.readouterr().err.startswith(f"neorec: error: {lock}: No space left on device (ENOSPC); ")
 
 
 def test_reading_a_run_leaves_the_ssd_tables_of_a_run_training_there_alone(tmp_path):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -49,10 +50,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from neorec.embedding.cache.file_io import transfer
+from neorec.embedding.cache.file_io import allocate, transfer
 from neorec.embedding.cache.records import RecordLayout
-from neorec.embedding.cache.write_log import WriteLog
+from neorec.embedding.cache.write_log import WriteLog, log_records
 from neorec.embedding.fused.storage import RowInit
+from neorec.errors import MachineError
 from neorec.utils import index_ops
 
 _WINDOW_BYTES = 16 << 20  # records per piece of a range read/write or of creating a file
@@ -351,19 +353,62 @@ class SsdBacking:
             self.log.close()
 
 
-def create_ssd_file(path: str | Path, layout: RecordLayout, num_rows: int, inits: dict[str, RowInit]) -> None:
+def create_ssd_file(
+    path: str | Path,
+    layout: RecordLayout,
+    num_rows: int,
+    inits: dict[str, RowInit],
+    log_fraction: float = 0.0,
+) -> None:
     """Write a group's file window by window with plain writes (the table is never whole in memory),
     then drop its pages from the page cache, so that training starts from the disk, as after a
-    restart, and the benchmarks measure that."""
+    restart, and the benchmarks measure that. A disk without room for the file and for the write
+    log of `log_fraction` that SsdBacking creates next is refused before either is written; a file
+    not written whole is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as f:
-        for start, end in _windows(num_rows, layout.record_bytes):
-            records = layout.pack({n: init(start, end) for n, init in inits.items()})
-            f.write(memoryview(records.numpy()).cast("B"))
-        f.flush()
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    size = num_rows * layout.record_bytes
+    log_bytes = log_records(num_rows, log_fraction) * layout.record_bytes if log_fraction > 0 else 0
+    _check_room(path, size, log_bytes)
+    try:
+        with path.open("wb") as f:
+            allocate(f.fileno(), size, path, f"the weights and optimizer state of {num_rows:,} rows")
+            for start, end in _windows(num_rows, layout.record_bytes):
+                records = layout.pack({n: init(start, end) for n, init in inits.items()})
+                f.write(memoryview(records.numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    except BaseException as e:
+        path.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:  # name the file
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
+
+
+def _check_room(path: Path, size: int, log_bytes: int) -> None:
+    """MachineError naming the folder when its disk has less room than a table file of `size` bytes
+    and its write log need (files of theirs left by an earlier run are replaced, so their room counts)."""
+    free = shutil.disk_usage(path.parent).free
+    for old in (path, path.with_suffix(".log")):
+        if old.is_file():
+            free += old.stat().st_size
+    if size + log_bytes <= free:
+        return
+    log = (
+        f" and {_mib(log_bytes)} for its write log (embedding.cache.ssd_log sets its share)"
+        if log_bytes
+        else ""
+    )
+    raise MachineError(
+        f"embedding.cache.directory {path.parent}: the disk has {_mib(free)} free, but table file "
+        f"{path.name} needs {_mib(size)} for its rows' weights and optimizer state{log}; free some "
+        "space there, or set embedding.cache.directory to a folder on a larger disk"
+    )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
 
 
 # ---- runs of rows, moved by I/O threads ------------------------------------------------------------

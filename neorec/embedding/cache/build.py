@@ -121,7 +121,7 @@ def _backing(tier: str, table: str, specs: dict[str, StorageSpec], settings: Cac
         return DramBacking.create(layout, num_rows, inits)
     assert settings.directory is not None  # checked when the factory was made
     path = Path(settings.directory) / f"{table}.rows.bin"
-    create_ssd_file(path, layout, num_rows, inits)
+    create_ssd_file(path, layout, num_rows, inits, settings.ssd_log)
     return SsdBacking(
         path, layout, num_rows, release_bytes(settings.release_mib), settings.ssd_reads, settings.ssd_log
     )

@@ -1,11 +1,15 @@
-"""Whole positioned reads and writes of a tensor's bytes in a file (the SSD tier's files)."""
+"""The SSD tier's files: whole positioned reads and writes of a tensor's bytes, and disk blocks
+given to a file up front."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import torch
+
+from neorec.errors import MachineError
 
 
 def transfer(fd: int, data: torch.Tensor | memoryview, offset: int, write: bool, name: str | Path) -> None:
@@ -22,3 +26,20 @@ def transfer(fd: int, data: torch.Tensor | memoryview, offset: int, write: bool,
         if n == 0:
             raise OSError(f"{name}: ended at byte {offset + done}; the file was truncated")
         done += n
+
+
+def allocate(fd: int, size: int, path: str | Path, what: str) -> None:
+    """Give the file open as `fd` its `size` bytes of disk blocks up front (posix_fallocate), so that
+    a full disk shows now, naming the file and `what` it holds, and not in the middle of training.
+    Where the filesystem cannot allocate ahead, the file is only given its length (sparse)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise MachineError(
+                f"{path}: no room on the disk for {what} ({size / 2**20:,.0f} MiB); free some space "
+                "there, or set embedding.cache.directory to a folder on a larger disk",
+            ) from e
+        if e.errno == errno.EFBIG:  # a file-size limit (ulimit -f) or the filesystem's largest file
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        os.ftruncate(fd, size)

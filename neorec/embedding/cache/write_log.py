@@ -30,7 +30,6 @@ current record in one file or the other at any moment.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import threading
@@ -41,10 +40,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from neorec.embedding.cache.file_io import transfer
+from neorec.embedding.cache.file_io import allocate, transfer
 from neorec.utils import index_ops
 
 _WINDOW_BYTES = 16 << 20  # records of the table file compacted at a time
+
+
+def log_records(num_rows: int, fraction: float) -> int:
+    """Records the write log of a table of `num_rows` holds: two halves of `fraction` of the rows
+    over two, at least one each and at most 2^30 (their positions are int32)."""
+    return 2 * max(1, min(int(fraction * num_rows) // 2, 2**30))
 
 
 class WriteLog:
@@ -70,11 +75,12 @@ class WriteLog:
             raise ValueError(f"the write log's fraction of the table must be in (0, 1], got {fraction}")
         self.path, self.table_path = Path(path), Path(table_path)
         self.record_bytes, self.num_rows = record_bytes, num_rows
-        self.half = max(1, min(int(fraction * num_rows) // 2, 2**30))  # records per half (int32 positions)
+        self.half = log_records(num_rows, fraction) // 2
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
         self.table_fd = os.open(self.table_path, os.O_RDWR)
         self._close = weakref.finalize(self, _close_all, self.fd, self.table_fd)  # also if never closed
-        _allocate(self.fd, 2 * self.half * record_bytes, self.path)
+        what = "the write log (embedding.cache.ssd_log sets its share of the table)"
+        allocate(self.fd, 2 * self.half * record_bytes, self.path, what)
         words = record_bytes // 8
         self._map = np.memmap(self.path, dtype=np.int64, mode="r+", shape=(2 * self.half, words))
         if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -204,23 +210,6 @@ class WriteLog:
     def close(self) -> None:
         self._close()
         self.fd = self.table_fd = -1
-
-
-def _allocate(fd: int, size: int, path: Path) -> None:
-    """Give the log its disk blocks up front (posix_fallocate), so that a full disk shows now and not
-    in the middle of a write-back. (Appending 3.5 MiB into a sparse file took 2.4-3.3 ms of CPU here
-    against 0.6-0.8 ms into allocated blocks in a microbenchmark; in training the difference did not
-    show.) Where the filesystem cannot allocate ahead, the file stays sparse."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise OSError(
-                e.errno,
-                f"{path}: no room on the disk for the write log's {size / 2**20:,.0f} MiB "
-                "(embedding.cache.ssd_log sets its share of the table)",
-            ) from e
-        os.ftruncate(fd, size)
 
 
 def _close_all(*fds: int) -> None:
