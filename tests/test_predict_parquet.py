@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -66,6 +67,16 @@ def test_files_without_the_label_column_are_scored_without_labels(parquet_model,
         predict_file(model, tmp_path / "c.txt", data=tmp_path / "new", with_labels=True)
     with pytest.raises(ExportError, match="is inside the data folder"):
         predict_file(model, tmp_path / "new" / "p.txt", data=tmp_path / "new")
+    # a label column of nulls only (rows not labeled yet) is no label column
+    (tmp_path / "nulls").mkdir()
+    nulls = table.set_column(table.schema.get_field_index("label"), "label", pa.nulls(len(table), pa.int64()))
+    pq.write_table(nulls, tmp_path / "nulls" / "part-0.parquet", row_group_size=100)
+    assert not predict_file(model, tmp_path / "d.txt", data=tmp_path / "nulls").metrics
+    assert (tmp_path / "d.txt").read_text() == (tmp_path / "a.txt").read_text()
+    with pytest.raises(
+        ConfigError, match=r"--with-labels: .* \(.*part-0.parquet: its column 'label' holds only"
+    ):
+        predict_file(model, tmp_path / "e.txt", data=tmp_path / "nulls", with_labels=True)
     assert not (tmp_path / "c.txt").exists() and not (tmp_path / "new" / "p.txt").exists()
 
 

@@ -9,7 +9,7 @@ the model's rows as its training data was:
 - Parquet files (a file or a folder, as data.parquet.paths takes them), for a model trained on
   Parquet (data.source parquet, followed streams included): read in file order with the model's
   column mapping (hashing, vocabularies, raw ids of managed-collision tables). Files without the
-  label column are scored without labels.
+  label column, or with nulls only in it, are scored without labels.
 Predictions of data without labels come without metrics or labels.
 
 Output (written under a temporary name and renamed, so a reader never sees half a file): one
@@ -202,8 +202,9 @@ def _check_vocabularies(exported: ExportedModel, source) -> None:
 
 def _missing_labels(exported: ExportedModel, data: Path) -> str | None:
     """Why the files `data` have no labels (None: they have): Criteo TSV lines of 39 fields, or Parquet
-    files (the first one listed) without the label column of the model's config. What cannot be
-    opened is the reader's to report."""
+    files (the first one listed) without the label column of the model's config, or whose label
+    column holds only nulls (rows not labeled yet). What cannot be opened is the reader's to report
+    (as are some labels missing among others: an error naming the row)."""
     parquet = exported.config.data.parquet
     if exported.config.data.source != "parquet" or parquet is None:
         return "its lines have 39 fields: I1..I13, C1..C26" if _unlabeled_tsv(data) else None
@@ -211,10 +212,15 @@ def _missing_labels(exported: ExportedModel, data: Path) -> str | None:
 
     try:
         fs, files = list_files(str(data))
-        names = open_parquet(fs, files[0]).schema_arrow.names
-    except (OSError, NeorecError):
+        first = open_parquet(fs, files[0])
+        if parquet.label not in first.schema_arrow.names:
+            return f"{files[0]} has no column {parquet.label!r}"
+        labels = first.read(columns=[parquet.label]).column(0)
+    except (OSError, NeorecError, ValueError):  # pyarrow's errors are ValueErrors
         return None
-    return None if parquet.label in names else f"{files[0]} has no column {parquet.label!r}"
+    if len(labels) and labels.null_count == len(labels):
+        return f"{files[0]}: its column {parquet.label!r} holds only nulls, rows not labeled yet"
+    return None
 
 
 def _unlabeled_tsv(data: Path) -> bool:
