@@ -411,3 +411,18 @@ def test_a_disk_without_room_is_refused_before_a_table_file_is_written(tmp_path,
     with pytest.raises(OSError, match="Input/output error") as failed:
         backing.create_ssd_file(path, layout, 1000, inits)
     assert failed.value.filename == str(path) and not path.exists()
+
+
+def test_a_failing_read_or_write_of_a_table_file_names_it(tmp_path) -> None:
+    from neorec.embedding.cache.file_io import transfer
+
+    path = tmp_path / "t.rows.bin"
+    path.write_bytes(bytes(64))
+    fd = os.open(path, os.O_RDONLY)
+    with pytest.raises(OSError) as failed:  # a write through a read-only descriptor
+        transfer(fd, torch.zeros(16), 0, True, path)
+    assert failed.value.filename == str(path)
+    os.close(fd)
+    with pytest.raises(OSError) as failed:  # a read of a closed descriptor
+        transfer(fd, torch.zeros(16), 0, False, path)
+    assert failed.value.filename == str(path)

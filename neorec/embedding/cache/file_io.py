@@ -14,15 +14,19 @@ from neorec.errors import MachineError
 
 def transfer(fd: int, data: torch.Tensor | memoryview, offset: int, write: bool, name: str | Path) -> None:
     """Write all of `data` at byte `offset` of the file, or read that many bytes into it, going on
-    after short transfers; a read that reaches the end of the file is an error naming the file."""
+    after short transfers; a read that reaches the end of the file, or a failing one, is an error
+    naming the file."""
     view = data if isinstance(data, memoryview) else memoryview(data.numpy()).cast("B")
     done = 0
     while done < len(view):
-        n = (
-            os.pwrite(fd, view[done:], offset + done)
-            if write
-            else os.preadv(fd, [view[done:]], offset + done)
-        )
+        try:
+            n = (
+                os.pwrite(fd, view[done:], offset + done)
+                if write
+                else os.preadv(fd, [view[done:]], offset + done)
+            )
+        except OSError as e:  # a failing disk: name the file
+            raise OSError(e.errno, e.strerror, str(name)) from e
         if n == 0:
             raise OSError(f"{name}: ended at byte {offset + done}; the file was truncated")
         done += n
