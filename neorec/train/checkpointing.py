@@ -33,7 +33,9 @@ from neorec.data.reader_position import (
 )
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError, NeorecError
+from neorec.train.run_folder import RESULTS
 from neorec.train.signals import TrainingStopped
+from neorec.utils.files import fsync_dir
 
 log = logging.getLogger(__name__)
 # settings a resume changes on purpose, not named among the changed ones: how far to train, the bar
@@ -101,6 +103,22 @@ class CheckpointHandling:
             log.warning(
                 f"resumed at step {step} with settings other than {previous}'s, from this step on: "
                 + "; ".join(changes[:10]) + more
+            )
+
+    def _withdraw_results(self, step: int) -> None:
+        """Rank 0, resumed at `step`: model.pt and summary.json in the run folder are the results of
+        the run this one continues (or replaces, from an older checkpoint). They are removed, so that
+        `neorec eval` and `export` read the newest checkpoint until this run writes its own at its end
+        (a stop or failure before then leaves none, never an older run's under the new config.yaml)."""
+        gone = [name for name in RESULTS if (self.out_dir / name).is_file()]
+        for name in gone:
+            (self.out_dir / name).unlink()
+        if gone:
+            fsync_dir(self.out_dir)
+            log.warning(
+                f"{self.out_dir}: removed {' and '.join(gone)}, of the run before this one resumed at step "
+                f"{step}; it writes them again when it ends, and eval and export read its newest "
+                "checkpoint until then"
             )
 
     def _checkpoint_to_resume(self) -> Path | None:

@@ -203,6 +203,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if to_resume is not None:
                 self._say_changed_settings(step)
+                self._withdraw_results(step)
             write_text(self.out_dir / "config.yaml", dump_config(cfg), "run config")  # atomic
             plan = getattr(self.embeddings, "plan", None)  # sharded: the plan every rank trains with
             if plan is not None:

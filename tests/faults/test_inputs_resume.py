@@ -264,3 +264,26 @@ def test_a_resume_names_the_settings_that_differ_from_the_runs(tmp_path, capfd):
     assert "train.max_steps" not in err
     assert main([*base, *sets(["train.max_steps=3"]), "--resume"]) == 0  # the same settings: nothing said
     assert "settings other than" not in capfd.readouterr().err
+
+
+def test_a_resumed_run_that_stops_before_its_end_leaves_no_older_results(tmp_path, capfd, monkeypatch):
+    """A finished run resumed to train longer: its model.pt and summary.json go when the resume starts.
+    Where the resumed run stops before writing its own (here a full disk at its end), eval and export
+    read its newest checkpoint: they served the older model.pt under the new config.yaml before."""
+    run = tmp_path / "run"
+    base = ["train", "--output-dir", str(run),
+            *sets([*QUIET, "data.synthetic.train_samples=4096", "data.synthetic.eval_samples=512",
+                   "data.batch_size=512", "checkpoint.every_steps=1"])]  # fmt: skip
+    assert main([*base, *sets(["train.max_steps=2"])]) == 0
+    assert (run / "model.pt").is_file() and (run / "summary.json").is_file()
+    capfd.readouterr()
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(run / "model.pt"))
+
+    monkeypatch.setattr("neorec.train.reporting.save_model_state", full)
+    assert main([*base, *sets(["train.max_steps=4"]), "--resume"]) == 1
+    err = capfd.readouterr().err
+    assert "removed summary.json and model.pt, of the run before this one resumed at step 2" in err, err
+    assert not (run / "model.pt").exists() and not (run / "summary.json").exists()
+    assert (run / "checkpoints" / "step-00000004" / "manifest.json").is_file()
