@@ -116,6 +116,7 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
     from neorec.interop.torchrec.dcp_io import check_replaceable
     from neorec.model.dlrm import DLRM
     from neorec.serving.export import find_run_config
+    from neorec.serving.file_format import check_not_a_run_place
     from neorec.train.build import build_model, build_source, build_tables
     from neorec.train.embeddings import build_embeddings
     from neorec.train.run_folder import private_cache_directory
@@ -126,6 +127,7 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
     check_memory(cfg)
     writable(args.out, "--out")
     check_replaceable(args.out)  # before any work: the checkpoint replaces the folder
+    check_not_a_run_place(args.out, "--out")
     root = path
     if (path / "config.yaml").is_file():  # a run folder: its checkpoints
         root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else path / "checkpoints"

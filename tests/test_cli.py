@@ -222,19 +222,45 @@ def test_checkpoint_inspect_of_a_run_folder_reads_its_checkpoints(tmp_path, caps
 
 
 def test_outputs_never_take_a_place_a_run_folder_keeps(tmp_path, capsys):
-    """export and predict refuse --out named as a run's own file or folder inside the run folder, even
-    one not there yet (an export named checkpoints would block the run's resume)."""
-    run = tmp_path / "run"
-    Trainer(load_config("default", TINY), run).fit()
-    export_model(run, tmp_path / "m.nrx", measure=False)
+    """export, export-dcp and predict refuse --out named as a run's own file or folder inside the run
+    folder, even one not there yet (an export named checkpoints would block the run's resume), or
+    anywhere inside one of them (a checkpoint's manifest; an export in a step folder would be pruned),
+    a run's lock file (replaced, a second run could train there at once), anything inside another
+    folder a run locks, and an existing file that is not earlier predictions (a config)."""
+    run, m = tmp_path / "run", tmp_path / "m.nrx"
+    Trainer(load_config("default", [*TINY, "checkpoint.every_steps=1"]), run).fit()
+    export_model(run, m, measure=False)
     for argv, name in (
-        (["export", str(run), "--out", str(run / "checkpoints")], "checkpoints"),
+        (["export", str(run), "--out", str(run / "curves.png")], "curves.png"),
         (["export", str(run), "--out", str(run / "snapshots"), "--format", "pt2"], "snapshots"),
-        (["predict", str(tmp_path / "m.nrx"), "--out", str(run / "tensorboard")], "tensorboard"),
+        (["checkpoint", "export-dcp", str(run), "--out", str(run / "snapshots")], "snapshots"),
+        (["predict", str(m), "--out", str(run / "tensorboard")], "tensorboard"),
     ):
         fails(capsys, argv, f"is where the run in {run} keeps its {name}")
         assert not (run / name).exists()
+    step = run / "checkpoints" / "step-00000002"
+    before = (step / "manifest.json").read_bytes()
+    pt2 = ["export", str(run), "--out", str(step.with_name("step-00000099")), "--format", "pt2"]
+    for argv in (["predict", str(m), "--out", str(step / "p.txt")], pt2):
+        fails(capsys, argv, f"is inside where the run in {run} keeps its checkpoints")
+    not_predictions = "is a file that is not earlier predictions"
+    fails(capsys, ["predict", str(m), "--out", str(step / "manifest.json")], not_predictions)
+    assert (step / "manifest.json").read_bytes() == before and not step.with_name("step-00000099").exists()
+    for folder in (run, tmp_path / "elsewhere"):  # a run's lock file; a folder a run locks (checkpoint.dir)
+        folder.mkdir(exist_ok=True)
+        (folder / "neorec.lock").write_text("held\n")
+    fails(capsys, ["predict", str(m), "--out", str(run / "neorec.lock")], "is the lock file of the run in")
+    elsewhere = tmp_path / "elsewhere" / "p.txt"
+    fails(capsys, ["predict", str(m), "--out", str(elsewhere)], "a folder a run writes")
+    (tmp_path / "my.yaml").write_text("data:\n  batch_size: 4\n")
+    fails(capsys, ["predict", str(m), "--out", str(tmp_path / "my.yaml")], not_predictions)
+    assert (run / "neorec.lock").read_text() == "held\n"
+    assert (tmp_path / "my.yaml").read_text().startswith("data")
     assert main(["export", str(run), "--out", str(run / "m.nrx")]) == 0  # a name of its own is fine
+    for _ in range(2):  # earlier predictions (one probability a line) are replaced
+        assert main(["predict", str(m), "--out", str(run / "p.txt")]) == 0
+    (run / "p.txt").write_text("click,conversion\n0.5,0.25\n")  # a multi-task model's, with a header
+    assert main(["predict", str(m), "--out", str(run / "p.txt"), "--with-labels"]) == 0
 
 
 # ---- from a shell ----------------------------------------------------------------------------------

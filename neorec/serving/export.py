@@ -245,13 +245,15 @@ def export_model(
     format: str = "nrx",
     quantize: str | None = None,
     source: DataSource | None = None,
+    run_snapshot: bool = False,
 ) -> ExportReport:
     """Write the inference export of a run to `out` (format "nrx": one file; "pt2": a folder with a
     torch.export program and safetensors weights, see pt2_export; "aoti": one .pt2 file, that program
     compiled by AOTInductor, see aoti_package). `quantize` "int8", "int4" or "int2"
     quantizes the tables row-wise (`int8=True` is quantize="int8"), scale and bias in `scale_dtype`.
     With `measure`, the held-out metrics of the fp32 model and of the quantized one, as they will
-    score after loading."""
+    score after loading. `out` is never where a run keeps its files (check_not_a_run_place) but for
+    `run_snapshot`: the run's own snapshot, written by its publisher into its snapshot folder."""
     from neorec.train.evaluation import evaluate
 
     if format not in FORMATS:
@@ -265,7 +267,8 @@ def export_model(
     start = time.perf_counter()
     if format == "nrx":  # a pt2 export is a folder, which may hold an earlier export to replace
         check_output_file(out, "--out", is_export_file, "a neorec export (.nrx)")
-    check_not_a_run_place(out, "--out")  # after the checks that word an existing file's refusal
+    if not run_snapshot:  # after the checks that word an existing file's refusal
+        check_not_a_run_place(out, "--out")
     trained = load_trained(path, config, source)
     cfg = trained.config
     check_exportable(cfg, path, format, trained.tables)

@@ -22,6 +22,7 @@ are written with 9 significant digits, which round-trips float32 exactly.
 from __future__ import annotations
 
 import os
+import re
 import time
 import zipfile
 from collections.abc import Iterator
@@ -135,7 +136,7 @@ def predict_file(
     if batch_size is not None and batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     start = time.perf_counter()
-    check_output_file(out, "--out")
+    check_output_file(out, "--out", is_predictions_file, "earlier predictions (lines of probabilities)")
     _check_not_an_input(Path(out), Path(model), data)
     check_not_a_run_place(out, "--out")
     exported = load_export(model, bounds_check)
@@ -293,6 +294,32 @@ def _data_paths(data: DataConfig) -> list[Path]:
         p = data.parquet
         paths += p.paths + (p.eval_paths or []) + ([p.vocab_dir] if p.vocab_dir else [])
     return [Path(x) for x in paths]
+
+
+def is_predictions_file(path: Path) -> bool:
+    """Whether an existing file reads as predictions (an earlier output, which --out replaces): empty,
+    or lines of comma-separated numbers, under a header of names (_header) or not. Anything else
+    there (a config, a log) is never written over."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 12)
+    except OSError:
+        return False
+    lines = head.split(b"\n")
+    if not head or _numbers(lines[0]):
+        return True
+    header = re.fullmatch(rb"[A-Za-z_][\w./-]*(,[A-Za-z_][\w./-]*)*", lines[0]) is not None
+    return header and (len(lines) < 2 or not lines[1] or _numbers(lines[1]))
+
+
+def _numbers(line: bytes) -> bool:
+    """Whether `line` is comma-separated numbers."""
+    try:
+        for x in line.split(b","):
+            float(x)
+    except ValueError:
+        return False
+    return bool(line)
 
 
 def _header(tasks: list[str], with_labels: bool) -> bytes:

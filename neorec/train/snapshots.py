@@ -91,7 +91,7 @@ class PeriodicSnapshots:
             with torch.random.fork_rng(devices=[]):  # building the export's model draws from the global RNG
                 report = export_model(
                     checkpoint, folder / name, measure=False, config=config, format=c.format, quantize=c.quantize,
-                    source=source,
+                    source=source, run_snapshot=True,
                 )  # fmt: skip
             return {
                 "format": c.format,
