@@ -117,6 +117,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from neorec.checkpoint.stream import load_model_state
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
+    from neorec.train.build import check_trained_lookups
     from neorec.train.evaluation import evaluate
     from neorec.train.run_folder import private_cache_directory
     from neorec.train.trainer import Trainer
@@ -136,6 +137,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_memory(cfg)  # the tables and layers of the config fit this machine, before any is built
     with private_cache_directory(cfg) as cfg:  # a run training there keeps its ssd tables' files
         trainer = Trainer(cfg, run)
+        if args.overrides:
+            check_trained_lookups(cfg_path, trainer.tables, trainer.source.info, "--set")
         state = load_model_state(run / "model.pt")  # checked against its CRC32s, on the CPU (a GPU run's too)
         check_model_state(trainer.model, state, run / "model.pt", args.overrides)
         with process_settings(cfg.train.threads):  # as training evaluated

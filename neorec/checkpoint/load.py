@@ -22,6 +22,7 @@ from neorec.checkpoint.pieces import PieceReader, slots, storages, windows
 from neorec.checkpoint.save import DENSE, FORMAT, MANIFEST, VERSION, list_checkpoints
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.fused.storage import write_storage
+from neorec.embedding.tables import lookup_difference
 from neorec.errors import state_mismatch
 from neorec.utils.files import CHECKSUM_KEY, check_json, load_json
 from neorec.utils.json_checks import is_whole, shown
@@ -104,6 +105,14 @@ def check_tables(manifest: dict, embeddings: EmbeddingCollection, where: Path) -
                 f"checkpoint {where}: table {name!r} has managed_collision {s.get('managed_collision')} in its "
                 f"manifest.json but {mc} in the model; its rows and id map only fit the same setting"
             )
+    trained = {n: (s.get("features"), s.get("pooling", "sum")) for n, s in saved.items()}
+    differs = lookup_difference(trained, embeddings.tables)
+    if differs:
+        raise CheckpointError(
+            f"checkpoint {where}: "
+            + differs.format(trained="its manifest.json", now="the model")
+            + "; its rows only score as trained under the same lookup"
+        )
 
 
 def load_checkpoint(

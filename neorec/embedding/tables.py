@@ -102,3 +102,23 @@ def check_tables(tables: list[TableConfig]) -> None:
                 f"table {t.name!r}: managed_collision.buckets {mc.buckets} must divide its {t.rows} rows "
                 "(every bucket holds rows / buckets rows)"
             )
+
+
+def lookups(tables: list[TableConfig]) -> dict[str, tuple[list[str], str]]:
+    """How each table looks up its rows: the features it serves, in order, and their pooling."""
+    return {t.name: (list(t.features), t.pooling) for t in tables}
+
+
+def lookup_difference(trained: dict[str, tuple[list[str], str]], now: list[TableConfig]) -> str | None:
+    """How tables of the same name look up their rows differently in `now` than when `trained`
+    (`lookups` of the trained tables): trained rows loaded under another lookup score another model
+    without any shape telling. A text with {trained} and {now} to fill in; None when none differs."""
+    for t in now:
+        if t.name not in trained:
+            continue
+        features, pooling = trained[t.name]
+        if features != t.features:
+            return f"table {t.name!r} serves features {features} in {{trained}} but {t.features} in {{now}}"
+        if pooling != t.pooling:
+            return f"table {t.name!r} has pooling {pooling} in {{trained}} but {t.pooling} in {{now}}"
+    return None

@@ -93,7 +93,7 @@ def load_trained(
     (a step-XXXXXXXX folder or a folder of them). `config` replaces the run's config.yaml, and is
     needed for a checkpoint that does not lie under its run folder. `source`: the run's data source
     when the caller has it (a training job publishing snapshots), else built from the config."""
-    from neorec.train.build import build_source, build_tables
+    from neorec.train.build import build_source, build_tables, check_trained_lookups
 
     path = Path(path)
     is_run = (path / "config.yaml").is_file()
@@ -107,6 +107,8 @@ def load_trained(
     source = source if source is not None else build_source(cfg, wait=False)
     tables = build_tables(cfg, source.info)
     if is_run and (path / "model.pt").is_file():
+        if config:  # another config than the run's: the same lookups, or model.pt scores as another model
+            check_trained_lookups(path / "config.yaml", tables, source.info, str(cfg_path))
         state = load_model_state(path / "model.pt", ExportError)  # every zip entry's CRC32 checked first
         origin = path / "model.pt"
     else:

@@ -236,6 +236,23 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
     return tables
 
 
+def check_trained_lookups(run_config: Path, tables: list[TableConfig], info: SourceInfo, now: str) -> None:
+    """ConfigError when `tables` (of the config `now` names) look up rows otherwise than the tables of
+    the run's `run_config` that trained its model.pt did (pooling: the shapes stay the same, so the
+    model would load and score as another model)."""
+    from neorec.config.load import load_config
+    from neorec.embedding.tables import lookup_difference, lookups
+
+    trained = build_tables(load_config(str(run_config)), info)
+    differs = lookup_difference(lookups(trained), tables)
+    if differs:
+        raise ConfigError(
+            f"{run_config.parent / 'model.pt'}: "
+            + differs.format(trained=str(run_config), now=now)
+            + "; its rows only score as trained under the same lookup"
+        )
+
+
 def check_before_launch(cfg: RunConfig, num_processes: int) -> None:
     """What every process of a one-machine run of `num_processes` would fail on, checked once before
     they start: the batch divides over them, the data files of a Parquet or Criteo TSV source exist and

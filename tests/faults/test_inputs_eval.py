@@ -1,5 +1,6 @@
-"""`neorec eval` of a run whose model.pt does not fit the config it is given (`--set model...`), or whose
-model.pt is truncated: one `neorec: error:` line naming model.pt, exit 2, before any evaluation."""
+"""`neorec eval` of a run whose model.pt does not fit the config it is given (`--set model...`, or a
+pooling of the same shapes), or whose model.pt is truncated: one `neorec: error:` line naming model.pt,
+exit 2, before any evaluation."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def run(tmp_path_factory) -> Path:
         ("model.arch=dcnv2", ["model.pt does not fit"]),
         ("embedding.dim=8", ["model.bottom_mlp must end in embedding.dim"]),  # the config alone is wrong
         ("data.synthetic.rows=[50, 300, 7, 101]", ["model.pt does not fit", "C4"]),
+        # the same shapes, another model: refused, as a checkpoint (its manifest) refuses it
+        ("embedding.pooling=mean", ["model.pt: table 'C1' has pooling sum in", "but mean in --set"]),
+        ("embedding.tables={C3: {pooling: mean}}", ["table 'C3' has pooling sum in"]),
     ],
 )
 def test_eval_with_a_config_that_does_not_fit_model_pt(run, capsys, override, words):
@@ -58,3 +62,13 @@ def test_eval_of_a_truncated_model_pt(run, tmp_path, capsys, keep):
     data = (run / "model.pt").read_bytes()
     (damaged / "model.pt").write_bytes(data[:keep])
     fails(capsys, ["eval", str(damaged)], "model.pt")
+
+
+def test_export_with_another_config_that_pools_otherwise(run, tmp_path, capsys):
+    """`neorec export RUN --config OTHER`: model.pt of the run under a config whose tables pool
+    otherwise has the same shapes; refused like a checkpoint's (it exported another model before)."""
+    other = tmp_path / "mean.yaml"
+    other.write_text((run / "config.yaml").read_text().replace("pooling: sum", "pooling: mean"))
+    fails(capsys, ["export", str(run), "--config", str(other), "--out", str(tmp_path / "m.nrx"), "--no-eval"],
+          f"model.pt: table 'C1' has pooling sum in {run / 'config.yaml'} but mean in {other}")  # fmt: skip
+    assert not (tmp_path / "m.nrx").exists()

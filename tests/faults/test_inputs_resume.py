@@ -92,6 +92,7 @@ def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_co
         (["data.synthetic.zipf_alpha=1.3"], "data.synthetic.zipf_alpha 1.1, this run has 1.3"),
         (["data.synthetic.generator=device"], "on_device, else host) 'host', this run has 'device'"),
         (["train.dense_optimizer.name=sgd"], "train.dense_optimizer.name adam, this run has sgd: its state"),
+        (["embedding.pooling=mean"], "table 'C1' has pooling sum in its manifest.json but mean in the model"),
     ],
 )
 def test_a_refused_resume_leaves_the_run_folder_as_it_was(change, expected, tmp_path, capfd):
