@@ -175,6 +175,31 @@ def test_a_checkpoint_holding_nan_or_inf_is_refused_naming_key_and_row(tmp_path,
             load_dcp(_collection(), tmp_path / "bad", optimizer_state=False)
 
 
+def test_a_truncated_or_missing_data_file_is_one_error(tmp_path, monkeypatch):
+    """DCP wraps what fails in a CheckpointException, a BaseException that the command line printed as
+    a traceback: a truncated data file is an error naming the folder, a missing one names the file,
+    and a save that fails (a full disk) reports the failing write and leaves no temporary folder."""
+    import errno
+
+    save_dcp(_collection(), tmp_path / "ckpt", module_prefix="sparse.")
+    (data,) = (tmp_path / "ckpt").glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(NeorecError, match=re.escape(f"{tmp_path / 'ckpt'}: its data files cannot be read (")):
+        load_dcp(_collection(), tmp_path / "ckpt")
+    data.unlink()
+    with pytest.raises(FileNotFoundError) as missing:
+        load_dcp(_collection(), tmp_path / "ckpt")
+    assert str(data) in str(missing.value)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "some.distcp")
+
+    monkeypatch.setattr("torch.distributed.checkpoint.filesystem._write_files_from_queue", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        save_dcp(_collection(), tmp_path / "new", module_prefix="sparse.")
+    assert not (tmp_path / "new").exists() and not list(tmp_path.glob(".new*"))
+
+
 def test_a_checkpoint_replaces_only_an_earlier_checkpoint(tmp_path):
     """The checkpoint replaces its folder whole: given a run's folder (or any other) by mistake, it
     removed everything in it. Only an absent or empty folder, or an earlier DCP checkpoint, is taken."""

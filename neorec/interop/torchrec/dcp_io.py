@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -198,7 +199,17 @@ def load_parts(reader: CheckedReader, parts: Mapping[str, Sequence[Part]]) -> No
     if parts:
         with warnings.catch_warnings():  # DCP warns that one process loads alone, which is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({}, storage_reader=reader, planner=_PartsLoadPlanner(parts), no_dist=True)
+            try:
+                dcp.load({}, storage_reader=reader, planner=_PartsLoadPlanner(parts), no_dist=True)
+            except CheckpointException as e:  # a BaseException, wrapping what each rank raised
+                cause = first_failure(e)
+                if isinstance(cause, OSError) and cause.errno is not None:
+                    raise cause from None  # a file that cannot be read, named by it
+                what = " ".join(f"{type(cause).__name__}: {cause}".split()).removesuffix(":")[:300]
+                raise TorchRecInteropError(
+                    f"{reader.path}: its data files cannot be read ({what}); the checkpoint is damaged or "
+                    "incomplete (DCP files carry no checksums): save it again"
+                ) from None
     for key, held in parts.items():
         for offsets, t in held:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -206,6 +217,13 @@ def load_parts(reader: CheckedReader, parts: Mapping[str, Sequence[Part]]) -> No
                     f"{reader.path}: {key!r} holds {_first_nonfinite(t, offsets)}: not a finite number; the "
                     "run that saved it diverged or the files are damaged, and a model cannot train from it"
                 )
+
+
+def first_failure(error: CheckpointException) -> BaseException:
+    """The exception that the first failing rank of a DCP load or save raised (DCP wraps them)."""
+    for exc, _trace in error.failures.values():
+        return exc
+    return error
 
 
 def _first_nonfinite(t: torch.Tensor, offsets: Sequence[int]) -> str:
@@ -297,7 +315,14 @@ def save_parts(
     writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
     with warnings.catch_warnings():  # without a process group DCP warns that one process saves alone
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({}, storage_writer=writer, planner=_PartsSavePlanner(parts, sizes), no_dist=not distributed)
+        try:
+            dcp.save(
+                {}, storage_writer=writer, planner=_PartsSavePlanner(parts, sizes), no_dist=not distributed
+            )
+        except CheckpointException as e:  # a BaseException: what a rank raised (a full disk) is reported
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise first_failure(e) from None
     if distributed:
         dist.barrier()
     if rank == 0:
