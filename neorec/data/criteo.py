@@ -92,12 +92,14 @@ class CriteoTSVReader:
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         block_bytes: int | None = None,
         labeled: bool = True,
+        fail_hint: str = FAIL_HINT,
     ) -> None:
         """max_line_bytes: longer lines (without the newline) are bad lines, never held whole; block_bytes:
         lines are parsed in blocks of about this many bytes (None:
         tsv_blocks.BLOCK_BYTES); chunk_lines: lines per chunk parsed line
         by line (blocks the fast parser leaves, neorec/data/tsv_blocks.py); labeled=False: lines
-        without the label field (39 fields, Criteo's test files), read with label 0."""
+        without the label field (39 fields, Criteo's test files), read with label 0; fail_hint: what
+        the error of a bad line (bad_lines "fail") says to do after naming it."""
         self.paths = [Path(p) for p in paths]
         unknown = sorted(set(raw_features) - set(CATEGORICAL_NAMES))
         if unknown:
@@ -109,6 +111,7 @@ class CriteoTSVReader:
             raise ConfigError(f"chunk_lines must be >= 1, got {chunk_lines}")
         self.hashing = hashing
         self.bad_lines = bad_lines
+        self.fail_hint = fail_hint
         self.keep_line = keep_line
         self.chunk_lines = chunk_lines
         self.max_line_bytes = max_line_bytes
@@ -175,7 +178,7 @@ class CriteoTSVReader:
                         parsed, bad = parse_lines(path, lines[start : start + self.chunk_lines], self.labeled)
                         if bad:
                             if self.bad_lines == "fail":
-                                raise DataError(min(bad)[2] + FAIL_HINT)
+                                raise DataError(min(bad)[2] + self.fail_hint)
                             self.skipped.update(reason for _, reason, _ in bad)
                         yield parsed
             except READ_ERRORS as e:  # a failing disk, a truncated or damaged .gz file

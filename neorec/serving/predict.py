@@ -102,16 +102,18 @@ def data_batches(
         )
     check_tsv_file(data)
     criteo = exported.config.data.criteo
-    bad_lines = criteo.bad_lines if criteo is not None else "fail"
     max_line_bytes = criteo.max_line_bytes if criteo is not None else DEFAULT_MAX_LINE_BYTES
     from neorec.train.build import raw_features
 
     rows = [f.num_ids for f in info.features]
     # managed-collision tables take the raw hash value, as in training; their id maps give the rows
     raw = sorted(raw_features(exported.config))
+    # every line scored, none skipped (whatever data.criteo.bad_lines the model trained with): the
+    # predictions' lines are the data's
     reader = CriteoTSVReader(
-        [data], rows, hashing, bad_lines, raw_features=raw, max_line_bytes=max_line_bytes, labeled=labeled
-    )
+        [data], rows, hashing, "fail", raw_features=raw, max_line_bytes=max_line_bytes, labeled=labeled,
+        fail_hint=f"; {data} is scored line by line, one prediction a line: mend or remove that line",
+    )  # fmt: skip
     return reader.batches(batch_size)
 
 
@@ -136,12 +138,14 @@ def predict_file(
     if batch_size is not None and batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     start = time.perf_counter()
-    check_output_file(out, "--out", is_predictions_file, "earlier predictions (lines of probabilities)")
+    check_output_file(out, "--out")
     _check_not_an_input(Path(out), Path(model), data)
     check_not_a_run_place(out, "--out")
     exported = load_export(model, bounds_check)
     if data is None:
         _check_not_in_data(Path(out), exported.config.data)
+    # after the refusals that say more (the model, its data): any other file but earlier predictions
+    check_output_file(out, "--out", is_predictions_file, "earlier predictions (lines of probabilities)")
     missing = None if data is None else _missing_labels(exported, Path(data))
     if with_labels and missing:
         raise ConfigError(f"--with-labels: {data} has no labels ({missing})")

@@ -69,7 +69,9 @@ def criteo_model(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("criteo")
     # the data its config names, which predict reads by default
     day = shutil.copy(FIXTURE_TSV, root / "day.tsv")
-    Trainer(load_config("default", [*CRITEO_RUN, f"data.criteo.train_paths=[{day}]"]), root / "run").fit()
+    # trained skipping bad lines, which predict skips none of
+    sets = [*CRITEO_RUN, f"data.criteo.train_paths=[{day}]", "data.criteo.bad_lines=skip"]
+    Trainer(load_config("default", sets), root / "run").fit()
     export_model(root / "run", root / "m.nrx", measure=False)
     return root / "m.nrx"
 
@@ -255,6 +257,19 @@ def test_a_damaged_gz_file_as_input_of_every_command_that_reads_tsv(criteo_model
     code = main(["train", *sets([*TINY, *criteo]), "--output-dir", str(out / "run")])
     one_line(capsys, code, 2, "fake.gz", "line", "damaged or truncated gzip")
     assert not (out / "p.txt").exists() and not (out / "pre" / "manifest.json").exists()
+
+
+def test_predict_scores_every_line_whatever_the_model_skipped_in_training(criteo_model, tmp_path, capsys):
+    """A model trained with data.criteo.bad_lines skip skipped a bad line of --data too, so the
+    predictions' lines no longer matched the data's, and the error of one trained with fail named
+    options predict does not have. A bad line is an error naming it, and nothing is written."""
+    lines = FIXTURE_TSV.read_text().splitlines(keepends=True)
+    data = tmp_path / "day.tsv"
+    data.write_text("".join(lines[:3]) + lines[3].rstrip("\n") + "\textra\n" + "".join(lines[4:]))
+    code = main(["predict", str(criteo_model), "--data", str(data), "--out", str(tmp_path / "p.txt")])
+    words = (f"{data}:4", "scored line by line, one prediction a line")
+    one_line(capsys, code, 2, *words, absent=("--bad-lines",))
+    assert not (tmp_path / "p.txt").exists()
 
 
 # ---- files that cannot be read ---------------------------------------------------------------------------
