@@ -12,19 +12,24 @@ Which partition comes next is decided by rank 0 alone (neorec/data/partitions.py
 ones) and broadcast on a gloo group of the follow source's own, from the reader's thread: ranks that
 listed the folder a moment apart could otherwise disagree. While no new partition is complete, rank 0
 broadcasts "wait" every `poll_seconds`, so the other ranks never sit in one collective for long.
+Nothing after `until` in the stream's order is chosen: by name, a partition named after it never is
+(the stream waits for `until` instead, as for any partition not landed yet); by completion time,
+`until` comes before every partition completed after it, and the stream ends after `until`.
 
 Before its first batch a partition is opened (its schema checked against the stream's: the features,
-their table sizes, list or not, weights, the dense width) and, with `verify`, this rank's share is read
-through once, every value checked. The ranks then agree: if any found it bad, all skip it (logged by
-name) or all stop (DataError naming it and what is wrong), per `bad_partitions`. A partition is thus
-trained whole or not at all.
+their table sizes, list or not, weights, the dense width; for preprocessed shards also the id mapping:
+neorec/data/follow_schema.py) and, with `verify`, this rank's share is read through once, every
+value checked. The ranks then agree: if any found it bad, all skip it (logged by name) or all stop
+(DataError naming it and what is wrong), per `bad_partitions`. A partition is thus trained whole or
+not at all.
 
 Position (`state()`, exact resume): the partitions finished (done or skipped, in order), the one being
-read and the samples of this rank's share read from it. After `load_state`, the stream continues inside
-that partition, then takes the complete partitions not yet finished, in order: one that landed while
-the job was down is picked up. The position names the folder followed: resumed over another one (the
-stream moved, or another stream), its finished partitions count as finished there too, by name, with
-a warning naming both folders.
+read and the samples of this rank's share read from it, and the stream's id mapping (a resumed stream
+compares its partitions with the mapping it trained with, though the partition it came from is gone).
+After `load_state`, the stream continues inside that partition, then takes the complete partitions
+not yet finished, in order: one that landed while the job was down is picked up. The position names
+the folder followed: resumed over another one (the stream moved, or another stream), its finished
+partitions count as finished there too, by name, with a warning naming both folders.
 
 A partition is read once, by name. One completed again after the stream finished it (its marker or
 manifest rewritten: a producer that re-ran a day) is not trained again; rank 0 warns, naming it and
@@ -45,6 +50,7 @@ import torch
 
 from neorec.config.continuous import FollowConfig
 from neorec.data.batch import Batch
+from neorec.data.follow_schema import checked_mapping, id_mapping, mapping_change, schema_change
 from neorec.data.partitions import Partition, completion_file, completion_text, list_partitions
 from neorec.data.reader_position import checked_position
 from neorec.data.source import DataSource, SourceInfo
@@ -147,13 +153,17 @@ class FollowSource:
         self._batches = 0  # batches of the stream handed out
         self._records: dict[int, BatchRecord] = {}
         self._idle_since: float | None = None
-        # the stream's schema: that of its first complete partition
-        first = self._wait_for_partition(set())
+        self._beyond: list[str] = []  # rank 0: complete partitions after `until`, never trained
+        # the stream's schema and id mapping: those of its first complete partition (the first after
+        # `until` when only such are complete: commands that read a schema and end need one at once)
+        first = self._wait_for_partition(set(), upto_until=False)
         if first is None:
             raise DataError(
                 f"data.follow.dir {self.root}: no complete partition came ({self._waiting_for()})"
             )
         self.schema = self._open_source(self.root / first, self._partition_seed(first)).info
+        # (partition, its id mapping); a resumed stream takes its position's
+        self._mapping = (first, id_mapping(self.schema, self.root / first))
         self.info = SourceInfo(
             self.schema.num_dense, self.schema.features, None, {**self.schema.notes, "follow": str(self.root)}
         )
@@ -226,6 +236,8 @@ class FollowSource:
                     f"data.follow.dir {self.root}: the position resumed was saved following {saved}; the "
                     f"{len(order)} partitions it finished count as finished here too, by name"
                 )
+        if state.get("id_mapping") is not None:  # the mapping the stream trained with (absent: older runs)
+            self._mapping = checked_mapping(state["id_mapping"], "follow position")
         self._finished = [(str(n), str(s)) for n, s in order]
         self._completed = {str(n): float(t) for n, t in completed.items()}
         self._current = (partition, int(state["samples"])) if partition is not None else None
@@ -246,6 +258,7 @@ class FollowSource:
             "partition": current[0] if current else None,
             "samples": current[1] if current else 0,
             "dir": self._place,
+            "id_mapping": {"partition": self._mapping[0], "settings": self._mapping[1]},
         }
 
     # ---- the stream ----------------------------------------------------------------------------------
@@ -254,8 +267,8 @@ class FollowSource:
         if current is not None:  # resumed inside a partition
             if not (self.root / current[0]).is_dir():
                 raise DataError(
-                    f"data.follow.dir {self.root}: partition {current[0]} was being trained when the run stopped and "
-                    "is gone; put it back, or start a new run (--overwrite)"
+                    f"data.follow.dir {self.root}: partition {current[0]} was being trained when the run "
+                    "stopped and is gone; put it back, or start a new run (--overwrite)"
                 )
             yield from self._partition_batches(current[0], batch_size, current[1])
         while True:
@@ -299,7 +312,9 @@ class FollowSource:
         source, error = None, ""
         try:
             source = self._open_source(path, self._partition_seed(name))
-            error = self._schema_change(source.info)
+            error = schema_change(source.info, self.schema) or mapping_change(
+                id_mapping(source.info, path), self._mapping[1], self._mapping[0]
+            )
             if not error and self.config.verify:
                 source.check_share()  # type: ignore[attr-defined]
         except (DataError, OSError) as e:
@@ -316,32 +331,17 @@ class FollowSource:
         log.warning(f"{text}; skipped (data.follow.bad_partitions: skip)")
         return None
 
-    def _schema_change(self, info: SourceInfo) -> str:
-        """What differs between a partition's schema and the stream's ("" when nothing)."""
-        if info.num_dense != self.schema.num_dense:
-            return f"{info.num_dense} dense features, the stream has {self.schema.num_dense}"
-        mine = {f.name: f for f in info.features}
-        for f in self.schema.features:
-            g = mine.get(f.name)
-            if g is None:
-                return f"no feature {f.name!r}"
-            if g != f:
-                return f"feature {f.name!r} is {g}, the stream has {f}"
-        if len(mine) != len(self.schema.features):
-            extra = sorted(set(mine) - {f.name for f in self.schema.features})
-            return f"features {extra} that the stream does not have"
-        return ""
-
     def _partition_seed(self, name: str) -> int:
         """The shuffling seed of a partition: the run's seed and the partition's name."""
         return (self.seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
 
     # ---- what comes next: rank 0 decides -------------------------------------------------------------
-    def _wait_for_partition(self, seen: set[str]) -> str | None:
-        """The next complete partition not in `seen`, waiting for one; None when the stream ends
-        (idle timeout, stop signal; `ended` says which). Collective over the ranks."""
+    def _wait_for_partition(self, seen: set[str], upto_until: bool = True) -> str | None:
+        """The next complete partition not in `seen` (`upto_until`: not after `until`, see
+        `_upto_until`), waiting for one; None when the stream ends (idle timeout, stop signal; `ended`
+        says which). Collective over the ranks."""
         while True:
-            word = self._agreement.broadcast(self._choose(seen) if self.rank == 0 else "")
+            word = self._agreement.broadcast(self._choose(seen, upto_until) if self.rank == 0 else "")
             kind, _, name = word.partition(":")
             if kind == "partition":
                 self._idle_since = None
@@ -352,21 +352,25 @@ class FollowSource:
                     last = self._finished[-1][0] if self._finished else "none"
                     log.warning(
                         f"data.follow: no new partition in {self.root} for {self.config.idle_timeout} s; "
-                        f"the run ends before --until {self.config.until} (data.follow.until): the last "
-                        f"partition finished is {last}"
+                        f"the run ends before --until {self.config.until} (data.follow.until), which never "
+                        f"came: the last partition finished is {last}{self._beyond_text()}"
                     )
                 elif name == "idle":
                     log.info(
-                        f"data.follow: no new partition in {self.root} for {self.config.idle_timeout} s; the run ends"
+                        f"data.follow: no new partition in {self.root} for {self.config.idle_timeout} s; "
+                        "the run ends"
                     )
                 return None
             time.sleep(self.config.poll_seconds)
 
-    def _choose(self, seen: set[str]) -> str:
+    def _choose(self, seen: set[str], upto_until: bool = True) -> str:
         """Rank 0's word: "partition:NAME", "end:signal", "end:idle" or "wait"."""
         if self.stop_requested():
             return "end:signal"
-        for p in list_partitions(self.root, self.kind, self.config.marker, self.config.order):
+        partitions = list_partitions(self.root, self.kind, self.config.marker, self.config.order)
+        if upto_until:
+            partitions = self._upto_until(partitions)
+        for p in partitions:
             if p.name not in seen:
                 self._completed[p.name] = p.completed
                 return f"partition:{p.name}"
@@ -374,10 +378,43 @@ class FollowSource:
         now = time.monotonic()
         if self._idle_since is None:
             self._idle_since = now
-            log.info(f"data.follow: waiting for a new partition in {self.root} ({self._waiting_for()})")
+            what = f" up to --until {self.config.until}" if self._beyond else ""
+            text = f"data.follow: waiting for a new partition{what} in {self.root} ({self._waiting_for()})"
+            # later partitions there while the run waits with no limit (no idle warning will come): say so
+            forever = self._beyond and self.config.idle_timeout is None
+            (log.warning if forever else log.info)(text + self._beyond_text())
         if self.config.idle_timeout is not None and now - self._idle_since >= self.config.idle_timeout:
             return "end:idle"
         return "wait"
+
+    def _upto_until(self, partitions: list[Partition]) -> list[Partition]:
+        """The complete `partitions` (in stream order) that may be trained before `until`: up to it
+        where it is listed; in name order, those whose names sort up to it when it is not (yet). The
+        ones after it are kept in `_beyond` for the messages."""
+        until = self.config.until
+        names = [p.name for p in partitions]
+        if until is None:
+            keep = len(partitions)
+        elif until in names:
+            keep = names.index(until) + 1
+        elif self.config.order == "name":
+            keep = sum(1 for n in names if n <= until)  # listed by name: a prefix
+        else:  # by completion: every partition complete now was completed before `until` will be
+            keep = len(partitions)
+        self._beyond = names[keep:]
+        return partitions[:keep]
+
+    def _beyond_text(self) -> str:
+        """The partitions after `until` (rank 0), in words ("" when none)."""
+        if not self._beyond:
+            return ""
+        more = len(self._beyond) - 5
+        shown = ", ".join(self._beyond[:5]) + (f" and {more} more" if more > 0 else "")
+        one = len(self._beyond) == 1
+        return (
+            f"; {shown} {'comes' if one else 'come'} after --until {self.config.until} in the stream's order "
+            f"(data.follow.order: {self.config.order}) and {'is' if one else 'are'} not trained"
+        )
 
     def _tell_if_rewritten(self, partition: Partition) -> None:
         """Warn (once) when a partition the stream finished was completed again since: the stream takes
