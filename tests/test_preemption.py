@@ -119,16 +119,47 @@ def test_a_stop_on_an_evaluation_step_keeps_its_evaluation(tmp_path, monkeypatch
     of the uninterrupted one (stopped before it, neither the stopped run nor the resumed one ran it)."""
     run = [*RUN, "train.max_steps=12", "train.eval_every=4", "train.log_every=4"]
     Trainer(load_config("default", run), tmp_path / "whole").fit()
-    steps = [0]
-
-    def agreed(self) -> int:  # the flags every rank agrees on after each step: a stop after the 8th
-        steps[0] += 1
-        return signal.SIGTERM if steps[0] == 8 else 0
-
-    monkeypatch.setattr(StopSignals, "agreed", agreed)
+    _stop_at(monkeypatch, 8, in_evaluation=False)
     with pytest.raises(TrainingStopped, match="after step 8"):
         Trainer(load_config("default", run), tmp_path / "run").fit()
     monkeypatch.undo()
+    Trainer(load_config("default", run), tmp_path / "run", resume=True).fit()
+    _same_run(tmp_path / "whole", tmp_path / "run")
+
+
+def _stop_at(monkeypatch, step: int, in_evaluation: bool) -> None:
+    """The flags every rank agrees on (StopSignals.agreed, called after each step and before each
+    batch of an evaluation) ask for a stop after step `step`, or during the evaluation after it."""
+    import inspect
+
+    steps, train_step = [0], Trainer.train_step
+
+    def counted(self, *args, **kwargs):
+        steps[0] += 1
+        return train_step(self, *args, **kwargs)
+
+    def agreed(self) -> int:
+        during = inspect.stack()[1].function == "evaluate"
+        return signal.SIGTERM if steps[0] == step and during == in_evaluation else 0
+
+    monkeypatch.setattr(Trainer, "train_step", counted)
+    monkeypatch.setattr(StopSignals, "agreed", agreed)
+
+
+@pytest.mark.parametrize("when", [8, 12], ids=["mid_run", "final"])
+def test_a_stop_during_an_evaluation_ends_it_and_the_resumed_run_does_it(tmp_path, monkeypatch, when):
+    """A stop asked for during an evaluation waited for its end (the whole held-out set at the end of a
+    run: longer than a scheduler's grace, whose SIGKILL then lost the run). It ends the evaluation at
+    once with a checkpoint of that step; the resumed run evaluates first (the final evaluation: as it
+    ends), so its metrics and model are the uninterrupted run's."""
+    run = [*RUN, "train.max_steps=12", "train.eval_every=4", "train.log_every=4", "data.eval_batch_size=100"]
+    Trainer(load_config("default", run), tmp_path / "whole").fit()
+    _stop_at(monkeypatch, when, in_evaluation=True)
+    with pytest.raises(TrainingStopped, match=f"after step {when}"):
+        Trainer(load_config("default", run), tmp_path / "run").fit()
+    monkeypatch.undo()
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [f"step-{when:08d}"]
+    assert not (tmp_path / "run" / "model.pt").exists()
     Trainer(load_config("default", run), tmp_path / "run", resume=True).fit()
     _same_run(tmp_path / "whole", tmp_path / "run")
 

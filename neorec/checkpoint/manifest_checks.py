@@ -9,7 +9,8 @@ its "crc32"): it is refused with a CheckpointError naming the file and the key p
     optimizer         an EmbeddingOptimizerConfig
     embedding_steps   {table: whole number >= 0}
     state             the trainer's position: epoch, batches, batch_size, seed, metrics_lines,
-                      running_loss, the reader's position; each of the right type when present
+                      running_loss, eval_pending, the reader's position; each of the right type
+                      when present
     dense, files      {name (a plain name), bytes, crc32} (files: also rank); distinct names
     pieces            {table, state, rows [a, b], cols [c, d], file, offset, shape, dtype}: inside
                       its table (0 <= a <= b <= rows, 0 <= c <= d <= dim), shape [b - a] or
@@ -139,6 +140,10 @@ def _check_state(c: JsonChecks, state: dict) -> None:
             c.whole(state[key], f"state.{key}", low, MAX_COUNT)
     if state.get("running_loss") is not None:
         c.number(state["running_loss"], "state.running_loss")
+    if state.get("eval_pending") is not None:  # an evaluation a stop cut short, done first on resume
+        batches = c.mapping(state["eval_pending"], "state.eval_pending").get("max_batches")
+        if batches is not None:
+            c.whole(batches, "state.eval_pending.max_batches", 1, MAX_COUNT)
     if state.get("reader") is not None:
         reader = c.mapping(state["reader"], "state.reader")
         for key, low in _READER_WHOLE.items():

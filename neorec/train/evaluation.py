@@ -8,6 +8,7 @@ the mid-run evaluations on a bounded sample of the held-out set so that they cos
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,6 +24,14 @@ AUTO_EVALS = 5  # train.eval_every auto: evaluations per run, the final one incl
 AUTO_EVAL_SAMPLES = 32768  # ... and held-out samples scored by each mid-run one (eval_max_batches unset)
 
 
+class EvaluationStopped(Exception):  # noqa: N818 - a requested stop, not an error
+    """A stop signal came during an evaluation, which ended before its next batch."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"evaluation stopped by signal {signum}")
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -31,12 +40,16 @@ def evaluate(
     max_batches: int | None = None,
     comms: Comms | None = None,
     progress: bool = False,
+    stop: Callable[[], int] | None = None,
 ) -> dict[str, float]:
     """Metrics of `model` on the source's whole held-out set (its first `max_batches` batches). Over
     W processes (`comms`) each rank scores its rows of every batch (neorec/data/ranks.py) and scores
     and labels are gathered, so every rank computes the metrics of the whole set. progress: a bar on
     rank 0 when the pass takes more than a second. A model may score the set itself (`evaluate_held_out`:
-    two-tower retrieval) or turn scores and labels into its own metrics (`held_out_metrics`: per task)."""
+    two-tower retrieval) or turn scores and labels into its own metrics (`held_out_metrics`: per task).
+    stop: called before each batch (by every rank: StopSignals.agreed, collective), a signal number
+    ends the evaluation with EvaluationStopped, so that a stop asked for during a long evaluation is
+    not kept waiting for its end (a scheduler's grace period is short)."""
     was_training = model.training
     model.eval()
     if (own := getattr(model, "evaluate_held_out", None)) is not None:
@@ -52,6 +65,11 @@ def evaluate(
     for i, (batch, n) in enumerate(data.eval_slices(batch_size)):
         if max_batches is not None and i >= max_batches:
             break
+        if stop is not None and (signum := stop()):
+            if bar is not None:
+                bar.close()
+            model.train(was_training)
+            raise EvaluationStopped(signum)
         if bar is not None:
             bar.update(1)
         scores = torch.sigmoid(model(batch.to(device) if device.type != "cpu" else batch)).cpu()

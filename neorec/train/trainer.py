@@ -14,7 +14,7 @@ import os
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ from neorec.train.build import (
 )
 from neorec.train.checkpointing import CheckpointHandling
 from neorec.train.embeddings import build_embeddings
-from neorec.train.evaluation import eval_schedule, evaluate
+from neorec.train.evaluation import EvaluationStopped, eval_schedule, evaluate
 from neorec.train.logger import MetricsLogger, NoLogger
 from neorec.train.pipeline import pipelined
 from neorec.train.progressive import ProgressiveValidation
@@ -120,6 +120,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self.progressive = None
             if cfg.data.follow is not None:
                 self.progressive = ProgressiveValidation(cfg.data.follow.window_batches, self.comms, self.device)
+            self.eval_pending: dict | None = None  # a mid-run evaluation a stop cut short (checkpointing.py)
             self.last_outputs: torch.Tensor | None = None  # the latest training forward's, before its update
             self.partition_clocks: list[int] = []  # id-map clocks at the latest partition starts
 
@@ -232,6 +233,21 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self.snapshots.resumed_at(step)
         if self.snapshots.missing(step):  # resumed between a checkpoint and its snapshot
             self._publish_snapshot(step)
+
+        def evaluate_or_stop(max_batches: int | None, final: bool = False) -> dict:
+            """An evaluation after step `step`; a stop asked for during it stops the run there, its
+            checkpoint holding the evaluation still to do (a mid-run one: the resumed run does it
+            first, so its metrics are the uninterrupted run's; the final one comes anyway)."""
+            try:
+                return self._eval(logger, step, max_batches, teacher_auc, final and t.progress, stop.agreed)
+            except EvaluationStopped as e:
+                losses = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
+                self.eval_pending = None if final else {"max_batches": max_batches}
+                self._stop(e.signum, step, epoch, in_epoch, logger, losses, bar)  # raises TrainingStopped
+                raise
+
+        if position is not None and position.get("eval_pending") is not None:  # stopped during it
+            evaluate_or_stop(position["eval_pending"].get("max_batches"))
         for epoch in range(first_epoch, t.epochs):
             if done:
                 break
@@ -280,7 +296,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                         logger.log("progressive", step, self.progressive.window_metrics())
                     window_samples, window_start, window_wait = 0, now, 0.0
                 if every and step % every == 0 and (not total or step < total):  # the last step: the final one
-                    self._eval(logger, step, mid_batches, teacher_auc)
+                    evaluate_or_stop(mid_batches)
                 if self.checkpoints.enabled and self.checkpoints.due(step):
                     running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
                     self._save_checkpoint(step, epoch, in_epoch, logger, running)
@@ -302,7 +318,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             if epoch < t.epochs - 1:
                 logger.log("epoch_end", step, {"epoch": epoch})  # curves.png marks the boundary
                 if not every:
-                    self._eval(logger, step, mid_batches, teacher_auc)
+                    evaluate_or_stop(mid_batches)
         running = self._read_losses(unread, step, result, running)
         if self.stream is not None and self.stream.ended == "signal":  # stopped while waiting for a partition
             self._stop(stop.received or signal.SIGTERM, step, epoch, in_epoch, logger, running, bar)
@@ -331,8 +347,9 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             result.comm_bytes_per_step = {k: v / step for k, v in sent.items() if k != "eval"}  # training's
         if bar is not None:
             bar.close()
+            bar = None
         result.steps = step
-        result.eval = self._eval(logger, step, None, teacher_auc, progress=t.progress)
+        result.eval = evaluate_or_stop(None, final=True)
         result.skipped_lines = int(getattr(self.source, "num_skipped", 0) or 0)
         if cfg.embedding.bounds_check == "warn":
             result.dropped_ids = self._dropped_ids()
@@ -364,9 +381,12 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         max_batches: int | None,
         teacher_auc: float | None,
         progress: bool = False,
+        stop: Callable[[], int] | None = None,
     ) -> dict:
         batch_size = self.cfg.data.eval_batch_size
-        metrics = evaluate(self.model, self.source, batch_size, max_batches, self.comms, progress and self.is_main)
+        metrics = evaluate(
+            self.model, self.source, batch_size, max_batches, self.comms, progress and self.is_main, stop
+        )
         if not metrics:  # no held-out samples: nothing to log or plot
             return metrics
         if teacher_auc is not None:
