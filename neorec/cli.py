@@ -7,14 +7,23 @@ import os
 import sys
 from pathlib import Path
 
-from neorec.cli_args import MAX_BATCHES_READ, Parser, output_folder, seconds, whole_number, writable
+from neorec.cli_args import (
+    MAX_BATCHES_READ,
+    Parser,
+    output_folder,
+    path_text,
+    seconds,
+    whole_number,
+    writable,
+)
 from neorec.config.limits import MAX_BATCH, MAX_RANKS, max_processes, max_threads, per_core
 from neorec.errors import NeorecError, failure, state_mismatch
 from neorec.utils.logging import setup_logging
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", default=None, help="YAML file or shipped config name (default: 'default')")
+    p.add_argument("--config", "-c", default=None, type=path_text,
+                   help="YAML file or shipped config name (default: 'default')")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config key, e.g. --set train.max_steps=100 (repeatable)",
@@ -293,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model (default: synthetic Criteo-like data on CPU)")
     _add_config_args(p)
-    p.add_argument("--output-dir", default=None, help="where logs, plots and the model go (default: from config)")
+    p.add_argument("--output-dir", default=None, type=path_text,
+                   help="where logs, plots and the model go (default: from config)")
     p.add_argument("--nproc", type=whole_number(1, max_processes, per_core()), default=None,
                    help="processes on this machine: starts torchrun for you (sharded embeddings, gloo on CPU); "
                    "at most 4 per core")  # fmt: skip
@@ -317,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a single-process inference model of a run (optionally quantized tables)")
     p.add_argument("run_dir", help="a run folder (model.pt, else its newest checkpoint) or a checkpoint folder")
-    p.add_argument("--out", required=True, help="the export file (nrx; aoti: FILE.pt2) or folder (pt2) to write")
+    p.add_argument("--out", required=True, type=path_text,
+                   help="the export file (nrx; aoti: FILE.pt2) or folder (pt2) to write")
     p.add_argument("--format", default="nrx", choices=["nrx", "pt2", "aoti"],
                    help="nrx: one neorec file; pt2: a torch.export program + safetensors weights; "
                    "aoti: that program compiled by AOTInductor, one .pt2 package")  # fmt: skip
@@ -327,13 +338,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-dtype", default=None, choices=["fp32", "fp16"],
                    help="--quantize: type of each row's scale and bias (default fp32)")  # fmt: skip
     p.add_argument("--no-eval", action="store_true", help="do not measure the held-out AUC")
-    p.add_argument("--config", default=None, help="the run's config, for a checkpoint outside its run folder")
+    p.add_argument("--config", default=None, type=path_text,
+                   help="the run's config, for a checkpoint outside its run folder")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("predict", help="score data with an exported model and write the predictions")
     p.add_argument("model", help="what `neorec export` wrote: an .nrx file, a pt2 folder (or its model.pt2), or an aoti package")
-    p.add_argument("--out", required=True, help="predictions: one probability per line (or CSV with --with-labels; multitask: a column per task)")
-    p.add_argument("--data", default=None, help="a Criteo TSV file (plain or .gz), or Parquet files (a file or folder) "
+    p.add_argument("--out", required=True, type=path_text,
+                   help="predictions: one probability per line (or CSV with --with-labels; multitask: a "
+                   "column per task)")
+    p.add_argument("--data", default=None, type=path_text,
+                   help="a Criteo TSV file (plain or .gz), or Parquet files (a file or folder) "
                    "for a model trained on Parquet; default: the model's held-out data")  # fmt: skip
     p.add_argument("--batch-size", type=whole_number(1, MAX_BATCH), default=None,
                    help="samples per batch (default: data.eval_batch_size)")  # fmt: skip
@@ -353,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks per node (default: the preset's)")  # fmt: skip
     p.add_argument("--model", default="config", choices=["config", "12t"],
                    help="config: the tables of --config; 12t: the 12-trillion-parameter dry run (on --cluster paper)")  # fmt: skip
-    p.add_argument("--output-dir", default=None, help="where plan.json, report.txt, summary.json, plan.png go")
+    p.add_argument("--output-dir", default=None, type=path_text,
+                   help="where plan.json, report.txt, summary.json, plan.png go")
     p.add_argument("--baselines", action="store_true", help="also score round-robin and size-greedy plans")
     p.add_argument("--batches", type=whole_number(0, MAX_BATCHES_READ), default=2,
                    help="training batches read for access statistics (0: none)")  # fmt: skip

@@ -52,6 +52,14 @@ def writable(path: str, flag: str) -> str:
     raise NeorecError(f"{flag} {path}: {folder} {why}; choose another folder")
 
 
+def path_text(text: str) -> str:
+    """argparse type of paths and config names: an empty one (an unset shell variable) is a mistake,
+    never the default it would otherwise fall back to."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty one")
+    return text
+
+
 def positive_int(text: str) -> int:
     """argparse type of counts that must be at least 1."""
     return _number(text, int, 1, None, "a whole number >= 1")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from neorec.cli_args import path_text
 from neorec.errors import NeorecError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,6 +33,7 @@ def add_dcp_commands(ckpt: argparse._SubParsersAction, add_config_args: Callable
     p.add_argument(
         "--output-dir",
         default=None,
+        type=path_text,
         help="the run folder (default: from config); gets checkpoints/step-00000000",
     )
     p.add_argument("--no-optimizer-state", action="store_true",
@@ -44,8 +46,10 @@ def add_dcp_commands(ckpt: argparse._SubParsersAction, add_config_args: Callable
     p.add_argument(
         "checkpoint", help="a run folder (its newest checkpoint), a step-XXXXXXXX folder, or a folder of them"
     )
-    p.add_argument("--out", required=True, help="the DCP folder to write (replaced if it exists)")
-    p.add_argument("--config", default=None, help="the run's config, for a checkpoint outside its run folder")
+    p.add_argument("--out", required=True, type=path_text,
+                   help="the DCP folder to write (replaced if it exists)")
+    p.add_argument("--config", default=None, type=path_text,
+                   help="the run's config, for a checkpoint outside its run folder")
     p.add_argument("--prefix", default="model.",
                    help="where the saved dict holds the model: 'model.' for {'model': dmp.state_dict(), ...}, '' for "
                         "dmp.state_dict() itself (default model.)")  # fmt: skip
@@ -116,10 +120,9 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
     from neorec.interop.torchrec.dcp_io import check_replaceable
     from neorec.model.dlrm import DLRM
     from neorec.serving.export import find_run_config
-    from neorec.serving.file_format import check_not_a_run_place
     from neorec.train.build import build_model, build_source, build_tables
     from neorec.train.embeddings import build_embeddings
-    from neorec.train.run_folder import private_cache_directory
+    from neorec.train.run_folder import check_not_a_run_place, private_cache_directory
 
     columns = _row_state_columns(args.row_state_columns)
     path = Path(args.checkpoint)

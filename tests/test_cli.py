@@ -221,6 +221,17 @@ def test_checkpoint_inspect_of_a_run_folder_reads_its_checkpoints(tmp_path, caps
           "hold no complete checkpoint", "checkpoint.every_steps")  # fmt: skip
 
 
+@pytest.mark.parametrize("flag", ["--config", "-c", "--output-dir"])
+def test_an_empty_path_is_refused_not_taken_as_the_default(tmp_path, capsys, flag):
+    """`-c "$CFG"` with CFG unset trained the default config, `--output-dir ""` wrote into the config's
+    output_dir: an empty path is a mistake."""
+    with pytest.raises(SystemExit) as stopped:  # argparse's mistakes (neorec.cli_args.Parser)
+        main(["train", flag, "", "--set", "train.max_steps=1"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("neorec: error: argument --") and "expected a path, got an empty one" in err, err
+
+
 def test_outputs_never_take_a_place_a_run_folder_keeps(tmp_path, capsys):
     """export, export-dcp and predict refuse --out named as a run's own file or folder inside the run
     folder, even one not there yet (an export named checkpoints would block the run's resume), or

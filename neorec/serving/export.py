@@ -27,7 +27,6 @@ from neorec.errors import NeorecError
 from neorec.serving.aoti_package import check_package_path, is_aoti
 from neorec.serving.file_format import (
     ExportError,
-    check_not_a_run_place,
     check_output_file,
     export_size,
     is_export_file,
@@ -35,6 +34,7 @@ from neorec.serving.file_format import (
 )
 from neorec.serving.model import build_inference_model, file_tensors, info_to_json
 from neorec.serving.quantize import BITS, SCALE_DTYPES, QuantizedRows, kind_of, quantize_rows
+from neorec.train.run_folder import check_not_a_run_place
 
 FORMATS = ("nrx", "pt2", "aoti")
 

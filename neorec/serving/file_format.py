@@ -25,8 +25,6 @@ from typing import BinaryIO
 import torch
 
 from neorec.errors import NeorecError
-from neorec.train.run_folder import RUN_PLACES
-from neorec.train.run_lock import LOCK_FILE
 from neorec.utils.files import write_atomic
 
 MAGIC = b"neorec-export\n"
@@ -100,31 +98,6 @@ def check_output_file(
             f"{flag} {path}: is a file that is not {kind}; only an earlier output of its kind is replaced, "
             "never a run's model.pt, a config or data: give a new path"
         )
-
-
-def check_not_a_run_place(path: str | Path, flag: str) -> None:
-    """An output is never written where a run keeps its own files, even ones not there yet, as a later
-    resume or run would find it in the way or remove it: a name of the run's (RUN_PLACES) in a run
-    folder (one holding config.yaml) or anything under it (inside its checkpoints, snapshots), a
-    run's lock file, and anything inside the other folders a run locks (checkpoint.dir, snapshot.dir
-    or embedding.cache.directory elsewhere: they hold its lock file and no config.yaml)."""
-    given, path = path, Path(path).absolute()
-    if path.name == LOCK_FILE:
-        raise ExportError(f"{flag} {given}: is the lock file of the run in {path.parent}; give another path")
-    below = path.name
-    for folder in path.parents:
-        if (folder / "config.yaml").is_file():
-            if below in RUN_PLACES:
-                where = "" if folder == path.parent else "inside "
-                raise ExportError(
-                    f"{flag} {given}: is {where}where the run in {folder} keeps its {below}; give another path"
-                )
-        elif (folder / LOCK_FILE).is_file():
-            raise ExportError(
-                f"{flag} {given}: is inside {folder}, a folder a run writes (it holds the run's "
-                f"{LOCK_FILE}); give a path outside it"
-            )
-        below = folder.name
 
 
 def is_export_file(path: str | Path) -> bool:

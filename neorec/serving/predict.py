@@ -38,8 +38,9 @@ from neorec.data.batch import Batch
 from neorec.data.locations import movielens_root
 from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.metrics.evaluation import binary_metrics
-from neorec.serving.file_format import ExportError, check_not_a_run_place, check_output_file, is_export_file
+from neorec.serving.file_format import ExportError, check_output_file, is_export_file
 from neorec.serving.model import ExportedModel, load_export
+from neorec.train.run_folder import check_not_a_run_place
 from neorec.utils.files import write_atomic
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from neorec.config.schema import RunConfig
 from neorec.errors import ConfigError
+from neorec.train.run_lock import LOCK_FILE
 
 RESULTS = ("summary.json", "model.pt")  # written when a run finishes
 STARTED = ("plan.json",)  # written when a sharded run starts (a run of one process writes none)
@@ -71,17 +72,46 @@ def private_cache_directory(cfg: RunConfig) -> Iterator[RunConfig]:
         shutil.rmtree(own, ignore_errors=True)
 
 
+def check_not_a_run_place(path: str | Path, flag: str) -> None:
+    """An output is never written where a run keeps its own files, even ones not there yet, as a later
+    resume or run would find it in the way or remove it: a name of the run's (RUN_PLACES) in a run
+    folder (one holding config.yaml) or anything under it (inside its checkpoints, snapshots), a
+    run's lock file, and anything inside the other folders a run locks (checkpoint.dir, snapshot.dir
+    or embedding.cache.directory elsewhere: they hold its lock file and no config.yaml)."""
+    given, path = path, Path(path).absolute()
+    if path.name == LOCK_FILE:
+        raise ConfigError(f"{flag} {given}: is the lock file of the run in {path.parent}; give another path")
+    below = path.name
+    for folder in path.parents:
+        if (folder / "config.yaml").is_file():
+            if below in RUN_PLACES:
+                where = "" if folder == path.parent else "inside "
+                raise ConfigError(
+                    f"{flag} {given}: is {where}where the run in {folder} keeps its {below}; give another path"
+                )
+        elif (folder / LOCK_FILE).is_file():
+            raise ConfigError(
+                f"{flag} {given}: is inside {folder}, a folder a run writes (it holds the run's "
+                f"{LOCK_FILE}); give a path outside it"
+            )
+        below = folder.name
+
+
 def check_output_dir(out_dir: Path, cfg: RunConfig | None = None) -> None:
     """The run folder, and with `cfg` the other folders the run writes (run_folders), are folders or
-    absent: a file there is refused naming its setting."""
+    absent: a file there is refused naming its setting. None lies where another run keeps its files
+    (check_not_a_run_place: inside its checkpoints, say, which its --overwrite would remove)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"--output-dir {out_dir}: is a file; the run folder must be a folder")
+    check_not_a_run_place(out_dir, "--output-dir")
     if cfg is None:
         return
     for key, folder in (("checkpoint.dir", cfg.checkpoint.dir), ("snapshot.dir", cfg.snapshot.dir),
                         ("embedding.cache.directory", cfg.embedding.cache.directory)):  # fmt: skip
         if folder and Path(folder).exists() and not Path(folder).is_dir():
             raise ConfigError(f"{key} {folder}: is a file; give a folder")
+        if folder and not Path(folder).absolute().is_relative_to(out_dir.absolute()):
+            check_not_a_run_place(folder, key)
 
 
 def previous_run(out_dir: Path, ckpt_root: Path, snapshots: Path | None = None) -> list[str]:

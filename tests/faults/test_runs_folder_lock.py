@@ -257,6 +257,24 @@ def test_a_file_where_a_folder_of_the_run_goes_is_named_by_its_key(tmp_path, cap
     assert file.read_text() == "mine\n" and not (tmp_path / "run").exists()
 
 
+def test_a_run_is_never_placed_where_another_run_keeps_its_files(tmp_path, capsys):
+    """A run in another run's tensorboard or checkpoints folder was accepted, and the outer run's
+    --overwrite then removed it; a checkpoint.dir in another run's checkpoints mixed their steps."""
+    run = tmp_path / "run"
+    assert main(_args(run, ["train.max_steps=2", "checkpoint.every_steps=1"])) == 0
+    capsys.readouterr()
+    for folder, sets, words in (
+        (run / "tensorboard", [], f"--output-dir {run / 'tensorboard'}: is where the run in {run} keeps its"),
+        (run / "checkpoints" / "x", [], "is inside where the run in"),
+        (tmp_path / "b", [f"checkpoint.dir={run / 'checkpoints'}"], "checkpoint.dir"),
+    ):
+        assert main(_args(folder, ["train.max_steps=2", *sets])) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("neorec: error: ") and words in err, err
+        assert not folder.exists()
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000001", "step-00000002"]
+
+
 def test_a_lock_file_that_cannot_be_written_is_named(tmp_path, capsys, monkeypatch):
     """A full disk when the run writes who holds its folder: one line naming the lock file, exit 1."""
     write = os.write
