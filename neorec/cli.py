@@ -49,11 +49,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.follow is not None:
         overrides.append(f"data.follow.dir={args.follow}")
+    if args.until is not None and load_config(args.config or "default", overrides).data.follow is None:
+        raise NeorecError("--until NAME ends a followed stream after partition NAME: add --follow DIR (or data.follow)")
     if args.until is not None:
         overrides.append(f"data.follow.until={args.until}")
     cfg = load_config(args.config or "default", overrides)  # validated before any process starts
-    if args.until is not None and cfg.data.follow is None:
-        raise NeorecError("--until NAME ends a followed stream after partition NAME: add --follow DIR (or data.follow)")
     if cfg.data.follow is not None and not args.overwrite and args.resume is False:
         args.resume = True  # the same command again continues the stream from its newest checkpoint
     check_memory(cfg)  # the tables and layers of the config fit this machine, before any is built

@@ -232,6 +232,11 @@ def test_an_empty_path_is_refused_not_taken_as_the_default(tmp_path, capsys, fla
     assert err.startswith("neorec: error: argument --") and "expected a path, got an empty one" in err, err
 
 
+def test_until_without_a_stream_says_so(capsys):
+    """--until alone was refused as a missing key data.follow.dir, which names no flag."""
+    fails(capsys, ["train", "--until", "day-001"], "--until NAME ends a followed stream", "add --follow DIR")
+
+
 def test_outputs_never_take_a_place_a_run_folder_keeps(tmp_path, capsys):
     """export, export-dcp and predict refuse --out named as a run's own file or folder inside the run
     folder, even one not there yet (an export named checkpoints would block the run's resume), or

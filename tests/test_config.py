@@ -32,6 +32,7 @@ def test_overrides_apply_and_parse_yaml():
         ({"model": {"bottom_mlp": [64, 32]}}, r"bottom_mlp must end in embedding.dim \(16\)"),
         ({"data": {"synthetic": {"rows": [10, 20]}}}, r"rows has 2 entries but num_sparse is 26"),
         ({"embedding": {"tables": {"C1": {"dimm": 3}}}}, r"unknown key 'embedding.tables.C1.dimm'"),
+        ({"embedding": {"tables": {"C99": {"dim": 8}}}}, r"embedding.tables.C99.dim 8 against embedding.dim"),
     ],
 )
 def test_bad_configs_name_the_key(raw, expected):
@@ -130,7 +131,9 @@ def test_base_names_a_shipped_config_or_a_path_next_to_the_file(tmp_path):
     [
         ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, r"bases form a cycle: .*a.yaml -> .*b.yaml -> .*a.yaml"),
         ({"a.yaml": "base: [default]\n"}, r"a.yaml: key 'base': expected a shipped config name or a path"),
-        ({"a.yaml": "base: nowhere.yaml\n"}, r"base 'nowhere.yaml' \(looked for .*nowhere.yaml\) is neither a file"),
+        ({"a.yaml": "base: nowhere.yaml\n"}, r"a.yaml: key 'base': 'nowhere.yaml' \(looked for .*\)"),
+        # in a chain, the config that names the missing base
+        ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: gone\n"}, r"b.yaml: key 'base': 'gone' \(looked for"),
         ({"a.yaml": "base: default\ntrain: {lrr: 1}\n"}, r"a.yaml over neorec/configs/default.yaml: unknown key 'train.lrr'"),
     ],
 )

@@ -122,7 +122,7 @@ def load_config(path_or_name: str | None = None, overrides: list[str] | None = N
 def read_config(path_or_name: str, base_of: Path | None = None, chain: tuple[str, ...] = ()) -> tuple[dict, str]:
     """(raw mapping merged over its bases, description of the files it came from). `base_of`: the
     folder of the config that names this one as its base (then shipped names are looked up first)."""
-    text, where, shipped = _resolve(path_or_name, base_of)
+    text, where, shipped = _resolve(path_or_name, base_of, chain)
     if where in chain:
         raise ConfigError(f"config bases form a cycle: {' -> '.join([*chain, where])}")
     if len(chain) >= MAX_BASES:
@@ -141,8 +141,11 @@ def read_config(path_or_name: str, base_of: Path | None = None, chain: tuple[str
     return merge(under, raw), f"{where} over {under_where}"
 
 
-def _resolve(path_or_name: str, base_of: Path | None) -> tuple[str, str, str | None]:
-    """(text, where, shipped name or None) of a config file path or a shipped config name."""
+def _resolve(
+    path_or_name: str, base_of: Path | None, chain: tuple[str, ...] = ()
+) -> tuple[str, str, str | None]:
+    """(text, where, shipped name or None) of a config file path or a shipped config name; `chain`:
+    the configs read so far, the last of which names this one as its base."""
     is_name = not Path(path_or_name).suffix and "/" not in path_or_name and path_or_name in shipped_configs()
     path = Path(path_or_name) if base_of is None else base_of / path_or_name
     if is_name and (base_of is not None or not path.is_file()):
@@ -159,7 +162,9 @@ def _resolve(path_or_name: str, base_of: Path | None) -> tuple[str, str, str | N
             raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
     if path.is_dir():
         raise ConfigError(f"config {path}: is a folder; expected a YAML file or a shipped config name")
-    what = f"base {path_or_name!r} (looked for {path})" if base_of is not None else f"config {path_or_name!r}"
+    what = f"config {path_or_name!r}"
+    if base_of is not None:  # named by the last config of the chain being read
+        what = f"{chain[-1] if chain else 'a config'}: key 'base': {path_or_name!r} (looked for {path})"
     raise ConfigError(f"{what} is neither a file nor a shipped config; shipped: {', '.join(shipped_configs())}")
 
 

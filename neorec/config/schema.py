@@ -378,7 +378,12 @@ class RunConfig(Strict):
             arch = self.model.arch
             dims = {self.embedding.dim} | {o.dim for o in self.embedding.tables.values() if o.dim is not None}
             if len(dims) > 1:
-                raise ValueError(f"model.arch {arch} needs one embedding dim for all tables, got {sorted(dims)}")
+                other = [f"embedding.tables.{n}.dim {o.dim}" for n, o in self.embedding.tables.items()
+                         if o.dim is not None and o.dim != self.embedding.dim]  # fmt: skip
+                raise ValueError(
+                    f"model.arch {arch} needs one embedding dim for all tables, got {sorted(dims)}: "
+                    f"{', '.join(other[:5])} against embedding.dim {self.embedding.dim}"
+                )
             if self.model.bottom_mlp[-1] != self.embedding.dim:
                 raise ValueError(
                     f"model.bottom_mlp must end in embedding.dim ({self.embedding.dim}) for {arch}'s pairwise "

@@ -133,7 +133,14 @@ class CheckpointHandling:
             if self.is_main:
                 log.info(f"no checkpoint in {self.checkpoints.root}; starting from step 0")
             return None
-        state = read_manifest(path).get("state")
+        manifest = read_manifest(path)
+        state, step, last = manifest.get("state"), manifest.get("step"), self.cfg.train.max_steps
+        if last is not None and isinstance(step, int) and step > last:
+            raise ConfigError(
+                f"train.max_steps {last} is below step {step} of checkpoint {path}: the resumed run would "
+                f"train nothing and leave a model of step {step} under a config of {last} steps; raise "
+                "train.max_steps, or resume an earlier checkpoint (--resume PATH)"
+            )
         check_resume(self.data, state, path)
         check_data_settings(self.cfg.data, state, path)
         check_training_files(self.source, state, path)

@@ -93,6 +93,7 @@ def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_co
         (["data.synthetic.generator=device"], "on_device, else host) 'host', this run has 'device'"),
         (["train.dense_optimizer.name=sgd"], "train.dense_optimizer.name adam, this run has sgd: its state"),
         (["embedding.pooling=mean"], "table 'C1' has pooling sum in its manifest.json but mean in the model"),
+        (["train.max_steps=1"], "train.max_steps 1 is below step 2 of checkpoint"),
     ],
 )
 def test_a_refused_resume_leaves_the_run_folder_as_it_was(change, expected, tmp_path, capfd):
@@ -105,7 +106,7 @@ def test_a_refused_resume_leaves_the_run_folder_as_it_was(change, expected, tmp_
     assert main(base) == 0
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != "neorec.lock"}
     capfd.readouterr()
-    code = main([*base, *sets([*change, "train.max_steps=4"]), "--resume"])
+    code = main([*base, *sets(["train.max_steps=4", *change]), "--resume"])
     _, err = capfd.readouterr()
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("neorec: error:"), err
