@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from test_parquet import FIXTURE, SPEC, criteo_config, tsv_to_parquet
@@ -20,7 +22,7 @@ from neorec.data.preprocess import load_manifest, preprocess_criteo, preprocess_
 from neorec.data.preprocess_parquet import preprocess_parquet
 from neorec.data.sharded_reader import PreprocessedSource
 from neorec.data.synthetic import SyntheticSource
-from neorec.errors import ConfigError
+from neorec.errors import ConfigError, DataError
 
 
 def same_batches(got, want) -> None:
@@ -152,3 +154,45 @@ def test_vocabulary_threshold_errors_name_the_setting(tmp_path):
     with pytest.raises(ConfigError, match="must be >= 1"):
         preprocess_parquet(criteo_config([path]), tmp_path / "out", progress=False, vocab_threshold=0)
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_a_column_that_is_a_list_in_one_file_and_not_in_another_is_refused_before_writing(tmp_path):
+    """Shards of a feature holding bags in one file and single ids in another cannot be read: preprocessing
+    refuses the files as the Parquet source does, before it writes anything."""
+    base = {"clicked": [0, 1] * 4, "price": [1.0] * 8, "user_id": list(range(8))}
+    for split in ("train", "eval"):
+        (tmp_path / split).mkdir()
+    pq.write_table(pa.table({**base, "tags": pa.array([[1, 2]] * 8)}), tmp_path / "train" / "a.parquet")
+    pq.write_table(pa.table({**base, "tags": pa.array(list(range(8)))}), tmp_path / "train" / "b.parquet")
+    pq.write_table(pa.table({**base, "tags": pa.array([[1]] * 8)}), tmp_path / "eval" / "a.parquet")
+    cfg = ParquetConfig(paths=[str(tmp_path / "train")], eval_paths=[str(tmp_path / "eval")], label="clicked",
+                        dense=["price"], table_rows=100, features=["user_id", "tags"])  # fmt: skip
+    error = r"train/b\.parquet: column 'tags' is not a list here but a list in \S*train/a\.parquet$"
+    with pytest.raises(DataError, match=error):
+        preprocess_parquet(cfg, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(DataError, match=error):
+        ParquetSource(cfg)
+
+
+@pytest.mark.parametrize("flag", [2, -1])
+def test_an_integer_held_out_flag_other_than_0_or_1_is_refused(tmp_path, flag):
+    """A cast to bool would hold a row flagged 2 out; preprocessing and the Parquet source refuse it,
+    naming the file, row group, row and value."""
+    flags = [1 if i % 5 == 0 else 0 for i in range(40)]
+    flags[27] = flag  # row 7 of row group 1
+    table = pa.table({"clicked": [i % 2 for i in range(40)], "price": [1.0] * 40, "user_id": list(range(40)),
+                      "is_eval": pa.array(flags, pa.int8())})  # fmt: skip
+    pq.write_table(table, tmp_path / "p.parquet", row_group_size=20)
+    cfg = ParquetConfig(paths=[str(tmp_path / "p.parquet")], eval_column="is_eval", label="clicked",
+                        dense=["price"], table_rows=100, features=["user_id"])  # fmt: skip
+    error = (rf"p\.parquet, row group 1, row 7: column 'is_eval' \(data\.parquet\.eval_column\) = {flag}; "
+             "the held-out flag must be a boolean or 0/1 integer")  # fmt: skip
+    with pytest.raises(DataError, match=error):
+        preprocess_parquet(cfg, tmp_path / "out", progress=False)
+    with pytest.raises(DataError, match=error):
+        ParquetSource(cfg)
+    flags[27] = 1
+    fixed = table.set_column(3, "is_eval", pa.array(flags, pa.int8()))
+    pq.write_table(fixed, tmp_path / "p.parquet", row_group_size=20)
+    assert preprocess_parquet(cfg, tmp_path / "ok", progress=False).num_samples == {"train": 31, "eval": 9}

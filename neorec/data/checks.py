@@ -180,7 +180,16 @@ def check_ids(
     error: DataError naming `where`, the row, the feature, the id and the table's rows. warn: one
     warning with the count and the first bad id's row; the ids are passed on unchanged, for the
     embedding engine to drop and count. An id outside its table must never read another table's rows.
+    Ids stored in the other byte order than this machine's (a big-endian '>i4' column) are a DataError
+    whatever the mode: the reader hands the column's bytes on as they are.
     """
+    if not ids.dtype.isnative:
+        order = "big-endian" if ids.dtype.byteorder == ">" else "little-endian"
+        native = ids.dtype.newbyteorder("=").str
+        raise DataError(
+            f"{where}: ids of feature {feature} have dtype {ids.dtype.str} ({order}); the reader takes "
+            f"integers in this machine's byte order ({native}): write the column in that byte order"
+        )
     if mode == "off" or len(ids) == 0:
         return 0
     if ids.dtype.kind not in "iu":

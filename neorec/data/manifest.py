@@ -12,12 +12,17 @@ manifest's crc32, then the type and range of every value (manifest_checks.py: co
 names that are plain names, as they name files: ids_<feature>.npy); a shard's meta.json is checked the
 same way when read back. `check_part_files` checks a shard's .npy files against the manifest's sizes
 and crc32s before the reader (sharded_reader.py) maps them. A folder written before these checksums were recorded has none:
-its manifest is read without its crc32 (any unknown key refused) and its .npy files without theirs.
+its manifest is read without its crc32 (any unknown key refused) and its .npy files without theirs; a
+manifest or meta.json that records file crc32s but no crc32 of its own was edited, and is refused.
+A rerun of `neorec data preprocess` checks the shards written before (`damaged_shards`) and writes a
+missing or damaged one again (`reopen`: the manifest made not complete, the shard's folder removed).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,14 +30,16 @@ from typing import Any
 import numpy as np
 
 from neorec.data.criteo_lines import DEFAULT_MAX_LINE_BYTES
+from neorec.data.manifest_checks import DONE_KEYS, PLAN_KEYS, check_manifest_structure, check_meta_structure
 from neorec.data.manifest_checks import SPLITS as SPLITS
-from neorec.data.manifest_checks import check_manifest_structure, check_meta_structure
 from neorec.errors import DataError
 from neorec.utils.files import (
+    CHECKSUM_KEY,
+    check_json,
     check_recorded,
     fsync_dir,
+    load_json,
     plain_name,
-    read_json,
     size_and_crc32,
     write_atomic,
     write_json,
@@ -45,6 +52,7 @@ META = "meta.json"
 MANIFEST_KEYS = ("format", "complete", "settings", "num_dense", "features", "notes", "shards", "num_samples", "skipped")
 _AGAIN = "preprocess the data again into a new folder"
 _KEEPS = "the shards written before it are intact; rerun the same command to resume"
+_REDO = "the shard is written again"
 
 
 @dataclass
@@ -83,7 +91,7 @@ def load_manifest(root: str | Path) -> dict[str, Any]:
     path = Path(root) / MANIFEST
     if not path.is_file():
         raise DataError(f"{path}: missing; is {root} a folder written by `neorec data preprocess`?")
-    manifest = read_json(path, "preprocessed data manifest", _AGAIN, DataError, keys=MANIFEST_KEYS)
+    manifest = _read_checked(path, "preprocessed data manifest", MANIFEST_KEYS)
     if manifest.get("format") != FORMAT:
         raise DataError(f"{path}: format {shown(manifest.get('format'))}, expected {FORMAT!r}")
     unknown = sorted(set(manifest) - set(MANIFEST_KEYS))
@@ -91,6 +99,30 @@ def load_manifest(root: str | Path) -> dict[str, Any]:
         raise DataError(f"{path}: unknown key(s) {shown(unknown)} (allowed: {', '.join(MANIFEST_KEYS)}); {_AGAIN}")
     check_manifest_structure(manifest, str(path), _AGAIN)
     return manifest
+
+
+def _read_checked(path: Path, what: str, keys: tuple[str, ...], hint: str = _AGAIN) -> dict:
+    """A manifest or meta.json without its "crc32" key, checked against it (read_json). One without the
+    key is read only as written before checksums were recorded, which had no file checksums either: one
+    that lists its files' crc32s ("files") but has no crc32 of its own was edited, and is refused."""
+    data = load_json(path, what, hint, DataError)
+    signed = CHECKSUM_KEY in data
+    data = check_json(data, path, what, hint, DataError, keys=keys)
+    if not signed:
+        entries = data.get("shards") if isinstance(data.get("shards"), list) else [data]
+        if any(isinstance(entry, dict) and "files" in entry for entry in entries):
+            raise DataError(
+                f"{what} {path} has no checksum (key {CHECKSUM_KEY!r}) though it records its files' crc32s, "
+                f"as only a file with one does: the file is damaged or was edited; {hint}"
+            )
+    return data
+
+
+def read_meta(path: Path, hint: str = _AGAIN) -> dict:
+    """A written shard's meta.json, checked (its crc32, then every value: manifest_checks.py)."""
+    meta = _read_checked(path, "preprocessed shard file", DONE_KEYS, hint)
+    check_meta_structure(meta, str(path), hint)
+    return meta
 
 
 def write_manifest(out: Path, manifest: dict) -> None:
@@ -142,9 +174,7 @@ def complete_manifest(out: Path, manifest: dict, shard_names: list[str]) -> tupl
     num_samples: dict[str, int] = {}
     skipped: dict[str, int] = {}
     for entry, name in zip(manifest["shards"], shard_names, strict=True):
-        path = out / "shards" / name / META
-        meta = read_json(path, "preprocessed shard file", _AGAIN, DataError, keys=("samples", "skipped", "files"))
-        check_meta_structure(meta, str(path), _AGAIN)
+        meta = read_meta(out / "shards" / name / META)
         entry.update(samples=meta["samples"], skipped=meta["skipped"])
         if "files" in meta:
             entry["files"] = meta["files"]
@@ -177,6 +207,50 @@ def write_columns(
     meta = {"samples": samples, "skipped": dict(sorted(skipped.items())), "files": files}
     write_json(folder / META, meta, "preprocessed shard file")
     return meta
+
+
+def damaged_shards(out: Path, manifest: dict, threads: int = 1) -> dict[int, str]:
+    """The shards a rerun writes again, each with the first thing found wrong with it: a shard a complete
+    manifest records whose folder is missing; a shard folder whose meta.json is missing or damaged, or
+    (complete manifest) says other than the manifest's record of it; a .npy file it records that is
+    missing, or has another size or crc32 (every recorded file is read once, by `threads` threads)."""
+    complete = manifest["complete"]
+
+    def damage(entry: dict) -> str | None:
+        folder = out / "shards" / shard_name(entry["index"])
+        if not folder.is_dir():
+            return f"{folder}: missing, though {out / MANIFEST} records it as written" if complete else None
+        try:
+            meta = read_meta(folder / META, _REDO)
+            if complete and any(entry.get(k) != meta.get(k) for k in DONE_KEYS):
+                return f"{folder / META}: differs from {out / MANIFEST}'s record of the shard; {_REDO}"
+            for name, recorded in meta.get("files", {}).items():
+                check_recorded(folder / name, recorded, folder / META, _REDO, DataError)
+        except DataError as e:
+            return str(e)
+        return None
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        found = pool.map(damage, manifest["shards"])
+        return {entry["index"]: why for entry, why in zip(manifest["shards"], found, strict=True) if why}
+
+
+def reopen(out: Path, manifest: dict, shards: list[int]) -> dict:
+    """The manifest made not complete again (its totals and shards' records dropped: they are copied
+    again from the shards' meta.json once every shard is written), with the folders of `shards` removed
+    for the run to write them again; returns it."""
+    if manifest["complete"]:
+        manifest = {k: v for k, v in manifest.items() if k not in ("num_samples", "skipped")}
+        manifest["shards"] = [{k: v for k, v in s.items() if k in PLAN_KEYS} for s in manifest["shards"]]
+        manifest["complete"] = False
+        write_manifest(out, manifest)
+    for index in shards:
+        folder, tmp = out / "shards" / shard_name(index), out / "shards" / f".tmp-{shard_name(index)}"
+        if folder.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.replace(folder, tmp)  # a folder under its final name is complete: out of it in one step
+            shutil.rmtree(tmp)
+    return manifest
 
 
 def publish_shard(tmp: Path, final: Path) -> None:

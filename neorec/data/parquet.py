@@ -213,9 +213,10 @@ class ParquetSource:
         if by_column:
             column = self.map.eval_column
             try:
-                held = int(held_out(pf.read_row_group(g, columns=[column]).column(0)).sum())
+                flags = pf.read_row_group(g, columns=[column]).column(0)
             except (pa.ArrowInvalid, OSError) as e:
                 raise DataError(f"{self.files[file][1]}, row group {g}: cannot read column {column!r} ({e})") from None
+            held = int(held_out(flags, f"{self.files[file][1]}, row group {g}", column).sum())
             samples = {"train": rows - held, "eval": held}
             for split in SPLITS:
                 if samples[split]:
@@ -311,7 +312,7 @@ class ParquetSource:
             raise DataError(f"{where}: cannot read ({e})") from None
         cols = self.map.to_columns(table, where)  # all rows, so that errors name the file's row numbers
         if by_column:
-            mask = held_out(table.column(self.map.eval_column))
+            mask = held_out(table.column(self.map.eval_column), where, self.map.eval_column)
             cols = cols.take(np.flatnonzero(mask if split == "eval" else ~mask))
         return cols
 

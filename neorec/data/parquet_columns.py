@@ -15,7 +15,8 @@ column holds one float per id, with the same list lengths.
 Dense columns are numbers or booleans, null -> 0; with `dense_log1p`, negatives -> 0 then log(1 + x) in
 float64 (the Criteo preprocessing); a value that is NaN or infinite (or beyond float32's range without
 log1p) is a DataError naming the file, row group, row and column. Labels are exactly 0 or 1 (integers,
-floats or booleans) and never null.
+floats or booleans) and never null. The held-out flag (`eval_column`) is a boolean or a 0/1 integer
+(null: not held out).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from neorec.config.schema import ParquetFeatureConfig
-from neorec.data.checks import check_ids, check_labels, check_weights, dense_error, first_nonfinite
+from neorec.data.checks import check_ids, check_labels, check_weights, dense_error, first_nonfinite, quote
 from neorec.data.columns import Columns
 from neorec.data.criteo import MAX_HEX_DIGITS, parse_hex
 from neorec.data.vocab import apply_vocab
@@ -135,6 +136,18 @@ class ColumnMap:
         return Columns(dense, labels.astype(np.float32), values, lengths, weights, id_limits)
 
 
+def same_lists(cmap: ColumnMap, path: str, multi_hot: list[bool], first: str, first_hot: list[bool]) -> None:
+    """Each feature's column is a list (multi-hot) in file `path` where it is one in file `first`, and
+    only there (`multi_hot`: what check_schema returns for each); a DataError naming both files and the
+    column otherwise: the shards of a feature would hold bags in one place and single ids in another."""
+    for f, here, there in zip(cmap.features, multi_hot, first_hot, strict=True):
+        if here != there:
+            raise DataError(
+                f"{path}: column {f.column!r} is {'a list' if here else 'not a list'} here but "
+                f"{'a list' if there else 'not a list'} in {first}"
+            )
+
+
 def _is_number(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
@@ -144,8 +157,20 @@ def _is_id(t: pa.DataType) -> bool:
         pa.types.is_binary(t) or pa.types.is_large_binary(t)  # fmt: skip
 
 
-def held_out(column: pa.ChunkedArray) -> np.ndarray:
-    """The eval_column as a bool mask (null: not held out)."""
+def held_out(column: pa.ChunkedArray, where: str, name: str) -> np.ndarray:
+    """The eval_column `name` as a bool mask (null: not held out). An integer flag is 0 or 1: any other
+    value is a DataError naming `where` (the file and row group), the row and the value, since a cast
+    to bool would read 2 as held out."""
+    if pa.types.is_integer(column.type):
+        flags = (pc.fill_null(column, 0) if column.null_count else column).to_numpy()
+        bad = np.flatnonzero((flags != 0) & (flags != 1))
+        if bad.size:
+            i = int(bad[0])
+            raise DataError(
+                f"{where}, row {i}: column {name!r} (data.parquet.eval_column) = {quote(flags[i])}; the "
+                "held-out flag must be a boolean or 0/1 integer: fix the data"
+            )
+        return flags == 1
     return pc.fill_null(column.cast(pa.bool_()), False).to_numpy(zero_copy_only=False)
 
 

@@ -27,9 +27,10 @@ def parquet_shard_columns(settings: dict, shard: ShardPlan) -> dict[str, dict[st
     parts: dict[str, list[Columns]] = {split: [] for split in SPLITS}
     for g in range(shard.first, shard.first + shard.count):
         table = pf.read_row_group(g, columns=cmap.columns(by_column), use_threads=False)
-        cols = cmap.to_columns(table, f"{shard.file}, row group {g}")
+        where = f"{shard.file}, row group {g}"
+        cols = cmap.to_columns(table, where)
         if by_column:
-            mask = held_out(table.column(cmap.eval_column))
+            mask = held_out(table.column(cmap.eval_column), where, cmap.eval_column)
             parts["train"].append(cols.take(np.flatnonzero(~mask)))
             parts["eval"].append(cols.take(np.flatnonzero(mask)))
         else:

@@ -27,7 +27,9 @@ it, whatever the number of workers. Plain files give one job per shard (a worker
 `workers` processes. Every file is written by neorec.utils.files.write_atomic (temporary name, fsync,
 rename), every shard into `shards/.tmp-<k>` and renamed when complete; the manifest is written before
 the first shard and marked complete after the last, so an interrupted run, restarted with the same
-arguments, redoes only the shards that were not renamed, and yields the same bytes. Lines are parsed by
+arguments, redoes only the shards that were not renamed, and yields the same bytes. A rerun first checks
+the shards written before against their records (manifest.damaged_shards: meta.json, each file's size and
+crc32): a missing or damaged one is written again, with a warning. Lines are parsed by
 neorec/data/criteo.py (same preprocessing, same bad-line policy: stop with file:line, or skip and count
 per reason); categorical values are hashed into `table_rows` (modulo or splitmix64, as the TSV reader
 does) or mapped through a vocabulary built in a counting pass over the training lines, with a frequency
@@ -37,6 +39,7 @@ threshold (facebookresearch/dlrm, MLPerf), stored in `vocab/`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections import Counter
@@ -62,7 +65,9 @@ from neorec.data.manifest import (  # preprocess_parquet and tests import some f
     SPLITS,
     ShardPlan,
     complete_manifest,
+    damaged_shards,
     publish_shard,
+    reopen,
     write_columns,
 )
 from neorec.data.manifest import load_manifest as load_manifest
@@ -80,6 +85,8 @@ if TYPE_CHECKING:
     from neorec.data.synthetic import SyntheticSource, SyntheticSpec
 
 PathLike = str | Path
+log = logging.getLogger(__name__)
+_SHOWN = 5  # damaged shards a rerun names one by one
 
 
 @dataclass
@@ -234,7 +241,15 @@ def _write_shards(
     out: Path, manifest: dict, workers: int, progress: bool, max_shards: int | None, index: dict | None = None
 ) -> PreprocessResult:
     """Write the shards that are not done yet, then complete the manifest (`index`: of the Criteo files,
-    when this run has just indexed them)."""
+    when this run has just indexed them). Shards written before are checked first (damaged_shards): a
+    missing or damaged one is written again, with a warning saying why."""
+    damaged = damaged_shards(out, manifest, threads=max(4, 2 * workers))  # mostly waits for reads
+    if damaged:
+        for shard, why in list(damaged.items())[:_SHOWN]:
+            log.warning("shard %s is written again: %s", shard_name(shard), why)
+        more = f" ({len(damaged) - _SHOWN} not shown)" if len(damaged) > _SHOWN else ""
+        log.warning("%s: writing again %d shard(s) found missing or damaged%s", out, len(damaged), more)
+        manifest = reopen(out, manifest, list(damaged))
     if manifest["complete"]:
         result = PreprocessResult(out, len(manifest["shards"]), 0, True, manifest["num_samples"])
         result.skipped.update(manifest["skipped"])

@@ -23,7 +23,7 @@ from neorec.config.schema import ParquetConfig
 from neorec.data import vocab as vocab_io
 from neorec.data.manifest import ShardPlan, resume_or_start, start_manifest
 from neorec.data.parquet import column_map, file_uri, listed_files, open_parquet, open_uri
-from neorec.data.parquet_columns import held_out, raw_ids
+from neorec.data.parquet_columns import held_out, raw_ids, same_lists
 from neorec.data.preprocess import PreprocessResult, _map, _write_shards
 from neorec.errors import ConfigError
 
@@ -51,10 +51,15 @@ def preprocess_parquet(
     plan: list[ShardPlan] = []
     sizes: list[int] = []
     multi_hot: list[bool] = []
+    first_file = ""  # the first file, whose list columns every other file has
     for key, fs, name in listed_files(config):
         role = "eval" if key == "eval_paths" else "column" if config.eval_column else "train"
         pf = open_parquet(fs, name)
-        multi_hot = cmap.check_schema(name, pf.schema_arrow, with_eval_column=role == "column")
+        hot = cmap.check_schema(name, pf.schema_arrow, with_eval_column=role == "column")
+        if first_file:
+            same_lists(cmap, name, hot, first_file, multi_hot)
+        else:
+            first_file, multi_hot = name, hot
         sizes.append(fs.get_file_info(name).size)
         first, rows = 0, 0
         for g in range(pf.num_row_groups):
@@ -111,9 +116,10 @@ def _count_job(job: tuple[dict, ShardPlan]) -> list[vocab_io.Counts]:
     parts: list[list[vocab_io.Counts]] = [[] for _ in features]
     for g in range(shard.first, shard.first + shard.count):
         table = pf.read_row_group(g, columns=list(dict.fromkeys(columns)), use_threads=False)
-        keep = None if not by_column else ~held_out(table.column(config.eval_column))
+        where = f"{shard.file}, row group {g}"
+        flag = config.eval_column
+        keep = None if flag is None or not by_column else ~held_out(table.column(flag), where, flag)
         for f, part in zip(features, parts, strict=True):
-            where = f"{shard.file}, row group {g}"
             column = table.column(f.column)
             if keep is not None:
                 column = column.filter(pa.array(keep))

@@ -12,7 +12,7 @@ import pytest
 from test_files_writer import assert_one_error, damaged, flipped, json_damage, run_cli
 
 from neorec.config.load import load_config
-from neorec.data.manifest import load_manifest, start_manifest
+from neorec.data.manifest import complete_manifest, load_manifest, shard_name, start_manifest
 from neorec.data.preprocess import preprocess_synthetic
 from neorec.data.sharded_reader import PreprocessedSource
 from neorec.data.synthetic import spec_from_config
@@ -63,6 +63,26 @@ def test_damaged_manifest_stops_inspect_and_training(folder, capsys, tmp_path):
                 assert_one_error(*run_cli(args, capsys), "manifest.json", damage=f"{what}, {args[0]}")
 
 
+def test_manifest_without_its_checksum_but_with_file_checksums_is_refused(folder, capsys, tmp_path):
+    """Only a folder written before checksums were recorded has a manifest without a "crc32", and it
+    records no file checksums either: one that does was edited, its crc32 key removed with it."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["crc32"]
+    manifest["features"][2]["num_ids"] = 100_000
+
+    def edited(_: bytes) -> bytes:
+        return json.dumps(manifest).encode()
+
+    with damaged(folder / "manifest.json", edited):
+        for args in _readers(folder, tmp_path):
+            line = assert_one_error(*run_cli(args, capsys), "manifest.json", damage=args[0])
+            assert "has no checksum (key 'crc32') though it records its files' crc32s" in line, line
+    for entry in manifest["shards"]:  # the format before checksums: read as it is
+        del entry["files"]
+    with damaged(folder / "manifest.json", edited):
+        assert PreprocessedSource(folder).info.features[2].num_ids == 100_000
+
+
 def _npy_damage() -> dict:
     return {
         "header": lambda d: flipped(d, 20, 0x01),  # inside the .npy header's dict (dtype, shape)
@@ -83,18 +103,26 @@ def test_damaged_npy_column_stops_inspect_and_training(folder, capsys, tmp_path,
     assert run_cli(_readers(folder, tmp_path)[0], capsys)[0] == 0
 
 
-def test_damaged_shard_meta_stops_completing_the_folder(tmp_path):
-    """A shard's meta.json is read back when the last shard is done, to complete the manifest."""
+def test_damaged_shard_meta_is_never_copied_into_the_manifest(tmp_path, neorec_warnings):
+    """A shard's meta.json is checked when a run resumes (and read back when the last shard is done, to
+    complete the manifest): a damaged one makes the run write its shard again, saying why."""
     cfg = load_config("default", [*DATA, "data.synthetic.train_samples=40000"])  # 3 training blocks
     spec = spec_from_config(cfg.data.synthetic, cfg.seed)
     out = tmp_path / "pre"
     preprocess_synthetic(spec, out, blocks_per_shard=1, progress=False, max_shards=1)  # unfinished
+    meta = out / "shards" / "00000" / "meta.json"
+    good = meta.read_bytes()
     for what, change in json_damage().items():
-        with damaged(out / "shards" / "00000" / "meta.json", change):
-            with pytest.raises(DataError, match=r"00000/meta\.json.*damaged"):
-                preprocess_synthetic(spec, out, blocks_per_shard=1, progress=False)
-        assert not load_manifest(out)["complete"], what
+        meta.write_bytes(change(good))
+        neorec_warnings.clear()
+        again = preprocess_synthetic(spec, out, blocks_per_shard=1, progress=False, max_shards=1)
+        assert (again.written, again.complete, meta.read_bytes()) == (1, False, good), what
+        assert re.search(r"shard 00000 is written again: .*00000/meta\.json", neorec_warnings.text), what
     assert preprocess_synthetic(spec, out, blocks_per_shard=1, progress=False).complete
+    meta.write_bytes(json_damage()["value digit"](good))
+    with pytest.raises(DataError, match=r"00000/meta\.json.*damaged"):
+        manifest = load_manifest(out)
+        complete_manifest(out, manifest, [shard_name(s["index"]) for s in manifest["shards"]])
 
 
 @pytest.mark.parametrize("name", ["../evil", "a/b", "a\\b", "", "..", "x\0y"])

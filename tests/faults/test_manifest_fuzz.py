@@ -206,9 +206,11 @@ def test_preprocessed_manifest_cases(folders, copies, capsys, tmp_path):
     write_manifest(copies["pp"] / "manifest.json", manifest)
 
 
-def test_shard_meta_with_wrong_values_stops_completing_the_folder(tmp_path):
-    """A shard's meta.json is read back (and checked the same way) when the last shard is written."""
+def test_shard_meta_with_wrong_values_is_never_copied_into_the_manifest(tmp_path, neorec_warnings):
+    """A shard's meta.json is checked the same way when a run resumes (its shard is then written again,
+    with a warning naming the key path) and when it is read back as the last shard is written."""
     from neorec.config.load import load_config
+    from neorec.data.manifest import complete_manifest, load_manifest, shard_name
 
     cfg = load_config("default", DATA)
     spec = spec_from_config(cfg.data.synthetic, cfg.seed)
@@ -223,8 +225,15 @@ def test_shard_meta_with_wrong_values_stops_completing_the_folder(tmp_path):
         (("skipped",), [], "skipped is [], expected an object"),
     ]:
         write_manifest(meta, replaced(good, path, value))
+        neorec_warnings.clear()
+        again = preprocess_synthetic(spec, out, blocks_per_shard=1, progress=False, max_shards=1)
+        assert (again.written, again.complete, original(meta)) == (1, False, good), expected
+        assert re.search(rf"shard 00000 is written again: \S*00000/meta\.json: {re.escape(expected)}",
+                         neorec_warnings.text), expected  # fmt: skip
+        write_manifest(meta, replaced(good, path, value))
+        manifest = load_manifest(out)
         with pytest.raises(DataError, match=rf"00000/meta\.json: {re.escape(expected)}"):
-            preprocess_synthetic(spec, out, blocks_per_shard=1, progress=False)
+            complete_manifest(out, manifest, [shard_name(s["index"]) for s in manifest["shards"]])
     write_manifest(meta, good)
     assert preprocess_synthetic(spec, out, blocks_per_shard=1, progress=False).complete
 
