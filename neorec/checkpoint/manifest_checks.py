@@ -9,8 +9,8 @@ its "crc32"): it is refused with a CheckpointError naming the file and the key p
     optimizer         an EmbeddingOptimizerConfig
     embedding_steps   {table: whole number >= 0}
     state             the trainer's position: epoch, batches, batch_size, seed, metrics_lines,
-                      running_loss, eval_pending, the reader's position; each of the right type
-                      when present
+                      running_loss, eval_pending, samples_trained, the reader's position; each
+                      of the right type when present
     dense, files      {name (a plain name), bytes, crc32} (files: also rank); distinct names
     pieces            {table, state, rows [a, b], cols [c, d], file, offset, shape, dtype}: inside
                       its table (0 <= a <= b <= rows, 0 <= c <= d <= dim), shape [b - a] or
@@ -135,7 +135,8 @@ def _check_tables(c: JsonChecks, items: list) -> dict[str, TableConfig]:
 def _check_state(c: JsonChecks, state: dict) -> None:
     """The trainer's position (train/checkpointing.py), where the keys it writes are present: a library
     save may hold any JSON data there (the trainer refuses a state without its position to resume)."""
-    for key, low in (("epoch", 0), ("batches", 0), ("batch_size", 1), ("seed", 0), ("metrics_lines", 0)):
+    for key, low in (("epoch", 0), ("batches", 0), ("batch_size", 1), ("seed", 0), ("metrics_lines", 0),
+                     ("samples_trained", 0)):  # fmt: skip
         if state.get(key) is not None:
             c.whole(state[key], f"state.{key}", low, MAX_COUNT)
     if state.get("running_loss") is not None:

@@ -60,6 +60,7 @@ class CheckpointHandling:
     emb_opt: torch.optim.Optimizer
     checkpoints: PeriodicCheckpoints
     eval_pending: dict | None
+    samples_trained: int | None
 
     def _stop(self, signum: int, step: int, epoch: int, in_epoch: int, logger, running: float | None, bar) -> None:
         """A stop was requested: save step `step` (unless just saved), close the logs, raise."""
@@ -82,6 +83,8 @@ class CheckpointHandling:
         state.update(training_file_state(self.source))  # and the files a TSV or MovieLens source re-reads
         state.update(dense_optimizer=self.cfg.train.dense_optimizer.name)  # and the kind of its state
         state.update(metrics_lines=logger.num_lines, running_loss=running)  # metrics.jsonl goes on seamlessly
+        if self.samples_trained is not None:  # the run's total, for its summary once resumed
+            state.update(samples_trained=self.samples_trained)
         if self.eval_pending is not None:  # stopped during a mid-run evaluation
             state.update(eval_pending=self.eval_pending)
         if getattr(self, "progressive", None) is not None:  # a followed stream: its partition so far (collective)

@@ -49,6 +49,15 @@ class RunResult:
     # STARTUP_STEPS steps on the host (a GPU's work is queued, not waited for): where start-up goes
     first_batch_seconds: float | None = None
     step_ends: list[float] = field(default_factory=list)
+    # resumed: the checkpoint's step, and the samples trained before it (None: a checkpoint that does
+    # not record them); `samples`, `train_seconds` and the throughput are this process's, since then
+    resumed_at: int | None = None
+    samples_before: int | None = 0
+
+    @property
+    def total_samples(self) -> int | None:
+        """Samples trained over the whole run (None: resumed from a checkpoint without the count)."""
+        return None if self.samples_before is None else self.samples_before + self.samples
 
     @property
     def startup(self) -> dict:
@@ -167,7 +176,9 @@ class RunReporting:
             save_model_state(state, self.out_dir / "model.pt", self.model)  # cached tables: streamed
         summary = {
             "steps": result.steps,
-            "samples": result.samples,
+            "samples": result.total_samples,
+            **({"resumed_at_step": result.resumed_at, "samples_since_resume": result.samples}
+               if result.resumed_at is not None else {}),  # fmt: skip
             "train_seconds": round(result.train_seconds, 3),
             "samples_per_s": round(result.samples_per_second, 1),
             "data_wait_ms_per_step": round(1000 * self.timings["data_wait"] / max(result.steps, 1), 3),
@@ -219,7 +230,9 @@ def summary_table(result: RunResult) -> str:
     """The final human-readable summary."""
     rows = [
         ("steps", f"{result.steps:,}"),
-        ("samples", f"{result.samples:,}"),
+        ("samples", "unknown" if result.total_samples is None else f"{result.total_samples:,}"),
+        *([("resumed at", f"step {result.resumed_at:,}: {result.samples:,} samples since, timed below")]
+          if result.resumed_at is not None else []),  # fmt: skip
         ("train time", f"{result.train_seconds:.1f} s"),
         ("throughput", f"{result.samples_per_second:,.0f} samples/s"),
     ]

@@ -289,3 +289,18 @@ def test_a_resumed_run_that_stops_before_its_end_leaves_no_older_results(tmp_pat
     assert "removed summary.json and model.pt, of the run before this one resumed at step 2" in err, err
     assert not (run / "model.pt").exists() and not (run / "summary.json").exists()
     assert (run / "checkpoints" / "step-00000004" / "manifest.json").is_file()
+
+
+def test_a_resumed_runs_summary_counts_the_whole_run(tmp_path):
+    """summary.json of a resumed run counted only the samples trained since the resume, beside the
+    whole run's steps: "samples" is the whole run's, and what this process trained and timed is said."""
+    common = [*QUIET, "data.synthetic.train_samples=4096", "data.synthetic.eval_samples=512",
+              "data.batch_size=512", "checkpoint.every_steps=1"]  # fmt: skip
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    assert main(["train", "--output-dir", str(whole), *sets([*common, "train.max_steps=4"])]) == 0
+    assert main(["train", "--output-dir", str(run), *sets([*common, "train.max_steps=2"])]) == 0
+    assert main(["train", "--output-dir", str(run), *sets([*common, "train.max_steps=4"]), "--resume"]) == 0
+    want, got = (json.loads((r / "summary.json").read_text()) for r in (whole, run))
+    assert got["steps"] == want["steps"] == 4 and got["samples"] == want["samples"] == 2048
+    assert got["resumed_at_step"] == 2 and got["samples_since_resume"] == 1024
+    assert "resumed_at_step" not in want
