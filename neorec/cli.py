@@ -42,6 +42,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_resume_before_launch,
         check_run_folder,
         clear_run_folder,
+        clear_unfinished_run,
         run_folders,
     )  # fmt: skip
     from neorec.train.run_lock import hold_run_folders
@@ -73,6 +74,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             check_resume_before_launch(cfg, out_dir, args.resume, nproc)
         if args.overwrite and os.environ.get("RANK", "0") == "0":  # torchrun's other ranks leave it to rank 0
             clear_run_folder(cfg, out_dir)
+        elif args.resume in (False, True) and os.environ.get("RANK", "0") == "0":
+            clear_unfinished_run(cfg, out_dir)  # where no checkpoint is there to resume
         if nproc > 1:
             from neorec.distributed.launch import launch_torchrun
 

@@ -4,6 +4,7 @@ lock (run_folders; neorec/train/run_lock.py), so that no other run can start the
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from neorec.config.schema import RunConfig
 from neorec.errors import ConfigError
 from neorec.train.run_lock import LOCK_FILE
 
+log = logging.getLogger(__name__)
 RESULTS = ("summary.json", "model.pt")  # written when a run finishes
 STARTED = ("plan.json",)  # written when a sharded run starts (a run of one process writes none)
 STALE = ("tensorboard",)  # added to by every run that writes it, so an overwritten run's events would stay
@@ -177,6 +179,22 @@ def clear_run_folder(cfg: RunConfig, out_dir: Path) -> None:
         for path in root.iterdir():  # only checkpoints: checkpoint.dir may be a folder with other files
             if path.is_dir() and path.name.removeprefix("diverged-").startswith("step-"):
                 shutil.rmtree(path)
+
+
+def clear_unfinished_run(cfg: RunConfig, out_dir: Path) -> None:
+    """A run that starts from step 0 in a folder whose run ended before its first checkpoint and its
+    results (killed: check_run_folder found no run there): that run's TensorBoard events go, as its
+    metrics.jsonl is replaced, so that TensorBoard does not draw the two runs as one."""
+    from neorec.checkpoint.save import list_checkpoints  # (torch: imported once the folder is locked)
+
+    if list_checkpoints(checkpoint_root(cfg, out_dir)):  # resumed
+        return
+    stale = [out_dir / n for n in STALE if (out_dir / n).is_dir() and any((out_dir / n).iterdir())]
+    for folder in stale:
+        shutil.rmtree(folder)
+    if stale:
+        names = ", ".join(p.name for p in stale)
+        log.info(f"{out_dir}: removed {names} of a run there that ended before its first checkpoint")
 
 
 def check_resume_before_launch(cfg: RunConfig, out_dir: Path, resume: bool | str, num_processes: int) -> None:

@@ -275,6 +275,24 @@ def test_a_run_is_never_placed_where_another_run_keeps_its_files(tmp_path, capsy
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000001", "step-00000002"]
 
 
+def test_a_new_run_where_one_was_killed_before_its_first_checkpoint_drops_its_events(tmp_path):
+    """A run killed before its first checkpoint leaves no run (check_run_folder): the next one there
+    replaced its metrics.jsonl but kept its TensorBoard events beside its own, drawn as one run."""
+    run = tmp_path / "run"
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "tensorboard" / "events.out.tfevents.1.killed").write_bytes(b"old")
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    assert main(_args(run, ["train.max_steps=2", "train.epochs=1", "logging.tensorboard=true"])) == 0
+    events = sorted(p.name for p in (run / "tensorboard").iterdir())
+    assert events and "events.out.tfevents.1.killed" not in events
+    saved = ["train.epochs=1", "checkpoint.every_steps=1"]
+    assert main(_args(run, ["train.max_steps=3", *saved], "--overwrite")) == 0
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out.tfevents.2.mine").write_bytes(b"kept")  # a resume keeps them
+    assert main(_args(run, ["train.max_steps=4", *saved], "--resume")) == 0
+    assert (run / "tensorboard" / "events.out.tfevents.2.mine").is_file()
+
+
 def test_a_lock_file_that_cannot_be_written_is_named(tmp_path, capsys, monkeypatch):
     """A full disk when the run writes who holds its folder: one line naming the lock file, exit 1."""
     write = os.write
