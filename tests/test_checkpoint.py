@@ -188,6 +188,10 @@ def test_round_trip_is_exact_and_keeps_the_last_k(tmp_path):
         assert torch.equal(v, w), k
     assert other_opts["embedding"].num_steps == opts["embedding"].num_steps
     assert str(other_opts["dense"].state_dict()) == str(opts["dense"].state_dict())
+    for step in (-1, 1.5, True):  # a negative step removed every later one, then could not be found
+        with pytest.raises(CheckpointError, match="step must be a whole number"):
+            save_checkpoint(tmp_path, step, emb, model, opts)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
 
 
 def test_truncated_or_corrupted_files_name_the_file(tmp_path):

@@ -339,3 +339,20 @@ def test_synthetic_limits_hold(generator, bags):
         actual_lows, actual_highs = _id_limits(b.sparse.values, b.sparse.length_per_key())
         for k in range(3):
             assert lows[k] <= actual_lows[k] and actual_highs[k] <= highs[k], (k, actual_lows, actual_highs)
+
+
+@pytest.mark.parametrize("mode", ["error", "warn"])
+def test_a_slice_keeps_its_batchs_limits_and_still_trains_when_its_own_ids_fit(mode):
+    """A slice carries its batch's id limits (bounds, possibly wider than its ids): a bad id elsewhere in
+    the batch made the check look for a bad id the slice does not have (an IndexError). The check
+    recomputes a slice's own limits before it refuses, and still refuses a bad id of the slice."""
+    table = TableConfig(name="user", rows=10, dim=2, features=["user_id"])
+    optimizer = EmbeddingOptimizerConfig(name="sgd", lr=1.0)
+    engine = FusedEmbeddingCollection([table], optimizer, bounds_check=mode)
+    sb = SparseBatch.from_dense_ids(["user_id"], torch.tensor([[99], [1], [2], [3]]))
+    sb.id_limits()  # known for the whole batch, as a forward or validate leaves them
+    assert engine(sb.slice_samples(2, 4)).shape == (2, 2)
+    assert engine.bounds.dropped.get("user_id", 0) == 0
+    if mode == "error":
+        with pytest.raises(DataError, match=r"feature 'user_id' .*id 99 of sample 0"):
+            engine(sb.slice_samples(0, 2))

@@ -128,3 +128,46 @@ def test_to_where_it_is_returns_the_batch_itself():
     batch = Batch(torch.randn(2, 3), sb, torch.ones(2))
     assert batch.to("cpu") is batch
     assert batch.to("cpu", non_blocking=True).sparse is sb
+
+
+def test_lengths_that_do_not_add_up_to_the_ids_are_refused_before_any_lookup():
+    """The bounds check read each feature's ids by its share of `values`, the lookup by `lengths`: with
+    lengths that do not add up, feature fb's id 5 passed the check of its 2-row table and trained
+    table c's row 3 (both in one buffer)."""
+    from neorec.embedding import EmbeddingOptimizerConfig, FusedEmbeddingCollection, TableConfig
+
+    tables = [TableConfig(name="a", rows=10, dim=4, features=["fa"]),
+              TableConfig(name="b", rows=2, dim=8, features=["fb"]),
+              TableConfig(name="c", rows=10, dim=8, features=["fc"])]  # fmt: skip
+    engine = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name="sgd", lr=1.0), seed=0)
+    before = [w.tensor.clone() for w in engine.weights]
+    ids = torch.tensor([0, 0, 5, 1, 1, 1, 0, 0, 0])
+    sb = SparseBatch(["fa", "fb", "fc"], ids, torch.ones(6, dtype=torch.int64))
+    with pytest.raises(DataError, match=r"lengths sum to 6 but there are 9 ids"):
+        engine(sb).sum().backward()
+    negative = SparseBatch(["fa", "fb"], torch.tensor([1, 2]), torch.tensor([2, -1, 1, 0]))
+    with pytest.raises(DataError, match=r"feature 'fa': a negative length"):
+        negative.length_per_key()
+    assert all(torch.equal(a, w.tensor) for a, w in zip(before, engine.weights, strict=True))
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: SparseBatch.from_features({"u": (torch.tensor([3, 4, 5]), torch.tensor([1, 1])),
+                                            "i": (torch.tensor([6]), torch.tensor([1, 1]))}),
+         r"feature 'u': 3 ids but its lengths sum to 2"),  # u's id 5 became item i's
+        (lambda: SparseBatch.from_features({"u": (torch.tensor([1.7, 2.2]), torch.tensor([1, 1]))}),
+         r"feature 'u': ids must be an integer tensor, got torch.float32"),  # truncated to rows 1, 2
+        (lambda: SparseBatch.from_dense_ids(["u"], torch.tensor([[1.5], [2.0]])), "an integer tensor"),
+        (lambda: SparseBatch.from_features({"u": (torch.tensor([1, 2]), torch.tensor([1, 1]),
+                                                  torch.tensor([1.0, float("nan")]))}),
+         r"feature 'u': a weight is NaN or infinite"),  # trained into the row for good
+        (lambda: SparseBatch(["u"], torch.tensor([1, 2]), torch.tensor([1, 1]), torch.ones(3)),
+         r"3 weights for 2 ids"),
+    ],
+    ids=["lengths", "float_ids", "float_dense_ids", "nan_weight", "weights_count"],
+)
+def test_a_batch_that_would_train_wrong_rows_is_refused_naming_the_feature(build, message):
+    with pytest.raises(DataError, match=message):
+        build()

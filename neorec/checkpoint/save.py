@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from neorec.checkpoint.files import RawWriter, dtype_name, write_atomic
+from neorec.checkpoint.files import CheckpointError, RawWriter, dtype_name, write_atomic
 from neorec.checkpoint.pieces import slots, storages, windows
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.fused.storage import read_storage
@@ -59,7 +59,10 @@ def save_checkpoint(
     keep: int | None = None,
 ) -> Path:
     """Collective: write checkpoint `step` under `root` and return its folder. `state` is JSON data
-    saved as is (the trainer's data position); `keep` removes all but the newest `keep`."""
+    saved as is (the trainer's data position); `keep` removes all but the newest `keep`. The
+    checkpoints of later steps are removed (save.prune: they belong to a run this one replaces)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise CheckpointError(f"checkpoint step must be a whole number in [0, 2^63), got {step!r}")
     root = Path(root)
     topo = getattr(embeddings, "topo", None)
     rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)

@@ -61,6 +61,8 @@ class SparseBatch:
                     f"SparseBatch length_per_key {self._length_per_key} does not match the {len(self.keys)} "
                     f"features {self.keys} and their {values.numel()} ids"
                 )
+        if weights is not None and weights.numel() != values.numel():
+            raise DataError(f"SparseBatch has {weights.numel()} weights for {values.numel()} ids: one per id")
         if len(self.keys) == 0:
             if lengths.numel() != 0:
                 raise DataError("SparseBatch has no features but non-empty lengths")
@@ -82,6 +84,12 @@ class SparseBatch:
         if len(set(sizes.values())) > 1:
             raise DataError(f"features have different batch sizes: {sizes}")
         has_w = [len(v) == 3 and v[2] is not None for v in features.values()]
+        for k, v in features.items():
+            _check_integer_ids(v[0], k)
+        counts = torch.stack([features[k][1].sum() for k in keys]).tolist() if keys else []
+        for k, n in zip(keys, counts, strict=True):
+            if n != features[k][0].numel():
+                raise DataError(f"feature {k!r}: {features[k][0].numel()} ids but its lengths sum to {n}")
         values = torch.cat([features[k][0].to(torch.int64) for k in keys]) if keys else torch.empty(0, dtype=torch.int64)
         lengths = torch.cat([features[k][1].to(torch.int64) for k in keys]) if keys else torch.empty(0, dtype=torch.int64)
         weights = None
@@ -92,6 +100,11 @@ class SparseBatch:
                     for i, k in enumerate(keys)
                 ]
             )
+            finite = torch.stack([torch.isfinite(features[k][2]).all() for k in keys if len(features[k]) == 3
+                                  and features[k][2] is not None]).tolist()  # fmt: skip
+            for k, ok in zip([k for i, k in enumerate(keys) if has_w[i]], finite, strict=True):
+                if not ok:
+                    raise DataError(f"feature {k!r}: a weight is NaN or infinite; it would train its rows")
         return cls(keys, values, lengths, weights)
 
     @classmethod
@@ -99,6 +112,7 @@ class SparseBatch:
         """One-hot features from a [B, F] id matrix (column f is feature keys[f])."""
         if ids.dim() != 2 or ids.shape[1] != len(keys):
             raise DataError(f"expected ids of shape [B, {len(keys)}], got {tuple(ids.shape)}")
+        _check_integer_ids(ids, ", ".join(keys))
         values = ids.t().contiguous().reshape(-1).to(torch.int64)
         lengths = torch.ones(values.numel(), dtype=torch.int64, device=ids.device)
         return cls(keys, values, lengths)
@@ -123,12 +137,26 @@ class SparseBatch:
         return self._offsets
 
     def length_per_key(self) -> list[int]:
-        """Number of ids of each feature (cached; one host sync the first time)."""
+        """Number of ids of each feature (cached; one host sync the first time). Lengths that are
+        negative, or do not add up to the ids, are a DataError: each feature's ids would be read from
+        the next one's, past the checks of their tables' bounds."""
         if self._length_per_key is None:
             if not self.keys:
                 self._length_per_key = []
             else:
-                self._length_per_key = self.lengths.view(len(self.keys), -1).sum(1).tolist()
+                per_key = self.lengths.view(len(self.keys), -1)
+                least = per_key.min(1).values if per_key.numel() else per_key.new_zeros(len(self.keys))
+                found = torch.cat([per_key.sum(1), least]).tolist()  # one host read
+                counts, least = found[: len(self.keys)], found[len(self.keys) :]
+                if min(least) < 0:
+                    key = self.keys[next(f for f, n in enumerate(least) if n < 0)]
+                    raise DataError(f"feature {key!r}: a negative length (ids in a bag) in this batch")
+                if sum(counts) != self.values.numel():
+                    raise DataError(
+                        f"lengths sum to {sum(counts)} but there are {self.values.numel()} ids (features "
+                        f"{self.keys}, batch size {self.batch_size})"
+                    )
+                self._length_per_key = counts
         return self._length_per_key
 
     def id_limits(self) -> tuple[list[int], list[int]]:
@@ -139,6 +167,12 @@ class SparseBatch:
         (neorec/sparse/bounds.py); a reader counts them on the host before a batch goes to a GPU."""
         if self._id_limits is None:
             self._id_limits = _id_limits(self.values, self.length_per_key())
+        return self._id_limits
+
+    def exact_id_limits(self) -> tuple[list[int], list[int]]:
+        """`id_limits()` computed from the ids themselves, replacing limits a maker gave (bounds that
+        may be wider: a slice keeps its batch's)."""
+        self._id_limits = _id_limits(self.values, self.length_per_key())
         return self._id_limits
 
     def known_id_limits(self) -> tuple[list[int], list[int]] | None:
@@ -313,6 +347,12 @@ class SparseBatch:
 
 def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if parts else like.new_empty(0)
+
+
+def _check_integer_ids(ids: torch.Tensor, feature: str) -> None:
+    """Ids are integers: a float tensor given as ids would be truncated (1.7 -> row 1) without a word."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise DataError(f"feature {feature!r}: ids must be an integer tensor, got {ids.dtype}")
 
 
 def _id_limits(values: torch.Tensor, per_key: list[int]) -> tuple[list[int], list[int]]:

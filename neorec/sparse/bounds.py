@@ -97,6 +97,9 @@ class IdBounds:
             return sparse
         lows, highs = sparse.id_limits()
         bad = [(i, f, b) for i, f, b in checked if not b.accepts(lows[i], highs[i])]
+        if bad:  # limits a batch's maker gave may be wider than its ids (a slice keeps its batch's)
+            lows, highs = sparse.exact_id_limits()
+            bad = [(i, f, b) for i, f, b in checked if not b.accepts(lows[i], highs[i])]
         if not bad:
             return sparse
         if self.mode == "error":
