@@ -102,3 +102,28 @@ def test_four_ranks_read_sizes_once_a_batch(tmp_path):
         reads, same, calls = by_plan["mixed"]
         assert same, f"rank {rank}: the exchanged batch differs"
         assert reads == [1, 1, 1], f"rank {rank}: reads {reads} ({calls})"
+
+
+def unequal_batches(topo, sizes: list[int]) -> str:
+    """The error each rank gets when the ranks pass `sizes` samples (rank order)."""
+    from neorec.errors import DataError
+
+    tables = make_tables()
+    batch = make_batches(tables, 1, BATCH)[0].sparse
+    plan = ShardingPlan.from_dict(PLANS_2["mixed"])
+    comms = Comms(topo, transport="backend")
+    emb = ShardedEmbeddingCollection(tables, optimizer_config("adagrad"), plan, comms, seed=0)
+    try:
+        emb(batch.slice_samples(0, sizes[topo.rank]))
+    except DataError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("sizes", [[12, 11], [12, 0]], ids=["unequal", "empty"])
+def test_ranks_passing_batches_of_other_sizes_are_told_so(tmp_path, sizes):
+    """The lengths travel in blocks of the local batch size: unequal batches (a global batch that does
+    not divide, a short last batch) failed inside torch with a size mismatch. Every rank says which."""
+    for rank, said in spawn(2, unequal_batches, (sizes,), tmp_path=tmp_path).items():
+        want = f"rank {rank}: the ranks' batches have {sizes} samples (in rank order) this step; every rank"
+        assert said.startswith(want) and "the global batch divided by the world size" in said, said

@@ -30,6 +30,7 @@ import torch
 from neorec.distributed.comms import Comms, Pending
 from neorec.distributed.layout import ROW_SPLIT, ShardLayout
 from neorec.embedding.id_map import bucket_of
+from neorec.errors import DataError
 from neorec.sparse import SparseBatch
 from neorec.utils import index_ops
 
@@ -90,10 +91,16 @@ class InputDist:
                     weights.append(w.to(torch.float32))
                 sizes.append(n)
         n_local = len(self.local_keys)
+        sent, start = [], 0  # to each destination: its features' sizes, then this rank's batch size
+        for feats in self.features:
+            sent += [*sizes[start : start + len(feats)], b]
+            start += len(feats)
         got = self.comms.all_to_all_host(
-            sizes, [len(f) for f in self.features], [n_local] * world, "input_dist"
+            sent, [len(f) + 1 for f in self.features], [n_local + 1] * world, "input_dist"
         )
-        got_sizes = [got[s * n_local : (s + 1) * n_local] for s in range(world)]  # [source][local feature]
+        rows = [got[s * (n_local + 1) : (s + 1) * (n_local + 1)] for s in range(world)]
+        _check_batch_sizes(self.rank, b, [row[-1] for row in rows])
+        got_sizes = [row[:-1] for row in rows]  # [source][local feature]
         send_counts, start = [], 0
         for feats in self.features:
             send_counts.append(sum(sizes[start : start + len(feats)]))
@@ -185,3 +192,14 @@ def regroup(
             weights = torch.cat([wp[k] for k in order]) if wp else weights
     per_key = [sum(sizes[s][f] for s in range(world)) for f in range(nf)]
     return SparseBatch(keys, values, lengths.permute(1, 0, 2).reshape(-1), weights, per_key)
+
+
+def _check_batch_sizes(rank: int, b: int, sizes: list[int]) -> None:
+    """Every rank passes as many samples a step (the lengths travel in blocks of that size): a
+    DataError on every rank, naming the sizes, where one differs (the exchange would fail in torch, or
+    cut another rank's bags)."""
+    if any(n != b for n in sizes):
+        raise DataError(
+            f"rank {rank}: the ranks' batches have {sizes} samples (in rank order) this step; every rank "
+            "passes the same number (the global batch divided by the world size)"
+        )
