@@ -45,7 +45,8 @@ def no_dp(plan: dict) -> dict:
     return {"b": {"kind": "tw", "ranks": [3]}, "c": {"kind": "tw", "ranks": [3]}, **plan}
 
 
-B_ON_3 = {"input_dist": 3 * (8 + 2 * 4 + 2 * 8), "bwd": 2 * 12 * 2}  # rank 0 -> 3: b (2 features) and c; grads
+# rank 0 -> 3: b (2 features) and c; grads. And rank 0's batch size (int64) to each of the 3 others.
+B_ON_3 = {"input_dist": 3 * (8 + 2 * 4 + 2 * 8) + 3 * 8, "bwd": 2 * 12 * 2}
 
 
 def test_sequence_tables_are_costed_by_rows_per_id():

@@ -8,8 +8,8 @@ per bag, ids falling into a row shard, distinct rows of a replicated table), the
 statistics give the expected value.
 
 Mirrors, line by line:
-- input_dist.py: per destination and (unit, feature) it looks up, its id count (int64, on the host
-  communicator), int32 lengths of the B local bags, int64 ids (only the shard's rows for row
+- input_dist.py: per destination, the local batch size and, per (unit, feature) it looks up, its id
+  count (int64s, on the host communicator), int32 lengths of the B local bags, int64 ids (only the shard's rows for row
   splits), fp32 weights when the batches carry weights or any row-split table is mean-pooled;
 - output_dist.py: one flat all-to-all of [B, flat width of the sender] rows (backward: of the
   receiver), then comms.two_hop for twrw / twcw (hop 1 to node peers: [N * B, d]; hop 2 across nodes:
@@ -86,7 +86,7 @@ def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology, counted
     mean_row_split = any(u.kind in ROW_SPLIT and u.table.pooling == "mean" for us in layout.units for u in us)
     id_bytes = 8 + (4 if workload.weighted or mean_row_split else 0)
     for dst in range(W):
-        total = 0.0
+        total = 8.0  # the sender's batch size, beside the id counts on the host communicator
         for unit, f in layout.send_features(dst):
             load = workload.by_name[unit.table.name]
             share = load.share(*unit.shard.rows) if unit.kind in ROW_SPLIT else 1.0
