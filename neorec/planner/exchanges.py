@@ -9,8 +9,9 @@ statistics give the expected value.
 
 Mirrors, line by line:
 - input_dist.py: per destination, the local batch size and, per (unit, feature) it looks up, its id
-  count (int64s, on the host communicator), int32 lengths of the B local bags, int64 ids (only the shard's rows for row
-  splits), fp32 weights when the batches carry weights or any row-split table is mean-pooled;
+  count (int64s, on the host communicator), int32 lengths of the B local bags, int64 ids (only the
+  shard's rows for row splits), fp32 weights when the batches carry weights or any row-split table is
+  mean-pooled;
 - output_dist.py: one flat all-to-all of [B, flat width of the sender] rows (backward: of the
   receiver), then comms.two_hop for twrw / twcw (hop 1 to node peers: [N * B, d]; hop 2 across nodes:
   [B, d] for sums, [B, L * d] for joined column slices) when any node has such tables; sequence
