@@ -55,6 +55,12 @@ LOWER_MEMORY = (
 )
 
 
+def naming(error: OSError, path: object) -> OSError:
+    """`error` (from a call on a file descriptor, which carries no file name) as an OSError naming
+    `path`, so that the command line reports which file failed (`failure`)."""
+    return OSError(error.errno, error.strerror, str(path))
+
+
 def state_mismatch(error: BaseException, limit: int = 200) -> str:
     """The first problem torch's load_state_dict reports, on one line (it lists them one per line after
     a heading: missing or unexpected keys, size mismatches)."""

@@ -100,9 +100,9 @@ class SparseBatch:
                     for i, k in enumerate(keys)
                 ]
             )
-            finite = torch.stack([torch.isfinite(features[k][2]).all() for k in keys if len(features[k]) == 3
-                                  and features[k][2] is not None]).tolist()  # fmt: skip
-            for k, ok in zip([k for i, k in enumerate(keys) if has_w[i]], finite, strict=True):
+            weighted = [k for k, w in zip(keys, has_w, strict=True) if w]
+            finite = torch.stack([torch.isfinite(features[k][2]).all() for k in weighted]).tolist()
+            for k, ok in zip(weighted, finite, strict=True):
                 if not ok:
                     raise DataError(f"feature {k!r}: a weight is NaN or infinite; it would train its rows")
         return cls(keys, values, lengths, weights)
@@ -165,9 +165,7 @@ class SparseBatch:
         already: bounds given by the batch's maker, or kept from the batch it was cut from, which
         hold but need not be the exact extremes. The id check of every engine reads them
         (neorec/sparse/bounds.py); a reader counts them on the host before a batch goes to a GPU."""
-        if self._id_limits is None:
-            self._id_limits = _id_limits(self.values, self.length_per_key())
-        return self._id_limits
+        return self._id_limits if self._id_limits is not None else self.exact_id_limits()
 
     def exact_id_limits(self) -> tuple[list[int], list[int]]:
         """`id_limits()` computed from the ids themselves, replacing limits a maker gave (bounds that

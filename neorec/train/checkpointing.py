@@ -33,6 +33,7 @@ from neorec.data.reader_position import (
 )
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError, NeorecError
+from neorec.train.reporting import RunResult
 from neorec.train.run_folder import RESULTS
 from neorec.train.signals import TrainingStopped
 from neorec.utils.files import fsync_dir
@@ -60,7 +61,7 @@ class CheckpointHandling:
     emb_opt: torch.optim.Optimizer
     checkpoints: PeriodicCheckpoints
     eval_pending: dict | None
-    samples_trained: int | None
+    result: RunResult | None
 
     def _stop(self, signum: int, step: int, epoch: int, in_epoch: int, logger, running: float | None, bar) -> None:
         """A stop was requested: save step `step` (unless just saved), close the logs, raise."""
@@ -83,8 +84,9 @@ class CheckpointHandling:
         state.update(training_file_state(self.source))  # and the files a TSV or MovieLens source re-reads
         state.update(dense_optimizer=self.cfg.train.dense_optimizer.name)  # and the kind of its state
         state.update(metrics_lines=logger.num_lines, running_loss=running)  # metrics.jsonl goes on seamlessly
-        if self.samples_trained is not None:  # the run's total, for its summary once resumed
-            state.update(samples_trained=self.samples_trained)
+        total = self.result.total_samples if self.result is not None else None
+        if total is not None:  # the run's samples so far, for its summary once resumed
+            state.update(samples_trained=total)
         if self.eval_pending is not None:  # stopped during a mid-run evaluation
             state.update(eval_pending=self.eval_pending)
         if getattr(self, "progressive", None) is not None:  # a followed stream: its partition so far (collective)

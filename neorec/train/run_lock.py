@@ -30,7 +30,7 @@ import time
 import uuid
 from pathlib import Path
 
-from neorec.errors import ConfigError, NeorecError
+from neorec.errors import ConfigError, NeorecError, naming
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def _write_record(fd: int, path: Path, job: str, first: bool = False) -> None:
             os.ftruncate(fd, 0)
         os.write(fd, _record(job))
     except OSError as e:
-        raise OSError(e.errno, e.strerror, str(path)) from e
+        raise naming(e, path) from e
 
 
 def _record(job: str) -> bytes:

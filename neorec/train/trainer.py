@@ -121,7 +121,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             if cfg.data.follow is not None:
                 self.progressive = ProgressiveValidation(cfg.data.follow.window_batches, self.comms, self.device)
             self.eval_pending: dict | None = None  # a mid-run evaluation a stop cut short (checkpointing.py)
-            self.samples_trained: int | None = 0  # over the whole run, resumed parts included
+            self.result: RunResult | None = None  # the run's so far, while fit() runs (checkpoints read it)
             self.last_outputs: torch.Tensor | None = None  # the latest training forward's, before its update
             self.partition_clocks: list[int] = []  # id-map clocks at the latest partition starts
 
@@ -222,7 +222,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         result = RunResult(0, 0, 0.0, teacher_auc=teacher_auc, out_dir=self.out_dir)
         if position is not None:
             result.resumed_at, result.samples_before = step, position.get("samples_trained")
-        self.samples_trained = result.total_samples  # recorded by each checkpoint (None: not known)
+        self.result = result
         every, mid_batches = eval_schedule(t, cfg.data.eval_batch_size, total)
         bar = progress_bar(total, None, t.progress and self.is_main, unit="step")
         if bar is not None and step:
@@ -287,8 +287,6 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                     self._end_partition(logger, step, record.partition, result)
                 used = len(local) * self.topo.world_size  # every rank trains on as many samples
                 result.samples += used
-                if self.samples_trained is not None:
-                    self.samples_trained += used
                 window_samples += used
                 if bar is not None:
                     bar.update(1)

@@ -54,7 +54,7 @@ from neorec.embedding.cache.file_io import allocate, transfer
 from neorec.embedding.cache.records import RecordLayout
 from neorec.embedding.cache.write_log import WriteLog, log_records
 from neorec.embedding.fused.storage import RowInit
-from neorec.errors import MachineError
+from neorec.errors import MachineError, naming
 from neorec.utils import index_ops
 
 _WINDOW_BYTES = 16 << 20  # records per piece of a range read/write or of creating a file
@@ -382,7 +382,7 @@ def create_ssd_file(
     except BaseException as e:
         path.unlink(missing_ok=True)
         if isinstance(e, OSError) and e.filename is None and e.errno is not None:  # name the file
-            raise OSError(e.errno, e.strerror, str(path)) from e
+            raise naming(e, path) from e
         raise
 
 

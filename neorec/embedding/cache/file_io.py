@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from neorec.errors import MachineError
+from neorec.errors import MachineError, naming
 
 
 def transfer(fd: int, data: torch.Tensor | memoryview, offset: int, write: bool, name: str | Path) -> None:
@@ -26,7 +26,7 @@ def transfer(fd: int, data: torch.Tensor | memoryview, offset: int, write: bool,
                 else os.preadv(fd, [view[done:]], offset + done)
             )
         except OSError as e:  # a failing disk: name the file
-            raise OSError(e.errno, e.strerror, str(name)) from e
+            raise naming(e, name) from e
         if n == 0:
             raise OSError(f"{name}: ended at byte {offset + done}; the file was truncated")
         done += n
@@ -45,5 +45,5 @@ def allocate(fd: int, size: int, path: str | Path, what: str) -> None:
                 "there, or set embedding.cache.directory to a folder on a larger disk",
             ) from e
         if e.errno == errno.EFBIG:  # a file-size limit (ulimit -f) or the filesystem's largest file
-            raise OSError(e.errno, e.strerror, str(path)) from e
+            raise naming(e, path) from e
         os.ftruncate(fd, size)
