@@ -33,8 +33,8 @@ from neorec.data.reader_position import (
 )
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.errors import ConfigError, NeorecError
-from neorec.train.reporting import RunResult
 from neorec.train.run_folder import RESULTS
+from neorec.train.run_state import RunState
 from neorec.train.signals import TrainingStopped
 from neorec.utils.files import fsync_dir
 
@@ -61,30 +61,29 @@ class CheckpointHandling:
     emb_opt: torch.optim.Optimizer
     checkpoints: PeriodicCheckpoints
     eval_pending: dict | None
-    result: RunResult | None
 
-    def _stop(self, signum: int, step: int, epoch: int, in_epoch: int, logger, running: float | None, bar) -> None:
-        """A stop was requested: save step `step` (unless just saved), close the logs, raise."""
+    def _stop(self, signum: int, run: RunState) -> None:
+        """A stop was requested: save step `run.step` (unless just saved), close the logs, raise."""
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()
-        if self.checkpoints.last_step != step:
-            self._save_checkpoint(step, epoch, in_epoch, logger, running)
-        if bar is not None:
-            bar.close()
-        logger.close()
-        raise TrainingStopped(signum, step, self.checkpoints.root / checkpoint_name(step))
+        if self.checkpoints.last_step != run.step:
+            self._save_checkpoint(run)
+        run.close_bar()
+        run.logger.close()
+        raise TrainingStopped(signum, run.step, self.checkpoints.root / checkpoint_name(run.step))
 
-    def _save_checkpoint(self, step: int, epoch: int, in_epoch: int, logger, running: float | None) -> None:
+    def _save_checkpoint(self, run: RunState) -> None:
         """Collective: tables (sharded), dense model, both optimizers, RNG and the data position:
-        `in_epoch` batches of epoch `epoch` are trained (the schedule position is the step), with the
-        reader's position where it has one. Rank 0's state is the one written."""
-        state = self.data.position(epoch, in_epoch)
+        `run.in_epoch` batches of epoch `run.epoch` are trained (the schedule position is the step),
+        with the reader's position where it has one. Rank 0's state is the one written."""
+        state = self.data.position(run.epoch, run.in_epoch)
         state.update(batch_size=self.cfg.data.batch_size, seed=self.cfg.seed)  # must match on resume
         state.update(data_settings=data_settings(self.cfg.data))  # and so must the data
         state.update(training_file_state(self.source))  # and the files a TSV or MovieLens source re-reads
         state.update(dense_optimizer=self.cfg.train.dense_optimizer.name)  # and the kind of its state
-        state.update(metrics_lines=logger.num_lines, running_loss=running)  # metrics.jsonl goes on seamlessly
-        total = self.result.total_samples if self.result is not None else None
+        # metrics.jsonl goes on seamlessly
+        state.update(metrics_lines=run.logger.num_lines, running_loss=run.running)
+        total = run.result.total_samples
         if total is not None:  # the run's samples so far, for its summary once resumed
             state.update(samples_trained=total)
         if self.eval_pending is not None:  # stopped during a mid-run evaluation
@@ -92,7 +91,7 @@ class CheckpointHandling:
         if getattr(self, "progressive", None) is not None:  # a followed stream: its partition so far (collective)
             state.update(self._stream_state())  # type: ignore[attr-defined]
         optimizers = {"dense": self.dense_opt, "embedding": self.emb_opt}
-        self.checkpoints.save(step, self.embeddings, self.model, optimizers, state)
+        self.checkpoints.save(run.step, self.embeddings, self.model, optimizers, state)
 
     def _say_changed_settings(self, step: int) -> None:
         """Rank 0, resumed at `step`, before the run's config.yaml is replaced: the settings that differ

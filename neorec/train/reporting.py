@@ -3,14 +3,13 @@ logger, neorec/train/logger.py, and the console line), and at the end its output
 summary.json, curves.png, and the summary table `neorec train` prints.
 
 `RunReporting` is part of Trainer (neorec/train/trainer.py), whose step loop calls it; its methods
-use the trainer's attributes listed in the class. `RunResult` is what Trainer.fit returns.
+use the trainer's attributes listed in the class.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,53 +22,12 @@ from neorec.distributed.topology import Topology
 from neorec.embedding.cache.stats import log_values
 from neorec.embedding.collection import EmbeddingCollection, dropped_ids
 from neorec.embedding.remap import map_log_values
-from neorec.train.logger import MetricsLogger, NoLogger, read_metrics
+from neorec.train.logger import read_metrics
+from neorec.train.run_state import RunResult, RunState
 from neorec.utils.files import write_text
 from neorec.utils.json_values import strict_dumps
 
 log = logging.getLogger(__name__)
-
-STARTUP_STEPS = 10  # steps whose ends a run's start-up records
-
-
-@dataclass
-class RunResult:
-    steps: int
-    samples: int
-    train_seconds: float
-    losses: list[float] = field(default_factory=list)  # every step's loss, for determinism checks
-    eval: dict[str, float] = field(default_factory=dict)
-    teacher_auc: float | None = None
-    skipped_lines: int = 0  # malformed input lines skipped under the reader's `skip` policy
-    out_dir: Path | None = None
-    comm_bytes_per_step: dict[str, float] = field(default_factory=dict)  # rank 0's sends, by exchange
-    dropped_ids: dict[str, int] = field(default_factory=dict)  # bounds_check warn: per feature, all ranks
-    partitions: list[dict] = field(default_factory=list)  # data.follow: each partition's progressive metrics
-    # seconds from the start of training to the first batch in hand and to the end of each of the first
-    # STARTUP_STEPS steps on the host (a GPU's work is queued, not waited for): where start-up goes
-    first_batch_seconds: float | None = None
-    step_ends: list[float] = field(default_factory=list)
-    # resumed: the checkpoint's step, and the samples trained before it (None: a checkpoint that does
-    # not record them); `samples`, `train_seconds` and the throughput are this process's, since then
-    resumed_at: int | None = None
-    samples_before: int | None = 0
-
-    @property
-    def total_samples(self) -> int | None:
-        """Samples trained over the whole run (None: resumed from a checkpoint without the count)."""
-        return None if self.samples_before is None else self.samples_before + self.samples
-
-    @property
-    def startup(self) -> dict:
-        if self.first_batch_seconds is None:
-            return {}
-        ends = [round(t, 4) for t in self.step_ends]
-        return {"first_batch_s": round(self.first_batch_seconds, 4), "step_ends_s": ends}
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.samples / self.train_seconds if self.train_seconds > 0 else float("nan")
-
 
 class RunReporting:
     """Trainer's log steps and end-of-run outputs."""
@@ -92,21 +50,12 @@ class RunReporting:
         """The learning rates in use (the first parameter group of each optimizer)."""
         return {"lr_dense": self.dense_opt.param_groups[0]["lr"], "lr_embedding": self.emb_opt.param_groups[0]["lr"]}
 
-    def _log_train_step(
-        self,
-        logger: MetricsLogger | NoLogger,
-        step: int,
-        total: int,
-        epoch: int,
-        running: float,
-        sps: float,
-        wait_ms: float,
-        bar,
-    ) -> None:
+    def _log_train_step(self, run: RunState, sps: float, wait_ms: float) -> None:
         """The records of a log step: the loss (running average), speed, data wait and learning rates,
         the caches' and id maps' counters, the ids dropped so far; the console line on rank 0."""
+        logger, step, running, bar = run.logger, run.step, run.running, run.bar
         lrs = self._learning_rates()
-        logger.log("train", step, {"loss": running, "samples_per_s": sps, "epoch": epoch,
+        logger.log("train", step, {"loss": running, "samples_per_s": sps, "epoch": run.epoch,
                                    "data_wait_ms": wait_ms, **lrs})  # fmt: skip
         cache = None
         if getattr(self.embeddings, "cache_stats", None) and (cache := self.embeddings.cache_stats()):
@@ -117,7 +66,7 @@ class RunReporting:
         if self.cfg.embedding.bounds_check == "warn" and (dropped := self._dropped_ids()):
             logger.log("dropped_ids", step, {"total": sum(dropped.values()), **dropped})
         if self.is_main:
-            log.info(train_line(step, total, running, sps, lrs, cache))
+            log.info(train_line(step, run.total, running, sps, lrs, cache))
         if bar is not None:
             bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{sps:,.0f}")
 

@@ -46,8 +46,9 @@ from neorec.train.evaluation import EvaluationStopped, eval_schedule, evaluate
 from neorec.train.logger import MetricsLogger, NoLogger
 from neorec.train.pipeline import pipelined
 from neorec.train.progressive import ProgressiveValidation
-from neorec.train.reporting import STARTUP_STEPS, RunReporting, RunResult
+from neorec.train.reporting import RunReporting
 from neorec.train.run_folder import checkpoint_root, snapshot_root
+from neorec.train.run_state import STARTUP_STEPS, RunResult, RunState
 from neorec.train.schedule import lr_multiplier
 from neorec.train.signals import StopSignals
 from neorec.train.snapshots import PeriodicSnapshots
@@ -121,7 +122,6 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             if cfg.data.follow is not None:
                 self.progressive = ProgressiveValidation(cfg.data.follow.window_batches, self.comms, self.device)
             self.eval_pending: dict | None = None  # a mid-run evaluation a stop cut short (checkpointing.py)
-            self.result: RunResult | None = None  # the run's so far, while fit() runs (checkpoints read it)
             self.last_outputs: torch.Tensor | None = None  # the latest training forward's, before its update
             self.partition_clocks: list[int] = []  # id-map clocks at the latest partition starts
 
@@ -195,8 +195,24 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             return self._fit(stop)
 
     def _fit(self, stop: StopSignals) -> RunResult:
-        cfg, t = self.cfg, self.cfg.train
-        logger: MetricsLogger | NoLogger = NoLogger()
+        t = self.cfg.train
+        run = self._start_run(stop)
+        pending = run.position.get("eval_pending") if run.position is not None else None
+        if pending is not None:  # stopped during a mid-run evaluation: the resumed run does it first
+            self._evaluate_or_stop(run, stop, pending.get("max_batches"))
+        for epoch in range(run.epoch, t.epochs):
+            self._train_epoch(run, stop, epoch)
+            if run.done:
+                break
+            if epoch < t.epochs - 1:
+                run.logger.log("epoch_end", run.step, {"epoch": epoch})  # curves.png marks the boundary
+                if not run.eval_every:
+                    self._evaluate_or_stop(run, stop, run.eval_batches)
+        return self._end_run(run, stop)
+
+    def _start_run(self, stop: StopSignals) -> RunState:
+        """Resume (when asked) and set up the run folder, its logs and the run's state at its first step."""
+        cfg = self.cfg
         to_resume = self._checkpoint_to_resume() if self.resume else None
         # loaded before the run's files are written: a checkpoint this run cannot continue is refused
         # with the folder as it was (its config.yaml and plan.json still those of the checkpoint)
@@ -214,118 +230,114 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self._load_stream_state(position)
         if self.stream is not None:  # waiting for a partition ends on a stop signal too
             self.stream.stop_requested = lambda: stop.received != 0
+        logger: MetricsLogger | NoLogger = NoLogger()
         if self.is_main:  # resumed: metrics.jsonl keeps its lines up to the checkpoint, drops the later ones
             resumed = {"step": step, "lines": position.get("metrics_lines")} if position is not None else None
             logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard, resume=resumed)
         teacher_auc = self.source.teacher_auc() if hasattr(self.source, "teacher_auc") else None
-        total = self.total_steps()
         result = RunResult(0, 0, 0.0, teacher_auc=teacher_auc, out_dir=self.out_dir)
         if position is not None:
             result.resumed_at, result.samples_before = step, position.get("samples_trained")
-        self.result = result
-        every, mid_batches = eval_schedule(t, cfg.data.eval_batch_size, total)
-        bar = progress_bar(total, None, t.progress and self.is_main, unit="step")
-        if bar is not None and step:
-            bar.update(step)
-        running = position.get("running_loss") if position is not None else None  # the logged loss average
-        window_samples, window_start, window_wait = 0, time.perf_counter(), 0.0
-        unread: list[torch.Tensor] = []  # this rank's losses not yet read back to the host
-        done = t.max_steps is not None and step >= t.max_steps
-        epoch, in_epoch = first_epoch, 0
-        start = time.perf_counter()
+        total = self.total_steps()
+        run = RunState(step, first_epoch, logger, result, total, position)
+        run.eval_every, run.eval_batches = eval_schedule(cfg.train, cfg.data.eval_batch_size, total)
+        run.running = position.get("running_loss") if position is not None else None
+        run.bar = progress_bar(total, None, cfg.train.progress and self.is_main, unit="step")
+        if run.bar is not None and step:
+            run.bar.update(step)
+        run.done = cfg.train.max_steps is not None and step >= cfg.train.max_steps
         if position is not None:  # resumed: snapshots of later steps are of the run this one replaces
             self.snapshots.resumed_at(step)
         if self.snapshots.missing(step):  # resumed between a checkpoint and its snapshot
             self._publish_snapshot(step)
+        return run
 
-        def evaluate_or_stop(max_batches: int | None, final: bool = False) -> dict:
-            """An evaluation after step `step`; a stop asked for during it stops the run there, its
-            checkpoint holding the evaluation still to do (a mid-run one: the resumed run does it
-            first, so its metrics are the uninterrupted run's; the final one comes anyway)."""
-            try:
-                return self._eval(logger, step, max_batches, teacher_auc, final and t.progress, stop.agreed)
-            except EvaluationStopped as e:
-                losses = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
-                self.eval_pending = None if final else {"max_batches": max_batches}
-                self._stop(e.signum, step, epoch, in_epoch, logger, losses, bar)  # raises TrainingStopped
-                raise
+    def _train_epoch(self, run: RunState, stop: StopSignals, epoch: int) -> None:
+        """Train on the batches of `epoch` (a resumed run's first: those after its checkpoint's), up
+        to train.max_steps."""
+        if run.done:
+            return
+        first = run.position is not None and run.position["epoch"] == epoch
+        resume_at = run.position if first else None  # continue after the checkpoint's batches
+        run.epoch, run.in_epoch = epoch, resume_at["batches"] if resume_at is not None else 0
+        feed, batches = self.training_batches(epoch, resume_at)
+        waited = 0.0
+        for local in batches:
+            if run.result.first_batch_seconds is None:
+                run.result.first_batch_seconds = time.perf_counter() - run.start
+            self.timings["data_wait"] += feed.wait_seconds - waited
+            run.window.data_wait += feed.wait_seconds - waited
+            waited = feed.wait_seconds
+            run.in_epoch += 1
+            record = self.stream.batch_record(run.in_epoch) if self.stream is not None else None
+            if record is not None and record.index == 0:
+                self._start_partition(record.partition)
+            if record is not None and record.index < self.cfg.data.follow.held_out_batches:
+                self._score_held_out(local)  # scored, never trained on
+                if record.last:
+                    self._end_partition(run.logger, run.step, record.partition, run.result)
+                continue
+            self._train_batch(run, local)
+            if record is not None and record.last:
+                self._end_partition(run.logger, run.step, record.partition, run.result)
+            self._after_step(run, stop)
+            if self.cfg.train.max_steps is not None and run.step >= self.cfg.train.max_steps:
+                run.done = True
+                return
 
-        if position is not None and position.get("eval_pending") is not None:  # stopped during it
-            evaluate_or_stop(position["eval_pending"].get("max_batches"))
-        for epoch in range(first_epoch, t.epochs):
-            if done:
-                break
-            resume_at = position if epoch == first_epoch else None  # continue after the checkpoint's batches
-            in_epoch = resume_at["batches"] if resume_at is not None else 0
-            feed, batches = self.training_batches(epoch, resume_at)
-            waited = 0.0
-            for local in batches:
-                if result.first_batch_seconds is None:
-                    result.first_batch_seconds = time.perf_counter() - start
-                self.timings["data_wait"] += feed.wait_seconds - waited
-                window_wait += feed.wait_seconds - waited
-                waited = feed.wait_seconds
-                in_epoch += 1
-                record = self.stream.batch_record(in_epoch) if self.stream is not None else None
-                if record is not None and record.index == 0:
-                    self._start_partition(record.partition)
-                if record is not None and record.index < cfg.data.follow.held_out_batches:
-                    self._score_held_out(local)  # scored, never trained on
-                    if record.last:
-                        self._end_partition(logger, step, record.partition, result)
-                    continue
-                if self.progressive is not None:
-                    self._expire_by_steps(step)
-                self._set_lr(step, total)
-                unread.append(self.train_step(local, is_local=True))  # read back at log steps only
-                step += 1
-                if len(result.step_ends) < STARTUP_STEPS:
-                    result.step_ends.append(time.perf_counter() - start)
-                if self.progressive is not None:  # the training forward's scores: before this batch's update
-                    self.progressive.add(self.last_outputs, local.labels)
-                if record is not None and record.last:
-                    self._end_partition(logger, step, record.partition, result)
-                used = len(local) * self.topo.world_size  # every rank trains on as many samples
-                result.samples += used
-                window_samples += used
-                if bar is not None:
-                    bar.update(1)
-                if step % t.log_every == 0:
-                    running = self._read_losses(unread, step, result, running)
-                    now = time.perf_counter()
-                    sps = window_samples / (now - window_start)
-                    wait_ms = 1000 * window_wait / t.log_every  # waited for data, per step
-                    self._log_train_step(logger, step, total, epoch, running, sps, wait_ms, bar)
-                    if self.progressive is not None:
-                        logger.log("progressive", step, self.progressive.window_metrics())
-                    window_samples, window_start, window_wait = 0, now, 0.0
-                if every and step % every == 0 and (not total or step < total):  # the last step: the final one
-                    evaluate_or_stop(mid_batches)
-                if self.checkpoints.enabled and self.checkpoints.due(step):
-                    running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
-                    self._save_checkpoint(step, epoch, in_epoch, logger, running)
-                if self.snapshots.enabled and self.snapshots.due(step):
-                    if self.checkpoints.last_step != step:  # a snapshot is exported from its step's checkpoint
-                        running = self._read_losses(unread, step, result, running)
-                        self._save_checkpoint(step, epoch, in_epoch, logger, running)
-                    self._publish_snapshot(step)
-                # collective: every rank stops after the same step, once the step's evaluation, checkpoint
-                # and snapshot are done (a resumed run starts after them: stopped before, they were lost)
-                if signum := stop.agreed():
-                    running = self._read_losses(unread, step, result, running)  # no checkpoint after a NaN
-                    self._stop(signum, step, epoch, in_epoch, logger, running, bar)
-                if t.max_steps is not None and step >= t.max_steps:
-                    done = True
-                    break
-            if done:
-                break
-            if epoch < t.epochs - 1:
-                logger.log("epoch_end", step, {"epoch": epoch})  # curves.png marks the boundary
-                if not every:
-                    evaluate_or_stop(mid_batches)
-        running = self._read_losses(unread, step, result, running)
+    def _train_batch(self, run: RunState, local) -> None:
+        """One training step on this rank's batch, counted; its loss is read back at a log step."""
+        if self.progressive is not None:
+            self._expire_by_steps(run.step)
+        self._set_lr(run.step, run.total)
+        run.unread.append(self.train_step(local, is_local=True))
+        run.step += 1
+        if len(run.result.step_ends) < STARTUP_STEPS:
+            run.result.step_ends.append(time.perf_counter() - run.start)
+        if self.progressive is not None:  # the training forward's scores: before this batch's update
+            self.progressive.add(self.last_outputs, local.labels)
+        used = len(local) * self.topo.world_size  # every rank trains on as many samples
+        run.result.samples += used
+        run.window.samples += used
+        if run.bar is not None:
+            run.bar.update(1)
+
+    def _after_step(self, run: RunState, stop: StopSignals) -> None:
+        """What is due after a step: the log step, a mid-run evaluation, a checkpoint, a snapshot,
+        and a stop that every rank agreed on."""
+        step, t = run.step, self.cfg.train
+        if step % t.log_every == 0:
+            self._read_losses(run)
+            now = time.perf_counter()
+            sps = run.window.samples / (now - run.window.start)
+            wait_ms = 1000 * run.window.data_wait / t.log_every  # waited for data, per step
+            self._log_train_step(run, sps, wait_ms)
+            if self.progressive is not None:
+                run.logger.log("progressive", step, self.progressive.window_metrics())
+            run.window.restart(now)
+        every = run.eval_every
+        if every and step % every == 0 and (not run.total or step < run.total):  # the last step: the final one
+            self._evaluate_or_stop(run, stop, run.eval_batches)
+        if self.checkpoints.enabled and self.checkpoints.due(step):
+            self._read_losses(run)  # no checkpoint after a NaN
+            self._save_checkpoint(run)
+        if self.snapshots.enabled and self.snapshots.due(step):
+            if self.checkpoints.last_step != step:  # a snapshot is exported from its step's checkpoint
+                self._read_losses(run)
+                self._save_checkpoint(run)
+            self._publish_snapshot(step)
+        # collective: every rank stops after the same step, once the step's evaluation, checkpoint
+        # and snapshot are done (a resumed run starts after them: stopped before, they were lost)
+        if signum := stop.agreed():
+            self._read_losses(run)  # no checkpoint after a NaN
+            self._stop(signum, run)
+
+    def _end_run(self, run: RunState, stop: StopSignals) -> RunResult:
+        """After the last step: the final checkpoint and snapshot, the final evaluation, the outputs."""
+        cfg, step, result = self.cfg, run.step, run.result
+        self._read_losses(run)
         if self.stream is not None and self.stream.ended == "signal":  # stopped while waiting for a partition
-            self._stop(stop.received or signal.SIGTERM, step, epoch, in_epoch, logger, running, bar)
+            self._stop(stop.received or signal.SIGTERM, run)
         if step == 0 and self.stream is not None:
             raise DataError(f"no training batch: data.follow.dir {cfg.data.follow.dir} gave no trainable partition")
         if step == 0:  # the data had no batch in it: a run without training is a mistake, not a result
@@ -336,47 +348,54 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                 + (f"; {skipped} malformed lines were skipped" if (skipped := getattr(self.source, "num_skipped", 0))
                    else "")
             )  # fmt: skip
-        result.train_seconds = time.perf_counter() - start
-        if self.checkpoints.enabled and step and self.checkpoints.last_step != step:
-            # the end of training is always resumable
-            self._save_checkpoint(step, epoch, in_epoch, logger, running)
+        result.train_seconds = time.perf_counter() - run.start
+        if self.checkpoints.enabled and self.checkpoints.last_step != step:
+            self._save_checkpoint(run)  # the end of training is always resumable
         if self.snapshots.enabled and self.snapshots.last_step != step:  # the end of training is served too
             if self.checkpoints.last_step != step:
-                self._save_checkpoint(step, epoch, in_epoch, logger, running)
+                self._save_checkpoint(run)
             self._publish_snapshot(step)
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()
-        if self.comms is not None and step:
+        if self.comms is not None:
             sent = self.comms.stats.take()
             result.comm_bytes_per_step = {k: v / step for k, v in sent.items() if k != "eval"}  # training's
-        if bar is not None:
-            bar.close()
-            bar = None
+        run.close_bar()
         result.steps = step
-        result.eval = evaluate_or_stop(None, final=True)
+        result.eval = self._evaluate_or_stop(run, stop, None, final=True)
         result.skipped_lines = int(getattr(self.source, "num_skipped", 0) or 0)
         if cfg.embedding.bounds_check == "warn":
             result.dropped_ids = self._dropped_ids()
-        logger.close()
+        run.logger.close()
         self._finish(result)
         return result
 
-    def _read_losses(
-        self, unread: list[torch.Tensor], step: int, result: RunResult, running: float | None
-    ) -> float | None:
-        """Read the losses of the steps up to `step` back to the host in one transfer (on a GPU the
-        steps between log steps never wait for the device), check them, and return the running
+    def _evaluate_or_stop(self, run: RunState, stop: StopSignals, max_batches: int | None, final: bool = False) -> dict:
+        """An evaluation after step `run.step`; a stop asked for during it stops the run there, its
+        checkpoint holding the evaluation still to do (a mid-run one: the resumed run does it first,
+        so its metrics are the uninterrupted run's; the final one comes anyway)."""
+        progress = final and self.cfg.train.progress
+        try:
+            return self._eval(run.logger, run.step, max_batches, run.result.teacher_auc, progress, stop.agreed)
+        except EvaluationStopped as e:
+            self._read_losses(run)  # no checkpoint after a NaN
+            self.eval_pending = None if final else {"max_batches": max_batches}
+            self._stop(e.signum, run)  # raises TrainingStopped
+            raise
+
+    def _read_losses(self, run: RunState) -> None:
+        """Read the losses of the steps up to `run.step` back to the host in one transfer (on a GPU the
+        steps between log steps never wait for the device), check them, and update the running
         average. A non-finite loss stops training, naming its step."""
-        if not unread:
-            return running
-        values = torch.stack(unread).tolist()
-        unread.clear()
+        if not run.unread:
+            return
+        values = torch.stack(run.unread).tolist()
+        run.unread.clear()
         for i, loss in enumerate(values):
             if not math.isfinite(loss):
-                raise self._diverged(loss, step - len(values) + i)
-            result.losses.append(loss)
-            running = loss if running is None else 0.98 * running + 0.02 * loss
-        return running
+                raise self._diverged(loss, run.step - len(values) + i)
+            run.result.losses.append(loss)
+            run.running = loss if run.running is None else 0.98 * run.running + 0.02 * loss
 
     def _eval(
         self,
