@@ -316,3 +316,28 @@ def test_reads_ahead_follow_earlier_writes_and_pending_writes_are_read() -> None
     release.set()
     io_.close()
     assert torch.equal(backing.field("weight")[5:7], torch.full((2, 4), 7.0))
+
+
+def test_a_state_loaded_between_a_batch_s_read_ahead_and_its_lookup_is_what_the_lookup_reads(tmp_path) -> None:
+    """A batch read ahead, then a checkpoint loaded (its rows leave the cache), then the batch looked
+    up and trained: as an engine without a cache does, bitwise."""
+    ts = tables()
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.05)
+    plain, cached = FusedEmbeddingCollection(ts, opt), cached_engine(ts, opt, tmp_path, fraction=0.2)
+    gen = torch.Generator().manual_seed(0)
+    batches = [batch(gen, ts) for _ in range(6)]
+    saved = None
+    for i, sparse in enumerate(batches):
+        if i == 2:
+            saved = {k: v.clone() for k, v in plain.state_dict().items()}
+        if i + 1 < len(batches):
+            cached.prefetch(batches[i + 1])
+        if i == 4:  # back to the saved state, the coming batch read ahead already
+            cached.load_state_dict(saved)
+            plain.load_state_dict(saved)
+        out, ref = cached(sparse), plain(sparse)
+        assert torch.equal(out, ref), i
+        grad = torch.randn(out.shape, generator=gen)
+        out.backward(grad)
+        ref.backward(grad)
+    assert_same_state(cached, plain)

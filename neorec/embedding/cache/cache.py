@@ -293,6 +293,8 @@ class RowCache(ReadAhead, SlotBookkeeping):
         """Overwrite rows [start, end) in the backing store; cached copies of them are dropped
         (after a flush, so the other fields of those rows lose nothing)."""
         self.flush()
+        for entry in self._ahead:  # batches read ahead: their rows may lose their slots here
+            entry.complete = False
         rows = torch.arange(start, end, device=self.device)
         slots = self.slot_index(rows)
         resident = slots >= 0
