@@ -193,7 +193,8 @@ def load_init(model, side: str, dense_only: bool, path: Path, keys: list[str]) -
     t0 = time.perf_counter()
     state = torch.load(path, weights_only=True, mmap=True)
     if side == "neorec":
-        (load_torchrec_dense if dense_only else load_torchrec_state)(model, state)
+        # the TorchRec model's feature order: one table per feature, in `keys` order (torchrec_model)
+        (load_torchrec_dense if dense_only else load_torchrec_state)(model, state, feature_names=keys)
     else:
         # TorchRec's tables are named t_<feature> (see torchrec_model), neorec's <feature>
         tables = DLRM_TABLES + EBC_KEY

@@ -38,6 +38,8 @@ def add_dcp_commands(ckpt: argparse._SubParsersAction, add_config_args: Callable
     )
     p.add_argument("--no-optimizer-state", action="store_true",
                    help="read the weights alone; the embedding optimizer state starts fresh")  # fmt: skip
+    _add_feature_names(p, "the TorchRec DLRM's feature order (dlrm.sparse_arch.sparse_feature_names), "
+                          "needed where the checkpoint does not record it")  # fmt: skip
     p.set_defaults(func=cmd_import_dcp)
 
     p = ckpt.add_parser(
@@ -58,6 +60,7 @@ def add_dcp_commands(ckpt: argparse._SubParsersAction, add_config_args: Callable
     p.add_argument("--optimizer-prefix", default="optim.",
                    help="where the saved dict holds dmp.fused_optimizer.state_dict() (default optim.)")  # fmt: skip
     p.add_argument("--no-optimizer-state", action="store_true", help="write the weights alone")
+    _add_feature_names(p, "the feature order of the TorchRec DLRM that will load it (default: the config's)")
     p.add_argument("--row-state-columns", action="append", default=[], metavar="TABLE=C0,C1,...",
                    help="the first column of each column shard of TABLE in the TorchRec model that loads it, for "
                         "its row-wise optimizer state (default: whole tables; repeatable)")  # fmt: skip
@@ -101,9 +104,11 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
             )
         trainer = Trainer(cfg, out_dir)
         target = trainer.model if isinstance(trainer.model, DLRM) else trainer.embeddings
-        report = load_dcp(target, args.dcp_dir, optimizer_state=not args.no_optimizer_state)
+        report = load_dcp(
+            target, args.dcp_dir, optimizer_state=not args.no_optimizer_state, feature_names=args.feature_names
+        )
         state = trainer.data.position(0, 0)
-        state.update(batch_size=cfg.data.batch_size, seed=cfg.seed, metrics_lines=0, running_loss=None)
+        state.update(batch_size=cfg.data.batch_size, seed=cfg.seed, metrics_lines=0)
         optimizers = {"dense": trainer.dense_opt, "embedding": trainer.emb_opt}
         path = save_checkpoint(root, 0, trainer.embeddings, trainer.model, optimizers, state)
     print(report_text(report, "read", target is trainer.model))
@@ -144,11 +149,22 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
         optimizer_prefix = None if args.no_optimizer_state else args.optimizer_prefix
         report = save_dcp(
             target, args.out, prefix=args.prefix, module_prefix=args.module_prefix,
-            optimizer_prefix=optimizer_prefix, row_state_columns=columns,
+            optimizer_prefix=optimizer_prefix, row_state_columns=columns, feature_names=args.feature_names,
         )  # fmt: skip
     print(report_text(report, "wrote", target is model))
     print(f"wrote {args.out} from {folder}")
     return 0
+
+
+def _add_feature_names(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--feature-names", default=None, type=_feature_list, metavar="F1,F2,...", help=help_text)
+
+
+def _feature_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct feature names separated by commas")
+    return names
 
 
 def _row_state_columns(items: list[str]) -> dict[str, list[int]]:

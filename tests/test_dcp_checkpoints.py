@@ -66,6 +66,25 @@ def test_export_then_import_a_run_and_train_on(tmp_path):
     assert main(["train", *sets, "--output-dir", str(again), "--resume"]) == 0
     assert (again / "model.pt").is_file()
 
+    # for a TorchRec DLRM of another feature order: its top MLP's columns follow that order, and an
+    # import in that order gives back the same model
+    order = ["--feature-names", "C4,C3,C2,C1"]
+    reordered = tmp_path / "dcp3"
+    assert main(["checkpoint", "export-dcp", str(tmp_path / "run"), "--out", str(reordered), "--prefix", "", *order]) == 0
+    top = "over_arch.model.0._mlp.0._linear.weight"
+    assert not torch.equal(_everything(reordered)[top], written[top])
+    third = tmp_path / "third"
+    assert main(["checkpoint", "import-dcp", str(reordered), *sets, "--output-dir", str(third), *order]) == 0
+    assert main(["checkpoint", "export-dcp", str(third / "checkpoints"), "--out", str(tmp_path / "dcp4"),
+                 "--config", str(tmp_path / "run" / "config.yaml"), "--prefix", ""]) == 0  # fmt: skip
+    assert torch.equal(_everything(tmp_path / "dcp4")[top], written[top])
+    with pytest.raises(SystemExit, match="2"):  # argparse's usage error
+        main(["checkpoint", "import-dcp", str(out), *sets, "--output-dir", str(tmp_path / "bad"),
+              "--feature-names", "C1,C1"])  # fmt: skip
+    # an order that contradicts the one the checkpoint records is refused
+    assert main(["checkpoint", "import-dcp", str(reordered), *sets, "--output-dir", str(tmp_path / "bad"),
+                 "--feature-names", "C1,C2,C3,C4"]) == 2  # fmt: skip
+
 
 def test_import_never_goes_into_a_finished_run_or_the_dcp_folder(tmp_path, capsys):
     """import-dcp into the folder of a finished run wrote step 0 beside its model.pt, which the next

@@ -23,6 +23,7 @@ from neorec.distributed.sharded import ShardedEmbeddingCollection  # noqa: E402
 from neorec.distributed.topology import Topology  # noqa: E402
 from neorec.embedding.fused.collection import FusedEmbeddingCollection  # noqa: E402
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig  # noqa: E402
+from neorec.errors import NeorecError  # noqa: E402
 from neorec.interop.torchrec import load_dcp, save_dcp  # noqa: E402
 from neorec.model.dlrm import DLRM  # noqa: E402
 from neorec.sparse import SparseBatch  # noqa: E402
@@ -37,6 +38,8 @@ TABLES = [  # (name, rows, optimizer, TorchRec sharding of the model neorec impo
     ("t2", 20, ROWWISE, ("column_wise", [1, 0]), ("table_wise", 0)),  # rank 1 holds columns 0-3
 ]
 STEPS = 2  # trained before the checkpoint, and after it on each side
+# the TorchRec DLRM's feature order: a DMP's state_dict sorts its keys, which loses the tables' order
+FEATURES = [f"f{n[1]}" for n, *_ in TABLES]
 
 
 def tables() -> list[TableConfig]:
@@ -194,7 +197,7 @@ def _neorec_side(topo: Topology, saved: str, resaved: str) -> list[float]:
     """One of 3 ranks: read TorchRec's checkpoint under PLAN_3, train on, write a DCP checkpoint."""
     comms = Comms(topo)
     model = neorec_model(_sharded(topo, PLAN_3, comms))
-    load_dcp(model, saved)
+    load_dcp(model, saved, feature_names=FEATURES)
     losses = neorec_steps(model, batches(2), topo.rank, topo.world_size, comms)
     save_dcp(model, resaved)  # collective
     return losses
@@ -229,7 +232,9 @@ def test_dmp_checkpoint_trains_on_in_neorec_and_neorec_checkpoint_loads_into_dmp
 
     # TorchRec's checkpoint, on one process (t2 split by columns as TorchRec split it): TorchRec's losses
     single = neorec_model(_sharded(Topology(), PLAN_1))
-    report = load_dcp(single, saved)
+    with pytest.raises(NeorecError, match="keys were sorted.*feature_names="):
+        load_dcp(single, saved)
+    report = load_dcp(single, saved, feature_names=FEATURES)
     assert sorted(report.optimizer_state) == ["t0", "t1", "t2"] and len(report.dense) == 8
     for t in tables():
         key = f"sparse_arch.embedding_bag_collection.embedding_bags.{t.name}.weight"

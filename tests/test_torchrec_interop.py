@@ -30,6 +30,8 @@ DIM = 8
 NUM_DENSE = 5
 BOTTOM = [16, DIM]
 OVER = [12, 6, 1]  # TorchRec's over_arch sizes end in the logit; neorec's top_mlp leaves it out
+# the TorchRec DLRM's feature order: "users" has two features, whose order no state_dict holds
+FEATURES = ["user", "friend", "item", "tag"]
 
 
 def configs() -> list[EmbeddingBagConfig]:
@@ -85,7 +87,7 @@ def test_kjt_to_sparse_batch_and_back_shares_ids_and_weights():
     weights = torch.rand(8, generator=g)
     kjt = KeyedJaggedTensor(keys=["a", "b"], values=values, lengths=lengths, weights=weights)
 
-    sparse = sparse_from_kjt(kjt)
+    sparse = sparse_from_kjt(kjt, weighted=True)
     assert sparse.keys == ["a", "b"] and sparse.batch_size == 3
     assert sparse.values.data_ptr() == values.data_ptr()
     assert sparse.weights.data_ptr() == weights.data_ptr()
@@ -100,6 +102,34 @@ def test_kjt_to_sparse_batch_and_back_shares_ids_and_weights():
     assert back.lengths().data_ptr() == sparse.lengths.data_ptr()
     assert back.weights().data_ptr() == weights.data_ptr()
     assert torch.equal(back.offsets(), sparse.offsets())
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_kjt_weights_are_pooled_as_the_torchrec_module_pools_them(weighted):
+    """An unweighted EmbeddingBagCollection (sum and mean tables) ignores a KJT's weights, a weighted
+    one (sum: TorchRec's weighted bags) pools with them; the collection moved over does the same."""
+    import dataclasses
+
+    tables = [dataclasses.replace(c, pooling=PoolingType.SUM) if weighted else c for c in configs()]
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
+    moved = tables_from_configs(ebc.embedding_bag_configs())
+    emb = FusedEmbeddingCollection(moved, EmbeddingOptimizerConfig())
+    load_torchrec_state(emb, ebc.state_dict())
+    plain = random_kjt()
+    g = torch.Generator().manual_seed(4)
+    kjt = KeyedJaggedTensor(
+        keys=plain.keys(), values=plain.values(), lengths=plain.lengths(),
+        weights=torch.rand(plain.values().numel(), generator=g) + 0.5,
+    )  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(
+            emb(sparse_from_kjt(kjt, weighted=ebc.is_weighted())), ebc(kjt).values(), rtol=0, atol=1e-6
+        )
+    with pytest.raises(NeorecError, match=r"\['user', 'friend', 'item', 'tag'\] carries weights.*weighted="):
+        sparse_from_kjt(kjt)
+    with pytest.raises(NeorecError, match="weighted=True, but .* carries no weights"):
+        sparse_from_kjt(plain, weighted=True)
+    assert sparse_from_kjt(plain).weights is None
 
 
 def test_kjt_built_from_offsets_like_torchrecs_examples():
@@ -188,7 +218,7 @@ def test_configs_without_a_neorec_counterpart_are_refused():
 def test_torchrec_dlrm_round_trip_is_bitwise_and_scores_agree(engine):
     theirs = torchrec_dlrm()
     ours = neorec_dlrm(engine)
-    used = load_torchrec_state(ours, theirs.state_dict())
+    used = load_torchrec_state(ours, theirs.state_dict(), theirs.sparse_arch.sparse_feature_names)
     assert sorted(used) == sorted(theirs.state_dict())
 
     back = torchrec_state(ours)
@@ -212,7 +242,7 @@ def test_torchrec_dlrm_round_trip_is_bitwise_and_scores_agree(engine):
 def test_trained_neorec_weights_go_back_to_torchrec():
     """Weights changed on the neorec side (one fused SGD step) are what TorchRec then scores with."""
     ours = neorec_dlrm()
-    load_torchrec_state(ours, torchrec_dlrm().state_dict())
+    load_torchrec_state(ours, torchrec_dlrm().state_dict(), FEATURES)
     kjt = random_kjt(seed=3)
     dense = torch.randn(kjt.stride(), NUM_DENSE)
     ours(Batch(dense, sparse_from_kjt(kjt), torch.ones(kjt.stride()))).sum().backward()
@@ -233,7 +263,7 @@ def test_dense_layers_alone_load_and_leave_the_tables():
     theirs = torchrec_dlrm().state_dict()
     ours = neorec_dlrm()
     tables_before = torchrec_state(ours.embeddings)
-    used = load_torchrec_dense(ours, {"model." + k: v for k, v in theirs.items()})
+    used = load_torchrec_dense(ours, {"model." + k: v for k, v in theirs.items()}, FEATURES)
     assert sorted(used) == sorted("model." + k for k in theirs if "sparse_arch" not in k)
     back = torchrec_state(ours)
     for key, value in theirs.items():
@@ -257,7 +287,7 @@ def test_embedding_bag_collection_state_and_outer_prefixes():
     theirs = torchrec_dlrm()
     wrapped = {"module.model." + k: v for k, v in theirs.state_dict().items()}
     ours = neorec_dlrm()
-    load_torchrec_state(ours, wrapped)
+    load_torchrec_state(ours, wrapped, FEATURES)
     assert torch.equal(
         torchrec_state(ours)["over_arch.model.1.weight"], theirs.state_dict()["over_arch.model.1.weight"]
     )
@@ -277,7 +307,7 @@ def test_mismatched_state_dicts_name_the_key():
 
     deeper = dict(state, **{"over_arch.model.0._mlp.2._linear.weight": torch.zeros(6, 6)})
     with pytest.raises(NeorecError, match=r"over_arch\.model\.0\._mlp\.2\._linear\.weight"):
-        load_torchrec_state(neorec_dlrm(), deeper)
+        load_torchrec_state(neorec_dlrm(), deeper, FEATURES)
 
     with pytest.raises(NeorecError, match="self_interaction"):
         load_torchrec_state(neorec_dlrm(self_interaction=True), state)
@@ -326,8 +356,14 @@ try:  # a sharded table has to be gathered first, and the error says so
 except NeorecError as e:
     assert "embedding_bags." in str(e) and "gather_torchrec_state" in str(e), e
 full = gather_torchrec_state(state)
+assert list(full) == list(state)
 ours = t.neorec_dlrm()
-load_torchrec_state(ours, full)
+try:  # DMP's state_dict sorts its keys: the order of the tables is lost
+    load_torchrec_state(ours, full)
+    raise AssertionError("a sorted state_dict loaded without feature_names")
+except NeorecError as e:
+    assert "keys were sorted" in str(e), e
+load_torchrec_state(ours, full, t.FEATURES)
 back = torchrec_state(ours)
 assert sorted(back) == sorted(full)
 for key, value in full.items():

@@ -4,7 +4,8 @@ TorchRec is an optional dependency; it is imported when a function here first ne
 (docs/torchrec.md walks through it):
 
 - batches.py: `KeyedJaggedTensor` <-> `SparseBatch` (the same feature-major layout, tensors shared;
-  int32 ids and lengths widened to int64), and an `EmbeddingCollection`'s lookup (`JaggedTensor`
+  int32 ids and lengths widened to int64; a KJT's weights kept or dropped as the TorchRec module
+  that reads it, weighted or not, uses them), and an `EmbeddingCollection`'s lookup (`JaggedTensor`
   per feature) <-> `JaggedRows` (what a neorec collection returns for its `pooling: none` tables).
 - configs.py: `EmbeddingBagConfig` <-> a pooled `TableConfig` (sum/mean), `EmbeddingConfig` <-> a
   `TableConfig` with pooling none.
@@ -17,7 +18,8 @@ TorchRec is an optional dependency; it is imported when a function here first ne
   DistributedModelParallel (tables in any sharding, fused optimizer state, DLRM layers) <-> a neorec
   model, each process reading or writing only the table parts it holds.
 - dlrm.py: DLRM's MLPs, with the top MLP's input columns permuted between the two orders of the
-  interaction's dot products.
+  interaction's dot products and of the features (TorchRec's taken from its tables' order, or given
+  as `feature_names`).
 """
 
 from neorec.interop.torchrec.batches import (

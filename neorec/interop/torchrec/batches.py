@@ -4,6 +4,11 @@ Both batch types are feature-major keyed jagged layouts (all ids of feature 0 fo
 then feature 1, ...), so id and weight tensors are shared, not copied. TorchRec takes int32 or int64
 ids and lengths; neorec's are int64, so int32 ones are widened (a copy, which keeps every value).
 
+A KJT's weights are read or not by the TorchRec module, not the KJT: an EmbeddingBagCollection made
+with is_weighted=True pools with them, an unweighted one (the default) and an EmbeddingCollection
+ignore them. A neorec collection pools with whatever weights the SparseBatch carries, so
+`sparse_from_kjt` is told which (`weighted`) and keeps or drops the weights to match.
+
 An EmbeddingCollection's lookup (dict[str, JaggedTensor]: per feature, one row [D] per id and the
 samples' lengths) is what a neorec collection's `embed` returns for its `pooling: none` tables
 (dict[str, JaggedRows]); the row tensors are shared both ways.
@@ -25,12 +30,16 @@ if TYPE_CHECKING:  # pragma: no cover
 _ID_DTYPES = (torch.int64, torch.int32)  # what TorchRec's lookups take
 
 
-def sparse_from_kjt(kjt: KeyedJaggedTensor) -> SparseBatch:
+def sparse_from_kjt(kjt: KeyedJaggedTensor, weighted: bool | None = None) -> SparseBatch:
     """A SparseBatch over the KJT's own id and weight tensors (no copy of int64 ids).
 
-    int32 ids and lengths are widened to int64 (copies; widening keeps every value, so an id outside
-    its table stays one and the collection's bounds check reports it). A KJT with no features, with
-    ids of another dtype, or whose features have different batch sizes has no SparseBatch form."""
+    `weighted`: whether the TorchRec module that reads the KJT pools with its weights
+    (`ebc.is_weighted()`; False for an EmbeddingCollection). False drops the KJT's weights, so that
+    neorec pools as TorchRec does; True keeps them (a weighted module needs them); a KJT that carries
+    weights needs it said. int32 ids and lengths are widened to int64 (copies; widening keeps every
+    value, so an id outside its table stays one and the collection's bounds check reports it). A KJT
+    with no features, with ids of another dtype, or whose features have different batch sizes has no
+    SparseBatch form."""
     if not kjt.keys():
         raise TorchRecInteropError(
             "the KeyedJaggedTensor has no features (keys []), so there is nothing to look up: a SparseBatch "
@@ -54,8 +63,20 @@ def sparse_from_kjt(kjt: KeyedJaggedTensor) -> SparseBatch:
             f"KeyedJaggedTensor values of features {kjt.keys()} are {values.dtype}, {what}: neorec reads "
             f"int64 or int32 ids, as TorchRec does{hint}"
         )
+    weights = kjt.weights_or_none()
+    if weights is not None and weighted is None:
+        raise TorchRecInteropError(
+            f"the KeyedJaggedTensor of features {kjt.keys()} carries weights, which a TorchRec "
+            "EmbeddingBagCollection pools with only when made with is_weighted=True: say which, "
+            "sparse_from_kjt(kjt, weighted=ebc.is_weighted())"
+        )
+    if weights is None and weighted:
+        raise TorchRecInteropError(
+            f"weighted=True, but the KeyedJaggedTensor of features {kjt.keys()} carries no weights: a "
+            "weighted EmbeddingBagCollection reads one per id"
+        )
     return SparseBatch(
-        kjt.keys(), values.to(torch.int64), kjt.lengths().to(torch.int64), kjt.weights_or_none()
+        kjt.keys(), values.to(torch.int64), kjt.lengths().to(torch.int64), weights if weighted else None
     )
 
 

@@ -49,6 +49,9 @@ from neorec.interop.torchrec.dlrm import (
     dlrm_dense_from_torchrec,
     dlrm_dense_keys,
     dlrm_dense_to_torchrec,
+    export_feature_order,
+    recorded_table_order,
+    torchrec_feature_order,
 )
 from neorec.interop.torchrec.weights import EBC_KEY, EC_KEY, _check_table_names, _collection, _table_prefixes
 
@@ -73,7 +76,12 @@ class DcpReport:
 
 
 # ---- TorchRec -> neorec ---------------------------------------------------------------------------
-def load_dcp(model: nn.Module, folder: str | Path, optimizer_state: bool = True) -> DcpReport:
+def load_dcp(
+    model: nn.Module,
+    folder: str | Path,
+    optimizer_state: bool = True,
+    feature_names: Sequence[str] | None = None,
+) -> DcpReport:
     """Read a DCP checkpoint of a TorchRec model into a neorec DLRM or embedding collection in place.
 
     Every table of the model must be in the checkpoint and the reverse (names, shapes and kind:
@@ -82,7 +90,13 @@ def load_dcp(model: nn.Module, folder: str | Path, optimizer_state: bool = True)
     optimizer state is read where TorchRec's has the same meaning (TORCHREC_STATE); a table whose
     checkpoint holds another optimizer's state is refused, naming it. Everything is checked before
     any table is written. Not a collective: every process of a sharded collection calls it and reads
-    the parts it holds, so it reads any TorchRec sharding under any neorec plan and world size."""
+    the parts it holds, so it reads any TorchRec sharding under any neorec plan and world size.
+
+    A TorchRec DLRM's feature order (which its top MLP's columns follow) is the order of its tables
+    in the saved dict, which DCP's metadata records as `planner_data` (dcp.save's default planner and
+    `save_dcp` write it), when every table has one feature and the dict is the DLRM's own state_dict;
+    otherwise, and for a DistributedModelParallel's (its keys sorted), `feature_names` gives it
+    (TorchRec's `dlrm.sparse_arch.sparse_feature_names`; dlrm.py)."""
     metadata = read_metadata(folder)
     keys = metadata.state_dict_metadata
     emb = _collection(model)
@@ -102,7 +116,7 @@ def load_dcp(model: nn.Module, folder: str | Path, optimizer_state: bool = True)
             states[t.name] = _carried_state(
                 t, _optimizer_name(emb, t), found, metadata, table_keys[t.name], report
             )
-    dense = _read_dlrm_dense(model, metadata, folder, table_keys)
+    dense = _read_dlrm_dense(model, metadata, folder, table_keys, feature_names)
     reader = CheckedReader(folder, metadata)
     _read_tables(emb, reader, metadata, table_keys, states)
     if dense:
@@ -224,7 +238,7 @@ def row_blocks(metadata, table_key: str) -> list[tuple[tuple[int, int], tuple[in
     return out
 
 
-def _read_dlrm_dense(model: nn.Module, metadata, folder, table_keys: dict[str, str]):
+def _read_dlrm_dense(model: nn.Module, metadata, folder, table_keys: dict[str, str], feature_names):
     """(neorec entries, DCP keys) of a TorchRec DLRM's MLP layers for a neorec DLRM, else None."""
     from neorec.model.dlrm import DLRM
 
@@ -247,11 +261,21 @@ def _read_dlrm_dense(model: nn.Module, metadata, folder, table_keys: dict[str, s
         return None
     outer = tables_prefix[: -len(DLRM_TABLES + EBC_KEY)]
     check_plain_dlrm(keys, outer)
+    # planner_data: DCP's record of the saved dict's entries in its order ({flattened key: path})
+    saved = getattr(metadata, "planner_data", None)
+    table_order, why = None, (
+        f"{folder}: its .metadata does not record the order of the saved entries (no planner_data, which "
+        "dcp.save writes when it flattens the saved dict, as by default), so the TorchRec DLRM's feature "
+        "order is unknown"
+    )
+    if isinstance(saved, Mapping):
+        table_order, why = recorded_table_order(saved, outer, f"{folder}: the saved dict")
+    order = torchrec_feature_order(model, table_order, feature_names, why)
     layers = [k for k in keys if k.startswith(outer) and (BOTTOM in k or "over_arch." in k)]
     parts = {k: [((0,) * len(tensor_entry(metadata, k).size), torch.empty(tuple(tensor_entry(metadata, k).size)))] for k in layers}  # fmt: skip
     load_parts(CheckedReader(folder, metadata), parts)
     values = {k: p[0][1] for k, p in parts.items()}
-    return dlrm_dense_from_torchrec(model, values, outer), [outer + k for k in dlrm_dense_keys(model)]
+    return dlrm_dense_from_torchrec(model, values, outer, order), [outer + k for k in dlrm_dense_keys(model)]
 
 
 def _read_tables(emb: EmbeddingCollection, reader: CheckedReader, metadata, table_keys, states) -> None:
@@ -313,6 +337,7 @@ def save_dcp(
     module_prefix: str = "",
     optimizer_prefix: str | None = "optim.",
     row_state_columns: Mapping[str, Sequence[int]] | None = None,
+    feature_names: Sequence[str] | None = None,
 ) -> DcpReport:
     """Write a neorec DLRM or embedding collection as a DCP checkpoint that a TorchRec model loads
     with `dcp.load`. Collective for a sharded collection (every rank calls it; each writes the table
@@ -330,7 +355,11 @@ def save_dcp(
     [rows] per column shard. `row_state_columns` {table: the first column of each shard} says how
     the TorchRec model that will load it splits a table; by default a table is split as this model
     splits it ([0]: a whole table, [rows]). A block over other columns than neorec's shards gets their
-    mean weighted by the columns shared (exact where the splits agree)."""
+    mean weighted by the columns shared (exact where the splits agree).
+
+    A DLRM's top MLP takes its columns in the TorchRec DLRM's feature order: the collection's own
+    (a TorchRec DLRM over `configs_from_tables(tables)`), or `feature_names` for another. The
+    metadata's `planner_data` lists the tables in that order, which `load_dcp` reads back."""
     from neorec.checkpoint.pieces import slots, storages
     from neorec.embedding.fused.storage import read_storage
     from neorec.model.dlrm import DLRM
@@ -340,6 +369,9 @@ def save_dcp(
     if hasattr(emb, "sync_replica_state"):  # replicated tables' state, current on their owners only
         emb.sync_replica_state()
     dlrm = isinstance(model, DLRM)
+    features, order = ([], [t.name for t in emb.tables])
+    if dlrm:
+        features, order = export_feature_order(model, feature_names)
     tables = {t.name: t for t in emb.tables}
     report = DcpReport(tables=list(tables))
     keys: dict[tuple[str, str], str] = {}  # (table, "weight" or a neorec state) -> DCP key
@@ -393,12 +425,15 @@ def save_dcp(
         if _rank(emb) == 0:
             parts[key], sizes[key] = [((0,), total)], (total.numel(),)
     if dlrm:
-        dense = {prefix + module_prefix + k: v for k, v in dlrm_dense_to_torchrec(model).items()}
+        dense = {prefix + module_prefix + k: v for k, v in dlrm_dense_to_torchrec(model, features).items()}
         report.dense = list(dense)
         if _rank(emb) == 0:  # the same on every rank: written once
             for key, value in dense.items():
                 parts[key], sizes[key] = [((0,) * value.dim(), value)], tuple(value.shape)
-    save_parts(folder, parts, sizes)
+    # every key, the tables' weights first and in the TorchRec model's order (the same on every rank)
+    entries = [keys[(name, "weight")] for name in order]
+    entries += [k for (_, state), k in keys.items() if state != "weight"] + report.dense
+    save_parts(folder, parts, sizes, entries)
     return report
 
 

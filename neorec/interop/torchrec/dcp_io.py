@@ -16,6 +16,7 @@ asked for is covered by the checkpoint's chunks and that sizes agree with the me
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -241,12 +242,23 @@ def _first_nonfinite(t: torch.Tensor, offsets: Sequence[int]) -> str:
 
 class _PartsSavePlanner(DefaultSavePlanner):
     """Writes this process's parts as chunks of tensors of the given global sizes; DCP's global
-    plan checks that the chunks of all processes cover each tensor exactly once."""
+    plan checks that the chunks of all processes cover each tensor exactly once. The metadata's
+    `planner_data` lists the entries in the order `entries` gives ({key: (key,)}, as DCP's own
+    planner records a flat dict), the record of the saved dict's order that `load_dcp` reads."""
 
-    def __init__(self, parts: Mapping[str, Sequence[Part]], sizes: Mapping[str, Sequence[int]]) -> None:
+    def __init__(
+        self, parts: Mapping[str, Sequence[Part]], sizes: Mapping[str, Sequence[int]], entries: Sequence[str]
+    ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.parts, self.sizes = parts, sizes
+        self.parts, self.sizes, self.entries = parts, sizes, list(entries)
         self.by_index: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = super().create_global_plan(all_plans)
+        saved, listed = metadata.state_dict_metadata, set(self.entries)
+        order = [k for k in self.entries if k in saved] + [k for k in saved if k not in listed]
+        self.metadata = dataclasses.replace(metadata, planner_data={k: (k,) for k in order})
+        return plans, self.metadata
 
     def create_local_plan(self) -> SavePlan:
         items = []
@@ -296,12 +308,16 @@ def check_replaceable(folder: str | Path) -> Path:
 
 
 def save_parts(
-    folder: str | Path, parts: Mapping[str, Sequence[Part]], sizes: Mapping[str, Sequence[int]]
+    folder: str | Path,
+    parts: Mapping[str, Sequence[Part]],
+    sizes: Mapping[str, Sequence[int]],
+    entries: Sequence[str] = (),
 ) -> Path:
     """Collective when torch.distributed is initialised (every rank calls it with its own parts):
     write a DCP checkpoint whose tensor `key` has global size `sizes[key]` and is made of the parts
-    of all ranks. It is written into a hidden temporary folder that is renamed to `folder` once
-    complete, so `folder` never holds a partial checkpoint; an existing `folder` is replaced."""
+    of all ranks, its metadata listing them in the order `entries` gives (others after). It is
+    written into a hidden temporary folder that is renamed to `folder` once complete, so `folder`
+    never holds a partial checkpoint; an existing `folder` is replaced."""
     folder = check_replaceable(folder)
     tmp = folder.with_name(f".{folder.name}.tmp")
     distributed = dist.is_available() and dist.is_initialized()
@@ -316,9 +332,8 @@ def save_parts(
     with warnings.catch_warnings():  # without a process group DCP warns that one process saves alone
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.save(
-                {}, storage_writer=writer, planner=_PartsSavePlanner(parts, sizes), no_dist=not distributed
-            )
+            planner = _PartsSavePlanner(parts, sizes, entries)
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=not distributed)
         except CheckpointException as e:  # a BaseException: what a rank raised (a full disk) is reported
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)

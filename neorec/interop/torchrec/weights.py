@@ -14,7 +14,7 @@ own state_dict.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,9 @@ from neorec.interop.torchrec.dlrm import (
     dlrm_dense_from_torchrec,
     dlrm_dense_keys,
     dlrm_dense_to_torchrec,
+    export_feature_order,
+    recorded_table_order,
+    torchrec_feature_order,
 )
 
 EBC_KEY = "embedding_bags."
@@ -42,7 +45,9 @@ _KINDS = {
 
 
 # ---- TorchRec -> neorec ---------------------------------------------------------------------------
-def load_torchrec_state(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
+def load_torchrec_state(
+    model: nn.Module, state_dict: Mapping[str, Any], feature_names: Sequence[str] | None = None
+) -> list[str]:
     """Copy TorchRec weights into a neorec model in place; returns the TorchRec keys it used.
 
     `model` is a neorec DLRM (tables and MLPs load from a TorchRec DLRM state_dict; tables alone
@@ -51,7 +56,12 @@ def load_torchrec_state(model: nn.Module, state_dict: Mapping[str, Any]) -> list
     side, or a whole TorchRec model's, whose other entries it leaves). Every table of the model must
     be in the state_dict and the reverse; any shape or structure that differs raises
     TorchRecInteropError naming the key, before anything is written. A sharded collection is loaded
-    by every rank with the same state_dict (not a collective): each writes the parts it holds."""
+    by every rank with the same state_dict (not a collective): each writes the parts it holds.
+
+    For a DLRM, the TorchRec interaction's feature order is the state_dict's order of the tables (as
+    the TorchRec DLRM's own `state_dict()` lists them) when every table has one feature; otherwise,
+    and for a DistributedModelParallel's state_dict (its keys sorted), `feature_names` gives it
+    (TorchRec's `dlrm.sparse_arch.sparse_feature_names`; dlrm.py)."""
     from neorec.model.dlrm import DLRM
 
     emb = _collection(model)
@@ -80,7 +90,9 @@ def load_torchrec_state(model: nn.Module, state_dict: Mapping[str, Any]) -> list
             )
         outer = tables_prefix[: -len(DLRM_TABLES + EBC_KEY)]
         check_plain_dlrm(state_dict, outer)
-        dense = dlrm_dense_from_torchrec(model, state_dict, outer)
+        table_order, why = recorded_table_order(state_dict, outer, "the state_dict")
+        order = torchrec_feature_order(model, table_order, feature_names, why)
+        dense = dlrm_dense_from_torchrec(model, state_dict, outer, order)
         used += [outer + k for k in dlrm_dense_keys(model)]
     elif isinstance(model, DLRM) and any(BOTTOM in k for k in state_dict):
         raise TorchRecInteropError(
@@ -100,7 +112,7 @@ def gather_torchrec_state(state_dict: Mapping[str, Any], dst: int = 0) -> dict[s
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    out: dict[str, torch.Tensor] = {}
+    gathered: dict[str, torch.Tensor] = {}
     for key in sorted(state_dict):  # the same order on every rank: each gather is a collective
         value = state_dict[key]
         kind = sharded_kind(value)
@@ -108,12 +120,13 @@ def gather_torchrec_state(state_dict: Mapping[str, Any], dst: int = 0) -> dict[s
             full = torch.empty(tuple(value.size()), dtype=value.dtype) if rank == dst else None
             value.gather(dst=dst, out=full)
             if full is not None:
-                out[key] = full
+                gathered[key] = full
         elif kind == "DTensor":
-            out[key] = value.full_tensor().cpu()
+            gathered[key] = value.full_tensor().cpu()
         else:
-            out[key] = value
-    return out if rank == dst else None
+            gathered[key] = value
+    # in the state_dict's own order
+    return {key: gathered[key] for key in state_dict} if rank == dst else None
 
 
 def _table_prefixes(state_dict: Mapping[str, Any]) -> dict[str, str]:
@@ -224,11 +237,16 @@ def write_tables(emb: EmbeddingCollection, weights: Mapping[str, torch.Tensor]) 
 
 
 # ---- neorec -> TorchRec ---------------------------------------------------------------------------
-def torchrec_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def torchrec_state(model: nn.Module, feature_names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """A neorec DLRM's (or embedding collection's) weights under TorchRec's keys: the state_dict of
     torchrec.models.dlrm.DLRM over the same tables, or, for a collection, of an unsharded
     EmbeddingBagCollection (its pooled tables, `embedding_bags.<table>.weight`) and of an
     EmbeddingCollection (its tables with pooling none, `embeddings.<table>.weight`).
+
+    A DLRM's top MLP takes its input columns in the order of the TorchRec DLRM's interaction: the
+    neorec collection's feature order (a TorchRec DLRM over `configs_from_tables(tables)` has it),
+    or `feature_names` (TorchRec's `dlrm.sparse_arch.sparse_feature_names`) for another; the tables
+    are listed in that order.
 
     Tensors are copies, in each table's storage dtype. For a sharded collection (or a model over
     one) it is a collective: every rank calls it, and every rank gets the whole tables in host memory."""
@@ -242,8 +260,10 @@ def torchrec_state(model: nn.Module) -> dict[str, torch.Tensor]:
             f"TorchRec has no model laid out like neorec's {type(model).__name__}: "
             f"use torchrec_state(model.embeddings) for its tables"
         )
-    out = {f"{DLRM_TABLES}{EBC_KEY}{n}.weight": w for n, w in read_tables(model.embeddings).items()}
-    out.update(dlrm_dense_to_torchrec(model))
+    features, tables = export_feature_order(model, feature_names)
+    weights = read_tables(model.embeddings)
+    out = {f"{DLRM_TABLES}{EBC_KEY}{n}.weight": weights[n] for n in tables}
+    out.update(dlrm_dense_to_torchrec(model, features))
     return out
 
 
