@@ -309,10 +309,24 @@ TINY = [
 ]  # fmt: skip
 
 
+class _SteadyClock:
+    """A perf_counter that moves 25 ms between calls: every batch's data wait is 25 ms."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.025
+        return self.now
+
+
 def test_trainer_resume_gives_bitwise_identical_weights(tmp_path, monkeypatch):
     """12 batches per epoch; saves at 7 and 14 (epoch 1, batch 2); killed at step 17, resumed. The
     resumed run's metrics.jsonl holds the lines up to the checkpoint, then its own (TensorBoard and
-    curves.png keep working)."""
+    curves.png keep working); its per-step figures are of the steps it trained."""
+    import neorec.data.device_feed
+
+    monkeypatch.setattr(neorec.data.device_feed, "time", _SteadyClock())
     cfg = load_config("default", [*TINY, "logging.tensorboard=true", "logging.plot=true"])
     whole = Trainer(cfg, tmp_path / "whole")
     full = whole.fit()
@@ -335,7 +349,7 @@ def test_trainer_resume_gives_bitwise_identical_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "train_step", crash_at_17)
     with pytest.raises(KeyboardInterrupt):
         crashing.fit()
-    monkeypatch.undo()
+    monkeypatch.setattr(Trainer, "train_step", step)
     assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step-00000014"
     resumed = Trainer(cfg, tmp_path / "run", resume=True).fit()
     assert resumed.losses == full.losses[14:]
@@ -350,9 +364,22 @@ def test_trainer_resume_gives_bitwise_identical_weights(tmp_path, monkeypatch):
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()  # the killed run's step 15 is purged: the resumed run logged it again
     assert [e.step for e in events.Scalars("train/loss")] == [5, 10, 15, 20]
+    wait = json.loads((tmp_path / "run" / "summary.json").read_text())["data_wait_ms_per_step"]
+    lines = _metrics(tmp_path / "run")
+    means = [sum(full.losses[s - 5 : s]) / 5 for s in (5, 10, 15, 20)]  # each log step: its 5 steps' mean
+    assert [x["loss"] for x in lines if x["split"] == "train"] == pytest.approx(means, rel=1e-12)
     again = Trainer(cfg, tmp_path / "run", resume=True).fit()  # finished: nothing left to train
     assert again.losses == []
     assert _metrics(tmp_path / "run") == _metrics(tmp_path / "whole")
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()  # the step-20 evaluation again, once: TensorBoard holds what metrics.jsonl holds
+    assert [e.step for e in events.Scalars("eval/auc")] == [x["step"] for x in lines if x["split"] == "eval"]
+    # data waits per step of the steps each process trained: 25 ms a batch, and one more batch read
+    # ahead by the pipeline (at least 25 ms, where a wait spread over steps not trained gives less)
+    waits = [json.loads(x).get("data_wait_ms") for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(25.0 - 1e-9 <= w <= 50.0 + 1e-9 for w in waits if w is not None), waits
+    # the resumed run trained 6 steps and read 7 batches (the figure rounded to 3 digits)
+    assert 25.0 - 1e-3 <= wait <= 25.0 * 7 / 6 + 1e-3
 
 
 def _metrics(run) -> list[dict]:

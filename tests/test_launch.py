@@ -70,6 +70,13 @@ def test_two_nodes_of_two_processes_match_one_process(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    # the logged training loss is the global batch's, as one process logs it (all ranks' mean)
+    assert _train_losses(multi) == pytest.approx(_train_losses(single), rel=1e-5)
+
+
+def _train_losses(run_dir) -> list[float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x["loss"] for x in lines if x["split"] == "train"]
 
 
 def test_nproc_convenience_flag_and_bad_plan(tmp_path):

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from neorec.metrics.auc import auc
-from neorec.metrics.evaluation import binary_metrics
+from neorec.metrics.evaluation import binary_metrics, probability_metrics
 
 
 def brute_auc(s, y):
@@ -32,10 +32,36 @@ def test_auc_one_class_is_nan():
 def test_binary_metrics_values():
     p = torch.tensor([0.9, 0.2, 0.6, 0.4], dtype=torch.float64)
     y = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    m = binary_metrics(p, y)
+    m = binary_metrics(torch.logit(p), y)
+    assert probability_metrics(p, y) == m
     ll = -(math.log(0.9) + math.log(0.8) + math.log(0.4) + math.log(0.4)) / 4
     assert math.isclose(m["log_loss"], ll, rel_tol=1e-9)
     assert math.isclose(m["ne"], ll / math.log(2), rel_tol=1e-9)  # base rate 0.5 -> entropy log 2
     assert m["accuracy"] == 0.5
     assert math.isclose(m["calibration"], 0.525 / 0.5, rel_tol=1e-9)
     assert m["auc"] == 0.75
+
+
+def exact_log_loss(z, y):
+    """Mean binary cross-entropy of logits, by hand in float64: -log sigmoid(z) = log(1 + e^-z)."""
+    return sum(math.log1p(math.exp(-a)) if b else a + math.log1p(math.exp(-a)) for a, b in zip(z, y, strict=True)) / len(z)
+
+
+def test_confident_logits_keep_their_order_and_log_loss():
+    """Logits beyond +-17 round to probability 0 or 1 in float32: the metrics of the logits keep
+    their order (no ties) and their exact log loss."""
+    z = [-30.0, -25.0, -20.0, -19.0, 18.0, 20.0, 25.0, 30.0]
+    y = [0, 1, 0, 1, 0, 1, 0, 1]
+    m = binary_metrics(torch.tensor(z), torch.tensor(y, dtype=torch.float32))
+    assert m["auc"] == brute_auc(z, y) == 0.625
+    assert math.isclose(m["log_loss"], exact_log_loss(z, y), rel_tol=1e-12)
+    assert m["accuracy"] == 0.5
+
+
+def test_a_nan_score_makes_the_metrics_nan_in_any_order():
+    for y in ([1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0]):
+        z = torch.tensor([float("nan"), 0.3, -0.2, 1.0])
+        m = binary_metrics(z, torch.tensor(y))
+        assert all(math.isnan(m[k]) for k in ("auc", "log_loss", "ne", "accuracy", "calibration"))
+        assert m["num_samples"] == 4 and m["ctr"] == 0.5
+        assert math.isnan(auc(z, torch.tensor(y)))

@@ -9,7 +9,7 @@ its "crc32"): it is refused with a CheckpointError naming the file and the key p
     optimizer         an EmbeddingOptimizerConfig
     embedding_steps   {table: whole number >= 0}
     state             the trainer's position: epoch, batches, batch_size, seed, metrics_lines,
-                      running_loss, eval_pending, samples_trained, the reader's position; each
+                      loss_window, eval_pending, samples_trained, the reader's position; each
                       of the right type when present
     dense, files      {name (a plain name), bytes, crc32} (files: also rank); distinct names
     pieces            {table, state, rows [a, b], cols [c, d], file, offset, shape, dtype}: inside
@@ -139,8 +139,12 @@ def _check_state(c: JsonChecks, state: dict) -> None:
                      ("samples_trained", 0)):  # fmt: skip
         if state.get(key) is not None:
             c.whole(state[key], f"state.{key}", low, MAX_COUNT)
-    if state.get("running_loss") is not None:
-        c.number(state["running_loss"], "state.running_loss")
+    if state.get("loss_window") is not None:  # [sum, number] of the losses since the last log step
+        window = state["loss_window"]
+        if not isinstance(window, list) or len(window) != 2:
+            c.wrong("state.loss_window", window, "[loss sum, steps]")
+        c.number(window[0], "state.loss_window[0]")
+        c.whole(window[1], "state.loss_window[1]", 0, MAX_COUNT)
     if state.get("eval_pending") is not None:  # an evaluation a stop cut short, done first on resume
         batches = c.mapping(state["eval_pending"], "state.eval_pending").get("max_batches")
         if batches is not None:

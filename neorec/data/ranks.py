@@ -12,7 +12,9 @@ gets it depends on what the source can do:
 - global (Criteo TSV, MovieLens): every rank reads every global batch and keeps its slice. A TSV
   stream has no random access (a rank cannot find its lines without parsing all lines before them),
   and MovieLens is small enough to hold whole.
-With slices and global reading, W processes train on exactly the batches one process would.
+With slices and global reading, W processes train on exactly the batches one process would, but for
+a last batch that does not divide over them: each rank trains len // W of its samples, the remainder
+is not trained (`untrained_per_epoch` counts it where the size is known, and the trainer warns).
 
 Held-out evaluation covers the whole held-out set in every case (`eval_slices`): each rank scores its
 rows of every held-out batch (the last rows padded), and the scores are gathered.
@@ -24,6 +26,7 @@ validates its layout: seed, world size, shuffle settings); others re-read and dr
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -31,6 +34,16 @@ import torch
 from neorec.data.batch import Batch
 from neorec.data.source import DataSource
 from neorec.sparse import SparseBatch
+
+log = logging.getLogger(__name__)
+
+
+def untrained_text(last: int, untrained: int, world_size: int) -> str:
+    return (
+        f"a last batch of {last} samples does not divide over {world_size} processes: each trains "
+        f"{last // world_size} of them, leaving {untrained} untrained (one process trains them all); a "
+        f"number of training samples that leaves a last batch divisible by {world_size} trains every one"
+    )
 
 
 class RankData:
@@ -43,6 +56,7 @@ class RankData:
         self.reads_part = world_size > 1 and source_world == world_size
         # batches are counted in what the source yields: local batches of a rank part, else global ones
         self.read_batch_size = batch_size // world_size if self.reads_part else batch_size
+        self._said_untrained = rank != 0  # rank 0 warns of samples no rank trains
 
     def steps_per_epoch(self) -> int | None:
         """Training steps of one epoch (None when the source does not know its size)."""
@@ -75,12 +89,23 @@ class RankData:
             batches = (b for b in batches if len(b))
         return itertools.islice(batches, skip, None) if skip else batches
 
+    def untrained_per_epoch(self) -> int | None:
+        """Samples of an epoch no rank trains: the remainder of a last global batch that does not
+        divide over the W processes (None: the source does not know its size)."""
+        if self.world_size == 1 or self.reads_part:
+            return 0
+        n = self.source.info.num_train_samples
+        return n % self.batch_size % self.world_size if n else None
+
     def local_batch(self, batch: Batch) -> Batch:
         """This rank's slice of a global batch: samples [r b, (r + 1) b), b = len // W (the remainder
-        of a last batch that does not divide is dropped)."""
+        of a last batch that does not divide is not trained: see untrained_per_epoch)."""
         if self.world_size == 1:
             return batch
         b = len(batch) // self.world_size
+        if len(batch) % self.world_size and not self._said_untrained and self.untrained_per_epoch() is None:
+            self._said_untrained = True  # a source of unknown size: said when it happens
+            log.warning(untrained_text(len(batch), len(batch) % self.world_size, self.world_size))
         return batch.slice(self.rank * b, (self.rank + 1) * b)
 
     def position(self, epoch: int, batches: int) -> dict:

@@ -383,16 +383,20 @@ class SyntheticSource:
             raise DataError(f"data position: samples {samples} is outside [0, {self.spec.train_samples}]")
         self._resume = (epoch, samples)
 
-    def teacher_auc(self) -> float:
-        """AUC of the teacher's true probabilities on the held-out set: the ceiling for any model."""
+    def teacher_auc(self) -> float | None:
+        """AUC of the teacher's true probabilities on the held-out set: the ceiling for any model. The
+        teacher's are the click label's: None where the primary label (a multi-task run's first) is
+        another, whose ceiling it is not."""
+        names = list(self.spec.labels or ())
+        if names and names[0] != "click":
+            return None
         if self._teacher_auc is None:
             from neorec.metrics.auc import auc
 
             blocks = [self.block("eval", i) for i in range(self.num_blocks("eval"))]
             probs, labels = (torch.cat([getattr(b, k) for b in blocks]).cpu() for k in ("probs", "labels"))
-            if labels.dim() == 2:  # the teacher's probabilities are the click label's
-                names = list(self.spec.labels or ())
-                labels = labels[:, names.index("click")] if "click" in names else torch.zeros(0)
+            if labels.dim() == 2:  # the teacher's probabilities are the click label's, the first
+                labels = labels[:, 0]
             self._teacher_auc = auc(probs, labels)
             self.info.notes["teacher_auc"] = self._teacher_auc
         return self._teacher_auc

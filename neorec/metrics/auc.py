@@ -8,13 +8,13 @@ import torch
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """Probability that a random positive scores above a random negative (ties count 1/2).
 
-    Returns nan when only one class is present.
+    Returns nan when only one class is present, or when a score is NaN (it has no rank).
     """
     scores = scores.detach().reshape(-1).to(torch.float64)
     labels = labels.detach().reshape(-1).to(torch.float64)
     n_pos = float(labels.sum())
     n_neg = labels.numel() - n_pos
-    if n_pos == 0 or n_neg == 0:
+    if n_pos == 0 or n_neg == 0 or bool(torch.isnan(scores).any()):
         return float("nan")
     order = torch.argsort(scores, stable=True)
     s, y = scores[order], labels[order]

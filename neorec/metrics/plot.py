@@ -1,7 +1,7 @@
 """Training and validation curves of a run as one PNG (curves.png), from its metrics.jsonl records.
 
-Panels: log loss (training running average and validation) and validation AUC, over the run's steps,
-with epoch boundaries marked. A panel whose metric has no finite value (an AUC on one-class data)
+Panels: log loss (training: the mean over each log interval; validation) and validation AUC, over the
+run's steps, with epoch boundaries marked. A panel whose metric has no finite value (an AUC on one-class data)
 is left out, and a run with too few points for a curve says so in the picture.
 """
 
@@ -65,7 +65,8 @@ def curves_figure(records: list[dict], title: str = ""):
     for name, ax in zip(panels, axes, strict=False):
         if name == "loss":
             if loss[0]:
-                ax.plot(*loss, ".-" if len(loss[0]) < 20 else "-", label="train loss (running)")
+                style = ".-" if len(loss[0]) < 20 else "-"
+                ax.plot(*loss, style, label="train loss (mean over each log interval)")
             if val_loss[0]:
                 ax.plot(*val_loss, "o-", label="validation log loss")
             ax.set_ylabel("log loss")

@@ -4,8 +4,9 @@ bounded memory over a stream of any length.
 `ScoreHistogram` counts logits per class in BINS fixed bins over [-LOGIT_RANGE, LOGIT_RANGE] (outside:
 the end bins) and keeps exact float64 sums. From them:
 - auc: the ROC AUC of the binned scores: scores closer than a bin's width (2 LOGIT_RANGE / BINS, 0.0005
-  in logit) count as ties (1/2 a pair), so it differs from the exact AUC only by such pairs: below 1e-3
-  unless nearly all scores fall within a few hundredths of a logit of each other;
+  in logit), and scores beyond the same end of the range, count as ties (1/2 a pair), so it differs
+  from the exact AUC only by such pairs: below 1e-3 unless nearly all scores fall within a few
+  hundredths of a logit of each other, or many beyond +-LOGIT_RANGE;
 - log_loss, ne (normalized entropy: log loss / entropy of the observed rate), calibration (mean
   predicted rate / observed rate), ctr, num_samples: exact, as neorec/metrics/evaluation.py computes
   them on the same scores (up to the order of float64 additions).

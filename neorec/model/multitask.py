@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from neorec.data.batch import Batch
-from neorec.metrics.evaluation import binary_metrics
+from neorec.metrics.evaluation import MetricsOf, binary_metrics
 from neorec.model.dlrm import DLRM, DCNv2
 
 
@@ -43,14 +43,17 @@ class TaskHeads:
             total = term if total is None else total + term
         return total
 
-    def held_out_metrics(self, probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-        """Per-task metrics of probabilities and labels [N, T] (see the module docstring)."""
+    def held_out_metrics(
+        self, scores: torch.Tensor, labels: torch.Tensor, metrics_of: MetricsOf = binary_metrics
+    ) -> dict[str, float]:
+        """Per-task metrics of scores and labels [N, T] (see the module docstring): of logits, or
+        with metrics_of=probability_metrics of probabilities."""
         num = len(self.task_names)
-        probs, labels = probs.reshape(-1, num), labels.reshape(-1, num)
+        scores, labels = scores.reshape(-1, num), labels.reshape(-1, num)
         out: dict[str, float] = {}
         weighted = 0.0
         for t, (name, weight) in enumerate(zip(self.task_names, self.task_weights, strict=True)):
-            metrics = binary_metrics(probs[:, t], labels[:, t])
+            metrics = metrics_of(scores[:, t], labels[:, t])
             if t == 0:
                 out.update(metrics)
             out.update({f"{name}/{k}": v for k, v in metrics.items() if k != "num_samples"})

@@ -37,7 +37,7 @@ from neorec.config.schema import RunConfig
 from neorec.data.batch import Batch
 from neorec.data.locations import movielens_root
 from neorec.errors import ConfigError, DataError, NeorecError
-from neorec.metrics.evaluation import binary_metrics
+from neorec.metrics.evaluation import probability_metrics
 from neorec.serving.file_format import ExportError, check_output_file, is_export_file
 from neorec.serving.model import ExportedModel, load_export
 from neorec.train.run_folder import check_not_a_run_place
@@ -171,8 +171,11 @@ def predict_file(
     n = sum(p.shape[0] for p in probs)
     metrics = {}
     if n and labeled:  # a multi-task model's are per task, named <task>/<metric> (neorec.model.multitask)
-        metrics_of = getattr(exported.model, "held_out_metrics", binary_metrics)
-        metrics = metrics_of(torch.cat(probs), torch.cat(labels))
+        # of the probabilities as written (neorec/metrics/evaluation.py:probability_metrics)
+        if (per_task := getattr(exported.model, "held_out_metrics", None)) is not None:
+            metrics = per_task(torch.cat(probs), torch.cat(labels), probability_metrics)
+        else:
+            metrics = probability_metrics(torch.cat(probs), torch.cat(labels))
     dropped = exported.dropped_ids()
     seconds = time.perf_counter() - start
     return PredictResult(out, n, seconds, metrics, exported.quantized, exported.quantization, dropped)

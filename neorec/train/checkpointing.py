@@ -82,7 +82,7 @@ class CheckpointHandling:
         state.update(training_file_state(self.source))  # and the files a TSV or MovieLens source re-reads
         state.update(dense_optimizer=self.cfg.train.dense_optimizer.name)  # and the kind of its state
         # metrics.jsonl goes on seamlessly
-        state.update(metrics_lines=run.logger.num_lines, running_loss=run.running)
+        state.update(metrics_lines=run.logger.num_lines, loss_window=[run.loss_sum, run.loss_steps])
         total = run.result.total_samples
         if total is not None:  # the run's samples so far, for its summary once resumed
             state.update(samples_trained=total)

@@ -57,7 +57,7 @@ def evaluate(
         model.train(was_training)
         return metrics
     device = next((p.device for p in model.parameters()), torch.device("cpu"))  # train.device
-    probs, labels = [], []
+    logits, labels = [], []
     world = comms.topo.world_size if comms is not None else 1
     rank = comms.topo.rank if comms is not None else 0
     data = RankData(source, batch_size, rank, world)
@@ -72,19 +72,19 @@ def evaluate(
             raise EvaluationStopped(signum)
         if bar is not None:
             bar.update(1)
-        scores = torch.sigmoid(model(batch.to(device) if device.type != "cpu" else batch)).cpu()
+        scores = model(batch.to(device) if device.type != "cpu" else batch).float().cpu()  # logits
         if world == 1:
-            probs.append(scores)
+            logits.append(scores)
             labels.append(batch.labels.cpu())
         else:
-            probs.append(comms.all_gather(scores, "eval")[:n])
+            logits.append(comms.all_gather(scores, "eval")[:n])
             labels.append(comms.all_gather(batch.labels.cpu(), "eval")[:n])
     if bar is not None:
         bar.close()
     model.train(was_training)
-    if not probs:
+    if not logits:
         return {}
-    return getattr(model, "held_out_metrics", binary_metrics)(torch.cat(probs), torch.cat(labels))
+    return getattr(model, "held_out_metrics", binary_metrics)(torch.cat(logits), torch.cat(labels))
 
 
 def eval_schedule(t: TrainConfig, eval_batch_size: int, total: int) -> tuple[int | None, int | None]:

@@ -6,7 +6,8 @@ written as null, so any JSON reader can read the file.
 
 A resumed run continues the same metrics.jsonl: it keeps the lines written up to the checkpoint it
 resumed from (the checkpoint records how many there were) and drops the lines written after it, which
-the resumed run writes again; TensorBoard hides the events after the checkpoint's step (purge_step).
+the resumed run writes again. TensorBoard hides the events from the checkpoint's step on (purge_step)
+and is given the kept lines of that step again, so that both hold the same records.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from neorec.utils.json_values import strict_dumps
 
 log = logging.getLogger(__name__)
 
+_RECORD_KEYS = ("split", "step", "time")  # a metrics.jsonl record's own, not metrics
+
 
 class MetricsLogger:
     def __init__(self, out_dir: Path, tensorboard: bool = True, resume: dict | None = None) -> None:
@@ -30,6 +33,7 @@ class MetricsLogger:
         self.path = out_dir / "metrics.jsonl"
         self.num_lines = 0  # lines in the file, for the checkpoint
         self._start = time.time()
+        kept: list[str] = []
         if resume is not None and self.path.is_file():
             kept = _kept_lines(self.path, resume["step"], resume.get("lines"))
             text = "".join(line + "\n" for line in kept)
@@ -43,9 +47,14 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                # resumed: TensorBoard hides the events of steps after the checkpoint
-                purge = resume["step"] + 1 if resume is not None else None
+                # resumed: TensorBoard hides the events of the checkpoint's step and after; those of its
+                # step that metrics.jsonl keeps (logged before the checkpoint) are written again
+                purge = resume["step"] if resume is not None else None
                 self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=purge)
+                for line in kept:
+                    record = json.loads(line)
+                    if record.get("step") == purge:
+                        self._add_scalars(record["split"], purge, record)
             except ImportError as e:  # tensorboard is optional
                 log.warning(f"logging.tensorboard is on but TensorBoard cannot be imported ({e}); "
                             "metrics go to metrics.jsonl only (pip install tensorboard, or set logging.tensorboard: false)")
@@ -57,9 +66,12 @@ class MetricsLogger:
         self._file.write(strict_dumps(record) + "\n")
         self._file.flush()
         self.num_lines += 1
+        self._add_scalars(split, step, values)
+
+    def _add_scalars(self, split: str, step: int, values: dict) -> None:
         if self._tb is not None:
             for k, v in values.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
+                if k not in _RECORD_KEYS and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(f"{split}/{k}", v, step)
 
     def close(self) -> None:

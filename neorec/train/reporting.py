@@ -50,12 +50,13 @@ class RunReporting:
         """The learning rates in use (the first parameter group of each optimizer)."""
         return {"lr_dense": self.dense_opt.param_groups[0]["lr"], "lr_embedding": self.emb_opt.param_groups[0]["lr"]}
 
-    def _log_train_step(self, run: RunState, sps: float, wait_ms: float) -> None:
-        """The records of a log step: the loss (running average), speed, data wait and learning rates,
-        the caches' and id maps' counters, the ids dropped so far; the console line on rank 0."""
-        logger, step, running, bar = run.logger, run.step, run.running, run.bar
+    def _log_train_step(self, run: RunState, loss: float, sps: float, wait_ms: float) -> None:
+        """The records of a log step: the loss (mean since the last log step), speed, data wait and
+        learning rates, the caches' and id maps' counters, the ids dropped so far; the console line
+        on rank 0."""
+        logger, step, bar = run.logger, run.step, run.bar
         lrs = self._learning_rates()
-        logger.log("train", step, {"loss": running, "samples_per_s": sps, "epoch": run.epoch,
+        logger.log("train", step, {"loss": loss, "samples_per_s": sps, "epoch": run.epoch,
                                    "data_wait_ms": wait_ms, **lrs})  # fmt: skip
         cache = None
         if getattr(self.embeddings, "cache_stats", None) and (cache := self.embeddings.cache_stats()):
@@ -66,9 +67,9 @@ class RunReporting:
         if self.cfg.embedding.bounds_check == "warn" and (dropped := self._dropped_ids()):
             logger.log("dropped_ids", step, {"total": sum(dropped.values()), **dropped})
         if self.is_main:
-            log.info(train_line(step, run.total, running, sps, lrs, cache))
+            log.info(train_line(step, run.total, loss, sps, lrs, cache))
         if bar is not None:
-            bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{sps:,.0f}")
+            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sps:,.0f}")
 
     def _dropped_ids(self) -> dict[str, int]:
         """Ids dropped so far per feature for lying outside their table (bounds_check warn), summed
@@ -130,7 +131,8 @@ class RunReporting:
                if result.resumed_at is not None else {}),  # fmt: skip
             "train_seconds": round(result.train_seconds, 3),
             "samples_per_s": round(result.samples_per_second, 1),
-            "data_wait_ms_per_step": round(1000 * self.timings["data_wait"] / max(result.steps, 1), 3),
+            # this process's wait, over the steps it trained
+            "data_wait_ms_per_step": round(1000 * self.timings["data_wait"] / max(result.steps_trained_here, 1), 3),
             **({"startup": result.startup} if result.startup else {}),
             "skipped_lines": result.skipped_lines,
             **({"dropped_ids": result.dropped_ids} if result.dropped_ids else {}),

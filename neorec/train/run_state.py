@@ -54,20 +54,27 @@ class RunResult:
         return {"first_batch_s": round(self.first_batch_seconds, 4), "step_ends_s": ends}
 
     @property
+    def steps_trained_here(self) -> int:
+        """Steps this process trained: since the resume, for a resumed run."""
+        return self.steps - (self.resumed_at or 0)
+
+    @property
     def samples_per_second(self) -> float:
         return self.samples / self.train_seconds if self.train_seconds > 0 else float("nan")
 
 
 @dataclass
 class LogWindow:
-    """The steps since the last log step: samples trained, when the window began, time waited for data."""
+    """The steps since the last log step (after a resume: since the resume): steps and samples trained,
+    when the window began, time waited for data."""
 
+    steps: int = 0
     samples: int = 0
     start: float = field(default_factory=time.perf_counter)
     data_wait: float = 0.0
 
     def restart(self, now: float) -> None:
-        self.samples, self.start, self.data_wait = 0, now, 0.0
+        self.steps, self.samples, self.start, self.data_wait = 0, 0, now, 0.0
 
 
 @dataclass
@@ -79,7 +86,10 @@ class RunState:
     total: int  # steps the run will train (0: unknown, a stream of unknown length)
     position: dict | None = None  # the checkpoint's data position a resumed run continues from
     in_epoch: int = 0  # batches of `epoch` read: trained, or scored as a followed stream's held-out ones
-    running: float | None = None  # the logged loss: a running average of the losses read back
+    # the losses read back since the last log step (over all ranks: the global batch's): their sum and
+    # number; a log step logs their mean
+    loss_sum: float = 0.0
+    loss_steps: int = 0
     unread: list[torch.Tensor] = field(default_factory=list)  # losses not yet read back to the host
     window: LogWindow = field(default_factory=LogWindow)
     bar: object | None = None  # the progress bar, rank 0 with train.progress
@@ -87,6 +97,12 @@ class RunState:
     done: bool = False  # train.max_steps reached
     eval_every: int | None = None  # steps between mid-run evaluations (None: after each epoch but the last)
     eval_batches: int | None = None  # batches of a mid-run evaluation (None: all)
+
+    def take_loss(self) -> float:
+        """The mean loss of the steps since the last log step; the next one starts from none."""
+        loss = self.loss_sum / self.loss_steps if self.loss_steps else float("nan")
+        self.loss_sum, self.loss_steps = 0.0, 0
+        return loss
 
     def close_bar(self) -> None:
         if self.bar is not None:

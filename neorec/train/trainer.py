@@ -26,7 +26,7 @@ from neorec.config.load import dump_config
 from neorec.config.schema import RunConfig
 from neorec.data.device_feed import DeviceFeed
 from neorec.data.prefetch import prefetch
-from neorec.data.ranks import RankData
+from neorec.data.ranks import RankData, untrained_text
 from neorec.distributed.comms import Comms
 from neorec.distributed.dense import DenseGradSync
 from neorec.distributed.topology import Topology, choose_backend, init_distributed, rank_device
@@ -97,6 +97,9 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                 )
             self.source = build_source(cfg, self.topo, self.device)  # a per-rank reader where the source has one
             self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
+            if self.is_main and (untrained := self.data.untrained_per_epoch()):
+                last = self.source.info.num_train_samples % cfg.data.batch_size
+                log.warning("every epoch: " + untrained_text(last, untrained, self.topo.world_size))
             self.tables = build_tables(cfg, self.source.info)
             self.embeddings = build_embeddings(cfg, self.tables, self.comms, self.device)
             self.model = build_model(cfg, self.source.info, self.embeddings, self.source, self.comms).to(self.device)
@@ -241,7 +244,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         total = self.total_steps()
         run = RunState(step, first_epoch, logger, result, total, position)
         run.eval_every, run.eval_batches = eval_schedule(cfg.train, cfg.data.eval_batch_size, total)
-        run.running = position.get("running_loss") if position is not None else None
+        if position is not None and position.get("loss_window") is not None:  # the log window's losses so far
+            run.loss_sum, run.loss_steps = position["loss_window"]
         run.bar = progress_bar(total, None, cfg.train.progress and self.is_main, unit="step")
         if run.bar is not None and step:
             run.bar.update(step)
@@ -292,6 +296,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         self._set_lr(run.step, run.total)
         run.unread.append(self.train_step(local, is_local=True))
         run.step += 1
+        run.window.steps += 1
         if len(run.result.step_ends) < STARTUP_STEPS:
             run.result.step_ends.append(time.perf_counter() - run.start)
         if self.progressive is not None:  # the training forward's scores: before this batch's update
@@ -310,8 +315,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self._read_losses(run)
             now = time.perf_counter()
             sps = run.window.samples / (now - run.window.start)
-            wait_ms = 1000 * run.window.data_wait / t.log_every  # waited for data, per step
-            self._log_train_step(run, sps, wait_ms)
+            wait_ms = 1000 * run.window.data_wait / run.window.steps  # waited for data, per step
+            self._log_train_step(run, run.take_loss(), sps, wait_ms)
             if self.progressive is not None:
                 run.logger.log("progressive", step, self.progressive.window_metrics())
             run.window.restart(now)
@@ -349,6 +354,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                    else "")
             )  # fmt: skip
         result.train_seconds = time.perf_counter() - run.start
+        result.steps = step
         if self.checkpoints.enabled and self.checkpoints.last_step != step:
             self._save_checkpoint(run)  # the end of training is always resumable
         if self.snapshots.enabled and self.snapshots.last_step != step:  # the end of training is served too
@@ -359,9 +365,9 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self.embeddings.clear_prefetched()
         if self.comms is not None:
             sent = self.comms.stats.take()
-            result.comm_bytes_per_step = {k: v / step for k, v in sent.items() if k != "eval"}  # training's
+            steps = result.steps_trained_here  # sent by this process
+            result.comm_bytes_per_step = {k: v / steps for k, v in sent.items() if k not in ("eval", "loss")}
         run.close_bar()
-        result.steps = step
         result.eval = self._evaluate_or_stop(run, stop, None, final=True)
         result.skipped_lines = int(getattr(self.source, "num_skipped", 0) or 0)
         if cfg.embedding.bounds_check == "warn":
@@ -385,17 +391,23 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
 
     def _read_losses(self, run: RunState) -> None:
         """Read the losses of the steps up to `run.step` back to the host in one transfer (on a GPU the
-        steps between log steps never wait for the device), check them, and update the running
-        average. A non-finite loss stops training, naming its step."""
+        steps between log steps never wait for the device), check them, and add them to the log
+        window. Over several processes each is the mean over the ranks (collective: every rank reads
+        at the same steps): the loss of the global batch, whose shares are equal. A non-finite loss
+        stops training on every rank, naming its step."""
         if not run.unread:
             return
-        values = torch.stack(run.unread).tolist()
+        losses = torch.stack(run.unread).to("cpu", torch.float64)
         run.unread.clear()
+        if self.comms is not None:  # gathered, then summed in rank order: the same mean on every rank
+            losses = self.comms.all_gather(losses.view(1, -1), "loss").mean(0)
+        values = losses.tolist()
         for i, loss in enumerate(values):
             if not math.isfinite(loss):
                 raise self._diverged(loss, run.step - len(values) + i)
             run.result.losses.append(loss)
-            run.running = loss if run.running is None else 0.98 * run.running + 0.02 * loss
+            run.loss_sum += loss
+            run.loss_steps += 1
 
     def _eval(
         self,
