@@ -102,7 +102,7 @@ def test_multitask_pt2_is_refused_naming_what_it_serves(multitask):
 def test_two_tower_is_refused_naming_what_export_serves():
     from neorec.serving.export import check_exportable
 
-    cfg = load_config(None, [*SYNTHETIC, "model.arch=two_tower"])
+    cfg = load_config(None, [*[x for x in SYNTHETIC if not x.startswith("model.")], "model.arch=two_tower"])
     with pytest.raises(
         ExportError, match="model.arch two_tower cannot be exported yet; export serves dlrm, .*multitask"
     ):

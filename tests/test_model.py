@@ -76,7 +76,7 @@ def _tiny_model(arch: str, precision: str):
 
     sets = ["data.synthetic.train_samples=512", "data.synthetic.eval_samples=256", "data.batch_size=128",
             f"model.arch={arch}", f"model.precision={precision}", "model.bottom_mlp=[32,16]",
-            "model.top_mlp=[32,16]", "model.low_rank=8"]  # fmt: skip
+            "model.top_mlp=[32,16]"] + (["model.low_rank=8"] if arch == "dcnv2" else [])  # fmt: skip
     cfg = load_config("default", sets)
     source = build_source(cfg)
     torch.manual_seed(0)

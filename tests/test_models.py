@@ -85,9 +85,9 @@ def test_multitask_loss_and_metrics_per_task():
     y, z = labels.double(), logits.double()
     bce = -(y * torch.sigmoid(z).log() + (1 - y) * (1 - torch.sigmoid(z)).log()).mean(dim=0)
     assert model.loss(logits, batch).item() == pytest.approx(float(bce[0] + 0.25 * bce[1]), rel=1e-6)
-    metrics = model.held_out_metrics(torch.sigmoid(logits), labels)
+    metrics = model.held_out_metrics(logits, labels)
     for t, name in enumerate("ab"):
-        expected = binary_metrics(torch.sigmoid(logits)[:, t], labels[:, t])
+        expected = binary_metrics(logits[:, t], labels[:, t])
         assert metrics[f"{name}/auc"] == expected["auc"] and metrics[f"{name}/log_loss"] == expected["log_loss"]
     pos, neg = torch.sigmoid(logits[:, 1])[labels[:, 1] == 1], torch.sigmoid(logits[:, 1])[labels[:, 1] == 0]
     by_hand = ((pos[:, None] > neg[None, :]).double().mean()).item()  # no ties among random floats
@@ -108,6 +108,18 @@ def test_multitask_trains_and_reports_every_task(tmp_path):
 
     report = export_model(tmp_path / "run", tmp_path / "model.nrx")  # every task's head (test_export_models.py)
     assert report.eval["fp32"]["conversion/auc"] == pytest.approx(result.eval["conversion/auc"], abs=1e-12)
+
+
+def test_the_teacher_ceiling_is_the_click_label_s_and_shown_only_where_click_is_the_primary_task():
+    """The teacher's probabilities are the click label's: its AUC is the ceiling of a run whose
+    primary (first) task is click, and of no other."""
+    from neorec.data.synthetic import SyntheticSource, spec_from_config
+
+    c = load_config(None, TINY).data.synthetic
+    alone = SyntheticSource(spec_from_config(c, 0), cache=False).teacher_auc()
+    first = SyntheticSource(spec_from_config(c, 0, ["click", "conversion"]), cache=False).teacher_auc()
+    assert first == alone and 0.5 < alone < 1
+    assert SyntheticSource(spec_from_config(c, 0, ["conversion", "click"]), cache=False).teacher_auc() is None
 
 
 def test_multitask_config_mistakes_are_named():
@@ -282,10 +294,56 @@ def test_two_tower_mistakes_are_named():
         load_config(None, ["model.arch=two_tower", "model.two_tower.user_features=[user, movie]"])
     with pytest.raises(ConfigError, match=r"user_id 'movie' must be one of user_features \['user'\]"):
         load_config(None, ["model.arch=two_tower", "model.two_tower.user_id=movie"])
-    cfg = load_config(None, [*TINY, "model.arch=two_tower"])
+    tiny = [s for s in TINY if not s.startswith("model.")]  # two_tower has no bottom or top MLP
+    cfg = load_config(None, [*tiny, "model.arch=two_tower"])
     with pytest.raises(ConfigError, match=r"names features \['user', 'movie', 'genres', 'year'\] that the data lacks"):
         Trainer(cfg)
-    cfg = load_config(None, [*TINY, "model.arch=two_tower", "model.two_tower.user_features=[C1]",
+    cfg = load_config(None, [*tiny, "model.arch=two_tower", "model.two_tower.user_features=[C1]",
                              "model.two_tower.item_features=[C2, C3]"])  # fmt: skip
     with pytest.raises(ConfigError, match="needs a source that lists its items"):
         Trainer(cfg)
+
+
+# ---- the reference engine: the float baseline of the fused one -----------------------------------
+def test_reference_engine_pools_weighted_mean_bags_as_the_fused_engine():
+    """Weighted mean bags (empty ones among them): the weighted sum over the bag's id count, in both
+    engines; the pooled vectors, and the tables after an sgd step, agree."""
+    import warnings
+
+    from neorec.embedding.fused import FusedEmbeddingCollection
+    from neorec.embedding.reference import ReferenceEmbeddingCollection
+    from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+    from neorec.sparse import SparseBatch
+
+    tables = [TableConfig(name="a", rows=30, dim=4, features=["x", "y"], pooling="mean"),
+              TableConfig(name="b", rows=20, dim=3, features=["z"], pooling="sum")]  # fmt: skip
+    opt = EmbeddingOptimizerConfig(name="sgd", lr=0.5)
+    fused, ref = FusedEmbeddingCollection(tables, opt), ReferenceEmbeddingCollection(tables, opt)
+    f_opt, r_opt = fused.build_optimizer(), ref.build_optimizer()
+    gen = torch.Generator().manual_seed(3)
+    features = {}
+    for f, rows in [("x", 30), ("y", 30), ("z", 20)]:
+        lengths = torch.tensor([0, 3, 1, 0, 4, 2])
+        n = int(lengths.sum())
+        ids = torch.randint(0, rows, (n,), generator=gen)
+        features[f] = (ids, lengths, torch.rand(n, generator=gen) + 0.5)
+    sparse = SparseBatch.from_features(features)
+    a, b = fused(sparse), ref(sparse)
+    values, lengths, w = sparse.feature("x")
+    table = ref.table_weights()["a"]
+    by_hand = torch.stack([
+        (table[values[s:e]] * w[s:e, None]).sum(0) / max(e - s, 1)
+        for s, e in zip(torch.cumsum(lengths, 0) - lengths, torch.cumsum(lengths, 0), strict=True)
+    ])  # fmt: skip
+    torch.testing.assert_close(b[:, :4], by_hand)
+    assert not b[0].any() and not b[3].any()  # empty bags give zeros
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    grad = torch.randn(a.shape, generator=gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's sparse-invariant notice
+        a.backward(grad)
+        b.backward(grad)
+        f_opt.step()
+        r_opt.step()
+    for t, weight in ref.table_weights().items():
+        torch.testing.assert_close(fused.table_weights()[t], weight, rtol=1e-6, atol=1e-7)

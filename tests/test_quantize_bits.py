@@ -4,6 +4,7 @@ references, pooled lookups against a float64 reference, `neorec export --quantiz
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 from neorec.cli import main as cli_main
 from neorec.config.load import load_config
+from neorec.errors import NeorecError
 from neorec.serving import ExportError, export_model, load_export, predict_file
 from neorec.serving import quantize as quantize_module
 from neorec.serving.export import load_trained, quantize_tables
@@ -118,6 +120,56 @@ def test_rows_are_read_by_id_and_checked():
         quantize_rows(random_table(9, 5), bits=3)
     with pytest.raises(Exception, match="NaN"):
         quantize_rows(torch.full((2, 3), float("nan")), bits=4)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_minimum_and_constant_rows_come_back_as_docs_export_md_says(bits):
+    """fp32 scale and bias: every row's minimum, so every constant row, comes back exactly. fp16: only
+    when the minimum is an fp16 number; otherwise within half the stored scale, which is (range + d) /
+    qmax rounded up to fp16, d = min - bias below one fp16 step at min."""
+    qmax = (1 << bits) - 1
+    w = torch.tensor([[0.1] * 5, [1e5] * 5, [-3e7] * 5, [0.25] * 5, [-7.5] * 5, [1024.0] * 5,
+                      [0.1, 0.7, -0.3, 2.0, 0.9], [-7.5, 3.0, 1.0, 2.5, -1.0]])  # fmt: skip
+    lowest = w.argmin(1)
+    back = dequantize_rows(quantize_rows(w, torch.float32, bits))
+    assert torch.equal(back[:6], w[:6])
+    assert torch.equal(back.gather(1, lowest[:, None]), w.amin(1, keepdim=True))
+    half = w[[0, 3, 4, 5, 6, 7]]  # magnitudes fp16 holds
+    q = quantize_rows(half, torch.float16, bits)
+    back = dequantize_rows(q)
+    in_fp16 = half.amin(1) == half.amin(1).half().float()  # 0.25, -7.5, 1024, -7.5: yes; 0.1: no
+    assert in_fp16.tolist() == [False, True, True, True, False, True]
+    assert torch.equal(back[1:4], half[1:4])
+    assert torch.equal(back.gather(1, half.argmin(1)[:, None])[in_fp16], half.amin(1, keepdim=True)[in_fp16])
+    assert not torch.equal(back[0], half[0]) and (back[0] - half[0]).abs().max() < 1e-6
+    w64, s64, b64 = half.double(), q.scale.double(), q.bias.double()
+    d = w64.amin(1) - b64
+    step = torch.tensor([2.0 ** (math.floor(math.log2(abs(x))) - 10) for x in w64.amin(1).tolist()])
+    assert ((d >= 0) & (d < step.double())).all()
+    bound = ((w64.amax(1) - w64.amin(1) + d) / qmax).float().half()  # to nearest: at most one step below
+    assert (s64 <= torch.nextafter(bound, torch.tensor(float("inf"), dtype=torch.float16)).double()).all()
+    assert ((back.double() - w64).abs() <= s64[:, None] / 2).all()
+
+
+def test_fp16_refuses_rows_beyond_its_range_naming_table_and_row():
+    w = torch.zeros(4, 6)
+    w[1] = 1e5  # a constant row above 65504: its bias would be clamped
+    with pytest.raises(NeorecError, match=r"row 1: its smallest value 100000 is beyond the fp16 range"):
+        quantize_rows(w, torch.float16, 8)
+    w[1], w[2] = 0.0, -1e5  # below -65504: its bias would be -inf
+    with pytest.raises(NeorecError, match=r"row 2: its smallest value -100000 is beyond the fp16 range"):
+        quantize_rows(w, torch.float16, 4)
+    w[2], w[3, 0] = 0.0, 1e8  # a range that needs a scale above 65504
+    with pytest.raises(NeorecError, match=r"row 3: its values span 1e\+08, a scale of .* beyond the fp16"):
+        quantize_rows(w, torch.float16, 2)
+    w[3, 0] = 1e5  # bias 0 and a scale fp16 holds: values beyond 65504 are fine
+    q = quantize_rows(w, torch.float16, 8)
+    assert ((dequantize_rows(q) - w).abs() <= q.scale.float()[:, None] / 2).all()
+    w[0] = 7e4
+    words = r"^table 'C7': row 0: its smallest value 70000 is beyond the fp16 .*\(--scale-dtype fp32\)"
+    with pytest.raises(ExportError, match=words):
+        quantize_tables({"C7": w}, "fp16", "int4")
+    assert torch.equal(dequantize_rows(quantize_tables({"C7": w}, "fp32", "int4")["C7"])[0], w[0])
 
 
 # ---- pooled lookups against float64 ---------------------------------------------------------------

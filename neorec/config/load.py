@@ -10,6 +10,8 @@ How a config is resolved (docs/config.md says the same to users):
 3. `--set a.b.c=value` overrides apply in order to the merged mapping. The value is YAML (numbers,
    lists, `null` to unset); an empty value is an error.
 4. The result is validated against neorec/config/schema.py; keys left unset take the schema's defaults.
+5. A model key that the file itself or a `--set` writes and that the chosen model does not read is an
+   error (neorec/config/model_keys.py).
 `load_config(None)` starts from the schema's defaults alone (library use; the CLI starts from `default`).
 
 YAML is read with limits, so that no config text can take the machine's time or memory: a file or
@@ -29,6 +31,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from neorec.config.model_keys import check_model_keys, written_model_keys
 from neorec.config.schema import RunConfig
 from neorec.errors import ConfigError
 
@@ -112,33 +115,49 @@ def load_config(path_or_name: str | None = None, overrides: list[str] | None = N
     schema's defaults alone), with `key=value` overrides applied."""
     raw: dict[str, Any] = {}
     where = "defaults"
+    written: list[str] = []  # the model keys the file itself (not its bases) and --set write
     if path_or_name is not None:
-        raw, where = read_config(path_or_name)
+        raw, where, own = _read_config(path_or_name)
+        written = written_model_keys(own)
+    marks: dict[str, Any] = {}
     for item in overrides or []:
         apply_override(raw, item)
-    return validate_config(raw, where + (" with --set" if overrides else ""))
+        apply_override(marks, item)
+    where += " with --set" if overrides else ""
+    cfg = validate_config(raw, where)
+    check_model_keys(cfg.model, written + written_model_keys(marks), where)
+    return cfg
 
 
 def read_config(path_or_name: str, base_of: Path | None = None, chain: tuple[str, ...] = ()) -> tuple[dict, str]:
     """(raw mapping merged over its bases, description of the files it came from). `base_of`: the
     folder of the config that names this one as its base (then shipped names are looked up first)."""
+    raw, where, _ = _read_config(path_or_name, base_of, chain)
+    return raw, where
+
+
+def _read_config(
+    path_or_name: str, base_of: Path | None = None, chain: tuple[str, ...] = ()
+) -> tuple[dict, str, dict]:
+    """read_config's (raw, where), and the mapping the file itself writes (empty for a shipped config)."""
     text, where, shipped = _resolve(path_or_name, base_of, chain)
     if where in chain:
         raise ConfigError(f"config bases form a cycle: {' -> '.join([*chain, where])}")
     if len(chain) >= MAX_BASES:
         raise ConfigError(f"{where}: more than {MAX_BASES} configs in a chain of bases")
     raw = parse_config(text, where)
+    own = raw if shipped is None else {}
     if "base" in raw:
         base = raw.pop("base")
         if not isinstance(base, str) or not base.strip():
             raise ConfigError(f"{where}: key 'base': expected a shipped config name or a path, got {_short(base)}")
     elif shipped == DEFAULT_BASE:
-        return raw, where
+        return raw, where, own
     else:
         base = DEFAULT_BASE
     folder = Path(where).parent if shipped is None else None
     under, under_where = read_config(base, folder or Path("."), (*chain, where))
-    return merge(under, raw), f"{where} over {under_where}"
+    return merge(under, raw), f"{where} over {under_where}", own
 
 
 def _resolve(

@@ -102,13 +102,26 @@ class ModelConfig(Strict):
         description="dot-interaction DLRM, DCNv2 cross network, DeepFM, multi-task heads on a dlrm/dcnv2 trunk, "
         "two-tower retrieval, or DIN target attention over a history",
     )
-    bottom_mlp: list[int] = Field([512, 256, 64, 16], min_length=1, description="bottom MLP layer sizes")
-    top_mlp: list[int] = Field([512, 256], description="top MLP hidden sizes (a final 1-unit layer is added)")
-    self_interaction: bool = Field(False, description="dlrm: include each vector's dot with itself")
-    cross_layers: int = Field(3, gt=0, le=limits.MAX_LAYERS, description="dcnv2: number of cross layers")
-    low_rank: int | None = Field(None, gt=0, le=limits.MAX_WIDTH, description="dcnv2: rank of the cross weights (None = full)")
+    # the models that read each key: neorec/config/model_keys.py, which refuses a key set for another one
+    bottom_mlp: list[int] = Field(
+        [512, 256, 64, 16], min_length=1, description="bottom MLP layer sizes (every model but two_tower)"
+    )
+    top_mlp: list[int] = Field(
+        [512, 256], description="top MLP hidden sizes, a final 1-unit layer added (every model but two_tower)"
+    )
+    self_interaction: bool = Field(
+        False, description="dlrm, multitask with trunk dlrm: include each vector's dot with itself"
+    )
+    cross_layers: int = Field(
+        3, gt=0, le=limits.MAX_LAYERS, description="dcnv2, multitask with trunk dcnv2: number of cross layers"
+    )
+    low_rank: int | None = Field(
+        None, gt=0, le=limits.MAX_WIDTH,
+        description="dcnv2, multitask trunk dcnv2, din's cross layers: rank of cross weights (null: full)",
+    )
     precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="MLP and interaction math: fp32, or bf16 autocast (weights and gradients stay fp32)"
+        "fp32",
+        description="MLP and interaction math: fp32, or bf16 autocast (fp32 weights, grads); not two_tower",
     )
     trunk: Literal["dlrm", "dcnv2"] = Field("dlrm", description="multitask: the shared trunk's architecture")
     tasks: list[TaskConfig] = Field([], description="multitask: one head per task, in this order")

@@ -7,6 +7,7 @@ uses the fused table-batched engine by default.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from neorec.embedding.collection import EmbeddingCollection
@@ -95,7 +96,7 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
             values = sparse.values[bounds[i] : bounds[i + 1]]
             off = offsets[i * b : (i + 1) * b + 1] - bounds[i]
             w = sparse.weights[bounds[i] : bounds[i + 1]] if sparse.weights is not None else None
-            pooled.append(self.bags[self._table_of[f]](values, off, per_sample_weights=w))
+            pooled.append(_pool(self.bags[self._table_of[f]], values, off, w))
         out = torch.cat(pooled, dim=1) if pooled else torch.zeros(b, 0, device=sparse.values.device)
         sequences = {}
         for f in self.sequence_names:
@@ -139,3 +140,20 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         return {t.name: self.bags[i].weight.detach() for i, t in enumerate(self.tables)}
+
+
+def _pool(
+    bag: nn.EmbeddingBag, values: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor | None
+) -> torch.Tensor:
+    """One feature's pooled bags. A weighted mean bag is computed as the fused engine computes it:
+    the sum of its ids' rows times their weights, divided by its number of ids (an empty bag gives
+    zeros); nn.EmbeddingBag's mean mode takes no per-id weights."""
+    if w is None or bag.mode != "mean":
+        return bag(values, offsets, per_sample_weights=w)
+    lengths = offsets[1:] - offsets[:-1]
+    inv = lengths.clamp(min=1).to(torch.float32).reciprocal()
+    inv = inv.repeat_interleave(lengths, output_size=values.numel())
+    return F.embedding_bag(
+        values, bag.weight, offsets, mode="sum", per_sample_weights=w.to(torch.float32) * inv,
+        sparse=bag.sparse, include_last_offset=True,
+    )  # fmt: skip

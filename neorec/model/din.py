@@ -62,6 +62,7 @@ class DIN(nn.Module):
         attention_mlp: list[int],
         cross_layers: int = 0,
         precision: str = "fp32",
+        low_rank: int | None = None,
     ) -> None:
         super().__init__()
         check_features(embeddings, target, history, history_side)
@@ -77,7 +78,7 @@ class DIN(nn.Module):
         self.bottom = build_mlp(num_dense, bottom_mlp)
         self.attention = TargetAttention(self.dim, attention_mlp)
         width = bottom_mlp[-1] + embeddings.output_dim + self.dim
-        self.cross = CrossNetwork(width, cross_layers) if cross_layers else nn.Identity()
+        self.cross = CrossNetwork(width, cross_layers, low_rank) if cross_layers else nn.Identity()
         self.top = build_mlp(width, top_mlp + [1], last_activation=False)
 
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -7,9 +7,12 @@ With `bits` b and qmax = 2^b - 1:
     w ~ scale * code + bias
 
 so each element is off by at most scale / 2, i.e. 1 / (2 qmax) of its row's range whatever the row's
-magnitude: 1/510 for int8, 1/30 for int4, 1/6 for int2. With fp16 scale and bias, bias is rounded
-down and scale up to fp16, so that [bias, bias + qmax * scale] still covers the row and the scale / 2
-bound holds for the stored scale.
+magnitude: 1/510 for int8, 1/30 for int4, 1/6 for int2. A row's minimum is code 0 and comes back as
+the bias, exactly: so does a constant row (scale 0). With fp16 scale and bias, bias is min(row)
+rounded down and scale (max(row) - bias) / qmax rounded up to fp16, so that [bias, bias + qmax * scale]
+still covers the row and the scale / 2 bound holds for the stored scale; the minimum (and a constant
+row) comes back exactly when it is an fp16 number. A row whose minimum lies beyond the fp16 range
+(+-65504), or whose scale would, is refused.
 
 Codes are packed k = 8 / b to a byte, low bits first, as FBGEMM packs them: element j of a row lies in
 byte j // k, at bits (j % k) * b up to (j % k) * b + b - 1 (int4: element 2i in the low nibble of byte
@@ -140,16 +143,30 @@ def quantize_rows(
         else:
             z = _to_half(lo, down=True)
             s = _to_half((hi - z.to(torch.float32)) / qmax, down=False)
-            if not bool(torch.isfinite(z).all() and torch.isfinite(s).all()):
-                raise NeorecError(
-                    f"rows {a}..{b - 1} exceed the fp16 range; quantize with fp32 scale and bias"
-                )
+            _check_fits_fp16(lo, hi, s, a, qmax)
         s32, z32 = s.to(torch.float32), z.to(torch.float32)
         inv = torch.where(s32 > 0, 1.0 / s32.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
         q = ((w - z32.unsqueeze(1)) * inv.unsqueeze(1)).round_().clamp_(0, qmax)
         codes[a:b] = pack_codes(q.to(torch.uint8), bits)
         scale[a:b], bias[a:b] = s, z
     return QuantizedRows(codes, scale, bias, bits, dim)
+
+
+def _check_fits_fp16(lo: torch.Tensor, hi: torch.Tensor, s: torch.Tensor, first: int, qmax: float) -> None:
+    """NeorecError naming the first row (of rows first, first + 1, ...) whose fp16 bias or scale
+    would fall outside the fp16 range: a min(row) beyond +-65504 (rounded down it would be -inf, or
+    65504 far below the row, which the scale would then have to span), or a scale above 65504."""
+    fp16_max = torch.finfo(torch.float16).max
+    bad_bias, bad_scale = lo.abs() > fp16_max, ~torch.isfinite(s)
+    if not bool((bad_bias | bad_scale).any()):
+        return
+    i = int((bad_bias | bad_scale).nonzero()[0])
+    if bool(bad_bias[i]):
+        why = f"its smallest value {float(lo[i]):.7g} is beyond the fp16 range (+-{fp16_max:g}) of its bias"
+    else:
+        span = float(hi[i]) - float(lo[i])
+        why = f"its values span {span:.7g}, a scale of {span / qmax:.7g} beyond the fp16 range ({fp16_max:g})"
+    raise NeorecError(f"row {first + i}: {why}; quantize with fp32 scale and bias (--scale-dtype fp32)")
 
 
 def _to_half(x: torch.Tensor, down: bool) -> torch.Tensor:

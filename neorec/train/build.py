@@ -332,7 +332,7 @@ def _build_model(
         d = m.din
         return DIN(
             info.num_dense, embeddings, m.bottom_mlp, m.top_mlp, d.target, d.history, d.history_side, d.max_len,
-            d.attention_mlp, d.cross_layers, m.precision,
+            d.attention_mlp, d.cross_layers, m.precision, m.low_rank,
         )  # fmt: skip
     if m.arch == "deepfm":
         from neorec.model.deepfm import DeepFM

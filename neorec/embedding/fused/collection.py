@@ -167,11 +167,25 @@ class FusedEmbeddingCollection(
         self._optimizer: FusedEmbeddingOptimizer | None = None
         self._feature_cache: dict[tuple, list[tuple[torch.Tensor, list[int]]]] = {}
         device = torch.device(device) if device is not None else torch.device("cpu")
-        factory = storage_factory or build_tensor_storage
-
         self.weights: list[RowStorage] = []
         self.states: list[dict[str, RowStorage]] = []
         self._constants: list[_GroupConstants] = []
+        self._build_storages(device, storage_factory or build_tensor_storage, group_storage_factory, progress)
+        self._cached = any(hasattr(w, "prefetch") for w in self.weights)
+        self.mapped = self._build_maps(map_shards or {}, table_tiers or {}, device)
+        # prefetched batches not yet looked up: (as given, as checked, their prepared rows), which the
+        # forward of the batch as given reuses
+        self._prefetched: deque[tuple[SparseBatch, SparseBatch, list[GroupBatch]]] = deque(maxlen=8)
+
+    def _build_storages(
+        self,
+        device: torch.device,
+        factory: StorageFactory,
+        group_storage_factory: GroupStorageFactory | None,
+        progress: bool,
+    ) -> None:
+        """Each group's weight and optimizer-state storages, filled with their initial values, and its
+        constants (feature row offsets, mean pooling, table row starts and seeds)."""
         num_rows = sum(g.num_rows for g in self.layout.groups)
         bar = progress_bar(num_rows, "initialising tables", progress, unit="row", delay=1.0, unit_scale=True)
         for g in self.layout.groups:
@@ -195,18 +209,14 @@ class FusedEmbeddingCollection(
                     mean=torch.tensor(g.feature_mean, device=device) if any(g.feature_mean) else None,
                     row_starts=torch.tensor(g.row_starts, dtype=torch.int64, device=device),
                     table_seeds=torch.tensor(
-                        [table_seed(self.tables[t], seed) for t in g.tables], dtype=torch.int64, device=device
+                        [table_seed(self.tables[t], self.seed) for t in g.tables],
+                        dtype=torch.int64,
+                        device=device,
                     ),
                 )
             )
-
         if bar is not None:  # a cache that fills rows later no longer counts them (tqdm: closed = disabled)
             bar.close()
-        self._cached = any(hasattr(w, "prefetch") for w in self.weights)
-        self.mapped = self._build_maps(map_shards or {}, table_tiers or {}, device)
-        # prefetched batches not yet looked up: (as given, as checked, their prepared rows), which the
-        # forward of the batch as given reuses
-        self._prefetched: deque[tuple[SparseBatch, SparseBatch, list[GroupBatch]]] = deque(maxlen=8)
 
     # ---- managed-collision tables ------------------------------------------------------------------
     def _build_maps(
