@@ -7,7 +7,8 @@ Baselines need no training: a rating is scored by its user's smoothed rate of ra
 training set, its movie's, or both combined (the sum of the two log-odds over the global rate's:
 naive Bayes with two features). Smoothing: (positives + s * p) / (count + s), p the global rate.
 The models, each trained once per seed on the same split with the same batch size and epochs (the
-sequential config takes them from `movielens`, its base):
+sequential config takes them from `movielens`, its base; the random split is drawn by the seed, so
+there each seed has a split of its own, and its baselines are scored on it):
 - `movielens`: the shipped DCNv2 config (neorec/configs/movielens.yaml);
 - `movielens_seq`: the shipped DIN config (neorec/configs/movielens_seq.yaml), target attention over
   each rating's history of the user's earlier ratings (all of them, held-out ones included);
@@ -76,9 +77,15 @@ def main() -> None:
 
     rows = []
     for split in args.splits:
-        src = MovieLensSource(args.root, seed=0, val_fraction=args.val_fraction, split=split)
-        for name, value in baselines(src, args.strength).items():
-            rows.append([split, name, f"{value:.4f}", "-"])
+        # the random split is drawn by the run's seed: each seed's baselines on its own split
+        split_seeds = args.seeds if split == "random" else [0]
+        scores = [baselines(MovieLensSource(args.root, seed=s, val_fraction=args.val_fraction, split=split),
+                            args.strength) for s in split_seeds]  # fmt: skip
+        for name in scores[0]:
+            values = [b[name] for b in scores]
+            per_seed = " / ".join(f"{v:.4f}" for v in values) if len(values) > 1 else "-"
+            shown = f"{min(values):.4f} - {max(values):.4f}" if len(values) > 1 else f"{values[0]:.4f}"
+            rows.append([split, name, shown, per_seed])
         for model in args.models:
             config, extra, label = MODELS[model]
             aucs = []

@@ -17,7 +17,7 @@ from neorec.cli_args import (
     writable,
 )
 from neorec.config.limits import MAX_BATCH, MAX_RANKS, max_processes, max_threads, per_core
-from neorec.errors import NeorecError, failure, state_mismatch
+from neorec.errors import ConfigError, NeorecError, failure, state_mismatch
 from neorec.utils.logging import setup_logging
 
 
@@ -140,6 +140,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not cfg_path.is_file() or not (run / "model.pt").is_file():
         raise NeorecError(f"{run}: not a finished run folder (needs config.yaml and model.pt from `neorec train`)")
     cfg = load_config(str(cfg_path), args.overrides)
+    if args.overrides:
+        check_same_training_data(load_config(str(cfg_path)), cfg, cfg_path)
     if cfg.data.follow is not None:  # its source would wait for partitions, and has no held-out set
         raise NeorecError(
             f"{run}: followed a stream (data.follow), which has no held-out set: every batch was scored "
@@ -161,6 +163,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for k, v in metrics.items():
         print(f"{k.ljust(width)} | {v:.6g}" if isinstance(v, float) else f"{k.ljust(width)} | {v}")
     return 0
+
+
+def check_same_training_data(trained, cfg, cfg_path: Path) -> None:
+    """Refuse a `neorec eval --set` that changes the run's training data (its samples or the seed
+    that splits them): the held-out set would then hold samples the model trained on. Settings of
+    held-out data alone (eval_paths, eval_samples, ...) may change."""
+    from neorec.data.reader_position import data_settings, first_data_change
+
+    change = first_data_change(data_settings(trained.data), data_settings(cfg.data))
+    if change is None and trained.seed != cfg.seed:  # it draws synthetic data and the random split
+        change = ("seed", trained.seed, cfg.seed)
+    if change is not None:
+        key, was, now = change
+        name = key if key == "seed" else f"data.{key}"
+        raise ConfigError(
+            f"--set {name} {now!r}: {cfg_path} trained with {was!r}; another setting of the training data "
+            "makes another held-out set, which may hold samples the model trained on; evaluate with the "
+            "run's data settings (held-out files or sizes alone may change)"
+        )
 
 
 def check_model_state(model, state: object, path: Path, overrides: list[str]) -> None:

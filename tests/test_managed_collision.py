@@ -3,6 +3,8 @@ evicted rows in both engines, and configuration errors."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -265,6 +267,13 @@ def test_trainer_resume_with_id_maps_is_bitwise(tmp_path, monkeypatch):
     for key, value in torch.load(tmp_path / "whole" / "model.pt", weights_only=True).items():
         assert torch.equal(value, final[key]), key
     assert any(k.endswith("C4.mc_keys") for k in final)
+    # the id maps' logged counters go on from the checkpoint's: the uninterrupted run's lines
+    assert _id_map_lines(tmp_path / "run") == _id_map_lines(tmp_path / "whole")
+
+
+def _id_map_lines(run) -> list[dict]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in x.items() if k != "time"} for x in lines if x["split"] == "id_map"]
 
 
 def test_rows_only_for_managed_collision_tables():

@@ -128,6 +128,18 @@ def test_errors_name_the_file(tmp_path):
         MovieLensSource(root, val_fraction=1.0)
 
 
+def test_a_pair_rated_twice_is_refused_naming_both_lines(tmp_path):
+    """A second rating of a (user, movie) pair would put the first one's label in its history."""
+    root = copy_root(tmp_path)
+    ratings = root / "ratings.csv"
+    lines = ratings.read_text().splitlines()
+    user, movie = lines[3].split(",")[:2]
+    ratings.write_text("\n".join([*lines, f"{user},{movie},1.0,1700000000"]) + "\n")
+    said = f"{ratings}:51: userId {user} rates movieId {movie} a second time (first at line 4)"
+    with pytest.raises(DataError, match=re.escape(said)):
+        MovieLensSource(root)
+
+
 def test_user_time_split_holds_out_each_users_latest_ratings():
     """Every user's held-out ratings come after all of their training ratings in (timestamp, movieId)
     order, and they are floor(0.2 n + 0.5) of the user's n; the split ignores the seed."""

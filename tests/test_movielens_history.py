@@ -97,6 +97,17 @@ def test_histories_from_training_ratings_stop_at_the_split(tmp_path):
     assert movie_ids(every, histories(every, "history"))[5] == [20, 40, 10, 50]
 
 
+def test_the_item_catalog_has_every_feature_of_a_batch_with_empty_user_side_bags(tmp_path):
+    """A two-tower model scores the whole item set through the catalog, whose batch must hold every
+    feature of the training batches: the user's and the history's empty."""
+    src = MovieLensSource(write_root(tmp_path), val_fraction=0.2, history=3)
+    catalog = src.item_catalog()
+    assert catalog.keys == src.batch(src.val_index[:2]).sparse.keys
+    for name in ("user", "history", "history_liked"):
+        ids, lengths, _ = catalog.feature(name)
+        assert ids.numel() == 0 and lengths.tolist() == [0] * len(src.movie_ids)
+
+
 def test_no_history_by_default_and_bad_settings_rejected(tmp_path):
     root = write_root(tmp_path)
     assert [f.name for f in MovieLensSource(root).info.features] == ["user", "movie", "genres", "year"]

@@ -164,6 +164,20 @@ def test_a_stop_during_an_evaluation_ends_it_and_the_resumed_run_does_it(tmp_pat
     _same_run(tmp_path / "whole", tmp_path / "run")
 
 
+def test_a_stop_during_the_evaluation_after_an_epoch_resumes_at_the_next_epoch(tmp_path, monkeypatch):
+    """An evaluation after each epoch (eval_every null), stopped: the resumed run does it, then trains
+    the next epoch; the epoch's end is logged and evaluated once, as in the uninterrupted run."""
+    run = [*RUN, "data.synthetic.train_samples=640", "train.epochs=2", "train.eval_every=null",
+           "data.eval_batch_size=100"]  # fmt: skip
+    Trainer(load_config("default", run), tmp_path / "whole").fit()  # 10 steps an epoch
+    _stop_at(monkeypatch, 10, in_evaluation=True)
+    with pytest.raises(TrainingStopped, match="after step 10"):
+        Trainer(load_config("default", run), tmp_path / "run").fit()
+    monkeypatch.undo()
+    Trainer(load_config("default", run), tmp_path / "run", resume=True).fit()
+    _same_run(tmp_path / "whole", tmp_path / "run")
+
+
 def _worker(launcher: int, rank: int) -> int:
     for pid in _children(launcher):
         try:

@@ -9,8 +9,8 @@ its "crc32"): it is refused with a CheckpointError naming the file and the key p
     optimizer         an EmbeddingOptimizerConfig
     embedding_steps   {table: whole number >= 0}
     state             the trainer's position: epoch, batches, batch_size, seed, metrics_lines,
-                      loss_window, eval_pending, samples_trained, the reader's position; each
-                      of the right type when present
+                      loss_window, id_map_counts, eval_pending, samples_trained, the reader's
+                      position; each of the right type when present
     dense, files      {name (a plain name), bytes, crc32} (files: also rank); distinct names
     pieces            {table, state, rows [a, b], cols [c, d], file, offset, shape, dtype}: inside
                       its table (0 <= a <= b <= rows, 0 <= c <= d <= dim), shape [b - a] or
@@ -145,6 +145,10 @@ def _check_state(c: JsonChecks, state: dict) -> None:
             c.wrong("state.loss_window", window, "[loss sum, steps]")
         c.number(window[0], "state.loss_window[0]")
         c.whole(window[1], "state.loss_window[1]", 0, MAX_COUNT)
+    if state.get("id_map_counts") is not None:  # {table: {counter: count}}: the id maps' log continues them
+        for table, counts in c.mapping(state["id_map_counts"], "state.id_map_counts").items():
+            for name, count in c.mapping(counts, f"state.id_map_counts.{table}").items():
+                c.whole(count, f"state.id_map_counts.{table}.{name}", 0, MAX_COUNT)
     if state.get("eval_pending") is not None:  # an evaluation a stop cut short, done first on resume
         batches = c.mapping(state["eval_pending"], "state.eval_pending").get("max_batches")
         if batches is not None:

@@ -185,6 +185,28 @@ def _numbers(path: Path, lines: list[int], column: str, values: list[str], dtype
         raise
 
 
+def _check_one_rating_per_pair(
+    path: Path,
+    lines: list[int],
+    users: np.ndarray,
+    movies: np.ndarray,
+    user_idx: np.ndarray,
+    movie_idx: np.ndarray,
+) -> None:
+    """A user rates a movie once: a second rating of the pair would put the first one's label in the
+    second's history (or the pair on both sides of a split)."""
+    pair = user_idx.astype(np.int64) * (int(movie_idx.max()) + 1) + movie_idx
+    order = np.argsort(pair, kind="stable")
+    again = np.flatnonzero(pair[order][1:] == pair[order][:-1])
+    if len(again):
+        first, second = int(order[again[0]]), int(order[again[0] + 1])  # in file order (a stable sort)
+        raise DataError(
+            f"{path}:{lines[second]}: userId {users[second]} rates movieId {movies[second]} a second time "
+            f"(first at line {lines[first]}): each pair is rated once, else one rating's label is an input "
+            "of the other's prediction"
+        )
+
+
 def _ids(path: Path, lines: list[int], column: str, values: list[str]) -> np.ndarray:
     """An id column as int64, every id >= 0."""
     ids = _numbers(path, lines, column, values, np.int64)
@@ -337,6 +359,7 @@ class MovieLensSource:
             i = int(unknown[0])
             raise DataError(f"{path}:{lines[i]}: movieId {movies[i]} is not in movies.csv")
         self.user_ids, user_idx = np.unique(users, return_inverse=True)
+        _check_one_rating_per_pair(path, lines, users, movies, user_idx, movie_idx)
 
         self.user = torch.from_numpy(user_idx.astype(np.int64))
         self.movie = torch.from_numpy(movie_idx.astype(np.int64))
@@ -387,11 +410,15 @@ class MovieLensSource:
         return Batch(self.dense[rows], SparseBatch.from_features(features), self.labels[rows])
 
     def item_catalog(self) -> SparseBatch:
-        """Every movie once, in movie index order: its movie, genres and year, and an empty user bag
-        (what a two-tower model's item tower reads to score the whole item set)."""
+        """Every movie once, in movie index order: its movie, genres and year, and empty user-side bags
+        (user, and the history when there is one: what a two-tower model's item tower reads to score
+        the whole item set)."""
         movie = torch.arange(len(self.movie_ids))
-        users = torch.zeros(0, dtype=torch.int64)
-        return SparseBatch.from_features(self._features(users, torch.zeros(len(movie), dtype=torch.int64), movie))
+        empty, none = torch.zeros(0, dtype=torch.int64), torch.zeros(len(movie), dtype=torch.int64)
+        features = self._features(empty, none, movie)
+        if self.history:
+            features.update(history=(empty, none), history_liked=(empty, none))
+        return SparseBatch.from_features(features)
 
     def _features(
         self, users: torch.Tensor, user_lengths: torch.Tensor, movie: torch.Tensor

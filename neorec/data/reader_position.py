@@ -157,17 +157,25 @@ def check_data_settings(data: Any, state: Any, where: str | Path) -> None:
     saved = state.get("data_settings") if isinstance(state, dict) else None
     if not isinstance(saved, dict):
         return
-    now = data_settings(data)
-    keys = (saved.keys() | now.keys()) - {"source", _WORKING_FOLDER}
-    for key in ["source", *sorted(keys)]:
-        was, is_ = saved.get(key), now.get(key)
-        if was == is_ or (key in _PATH_KEYS and _places(saved, was) == _places(now, is_)):
-            continue
+    if (change := first_data_change(saved, data_settings(data))) is not None:
+        key, was, is_ = change
         raise ConfigError(
             f"checkpoint {where} was trained with data.{key} {was!r}, this run has {is_!r}: resuming exactly "
             "needs the same data settings; resume with the checkpoint's (its run's config.yaml), or start a "
             "new run (--overwrite)"
         )
+
+
+def first_data_change(saved: dict[str, Any], now: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """(key under data., saved value, value now) of the first setting two `data_settings` differ in
+    (the source first), None when they are the same."""
+    keys = (saved.keys() | now.keys()) - {"source", _WORKING_FOLDER}
+    for key in ["source", *sorted(keys)]:
+        was, is_ = saved.get(key), now.get(key)
+        if was == is_ or (key in _PATH_KEYS and _places(saved, was) == _places(now, is_)):
+            continue
+        return key, was, is_
+    return None
 
 
 def check_training_files(source: Any, state: Any, where: str | Path) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from neorec.embedding.id_map import FREE, IdMap
+from neorec.embedding.id_map import FREE, STAT_FIELDS, IdMap
 from neorec.errors import DataError
 from neorec.sparse import SparseBatch
 
@@ -90,6 +90,22 @@ def map_stats(tables: list[MappedTable]) -> dict[str, dict[str, float]]:
     return {
         t.name: {**t.id_map.stats, "occupied": t.id_map.occupied, "capacity": t.id_map.capacity} for t in tables
     }
+
+
+def with_earlier_counts(
+    per_table: dict[str, dict[str, float]], earlier: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """map_stats with the counters (STAT_FIELDS) of a run before its resume added: cumulative over
+    the whole run, as an uninterrupted run counts them (occupied rows and capacity are as they are)."""
+    return {
+        table: {k: v + earlier.get(table, {}).get(k, 0) if k in STAT_FIELDS else v for k, v in stats.items()}
+        for table, stats in per_table.items()
+    }
+
+
+def counters(per_table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The cumulative counters (STAT_FIELDS) of map_stats alone: what a checkpoint keeps for the resume."""
+    return {table: {k: v for k, v in stats.items() if k in STAT_FIELDS} for table, stats in per_table.items()}
 
 
 def map_log_values(per_table: dict[str, dict[str, float]]) -> dict[str, float]:

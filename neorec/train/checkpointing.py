@@ -32,6 +32,7 @@ from neorec.data.reader_position import (
     training_file_state,
 )
 from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.remap import counters, with_earlier_counts
 from neorec.errors import ConfigError, NeorecError
 from neorec.train.run_folder import RESULTS
 from neorec.train.run_state import RunState
@@ -86,6 +87,8 @@ class CheckpointHandling:
         total = run.result.total_samples
         if total is not None:  # the run's samples so far, for its summary once resumed
             state.update(samples_trained=total)
+        if getattr(self.embeddings, "id_map_stats", None) and (maps := self.embeddings.id_map_stats()):
+            state.update(id_map_counts=counters(with_earlier_counts(maps, run.id_map_earlier)))  # for its log
         if self.eval_pending is not None:  # stopped during a mid-run evaluation
             state.update(eval_pending=self.eval_pending)
         if getattr(self, "progressive", None) is not None:  # a followed stream: its partition so far (collective)

@@ -21,7 +21,7 @@ from neorec.distributed.comms import Comms
 from neorec.distributed.topology import Topology
 from neorec.embedding.cache.stats import log_values
 from neorec.embedding.collection import EmbeddingCollection, dropped_ids
-from neorec.embedding.remap import map_log_values
+from neorec.embedding.remap import map_log_values, with_earlier_counts
 from neorec.train.logger import read_metrics
 from neorec.train.run_state import RunResult, RunState
 from neorec.utils.files import write_text
@@ -63,6 +63,7 @@ class RunReporting:
             cache = log_values(cache)
             logger.log("cache", step, cache)  # hit rate, MiB per tier, per table
         if getattr(self.embeddings, "id_map_stats", None) and (maps := self.embeddings.id_map_stats()):
+            maps = with_earlier_counts(maps, run.id_map_earlier)  # counted from the run's start
             logger.log("id_map", step, map_log_values(maps))  # inserts, evictions, per table
         if self.cfg.embedding.bounds_check == "warn" and (dropped := self._dropped_ids()):
             logger.log("dropped_ids", step, {"total": sum(dropped.values()), **dropped})

@@ -95,6 +95,9 @@ class RunState:
     bar: object | None = None  # the progress bar, rank 0 with train.progress
     start: float = field(default_factory=time.perf_counter)  # when training began, in this process
     done: bool = False  # train.max_steps reached
+    # the id maps' counters (hits, misses, ...) of this rank when the checkpoint resumed from was saved:
+    # the log's id_map lines count from the start of the run
+    id_map_earlier: dict[str, dict[str, float]] = field(default_factory=dict)
     eval_every: int | None = None  # steps between mid-run evaluations (None: after each epoch but the last)
     eval_batches: int | None = None  # batches of a mid-run evaluation (None: all)
 

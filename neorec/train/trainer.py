@@ -210,6 +210,9 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             if epoch < t.epochs - 1:
                 run.logger.log("epoch_end", run.step, {"epoch": epoch})  # curves.png marks the boundary
                 if not run.eval_every:
+                    # stopped during it, the checkpoint continues at the next epoch's start: its epoch
+                    # is over, and its end logged
+                    run.epoch, run.in_epoch = epoch + 1, 0
                     self._evaluate_or_stop(run, stop, run.eval_batches)
         return self._end_run(run, stop)
 
@@ -246,6 +249,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         run.eval_every, run.eval_batches = eval_schedule(cfg.train, cfg.data.eval_batch_size, total)
         if position is not None and position.get("loss_window") is not None:  # the log window's losses so far
             run.loss_sum, run.loss_steps = position["loss_window"]
+        if position is not None:
+            run.id_map_earlier = position.get("id_map_counts") or {}
         run.bar = progress_bar(total, None, cfg.train.progress and self.is_main, unit="step")
         if run.bar is not None and step:
             run.bar.update(step)

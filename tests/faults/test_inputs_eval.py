@@ -1,6 +1,7 @@
 """`neorec eval` of a run whose model.pt does not fit the config it is given (`--set model...`, or a
 pooling of the same shapes), or whose model.pt is truncated: one `neorec: error:` line naming model.pt,
-exit 2, before any evaluation."""
+exit 2, before any evaluation; and with other training data (`--set` of a data setting or the seed
+that makes the training set), which would make another held-out set: refused the same way."""
 
 from __future__ import annotations
 
@@ -42,7 +43,10 @@ def run(tmp_path_factory) -> Path:
         ("model.top_mlp=[64, 64, 64, 64]", ["model.pt does not fit", "top"]),
         ("model.arch=dcnv2", ["model.pt does not fit"]),
         ("embedding.dim=8", ["model.bottom_mlp must end in embedding.dim"]),  # the config alone is wrong
-        ("data.synthetic.rows=[50, 300, 7, 101]", ["model.pt does not fit", "C4"]),
+        # another training set: its held-out set may hold trained samples (a MovieLens split, say)
+        ("data.synthetic.rows=[50, 300, 7, 101]", ["--set data.synthetic.rows [50, 300, 7, 101]", "trained"]),
+        ("seed=5", ["--set seed 5", "trained with 0", "held-out set"]),
+        ("data.synthetic.train_samples=900", ["--set data.synthetic.train_samples 900"]),
         # the same shapes, another model: refused, as a checkpoint (its manifest) refuses it
         ("embedding.pooling=mean", ["model.pt: table 'C1' has pooling sum in", "but mean in --set"]),
         ("embedding.tables={C3: {pooling: mean}}", ["table 'C3' has pooling sum in"]),
@@ -52,6 +56,11 @@ def test_eval_with_a_config_that_does_not_fit_model_pt(run, capsys, override, wo
     err = fails(capsys, ["eval", str(run), "--set", override])
     for w in words:
         assert any(alternative in err for alternative in w.split("|")), err
+
+
+def test_eval_on_other_held_out_samples_of_the_same_training_data(run, capsys):
+    assert main(["eval", str(run), "--set", "data.synthetic.eval_samples=300"]) == 0
+    assert "num_samples | 300" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("keep", [0, 100, 3000, -1000])
