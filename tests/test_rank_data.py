@@ -63,7 +63,7 @@ def test_synthetic_slices_are_the_global_batches_cut(epoch):
     assert RankData(source, 999, 0, 3).untrained_per_epoch() == 1 and RankData(source, 999).untrained_per_epoch() == 0
 
 
-def test_samples_no_rank_trains_are_counted_or_said_when_they_happen(caplog):
+def test_samples_no_rank_trains_are_counted_or_said_when_they_happen(neorec_warnings):
     """A last global batch that does not divide over the ranks loses its remainder: counted where the
     source's size is known (the trainer warns at its start), said by rank 0 when it happens where not."""
     source = SyntheticSource(SPEC)  # 40000 samples: batches of 1000 divide, of 999 leave 40
@@ -72,10 +72,9 @@ def test_samples_no_rank_trains_are_counted_or_said_when_they_happen(caplog):
     unknown = RankData(source, 999, 0, 3)
     unknown.source = type("Stream", (), {"info": type("Info", (), {"num_train_samples": None})()})()
     assert unknown.untrained_per_epoch() is None
-    with caplog.at_level("WARNING", logger="neorec.data.ranks"):
-        unknown.local_batch(next(iter(source.train_batches(40, 0))))  # 40 over 3: one not trained
-        unknown.local_batch(next(iter(source.train_batches(40, 0))))
-    said = [r.getMessage() for r in caplog.records]
+    unknown.local_batch(next(iter(source.train_batches(40, 0))))  # 40 over 3: one not trained
+    unknown.local_batch(next(iter(source.train_batches(40, 0))))
+    said = [r.getMessage() for r in neorec_warnings.records]
     assert said == ["a last batch of 40 samples does not divide over 3 processes: each trains 13 of them, leaving "
                     "1 untrained (one process trains them all); a number of training samples that leaves a last "
                     "batch divisible by 3 trains every one"]  # fmt: skip
