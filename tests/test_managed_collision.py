@@ -348,3 +348,41 @@ def test_preprocessed_criteo_keeps_raw_ids_for_managed_collision_features(tmp_pa
     assert [t.rows for t in build_tables(cfg, source.info) if t.name == "C3"] == [16]
     with pytest.raises(ConfigError, match=r"holds raw ids for \['C3'\]: give their tables"):
         build_source(load_config(None, data))
+
+
+@pytest.mark.parametrize("tier", ["dram", "ssd"])
+def test_a_cached_table_beside_a_managed_collision_table_trains_as_in_memory(tmp_path, tier):
+    """A managed-collision table (in memory) and a cached one in one engine, each batch read ahead
+    (prefetched) before its step as the pipeline does: bitwise the engine with every table in memory.
+    The prefetch prepares the batch before its raw ids are mapped; the lookup maps them."""
+    from neorec.embedding.cache import CacheSettings, cached_storage_factory
+
+    m, p = mc_table(6, "lru", name="m"), TableConfig(name="p", rows=40, dim=4, features=["p_f"])
+    opt = EmbeddingOptimizerConfig(name="adagrad", lr=0.1)
+    tiers = {"m": "memory", "p": tier}
+    settings = CacheSettings(policy="lru", fraction=0.2, directory=tmp_path / "tables", io_thread=True)
+    factory = cached_storage_factory(tiers, settings)
+    cached = FusedEmbeddingCollection([m, p], opt, seed=1, group_storage_factory=factory, table_tiers=tiers)
+    plain = FusedEmbeddingCollection([m, p], opt, seed=1)
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(10):
+        lengths = torch.randint(0, 4, (12,), generator=g)
+        n = int(lengths[:6].sum()), int(lengths[6:].sum())
+        raw = torch.randint(0, 15, (n[0],), generator=g) * 1_000_003 + 17  # ids of the map's: many evictions
+        data.append(SparseBatch(["m_f", "p_f"], torch.cat([raw, torch.randint(0, 40, (n[1],), generator=g)]),
+                                lengths))  # fmt: skip
+    for engine in (cached, plain):
+        opt_ = engine.build_optimizer()
+        for i, sparse in enumerate(data):
+            if i + 1 < len(data):
+                engine.prefetch(data[i + 1])
+            out = engine(sparse)
+            loss = (out * torch.linspace(-1, 1, out.shape[1])).sum()
+            loss.backward()
+            opt_.step()
+    assert cached.id_map_stats()["m"]["evictions"] > 0
+    a, b = cached.state_dict(), plain.state_dict()
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

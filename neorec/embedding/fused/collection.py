@@ -228,10 +228,10 @@ class FusedEmbeddingCollection(
             mc = t.managed_collision
             if mc is None:
                 continue
-            if tiers.get(t.name, "memory") != "memory" or self._cached:
+            if tiers.get(t.name, "memory") != "memory":
                 raise ConfigError(
-                    f"table {t.name!r}: managed-collision tables keep their rows in memory and share no engine "
-                    "with cached tables (tier dram/ssd); set the tiers to memory"
+                    f"table {t.name!r}: managed-collision tables keep their rows in memory (its tier is "
+                    f"{tiers[t.name]}); set embedding.tables.{t.name}.tier to memory"
                 )
             shard = shards.get(t.name) or MapShard(0, mc.buckets, mc.buckets, t, 0, mc.eviction)
             id_map = IdMap(t.rows, mc.eviction, shard, device)

@@ -42,6 +42,11 @@ class CollectionForward:
                 sparse = self.bounds.check(sparse)
         if self.mapped:  # raw ids -> rows; a training batch's step is the update it will make
             sparse = remap_batch(sparse, self.mapped, self.num_updates + 1, self.training)
+            if batches is not None:  # prepared by its prefetch from raw ids: the uncached groups again (a
+                # managed-collision table's group is never cached; a cached group keeps the rows it read ahead)
+                cached = [hasattr(w, "prefetch") for w in self.weights]
+                fresh = self._prepare(sparse, [not c for c in cached])
+                batches = [old if c else new for c, old, new in zip(cached, batches, fresh, strict=True)]
         if self._cached:  # bring the whole batch in at once (one eviction round), then read it
             counted = batches is not None
             batches = batches or self._prepare(sparse)
@@ -106,10 +111,14 @@ class CollectionForward:
         return self._prepare(sparse)
 
     @staged("prepare_bags")
-    def _prepare(self, sparse: SparseBatch) -> list[GroupBatch]:
-        out = []
+    def _prepare(self, sparse: SparseBatch, only: list[bool] | None = None) -> list[GroupBatch]:
+        """Each group's GroupBatch; with `only`, of the groups it marks (None for the others)."""
+        out: list = []
         groups = zip(self.layout.groups, self._constants, self._group_features(sparse), strict=True)
-        for g, c, (features, indices) in groups:
+        for gi, (g, c, (features, indices)) in enumerate(groups):
+            if only is not None and not only[gi]:
+                out.append(None)
+                continue
             if g.sequence:
                 out.append(prepare_sequence_group(sparse, indices, g.feature_row_offsets))
                 continue
