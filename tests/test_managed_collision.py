@@ -386,3 +386,26 @@ def test_a_cached_table_beside_a_managed_collision_table_trains_as_in_memory(tmp
     assert sorted(a) == sorted(b)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_the_logged_id_map_counts_are_every_rank_s_summed():
+    """Under several processes the id_map log line counts every shard of a table, not rank 0's alone;
+    a rank that holds no shard of it takes part all the same (the sum is collective)."""
+    from types import SimpleNamespace
+
+    from neorec.train.reporting import RunReporting
+
+    fields = ("hits", "misses", "inserts", "evictions", "dropped", "occupied", "capacity")
+    theirs = {"m": dict(zip(fields, (5, 1, 1, 0, 0, 3, 4), strict=True))}
+
+    class TwoRanks:  # rank 1 holds `theirs`
+        def all_gather(self, mine, direction):
+            return torch.cat([mine, torch.tensor([[float(theirs["m"][k]) for k in fields]], dtype=mine.dtype)])
+
+    tables = {"m": SimpleNamespace(managed_collision=object()), "p": SimpleNamespace(managed_collision=None)}
+    cfg = SimpleNamespace(embedding=SimpleNamespace(tables=tables))
+    mine = {"m": dict(zip(fields, (7, 2, 2, 1, 0, 4, 4), strict=True))}
+    rank0 = SimpleNamespace(embeddings=SimpleNamespace(id_map_stats=lambda: mine), comms=TwoRanks(), cfg=cfg)
+    assert RunReporting._id_map_totals(rank0) == {"m": dict(zip(fields, (12, 3, 3, 1, 0, 7, 8), strict=True))}
+    empty = SimpleNamespace(embeddings=SimpleNamespace(id_map_stats=lambda: {}), comms=TwoRanks(), cfg=cfg)
+    assert RunReporting._id_map_totals(empty) == {"m": theirs["m"]}

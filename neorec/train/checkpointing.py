@@ -87,8 +87,8 @@ class CheckpointHandling:
         total = run.result.total_samples
         if total is not None:  # the run's samples so far, for its summary once resumed
             state.update(samples_trained=total)
-        if getattr(self.embeddings, "id_map_stats", None) and (maps := self.embeddings.id_map_stats()):
-            state.update(id_map_counts=counters(with_earlier_counts(maps, run.id_map_earlier)))  # for its log
+        if maps := self._id_map_totals():  # type: ignore[attr-defined]  # all ranks (collective), for its log
+            state.update(id_map_counts=counters(with_earlier_counts(maps, run.id_map_earlier)))
         if self.eval_pending is not None:  # stopped during a mid-run evaluation
             state.update(eval_pending=self.eval_pending)
         if getattr(self, "progressive", None) is not None:  # a followed stream: its partition so far (collective)

@@ -21,6 +21,7 @@ from neorec.distributed.comms import Comms
 from neorec.distributed.topology import Topology
 from neorec.embedding.cache.stats import log_values
 from neorec.embedding.collection import EmbeddingCollection, dropped_ids
+from neorec.embedding.id_map import STAT_FIELDS
 from neorec.embedding.remap import map_log_values, with_earlier_counts
 from neorec.train.logger import read_metrics
 from neorec.train.run_state import RunResult, RunState
@@ -62,7 +63,7 @@ class RunReporting:
         if getattr(self.embeddings, "cache_stats", None) and (cache := self.embeddings.cache_stats()):
             cache = log_values(cache)
             logger.log("cache", step, cache)  # hit rate, MiB per tier, per table
-        if getattr(self.embeddings, "id_map_stats", None) and (maps := self.embeddings.id_map_stats()):
+        if maps := self._id_map_totals():  # collective
             maps = with_earlier_counts(maps, run.id_map_earlier)  # counted from the run's start
             logger.log("id_map", step, map_log_values(maps))  # inserts, evictions, per table
         if self.cfg.embedding.bounds_check == "warn" and (dropped := self._dropped_ids()):
@@ -71,6 +72,21 @@ class RunReporting:
             log.info(train_line(step, run.total, loss, sps, lrs, cache))
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sps:,.0f}")
+
+    def _id_map_totals(self) -> dict[str, dict[str, float]]:
+        """Per managed-collision table: its id maps' counters, occupied rows and capacity, summed over
+        the ranks that hold its shards (collective under several processes: every rank calls it at
+        the same step)."""
+        mine = self.embeddings.id_map_stats() if hasattr(self.embeddings, "id_map_stats") else {}
+        if self.comms is None:
+            return mine
+        names = sorted(n for n, o in self.cfg.embedding.tables.items() if o.managed_collision is not None)
+        if not names:
+            return {}
+        fields = (*STAT_FIELDS, "occupied", "capacity")
+        counts = torch.tensor([[mine.get(n, {}).get(k, 0) for n in names for k in fields]], dtype=torch.float64)
+        total = iter(self.comms.all_gather(counts, "eval").sum(0).tolist())
+        return {n: {k: int(next(total)) for k in fields} for n in names}
 
     def _dropped_ids(self) -> dict[str, int]:
         """Ids dropped so far per feature for lying outside their table (bounds_check warn), summed
