@@ -20,9 +20,11 @@ import numpy as np
 
 from neorec.errors import DataError
 from neorec.utils.files import (
+    CHECKSUM_KEY,
+    check_json,
     check_recorded,
+    load_json,
     plain_name,
-    read_json,
     replace_folder,
     size_and_crc32,
     write_atomic,
@@ -105,8 +107,21 @@ def save_vocabs(folder: Path, names: list[str], vocabs: list[np.ndarray], settin
 
 
 def _read_settings(folder: Path) -> dict | None:
+    """settings.json without its "crc32" key, checked against it. One without the key is read as
+    written by hand, which records no files: one that records its files' sizes and crc32s but has no
+    crc32 of its own was damaged or edited, and is refused."""
     path = folder / _SETTINGS
-    return read_json(path, "vocabulary file", _AGAIN, DataError) if path.is_file() else None
+    if not path.is_file():
+        return None
+    data = load_json(path, "vocabulary file", _AGAIN, DataError)
+    signed = CHECKSUM_KEY in data
+    data = check_json(data, path, "vocabulary file", _AGAIN, DataError)
+    if not signed and _FILES in data:
+        raise DataError(
+            f"vocabulary file {path} has no checksum (key {CHECKSUM_KEY!r}) though it records its files' "
+            f"crc32s, as only a file with one does: the file is damaged or was edited; {_AGAIN}"
+        )
+    return data
 
 
 def saved_settings(folder: Path) -> dict | None:

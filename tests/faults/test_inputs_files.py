@@ -285,6 +285,10 @@ def test_vocabularies_are_checked_when_read_and_names_stay_in_their_folder(tmp_p
     (folder / "settings.json").write_text(settings.replace('"threshold": 2', '"threshold": 3'))
     with pytest.raises(DataError, match=r"settings\.json: checksum mismatch"):
         load_vocabs(folder, ["C1"])
+    # a bit flipped in the name of its checksum key: a file with no checksum, yet recording its files'
+    (folder / "settings.json").write_text(settings.replace('"crc32":', '"crc22":'))
+    with pytest.raises(DataError, match=r"settings\.json has no checksum .* though it records its files"):
+        load_vocabs(folder, ["C1"])
     (folder / "settings.json").write_text(settings)
     for name in ("../../evil", "/etc/passwd", ".."):
         with pytest.raises(DataError, match="is not a plain name"):
