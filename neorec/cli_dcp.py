@@ -104,9 +104,8 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
             )
         trainer = Trainer(cfg, out_dir)
         target = trainer.model if isinstance(trainer.model, DLRM) else trainer.embeddings
-        report = load_dcp(
-            target, args.dcp_dir, optimizer_state=not args.no_optimizer_state, feature_names=args.feature_names
-        )
+        with_state, order = not args.no_optimizer_state, args.feature_names
+        report = load_dcp(target, args.dcp_dir, optimizer_state=with_state, feature_names=order)
         state = trainer.data.position(0, 0)
         state.update(batch_size=cfg.data.batch_size, seed=cfg.seed, metrics_lines=0)
         optimizers = {"dense": trainer.dense_opt, "embedding": trainer.emb_opt}

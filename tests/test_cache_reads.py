@@ -318,7 +318,7 @@ def test_reads_ahead_follow_earlier_writes_and_pending_writes_are_read() -> None
     assert torch.equal(backing.field("weight")[5:7], torch.full((2, 4), 7.0))
 
 
-def test_a_state_loaded_between_a_batch_s_read_ahead_and_its_lookup_is_what_the_lookup_reads(tmp_path) -> None:
+def test_a_state_loaded_between_a_batch_s_read_ahead_and_its_lookup_is_what_it_reads(tmp_path) -> None:
     """A batch read ahead, then a checkpoint loaded (its rows leave the cache), then the batch looked
     up and trained: as an engine without a cache does, bitwise."""
     ts = tables()

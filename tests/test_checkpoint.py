@@ -376,7 +376,8 @@ def test_trainer_resume_gives_bitwise_identical_weights(tmp_path, monkeypatch):
     assert [e.step for e in events.Scalars("eval/auc")] == [x["step"] for x in lines if x["split"] == "eval"]
     # data waits per step of the steps each process trained: 25 ms a batch, and one more batch read
     # ahead by the pipeline (at least 25 ms, where a wait spread over steps not trained gives less)
-    waits = [json.loads(x).get("data_wait_ms") for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    waits = [x.get("data_wait_ms") for x in records]
     assert all(25.0 - 1e-9 <= w <= 50.0 + 1e-9 for w in waits if w is not None), waits
     # the resumed run trained 6 steps and read 7 batches (the figure rounded to 3 digits)
     assert 25.0 - 1e-3 <= wait <= 25.0 * 7 / 6 + 1e-3

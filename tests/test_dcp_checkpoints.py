@@ -70,7 +70,8 @@ def test_export_then_import_a_run_and_train_on(tmp_path):
     # import in that order gives back the same model
     order = ["--feature-names", "C4,C3,C2,C1"]
     reordered = tmp_path / "dcp3"
-    assert main(["checkpoint", "export-dcp", str(tmp_path / "run"), "--out", str(reordered), "--prefix", "", *order]) == 0
+    assert main(["checkpoint", "export-dcp", str(tmp_path / "run"), "--out", str(reordered), "--prefix", "",
+                 *order]) == 0  # fmt: skip
     top = "over_arch.model.0._mlp.0._linear.weight"
     assert not torch.equal(_everything(reordered)[top], written[top])
     third = tmp_path / "third"

@@ -400,7 +400,8 @@ def test_the_logged_id_map_counts_are_every_rank_s_summed():
 
     class TwoRanks:  # rank 1 holds `theirs`
         def all_gather(self, mine, direction):
-            return torch.cat([mine, torch.tensor([[float(theirs["m"][k]) for k in fields]], dtype=mine.dtype)])
+            other = torch.tensor([[float(theirs["m"][k]) for k in fields]], dtype=mine.dtype)
+            return torch.cat([mine, other])
 
     tables = {"m": SimpleNamespace(managed_collision=object()), "p": SimpleNamespace(managed_collision=None)}
     cfg = SimpleNamespace(embedding=SimpleNamespace(tables=tables))

@@ -44,7 +44,9 @@ def test_binary_metrics_values():
 
 def exact_log_loss(z, y):
     """Mean binary cross-entropy of logits, by hand in float64: -log sigmoid(z) = log(1 + e^-z)."""
-    return sum(math.log1p(math.exp(-a)) if b else a + math.log1p(math.exp(-a)) for a, b in zip(z, y, strict=True)) / len(z)
+    pairs = zip(z, y, strict=True)
+    losses = [math.log1p(math.exp(-a)) if b else a + math.log1p(math.exp(-a)) for a, b in pairs]
+    return sum(losses) / len(z)
 
 
 def test_confident_logits_keep_their_order_and_log_loss():

@@ -60,7 +60,8 @@ def test_synthetic_slices_are_the_global_batches_cut(epoch):
         b = len(batch) // 3
         assert_same(concat_samples([s[i] for s in slices]), batch.slice(0, 3 * b))
     assert RankData(source, 999, 0, 3).steps_per_epoch() == len(whole)
-    assert RankData(source, 999, 0, 3).untrained_per_epoch() == 1 and RankData(source, 999).untrained_per_epoch() == 0
+    assert RankData(source, 999, 0, 3).untrained_per_epoch() == 1
+    assert RankData(source, 999).untrained_per_epoch() == 0
 
 
 def test_samples_no_rank_trains_are_counted_or_said_when_they_happen(neorec_warnings):
@@ -75,9 +76,9 @@ def test_samples_no_rank_trains_are_counted_or_said_when_they_happen(neorec_warn
     unknown.local_batch(next(iter(source.train_batches(40, 0))))  # 40 over 3: one not trained
     unknown.local_batch(next(iter(source.train_batches(40, 0))))
     said = [r.getMessage() for r in neorec_warnings.records]
-    assert said == ["a last batch of 40 samples does not divide over 3 processes: each trains 13 of them, leaving "
-                    "1 untrained (one process trains them all); a number of training samples that leaves a last "
-                    "batch divisible by 3 trains every one"]  # fmt: skip
+    assert said == ["a last batch of 40 samples does not divide over 3 processes: each trains 13 of them, "
+                    "leaving 1 untrained (one process trains them all); a number of training samples that "
+                    "leaves a last batch divisible by 3 trains every one"]  # fmt: skip
 
 
 @pytest.mark.parametrize(("epoch", "skip"), [(0, 3), (1, 20), (1, 0)])

@@ -84,8 +84,8 @@ class RunReporting:
         if not names:
             return {}
         fields = (*STAT_FIELDS, "occupied", "capacity")
-        counts = torch.tensor([[mine.get(n, {}).get(k, 0) for n in names for k in fields]], dtype=torch.float64)
-        total = iter(self.comms.all_gather(counts, "eval").sum(0).tolist())
+        counts = [[mine.get(n, {}).get(k, 0) for n in names for k in fields]]
+        total = iter(self.comms.all_gather(torch.tensor(counts, dtype=torch.float64), "eval").sum(0).tolist())
         return {n: {k: int(next(total)) for k in fields} for n in names}
 
     def _dropped_ids(self) -> dict[str, int]:
@@ -141,6 +141,7 @@ class RunReporting:
                             f"(peaks {peaks} MiB against {planned} MiB): its plans may not fit this GPU")  # fmt: skip
         if state is not None:
             save_model_state(state, self.out_dir / "model.pt", self.model)  # cached tables: streamed
+        wait_ms = 1000 * self.timings["data_wait"] / max(result.steps_trained_here, 1)  # this process's steps
         summary = {
             "steps": result.steps,
             "samples": result.total_samples,
@@ -148,8 +149,7 @@ class RunReporting:
                if result.resumed_at is not None else {}),  # fmt: skip
             "train_seconds": round(result.train_seconds, 3),
             "samples_per_s": round(result.samples_per_second, 1),
-            # this process's wait, over the steps it trained
-            "data_wait_ms_per_step": round(1000 * self.timings["data_wait"] / max(result.steps_trained_here, 1), 3),
+            "data_wait_ms_per_step": round(wait_ms, 3),
             **({"startup": result.startup} if result.startup else {}),
             "skipped_lines": result.skipped_lines,
             **({"dropped_ids": result.dropped_ids} if result.dropped_ids else {}),

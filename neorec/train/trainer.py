@@ -326,7 +326,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                 run.logger.log("progressive", step, self.progressive.window_metrics())
             run.window.restart(now)
         every = run.eval_every
-        if every and step % every == 0 and (not run.total or step < run.total):  # the last step: the final one
+        if every and step % every == 0 and (not run.total or step < run.total):  # the last: the final one
             self._evaluate_or_stop(run, stop, run.eval_batches)
         if self.checkpoints.enabled and self.checkpoints.due(step):
             self._read_losses(run)  # no checkpoint after a NaN
@@ -381,13 +381,16 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         self._finish(result)
         return result
 
-    def _evaluate_or_stop(self, run: RunState, stop: StopSignals, max_batches: int | None, final: bool = False) -> dict:
+    def _evaluate_or_stop(
+        self, run: RunState, stop: StopSignals, max_batches: int | None, final: bool = False
+    ) -> dict:
         """An evaluation after step `run.step`; a stop asked for during it stops the run there, its
         checkpoint holding the evaluation still to do (a mid-run one: the resumed run does it first,
         so its metrics are the uninterrupted run's; the final one comes anyway)."""
         progress = final and self.cfg.train.progress
         try:
-            return self._eval(run.logger, run.step, max_batches, run.result.teacher_auc, progress, stop.agreed)
+            teacher = run.result.teacher_auc
+            return self._eval(run.logger, run.step, max_batches, teacher, progress, stop.agreed)
         except EvaluationStopped as e:
             self._read_losses(run)  # no checkpoint after a NaN
             self.eval_pending = None if final else {"max_batches": max_batches}

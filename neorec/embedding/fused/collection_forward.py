@@ -42,8 +42,8 @@ class CollectionForward:
                 sparse = self.bounds.check(sparse)
         if self.mapped:  # raw ids -> rows; a training batch's step is the update it will make
             sparse = remap_batch(sparse, self.mapped, self.num_updates + 1, self.training)
-            if batches is not None:  # prepared by its prefetch from raw ids: the uncached groups again (a
-                # managed-collision table's group is never cached; a cached group keeps the rows it read ahead)
+            if batches is not None:  # prepared by its prefetch from raw ids: the uncached groups again
+                # (a managed-collision table's group is never cached; a cached one keeps what it read ahead)
                 cached = [hasattr(w, "prefetch") for w in self.weights]
                 fresh = self._prepare(sparse, [not c for c in cached])
                 batches = [old if c else new for c, old, new in zip(cached, batches, fresh, strict=True)]
