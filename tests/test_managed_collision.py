@@ -399,9 +399,8 @@ def test_the_logged_id_map_counts_are_every_rank_s_summed():
     theirs = {"m": dict(zip(fields, (5, 1, 1, 0, 0, 3, 4), strict=True))}
 
     class TwoRanks:  # rank 1 holds `theirs`
-        def all_gather(self, mine, direction):
-            other = torch.tensor([[float(theirs["m"][k]) for k in fields]], dtype=mine.dtype)
-            return torch.cat([mine, other])
+        def sum_over_ranks(self, mine, direction):
+            return mine + torch.tensor([float(theirs["m"][k]) for k in fields], dtype=mine.dtype)
 
     tables = {"m": SimpleNamespace(managed_collision=object()), "p": SimpleNamespace(managed_collision=None)}
     cfg = SimpleNamespace(embedding=SimpleNamespace(tables=tables))

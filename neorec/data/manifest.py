@@ -34,12 +34,10 @@ from neorec.data.manifest_checks import DONE_KEYS, PLAN_KEYS, check_manifest_str
 from neorec.data.manifest_checks import SPLITS as SPLITS
 from neorec.errors import DataError
 from neorec.utils.files import (
-    CHECKSUM_KEY,
-    check_json,
     check_recorded,
     fsync_dir,
-    load_json,
     plain_name,
+    read_json_of_files,
     size_and_crc32,
     write_atomic,
     write_json,
@@ -102,20 +100,15 @@ def load_manifest(root: str | Path) -> dict[str, Any]:
 
 
 def _read_checked(path: Path, what: str, keys: tuple[str, ...], hint: str = _AGAIN) -> dict:
-    """A manifest or meta.json without its "crc32" key, checked against it (read_json). One without the
-    key is read only as written before checksums were recorded, which had no file checksums either: one
-    that lists its files' crc32s ("files") but has no crc32 of its own was edited, and is refused."""
-    data = load_json(path, what, hint, DataError)
-    signed = CHECKSUM_KEY in data
-    data = check_json(data, path, what, hint, DataError, keys=keys)
-    if not signed:
-        entries = data.get("shards") if isinstance(data.get("shards"), list) else [data]
-        if any(isinstance(entry, dict) and "files" in entry for entry in entries):
-            raise DataError(
-                f"{what} {path} has no checksum (key {CHECKSUM_KEY!r}) though it records its files' crc32s, "
-                f"as only a file with one does: the file is damaged or was edited; {hint}"
-            )
-    return data
+    """A manifest or meta.json without its "crc32" key, checked against it. One without the key is read
+    only as written before checksums were recorded, which had no file checksums either: one that lists
+    its files' crc32s ("files") but has no crc32 of its own was edited, and is refused."""
+    return read_json_of_files(path, what, hint, DataError, _records_files, keys)
+
+
+def _records_files(data: dict) -> bool:
+    entries = data.get("shards") if isinstance(data.get("shards"), list) else [data]
+    return any(isinstance(entry, dict) and "files" in entry for entry in entries)
 
 
 def read_meta(path: Path, hint: str = _AGAIN) -> dict:

@@ -20,11 +20,9 @@ import numpy as np
 
 from neorec.errors import DataError
 from neorec.utils.files import (
-    CHECKSUM_KEY,
-    check_json,
     check_recorded,
-    load_json,
     plain_name,
+    read_json_of_files,
     replace_folder,
     size_and_crc32,
     write_atomic,
@@ -113,15 +111,7 @@ def _read_settings(folder: Path) -> dict | None:
     path = folder / _SETTINGS
     if not path.is_file():
         return None
-    data = load_json(path, "vocabulary file", _AGAIN, DataError)
-    signed = CHECKSUM_KEY in data
-    data = check_json(data, path, "vocabulary file", _AGAIN, DataError)
-    if not signed and _FILES in data:
-        raise DataError(
-            f"vocabulary file {path} has no checksum (key {CHECKSUM_KEY!r}) though it records its files' "
-            f"crc32s, as only a file with one does: the file is damaged or was edited; {_AGAIN}"
-        )
-    return data
+    return read_json_of_files(path, "vocabulary file", _AGAIN, DataError, lambda data: _FILES in data)
 
 
 def saved_settings(folder: Path) -> dict | None:

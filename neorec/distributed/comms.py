@@ -189,6 +189,11 @@ class Comms:
         got = self.all_to_all(mine.repeat(world, *[1] * (mine.dim() - 1)), [n] * world, [n] * world, direction)
         return got.wait()
 
+    def sum_over_ranks(self, values: torch.Tensor, direction: str) -> torch.Tensor:
+        """Every rank's `values` (a host tensor of one shape on all ranks) gathered and added in rank
+        order: the same sum on every rank, bitwise (counters, losses and histograms of a log step)."""
+        return self.all_gather(values.reshape(1, -1), direction).sum(0).reshape(values.shape)
+
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """`t` (in place) becomes rank `src`'s."""
         if self.world.size == 1:

@@ -91,6 +91,6 @@ class ProgressiveValidation:
         if self.comms is None:
             return h
         out = ScoreHistogram("cpu")
-        out.counts = self.comms.all_gather(h.counts.cpu().view(1, -1), "eval").sum(0)
-        out.sums = self.comms.all_gather(h.sums.cpu().view(1, -1), "eval").sum(0)
+        out.counts = self.comms.sum_over_ranks(h.counts.cpu(), "eval")
+        out.sums = self.comms.sum_over_ranks(h.sums.cpu(), "eval")
         return out

@@ -84,8 +84,8 @@ class RunReporting:
         if not names:
             return {}
         fields = (*STAT_FIELDS, "occupied", "capacity")
-        counts = [[mine.get(n, {}).get(k, 0) for n in names for k in fields]]
-        total = iter(self.comms.all_gather(torch.tensor(counts, dtype=torch.float64), "eval").sum(0).tolist())
+        counts = torch.tensor([mine.get(n, {}).get(k, 0) for n in names for k in fields], dtype=torch.float64)
+        total = iter(self.comms.sum_over_ranks(counts, "eval").tolist())
         return {n: {k: int(next(total)) for k in fields} for n in names}
 
     def _dropped_ids(self) -> dict[str, int]:
@@ -95,8 +95,8 @@ class RunReporting:
         if self.comms is None:
             return mine
         names = [f for t in self.tables for f in t.features]
-        counts = torch.tensor([[mine.get(f, 0) for f in names]], dtype=torch.float64)
-        total = self.comms.all_gather(counts, "eval").sum(0).tolist()
+        counts = torch.tensor([mine.get(f, 0) for f in names], dtype=torch.float64)
+        total = self.comms.sum_over_ranks(counts, "eval").tolist()
         return {f: int(n) for f, n in zip(names, total, strict=True) if n}
 
     def _single_process_state(self) -> dict | None:

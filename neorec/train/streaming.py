@@ -175,7 +175,7 @@ class StreamHandling:
     def _sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         if self.comms is None:
             return values
-        return self.comms.all_gather(values.to(torch.float64).view(1, -1), "eval").sum(0)
+        return self.comms.sum_over_ranks(values.to(torch.float64), "eval")
 
     def _publish_snapshot(self, step: int) -> None:
         """Publish the snapshot of `step` from its checkpoint (rank 0; the checkpoint exists)."""

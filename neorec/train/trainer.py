@@ -407,8 +407,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             return
         losses = torch.stack(run.unread).to("cpu", torch.float64)
         run.unread.clear()
-        if self.comms is not None:  # gathered, then summed in rank order: the same mean on every rank
-            losses = self.comms.all_gather(losses.view(1, -1), "loss").mean(0)
+        if self.comms is not None:  # summed in rank order: the same mean on every rank
+            losses = self.comms.sum_over_ranks(losses, "loss") / self.topo.world_size
         values = losses.tolist()
         for i, loss in enumerate(values):
             if not math.isfinite(loss):

@@ -217,6 +217,28 @@ def read_json(
     return check_json(load_json(path, what, hint, error), path, what, hint, error, required=required, keys=keys)
 
 
+def read_json_of_files(
+    path: str | Path,
+    what: str,
+    hint: str,
+    error: type[Exception],
+    records_files: Callable[[dict], bool],
+    keys: tuple[str, ...] | None = None,
+) -> dict:
+    """read_json of a file that records other files' sizes and crc32s (`records_files` says whether it
+    does). One without its own "crc32" key is read as written by hand or before checksums, which
+    record no files: one that records files but has no crc32 was damaged or edited, and is refused."""
+    data = load_json(path, what, hint, error)
+    signed = CHECKSUM_KEY in data
+    data = check_json(data, path, what, hint, error, keys=keys)
+    if not signed and records_files(data):
+        raise error(
+            f"{what} {path} has no checksum (key {CHECKSUM_KEY!r}) though it records its files' crc32s, "
+            f"as only a file with one does: the file is damaged or was edited; {hint}"
+        )
+    return data
+
+
 def load_json(path: str | Path, what: str, hint: str, error: type[Exception] = NeorecError) -> dict:
     """The JSON object of `path` as it is (its checksum not yet checked)."""
     path = Path(path)

@@ -171,7 +171,8 @@ class FusedEmbeddingCollection(
         self.states: list[dict[str, RowStorage]] = []
         self._constants: list[_GroupConstants] = []
         self._build_storages(device, storage_factory or build_tensor_storage, group_storage_factory, progress)
-        self._cached = any(hasattr(w, "prefetch") for w in self.weights)
+        self._cached_groups = [hasattr(w, "prefetch") for w in self.weights]  # a cache over DRAM or SSD
+        self._cached = any(self._cached_groups)
         self.mapped = self._build_maps(map_shards or {}, table_tiers or {}, device)
         # prefetched batches not yet looked up: (as given, as checked, their prepared rows), which the
         # forward of the batch as given reuses

@@ -44,7 +44,7 @@ class CollectionForward:
             sparse = remap_batch(sparse, self.mapped, self.num_updates + 1, self.training)
             if batches is not None:  # prepared by its prefetch from raw ids: the uncached groups again
                 # (a managed-collision table's group is never cached; a cached one keeps what it read ahead)
-                cached = [hasattr(w, "prefetch") for w in self.weights]
+                cached = self._cached_groups
                 fresh = self._prepare(sparse, [not c for c in cached])
                 batches = [old if c else new for c, old, new in zip(cached, batches, fresh, strict=True)]
         if self._cached:  # bring the whole batch in at once (one eviction round), then read it
