@@ -370,7 +370,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self.embeddings.clear_prefetched()
         if self.comms is not None:
             sent = self.comms.stats.take()
-            steps = result.steps_trained_here  # sent by this process
+            steps = max(result.steps_trained_here, 1)  # sent by this process (resumed at its end: none)
             result.comm_bytes_per_step = {k: v / steps for k, v in sent.items() if k not in ("eval", "loss")}
         run.close_bar()
         result.eval = self._evaluate_or_stop(run, stop, None, final=True)
