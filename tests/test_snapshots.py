@@ -171,3 +171,56 @@ def test_a_run_resumed_from_an_older_checkpoint_publishes_its_own_snapshots(tmp_
     assert check_snapshot(latest)["files"]["model.nrx"]["crc32"] != before
     assert [p.name for p in list_snapshots(snapshots)] == ["snapshot-00000002", "snapshot-00000004"]
     assert "removed snapshot-00000004, snapshot-00000006, of steps after step 2" in resumed.stderr
+
+
+SMALL_RUN = ["--set", "data.synthetic.train_samples=16384", "--set", "data.synthetic.eval_samples=1024",
+             "--set", "train.progress=false", "--set", "logging.plot=false", "--set", "logging.tensorboard=false",
+             "--set", "checkpoint.every_steps=2"]  # fmt: skip
+
+
+def test_a_resumed_run_stopped_before_its_first_save_leaves_no_newer_checkpoint(tmp_path, neorec_warnings):
+    """--resume PATH of an older checkpoint: the newer ones are of the run it replaces and go once it is
+    loaded, so a run that ends (or stops) before its first save leaves none for a plain --resume to
+    continue, nor for eval and export to read."""
+    from neorec.cli import main
+
+    run = ["train", "--output-dir", str(tmp_path), *SMALL_RUN]
+    assert main([*run, "--set", "train.max_steps=6"]) == 0
+    older = tmp_path / "checkpoints" / "step-00000002"
+    assert main([*run, "--set", "train.max_steps=2", "--resume", str(older)]) == 0  # nothing left to train
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000002"]
+    assert "removed step-00000004, step-00000006, of steps after step 2" in neorec_warnings.text
+
+
+def test_a_snapshot_due_by_the_clock_and_cut_short_is_published_when_the_run_resumes(tmp_path):
+    """snapshot.every_minutes: the checkpoint says that its step's snapshot was due. Killed after the
+    checkpoint and before LATEST named the snapshot (here: the snapshot of the last step withdrawn, as
+    a kill leaves it), the resumed run publishes it before it trains on."""
+    from neorec.checkpoint.load import read_manifest
+    from neorec.cli import main
+
+    run = ["train", "--output-dir", str(tmp_path), *SMALL_RUN, "--set", "checkpoint.every_steps=null",
+           "--set", "checkpoint.every_minutes=60", "--set", "snapshot.every_minutes=60", "--set", "snapshot.keep=5"]
+    assert main([*run, "--set", "train.max_steps=4"]) == 0  # the end of training is published
+    snapshots, step4 = tmp_path / "snapshots", tmp_path / "checkpoints" / "step-00000004"
+    assert read_manifest(step4)["state"]["snapshot_due"] is True
+    withdraw_after(snapshots, 3)  # as a kill between the checkpoint and the publish leaves the folder
+    assert list_snapshots(snapshots) == []
+    assert main([*run, "--set", "train.max_steps=6", "--resume"]) == 0
+    assert [p.name for p in list_snapshots(snapshots)] == ["snapshot-00000004", "snapshot-00000006"]
+
+
+def test_missing_says_a_resumed_step_needs_its_snapshot_until_latest_names_it(tmp_path):
+    from neorec.config.continuous import SnapshotConfig
+    from neorec.distributed.topology import Topology
+    from neorec.train.snapshots import PeriodicSnapshots
+
+    by_clock = PeriodicSnapshots(SnapshotConfig(every_minutes=5), tmp_path, Topology())
+    by_steps = PeriodicSnapshots(SnapshotConfig(every_steps=4), tmp_path, Topology())
+    assert by_clock.missing(8, True) and not by_clock.missing(8, None) and not by_clock.missing(0, True)
+    assert by_steps.missing(8, None) and not by_steps.missing(6, None)
+    publish(tmp_path, 4, write_model(4), verify, keep=5)
+    publish(tmp_path, 8, write_model(8), verify, keep=5)
+    assert not by_clock.missing(8, True)
+    (tmp_path / "LATEST").write_text('{"snapshot": "snapshot-00000004", "step": 4}')  # killed before LATEST moved
+    assert by_clock.missing(8, True) and by_steps.missing(8, None)

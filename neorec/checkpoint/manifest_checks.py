@@ -9,7 +9,7 @@ its "crc32"): it is refused with a CheckpointError naming the file and the key p
     optimizer         an EmbeddingOptimizerConfig
     embedding_steps   {table: whole number >= 0}
     state             the trainer's position: epoch, batches, batch_size, seed, metrics_lines,
-                      loss_window, id_map_counts, eval_pending, samples_trained, the reader's
+                      loss_window, id_map_counts, snapshot_due, eval_pending, samples_trained, the reader's
                       position; each of the right type when present
     dense, files      {name (a plain name), bytes, crc32} (files: also rank); distinct names
     pieces            {table, state, rows [a, b], cols [c, d], file, offset, shape, dtype}: inside
@@ -149,6 +149,8 @@ def _check_state(c: JsonChecks, state: dict) -> None:
         for table, counts in c.mapping(state["id_map_counts"], "state.id_map_counts").items():
             for name, count in c.mapping(counts, f"state.id_map_counts.{table}").items():
                 c.whole(count, f"state.id_map_counts.{table}.{name}", 0, MAX_COUNT)
+    if state.get("snapshot_due") is not None:  # a snapshot of the step was to be published after it
+        c.flag(state["snapshot_due"], "state.snapshot_due")
     if state.get("eval_pending") is not None:  # an evaluation a stop cut short, done first on resume
         batches = c.mapping(state["eval_pending"], "state.eval_pending").get("max_batches")
         if batches is not None:

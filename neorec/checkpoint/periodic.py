@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from neorec.checkpoint.load import checkpoint_folder, latest_checkpoint
-from neorec.checkpoint.save import checkpoint_name, save_checkpoint
+from neorec.checkpoint.save import checkpoint_name, prune, save_checkpoint
 from neorec.config.schema import CheckpointConfig
 from neorec.distributed.topology import Topology
 
@@ -60,10 +60,18 @@ class PeriodicCheckpoints:
 
     def to_resume(self, resume: bool | str | Path) -> Path | None:
         """`--resume`: the newest complete checkpoint (None when there is none); `--resume PATH`:
-        that checkpoint folder (CheckpointError when it is not one). The first save after resuming
-        from an older checkpoint removes the newer ones (save.prune): they belong to the run this
-        one replaces."""
+        that checkpoint folder (CheckpointError when it is not one; the newer ones go once it is
+        loaded, `resumed_at`)."""
         return self.latest() if resume is True else checkpoint_folder(resume)
+
+    def resumed_at(self, step: int) -> list[Path]:
+        """Rank 0, a run resumed at `step` (`--resume PATH` may name an older checkpoint): this run's
+        checkpoints of later steps belong to the run it replaces and are removed now, not at its first
+        save, so that a stop before that save leaves no newer checkpoint for a plain `--resume` to
+        continue. Returns those removed (none on other ranks)."""
+        if self.topo.rank != 0 or not self.root.is_dir():
+            return []
+        return prune(self.root, step, None)
 
     def set_aside_diverged(self, step: int) -> Path | None:
         """After a non-finite loss at step `step` + 1: a checkpoint of step `step` holds the weights

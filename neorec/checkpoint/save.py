@@ -196,10 +196,11 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def prune(root: Path, step: int, keep: int | None) -> None:
-    """After checkpoint `step` was published: it is the newest. Checkpoints of later steps belong to
-    a run this one replaced (it resumed from an earlier checkpoint, or started over) and go; of the
-    rest, all but the newest `keep` go."""
+def prune(root: Path, step: int, keep: int | None) -> list[Path]:
+    """After checkpoint `step` was published, or a run resumed at it (keep None): it is the newest.
+    Checkpoints of later steps belong to a run this one replaced (it resumed from an earlier
+    checkpoint, or started over) and go; of the rest, all but the newest `keep` go. Returns the
+    folders removed."""
     found = list_checkpoints(root)
     stale = [p for p in found if int(p.name[5:]) > step]
     current = [p for p in found if int(p.name[5:]) <= step]
@@ -207,6 +208,7 @@ def prune(root: Path, step: int, keep: int | None) -> None:
         stale += current[:-keep]
     for old in stale:
         shutil.rmtree(_set_aside(old), ignore_errors=True)
+    return stale
 
 
 def remove_leftovers(root: Path) -> None:

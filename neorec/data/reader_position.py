@@ -110,7 +110,7 @@ def check_resume(data: Any, state: Any, where: str | Path) -> None:
         if key not in (*layout, "epoch", "samples") and key in reader and reader[key] != now:
             raise ConfigError(
                 f"{where} was trained with {_SOURCE_WORDS.get(key, key)} {reader[key]!r}, this run has "
-                f"{now!r}: resuming exactly needs the same data settings"
+                f"{now!r}: resuming exactly needs the same {'seed' if key == 'seed' else 'data settings'}"
             )
 
 

@@ -236,18 +236,46 @@ def build_tables(cfg: RunConfig, info: SourceInfo) -> list[TableConfig]:
     return tables
 
 
-def check_trained_lookups(run_config: Path, tables: list[TableConfig], info: SourceInfo, now: str) -> None:
-    """ConfigError when `tables` (of the config `now` names) look up rows otherwise than the tables of
-    the run's `run_config` that trained its model.pt did (pooling: the shapes stay the same, so the
-    model would load and score as another model)."""
+def check_trained_lookups(
+    run_config: Path,
+    tables: list[TableConfig],
+    info: SourceInfo,
+    now: str,
+    *,
+    config: RunConfig | None = None,
+    weights: Path | None = None,
+) -> None:
+    """ConfigError when `tables` (of the config `now` names, over the data `info` describes) look up
+    rows otherwise than the tables of the run's `run_config` that trained its weights did: other
+    features or pooling of a table, or a feature's ids weighted in one and not in the other. The
+    shapes stay the same, so the model would load and score as another model. `config`: the config
+    `now` names; when its data section differs from the run's, the run's own data source (built, not
+    read) tells which features had weighted ids, and when that source cannot be built (its files
+    gone) a warning says that they were not compared. None: the same data as the run's. `weights`:
+    the trained weights the message names (default: the run's model.pt)."""
     from neorec.config.load import load_config
     from neorec.embedding.tables import lookup_difference, lookups
+    from neorec.errors import NeorecError
 
-    trained = build_tables(load_config(str(run_config)), info)
-    differs = lookup_difference(lookups(trained), tables)
+    trained_cfg = load_config(str(run_config))
+    trained_info: SourceInfo | None = info
+    if config is not None and config.data != trained_cfg.data:
+        try:
+            trained_info = build_source(trained_cfg, wait=False).info
+        except (NeorecError, OSError) as e:
+            log.warning(
+                "%s: its data cannot be read (%s), so which features had weighted ids is not compared with %s",
+                run_config, " ".join(str(e).split())[:200], now,
+            )  # fmt: skip
+            trained_info = None
+    trained = build_tables(trained_cfg, trained_info or info)
+    weighted = None if trained_info is None else {f.name for f in trained_info.features if f.weighted}
+    differs = lookup_difference(
+        lookups(trained, weighted), tables, {f.name for f in info.features if f.weighted}
+    )
     if differs:
         raise ConfigError(
-            f"{run_config.parent / 'model.pt'}: "
+            f"{weights or run_config.parent / 'model.pt'}: "
             + differs.format(trained=str(run_config), now=now)
             + "; its rows only score as trained under the same lookup"
         )

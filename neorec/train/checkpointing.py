@@ -73,11 +73,15 @@ class CheckpointHandling:
         run.logger.close()
         raise TrainingStopped(signum, run.step, self.checkpoints.root / checkpoint_name(run.step))
 
-    def _save_checkpoint(self, run: RunState) -> None:
+    def _save_checkpoint(self, run: RunState, snapshot_due: bool = False) -> None:
         """Collective: tables (sharded), dense model, both optimizers, RNG and the data position:
         `run.in_epoch` batches of epoch `run.epoch` are trained (the schedule position is the step),
-        with the reader's position where it has one. Rank 0's state is the one written."""
+        with the reader's position where it has one. Rank 0's state is the one written.
+        snapshot_due: a snapshot of this step is published next (a run resumed here publishes it
+        when LATEST does not name it: the job stopped in between)."""
         state = self.data.position(run.epoch, run.in_epoch)
+        if snapshot_due:
+            state.update(snapshot_due=True)
         state.update(batch_size=self.cfg.data.batch_size, seed=self.cfg.seed)  # must match on resume
         state.update(data_settings=data_settings(self.cfg.data))  # and so must the data
         state.update(training_file_state(self.source))  # and the files a TSV or MovieLens source re-reads
@@ -119,7 +123,15 @@ class CheckpointHandling:
         """Rank 0, resumed at `step`: model.pt and summary.json in the run folder are the results of
         the run this one continues (or replaces, from an older checkpoint). They are removed, so that
         `neorec eval` and `export` read the newest checkpoint until this run writes its own at its end
-        (a stop or failure before then leaves none, never an older run's under the new config.yaml)."""
+        (a stop or failure before then leaves none, never an older run's under the new config.yaml).
+        The checkpoints of steps after `step` go too, for the same reason: resumed from an older one,
+        they are of the run this one replaces, and a plain `--resume` would continue them."""
+        later = self.checkpoints.resumed_at(step)
+        if later:
+            log.warning(
+                f"{self.checkpoints.root}: removed {', '.join(p.name for p in later)}, of steps after step {step}, "
+                "which this resumed run trains again"
+            )
         gone = [name for name in RESULTS if (self.out_dir / name).is_file()]
         for name in gone:
             (self.out_dir / name).unlink()
@@ -176,7 +188,8 @@ class CheckpointHandling:
         return manifest["step"], state["epoch"], state
 
     def _diverged(self, loss: float, step: int) -> TrainingDiverged:
-        msg = f"loss became {loss} at step {step}; lower the learning rates"
+        msg = f"loss became {loss} at step {step + 1} (the weights after step {step} gave it); "
+        msg += "lower the learning rates"
         if self.checkpoints.enabled:
             kept = self.checkpoints.set_aside_diverged(step)
             msg += (

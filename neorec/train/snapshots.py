@@ -23,7 +23,6 @@ from neorec.distributed.topology import Topology
 from neorec.serving.snapshots import (
     SnapshotError,
     latest_snapshot,
-    list_snapshots,
     publish,
     snapshot_name,
     withdraw_after,
@@ -52,13 +51,20 @@ class PeriodicSnapshots:
         c = self.cfg
         return is_due(step, c.every_steps, c.every_minutes, self.clock() - self._last_time, self.topo)
 
-    def missing(self, step: int) -> bool:
-        """A resumed run: whether the snapshot of its checkpoint's step was due but not published (the
-        job stopped between the checkpoint and the publish)."""
+    def missing(self, step: int, due: bool | None) -> bool:
+        """A run resumed at `step`: whether the snapshot of its checkpoint's step was due but is not the
+        one LATEST names (the job stopped between the checkpoint and the publish, or between the
+        snapshot's folder and LATEST). due: the checkpoint's `snapshot_due`; a checkpoint that does not
+        say (older, or saved when none was due) counts as due when its step is one of every_steps."""
         c = self.cfg
-        if not self.enabled or step == 0 or c.every_steps is None or step % c.every_steps:
+        if not self.enabled or step == 0:
             return False
-        return not any(p.name == snapshot_name(step) for p in list_snapshots(self.root))
+        if not due and (c.every_steps is None or step % c.every_steps):
+            return False
+        try:
+            return latest_snapshot(self.root, verify=False).name != snapshot_name(step)
+        except SnapshotError:  # none published, or LATEST unreadable (the publish rewrites it)
+            return True
 
     def resumed_at(self, step: int) -> None:
         """Rank 0, a run resumed at `step`: the snapshots of later steps, of the run this one replaces,

@@ -257,7 +257,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         run.done = cfg.train.max_steps is not None and step >= cfg.train.max_steps
         if position is not None:  # resumed: snapshots of later steps are of the run this one replaces
             self.snapshots.resumed_at(step)
-        if self.snapshots.missing(step):  # resumed between a checkpoint and its snapshot
+        if position is not None and self.snapshots.missing(step, position.get("snapshot_due")):
+            # resumed between a checkpoint and the publish of its snapshot
             self._publish_snapshot(step)
         return run
 
@@ -328,13 +329,12 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         every = run.eval_every
         if every and step % every == 0 and (not run.total or step < run.total):  # the last: the final one
             self._evaluate_or_stop(run, stop, run.eval_batches)
-        if self.checkpoints.enabled and self.checkpoints.due(step):
+        publish = self.snapshots.enabled and self.snapshots.due(step)  # known first: the checkpoint says so
+        save = self.checkpoints.enabled and self.checkpoints.due(step)
+        if save or (publish and self.checkpoints.last_step != step):  # a snapshot needs its step's checkpoint
             self._read_losses(run)  # no checkpoint after a NaN
-            self._save_checkpoint(run)
-        if self.snapshots.enabled and self.snapshots.due(step):
-            if self.checkpoints.last_step != step:  # a snapshot is exported from its step's checkpoint
-                self._read_losses(run)
-                self._save_checkpoint(run)
+            self._save_checkpoint(run, snapshot_due=publish)
+        if publish:
             self._publish_snapshot(step)
         # collective: every rank stops after the same step, once the step's evaluation, checkpoint
         # and snapshot are done (a resumed run starts after them: stopped before, they were lost)
@@ -360,11 +360,10 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             )  # fmt: skip
         result.train_seconds = time.perf_counter() - run.start
         result.steps = step
-        if self.checkpoints.enabled and self.checkpoints.last_step != step:
-            self._save_checkpoint(run)  # the end of training is always resumable
-        if self.snapshots.enabled and self.snapshots.last_step != step:  # the end of training is served too
-            if self.checkpoints.last_step != step:
-                self._save_checkpoint(run)
+        publish = self.snapshots.enabled and self.snapshots.last_step != step  # the end of training is served
+        if (self.checkpoints.enabled or publish) and self.checkpoints.last_step != step:
+            self._save_checkpoint(run, snapshot_due=publish)  # and always resumable
+        if publish:
             self._publish_snapshot(step)
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()

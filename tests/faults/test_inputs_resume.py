@@ -88,7 +88,7 @@ def test_resuming_a_parquet_checkpoint_on_another_number_of_processes(parquet_co
         (["model.arch=dcnv2"], "the dense model does not fit: size mismatch for"),
         (["embedding.optimizer.name=adam"], "another embedding optimizer"),
         (["data.synthetic.rows=[60, 300, 7, 100]"], "data.synthetic.rows [50, 300, 7, 100], this"),
-        (["seed=5"], "seed"),
+        (["seed=5"], "seed 0, this run has 5: resuming exactly needs the same seed"),
         (["data.synthetic.zipf_alpha=1.3"], "data.synthetic.zipf_alpha 1.1, this run has 1.3"),
         (["data.synthetic.generator=device"], "on_device, else host) 'host', this run has 'device'"),
         (["train.dense_optimizer.name=sgd"], "train.dense_optimizer.name adam, this run has sgd: its state"),
