@@ -235,6 +235,16 @@ def _count_bytes(topo: Topology, counted_ahead: bool = False):
     out = emb(local)
     out.backward(torch.ones_like(out))
     assert (emb._replicas.current is not None) == counted_ahead
+    if counted_ahead:  # then a batch prefetched and never trained, and an evaluation: no step's bytes
+        emb.prefetch(mixed_local_batch())
+        emb.eval()
+        with torch.no_grad(), comms.stats.counted_as("eval"):
+            emb(mixed_local_batch())
+        emb.train()
+        emb.clear_prefetched()
+        sent = comms.stats.take()
+        assert sent.pop("eval") > 0
+        return sent
     return comms.stats.take()
 
 

@@ -9,8 +9,6 @@ on gloo, which has no reduce-scatter, as well as on NCCL. Every call returns a `
 
 from __future__ import annotations
 
-import threading
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from neorec.distributed.codecs import Codec
+from neorec.distributed.comm_stats import CommStats
 from neorec.distributed.shm import ShmGroup
 from neorec.distributed.shm import available as shm_available
 from neorec.distributed.staging import Staging
@@ -40,25 +39,6 @@ class Pending:
     @staticmethod
     def ready(value: Any) -> Pending:
         return Pending([], lambda: value)
-
-
-class CommStats:
-    """Bytes sent to other ranks, per direction (e.g. 'input_dist', 'fwd', 'bwd', 'dense')."""
-
-    def __init__(self) -> None:
-        self.bytes: dict[str, int] = defaultdict(int)
-        self._lock = threading.Lock()  # the pipeline counts from a second thread
-
-    def add(self, direction: str, n: int) -> None:
-        with self._lock:
-            self.bytes[direction] += int(n)
-
-    def take(self) -> dict[str, int]:
-        """The counts since the last take, then start again."""
-        with self._lock:
-            out = dict(self.bytes)
-            self.bytes.clear()
-        return out
 
 
 class Group:

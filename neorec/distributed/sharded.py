@@ -30,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -257,10 +258,23 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self._prefetch_rows()
         checked = self.bounds.check(sparse)
         ready = streams.mark(device)
-        work = self._pool.submit(streams.run_on, self._id_stream, ready, lambda: self.input_dist_(checked).wait())
+        stats = self.comms.stats
+
+        def aside(fn: Callable[[], Any]) -> Callable[[], tuple[Any, dict[str, int]]]:
+            """fn's result and the bytes it sent: counted when the batch is trained (`_exchanged`)."""
+
+            def run() -> tuple[Any, dict[str, int]]:
+                with stats.set_aside() as sent:
+                    return fn(), sent
+
+            return run
+
+        work = self._pool.submit(
+            streams.run_on, self._id_stream, ready, aside(lambda: self.input_dist_(checked).wait())
+        )
         # then, on the same thread, the rows the replicated tables' backward will exchange (replicas.py)
         counts = self._pool.submit(
-            streams.run_on, self._id_stream, ready, lambda: self._replicas.count_ahead(checked)
+            streams.run_on, self._id_stream, ready, aside(lambda: self._replicas.count_ahead(checked))
         )
         self._ahead.append([sparse, work, False, counts, checked])
         self.replicated.prefetch(checked)  # a no-op without cached replicated tables
@@ -276,15 +290,24 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         """Finish and forget prefetched exchanges that will not be trained (a run that stops early)."""
         while self._ahead:
             entry = self._ahead.popleft()
-            self._exchanged(entry[1])
+            self._exchanged(entry[1], trained=False)
             entry[3].result()
 
-    @staticmethod
-    def _exchanged(work) -> SparseBatch:
-        """The local batch a prefetched id exchange produced, usable on the current stream."""
-        local, done = work.result()
+    def _exchanged(self, work, trained: bool = True) -> SparseBatch:
+        """The local batch a prefetched id exchange produced, usable on the current stream; the bytes
+        it sent count for the step that trains it (none when it is not trained)."""
+        (local, sent), done = work.result()
         streams.hand_over(done, (local.values, local.lengths, local.weights))
+        if trained:
+            self.comms.stats.add_counts(sent)
         return local
+
+    def _counted_ahead(self, work):
+        """The replicated rows a prefetched batch's backward will exchange, counted ahead (replicas.py);
+        the bytes counting them sent count now, for the step that trains the batch."""
+        rows, sent = work.result()[0]
+        self.comms.stats.add_counts(sent)
+        return rows
 
     def embed(self, sparse: SparseBatch) -> tuple[torch.Tensor, dict[str, JaggedRows]]:
         """The pooled vectors and the sequences: one id exchange, one lookup, one output exchange."""
@@ -334,7 +357,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         if self._ahead and self._ahead[0][0] is sparse:
             entry = self._ahead.popleft()
             local = self._exchanged(entry[1])  # "input_dist" is then the time spent waiting
-            self._replicas.current = entry[3].result()[0]  # its replicated rows, counted ahead (or None)
+            self._replicas.current = self._counted_ahead(entry[3])  # its replicated rows (or None)
         else:
             # Exchanges already started on the background thread go first, on every rank alike, so
             # that the id communicator sees the same order everywhere (e.g. evaluation mid-training).

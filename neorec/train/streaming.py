@@ -10,6 +10,7 @@ the trainer's attributes listed in the class. Every method is called by every ra
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -133,7 +134,8 @@ class StreamHandling:
             local = local.to(self.device, non_blocking=True)
         self.model.eval()
         try:
-            outputs = self.model(local)
+            with self._counted_as_eval():  # its exchanges are no training step's
+                outputs = self.model(local)
         finally:
             self.model.train()
         assert self.progressive is not None
@@ -171,6 +173,10 @@ class StreamHandling:
     def _has_maps(self) -> bool:
         """Whether the model has managed-collision tables (on some rank: the same answer on all)."""
         return any(o.managed_collision is not None for o in self.cfg.embedding.tables.values())
+
+    def _counted_as_eval(self) -> AbstractContextManager:
+        """A block whose exchanges count as an evaluation's, apart from the training steps' bytes."""
+        return self.comms.stats.counted_as("eval") if self.comms is not None else nullcontext()
 
     def _sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         if self.comms is None:

@@ -426,9 +426,10 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         stop: Callable[[], int] | None = None,
     ) -> dict:
         batch_size = self.cfg.data.eval_batch_size
-        metrics = evaluate(
-            self.model, self.source, batch_size, max_batches, self.comms, progress and self.is_main, stop
-        )
+        with self._counted_as_eval():  # its exchanges are no training step's
+            metrics = evaluate(
+                self.model, self.source, batch_size, max_batches, self.comms, progress and self.is_main, stop
+            )
         if not metrics:  # no held-out samples: nothing to log or plot
             return metrics
         if teacher_auc is not None:
