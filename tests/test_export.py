@@ -308,7 +308,7 @@ def test_cli_export_prints_sizes_and_auc_change(tiny, tmp_path, capsys):
     assert cli_main(["export", str(tiny["root"] / "run"), "--out", str(tmp_path / "m.nrx"), "--int8"]) == 0
     text = capsys.readouterr().out
     for words in [
-        "fp32 export size",
+        "unquantized export size",
         "eval AUC fp32",
         "eval AUC int8",
         "AUC change int8 - fp32",

@@ -368,8 +368,9 @@ def test_cli_quantize_flags(tiny, tmp_path, capsys):
         == 0
     )
     text = capsys.readouterr().out
-    for words in ("int2 row-wise tables, 4 codes a byte, fp16 scale and bias", "tables fp32 / int2",
-                  "bytes per row fp32 / int2", "eval AUC int2", "AUC change int2 - fp32"):  # fmt: skip
+    for words in ("int2 row-wise tables, 4 codes a byte, fp16 scale and bias",
+                  "tables as trained (fp32, fp16) / int2", "bytes per row as trained / int2", "eval AUC int2",
+                  "AUC change int2 - fp32"):  # fmt: skip
         assert words in text, text
     assert read_header(tmp_path / "a.nrx")["quantization"] == {
         "kind": "int2_rowwise",

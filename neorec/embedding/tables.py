@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -21,6 +22,13 @@ class EmbeddingOptimizerConfig(NumbersNotBool):
     beta1: float = Field(0.9, ge=0, lt=1, description="adam first-moment decay")
     beta2: float = Field(0.999, ge=0, lt=1, description="adam second-moment decay")
     initial_accumulator: float = Field(0.0, ge=0, description="starting value of adagrad state")
+
+    def over(self, base: EmbeddingOptimizerConfig) -> EmbeddingOptimizerConfig:
+        """This per-table section merged over the optimizer of all tables, key by key (as TorchRec's
+        per-table fused params override the global ones): the keys it was given are its own, the others
+        `base`'s. A section given every key (a run's config.yaml) is itself."""
+        own = self.model_dump(include=self.model_fields_set)
+        return EmbeddingOptimizerConfig.model_validate({**base.model_dump(), **own})
 
 
 class ManagedCollisionConfig(NumbersNotBool):
@@ -50,7 +58,11 @@ class TableConfig(BaseModel):
         "sum", description="how the ids of one bag are combined; none: one row per id (a sequence feature)"
     )
     dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="storage type of the weights")
-    optimizer: EmbeddingOptimizerConfig | None = Field(None, description="per-table optimizer override")
+    optimizer: EmbeddingOptimizerConfig | None = Field(
+        None,
+        description="this table's optimizer in full, in place of the collection's (a config's per-table "
+        "section comes merged over embedding.optimizer: EmbeddingOptimizerConfig.over)",
+    )
     managed_collision: ManagedCollisionConfig | None = Field(
         None, description="ids are raw 63-bit ids mapped to rows by an id map of `rows` capacity (no collisions)"
     )
@@ -104,21 +116,39 @@ def check_tables(tables: list[TableConfig]) -> None:
             )
 
 
-def lookups(tables: list[TableConfig]) -> dict[str, tuple[list[str], str]]:
-    """How each table looks up its rows: the features it serves, in order, and their pooling."""
-    return {t.name: (list(t.features), t.pooling) for t in tables}
+def lookups(tables: list[TableConfig], weighted: Collection[str] | None = None) -> dict[str, tuple]:
+    """How each table looks up its rows: the features it serves, in order, and their pooling; with
+    `weighted` (the features whose ids come with per-id weights), also those of its features that
+    pool weighted ids, in order."""
+    out: dict[str, tuple] = {t.name: (list(t.features), t.pooling) for t in tables}
+    if weighted is not None:
+        out = {t.name: (*out[t.name], [f for f in t.features if f in weighted]) for t in tables}
+    return out
 
 
-def lookup_difference(trained: dict[str, tuple[list[str], str]], now: list[TableConfig]) -> str | None:
+def lookup_difference(
+    trained: dict[str, tuple], now: list[TableConfig], weighted: Collection[str] | None = None
+) -> str | None:
     """How tables of the same name look up their rows differently in `now` than when `trained`
     (`lookups` of the trained tables): trained rows loaded under another lookup score another model
-    without any shape telling. A text with {trained} and {now} to fill in; None when none differs."""
+    without any shape telling. `weighted`: the features of `now` whose ids come with per-id weights,
+    compared with the trained ones where `trained` records them. A text with {trained} and {now} to
+    fill in; None when none differs."""
     for t in now:
         if t.name not in trained:
             continue
-        features, pooling = trained[t.name]
+        features, pooling, *was_weighted = trained[t.name]
         if features != t.features:
             return f"table {t.name!r} serves features {features} in {{trained}} but {t.features} in {{now}}"
         if pooling != t.pooling:
             return f"table {t.name!r} has pooling {pooling} in {{trained}} but {t.pooling} in {{now}}"
+        if not was_weighted or weighted is None:
+            continue
+        for f in t.features:
+            was, is_ = f in was_weighted[0], f in weighted
+            if was != is_:
+                return (
+                    f"feature {f!r} (table {t.name!r}) pools its ids {'with' if was else 'without'} per-id "
+                    f"weights in {{trained}} but {'with' if is_ else 'without'} them in {{now}}"
+                )
     return None

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from neorec.serving.file_format import ExportError
-from neorec.serving.pt2_file import HEADER_FILE
+from neorec.serving.pt2_file import HEADER_FILE, WEIGHTS_FILE
 from neorec.utils.files import check_zip, write_atomic
 
 AOTI_FORMAT = "neorec-aoti"  # the "format" of an AOTInductor package's header
@@ -45,6 +45,20 @@ def is_aoti(path: str | Path) -> bool:
             return any(_COMPILED in name for name in zf.namelist())
     except (OSError, zipfile.BadZipFile):
         return False
+
+
+def check_not_damaged(path: str | Path) -> None:
+    """Refuse a `.pt2` file that is not a readable zip archive, unless it is the model.pt2 of a pt2
+    export (a folder, weights.safetensors beside it; pt2_file reads and words that one): a package
+    cut short or damaged."""
+    path = Path(path)
+    if path.suffix != ".pt2" or not path.is_file() or (path.parent / WEIGHTS_FILE).is_file():
+        return
+    if not zipfile.is_zipfile(path):
+        raise ExportError(
+            f"AOTInductor package {path} is not a readable zip archive: it is truncated or corrupted, or "
+            f"another kind of file (a --format pt2 export is a folder, not a .pt2 file); {_AGAIN}"
+        )
 
 
 def check_package_path(out: str | Path) -> None:

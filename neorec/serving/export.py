@@ -67,16 +67,18 @@ class TrainedModel:
 class ExportReport:
     out: Path
     num_bytes: int
-    fp32_bytes: (
-        int  # the size of the fp32 export of the same run (num_bytes when not quantized; 0: not known)
-    )
-    table_bytes: dict[str, int]  # "fp32" and the quantization ("int8", "int4", "int2"): bytes of all tables
+    # the size of the unquantized export of the same run, its tables as trained (num_bytes when not
+    # quantized; 0: not known)
+    fp32_bytes: int
+    # bytes of all tables: "fp32" the tables as trained (each in its dtype), the quantization ("int8", ...)
+    table_bytes: dict[str, int]
     eval: dict[str, dict[str, float]] = field(default_factory=dict)  # "fp32"/quantization -> held-out metrics
     scale_dtype: str | None = None  # of the quantized tables' scale and bias
     seconds: float = 0.0
     format: str = "nrx"
     quantize: str | None = None  # "int8", "int4" or "int2"; None: the tables as trained
-    row_bytes: dict[str, float] = field(default_factory=dict)  # "fp32"/quantization -> table bytes per row
+    row_bytes: dict[str, float] = field(default_factory=dict)  # as table_bytes, per row of all tables
+    trained_dtypes: list[str] = field(default_factory=list)  # the tables' dtypes as trained, each once
 
     @property
     def auc_change(self) -> float | None:
@@ -108,7 +110,7 @@ def load_trained(
     tables = build_tables(cfg, source.info)
     if is_run and (path / "model.pt").is_file():
         if config:  # another config than the run's: the same lookups, or model.pt scores as another model
-            check_trained_lookups(path / "config.yaml", tables, source.info, str(cfg_path))
+            check_trained_lookups(path / "config.yaml", tables, source.info, str(cfg_path), config=cfg)
         state = load_model_state(path / "model.pt", ExportError)  # every zip entry's CRC32 checked first
         origin = path / "model.pt"
     else:
@@ -116,6 +118,9 @@ def load_trained(
         if is_run:
             root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else path / "checkpoints"
         origin = resolve_checkpoint(root)
+        run_config = path / "config.yaml" if is_run else _run_config(origin)
+        if config and run_config is not None:  # its manifest records features and pooling, not weights
+            check_trained_lookups(run_config, tables, source.info, str(cfg_path), config=cfg, weights=origin)
         state = _checkpoint_state(origin, cfg, source, tables)
     weights = {}
     for i, t in enumerate(tables):
@@ -151,6 +156,14 @@ def find_run_config(path: Path) -> Path:
     raise ExportError(
         f"{path}: no config.yaml here or in the folders above; give the run's config with --config"
     )
+
+
+def _run_config(checkpoint: Path) -> Path | None:
+    """config.yaml of the run a checkpoint lies under (find_run_config), None outside any run folder."""
+    try:
+        return find_run_config(checkpoint)
+    except ExportError:
+        return None
 
 
 def _checkpoint_state(folder: Path, cfg: RunConfig, source: DataSource, tables: list[TableConfig]) -> dict:
@@ -310,6 +323,7 @@ def export_model(
     report = ExportReport(
         Path(out), num_bytes=0, fp32_bytes=0, table_bytes=table_bytes, eval=metrics, format=format,
         quantize=quantize, scale_dtype=scale_dtype if quantize else None, row_bytes=row_bytes,
+        trained_dtypes=list(dict.fromkeys(t.dtype for t in trained.tables)),
     )  # fmt: skip
     if format in PROGRAM_FORMATS:
         report.num_bytes = _export_program(trained, out, header, weights, format)
@@ -317,7 +331,7 @@ def export_model(
     else:
         report.num_bytes = write_export(out, header, file_tensors(trained.dense, weights, trained.id_maps))
         report.fp32_bytes = report.num_bytes
-        if quantize:  # the size of the file an fp32 export of the same run writes
+        if quantize:  # the size of the file the unquantized export of the same run writes
             fp32_header = {
                 **header,
                 "quantization": None,
@@ -391,23 +405,24 @@ def report_text(r: ExportReport) -> str:
         ratio = r.fp32_bytes / r.num_bytes
         rows.append(
             (
-                "fp32 export size",
+                "unquantized export size",
                 f"{r.fp32_bytes:,} bytes ({r.fp32_bytes / mib:.2f} MiB), {ratio:.2f}x this file",
             )
         )
-    if r.quantize:
-        fp32, quantized = r.table_bytes["fp32"], r.table_bytes[r.quantize]
+    if r.quantize:  # beside the tables as trained, in their own dtypes (what the unquantized export holds)
+        trained, quantized = r.table_bytes["fp32"], r.table_bytes[r.quantize]
+        dtypes = f" ({', '.join(r.trained_dtypes)})" if r.trained_dtypes else ""
         rows.append(
             (
-                f"tables fp32 / {r.quantize}",
-                f"{fp32:,} / {quantized:,} bytes ({fp32 / mib:.2f} / {quantized / mib:.2f} MiB, "
-                f"{fp32 / quantized:.2f}x smaller)",
+                f"tables as trained{dtypes} / {r.quantize}",
+                f"{trained:,} / {quantized:,} bytes ({trained / mib:.2f} / {quantized / mib:.2f} MiB, "
+                f"{trained / quantized:.2f}x smaller)",
             )
         )
         if r.row_bytes:
             rows.append(
                 (
-                    f"bytes per row fp32 / {r.quantize}",
+                    f"bytes per row as trained / {r.quantize}",
                     f"{r.row_bytes['fp32']:.1f} / {r.row_bytes[r.quantize]:.1f}",
                 )
             )

@@ -25,7 +25,7 @@ from neorec.data.source import FeatureSpec, SourceInfo
 from neorec.embedding.collection import dropped_ids
 from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError, NeorecError, state_mismatch
-from neorec.serving.aoti_package import AOTI_FORMAT, is_aoti, read_aoti
+from neorec.serving.aoti_package import AOTI_FORMAT, check_not_damaged, is_aoti, read_aoti
 from neorec.serving.embeddings import InferenceEmbeddings, TableWeights
 from neorec.serving.file_format import ExportError, read_export
 from neorec.serving.pt2_file import is_pt2, read_pt2
@@ -167,7 +167,7 @@ def quantization_bits(header: dict, path: Path) -> int | None:
             f"export file {path}: its tables are quantized as {kind!r}, which this neorec does not read "
             f"(it reads {', '.join(kinds)}); export the model again with this neorec"
         )
-    bits = q.get("bits", 8)  # int8 exports may name the kind alone
+    bits = q.get("bits", 8)  # an int8 header may leave bits out (kind and scale_dtype only)
     if bits != kinds[kind] or q.get("scale_dtype") not in SCALE_DTYPES:
         raise ExportError(
             f"export file {path}: the header's quantization is malformed (kind {kind}, bits {bits!r}, "
@@ -187,6 +187,7 @@ def load_export(path: str | Path, bounds_check: str = "error") -> ExportedModel:
         cfg, info, tables = parse_header(header, path)
         quantization_bits(header, path)
         return ExportedModel(package, cfg, info, header, path, IdBounds.of_tables(tables, bounds_check))
+    check_not_damaged(path)  # a .pt2 file that is not a zip: a damaged package, not a pt2 export's model.pt2
     if is_pt2(path):
         header, program, file = read_pt2(path)
         cfg, info, tables = parse_header(header, file)

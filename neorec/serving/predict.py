@@ -36,7 +36,7 @@ from neorec.config.data import DataConfig
 from neorec.config.schema import RunConfig
 from neorec.data.batch import Batch
 from neorec.data.locations import movielens_root
-from neorec.errors import ConfigError, DataError, NeorecError
+from neorec.errors import ConfigError, DataError, NeorecError, out_of_memory
 from neorec.metrics.evaluation import probability_metrics
 from neorec.serving.file_format import ExportError, check_output_file, is_export_file
 from neorec.serving.model import ExportedModel, load_export
@@ -119,10 +119,30 @@ def data_batches(
 
 
 @torch.no_grad()
-def score(exported: ExportedModel, batches: Iterator[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(click probabilities [B], labels [B]) per batch."""
+def score(
+    exported: ExportedModel,
+    batches: Iterator[Batch],
+    bounds_check: str = "error",
+    data: str | Path | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(click probabilities [B], labels [B]) per batch. Under `bounds_check` "off" nothing looks at
+    the ids before the lookups, and an id outside its table stops them (an IndexError or RuntimeError
+    of the gather, or a pt2 program's own check): a DataError naming `data` (None: the model's
+    held-out data). Caught, not looked for: the batches that score pay for nothing more."""
     for batch in batches:
-        yield exported.probabilities(batch), batch.labels
+        try:
+            probabilities = exported.probabilities(batch)
+        except (IndexError, RuntimeError) as e:
+            if bounds_check != "off" or out_of_memory(e):
+                raise
+            where = data if data is not None else "the model's held-out data"
+            reason = " ".join(next((line for line in str(e).splitlines() if line.strip()), "").split())[:200]
+            raise DataError(
+                f"{where}: an id lies outside its table, which --bounds-check off does not check, so "
+                f"model {exported.path} cannot score it ({type(e).__name__}: {reason}); find it with "
+                "--bounds-check error (or leave such ids out with --bounds-check warn)"
+            ) from None
+        yield probabilities, batch.labels
 
 
 def predict_file(
@@ -160,7 +180,7 @@ def predict_file(
     def write(f: BinaryIO) -> None:
         if header := _header(tasks, with_labels):
             f.write(header)
-        for p, y in score(exported, batches):
+        for p, y in score(exported, batches, bounds_check, data):
             probs.append(p)
             labels.append(y)
             f.write(_lines(p, y if with_labels else None))

@@ -62,9 +62,10 @@ def write_atomic(
 ) -> None:
     """write(file) into `path.tmp` (`.path.tmp` when `hidden`: for folders whose readers list every
     file but hidden ones) opened for reading too, then flush, fsync, rename it to `path` and fsync
-    the folder. A failed write (ENOSPC, EFBIG, EIO; torch.save reports them as
-    RuntimeError) removes the partial file, to give the space back, and raises `error` worded
-    "cannot write {what} {path}: ...; {keeps}"; any other exception removes it and goes on."""
+    the folder. A failed write (an OSError: ENOSPC, EFBIG, EIO; or torch's zip writer's RuntimeError,
+    see _from_writing) removes the partial file, to give the space back, and raises `error` worded
+    "cannot write {what} {path}: ...; {keeps}"; any other exception (e.g. a RuntimeError of computing
+    what `write` writes) removes it and goes on, unworded."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp" if hidden else f"{path.name}.tmp")
     try:
@@ -76,13 +77,23 @@ def write_atomic(
         fsync_dir(path.parent)
     except (OSError, RuntimeError) as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, NeorecError):  # already worded, e.g. by a nested write
+        if isinstance(e, NeorecError) or not _from_writing(e):  # already worded (a nested write), or not ours
             raise
         cause = _os_error(e) or e  # torch.save raises RuntimeError during the OSError of the write
         raise write_error(path, e, what, keeps, error) from cause
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+_TORCH_WRITER = ("PytorchStreamWriter", "unexpected pos")  # torch's zip writer's own failures
+
+
+def _from_writing(e: OSError | RuntimeError) -> bool:
+    """Whether `e`, raised inside write_atomic, is a failure of the writing: an OSError, or a
+    RuntimeError of torch's zip writer (torch.save, torch.export.save), which it raises during the
+    OSError of a file object's write, or with a message of its own where it writes itself."""
+    return isinstance(e, OSError) or _os_error(e) is not None or any(w in str(e) for w in _TORCH_WRITER)
 
 
 def write_error(
