@@ -250,6 +250,20 @@ def read_json_of_files(
     return data
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's mapping, refusing a key given twice (a hand-edited file's mistake)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def load_json(path: str | Path, what: str, hint: str, error: type[Exception] = NeorecError) -> dict:
     """The JSON object of `path` as it is (its checksum not yet checked)."""
     path = Path(path)
@@ -258,10 +272,12 @@ def load_json(path: str | Path, what: str, hint: str, error: type[Exception] = N
     except OSError as e:
         raise error(f"{what} {path} cannot be read: {e.strerror or e}") from None
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         why = "it is empty" if not raw else f"not valid JSON: {e}"
         raise error(f"{what} {path} cannot be read: it is damaged or truncated ({why}); {hint}") from None
+    except _DuplicateKey as e:  # json.loads would keep the last one silently
+        raise error(f"{what} {path}: key {e.args[0]!r} appears twice in one object; keep one of them") from None
     if not isinstance(data, dict):
         raise error(f"{what} {path} is damaged: expected a JSON object, got {type(data).__name__}; {hint}")
     return data

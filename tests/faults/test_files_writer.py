@@ -235,6 +235,9 @@ def test_plan_and_calibration_files_written_by_hand_are_read_and_checked(tmp_pat
     plan.write_text(json.dumps({"tables": {}, "crc31": 5}))
     with pytest.raises(ConfigError, match=r"plan\.json: unknown key\(s\) \['crc31'\]"):
         ShardingPlan.load(plan)
+    plan.write_text('{"tables": {"t": {"kind": "rw", "ranks": [0, 1]}, "t": {"kind": "tw", "ranks": [1]}}}')
+    with pytest.raises(ConfigError, match=r"plan\.json: key 't' appears twice in one object"):
+        ShardingPlan.load(plan)  # not the last one silently
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"latency": 1e-5}))
     assert load_calibration(calibration)["latency"] == 1e-5
