@@ -36,6 +36,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     die_with_launcher()  # a worker of `--nproc N` ends with its launcher, even one killed by SIGKILL
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
+    from neorec.distributed.topology import Topology
     from neorec.train.build import check_before_launch
     from neorec.train.run_folder import (
         check_output_dir,
@@ -57,7 +58,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config or "default", overrides)  # validated before any process starts
     if cfg.data.follow is not None and not args.overwrite and args.resume is False:
         args.resume = True  # the same command again continues the stream from its newest checkpoint
-    check_memory(cfg)  # the tables and layers of the config fit this machine, before any is built
+    processes = max(args.nproc or 1, Topology.from_env().world_size)  # a worker's: its world
+    check_memory(cfg, processes=processes)  # the tables and layers fit this machine, before any is built
     if args.resume not in (False, True):
         from neorec.checkpoint.load import checkpoint_folder
 

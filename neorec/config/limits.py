@@ -61,11 +61,12 @@ _OPTIMIZER_STATE = {"sgd": 0.0, "adagrad": 1.0, "rowwise_adagrad": 0.0, "adam": 
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-def memory_estimate(cfg: Any) -> dict[str, float]:
+def memory_estimate(cfg: Any, planned_tiers: bool = False) -> dict[str, float]:
     """Bytes a run of `cfg` (a RunConfig) holds, roughly, by the key to lower: the embedding tables
-    (synthetic data only: other sources know their rows once read; tables in tier ssd live on disk),
-    the dense layers with their gradients and Adam state and one batch's activations, and the synthetic
-    teacher's latent vectors."""
+    (synthetic data only: other sources know their rows once read; tables in tier ssd live on disk,
+    and with `planned_tiers` the sharding planner puts tables on disk where memory is short, checking
+    every rank's memory itself), the dense layers with their gradients and Adam state and one batch's
+    activations, and the synthetic teacher's latent vectors."""
     from neorec.data.synthetic import spec_from_config
 
     out: dict[str, float] = {}
@@ -74,7 +75,7 @@ def memory_estimate(cfg: Any) -> dict[str, float]:
     if d.source == "synthetic":
         spec = spec_from_config(d.synthetic, cfg.seed)
         num_tables = len(spec.rows)
-        if e.tier != "ssd":
+        if e.tier != "ssd" and not planned_tiers:
             state = _OPTIMIZER_STATE.get(e.optimizer.name, 2.0) * 4
             per_row = e.dim * _DTYPE_BYTES[e.dtype] + (
                 4 if e.optimizer.name == "rowwise_adagrad" else e.dim * state
@@ -100,11 +101,16 @@ def memory_estimate(cfg: Any) -> dict[str, float]:
     return out
 
 
-def check_memory(cfg: Any, memory: int | None = None, keys: tuple[str, ...] | None = None) -> None:
+def check_memory(
+    cfg: Any, memory: int | None = None, keys: tuple[str, ...] | None = None, processes: int = 1
+) -> None:
     """ConfigError naming the key to lower when `memory_estimate(cfg)` (its `keys` only, when given)
-    exceeds this machine's memory (`memory`: bytes, default the machine's), before anything is allocated."""
+    exceeds this machine's memory (`memory`: bytes, default the machine's), before anything is allocated.
+    `processes`: the run's; over several, with embedding.cache.directory set, the plan chooses which
+    tables live on disk, and the planner checks their memory."""
     memory = machine_memory_bytes() if memory is None else memory
-    parts = {k: v for k, v in memory_estimate(cfg).items() if keys is None or k in keys}
+    planned = processes > 1 and cfg.embedding.cache.directory is not None
+    parts = {k: v for k, v in memory_estimate(cfg, planned).items() if keys is None or k in keys}
     total = sum(parts.values())
     if memory <= 0 or total <= memory:
         return

@@ -10,6 +10,7 @@ import pytest
 from tiny_cli import TINY, sets
 
 from neorec.cli import main
+from neorec.errors import ConfigError
 
 
 def fails(capsys, argv: list[str], *words: str, code: int = 2) -> str:
@@ -131,6 +132,21 @@ def test_sizes_within_bounds_that_exceed_this_machine_name_the_key(tmp_path, cap
         "lower data.synthetic.latent_dim",
     )
     assert not (tmp_path / "gen").exists()
+
+
+def test_tables_the_planner_may_put_on_disk_are_left_to_it(tmp_path):
+    """Over several processes with embedding.cache.directory set, the plan chooses which tables live on
+    disk where memory is short (and the planner checks every rank's memory): the estimate before the
+    launch leaves the tables out then, and counts them for one process."""
+    from neorec.config.limits import check_memory
+    from neorec.config.load import load_config
+
+    cfg = load_config("default", ["data.synthetic.preset=custom", "data.synthetic.rows=[50000000000, 1000]",
+                                  "data.synthetic.max_rows=null",
+                                  "data.synthetic.num_sparse=2", f"embedding.cache.directory={tmp_path}"])  # fmt: skip
+    check_memory(cfg, memory=64 * 2**30, processes=2)
+    with pytest.raises(ConfigError, match="lower data.synthetic.rows"):
+        check_memory(cfg, memory=64 * 2**30, processes=1)
 
 
 def test_a_one_megabyte_run_name(tmp_path, capsys):
