@@ -42,7 +42,7 @@ def _save_plain(folder, tensors: dict) -> None:
         dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
 
 
-def test_export_then_import_a_run_and_train_on(tmp_path):
+def test_export_then_import_a_run_and_train_on(tmp_path, capsys):
     """A run's checkpoint out as DCP, back in as step 0 of another run, which trains on from it; what
     it holds is what the first run's checkpoint held."""
     sets = [x for kv in [*TINY, "checkpoint.every_steps=2", "embedding.optimizer.name=rowwise_adagrad"] for x in ("--set", kv)]  # fmt: skip
@@ -57,6 +57,13 @@ def test_export_then_import_a_run_and_train_on(tmp_path):
     again = tmp_path / "again"
     assert main(["checkpoint", "import-dcp", str(out), *sets, "--output-dir", str(again)]) == 0
     assert main(["checkpoint", "import-dcp", str(out), *sets, "--output-dir", str(again)]) == 2  # not over it
+    capsys.readouterr()
+    assert main(["export", str(again), "--out", str(tmp_path / "x.nrx")]) == 2  # no config.yaml: say where to look
+    assert f"give {again / 'checkpoints'} and the run's config with --config" in capsys.readouterr().err
+    for command in (["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x.nrx")],
+                    ["checkpoint", "export-dcp", str(tmp_path / "nothing"), "--out", str(tmp_path / "d")]):
+        assert main(command) == 2
+        assert f"{tmp_path / 'nothing'}: no such file or folder" in capsys.readouterr().err
     assert main(["checkpoint", "export-dcp", str(again / "checkpoints"), "--out", str(tmp_path / "dcp2"),
                  "--config", str(tmp_path / "run" / "config.yaml"), "--prefix", ""]) == 0  # fmt: skip
     back = _everything(tmp_path / "dcp2")

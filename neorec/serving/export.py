@@ -98,7 +98,14 @@ def load_trained(
     from neorec.train.build import build_source, build_tables, check_trained_lookups
 
     path = Path(path)
+    if not path.exists():
+        raise ExportError(f"{path}: no such file or folder")
     is_run = (path / "config.yaml").is_file()
+    if not is_run and (path / "checkpoints").is_dir() and list_checkpoints(path / "checkpoints"):
+        raise ExportError(
+            f"{path}: holds checkpoints but no config.yaml (as a folder `neorec checkpoint import-dcp` writes): "
+            f"give {path / 'checkpoints'} and the run's config with --config"
+        )
     if not is_run and not (path / MANIFEST).is_file() and not list_checkpoints(path):
         raise ExportError(
             f"{path}: neither a run folder (config.yaml and model.pt from `neorec train`) nor a checkpoint "
@@ -150,6 +157,8 @@ def load_trained(
 def find_run_config(path: Path) -> Path:
     """config.yaml of the run a folder belongs to: the folder itself or up to three levels above
     (runs/NAME/checkpoints/step-XXXXXXXX)."""
+    if not path.exists():
+        raise ExportError(f"{path}: no such file or folder")
     for folder in [path, *list(path.resolve().parents)[:3]]:
         if (folder / "config.yaml").is_file():
             return folder / "config.yaml"
