@@ -84,7 +84,9 @@ def main() -> None:
     sets = [f"train.device={args.device}", "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
             "train.eval_every=null", *args.set]  # fmt: skip
     cfg = load_config(args.config, sets)
-    cfg = load_config(args.config, sets + [f"data.synthetic.train_samples={max(cfg.data.synthetic.train_samples, cfg.data.batch_size * need * 2)}"]) if cfg.data.synthetic else cfg  # noqa: E501
+    if cfg.data.source == "synthetic":  # enough samples for every step the profile takes
+        samples = max(cfg.data.synthetic.train_samples, cfg.data.batch_size * need * 2)
+        cfg = load_config(args.config, [*sets, f"data.synthetic.train_samples={samples}"])
     out = Path(tempfile.mkdtemp())
     trainer = Trainer(cfg, out)
     bs = cfg.data.batch_size

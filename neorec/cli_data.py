@@ -23,7 +23,7 @@ def cmd_data_generate(args: argparse.Namespace) -> int:
     from neorec.data.shards import check_shards_folder, write_shards
     from neorec.data.synthetic import SyntheticSource, spec_from_config
 
-    cfg = load_config(args.config or "default", args.overrides)
+    cfg = load_config(args.config or "default", args.overrides, reads=("synthetic",))
     output_folder(args.out, "--out")
     check_shards_folder(Path(args.out))
     check_memory(cfg, keys=(TEACHER,))
@@ -56,7 +56,7 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
 
         if args.inputs:
             raise NeorecError("--parquet takes no input files; set data.parquet.paths with --config/--set")
-        cfg = load_config(args.config or "default", args.overrides)
+        cfg = load_config(args.config or "default", args.overrides, reads=("parquet",))
         if cfg.data.parquet is None:
             raise NeorecError(
                 "--parquet needs a data.parquet section (paths, features, ...) in --config or --set"
@@ -79,7 +79,7 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
             raise NeorecError(
                 "--vocab-threshold applies to Criteo TSV and Parquet input; synthetic ids need no vocabulary"
             )
-        cfg = load_config(args.config or "default", args.overrides)
+        cfg = load_config(args.config or "default", args.overrides, reads=("synthetic",))
         check_memory(cfg, keys=(TEACHER,))
         result = preprocess_synthetic(spec_from_config(cfg.data.synthetic, cfg.seed), args.out, **common)
     else:

@@ -219,11 +219,17 @@ def test_sharding_of_an_unknown_table_is_an_error_with_one_process():
 def test_show_config_reads_back_and_explains_every_key():
     import yaml
 
+    from neorec.config.load import apply_override, read_config
     from neorec.config.reference import config_keys, show_config
 
-    cfg = load_config("default", ["embedding.tables={C1: {dim: 16, optimizer: {name: sgd}}}",
-                                  "data.criteo={train_paths: [a.tsv]}", "data.preprocessed={path: p}",
-                                  "data.parquet={paths: [a.parquet], eval_column: f, features: [a, {name: b}]}"])  # fmt: skip
+    # every source's section, validated as a record holds them (load_config refuses those of a source
+    # other than data.source that --set writes)
+    raw, _ = read_config("default")
+    for item in ["embedding.tables={C1: {dim: 16, optimizer: {name: sgd}}}",
+                 "data.criteo={train_paths: [a.tsv]}", "data.preprocessed={path: p}",
+                 "data.parquet={paths: [a.parquet], eval_column: f, features: [a, {name: b}]}"]:  # fmt: skip
+        apply_override(raw, item)
+    cfg = validate_config(raw)
     text = show_config(cfg)
     assert validate_config(yaml.safe_load(text)) == cfg
     described = [k for k in config_keys() if k.description and "<table>" not in k.key]

@@ -15,6 +15,7 @@ from neorec.config.load import load_config
 from neorec.data.batch import Batch
 from neorec.embedding.fused import FusedEmbeddingCollection
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
+from neorec.errors import ConfigError, DataError
 from neorec.model.din import DIN, TargetAttention
 from neorec.sparse import SparseBatch
 from neorec.train.trainer import Trainer, embedding_collection
@@ -194,6 +195,9 @@ def test_din_trains_the_history_rows_and_scores_without_history(tmp_path):
         ("model.din.attention_mlp=[0]", ["attention_mlp"]),
         ("embedding.tables.history.dim=16", ["dim 16", "set embedding.tables.history.dim to 32"]),
         ("model.din.target=genre", ["model.din.target 'genre'", "is not a feature"]),
+        ("embedding.tables.genres.pooling=none", ["embedding.tables.genres.pooling", "looked up for nothing"]),
+        ("embedding.bounds_check=warn", ["bounds_check warn", "history_side"]),
+        ("data.source=synthetic", ["data.source synthetic has none"]),
     ],
 )
 def test_din_config_mistakes_are_one_line_errors(tiny, capsys, tmp_path, override, words):
@@ -208,3 +212,28 @@ def test_dcnv2_refuses_a_sequence_table(tiny, capsys, tmp_path):
     argv = ["train", *tiny, "--set", "model.arch=dcnv2", "--output-dir", str(tmp_path / "run")]
     assert main(argv) == 2
     assert "pooling none" in capsys.readouterr().err
+
+
+def test_din_refuses_a_side_feature_out_of_step_with_the_history():
+    """A side feature with more or fewer ids than the history in some sample would pair each history
+    id with another id's side row: the batch is refused, naming the feature and the sample."""
+    model = tiny_din(0, "fp32")
+    batch = batch_of([[1, 2], [3], [4, 5, 6]])
+    ids, lengths = torch.tensor([1, 0, 1, 1, 0, 1]), torch.tensor([2, 2, 2])  # sample 1: two flags, one movie
+    sparse = SparseBatch.from_features({
+        "movie": (torch.arange(3), torch.ones(3, dtype=torch.int64)),
+        "history": (torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([2, 1, 3])), "liked": (ids, lengths),
+    })  # fmt: skip
+    with pytest.raises(DataError, match=r"'liked' has 2 ids in sample 1 of the batch, but history 'history' has 1"):
+        model(Batch(batch.dense, sparse, batch.labels))
+
+
+def test_din_refuses_a_sequence_table_it_does_not_read():
+    tables = [
+        TableConfig(name="movie", rows=10, dim=8, features=["movie"]),
+        TableConfig(name="history", rows=10, dim=8, features=["history"], pooling="none"),
+        TableConfig(name="tags", rows=10, dim=8, features=["tags"], pooling="none"),
+    ]
+    embeddings = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name="sgd", lr=0.1))
+    with pytest.raises(ConfigError, match=r"\['tags'\] have pooling none.*looked up for nothing"):
+        DIN(2, embeddings, [4], [8], "movie", "history", [], 3, [8])

@@ -26,13 +26,13 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```(\S*)\s*$")
 
-# appended to commands that train or read synthetic data: seconds instead of minutes, same code paths
+# appended to commands that read synthetic data: seconds instead of minutes, same code paths
 SMALL_DATA = [
     "--set", "data.synthetic.train_samples=8192",
     "--set", "data.synthetic.eval_samples=2048",
     "--set", "data.synthetic.max_rows=1000",
 ]  # fmt: skip
-SMALL_RUN = ["--set", "train.max_steps=3", "--set", "train.progress=false", *SMALL_DATA]
+SMALL_RUN = ["--set", "train.max_steps=3", "--set", "train.progress=false"]  # to every training command
 # appended to commands that train on Criteo TSV files: tables of 1000 rows, as max_rows caps synthetic ones
 SMALL_TSV = ["--set", "data.criteo.table_rows=1000"]
 COMMAND_TIMEOUT_S = 240
@@ -83,18 +83,41 @@ def _collect(page: Page, lang: str, block: list[str]) -> None:
             page.commands.append(line)
 
 
-def small_overrides(argv: list[str]) -> list[str]:
-    """The `--set` overrides that keep one command short (argv without the leading `neorec`)."""
+def small_overrides(argv: list[str], workdir: Path = ROOT) -> list[str]:
+    """The `--set` overrides that keep one command short (argv without the leading `neorec`, run in
+    `workdir`). The synthetic data's go to a command that reads the config's data only where its
+    data.source is synthetic: another source refuses them (its data is small already: a few files, or
+    what an earlier command of the page wrote from small synthetic data)."""
     verb = argv[:2]
+    if verb == ["data", "generate"] or (verb == ["data", "preprocess"] and "--synthetic" in argv):
+        return SMALL_DATA  # they read the synthetic data whatever data.source is
+    reads_data = verb[0] in ("train", "plan") or verb in (["data", "inspect"], ["checkpoint", "import-dcp"])
+    data = SMALL_DATA if reads_data and data_source(argv, workdir) == "synthetic" else []
     if verb[0] == "train":
-        return [*SMALL_RUN, *SMALL_TSV] if "data.source=criteo_tsv" in argv else SMALL_RUN
+        return [*SMALL_RUN, *data, *SMALL_TSV] if "data.source=criteo_tsv" in argv else [*SMALL_RUN, *data]
     if verb[0] == "plan":
-        return [*SMALL_DATA, "--time-budget", "0.5"]
-    if verb in (["data", "generate"], ["data", "inspect"]) or (verb == ["data", "preprocess"] and "--synthetic" in argv):
-        return SMALL_DATA
-    if verb == ["checkpoint", "import-dcp"]:  # builds the config's model over its data, as train did
-        return SMALL_DATA
-    return []
+        return [*data, "--time-budget", "0.5"]
+    return data  # data inspect, and checkpoint import-dcp, which builds the config's model over its data
+
+
+def data_source(argv: list[str], workdir: Path) -> str | None:
+    """The data.source of the config a command gives (`--config`, its `--set`s), resolved as neorec
+    resolves it in `workdir`; None where it does not resolve (the command then says why)."""
+    from neorec.config.load import load_config
+    from neorec.errors import NeorecError
+
+    config, sets = "default", []
+    for flag, value in zip(argv, argv[1:], strict=False):
+        if flag in ("--config", "-c"):
+            config = str(workdir / value) if (workdir / value).is_file() else value
+        elif flag == "--set":
+            sets.append(value)
+        elif flag == "--follow" and argv[0] == "train":
+            sets.append(f"data.follow.dir={value}")
+    try:
+        return load_config(config, sets).data.source
+    except NeorecError:
+        return None
 
 
 def needs_gpu(argv: list[str]) -> bool:
@@ -133,7 +156,8 @@ def _run_upto(rel: str, index: int, workdir: Path) -> subprocess.CompletedProces
             done[i] = None
             continue
         # `python -m neorec ...` in a process forked from one that has imported neorec once
-        done[i] = run_neorec([*argv, *small_overrides(argv)], cwd=workdir, env=env, timeout=COMMAND_TIMEOUT_S)
+        small = small_overrides(argv, workdir)
+        done[i] = run_neorec([*argv, *small], cwd=workdir, env=env, timeout=COMMAND_TIMEOUT_S)
     return done[index]
 
 

@@ -241,7 +241,7 @@ def test_preprocessed_partitions_are_followed_once_their_manifest_is_complete(tm
     manifest.write_text(manifest.read_text().replace('"complete": true', '"complete": false'))
     cfg = load_config(
         "default",
-        [*small, "data.source=preprocessed", f"data.follow.dir={stream}", "data.follow.idle_timeout=0",
+        ["data.source=preprocessed", f"data.follow.dir={stream}", "data.follow.idle_timeout=0",
          "checkpoint.every_steps=2", "data.batch_size=100", "train.progress=false", "logging.plot=false",
          "logging.tensorboard=false", f"output_dir={tmp_path / 'run'}"],
     )  # fmt: skip

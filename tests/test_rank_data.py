@@ -128,6 +128,8 @@ TINY = [
     "distributed.forward_precision=fp32", "distributed.backward_precision=fp32",
 ]  # fmt: skip
 
+TINY_RUN = [kv for kv in TINY if not kv.startswith("data.synthetic.")]  # for a run on the preprocessed data
+
 
 def preprocessed_sets(root) -> list[str]:
     return ["data.source=preprocessed", f"data.preprocessed.path={root}", "data.preprocessed.shuffle_window=200"]
@@ -202,7 +204,7 @@ def train_two_ranks_preprocessed_and_resume(topo, root, out):
     from neorec.train.trainer import Trainer
 
     _as_rank(topo)
-    sets = [*TINY, *preprocessed_sets(root), "checkpoint.every_steps=7"]
+    sets = [*TINY_RUN, *preprocessed_sets(root), "checkpoint.every_steps=7"]
     whole = Trainer(load_config(None, sets), out / "whole").fit()
     stopping = Trainer(load_config(None, sets), out / "run")
     step = Trainer.train_step
@@ -248,7 +250,7 @@ def test_two_ranks_on_preprocessed_parts_train_like_one_process_and_resume_exact
 
     out = tmp_path / "runs"
     two = spawn(2, train_two_ranks_preprocessed_and_resume, (preprocessed, out), tmp_path=tmp_path / "pg")
-    cfg = load_config(None, [*TINY, *preprocessed_sets(preprocessed)])
+    cfg = load_config(None, [*TINY_RUN, *preprocessed_sets(preprocessed)])
     trainer = Trainer(cfg, tmp_path / "one")
     trainer.source = RankOrderSource(preprocessed, 2, cfg.seed, 200)
     trainer.data = RankData(trainer.source, cfg.data.batch_size)

@@ -8,10 +8,12 @@ How a config is resolved (docs/config.md says the same to users):
    `default` has none. Mappings merge key by key at every depth, so a file lists only what it changes;
    any other value (a number, a string, a list, null) replaces the base's.
 3. `--set a.b.c=value` overrides apply in order to the merged mapping. The value is YAML (numbers,
-   lists, `null` to unset); an empty value is an error.
+   lists, `null`); an empty value is an error. `null` is a value as any other: a key whose type takes
+   null (`train.max_steps`, a section such as `data.criteo`) is set to it, any other key refuses it.
 4. The result is validated against neorec/config/schema.py; keys left unset take the schema's defaults.
 5. A model key that the file itself or a `--set` writes and that the chosen model does not read is an
-   error (neorec/config/model_keys.py).
+   error (neorec/config/model_keys.py), and so is a setting of a data source other than data.source
+   (neorec/config/data_keys.py).
 `load_config(None)` starts from the schema's defaults alone (library use; the CLI starts from `default`).
 
 YAML is read with limits, so that no config text can take the machine's time or memory: a file or
@@ -31,7 +33,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from neorec.config.model_keys import check_model_keys, written_model_keys
+from neorec.config.data_keys import unread_data_keys, written_data_keys
+from neorec.config.model_keys import unread_model_keys, written_model_keys
 from neorec.config.schema import RunConfig
 from neorec.errors import ConfigError
 
@@ -110,22 +113,27 @@ def shipped_configs() -> list[str]:
     return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
-def load_config(path_or_name: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+def load_config(
+    path_or_name: str | None = None, overrides: list[str] | None = None, *, reads: Collection[str] = ()
+) -> RunConfig:
     """The validated RunConfig of a config file or shipped name (merged over its base; None: the
-    schema's defaults alone), with `key=value` overrides applied."""
+    schema's defaults alone), with `key=value` overrides applied. `reads`: the data sources whose
+    settings the command reads besides data.source's (`neorec data generate`: synthetic)."""
     raw: dict[str, Any] = {}
     where = "defaults"
-    written: list[str] = []  # the model keys the file itself (not its bases) and --set write
+    own: dict[str, Any] = {}  # what the file itself writes (not its bases)
     if path_or_name is not None:
         raw, where, own = _read_config(path_or_name)
-        written = written_model_keys(own)
-    marks: dict[str, Any] = {}
+    marks: dict[str, Any] = {}  # what --set writes
     for item in overrides or []:
         apply_override(raw, item)
         apply_override(marks, item)
     where += " with --set" if overrides else ""
     cfg = validate_config(raw, where)
-    check_model_keys(cfg.model, written + written_model_keys(marks), where)
+    unread = unread_model_keys(cfg.model, written_model_keys(own) + written_model_keys(marks))
+    unread += unread_data_keys(cfg.data, written_data_keys(own) + written_data_keys(marks), reads)
+    if unread:
+        raise ConfigError(f"{where}: " + "; ".join(unread))
     return cfg
 
 
@@ -223,7 +231,9 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep or not key.strip():
         raise ConfigError(f"--set {_short(item)}: expected key=value, e.g. --set train.max_steps=100")
     if not value.strip():
-        raise ConfigError(f"--set {_short(item)}: empty value; give a value, or {key.strip()[:80]}=null to unset the key")
+        raise ConfigError(
+            f"--set {_short(item)}: empty value; give a value, or {key.strip()[:80]}=null for a key that takes null"
+        )
     parts = key.strip().split(".")
     if len(parts) > MAX_DEPTH:
         raise ConfigError(f"--set {_short(item)}: a key of more than {MAX_DEPTH} parts")
@@ -323,7 +333,12 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def dump_config(cfg: RunConfig) -> str:
+def dump_config(cfg: RunConfig, out_dir: str | Path | None = None) -> str:
+    """`cfg` as the YAML of a run's config.yaml, which load_config reads back as a record of the run.
+    `out_dir`: the folder the run writes (`--output-dir`), recorded as output_dir where `cfg`'s resolves
+    to another one, so that the config run again writes to the same folder."""
+    if out_dir is not None and Path(out_dir) != Path(cfg.resolved_output_dir):
+        cfg = cfg.model_copy(update={"output_dir": str(out_dir)})
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 

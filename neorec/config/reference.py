@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -142,8 +143,16 @@ def keys_text() -> str:
 
 def keys_markdown() -> str:
     """The full text of docs/config.md: the guide, then a table of every key by section."""
+    from neorec.config.load import shipped_configs
+
     keys = config_keys()
-    out = [GUIDE.strip(), "", "## Every key", "", "Generated from neorec/config/schema.py by "
+    shipped = ", ".join(f"`{name}`" for name in shipped_configs())
+    step_1 = ("A config file is YAML whose top level is a mapping; an empty file, a file that is not YAML, or "
+              "any other top level is an error that names the file. `--config` takes its path, or the name of "
+              f"a config shipped in neorec/configs: {shipped}.")  # fmt: skip
+    step_1 = textwrap.fill(step_1, 102, initial_indent="1. ", subsequent_indent="   ", break_on_hyphens=False)
+    guide = GUIDE.strip().replace("STEP_1", step_1)
+    out = [guide, "", "## Every key", "", "Generated from neorec/config/schema.py by "
            "`neorec config keys --markdown > docs/config.md` (a test checks that this page is current). "
            "Defaults are those of the shipped `default` config, which every config file is merged over "
            "(directly or through its base); where the schema's own default differs (what `RunConfig()` "
@@ -207,17 +216,23 @@ neorec config show --config mine.yaml --set train.max_steps=20   # the resolved 
 
 [configuration.md](configuration.md) walks through configs, overrides and the run folder. In short:
 
-1. A config file (`--config PATH`, or a shipped config's name: `default`, `criteo_kaggle`,
-   `mlperf_dcnv2`, `movielens`) is YAML whose top level is a mapping; an empty file, a file that is
-   not YAML, or any other top level is an error that names the file.
+STEP_1
 2. It is merged over its base: the config its `base:` key names (a shipped config's name, or a path
    relative to the file's folder), else the shipped `default` config. A base may have a base of its
    own; `default` has none. Mappings merge key by key at every depth; any other value (a number, a
    string, a list, `null`) replaces the base's.
-3. `--set a.b.c=VALUE` overrides apply next, in order. VALUE is YAML (`100`, `[64, 32]`, `null` to
-   unset a key); an empty VALUE is an error.
+3. `--set a.b.c=VALUE` overrides apply next, in order. VALUE is YAML (`100`, `[64, 32]`, `null`); an
+   empty VALUE is an error. `null` is a value like any other, not a reset to the default: a key whose
+   type below says "or null" takes it (a section or null, such as `data.criteo`, is then absent), any
+   other key refuses it (`--set model.din=null` is an error naming the key). To go back to a default,
+   leave the key out or set the default's value.
 4. The result is validated before any work starts; a key left unset takes the default below. Where a
    number is expected, `true` or `false` is an error.
+5. A key the run does not read is an error when the file itself or a `--set` gives it a value other
+   than its default: a `model` key of another `model.arch` ([models.md](models.md)), a setting of a
+   data source other than `data.source` (`data.movielens.history` with source synthetic). What a base
+   or a shipped config writes does not count, nor a section that lists every key, as a run's
+   config.yaml and `neorec config show` write it.
 
 The MovieLens config with a larger embedding, trained longer:
 

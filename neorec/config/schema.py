@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from neorec.config import limits
 from neorec.config.base import Strict
@@ -20,6 +20,7 @@ from neorec.config.data import (  # noqa: F401 - re-exported: the data sections 
     PreprocessedConfig,
     SyntheticConfig,
 )
+from neorec.config.din import DINConfig, check_din
 from neorec.config.distributed import (  # noqa: F401 - re-exported: the distributed section is part of the schema
     DistributedConfig,
     TableShardingConfig,
@@ -66,34 +67,6 @@ class TwoTowerConfig(Strict):
         if any(not 0 < s <= limits.MAX_WIDTH for s in self.tower_mlp):
             raise ValueError(f"tower_mlp layer sizes must be in [1, {limits.MAX_WIDTH}]")
         return self
-
-
-class DINConfig(Strict):
-    """model.arch din: the target's embedding attends over a history feature (neorec/model/din.py)."""
-
-    target: str = Field("movie", min_length=1, description="pooled feature whose embedding queries the history")
-    history: str = Field(
-        "history", min_length=1, description="sequence feature (its table has pooling none) of the user's past items"
-    )
-    history_side: list[str] = Field(
-        default_factory=lambda: ["history_liked"],
-        description="sequence features aligned with history whose rows are added to its rows position by position",
-    )
-    max_len: int = Field(50, gt=0, description="history positions the attention reads (the most recent ones)")
-    attention_mlp: list[int] = Field([64, 16], description="hidden sizes of the attention unit's MLP")
-    cross_layers: int = Field(
-        0, ge=0, le=limits.MAX_LAYERS, description="DCNv2 cross layers over [dense, pooled, interest] before the top MLP"
-    )
-
-    @model_validator(mode="after")
-    def _sizes(self) -> DINConfig:
-        if any(not 0 < s <= limits.MAX_WIDTH for s in self.attention_mlp):
-            raise ValueError(f"attention_mlp sizes must be in [1, {limits.MAX_WIDTH}]")
-        return self
-
-    @property
-    def sequence_features(self) -> list[str]:
-        return [self.history, *self.history_side]
 
 
 class ModelConfig(Strict):
@@ -162,7 +135,9 @@ class TableOverride(Strict):
         None, description="bag pooling; none: one row per id (a sequence feature, for sequential models)"
     )
     dtype: Literal["fp32", "fp16", "bf16"] | None = Field(None, description="weight storage type")
-    optimizer: EmbeddingOptimizerConfig | None = Field(None, description="optimizer for this table")
+    optimizer: EmbeddingOptimizerConfig | None = Field(
+        None, description="optimizer keys that differ for this table; the others are embedding.optimizer's"
+    )
     tier: Literal["memory", "dram", "ssd"] | None = Field(None, description="where this table's rows live")
     managed_collision: ManagedCollisionConfig | None = Field(
         None, description="the reader passes raw ids and an id map gives each its own row (docs/managed-collision.md)"
@@ -246,6 +221,16 @@ class EmbeddingConfig(Strict):
     @classmethod
     def _bounds_check_off(cls, v):
         return "off" if v is False else v  # YAML reads a bare `off` as false
+
+    @field_validator("tables")
+    @classmethod
+    def _table_optimizers(cls, tables: dict[str, TableOverride], info: ValidationInfo) -> dict:
+        """A table's optimizer section merged over embedding.optimizer, key by key (validated before it)."""
+        base = info.data.get("optimizer")  # absent when it failed validation (that error is reported)
+        if base is None:
+            return tables
+        return {n: o if o.optimizer is None else o.model_copy(update={"optimizer": o.optimizer.over(base)})
+                for n, o in tables.items()}  # fmt: skip
 
     @property
     def ssd_tables(self) -> list[str]:
@@ -403,31 +388,8 @@ class RunConfig(Strict):
                     f"interaction, got {self.model.bottom_mlp}"
                 )
         if self.model.arch == "din":
-            self._check_din()
+            check_din(self.model.din, self.data, self.embedding)
         return self
-
-    def _check_din(self) -> None:
-        """What din needs of the data and the tables, said in the keys to set."""
-        din = self.model.din
-        if self.data.source == "movielens" and self.data.movielens.history == 0:
-            raise ValueError(
-                "model.arch din needs a history feature: set data.movielens.history to the number of past "
-                "ratings per sample (e.g. 50)"
-            )
-        for name in din.sequence_features:
-            override = self.embedding.tables.get(name)
-            pooling = override.pooling if override and override.pooling else self.embedding.pooling
-            if pooling != "none":
-                raise ValueError(
-                    f"model.arch din reads feature {name!r} as a sequence (model.din), but its table has "
-                    f"pooling {pooling}: set embedding.tables.{name}.pooling: none"
-                )
-        override = self.embedding.tables.get(din.target)
-        if override and override.pooling == "none":
-            raise ValueError(
-                f"model.din.target {din.target!r} is the query and must be pooled: set "
-                f"embedding.tables.{din.target}.pooling to sum or mean"
-            )
 
     @model_validator(mode="after")
     def _sharding_tiers(self) -> RunConfig:

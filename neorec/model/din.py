@@ -19,7 +19,7 @@ from torch import nn
 
 from neorec.data.batch import Batch
 from neorec.embedding.collection import EmbeddingCollection
-from neorec.errors import ConfigError
+from neorec.errors import ConfigError, DataError
 from neorec.model.dlrm import dense_autocast, last_layer
 from neorec.model.interaction import CrossNetwork
 from neorec.model.mlp import build_mlp
@@ -85,9 +85,13 @@ class DIN(nn.Module):
         """Logits [B]."""
         device = batch.dense.device
         pooled, sequences = self.embeddings.embed(batch.sparse)
-        keys, mask = sequences[self.history].to_padded(self.max_len)
+        history = sequences[self.history]
+        keys, mask = history.to_padded(self.max_len)
         for name in self.history_side:
-            keys = keys + sequences[name].to_padded(self.max_len)[0]
+            side = sequences[name]
+            if not torch.equal(side.lengths, history.lengths):  # one host sync a side feature
+                raise DataError(_misaligned(name, side.lengths, self.history, history.lengths))
+            keys = keys + side.to_padded(self.max_len)[0]
         query = pooled.narrow(1, self.target_start, self.dim)
         with dense_autocast(device, self.precision):
             interest = self.attention(query, keys, mask)
@@ -95,6 +99,15 @@ class DIN(nn.Module):
             x0 = torch.cat([dense_out.float(), pooled, interest.float()], dim=1)
             hidden = self.top[:-1](self.cross(x0))
         return last_layer(self.top, hidden)
+
+
+def _misaligned(side: str, side_lengths: torch.Tensor, history: str, lengths: torch.Tensor) -> str:
+    """The error of a side feature whose ids do not pair with the history's one by one."""
+    row = int((side_lengths != lengths).nonzero()[0, 0])
+    return (
+        f"model.din.history_side feature {side!r} has {int(side_lengths[row])} ids in sample {row} of the batch, "
+        f"but history {history!r} has {int(lengths[row])}: a side feature needs one id per history id"
+    )
 
 
 def check_features(embeddings: EmbeddingCollection, target: str, history: str, history_side: list[str]) -> None:
@@ -124,3 +137,10 @@ def check_features(embeddings: EmbeddingCollection, target: str, history: str, h
                 f"{key} {name!r} is not a feature of this data (features: {sorted(pooled) + sorted(sequences)}); "
                 "for MovieLens set data.movielens.history to the number of past ratings"
             )
+    unread = sorted(set(sequences) - {history, *history_side})
+    if unread:
+        raise ConfigError(
+            f"tables {unread} have pooling none, but model.arch din reads only model.din.history and "
+            "history_side as sequences, so they would be looked up for nothing: pool them (sum or mean) or add "
+            "them to model.din.history_side"
+        )

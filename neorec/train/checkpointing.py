@@ -111,7 +111,7 @@ class CheckpointHandling:
             return
         if not isinstance(saved, dict):
             return
-        changes = config_changes(saved, self.cfg, ignore=_HOW_LONG)
+        changes = config_changes(saved, self.cfg, ignore=_HOW_LONG | {"output_dir"})  # the folder: no setting
         if changes:
             more = f"; and {len(changes) - 10} more" if len(changes) > 10 else ""
             log.warning(

@@ -228,7 +228,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             if to_resume is not None:
                 self._say_changed_settings(step)
                 self._withdraw_results(step)
-            write_text(self.out_dir / "config.yaml", dump_config(cfg), "run config")  # atomic
+            write_text(self.out_dir / "config.yaml", dump_config(cfg, self.out_dir), "run config")  # atomic
             plan = getattr(self.embeddings, "plan", None)  # sharded: the plan every rank trains with
             if plan is not None:
                 plan.save(self.out_dir / "plan.json")

@@ -21,6 +21,7 @@ TINY = [
     "data.synthetic.train_samples=1000", "data.synthetic.eval_samples=500", "data.batch_size=250",
     "train.max_steps=2", "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
 ]  # fmt: skip
+TINY_RUN = [kv for kv in TINY if not kv.startswith("data.synthetic.")]  # for a run on other data
 QUIET = ["train.max_steps=2", "train.progress=false", "logging.plot=false", "logging.tensorboard=false"]
 
 
@@ -104,7 +105,7 @@ def shards(tmp_path_factory) -> Path:
 
 def shards_copy(shards: Path, tmp_path: Path) -> tuple[Path, list[str]]:
     folder = shutil.copytree(shards, tmp_path / "gen")
-    cfg = [*TINY, "data.source=shards", f"data.shards_dir={folder}"]
+    cfg = [*TINY_RUN, "data.source=shards", f"data.shards_dir={folder}"]  # data.synthetic: the generator's
     return folder, ["train", *sets(cfg), "--output-dir", str(tmp_path / "run")]
 
 

@@ -26,6 +26,7 @@ from neorec.errors import DataError
 from neorec.utils.files import json_text
 
 DATA = TINY[:5]  # the tiny run's data: four tables of 50, 300, 7 and 100 rows, 1000 + 500 samples
+TRAIN = TINY[5:]  # the rest of it, for a run on the preprocessed folder (which holds the data)
 STEP = "checkpoints/step-00000004"
 NAN, INF = math.nan, math.inf
 
@@ -111,7 +112,7 @@ def run_quiet(args: list) -> int:
 
 def inspect_data(folder: Path) -> list:
     reads = ["data.source=preprocessed", f"data.preprocessed.path={folder}", "data.batch_size=100"]
-    return ["data", "inspect", *sets(DATA), *sets(reads), "--batches", "1"]
+    return ["data", "inspect", *sets(reads), "--batches", "1"]
 
 
 def assert_ok_or_one_error(code: int, err: str, damage: str) -> None:
@@ -200,7 +201,7 @@ def test_preprocessed_manifest_cases(folders, copies, capsys, tmp_path):
             *run_cli(inspect_data(copies["pp"]), capsys), "manifest.json", expected, damage=str(path)
         )
         if i < 6:
-            train = ["train", "--output-dir", tmp_path / "run", "--overwrite", *sets(TINY),
+            train = ["train", "--output-dir", tmp_path / "run", "--overwrite", *sets(TRAIN),
                      *sets(["data.source=preprocessed", f"data.preprocessed.path={copies['pp']}"])]  # fmt: skip
             assert_one_error(*run_cli(train, capsys), "manifest.json", expected, damage=f"train {path}")
     write_manifest(copies["pp"] / "manifest.json", manifest)
