@@ -25,7 +25,7 @@ from pathlib import Path
 from neorec.distributed.topology import Topology
 from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError
-from neorec.utils.files import read_json, write_json
+from neorec.utils.files import CHECKSUM_KEY, check_json, load_json, write_json
 
 KINDS = ("tw", "rw", "cw", "twrw", "twcw", "dp")
 MANAGED_COLLISION_KINDS = ("tw", "rw")  # the kinds that keep an id map with its rows
@@ -106,9 +106,16 @@ class ShardingPlan:
 
     @staticmethod
     def load(path: str | Path) -> ShardingPlan:
-        """A plan file: its "crc32" checked when it has one (one written by hand may have none)."""
+        """A plan file: its "crc32" checked when it has one (one written by hand may have none, so a
+        checksum that fails, the only error of a file with one, also says how to keep an edit)."""
         hint = "write it again (`neorec plan`), or give another distributed.plan"
-        data = read_json(path, "sharding plan", hint, ConfigError, keys=("tables",))
+        data = load_json(path, "sharding plan", hint, ConfigError)
+        if CHECKSUM_KEY in data:
+            hint += (
+                f"; a plan file edited by hand is accepted once its {CHECKSUM_KEY!r} key is deleted (a file "
+                "without one is read as written by hand)"
+            )
+        data = check_json(data, path, "sharding plan", hint, ConfigError, keys=("tables",))
         return ShardingPlan.from_dict(data, f"sharding plan {path}")
 
     # ---- meaning ---------------------------------------------------------------------------------------
@@ -137,6 +144,11 @@ class ShardingPlan:
             if p is None:
                 raise ConfigError(f"sharding plan has no entry for table {t.name!r}")
             where = f"sharding plan, table {t.name!r} ({p.kind})"
+            if p.kind in ("twrw", "twcw") and p.ranks:
+                raise ConfigError(
+                    f"{where}: twrw and twcw take 'node' (the table is cut over all the ranks of that node), "
+                    f"not 'ranks'; drop 'ranks' {p.ranks}"
+                )
             bad = [r for r in p.ranks if not 0 <= r < topo.world_size]
             if bad:
                 raise ConfigError(f"{where}: rank(s) {bad} do not exist; world size is {topo.world_size}")

@@ -1,14 +1,18 @@
 """A lower bound on the most loaded rank's cost, over every plan the planner could make.
 
-Two facts bound it (costs in the additive model of options.py):
+Costs are those of options.py, taken so that they bound the cost model (cost.estimate_plan), which
+`neorec plan` reports next to the bound, as well as the additive model the partitioner balances: where
+the additive model spreads a rank's link bytes over its links by their share of the peers, the cost
+model charges each to the link it crosses, so one rank may pay less than its additive share
+(`Option.everyone_low`); all ranks together pay the same bytes (`Option.total_low`).
 1. The slowest rank is at least the mean: (sum over tables of the chosen option's total cost) / W.
    Each table picks one option; options differ in cost and in the device memory they take, and all
    tables together cannot take more device memory than all ranks have. Choosing the options is a
    multiple-choice knapsack; its linear relaxation (each table may mix two neighbouring options of
    its cost/memory lower convex hull) is solved exactly by the greedy over hull segments, and no
    integral choice can cost less.
-2. Some rank holds the most expensive piece of each table's chosen option, and every rank pays each
-   table's smallest `everyone` share.
+2. Some rank holds the most expensive piece of each table's chosen option, and every rank pays at
+   least each table's smallest `everyone_low` share.
 Both add the collective latencies that every plan pays.
 The bound is the larger of the two.
 """
@@ -42,7 +46,7 @@ def lower_bound(
     W = world_size
     total, used, segments = 0.0, 0.0, []
     for opts in options.values():
-        hull = lower_hull([(o.memory_total("device", W), o.total(W)) for o in opts])
+        hull = lower_hull([(o.memory_total("device", W), o.total_low(W)) for o in opts])
         total += hull[0][1]
         used += hull[0][0]
         segments += [(b[0] - a[0], a[1] - b[1]) for a, b in zip(hull, hull[1:], strict=False)]
@@ -54,7 +58,7 @@ def lower_bound(
         total -= saved * take
         room -= extra * take
     mean_bound = total / W + fixed
-    shares = fixed + sum(min(o.everyone for o in opts) for opts in options.values())
+    shares = fixed + sum(min(o.least_share for o in opts) for opts in options.values())
     piece_bound = shares + max((min(o.max_piece for o in opts) for opts in options.values()), default=0.0)
     return LowerBound(max(mean_bound, piece_bound), mean_bound, piece_bound)
 

@@ -20,7 +20,8 @@ The step time is the sum over the three phases that end in an exchange every ran
 planner balances are the costs it reports.
 
 Memory per rank and tier: weights + optimizer state of its shards (cached shards: the cache and its
-bookkeeping in device memory, every row in the backing tier; tiers.py), plus the step's buffers (ids,
+bookkeeping in device memory, every row in the backing tier; tiers.py; caches sized in MiB as training
+sizes each rank's: cache_mib_fractions), plus the step's buffers (ids,
 pooled rows and their gradients, wire copies, the backward's sort, the shared-memory transport's
 pages: transport_bytes) and, while the model is built,
 one initialisation window: storage.py fills each buffer of the fused engine (the shards of one dim,
@@ -77,10 +78,13 @@ def shard_work(
     tier: str,
     workload: Workload,
     cluster: Cluster,
+    fraction: float | None = None,
 ) -> ShardWork:
     """Cost of a shard (rows x columns of `load`'s table) on the rank that holds it, without link
-    transfers (those depend on the whole plan: exchanges.py)."""
+    transfers (those depend on the whole plan: exchanges.py); `fraction`: the share of its rows its
+    cache holds, when it has one (None: the workload's for the table)."""
     t, W = load.table, cluster.world_size
+    fraction = workload.fraction(load.name) if fraction is None else fraction
     batch = workload.batch_size / W if kind == "dp" else workload.batch_size  # samples it looks up
     share = load.share(*rows) if kind in ROW_SPLIT else 1.0
     ids = batch * load.ids_per_sample * share
@@ -94,7 +98,7 @@ def shard_work(
     stages["lookup"] = ids * cluster.lookup_per_id + (ids * width * wb + pooled) / mem.lookup_bandwidth
     # rows touched anywhere in the global batch (dp: each replica's share of them, see below)
     touched = load.unique(rows[0], rows[1], workload.batch_size * load.ids_per_sample * share)
-    cache = cache_traffic(load, tier, rows, width, touched, workload.fraction(load.name), cluster, workload.ssd_log)
+    cache = cache_traffic(load, tier, rows, width, touched, fraction, cluster, workload.ssd_log)
     if cache is not None:
         stages["lookup"] += cache.seconds
     updated, received = touched, 0.0
@@ -126,7 +130,7 @@ def shard_work(
         ids=ids,
         pooled_bytes=pooled,
         memory=tier_memory(
-            load, tier, num_rows, width, workload.fraction(load.name), workload.ssd_log, workload.cache_policy
+            load, tier, num_rows, width, fraction, workload.ssd_log, workload.cache_policy
         ),
         init_bytes=init_window_bytes(num_rows, t.dim, width, record_bytes(load, width) if tier == "ssd" else 0),
         tier_bytes=cache.tier_bytes if cache is not None else 0.0,
@@ -249,8 +253,12 @@ class PlanEstimate:
 def counts_replicas_ahead(plan: ShardingPlan, cluster: Cluster) -> bool:
     """Whether training counts the replicated tables' rows one batch ahead (replicas.py): on GPUs of
     the ranks' own (NCCL), with every replicated table's rows in a plain tensor (no row cache)."""
-    dp = [p for p in plan.tables.values() if p.kind == "dp"]
-    plain = all(STORAGE_TIERS[p.tier or "device"] == "memory" for p in dp)
+    return counts_ahead(cluster, [p.tier or "device" for p in plan.tables.values() if p.kind == "dp"])
+
+
+def counts_ahead(cluster: Cluster, dp_tiers: list[str]) -> bool:
+    """counts_replicas_ahead for replicated tables in plan tiers `dp_tiers`."""
+    plain = all(STORAGE_TIERS[t] == "memory" for t in dp_tiers)
     return cluster.has_host_tier and not cluster.staged and plain
 
 
@@ -292,9 +300,11 @@ def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> P
             groups[key][0] += rows[1] - rows[0]
             groups[key][1] = max(groups[key][1], table.dim)
         init = max((init_window_bytes(n, dim, key[1], rec) for key, (n, dim, rec) in groups.items()), default=0)
+        fractions = cache_mib_fractions(works, plan, workload)
         for table, rows, width, kind in works:
             tier = plan.tables[table.name].tier or "device"
-            w = shard_work(workload.by_name[table.name], rows, width, kind, tier, workload, cluster)
+            load = workload.by_name[table.name]
+            w = shard_work(load, rows, width, kind, tier, workload, cluster, fractions.get(table.name))
             if w.hit_rate is not None:
                 hits.setdefault(table.name, []).append(w.hit_rate)
             for stage, seconds in w.stages.items():
@@ -341,6 +351,52 @@ def estimate_plan(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> P
             )
         )
     return PlanEstimate(ranks, traffic, {name: sum(h) / len(h) for name, h in hits.items()})
+
+
+def cache_mib_fractions(works: list[tuple], plan: ShardingPlan, workload: Workload) -> dict[str, float]:
+    """With caches sized in MiB (workload.cache_mib), the share of its rows the cache of each cached
+    shard of one rank holds (`works`: its shards as (table, rows, width, kind)), by table name, as
+    training sizes them (embedding/cache/build.py _capacity): the rank's cached shards share
+    cache_mib in proportion to their rows, each at most all its rows; {} without cache_mib."""
+    if workload.cache_mib is None:
+        return {}
+    cached = [
+        (table, rows[1] - rows[0], width)
+        for table, rows, width, _ in works
+        if PLACEMENTS[plan.tables[table.name].tier or "device"].cache_in is not None
+    ]
+    total = sum(n for _, n, _ in cached)
+    out = {}
+    for table, n, width in cached:
+        record = record_bytes(workload.by_name[table.name], width)
+        slots = int(workload.cache_mib * 2**20 * (n / total) // record)
+        out[table.name] = min(1.0, max(1, slots) / n)
+    return out
+
+
+def largest_cache_shares(plan: ShardingPlan, workload: Workload, cluster: Cluster) -> dict[str, float]:
+    """Per table with a cache under `plan`, the largest share of its shard's rows that a cache of it
+    holds on any rank (cache_mib_fractions)."""
+    layout = ShardLayout(workload.table_configs, plan, cluster.topology())
+    out: dict[str, float] = {}
+    for r in range(cluster.world_size):
+        works = [(u.table, u.shard.rows, u.width, u.kind) for u in layout.units[r]]
+        works += [(t, (0, t.rows), t.dim, "dp") for t in layout.dp_tables]
+        for name, share in cache_mib_fractions(works, plan, workload).items():
+            out[name] = max(out.get(name, 0.0), share)
+    return out
+
+
+def first_cache_shares(workload: Workload, world_size: int) -> dict[str, float]:
+    """With caches sized in MiB, per table the share of its rows its caches hold when it is split
+    evenly over `world_size` ranks and is the only table cached on them (cache_mib_fractions)."""
+    assert workload.cache_mib is not None
+    out = {}
+    for load in workload.tables:
+        rows = max(1, load.table.rows // world_size)
+        slots = int(workload.cache_mib * 2**20 // record_bytes(load, load.table.dim))
+        out[load.name] = min(1.0, max(1, slots) / rows)
+    return out
 
 
 def transport_bytes(traffic: Traffic, rank: int, cluster: Cluster) -> int:

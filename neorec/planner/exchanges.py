@@ -36,7 +36,7 @@ from neorec.distributed.layout import ROW_SPLIT, ShardLayout
 from neorec.distributed.plan import ShardingPlan
 from neorec.distributed.replicas import DENSE_BYTES, updates_by_owner
 from neorec.distributed.topology import Topology
-from neorec.planner.workload import Workload
+from neorec.planner.workload import TableLoad, Workload
 
 DIRECTIONS = ("input_dist", "fwd", "bwd", "dp")
 
@@ -131,28 +131,61 @@ def plan_traffic(plan: ShardingPlan, workload: Workload, topo: Topology, counted
             load = workload.by_name[t.name]
             groups.setdefault((t.dim, t.dtype, load.optimizer), []).append(load)
         for (dim, _, optimizer), loads in groups.items():
-            rows = sum(x.table.rows for x in loads)
-            touched = sum(x.unique(0, x.table.rows, b * x.ids_per_sample, 1 / W) for x in loads)
-            by_owner = updates_by_owner(optimizer)
-            choose = 2 * rows * (dim + 1) * 4 <= DENSE_BYTES  # small enough for a dense all-reduce
-            if counted_ahead:
-                mats["dp"] += _counted_ahead_bytes(rows, dim, touched, by_owner, choose, loads, bp, W)
-                continue
-            # when choosing, the counts go first: one per rank (by owner: one per owner and rank)
-            per_peer = (8.0 * W if by_owner else 8.0) if choose else 0.0
-            if not choose or W * touched * (wire_bytes(bp, 1, dim) + 8) <= 2 * rows * (dim + 1) * 4:
-                sent = touched / W if by_owner else touched  # to the rows' owners, or to everyone
-                per_peer += sent * 8 + wire_bytes(bp, sent, dim)
-                per_peer += 8.0 if by_owner or not choose else 0.0  # the part's size, in a header
-            else:
-                per_peer += dense_all_reduce_bytes(bp, rows * (dim + 1), W) / (W - 1)
-            if by_owner:  # the owner's updated rows, to every rank (and their size)
-                union = sum(x.unique(0, x.table.rows, W * b * x.ids_per_sample) for x in loads)
-                per_peer += 8 + union / W * (8 + dim * loads[0].weight_bytes)
-            mats["dp"] += per_peer
+            mats["dp"] += replica_bytes_per_peer(loads, dim, optimizer, bp, b, W, counted_ahead)
     for m in mats.values():
         np.fill_diagonal(m, 0.0)
     return Traffic(mats, topo)
+
+
+def replica_bytes_per_peer(
+    loads: list[TableLoad], dim: int, optimizer: str, precision: str, b: float, W: int,
+    counted_ahead: bool = False,
+) -> float:  # fmt: skip
+    """Bytes each rank sends each peer per step for one group of replicated tables (one dim, dtype and
+    update rule: replicas.py), gradients in `precision`, `b` samples per rank. plan_traffic sends this
+    per group; the planner prices a dp option (options.py) as the group of its one table."""
+    rows = sum(x.table.rows for x in loads)
+    touched = sum(x.unique(0, x.table.rows, b * x.ids_per_sample, 1 / W) for x in loads)
+    by_owner = updates_by_owner(optimizer)
+    choose = 2 * rows * (dim + 1) * 4 <= DENSE_BYTES  # small enough for a dense all-reduce
+    if counted_ahead:
+        return _counted_ahead_bytes(rows, dim, touched, by_owner, choose, loads, precision, W)
+    # when choosing, the counts go first: one per rank (by owner: one per owner and rank)
+    per_peer = (8.0 * W if by_owner else 8.0) if choose else 0.0
+    if not choose or W * touched * (wire_bytes(precision, 1, dim) + 8) <= 2 * rows * (dim + 1) * 4:
+        sent = touched / W if by_owner else touched  # to the rows' owners, or to everyone
+        per_peer += sent * 8 + wire_bytes(precision, sent, dim)
+        per_peer += 8.0 if by_owner or not choose else 0.0  # the part's size, in a header
+    else:
+        per_peer += dense_all_reduce_bytes(precision, rows * (dim + 1), W) / (W - 1)
+    if by_owner:  # the owner's updated rows, to every rank (and their size)
+        per_peer += 8 + _union(loads, b, W) / W * (8 + dim * loads[0].weight_bytes)
+    return per_peer
+
+
+def _union(loads: list[TableLoad], b: float, W: int) -> float:
+    """Distinct rows of the tables among the ids of a global batch (W ranks of b samples)."""
+    return sum(x.unique(0, x.table.rows, W * b * x.ids_per_sample) for x in loads)
+
+
+def replica_bytes_floor(load: TableLoad, precision: str, b: float, W: int) -> float:
+    """The least bytes per peer that `load`'s table adds to replica_bytes_per_peer of any group it is
+    in, counted ahead or not (the planner's lower bound: bounds.py): the lesser of its rows and
+    gradients (sparse) and its part of a dense all-reduce, not rounded up, and for rules with state
+    its part of the owners' updated rows, which a group sends no fewer of (counted ahead: touched, or
+    at most rows / W of them); not the group's counts and sizes, sent once whatever its tables."""
+    t, by_owner = load.table, updates_by_owner(load.optimizer)
+    touched = load.unique(0, t.rows, b * load.ids_per_sample, 1 / W)
+    sent = touched / W if by_owner else touched
+    numel = t.rows * (t.dim + 1)
+    if precision == "fp32":  # whole bytes rounded down: a group's sum rounds down no more
+        dense = dense_all_reduce_bytes(precision, numel, W)
+    else:  # a group's rows are rounded up to whole 256-element blocks per rank
+        dense = 2 * (W - 1) * wire_bytes(precision, numel / (W * 256), 256)
+    per_peer = min(sent * 8 + wire_bytes(precision, sent, t.dim), dense / (W - 1))
+    if by_owner:
+        per_peer += _union([load], b, W) / W * (8 + t.dim * load.weight_bytes)
+    return per_peer
 
 
 def _counted_ahead_bytes(rows, dim, touched, by_owner: bool, choose: bool, loads, bp: str, W: int) -> float:

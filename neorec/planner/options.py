@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neorec.distributed.plan import MANAGED_COLLISION_KINDS, even_splits
-from neorec.planner.cost import owner_work, shard_work, wire_element_bytes
+from neorec.planner.cost import counts_ahead, owner_work, shard_work, wire_element_bytes
+from neorec.planner.exchanges import replica_bytes_floor, replica_bytes_per_peer
 from neorec.planner.hardware import Cluster
 from neorec.planner.tiers import PLACEMENTS, placements
 from neorec.planner.workload import TableLoad, Workload
@@ -36,6 +37,10 @@ class Option:
     piece_costs: list[float]  # seconds per step on the rank holding each piece
     piece_memory: list[dict[str, float]]  # bytes per memory tier of each piece (weights, state, caches, buffers)
     everyone: float = 0.0  # seconds per step on every rank
+    # the least of `everyone` one rank pays in the cost model (cost.estimate_plan) in any plan (bounds.py):
+    # the link bytes `everyone` spreads over intra- and inter-node links by their share of the peers all
+    # on the faster link; for dp the least its exchange adds to a group's (exchanges.replica_bytes_floor)
+    everyone_low: float | None = None
     everyone_memory: dict[str, float] = field(default_factory=dict)  # bytes per memory tier on every rank (dp)
     init_bytes: int = 0  # initialisation window of the largest piece
     group_key: tuple = ()  # the fused engine groups tables by (dim, dtype, update rule)
@@ -48,6 +53,17 @@ class Option:
 
     def total(self, world_size: int) -> float:
         return sum(self.piece_costs) + world_size * self.everyone
+
+    @property
+    def least_share(self) -> float:
+        """`everyone_low`, or `everyone` when the option has none."""
+        return self.everyone if self.everyone_low is None else self.everyone_low
+
+    def total_low(self, world_size: int) -> float:
+        """At most what the ranks together pay for this option in the cost model, in any plan: its
+        link bytes add up to what `everyone` spreads, but a dp table may get its cheaper exchange."""
+        saved = self.everyone - self.least_share if self.kind == "dp" else 0.0
+        return self.total(world_size) - world_size * saved
 
     @property
     def max_piece(self) -> float:
@@ -157,6 +173,14 @@ def _link_seconds(intra: float, inter: float, cluster: Cluster) -> float:
     return intra / cluster.intra_node_bandwidth + inter / cluster.inter_node_bandwidth
 
 
+def _fastest_link_seconds(nbytes: float, cluster: Cluster) -> float:
+    """`nbytes` over the faster link a rank has (one node: its intra-node link)."""
+    fastest = cluster.intra_node_bandwidth
+    if cluster.num_nodes > 1:
+        fastest = max(fastest, cluster.inter_node_bandwidth)
+    return nbytes / fastest
+
+
 def _id_bytes(load: TableLoad, workload: Workload, kind: str) -> int:
     mean_split = kind in ROW_KINDS and load.table.pooling == "mean"
     return 8 + (4 if workload.weighted or mean_split else 0)
@@ -174,7 +198,7 @@ def _flat(load: TableLoad, kind: str, k: int, tier: str, workload: Workload, clu
     F, p = len(load.table.features), load.ids_per_sample
     wire = wire_element_bytes(workload.forward_precision) + wire_element_bytes(workload.backward_precision)
     shards, works = _piece_works(load, kind, k, tier, workload, cluster)
-    costs, everyone = [], 0.0
+    costs, everyone, low = [], 0.0, 0.0
     intra_share = (L - 1) / (W - 1) if W > 1 else 0.0
     if load.id_sample is None and k > 1:  # identical pieces (see _piece_works): cost one, count k
         shards, works = shards[:1], works[:1]
@@ -189,15 +213,17 @@ def _flat(load: TableLoad, kind: str, k: int, tier: str, workload: Workload, clu
         )
         if W > 1:  # one process exchanges nothing
             everyone += _link_seconds(x * intra_share, x * (1 - intra_share), cluster)
+            low += _fastest_link_seconds(x, cluster)
     if len(costs) < k:
-        costs, works, everyone = costs * k, works * k, everyone * k
-    everyone += sum(owner_work(load, kind, k, workload, cluster).values())
-    return _sharded(load, kind, k, tier, costs, works, everyone, kind in ROW_KINDS)
+        costs, works, everyone, low = costs * k, works * k, everyone * k, low * k
+    own = sum(owner_work(load, kind, k, workload, cluster).values())
+    return _sharded(load, kind, k, tier, costs, works, (everyone + own, low + own), kind in ROW_KINDS)
 
 
-def _sharded(load: TableLoad, kind: str, k: int, tier: str, costs: list[float], works: list, everyone: float,
-             row_split: bool) -> Option:  # fmt: skip
-    """The option of a table cut into k pieces (`row_split`: pieces of its rows)."""
+def _sharded(load: TableLoad, kind: str, k: int, tier: str, costs: list[float], works: list,
+             everyone: tuple[float, float], row_split: bool) -> Option:  # fmt: skip
+    """The option of a table cut into k pieces (`row_split`: pieces of its rows); `everyone`: its
+    `everyone` and `everyone_low`."""
     return Option(
         table=load.name,
         kind=kind,
@@ -205,7 +231,8 @@ def _sharded(load: TableLoad, kind: str, k: int, tier: str, costs: list[float], 
         tier=tier,
         piece_costs=costs,
         piece_memory=[_memory(w, tier) for w in works],
-        everyone=everyone,
+        everyone=everyone[0],
+        everyone_low=everyone[1],
         init_bytes=max(w.init_bytes for w in works),
         group_key=_group_key(load),
         mean_row_split=row_split and load.table.pooling == "mean",
@@ -224,7 +251,7 @@ def _node(load: TableLoad, kind: str, tier: str, workload: Workload, cluster: Cl
     F, p, D = len(load.table.features), load.ids_per_sample, load.table.dim
     wire = wire_element_bytes(workload.forward_precision) + wire_element_bytes(workload.backward_precision)
     shards, works = _piece_works(load, kind, L, tier, workload, cluster)
-    costs, everyone = [], 0.0
+    costs, everyone, low = [], 0.0, 0.0
     intra_share = (L - 1) / (W - 1)
     y = b * F * D * wire  # one rank's pooled rows and gradients for this table, crossing nodes
     for (rows, width), work in zip(shards, works, strict=True):
@@ -234,29 +261,31 @@ def _node(load: TableLoad, kind: str, tier: str, workload: Workload, cluster: Cl
         inter = (W - 2) * x * (1 - intra_share) + (N - 1) * y - y
         costs.append(sum(work.stages.values()) + _link_seconds(intra, inter, cluster))
         everyone += _link_seconds(x * intra_share, x * (1 - intra_share), cluster)
-    everyone += _link_seconds(0.0, y, cluster) + sum(owner_work(load, kind, L, workload, cluster).values())
-    return _sharded(load, kind, L, tier, costs, works, everyone, kind == "twrw")
+        low += _fastest_link_seconds(x, cluster)
+    own = sum(owner_work(load, kind, L, workload, cluster).values())
+    # y: what a rank of another node pays; the node's own ranks pay (N - 1) y, nothing on one node
+    everyone += _link_seconds(0.0, y, cluster) + own
+    low += (_link_seconds(0.0, y, cluster) if N > 1 else 0.0) + own
+    return _sharded(load, kind, L, tier, costs, works, (everyone, low), kind == "twrw")
 
 
 def _replicated(load: TableLoad, tier: str, workload: Workload, cluster: Cluster) -> Option:
-    """dp: the whole table on every rank; each rank looks up its own samples, gradients are summed."""
-    from neorec.planner.exchanges import dense_all_reduce_bytes, wire_bytes
-
+    """dp: the whole table on every rank; each rank looks up its own samples, and the gradients are
+    exchanged as exchanges.replica_bytes_per_peer says for a group of this one table (counted ahead
+    where training counts a group in this tier ahead: cost.counts_ahead). Every rank sends those
+    bytes to each of its W - 1 peers and receives as many from each."""
     W, L = cluster.world_size, cluster.ranks_per_node
     t = load.table
     work = shard_work(load, (0, t.rows), t.dim, "dp", tier, workload, cluster)
-    touched = load.unique(0, t.rows, workload.batch_size / W * load.ids_per_sample, 1 / W)
-    bp = workload.backward_precision
-    if W * touched * (wire_bytes(bp, 1, t.dim) + 8) <= 2 * t.rows * (t.dim + 1) * 4:
-        per_peer = 8 + touched * 8 + wire_bytes(bp, touched, t.dim)
-    else:
-        per_peer = dense_all_reduce_bytes(bp, t.rows * (t.dim + 1), W) / (W - 1)
-    moved = 2 * (W - 1) * per_peer
+    b, bp = workload.batch_size / W, workload.backward_precision
     intra_share = (L - 1) / (W - 1)
-    everyone = sum(work.stages.values()) + _link_seconds(
-        moved * intra_share, moved * (1 - intra_share), cluster
-    )
-    everyone += sum(owner_work(load, "dp", W, workload, cluster).values())
+
+    def exchange(per_peer: float) -> float:
+        moved = 2 * (W - 1) * per_peer
+        return _link_seconds(moved * intra_share, moved * (1 - intra_share), cluster)
+
+    own = sum(work.stages.values()) + sum(owner_work(load, "dp", W, workload, cluster).values())
+    per_peer = replica_bytes_per_peer([load], t.dim, load.optimizer, bp, b, W, counts_ahead(cluster, [tier]))
     return Option(
         table=load.name,
         kind="dp",
@@ -264,7 +293,9 @@ def _replicated(load: TableLoad, tier: str, workload: Workload, cluster: Cluster
         tier=tier,
         piece_costs=[],
         piece_memory=[],
-        everyone=everyone,
+        everyone=own + exchange(per_peer),
+        # in a group with other replicated tables, or counted otherwise, it may add less (bounds.py)
+        everyone_low=own + exchange(replica_bytes_floor(load, bp, b, W)),
         everyone_memory=_memory(work, tier),
         init_bytes=work.init_bytes,
         group_key=_group_key(load),

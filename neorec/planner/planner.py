@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -42,22 +42,31 @@ from neorec.planner.constraints import (
     violations,
     with_cache_fractions,
 )
-from neorec.planner.cost import PlanEstimate, estimate_plan, latency_seconds, owner_buffer_bytes
+from neorec.planner.cost import (
+    PlanEstimate,
+    estimate_plan,
+    first_cache_shares,
+    largest_cache_shares,
+    latency_seconds,
+    owner_buffer_bytes,
+)
 from neorec.planner.hardware import Cluster
 from neorec.planner.options import Option
 from neorec.planner.partition import Assignment, NodePiece, Piece, PlacementError, partition
+from neorec.planner.tiers import PLACEMENTS, placements
 from neorec.planner.workload import Workload
 
 GRAINS = (1.0, 0.5, 0.25)  # largest piece allowed, as a fraction of the lower bound
 DEVICE_FILLS = (0.99, 0.97, 0.93)  # share of device memory the choice step may hand out, tried in turn
 REPAIRS = 60  # pieces that fit nowhere: split their table finer (or move it to host) this often
+CACHE_ROUNDS = 3  # plans made at most with caches sized in MiB (plan_sharding)
 
 
 @dataclass
 class PlanResult:
     plan: ShardingPlan
     estimate: PlanEstimate  # the cost model's view of the plan (exact exchange bytes)
-    bound: LowerBound | None  # no plan of these options has a lighter most-loaded rank (additive model)
+    bound: LowerBound | None  # no plan of these options has a lighter most-loaded rank (bounds.py)
     choices: dict[str, Option] = field(default_factory=dict)
     additive_max: float = 0.0  # the most loaded rank in the additive model the partitioner balanced
     seconds: float = 0.0  # planning time
@@ -86,9 +95,49 @@ def plan_sharding(
 ) -> PlanResult:
     """The planner's plan for `workload` on `cluster` (see the module docstring). `kinds`: the kinds
     a table without kinds or a kind of its own may take; `constraints`: per table (constraints.py),
-    planned around: only options that satisfy them are weighed, and pinned pieces are placed first."""
+    planned around: only options that satisfy them are weighed, and pinned pieces are placed first.
+    With caches sized in MiB per rank (workload.cache_mib), which the options, one table at a time,
+    cannot price, each option's cache holds the share of its table's rows that the previous plan gave
+    the largest cache of that table (the first plan: cost.first_cache_shares); the estimates size the
+    caches as training does. Planned up to CACHE_ROUNDS times, until a plan repeats; the fastest plan
+    that fits is kept, without a lower bound where the cluster offers cached tiers."""
     start = time.perf_counter()
     constraints = constraints or {}
+    if workload.cache_mib is None:
+        result = _plan_once(workload, cluster, kinds, constraints, start, start + time_budget)
+        check_capacity(result.estimate, cluster)
+        return result
+    results: list[PlanResult] = []  # (a constraint's cache_fraction with size_mib: refused by the config)
+    shares = first = first_cache_shares(workload, cluster.world_size)
+    while shares and len(results) < CACHE_ROUNDS:  # (no shares: nothing cached, the guess did not matter)
+        guess = replace(workload, cache_fractions={**workload.cache_fractions, **first, **shares})
+        try:
+            result = _plan_once(guess, cluster, kinds, constraints, start, start + time_budget)
+        except ConfigError:  # (PlacementError too)
+            if not results:
+                raise
+            break  # a guess that fits nowhere: the plans so far stand
+        if any(r.plan == result.plan for r in results):
+            break
+        results.append(result)
+        shares = largest_cache_shares(result.plan, workload, cluster)
+    fits = [r for r in results if capacity_error(r.estimate, cluster) is None]
+    if not fits:
+        raise PlacementError(
+            f"{capacity_error(results[-1].estimate, cluster)}; every rank that holds a cached table gives "
+            f"its row caches embedding.cache.size_mib ({workload.cache_mib:g} MiB): a smaller one takes less"
+        )
+    best = min(fits, key=lambda r: r.estimate.max_cost)
+    best.seconds = time.perf_counter() - start
+    if any(PLACEMENTS[p].cache_in is not None for p in placements(cluster)):
+        best.bound = None  # the options' caches were guesses: their bound bounds no plan of real caches
+    return best
+
+
+def _plan_once(workload: Workload, cluster: Cluster, kinds: tuple[str, ...],
+               constraints: dict[str, TableConstraint], start: float, deadline: float) -> PlanResult:  # fmt: skip
+    """One plan (plan_sharding), with its estimate, which may not fit the cluster's memory; refined
+    until `deadline` (time.perf_counter) at most."""
     workload = with_cache_fractions(workload, constraints)
     feasible, capacity = feasible_options(workload, cluster, kinds, constraints)
     W = cluster.world_size
@@ -122,13 +171,12 @@ def plan_sharding(
         assert error is not None
         raise error
     _, choice, assignment = best
-    choice, assignment = refine(choice, assignment, feasible, cluster, placer, start + time_budget)
+    choice, assignment = refine(choice, assignment, feasible, cluster, placer, deadline)
     plan = to_plan(choice, assignment, cluster)
     broken = violations(plan, constraints, kinds)
     if broken:  # the options and the partitioner keep every constraint: this would be a planner bug
         raise AssertionError("the planner broke constraints: " + "; ".join(broken))
     estimate = estimate_plan(plan, workload, cluster)
-    check_capacity(estimate, cluster)
     return PlanResult(plan, estimate, bound, choice, assignment.max_load, time.perf_counter() - start)
 
 
@@ -167,14 +215,22 @@ def feasible_options(
 
 def check_capacity(estimate: PlanEstimate, cluster: Cluster) -> None:
     """The cost model's memory of every rank and tier against the cluster's capacity."""
+    error = capacity_error(estimate, cluster)
+    if error is not None:
+        raise error
+
+
+def capacity_error(estimate: PlanEstimate, cluster: Cluster) -> PlacementError | None:
+    """check_capacity's error, None when the plan fits."""
     for r in estimate.ranks:
         for tier in cluster.tiers:
             used = r.memory.get(tier.name, 0)
             if used > tier.capacity:
-                raise PlacementError(
+                return PlacementError(
                     f"infeasible: constraint '{tier.name} memory of rank {r.rank}' broke: the plan needs "
                     f"{used:,.0f} bytes, the rank has {tier.capacity:,.0f} (shortfall {used - tier.capacity:,.0f} bytes)"
                 )
+    return None
 
 
 # ---- steps --------------------------------------------------------------------------------------------
@@ -188,7 +244,7 @@ def _fits_nowhere(
     workload: Workload, name: str, opts: list[Option], capacity, constraint: TableConstraint | None = None
 ) -> ConfigError:
     t = workload.by_name[name]
-    lines = []
+    lines, short_in = [], set()  # (plan tier, memory tier) where its smallest piece is short
     for tier in sorted({o.tier for o in opts}):
 
         def short(o: Option) -> float:  # the largest shortfall over the memory tiers it uses
@@ -198,6 +254,8 @@ def _fits_nowhere(
         m = max(smallest.memory_tiers, key=lambda m: smallest.max_piece_memory(m) - float(capacity[m][0]))
         need, room = smallest.max_piece_memory(m), float(capacity[m][0])
         where = tier if m == tier else f"{tier} ({m} memory)"
+        short_in |= {(tier, x) for x in smallest.memory_tiers
+                     if smallest.max_piece_memory(x) > capacity[x][0]}
         lines.append(
             f"  {where}: its smallest piece ({smallest.label}) needs {need:,.0f} bytes, a rank has {room:,.0f} "
             f"(shortfall {need - room:,.0f} bytes)"
@@ -207,13 +265,21 @@ def _fits_nowhere(
         "1) more ranks or a cluster with more memory per rank; 2) fp16 weights (embedding.dtype); "
         "3) rowwise_adagrad or sgd instead of adagrad/adam; 4) fewer rows or a smaller dim for this table"
     )
+    more = []
     if "ssd" not in {o.tier for o in opts}:
-        ways += "; 5) an SSD tier for cached tables (embedding.cache.directory on this machine)"
-    elif any(o.tier in ("cached", "ssd") for o in opts):
-        ways += f"; 5) a smaller cache (embedding.cache.fraction, now {workload.fraction(name)})"
+        more.append("an SSD tier for cached tables (embedding.cache.directory on this machine)")
+    if {("cached", "device"), ("ssd", "device")} & short_in:  # the cache, in device memory
+        if workload.cache_mib is not None:
+            more.append(f"a smaller cache (embedding.cache.size_mib, now {workload.cache_mib:g})")
+        else:
+            more.append(f"a smaller cache (embedding.cache.fraction, now {workload.fraction(name):g})")
+    if ("ssd", "ssd") in short_in:  # on disk: the table and its write log of ssd_log x its records
+        more.append(f"a smaller write log (embedding.cache.ssd_log, now {workload.ssd_log:g}, that share "
+                    "of the table's records on disk beside them; 0: none)")  # fmt: skip
+    ways += "".join(f"; {i}) {way}" for i, way in enumerate(more, 5))
     under = f" under its constraints ({constraint.describe()})" if constraint is not None else ""
     if constraint is not None:
-        ways += "; 6) looser constraints for it (distributed.sharding)"
+        ways += f"; {5 + len(more)}) looser constraints for it (distributed.sharding)"
     return PlacementError(
         f"table {name!r} ({t.table.rows:,} rows x {t.table.dim}, {size:,.0f} bytes with optimizer state) fits "
         f"nowhere{under}:\n" + "\n".join(lines) + "\nways out: " + ways

@@ -11,7 +11,8 @@ read there directly or through a row cache in device memory (neorec/embedding/ca
     ssd         device      ssd              an ssd tier (this_machine with a folder for table files)
 
 A cached shard of R rows with a cache of C = ceil(fraction x R) rows (Workload.cache_fraction;
-embedding.cache.fraction in training) keeps each row as one record of B bytes: its weights and
+embedding.cache.fraction in training; with embedding.cache.size_mib, the share of its rows that
+cost.cache_mib_fractions gives it) keeps each row as one record of B bytes: its weights and
 optimizer state side by side, each field 8-byte aligned, padded to 64 bytes (embedding/cache/
 records.py), and takes, as cache.py allocates it:
     device:        C x (B + 26) + 4 R   the cached rows; per slot its row (8 bytes), dirty bit (1),

@@ -135,8 +135,12 @@ class Workload:
     cache_fraction: float = 0.2  # share of a cached table's rows its row cache holds (embedding.cache.fraction)
     ssd_log: float = 1.0  # ssd tables' write log, a share of their rows (embedding.cache.ssd_log; 0: none)
     cache_policy: str = "lru"  # embedding.cache.policy (lfu keeps a use count per row: 1 byte)
-    # tables whose cache holds another share of their rows (constraints.py: cache_fraction)
+    # tables whose cache holds another share of their rows (constraints.py: cache_fraction; with
+    # cache_mib, the planner's guess from its previous plan: planner.plan_sharding)
     cache_fractions: dict[str, float] = field(default_factory=dict)
+    # embedding.cache.size_mib: MiB of row cache per rank, which its cached shards share in proportion
+    # to their rows (cost.cache_mib_fractions); None: caches of `fraction` of their rows
+    cache_mib: float | None = None
 
     def __post_init__(self) -> None:
         self.by_name = {t.name: t for t in self.tables}
@@ -162,12 +166,16 @@ def build_workload(
     cache_fraction: float = 0.2,
     ssd_log: float = 1.0,
     cache_policy: str = "lru",
+    cache_mib: float | None = None,
 ) -> Workload:
     """Tables with their access statistics (defaults: one id per sample and feature, no sample);
     cache_fraction: the share of rows a cached table's cache holds (the planner's cache size); ssd_log:
-    the size of an ssd table's write log, a share of its rows; cache_policy: the row caches' policy."""
+    the size of an ssd table's write log, a share of its rows; cache_policy: the row caches' policy;
+    cache_mib: instead of fractions, MiB of cache per rank shared by its cached shards (size_mib)."""
     if not 0 < cache_fraction <= 1:
         raise ConfigError(f"planner: the cache fraction must be in (0, 1], got {cache_fraction}")
+    if cache_mib is not None and not cache_mib > 0:
+        raise ConfigError(f"planner: the cache size must be a positive number of MiB, got {cache_mib}")
     default = optimizer if isinstance(optimizer, str) else optimizer.name
     ids = ids_per_feature or {}
     samples = id_samples or {}
@@ -189,6 +197,7 @@ def build_workload(
         cache_fraction,
         ssd_log,
         cache_policy,
+        cache_mib=cache_mib,
     )
 
 

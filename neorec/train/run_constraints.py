@@ -9,6 +9,8 @@ for that table, a tier replaces its tier, and the file must keep every other con
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from neorec.config.schema import RunConfig
 from neorec.distributed.plan import ShardingPlan, TablePlan
 from neorec.embedding.tables import TableConfig
@@ -103,7 +105,12 @@ def check_before_launch(cfg: RunConfig, tables: list[TableConfig], num_processes
         tables, cfg.embedding.optimizer, cfg.data.batch_size, forward_precision=precisions[0],
         backward_precision=precisions[1], cache_fraction=cfg.embedding.cache.fraction or 0.2,
         ssd_log=cfg.embedding.cache.ssd_log, cache_policy=cfg.embedding.cache.policy,
+        cache_mib=cfg.embedding.cache.size_mib,
     )  # fmt: skip
+    if workload.cache_mib is not None:  # the caches the planner's first plan gives the tables
+        from neorec.planner.cost import first_cache_shares
+
+        workload = replace(workload, cache_fractions=first_cache_shares(workload, num_processes))
     constraints = run_constraints(cfg)
     if cfg.train.device == "cuda":
         check(constraints, workload, run_kinds(cfg), num_processes, 1)

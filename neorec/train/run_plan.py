@@ -57,13 +57,14 @@ def workload_for_run(
     return build_workload(
         tables, cfg.embedding.optimizer, cfg.data.batch_size, ids, samples or None,
         forward, backward, weighted, cache_fraction(cfg), cfg.embedding.cache.ssd_log,
-        cfg.embedding.cache.policy,
+        cfg.embedding.cache.policy, cfg.embedding.cache.size_mib,
     )  # fmt: skip
 
 
 def cache_fraction(cfg: RunConfig) -> float:
     """The share of rows the planner gives a cached table's cache: embedding.cache.fraction (default
-    0.2; with embedding.cache.size_mib instead, the default, since the cached tables are not known yet)."""
+    0.2). With embedding.cache.size_mib instead, the planner's first guess: the plans' caches are
+    sized from size_mib as training sizes them (planner.plan_sharding)."""
     return cfg.embedding.cache.fraction or 0.2
 
 
@@ -143,10 +144,15 @@ def plan_command(
     """Plan the tables of `cfg` (or the 12-trillion-parameter dry-run model) on a cluster preset,
     around the config's constraints (distributed.sharding); write plan.json, report.txt and plan.png
     to `output_dir`. `kinds`: the kinds a table without its own may take (default: the config's
-    distributed.kinds; every kind for the dry run)."""
+    distributed.kinds; every kind for the dry run); none at all is an error."""
     from neorec.planner import report
     from neorec.planner.baselines import round_robin, size_greedy
 
+    if kinds is not None and not kinds:
+        raise ConfigError(
+            f"neorec plan: no sharding kinds to plan with (--kinds, distributed.kinds); give one or more of "
+            f"{','.join(KINDS)}"
+        )
     if model == "12t":
         from neorec.planner.large_model import describe, twelve_trillion_workload
 
@@ -165,7 +171,7 @@ def plan_command(
         one_machine = cluster_name == "this" and cluster.num_nodes == 1
         workload = workload_for_run(cfg, tables, batches, one_machine=one_machine, source=source)
         constraints = run_constraints(cfg)
-        kinds = kinds or run_kinds(cfg)
+        kinds = run_kinds(cfg) if kinds is None else kinds
         about = (
             f"model: config {cfg.name!r}: {len(tables)} tables, "
             f"{sum(t.rows * t.dim for t in tables):,} parameters, global batch {cfg.data.batch_size:,}"
@@ -173,7 +179,7 @@ def plan_command(
     else:
         raise ConfigError(f"neorec plan: --model must be 'config' or '12t', got {model!r}")
     with phase("planning the sharding", budget_seconds=time_budget):
-        result = plan_sharding(workload, cluster, kinds or KINDS, time_budget, constraints)
+        result = plan_sharding(workload, cluster, KINDS if kinds is None else kinds, time_budget, constraints)
     results = [result]
     if baselines:
         results += [round_robin(workload, cluster), size_greedy(workload, cluster)]
