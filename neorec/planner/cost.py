@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from neorec.distributed.layout import ROW_SPLIT, ShardLayout
 from neorec.distributed.plan import STORAGE_TIERS, ShardingPlan
 from neorec.distributed.replicas import updates_by_owner
+from neorec.embedding.cache.records import rows_in_mib
 from neorec.embedding.fused.storage import INIT_CHUNK_ROWS, init_window_rows
 from neorec.planner.exchanges import Traffic, plan_traffic
 from neorec.planner.hardware import Cluster
@@ -369,7 +370,7 @@ def cache_mib_fractions(works: list[tuple], plan: ShardingPlan, workload: Worklo
     out = {}
     for table, n, width in cached:
         record = record_bytes(workload.by_name[table.name], width)
-        slots = int(workload.cache_mib * 2**20 * (n / total) // record)
+        slots = rows_in_mib(workload.cache_mib, n / total, record)
         out[table.name] = min(1.0, max(1, slots) / n)
     return out
 
@@ -394,7 +395,7 @@ def first_cache_shares(workload: Workload, world_size: int) -> dict[str, float]:
     out = {}
     for load in workload.tables:
         rows = max(1, load.table.rows // world_size)
-        slots = int(workload.cache_mib * 2**20 // record_bytes(load, load.table.dim))
+        slots = rows_in_mib(workload.cache_mib, 1.0, record_bytes(load, load.table.dim))
         out[load.name] = min(1.0, max(1, slots) / rows)
     return out
 

@@ -28,7 +28,7 @@ from neorec.embedding.cache import device_io
 from neorec.embedding.cache.backing import DramBacking, SsdBacking, create_ssd_file
 from neorec.embedding.cache.cache import POLICIES, RowCache
 from neorec.embedding.cache.cached_storage import CachedStorage
-from neorec.embedding.cache.records import RecordLayout
+from neorec.embedding.cache.records import RecordLayout, rows_in_mib
 from neorec.embedding.fused.storage import GroupStorageFactory, RowStorage, StorageSpec, build_tensor_storage
 from neorec.errors import ConfigError
 from neorec.utils.cores import processes_on_node, usable_cores
@@ -162,7 +162,7 @@ def _capacity(
         return max(1, math.ceil((fraction or settings.fraction or 0.2) * num_rows))
     row_bytes = RecordLayout([(n, s.width, s.dtype) for n, s in specs.items()]).record_bytes
     share = num_rows / total_rows if total_rows else 1.0
-    capacity = int(settings.size_mib * 2**20 * share // row_bytes)
+    capacity = rows_in_mib(settings.size_mib, share, row_bytes)
     if capacity < 1:
         raise ConfigError(
             f"embedding.cache.size_mib {settings.size_mib} leaves no room for rows of tables {names}"

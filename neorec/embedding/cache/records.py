@@ -79,6 +79,13 @@ class RecordLayout:
         return records
 
 
+def rows_in_mib(mib: float, share: float, record_bytes: int) -> int:
+    """Records of `record_bytes` each that `share` of `mib` MiB holds: a cache's slots where a rank's
+    cached tables share embedding.cache.size_mib in proportion to their rows (training and the
+    planner's estimate size caches by this)."""
+    return int(mib * 2**20 * share // record_bytes)
+
+
 def as_words(records: torch.Tensor) -> torch.Tensor:
     """Records as int64 words: torch copies whole rows of those several times faster than bytes."""
     return records.view(torch.int64)
