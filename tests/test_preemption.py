@@ -240,7 +240,7 @@ def _sigterm_held_workers(run: Started, out, steps: int, rank: int | None = None
 
 # enough steps that the first stop (after step 3 or so) and the second (3 steps after the resume) come
 # well before the end: the workers are held still while the signal reaches them
-STEPS_2 = 100
+STEPS_2 = 40
 
 
 @pytest.mark.distributed
