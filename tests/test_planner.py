@@ -219,24 +219,29 @@ def _count_bytes(topo: Topology, counted_ahead: bool = False):
     on a GPU), the batch prefetched as the pipeline does."""
     from neorec.distributed.comms import Comms
     from neorec.distributed.sharded import ShardedEmbeddingCollection
+    from neorec.embedding.cache import CacheSettings
 
     comms = Comms(topo)
+    plan = MIXED_PLAN
+    if counted_ahead:  # and b behind a row cache: a prefetched batch brings its rows in ahead too
+        plan = {"tables": {**MIXED_PLAN["tables"], "b": {**MIXED_PLAN["tables"]["b"], "tier": "cached"}}}
     emb = ShardedEmbeddingCollection(
-        mixed_tables(), EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1), ShardingPlan.from_dict(MIXED_PLAN),
-        comms, forward_precision="fp16", backward_precision="bf16",
+        mixed_tables(), EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1), ShardingPlan.from_dict(plan),
+        comms, forward_precision="fp16", backward_precision="bf16", cache=CacheSettings(fraction=0.5),
     )  # fmt: skip
     emb._replicas.read_ahead = counted_ahead
     emb.replicated.chunk_elements = None if counted_ahead else emb.replicated.chunk_elements
     emb.build_optimizer()
     comms.stats.take()
     local = mixed_local_batch()
+    ahead = mixed_local_batch()  # prefetched second: the first batch's rows come into b's cache then
     if counted_ahead:
         emb.prefetch(local)
+        emb.prefetch(ahead)
     out = emb(local)
     out.backward(torch.ones_like(out))
     assert (emb._replicas.current is not None) == counted_ahead
-    if counted_ahead:  # then a batch prefetched and never trained, and an evaluation: no step's bytes
-        emb.prefetch(mixed_local_batch())
+    if counted_ahead:  # then the batch prefetched and never trained, and an evaluation: no step's bytes
         emb.eval()
         with torch.no_grad(), comms.stats.counted_as("eval"):
             emb(mixed_local_batch())

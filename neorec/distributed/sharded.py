@@ -384,7 +384,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             return
         for entry in self._ahead:
             if not entry[2]:
-                local = self._exchanged(entry[1])
+                local = self._exchanged(entry[1], trained=False)  # counted when it trains (_local_batch)
                 start = time.perf_counter()
                 self.local.prefetch(local)
                 entry[2] = True
