@@ -52,9 +52,10 @@ def build(config: str, batch_size: int, steps: int, device: str, sets: list[str]
     )
     from neorec.train.embeddings import build_embeddings
 
-    overrides = [f"data.batch_size={batch_size}", f"data.synthetic.train_samples={batch_size * steps}",
-                 "train.progress=false", f"train.device={device}", *sets]  # fmt: skip
-    cfg = load_config(config, overrides)
+    overrides = [f"data.batch_size={batch_size}", "train.progress=false", f"train.device={device}"]
+    if load_config(config, [*overrides, *sets]).data.source == "synthetic":  # samples for every step
+        overrides.append(f"data.synthetic.train_samples={batch_size * steps}")
+    cfg = load_config(config, [*overrides, *sets])
     source = build_source(cfg, device_of_rank=torch.device(device))
     tables = build_tables(cfg, source.info)
     emb = build_embeddings(cfg, tables, device=device)

@@ -48,7 +48,9 @@ def config(args):
     from neorec.config.load import load_config
 
     sets = [f"data.batch_size={args.batch_size}", "train.progress=false", "logging.plot=false",
-            "logging.tensorboard=false", f"data.synthetic.train_samples={args.batch_size * (args.steps + args.warmup)}"]  # fmt: skip
+            "logging.tensorboard=false"]  # fmt: skip
+    if load_config(args.config, sets + (args.set or [])).data.source == "synthetic":  # samples for every step
+        sets.append(f"data.synthetic.train_samples={args.batch_size * (args.steps + args.warmup)}")
     return load_config(args.config, sets + (args.set or []))
 
 

@@ -53,10 +53,10 @@ def config_for(args, optimizer: str):
     emb_opt = "{name: sgd, lr: 0.05}" if optimizer == "sgd" else "{name: adagrad, lr: 0.05}"
     dense_opt = "{name: sgd, lr: 0.01}" if optimizer == "sgd" else "{name: adagrad, lr: 0.01}"
     sets = [f"embedding.optimizer={emb_opt}", f"train.dense_optimizer={dense_opt}", "train.progress=false"]
-    sets += [f"data.batch_size={args.batch_size}"] + (args.set or [])
-    if load_config(args.config, sets).data.source == "synthetic":  # as many samples as the batches made
+    sets += [f"data.batch_size={args.batch_size}"]
+    if load_config(args.config, sets + (args.set or [])).data.source == "synthetic":  # the batches made
         sets += [f"data.synthetic.train_samples={args.batch_size * (args.steps + args.warmup)}"]
-    return load_config(args.config, sets)
+    return load_config(args.config, sets + (args.set or []))
 
 
 def worker(args) -> dict:

@@ -43,10 +43,11 @@ def check_din(din: DINConfig, data: DataConfig, embedding: Any) -> None:
     """Refuse (ValueError, in the config keys to set) a din run whose data has no history, whose history
     tables are pooled, whose target is not, with a sequence table din would not read, or whose id check
     drops ids (`embedding`: the run's EmbeddingConfig)."""
-    if data.source not in ("movielens", "parquet"):
+    if data.source in ("synthetic", "shards", "criteo_tsv"):  # one-hot and multi-hot ids, no sequences
         raise ValueError(
             f"model.arch din needs a history feature, and data.source {data.source} has none: din reads "
-            "MovieLens (data.movielens.history) or a Parquet list column (embedding.tables.<name>.pooling: none)"
+            "MovieLens (data.movielens.history), or a list column of Parquet data or of data preprocessed "
+            "from it (embedding.tables.<name>.pooling: none)"
         )
     if data.source == "movielens" and data.movielens.history == 0:
         raise ValueError(

@@ -106,10 +106,10 @@ def check_memory(
 ) -> None:
     """ConfigError naming the key to lower when `memory_estimate(cfg)` (its `keys` only, when given)
     exceeds this machine's memory (`memory`: bytes, default the machine's), before anything is allocated.
-    `processes`: the run's; over several, with embedding.cache.directory set, the plan chooses which
-    tables live on disk, and the planner checks their memory."""
+    `processes`: the run's; over several, with embedding.cache.directory set and no plan file, the
+    planner chooses which tables live on disk, and checks their memory."""
     memory = machine_memory_bytes() if memory is None else memory
-    planned = processes > 1 and cfg.embedding.cache.directory is not None
+    planned = processes > 1 and cfg.embedding.cache.directory is not None and not cfg.distributed.plan
     parts = {k: v for k, v in memory_estimate(cfg, planned).items() if keys is None or k in keys}
     total = sum(parts.values())
     if memory <= 0 or total <= memory:

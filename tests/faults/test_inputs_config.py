@@ -137,7 +137,7 @@ def test_sizes_within_bounds_that_exceed_this_machine_name_the_key(tmp_path, cap
 def test_tables_the_planner_may_put_on_disk_are_left_to_it(tmp_path):
     """Over several processes with embedding.cache.directory set, the plan chooses which tables live on
     disk where memory is short (and the planner checks every rank's memory): the estimate before the
-    launch leaves the tables out then, and counts them for one process."""
+    launch leaves the tables out then, and counts them for one process or a plan file."""
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
 
@@ -147,6 +147,9 @@ def test_tables_the_planner_may_put_on_disk_are_left_to_it(tmp_path):
     check_memory(cfg, memory=64 * 2**30, processes=2)
     with pytest.raises(ConfigError, match="lower data.synthetic.rows"):
         check_memory(cfg, memory=64 * 2**30, processes=1)
+    plan = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"plan": "plan.json"})})
+    with pytest.raises(ConfigError, match="lower data.synthetic.rows"):  # a plan file: no planner to check
+        check_memory(plan, memory=64 * 2**30, processes=2)
 
 
 def test_a_one_megabyte_run_name(tmp_path, capsys):
