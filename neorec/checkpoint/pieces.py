@@ -122,7 +122,9 @@ class PieceReader:
                 )
             raise CheckpointError(
                 f"checkpoint {self.folder}: its manifest.json has no {state!r} piece for table {table!r}: it was "
-                "trained with another embedding optimizer; continue with the one it was trained with"
+                "trained with another embedding optimizer; continue with the one it was trained with (a "
+                "table's optimizer section merges over embedding.optimizer: `neorec config show` gives "
+                "each table's)"
             )
         (r0, r1), (c0, c1) = rows, cols
         out: torch.Tensor | None = None
