@@ -37,6 +37,7 @@ BENCHMARKS = {
     "embedding_ops": "Embedding operators on the CPU (`embedding_ops.py`)",
     "index_sorts": "Index sorts on the CPU (`index_sorts.py`)",
     "embedding_ops_gpu": "Embedding operators on a GPU (`embedding_ops_gpu.py`)",
+    "embedding_stages": "The embedding step stage by stage, on the CPU and a GPU (`embedding_stages.py`)",
     "comms_precision": "Communication precision (`comms_precision.py`)",
     "cache": "Row cache: DRAM and SSD tiers, the cache in GPU memory (`cache.py`)",
     "ssd_io": "SSD backing (`ssd_io.py`)",
@@ -48,6 +49,7 @@ BENCHMARKS = {
     "data_sources": "Training from files on a GPU (`data_sources.py`)",
     "bounds_check": "The id check's cost (`bounds_check.py`)",
     "managed_collision": "Managed-collision tables (`managed_collision.py`)",
+    "continuous": "Continuous training on a drifting stream (`continuous.py`)",
     "movielens": "MovieLens held-out AUC by split (`movielens.py`)",
     "models": "MovieLens: the model architectures (`models.py`)",
     "export_formats": "Export formats and quantized tables (`export_formats.py`)",
@@ -72,12 +74,12 @@ HEADER = """\
 The latest figures of each benchmark, rendered by `python benchmarks/render_results.py` from the records
 that the benchmark scripts append, a JSON line a run, to `benchmarks/records/<benchmark>.jsonl` (command,
 date, machine, versions, table, notes): do not edit this page by hand. Per benchmark and kind of
-machine (this project's 2-core CPU VM, or a GPU), a run replaces the earlier runs of the same title; the
-scripts name the config, preset or mode in the title, so each of those keeps its latest run. Every run,
-the replaced ones and the records taken by hand (comparisons of commits, runs of several commands)
-included, is in the benchmark's history page, `benchmarks/history/<benchmark>.md`. Figures are from
-the CPU VM unless a run names another machine; run-to-run noise there is about +-10-20%. The plots
-that older notes place in `benchmarks/` (`cache*.png`) are in `docs/img/`.
+machine (this project's 2-core CPU VM, a GPU, or the CPU of another machine), a run replaces the earlier
+runs of the same title; the scripts name the config, preset or mode in the title, so each of those keeps
+its latest run. Every run, the replaced ones and the records taken by hand (comparisons of commits, runs
+of several commands) included, is in the benchmark's history page, `benchmarks/history/<benchmark>.md`.
+Figures are from the CPU VM unless a run names another machine; run-to-run noise there is about
++-10-20%. The plots that older notes place in `benchmarks/` (`cache*.png`) are in `docs/img/`.
 """
 
 
@@ -141,8 +143,18 @@ def by_hand(record: dict) -> bool:
 
 
 def machine_kind(record: dict) -> str:
-    """The kind of machine a run is compared within: its GPU, else the CPU."""
-    return (record.get("versions") or {}).get("gpu") or "CPU"
+    """The kind of machine a run is compared within: its GPU; without one, "CPU" for this project's
+    2-core VM, or another machine's CPU where the record's machine names a GPU (a GPU machine's host
+    used without its GPU) or more than 2 cores or threads. The scripts write the machine as
+    common.machine() gives it ("x86_64, 2 threads, ..."); a record written by hand may name it."""
+    gpu = (record.get("versions") or {}).get("gpu")
+    if gpu:
+        return gpu
+    machine = record["machine"]
+    if named := re.search(r"NVIDIA [\w-]+", machine):
+        return f"CPU of the {named.group(0)} machine"
+    counts = [(int(n), what) for n, what in re.findall(r"(\d+) (?:CPU )?(cores|threads)\b", machine)]
+    return "CPU, {} {}".format(*max(counts)) if counts and max(counts)[0] > 2 else "CPU"
 
 
 def latest(records: list[dict]) -> list[dict]:

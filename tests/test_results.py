@@ -71,6 +71,27 @@ def test_a_later_run_of_a_title_replaces_the_earlier_one_per_machine_kind() -> N
     assert "[a comparison](history/b.md#a-comparison-5)" in page and "### a comparison" not in page
 
 
+def test_a_cpu_run_on_another_machine_is_a_kind_of_its_own() -> None:
+    """Without a GPU in its versions a run is the VM's ("CPU") unless its machine names a GPU (the host
+    of a GPU machine, used without its GPU) or more than 2 cores or threads; such a run replaces no
+    run of the VM."""
+
+    def run(date: str, machine: str) -> dict:
+        table = {"header": ["x"], "rows": [["1"]]}
+        versions = {"torch": "2", "python": "3", "gpu": None}
+        record = {"title": "T: a", "date": date, "command": "c", "machine": machine}
+        return {**record, "versions": versions, "tables": [table]}
+
+    vm = run("1", "x86_64, 2 threads, torch 2.13.0+cpu, python 3.11.7")
+    one_thread = run("2", "x86_64, 1 threads, torch 2.13.0+cpu, python 3.11.7")
+    host = run("3", "the lent NVIDIA H200 machine's host: x86_64, 16 CPU cores, python 3.12.3")
+    big = run("4", "x86_64, 32 threads, torch 2.13.0+cpu, python 3.12.3")
+    kinds = ["CPU", "CPU", "CPU of the NVIDIA H200 machine", "CPU, 32 threads"]
+    assert [rr.machine_kind(r) for r in (vm, one_thread, host, big)] == kinds
+    assert rr.machine_kind({**host, "versions": {"gpu": "NVIDIA H200"}}) == "NVIDIA H200"
+    assert [r["date"] for r in rr.latest([vm, one_thread, host, big])] == ["2", "3", "4"]
+
+
 def test_a_run_under_a_renamed_title_replaces_the_runs_under_the_old_one(monkeypatch) -> None:
     monkeypatch.setattr(rr, "RETITLED", {"T: old": "T: new"})
     runs = [{"title": t, "date": d, "command": "python b.py", "machine": "m", "versions": {},

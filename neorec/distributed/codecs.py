@@ -23,7 +23,7 @@ def wire_precisions(forward: str, backward: str, in_shared_memory: bool) -> tupl
     forward and bf16 backward otherwise (gloo TCP between nodes, NCCL). A narrower wire saves
     bytes on a link, but in shared memory a byte costs one memcpy while the conversions cost more:
     on the Kaggle-like config, 2 processes x 1 thread trained at 55.5 against 59.4 ms a step with
-    fp32 against fp16/bf16 (medians of 4 interleaved runs, benchmarks/RESULTS.md, "Measurements behind design choices")."""
+    fp32 against fp16/bf16 (medians of 4 interleaved runs, benchmarks/history/design_choices.md)."""
     return (
         forward if forward != "auto" else ("fp32" if in_shared_memory else "fp16"),
         backward if backward != "auto" else ("fp32" if in_shared_memory else "bf16"),

@@ -21,8 +21,9 @@ publishes, so an idle waiter takes no CPU from the computing threads. Where ever
 has cores of its own for its threads, it spins for up to SPIN_SECONDS first: a core that goes idle
 (on a VM, a virtual CPU handed back to the host) comes back slowly and cold: on this 2-core VM
 2 processes x 1 thread (AdaGrad, 4 interleaved runs) trained at 76-88 ms a step spinning against
-88-93 ms sleeping after 200 checks (benchmarks/RESULTS.md, "Measurements behind design choices"). With more threads than cores, a spinning rank would take
-the core its peer needs, so it checks only SPIN_CHECKS times before sleeping.
+88-93 ms sleeping after 200 checks (benchmarks/history/design_choices.md). With more threads than
+cores, a spinning rank would take the core its peer needs, so it checks only SPIN_CHECKS times before
+sleeping.
 
 A waiting rank also checks, every PEER_CHECK_SECONDS while it sleeps, that its peers' processes
 still live (each rank's pid and start time, from /proc, are exchanged when the group is built): a

@@ -15,7 +15,7 @@ How the file is read and written (measured in benchmarks/RESULTS.md, "SSD backin
   from a shared memory map of the file per piece of rows. A fault maps at most one page-cache folio,
   and folios lie in aligned 2 MiB regions, so a piece of ascending rows is sized by the regions it
   touches to the room left under `release_bytes` (usually one piece per read; pieces of 64 rows
-  checked one by one cost 2.5-3.5x the CPU: benchmarks/RESULTS.md, "Measurements behind design choices"). Where the page
+  checked one by one cost 2.5-3.5x the CPU: benchmarks/history/design_choices.md). Where the page
   cache holds the rows this costs about 0.2 us of CPU per row against about 1 us for a pread from
   Python (the 12 GiB demo: 15.5k against 11.6k samples/s through pread);
 - reads (`reads="pread"`): positioned reads (os.pread), one per run of consecutive rows, on 16 I/O

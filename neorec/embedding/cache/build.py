@@ -102,7 +102,7 @@ def use_io_thread(setting: bool | str, device: torch.device | str = "cpu") -> bo
     torch's intra-op threads of every process on this node (torchrun's LOCAL_WORLD_SIZE) have theirs.
     On a machine they fill, the worker's reads and writes displace an intra-op thread, and each
     parallel operator waits for the thread it displaced: measured on 2 cores, that costs more than the
-    reads it hides (benchmarks/RESULTS.md, "Measurements behind design choices"). With the cache on a
+    reads it hides (benchmarks/history/design_choices.md). With the cache on a
     GPU (`device`) the step's operators run there, not on the intra-op threads, so auto is on."""
     if isinstance(setting, bool):
         return setting
@@ -134,7 +134,7 @@ def release_bytes(setting: float | str) -> int:
     RSS counts, not what memory is used, and costs a fault per page-cache folio when the rows are read
     again. With scattered misses, a step's reads touch most of a file's 2 MiB folios, so a bound below
     the files drops the maps several times a step (256 MiB: 3.7 drops a step and 3.8 ms of faults in
-    the 20% cached sweep, benchmarks/RESULTS.md, "Measurements behind design choices"). A number bounds RSS under a budget."""
+    the 20% cached sweep, benchmarks/history/design_choices.md). A number bounds RSS under a budget."""
     if setting == "auto":
         pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         return pages * page // 4 // processes_on_node()

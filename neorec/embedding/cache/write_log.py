@@ -149,7 +149,7 @@ class WriteLog:
         """Write the rows of table rows [start, end) that live in the log (in `half`, or either) into
         the table file: stored through the table's map (only their records are written; 3-4 ms of
         CPU a 16 MiB window half logged, against 9-16 ms to read and rewrite the window with
-        pread/pwrite, benchmarks/RESULTS.md, "Measurements behind design choices"), or without one in one read and one write of
+        pread/pwrite, benchmarks/history/design_choices.md), or without one in one read and one write of
         the window. They then live there again."""
         at, places = self._logged(start, end, half)
         if at.numel() == 0:
