@@ -283,7 +283,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds is not None else None
     if kinds == []:
-        raise NeorecError(f"--kinds {args.kinds!r} names no sharding kind; give one or more of tw,rw,cw,twrw,twcw,dp")
+        raise NeorecError(
+            f"--kinds {args.kinds!r} names no sharding kind; give one or more of tw,rw,cw,twrw,twcw,dp"
+        )
     overrides = args.overrides + ([f"distributed.kinds=[{', '.join(kinds)}]"] if kinds is not None else [])
     cfg = load_config(args.config or "default", overrides) if args.model == "config" else None
     name = args.model if args.model != "config" else (cfg.name if cfg else "plan")

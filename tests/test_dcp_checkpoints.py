@@ -58,7 +58,7 @@ def test_export_then_import_a_run_and_train_on(tmp_path, capsys):
     assert main(["checkpoint", "import-dcp", str(out), *sets, "--output-dir", str(again)]) == 0
     assert main(["checkpoint", "import-dcp", str(out), *sets, "--output-dir", str(again)]) == 2  # not over it
     capsys.readouterr()
-    assert main(["export", str(again), "--out", str(tmp_path / "x.nrx")]) == 2  # no config.yaml: say where to look
+    assert main(["export", str(again), "--out", str(tmp_path / "x.nrx")]) == 2  # no config.yaml
     assert f"give {again / 'checkpoints'} and the run's config with --config" in capsys.readouterr().err
     for command in (["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x.nrx")],
                     ["checkpoint", "export-dcp", str(tmp_path / "nothing"), "--out", str(tmp_path / "d")]):

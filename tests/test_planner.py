@@ -226,8 +226,9 @@ def _count_bytes(topo: Topology, counted_ahead: bool = False):
     if counted_ahead:  # and b behind a row cache: a prefetched batch brings its rows in ahead too
         plan = {"tables": {**MIXED_PLAN["tables"], "b": {**MIXED_PLAN["tables"]["b"], "tier": "cached"}}}
     emb = ShardedEmbeddingCollection(
-        mixed_tables(), EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1), ShardingPlan.from_dict(plan),
-        comms, forward_precision="fp16", backward_precision="bf16", cache=CacheSettings(fraction=0.5),
+        mixed_tables(), EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
+        ShardingPlan.from_dict(plan), comms, forward_precision="fp16", backward_precision="bf16",
+        cache=CacheSettings(fraction=0.5),
     )  # fmt: skip
     emb._replicas.read_ahead = counted_ahead
     emb.replicated.chunk_elements = None if counted_ahead else emb.replicated.chunk_elements

@@ -174,8 +174,8 @@ def test_a_run_resumed_from_an_older_checkpoint_publishes_its_own_snapshots(tmp_
 
 
 SMALL_RUN = ["--set", "data.synthetic.train_samples=16384", "--set", "data.synthetic.eval_samples=1024",
-             "--set", "train.progress=false", "--set", "logging.plot=false", "--set", "logging.tensorboard=false",
-             "--set", "checkpoint.every_steps=2"]  # fmt: skip
+             "--set", "train.progress=false", "--set", "logging.plot=false",
+             "--set", "logging.tensorboard=false", "--set", "checkpoint.every_steps=2"]  # fmt: skip
 
 
 def test_a_resumed_run_stopped_before_its_first_save_leaves_no_newer_checkpoint(tmp_path, neorec_warnings):
@@ -200,7 +200,8 @@ def test_a_snapshot_due_by_the_clock_and_cut_short_is_published_when_the_run_res
     from neorec.cli import main
 
     run = ["train", "--output-dir", str(tmp_path), *SMALL_RUN, "--set", "checkpoint.every_steps=null",
-           "--set", "checkpoint.every_minutes=60", "--set", "snapshot.every_minutes=60", "--set", "snapshot.keep=5"]
+           "--set", "checkpoint.every_minutes=60", "--set", "snapshot.every_minutes=60",
+           "--set", "snapshot.keep=5"]
     assert main([*run, "--set", "train.max_steps=4"]) == 0  # the end of training is published
     snapshots, step4 = tmp_path / "snapshots", tmp_path / "checkpoints" / "step-00000004"
     assert read_manifest(step4)["state"]["snapshot_due"] is True
@@ -222,5 +223,6 @@ def test_missing_says_a_resumed_step_needs_its_snapshot_until_latest_names_it(tm
     publish(tmp_path, 4, write_model(4), verify, keep=5)
     publish(tmp_path, 8, write_model(8), verify, keep=5)
     assert not by_clock.missing(8, True)
-    (tmp_path / "LATEST").write_text('{"snapshot": "snapshot-00000004", "step": 4}')  # killed before LATEST moved
+    latest = '{"snapshot": "snapshot-00000004", "step": 4}'
+    (tmp_path / "LATEST").write_text(latest)  # killed before LATEST moved
     assert by_clock.missing(8, True) and by_steps.missing(8, None)

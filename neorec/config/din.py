@@ -14,18 +14,26 @@ from neorec.config.data import DataConfig
 class DINConfig(Strict):
     """model.arch din: the target's embedding attends over a history feature (neorec/model/din.py)."""
 
-    target: str = Field("movie", min_length=1, description="pooled feature whose embedding queries the history")
+    target: str = Field(
+        "movie", min_length=1, description="pooled feature whose embedding queries the history"
+    )
     history: str = Field(
-        "history", min_length=1, description="sequence feature (its table has pooling none) of the user's past items"
+        "history",
+        min_length=1,
+        description="sequence feature (its table has pooling none) of the user's past items",
     )
     history_side: list[str] = Field(
         default_factory=lambda: ["history_liked"],
-        description="sequence features aligned with history whose rows are added to its rows position by position",
+        description="sequence features aligned with history whose rows are added to its rows position by "
+        "position",
     )
     max_len: int = Field(50, gt=0, description="history positions the attention reads (the most recent ones)")
     attention_mlp: list[int] = Field([64, 16], description="hidden sizes of the attention unit's MLP")
     cross_layers: int = Field(
-        0, ge=0, le=limits.MAX_LAYERS, description="DCNv2 cross layers over [dense, pooled, interest] before the top MLP"
+        0,
+        ge=0,
+        le=limits.MAX_LAYERS,
+        description="DCNv2 cross layers over [dense, pooled, interest] before the top MLP",
     )
 
     @model_validator(mode="after")
@@ -81,6 +89,6 @@ def check_din(din: DINConfig, data: DataConfig, embedding: Any) -> None:
             )
     if embedding.bounds_check == "warn":
         raise ValueError(
-            "embedding.bounds_check warn drops an out-of-range id from its own feature only, which would shift "
-            f"model.din.history_side against {din.history!r} position by position: use error (or off)"
+            "embedding.bounds_check warn drops an out-of-range id from its own feature only, which would "
+            f"shift model.din.history_side against {din.history!r} position by position: use error (or off)"
         )

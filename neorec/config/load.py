@@ -232,7 +232,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         raise ConfigError(f"--set {_short(item)}: expected key=value, e.g. --set train.max_steps=100")
     if not value.strip():
         raise ConfigError(
-            f"--set {_short(item)}: empty value; give a value, or {key.strip()[:80]}=null for a key that takes null"
+            f"--set {_short(item)}: empty value; give a value, or {key.strip()[:80]}=null for a key that "
+            "takes null"
         )
     parts = key.strip().split(".")
     if len(parts) > MAX_DEPTH:

@@ -147,9 +147,9 @@ def keys_markdown() -> str:
 
     keys = config_keys()
     shipped = ", ".join(f"`{name}`" for name in shipped_configs())
-    step_1 = ("A config file is YAML whose top level is a mapping; an empty file, a file that is not YAML, or "
-              "any other top level is an error that names the file. `--config` takes its path, or the name of "
-              f"a config shipped in neorec/configs: {shipped}.")  # fmt: skip
+    step_1 = ("A config file is YAML whose top level is a mapping; an empty file, a file that is not "
+              "YAML, or any other top level is an error that names the file. `--config` takes its path, or "
+              f"the name of a config shipped in neorec/configs: {shipped}.")  # fmt: skip
     step_1 = textwrap.fill(step_1, 102, initial_indent="1. ", subsequent_indent="   ", break_on_hyphens=False)
     guide = GUIDE.strip().replace("STEP_1", step_1)
     out = [guide, "", "## Every key", "", "Generated from neorec/config/schema.py by "

@@ -105,8 +105,8 @@ def _misaligned(side: str, side_lengths: torch.Tensor, history: str, lengths: to
     """The error of a side feature whose ids do not pair with the history's one by one."""
     row = int((side_lengths != lengths).nonzero()[0, 0])
     return (
-        f"model.din.history_side feature {side!r} has {int(side_lengths[row])} ids in sample {row} of the batch, "
-        f"but history {history!r} has {int(lengths[row])}: a side feature needs one id per history id"
+        f"model.din.history_side feature {side!r} has {int(side_lengths[row])} ids in sample {row} of the "
+        f"batch, but history {history!r} has {int(lengths[row])}: a side feature needs one id per history id"
     )
 
 
@@ -141,6 +141,6 @@ def check_features(embeddings: EmbeddingCollection, target: str, history: str, h
     if unread:
         raise ConfigError(
             f"tables {unread} have pooling none, but model.arch din reads only model.din.history and "
-            "history_side as sequences, so they would be looked up for nothing: pool them (sum or mean) or add "
-            "them to model.din.history_side"
+            "history_side as sequences, so they would be looked up for nothing: pool them (sum or mean) or "
+            "add them to model.din.history_side"
         )

@@ -134,8 +134,10 @@ def plan_sharding(
     return best
 
 
-def _plan_once(workload: Workload, cluster: Cluster, kinds: tuple[str, ...],
-               constraints: dict[str, TableConstraint], start: float, deadline: float) -> PlanResult:  # fmt: skip
+def _plan_once(
+    workload: Workload, cluster: Cluster, kinds: tuple[str, ...], constraints: dict[str, TableConstraint],
+    start: float, deadline: float,
+) -> PlanResult:  # fmt: skip
     """One plan (plan_sharding), with its estimate, which may not fit the cluster's memory; refined
     until `deadline` (time.perf_counter) at most."""
     workload = with_cache_fractions(workload, constraints)

@@ -103,8 +103,8 @@ def load_trained(
     is_run = (path / "config.yaml").is_file()
     if not is_run and (path / "checkpoints").is_dir() and list_checkpoints(path / "checkpoints"):
         raise ExportError(
-            f"{path}: holds checkpoints but no config.yaml (as a folder `neorec checkpoint import-dcp` writes): "
-            f"give {path / 'checkpoints'} and the run's config with --config"
+            f"{path}: holds checkpoints but no config.yaml (as a folder `neorec checkpoint import-dcp` "
+            f"writes): give {path / 'checkpoints'} and the run's config with --config"
         )
     if not is_run and not (path / MANIFEST).is_file() and not list_checkpoints(path):
         raise ExportError(

@@ -264,7 +264,8 @@ def check_trained_lookups(
             trained_info = build_source(trained_cfg, wait=False).info
         except (NeorecError, OSError) as e:
             log.warning(
-                "%s: its data cannot be read (%s), so which features had weighted ids is not compared with %s",
+                "%s: its data cannot be read (%s), so which features had weighted ids is not compared "
+                "with %s",
                 run_config, " ".join(str(e).split())[:200], now,
             )  # fmt: skip
             trained_info = None

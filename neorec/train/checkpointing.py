@@ -129,8 +129,8 @@ class CheckpointHandling:
         later = self.checkpoints.resumed_at(step)
         if later:
             log.warning(
-                f"{self.checkpoints.root}: removed {', '.join(p.name for p in later)}, of steps after step {step}, "
-                "which this resumed run trains again"
+                f"{self.checkpoints.root}: removed {', '.join(p.name for p in later)}, of steps after step "
+                f"{step}, which this resumed run trains again"
             )
         gone = [name for name in RESULTS if (self.out_dir / name).is_file()]
         for name in gone:

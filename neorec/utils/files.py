@@ -277,7 +277,9 @@ def load_json(path: str | Path, what: str, hint: str, error: type[Exception] = N
         why = "it is empty" if not raw else f"not valid JSON: {e}"
         raise error(f"{what} {path} cannot be read: it is damaged or truncated ({why}); {hint}") from None
     except _DuplicateKey as e:  # json.loads would keep the last one silently
-        raise error(f"{what} {path}: key {e.args[0]!r} appears twice in one object; keep one of them") from None
+        raise error(
+            f"{what} {path}: key {e.args[0]!r} appears twice in one object; keep one of them"
+        ) from None
     if not isinstance(data, dict):
         raise error(f"{what} {path} is damaged: expected a JSON object, got {type(data).__name__}; {hint}")
     return data

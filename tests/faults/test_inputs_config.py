@@ -143,7 +143,8 @@ def test_tables_the_planner_may_put_on_disk_are_left_to_it(tmp_path):
 
     cfg = load_config("default", ["data.synthetic.preset=custom", "data.synthetic.rows=[50000000000, 1000]",
                                   "data.synthetic.max_rows=null",
-                                  "data.synthetic.num_sparse=2", f"embedding.cache.directory={tmp_path}"])  # fmt: skip
+                                  "data.synthetic.num_sparse=2",
+                                  f"embedding.cache.directory={tmp_path}"])  # fmt: skip
     check_memory(cfg, memory=64 * 2**30, processes=2)
     with pytest.raises(ConfigError, match="lower data.synthetic.rows"):
         check_memory(cfg, memory=64 * 2**30, processes=1)
