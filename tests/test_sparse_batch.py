@@ -171,3 +171,11 @@ def test_lengths_that_do_not_add_up_to_the_ids_are_refused_before_any_lookup():
 def test_a_batch_that_would_train_wrong_rows_is_refused_naming_the_feature(build, message):
     with pytest.raises(DataError, match=message):
         build()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint64, torch.float32, torch.uint8])
+def test_ids_of_another_dtype_are_refused_naming_it(dtype):
+    """Only int64 (and int32) tensors hold ids: a uint64 id past 2**63 has no int64 row to map to."""
+    with pytest.raises(DataError, match=f"SparseBatch ids are {dtype}; ids are int64"):
+        SparseBatch(["f"], torch.tensor([1, 2], dtype=dtype), torch.tensor([2]))
+    assert SparseBatch(["f"], torch.tensor([1, 2], dtype=torch.int32), torch.tensor([2])).values.numel() == 2

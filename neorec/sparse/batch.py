@@ -61,6 +61,8 @@ class SparseBatch:
                     f"SparseBatch length_per_key {self._length_per_key} does not match the {len(self.keys)} "
                     f"features {self.keys} and their {values.numel()} ids"
                 )
+        if values.dtype not in (torch.int64, torch.int32):  # ids past int64 (uint64) or floats are no ids
+            raise DataError(f"SparseBatch ids are {values.dtype}; ids are int64 (or int32)")
         if weights is not None and weights.numel() != values.numel():
             raise DataError(f"SparseBatch has {weights.numel()} weights for {values.numel()} ids: one per id")
         if len(self.keys) == 0:
