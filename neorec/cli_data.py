@@ -14,7 +14,7 @@ from neorec.config.limits import MAX_ROWS, MAX_SAMPLES, max_processes, per_core
 from neorec.errors import NeorecError
 
 MAX_LINE_BYTES = 64 << 20  # --max-line-bytes: a block of lines holds one such line, read at once
-MAX_DAYS = 100_000  # --days and --first-day of a stream (its ids shift by day and must fit int64)
+STREAM_DAYS = 1000  # a stream's partitions, day-000 .. day-999: their names sort in day order
 
 
 def cmd_data_generate(args: argparse.Namespace) -> int:
@@ -75,6 +75,10 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
 
         if args.inputs:
             raise NeorecError("--synthetic takes no input files; the data comes from --config/--set")
+        if args.shard_lines != 1_000_000:  # the generator's blocks make the shards
+            raise NeorecError(
+                "--shard-lines applies to Criteo TSV and Parquet input; leave it out with --synthetic"
+            )
         if args.vocab_threshold is not None:
             raise NeorecError(
                 "--vocab-threshold applies to Criteo TSV and Parquet input; synthetic ids need no vocabulary"
@@ -91,6 +95,7 @@ def cmd_data_preprocess(args: argparse.Namespace) -> int:
                 f"{given} describes the data of --synthetic or --parquet preprocessing; Criteo TSV files are "
                 "preprocessed as their flags say (--table-rows, --hashing, --vocab-threshold, ...): leave it out"
             )
+        _refuse_unused_tsv_flags(args)
         rows = _table_rows(args.table_rows)
         result = preprocess_criteo(
             args.inputs, args.out, eval_paths=args.eval_paths, eval_every=args.eval_every, hashing=args.hashing,
@@ -110,6 +115,23 @@ _TSV_FLAGS = {
     "eval_paths": None, "eval_every": 10, "hashing": "modulo", "table_rows": "100000", "raw_features": "",
     "bad_lines": "fail", "max_line_bytes": 4096,
 }  # fmt: skip
+
+
+def _refuse_unused_tsv_flags(args: argparse.Namespace) -> None:
+    """Flags of Criteo TSV preprocessing that another flag given with them switches off are refused,
+    naming both: --eval-every with --eval-paths, --hashing and --table-rows with --vocab-threshold."""
+    if args.eval_paths and args.eval_every != _TSV_FLAGS["eval_every"]:
+        raise NeorecError(
+            "--eval-every holds out lines of the training files; with --eval-paths none are: leave it out"
+        )
+    if args.vocab_threshold is not None:
+        flags = ("hashing", "table_rows")
+        given = [f"--{k.replace('_', '-')}" for k in flags if getattr(args, k) != _TSV_FLAGS[k]]
+        if given:
+            raise NeorecError(
+                f"{' and '.join(given)} hash values into tables; --vocab-threshold gives ids from a "
+                "vocabulary instead: leave one of them out"
+            )
 
 
 def _refuse_tsv_flags(args: argparse.Namespace, mode: str) -> None:
@@ -155,6 +177,11 @@ def cmd_data_stream(args: argparse.Namespace) -> int:
     from neorec.data.drifting import DriftSpec, partition_name, write_day
 
     output_folder(args.out, "--out")
+    if args.first_day + args.days > STREAM_DAYS:  # names sort in day order up to day-999
+        raise NeorecError(
+            f"--first-day {args.first_day} --days {args.days}: partitions are named day-000 .. day-999, in "
+            f"the order a follower trains them; the last day must be at most {STREAM_DAYS - 1}"
+        )
     spec = DriftSpec(rows=args.rows, seed=args.seed)
     days = range(args.first_day, args.first_day + args.days)
     # a complete partition is published: a follower may have trained on it, so it is never written again
@@ -267,8 +294,8 @@ def add_data_commands(sub: argparse._SubParsersAction, add_config_args: Callable
     p.add_argument(
         "--out", required=True, help="the folder of partitions (day-NNN/part-0.parquet, then _SUCCESS)"
     )
-    p.add_argument("--days", type=whole_number(1, MAX_DAYS), default=4, help="partitions to write")
-    p.add_argument("--first-day", type=whole_number(0, MAX_DAYS), default=0,
+    p.add_argument("--days", type=whole_number(1, STREAM_DAYS), default=4, help="partitions to write")
+    p.add_argument("--first-day", type=whole_number(0, STREAM_DAYS - 1), default=0,
                    help="the first day's number (to add later days)")  # fmt: skip
     p.add_argument("--rows", type=whole_number(1, MAX_SAMPLES), default=20000, help="samples per day")
     p.add_argument("--seed", type=whole_number(0, 2**32 - 1), default=0, help="the stream's seed")

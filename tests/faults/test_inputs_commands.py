@@ -331,6 +331,7 @@ def test_preprocessing_tsv_refuses_config_options(tmp_path, capsys, options, wor
         ("--synthetic", ["--table-rows", "5"], "--table-rows describes Criteo TSV preprocessing; --synthetic"),
         ("--parquet", ["--hashing", "hash", "--bad-lines", "skip"], "--hashing, --bad-lines describe"),
         ("--synthetic", ["--eval-paths", "x.tsv"], "--eval-paths"),
+        ("--synthetic", ["--shard-lines", "5"], "--shard-lines applies to Criteo TSV and Parquet input"),
     ],
 )
 def test_synthetic_and_parquet_preprocessing_refuse_tsv_flags(tmp_path, capsys, mode, options, words):
@@ -338,6 +339,30 @@ def test_synthetic_and_parquet_preprocessing_refuse_tsv_flags(tmp_path, capsys, 
     code = main(["data", "preprocess", mode, "--out", str(tmp_path / "pre"), "--no-progress", *options])
     one_line(capsys, code, 2, words)
     assert not (tmp_path / "pre").exists()
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        (["--eval-paths", "EVAL", "--eval-every", "5"], "--eval-every holds out lines of the training files"),
+        (["--vocab-threshold", "2", "--hashing", "hash"], "--hashing hash values into tables; --vocab-threshold"),
+        (["--vocab-threshold", "2", "--table-rows", "50"], "--table-rows hash values into tables"),
+    ],
+)
+def test_tsv_flags_another_flag_switches_off_are_refused(tmp_path, capsys, options, words):
+    evals = tmp_path / "eval.tsv"
+    evals.write_bytes(FIXTURE_TSV.read_bytes())
+    options = [str(evals) if o == "EVAL" else o for o in options]
+    code = main(["data", "preprocess", str(FIXTURE_TSV), "--out", str(tmp_path / "pre"), "--no-progress", *options])
+    one_line(capsys, code, 2, words)
+    assert not (tmp_path / "pre").exists()
+
+
+def test_stream_partitions_stop_where_their_names_stop_sorting_in_day_order(tmp_path, capsys):
+    """day-1000 would sort before day-999 (and train before it under data.follow.order: name)."""
+    code = run_main(["data", "stream", "--out", str(tmp_path / "d"), "--first-day", "999", "--days", "2"])
+    one_line(capsys, code, 2, "partitions are named day-000 .. day-999", "at most 999")
+    assert not (tmp_path / "d" / "day-999").exists()
 
 
 HUGE = "1" + "0" * 20
