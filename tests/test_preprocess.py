@@ -211,6 +211,17 @@ def test_resume_with_other_settings_names_them(tmp_path):
         preprocess_synthetic(small_spec(), stranger, progress=False)
 
 
+def test_resume_over_input_files_that_changed_size_says_so(tmp_path):
+    """The same arguments over an input file edited since (a bad line fixed by deleting it): the
+    unfinished shards are of the old file, which the error says, not that the arguments differ."""
+    data = tmp_path / "in.tsv"
+    data.write_bytes(FIXTURE.read_bytes())
+    preprocess_criteo([data], tmp_path / "out", shard_lines=32, progress=False, max_shards=1)
+    data.write_text("".join(data.read_text().splitlines(keepends=True)[:-1]))
+    with pytest.raises(DataError, match="input files that have changed size since.*remove the folder"):
+        preprocess_criteo([data], tmp_path / "out", shard_lines=32, progress=False)
+
+
 def corrupt(dst: Path, line: int, field: int, value: str) -> Path:
     lines = FIXTURE.read_text().split("\n")
     fields = lines[line - 1].split("\t")

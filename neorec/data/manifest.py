@@ -137,6 +137,12 @@ def resume_or_start(out: Path, settings: dict) -> dict | None:
         stored = {"max_line_bytes": DEFAULT_MAX_LINE_BYTES, **stored}
     if stored != settings:
         keys = sorted(k for k in set(settings) | set(stored) if settings.get(k) != stored.get(k))
+        if keys == ["sizes"]:  # the same arguments, and input files of other sizes
+            raise DataError(
+                f"{out}: holds an unfinished preprocessing of input files that have changed size since "
+                "(written again or edited?); its shards are of the old files: remove the folder, or choose "
+                "a new one"
+            )
         raise DataError(
             f"{out}: holds preprocessing with other settings ({', '.join(keys)} differ); "
             "rerun with the same arguments to resume, or choose a new folder"
