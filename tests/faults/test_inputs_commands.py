@@ -345,7 +345,7 @@ def test_synthetic_and_parquet_preprocessing_refuse_tsv_flags(tmp_path, capsys, 
     "options, words",
     [
         (["--eval-paths", "EVAL", "--eval-every", "5"], "--eval-every holds out lines of the training files"),
-        (["--vocab-threshold", "2", "--hashing", "hash"], "--hashing hash values into tables; --vocab-threshold"),
+        (["--vocab-threshold", "2", "--hashing", "hash"], "--hashing hash values into tables; --vocab"),
         (["--vocab-threshold", "2", "--table-rows", "50"], "--table-rows hash values into tables"),
     ],
 )
@@ -353,8 +353,8 @@ def test_tsv_flags_another_flag_switches_off_are_refused(tmp_path, capsys, optio
     evals = tmp_path / "eval.tsv"
     evals.write_bytes(FIXTURE_TSV.read_bytes())
     options = [str(evals) if o == "EVAL" else o for o in options]
-    code = main(["data", "preprocess", str(FIXTURE_TSV), "--out", str(tmp_path / "pre"), "--no-progress", *options])
-    one_line(capsys, code, 2, words)
+    argv = ["data", "preprocess", str(FIXTURE_TSV), "--out", str(tmp_path / "pre"), "--no-progress"]
+    one_line(capsys, main([*argv, *options]), 2, words)
     assert not (tmp_path / "pre").exists()
 
 
