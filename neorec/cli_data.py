@@ -173,6 +173,26 @@ def _table_rows(text: str) -> list[int]:
     return rows
 
 
+def _same_stream(out: Path, settings: dict) -> None:
+    """The days added to a stream folder continue its stream: its --seed and --rows, recorded in
+    OUT/_stream.json (a name a follower skips) when its first days were written, must be these."""
+    from neorec.utils.files import read_json, write_json
+
+    path = out / "_stream.json"
+    if path.is_file():
+        hint = "remove it only if every partition here was written with the settings you give"
+        earlier = read_json(path, "stream description", hint, NeorecError)
+        differs = [f"--{k} {earlier.get(k)}" for k in settings if earlier.get(k) != settings[k]]
+        if differs:
+            raise NeorecError(
+                f"--out {out}: its partitions were written with {', '.join(differs)}; the next days of one "
+                "stream need the same (or give another --out)"
+            )
+    elif not (out.is_dir() and any(p.name.startswith("day-") for p in out.iterdir())):
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(path, settings, "stream description")
+
+
 def cmd_data_stream(args: argparse.Namespace) -> int:
     from neorec.data.drifting import DriftSpec, partition_name, write_day
 
@@ -191,6 +211,7 @@ def cmd_data_stream(args: argparse.Namespace) -> int:
             f"--out {args.out}: partition {done[0]} is complete already (it has _SUCCESS); partitions are "
             f"written once: start after the last one with --first-day"
         )
+    _same_stream(Path(args.out), {"seed": args.seed, "rows": args.rows})
     for day in days:
         write_day(spec, args.out, day)
     last = partition_name(args.first_day + args.days - 1)

@@ -440,7 +440,8 @@ def test_generated_shards_replace_only_earlier_ones(run, tmp_path, capsys):
 
 def test_a_complete_stream_partition_is_never_written_again(tmp_path, capsys):
     """`neorec data stream` wrote over day-000 of an earlier stream, which a follower may have trained
-    on as it was; an unfinished partition (no _SUCCESS) is written again."""
+    on as it was; an unfinished partition (no _SUCCESS) is written again, and the next days continue
+    the stream of the seed and size it was written with (OUT/_stream.json)."""
     out = tmp_path / "daily"
     assert run_main(["data", "stream", "--out", str(out), "--days", "2", "--rows", "500"]) == 0
     before = (out / "day-001" / "part-0.parquet").read_bytes()
@@ -450,5 +451,10 @@ def test_a_complete_stream_partition_is_never_written_again(tmp_path, capsys):
     assert (out / "day-001" / "part-0.parquet").read_bytes() == before
     stream = ["data", "stream", "--out", str(out), "--days", "1", "--rows", "500"]
     assert run_main(stream) == 0 and run_main([*stream, "--first-day", "2"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["day-000", "day-001", "day-002"]
+    assert sorted(p.name for p in out.iterdir()) == ["_stream.json", "day-000", "day-001", "day-002"]
     capsys.readouterr()
+    # the next days of another stream (another seed or size) would join this one without a word
+    for other in (["--seed", "7"], ["--rows", "400"]):
+        code = run_main([*stream, "--first-day", "3", *other])
+        one_line(capsys, code, 2, f"its partitions were written with {other[0]} ", "need the same")
+    assert not (out / "day-003").exists()
