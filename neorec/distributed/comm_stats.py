@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class CommStats:
@@ -42,6 +45,11 @@ class CommStats:
             yield counts
         finally:
             self._aside.counts = outer
+
+    def run_aside(self, fn: Callable[[], T]) -> tuple[T, dict[str, int]]:
+        """fn()'s result and the bytes this thread sent running it (`set_aside`), to add later."""
+        with self.set_aside() as sent:
+            return fn(), sent
 
     @contextmanager
     def counted_as(self, direction: str) -> Iterator[None]:

@@ -29,8 +29,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -258,24 +258,14 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self._prefetch_rows()
         checked = self.bounds.check(sparse)
         ready = streams.mark(device)
-        stats = self.comms.stats
-
-        def aside(fn: Callable[[], Any]) -> Callable[[], tuple[Any, dict[str, int]]]:
-            """fn's result and the bytes it sent: counted when the batch is trained (`_exchanged`)."""
-
-            def run() -> tuple[Any, dict[str, int]]:
-                with stats.set_aside() as sent:
-                    return fn(), sent
-
-            return run
-
+        # what each sends is set aside, and counted when the batch is trained (_exchanged, _counted_ahead)
+        aside = self.comms.stats.run_aside
         work = self._pool.submit(
-            streams.run_on, self._id_stream, ready, aside(lambda: self.input_dist_(checked).wait())
+            streams.run_on, self._id_stream, ready, partial(aside, lambda: self.input_dist_(checked).wait())
         )
         # then, on the same thread, the rows the replicated tables' backward will exchange (replicas.py)
-        counts = self._pool.submit(
-            streams.run_on, self._id_stream, ready, aside(lambda: self._replicas.count_ahead(checked))
-        )
+        count = partial(aside, lambda: self._replicas.count_ahead(checked))
+        counts = self._pool.submit(streams.run_on, self._id_stream, ready, count)
         self._ahead.append([sparse, work, False, counts, checked])
         self.replicated.prefetch(checked)  # a no-op without cached replicated tables
 

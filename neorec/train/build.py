@@ -13,7 +13,7 @@ from neorec.config.schema import DenseOptimizerConfig, RunConfig
 from neorec.data.source import DataSource, SourceInfo
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.tables import TableConfig, check_tables
-from neorec.errors import ConfigError, DataError
+from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.utils.cores import processes_on_node, usable_cores
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,6 @@ def check_trained_lookups(
     the trained weights the message names (default: the run's model.pt)."""
     from neorec.config.load import load_config
     from neorec.embedding.tables import lookup_difference, lookups
-    from neorec.errors import NeorecError
 
     trained_cfg = load_config(str(run_config))
     trained_info: SourceInfo | None = info
