@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -193,6 +194,20 @@ def _same_stream(out: Path, settings: dict) -> None:
         write_json(path, settings, "stream description")
 
 
+def _only_stream_files(out: Path) -> None:
+    """The stream folder holds its partitions (day-NNN), _stream.json and hidden files alone: a folder
+    holding other files (a run's, a data set's) is refused, as `data generate` refuses one."""
+    from neorec.utils.files import foreign_files
+
+    others = foreign_files(out, lambda name: re.fullmatch(r"day-\d{3}|_stream\.json|\..*", name) is not None)
+    if others:
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        raise NeorecError(
+            f"--out {out}: holds files that `neorec data stream` does not write ({shown}); a stream's "
+            "partitions go in a folder of their own: give a new or empty folder, or an earlier stream's"
+        )
+
+
 def cmd_data_stream(args: argparse.Namespace) -> int:
     from neorec.data.drifting import DriftSpec, partition_name, write_day
 
@@ -211,6 +226,7 @@ def cmd_data_stream(args: argparse.Namespace) -> int:
             f"--out {args.out}: partition {done[0]} is complete already (it has _SUCCESS); partitions are "
             f"written once: start after the last one with --first-day"
         )
+    _only_stream_files(Path(args.out))
     _same_stream(Path(args.out), {"seed": args.seed, "rows": args.rows})
     for day in days:
         write_day(spec, args.out, day)

@@ -359,3 +359,23 @@ def test_run_jobs_in_a_shared_pool_block_use_the_same_workers(forked_workers, mo
     pids()
     pids()
     assert len(pools) == 4  # outside the block, a pool per call
+
+
+@needs_sample
+def test_inspect_says_which_malformed_lines_it_counts(tmp_path):
+    """`neorec data inspect` said "malformed lines skipped: N" both for the lines met reading a sample
+    of raw TSV (training lines only) and for every line skipped in preprocessing: it now says which."""
+    from neorec.data.inspect import inspect_source
+
+    lines = SAMPLE.read_text().splitlines(keepends=True)
+    tsv = tmp_path / "bad.tsv"
+    tsv.write_text("".join(lines[:3] + ["not a line\n"] + lines[3:150] + ["x\ty\n"] + lines[150:]))
+    tsv_keys = ["data.source=criteo_tsv", f"data.criteo.train_paths=[{tsv}]", "data.criteo.bad_lines=skip"]
+    raw = inspect_source("default", [*tsv_keys, "data.batch_size=50"], num_batches=1)
+    want = "malformed lines skipped in the training lines read (not the whole data): 2"
+    assert raw.splitlines()[-1] == want
+    preprocess_criteo([tsv], tmp_path / "out", table_rows=1000, bad_lines="skip", progress=False)
+    out_keys = ["data.source=preprocessed", f"data.preprocessed.path={tmp_path / 'out'}"]
+    done = inspect_source("default", out_keys)
+    want = "malformed lines skipped when the data was preprocessed (every split): field_count 2"
+    assert done.splitlines()[-1] == want

@@ -46,7 +46,20 @@ def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> s
         auc = source.teacher_auc()
         if auc is not None:
             lines += ["", f"teacher AUC on the held-out set (the ceiling): {auc:.4f}"]
-    skipped = getattr(source, "num_skipped", None)
-    if skipped:
-        lines.append(f"malformed lines skipped: {skipped}")
+    lines += _skipped_lines(source)
     return "\n".join(lines)
+
+
+def _skipped_lines(source) -> list[str]:
+    """The malformed lines skipped, saying which: those of the whole data set when it was preprocessed
+    (training and held-out lines, by reason), or those met in the lines of raw files read for the sample."""
+    at_preprocessing = source.info.notes.get("skipped")
+    if isinstance(at_preprocessing, dict):
+        if not any(at_preprocessing.values()):
+            return []
+        reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(at_preprocessing.items()))
+        return [f"malformed lines skipped when the data was preprocessed (every split): {reasons}"]
+    skipped = getattr(source, "num_skipped", None)
+    if not skipped:
+        return []
+    return [f"malformed lines skipped in the training lines read (not the whole data): {skipped:,}"]

@@ -458,3 +458,18 @@ def test_a_complete_stream_partition_is_never_written_again(tmp_path, capsys):
         code = run_main([*stream, "--first-day", "3", *other])
         one_line(capsys, code, 2, f"its partitions were written with {other[0]} ", "need the same")
     assert not (out / "day-003").exists()
+
+
+def test_a_stream_is_not_written_among_other_files(run, tmp_path, capsys):
+    """`neorec data stream --out RUN` wrote its day folders among a run's files (and a follower of the
+    folder then trained them); a folder holding files a stream does not write is refused, untouched."""
+    root = Path(shutil.copytree(run, tmp_path / "run"))
+    before = sorted(p.name for p in root.iterdir())
+    code = run_main(["data", "stream", "--out", str(root), "--days", "1", "--rows", "200"])
+    one_line(capsys, code, 2, f"--out {root}: holds files that `neorec data stream` does not write (config")
+    assert sorted(p.name for p in root.iterdir()) == before
+    out = tmp_path / "daily"
+    out.mkdir()
+    (out / ".hidden").write_text("")  # hidden names are skipped by followers, and allowed
+    assert run_main(["data", "stream", "--out", str(out), "--days", "1", "--rows", "200"]) == 0
+    capsys.readouterr()
