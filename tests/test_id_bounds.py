@@ -269,6 +269,42 @@ def test_prefetched_batch_is_checked_once(engine, tmp_path):
     assert emb.dropped_ids() == {"fa": 1}
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("change", ["in place", "through a view", "replaced"])
+def test_a_batch_changed_after_its_check_is_checked_again(engine, change, tmp_path):
+    """A batch trained, then changed (a buffer refilled in place, its ids replaced) and trained again:
+    its id limits, cached by the first check, were trusted, and id 12 of a read and trained row 2 of b.
+    The change is seen (the tensors' version counters), and the ids are checked again."""
+    emb = build(engine, two_tables(), "error", tmp_path)
+    sparse = batch([[1], [2, 3]], [[4], [5]])
+    step(emb, sparse)
+    before = tables_of(emb)
+    if change == "in place":
+        sparse.values[1] = 12  # fa's second bag: [12, 3]
+    elif change == "through a view":
+        sparse.feature("fa")[0].add_(10)  # fa: [11], [12, 13]
+    else:
+        sparse.values = torch.tensor([1, 12, 3, 4, 5])
+    with pytest.raises(DataError, match=r"feature 'fa' \(table 'a', 10 rows\): id 1[12] of sample [01]"):
+        step(emb, sparse)
+    for name, w in tables_of(emb).items():
+        assert torch.equal(w, before[name]), f"table {name} changed"
+
+
+@pytest.mark.parametrize("engine", ["dram", "ssd"])
+def test_a_batch_changed_after_its_prefetch_is_refused(engine, tmp_path):
+    """A prefetched batch's step used what its prefetch checked and read: the old ids. A batch
+    changed in between is refused, naming the prefetch, and no row changes."""
+    emb = build(engine, two_tables(), "error", tmp_path)
+    sparse = batch([[1], [2]], [[4], [5]])
+    emb.prefetch(sparse)
+    sparse.values[0] = 7
+    before = tables_of(emb)
+    with pytest.raises(DataError, match=r"changed \(in place, or replaced\) after prefetch\(batch\)"):
+        step(emb, sparse)
+    assert all(torch.equal(w, before[name]) for name, w in tables_of(emb).items())
+
+
 def test_error_in_a_sequence_table():
     """pooling none (one row per id): the same check, the same names."""
     tables = [TableConfig(name="hist", rows=6, dim=4, features=["h"], pooling="none")]

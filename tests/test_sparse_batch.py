@@ -179,3 +179,20 @@ def test_ids_of_another_dtype_are_refused_naming_it(dtype):
     with pytest.raises(DataError, match=f"SparseBatch ids are {dtype}; ids are int64"):
         SparseBatch(["f"], torch.tensor([1, 2], dtype=dtype), torch.tensor([2]))
     assert SparseBatch(["f"], torch.tensor([1, 2], dtype=torch.int32), torch.tensor([2])).values.numel() == 2
+
+
+def test_what_is_derived_from_ids_and_lengths_follows_their_changes():
+    """Offsets, per-feature counts and id limits are cached; a batch whose lengths or ids are written
+    in place (a reused buffer) or replaced finds them again, and a batch made of inference-mode
+    tensors (which keep no version counter) still has them."""
+    sb = SparseBatch(["a", "b"], torch.tensor([1, 2, 3, 4]), torch.ones(4, dtype=torch.int64), length_per_key=[2, 2])
+    assert sb.id_limits() == ([1, 3], [2, 4]) and sb.offsets().tolist() == [0, 1, 2, 3, 4]
+    sb.lengths[0], sb.lengths[2] = 2, 0  # a: [1, 2], [3]; b: [], [4]
+    assert sb.length_per_key() == [3, 1] and sb.id_limits() == ([1, 4], [3, 4])
+    assert sb.offsets().tolist() == [0, 2, 3, 3, 4]
+    sb.lengths = torch.tensor([1, 1, 1, 0])
+    with pytest.raises(DataError, match="lengths sum to 3 but there are 4 ids"):
+        sb.length_per_key()
+    with torch.inference_mode():
+        frozen = SparseBatch(["a"], torch.tensor([5, 6]), torch.tensor([1, 1]))
+        assert frozen.id_limits() == ([5], [6]) and frozen.length_per_key() == [2]

@@ -145,7 +145,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self._pool: ThreadPoolExecutor | None = None
         self._id_stream: torch.cuda.Stream | None = None
         # prefetched batches: [batch, its id exchange, whether its local rows are in the caches yet, its
-        # replicated rows counted ahead, the batch as checked (bounds_check warn drops ids)]
+        # replicated rows counted ahead, the batch as checked (bounds_check warn drops ids), its stamp then]
         self._ahead: deque[list] = deque()
 
     # ---- cached tables ---------------------------------------------------------------------------
@@ -266,13 +266,15 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         # then, on the same thread, the rows the replicated tables' backward will exchange (replicas.py)
         count = partial(aside, lambda: self._replicas.count_ahead(checked))
         counts = self._pool.submit(streams.run_on, self._id_stream, ready, count)
-        self._ahead.append([sparse, work, False, counts, checked])
+        self._ahead.append([sparse, work, False, counts, checked, sparse.stamp()])
         self.replicated.prefetch(checked)  # a no-op without cached replicated tables
 
     def _checked(self, sparse: SparseBatch) -> SparseBatch:
-        """The batch as its id check leaves it: checked when it was prefetched, or now."""
+        """The batch as its id check leaves it: checked when it was prefetched (a DataError if it was
+        changed since), or now."""
         for entry in self._ahead:
             if entry[0] is sparse:
+                sparse.check_unchanged_since(entry[5], "prefetch(batch)")
                 return entry[4]
         return self.bounds.check(sparse)
 

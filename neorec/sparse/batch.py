@@ -28,7 +28,9 @@ def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
 class SparseBatch:
     """Categorical ids of a batch for several features, in one flat tensor per field."""
 
-    __slots__ = ("keys", "values", "lengths", "weights", "_offsets", "_length_per_key", "_id_limits")
+    __slots__ = (
+        "keys", "values", "lengths", "weights", "_offsets", "_length_per_key", "_id_limits", "_basis",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class SparseBatch:
         self._offsets: torch.Tensor | None = None
         self._length_per_key: list[int] | None = None
         self._id_limits: tuple[list[int], list[int]] | None = None
+        self._basis = self.stamp()
         if id_limits is not None:
             lows, highs = id_limits
             if len(lows) != len(self.keys) or len(highs) != len(self.keys):
@@ -132,9 +135,41 @@ class SparseBatch:
     def device(self) -> torch.device:
         return self.values.device
 
+    def stamp(self) -> tuple:
+        """What the ids and lengths are now, for what is derived from them (offsets, counts, id limits,
+        a checked copy): the two tensors and their versions (torch counts every in-place write of a
+        tensor, or of a view of it); `unchanged_since` compares."""
+        return (self.values, self.lengths, _version(self.values), _version(self.lengths))
+
+    def unchanged_since(self, stamp: tuple) -> bool:
+        """Whether the ids and lengths are those `stamp()` saw (the same tensors, not written since)."""
+        values, lengths, v_values, v_lengths = stamp
+        return (
+            values is self.values and lengths is self.lengths
+            and v_values == _version(self.values) and v_lengths == _version(self.lengths)
+        )  # fmt: skip
+
+    def check_unchanged_since(self, stamp: tuple, when: str) -> None:
+        """DataError unless the ids and lengths are those `stamp()` saw `when` (e.g. at a prefetch
+        whose work on the old ids would otherwise train this batch)."""
+        if not self.unchanged_since(stamp):
+            raise DataError(
+                f"this SparseBatch's ids or lengths were changed (in place, or replaced) after {when}; what "
+                f"was done then holds the old ids: change a copy of a batch (or call {when} again)"
+            )
+
+    def _derived(self) -> SparseBatch:
+        """This batch, its cached offsets, counts and id limits dropped first if its ids or lengths
+        changed since they were found (written in place, or replaced): the id check of every engine
+        reads the limits, and stale ones would pass an id outside its table."""
+        if not self.unchanged_since(self._basis):
+            self._offsets = self._length_per_key = self._id_limits = None
+            self._basis = self.stamp()
+        return self
+
     def offsets(self) -> torch.Tensor:
         """[F * B + 1] offsets of each bag into `values` (cached)."""
-        if self._offsets is None:
+        if self._derived()._offsets is None:
             self._offsets = lengths_to_offsets(self.lengths)
         return self._offsets
 
@@ -142,7 +177,7 @@ class SparseBatch:
         """Number of ids of each feature (cached; one host sync the first time). Lengths that are
         negative, or do not add up to the ids, are a DataError: each feature's ids would be read from
         the next one's, past the checks of their tables' bounds."""
-        if self._length_per_key is None:
+        if self._derived()._length_per_key is None:
             if not self.keys:
                 self._length_per_key = []
             else:
@@ -167,7 +202,8 @@ class SparseBatch:
         already: bounds given by the batch's maker, or kept from the batch it was cut from, which
         hold but need not be the exact extremes. The id check of every engine reads them
         (neorec/sparse/bounds.py); a reader counts them on the host before a batch goes to a GPU."""
-        return self._id_limits if self._id_limits is not None else self.exact_id_limits()
+        limits = self._derived()._id_limits
+        return limits if limits is not None else self.exact_id_limits()
 
     def exact_id_limits(self) -> tuple[list[int], list[int]]:
         """`id_limits()` computed from the ids themselves, replacing limits a maker gave (bounds that
@@ -177,7 +213,7 @@ class SparseBatch:
 
     def known_id_limits(self) -> tuple[list[int], list[int]] | None:
         """The id limits if known without any work, else None."""
-        return self._id_limits
+        return self._derived()._id_limits
 
     def offset_per_key(self) -> list[int]:
         out = [0]
@@ -250,8 +286,9 @@ class SparseBatch:
             weights = _cat([self.weights[bounds[i] : bounds[i + 1]] for i in idx], self.weights)
         out = SparseBatch(keys, _cat(values, self.values), _cat(lengths, self.lengths), weights)
         out._length_per_key = [self.length_per_key()[i] for i in idx]
-        if self._id_limits is not None:
-            out._id_limits = ([self._id_limits[0][i] for i in idx], [self._id_limits[1][i] for i in idx])
+        limits = self.known_id_limits()
+        if limits is not None:
+            out._id_limits = ([limits[0][i] for i in idx], [limits[1][i] for i in idx])
         return out
 
     def slice_samples(self, start: int, end: int) -> SparseBatch:
@@ -268,7 +305,8 @@ class SparseBatch:
         if self.weights is not None:
             weights = _cat([self.weights[a:z] for a, z in zip(firsts, lasts, strict=True)], self.weights)
         per_key = [z - a for a, z in zip(firsts, lasts, strict=True)]
-        return SparseBatch(self.keys, _cat(values, self.values), lengths, weights, per_key, self._id_limits)
+        limits = self.known_id_limits()
+        return SparseBatch(self.keys, _cat(values, self.values), lengths, weights, per_key, limits)
 
     def permute(self, order: Sequence[int]) -> SparseBatch:
         """Reorder features: result feature j is this batch's feature order[j]."""
@@ -294,6 +332,8 @@ class SparseBatch:
             weights = torch.cat(
                 [b.weights if b.weights is not None else torch.ones(b.values.numel(), device=b.device) for b in batches]
             )
+        for b in batches:
+            b._derived()
         known = all(b._length_per_key is not None for b in batches)
         per_key = [n for b in batches for n in b._length_per_key] if known else None  # type: ignore[union-attr]
         limits = None
@@ -313,9 +353,11 @@ class SparseBatch:
         weights = self.weights.to(device, non_blocking=non_blocking) if self.weights is not None else None
         if values is self.values and lengths is self.lengths and weights is self.weights:
             return self
+        self._derived()
         return SparseBatch(self.keys, values, lengths, weights, self._length_per_key, self._id_limits)
 
     def pin_memory(self) -> SparseBatch:
+        self._derived()
         return SparseBatch(
             self.keys,
             self.values.pin_memory(),
@@ -343,6 +385,14 @@ class SparseBatch:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _version(t: torch.Tensor) -> int:
+    """The count of in-place writes of `t` (-1 for an inference-mode tensor, which keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ class IdBounds:
         self._positions: dict[tuple[str, ...], list[tuple[int, str, FeatureBound]]] = {}
         # warn: the latest batch that lost ids, and what it became, so that checking the same batch
         # again (an engine's stages each check what they are given) neither drops nor counts twice
-        self._last: tuple[SparseBatch, SparseBatch] | None = None
+        self._last: tuple[SparseBatch, tuple, SparseBatch] | None = None  # a batch, its stamp, checked
 
     @classmethod
     def of_tables(cls, tables: Iterable, mode: str = "error") -> IdBounds:
@@ -90,8 +90,8 @@ class IdBounds:
         off); in warn mode, else a batch without the ids outside; in error mode, else a DataError."""
         if self.mode == "off" or sparse.values.numel() == 0:
             return sparse
-        if self._last is not None and self._last[0] is sparse:
-            return self._last[1]
+        if self._last is not None and self._last[0] is sparse and sparse.unchanged_since(self._last[1]):
+            return self._last[2]
         checked = self._positions_in(sparse.keys)
         if not checked:
             return sparse
@@ -105,7 +105,7 @@ class IdBounds:
         if self.mode == "error":
             raise self._error(sparse, *bad[0])
         out = self._drop(sparse, bad)
-        self._last = (sparse, out)
+        self._last = (sparse, sparse.stamp(), out)
         return out
 
     def _positions_in(self, keys: list[str]) -> list[tuple[int, str, FeatureBound]]:

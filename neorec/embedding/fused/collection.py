@@ -176,7 +176,8 @@ class FusedEmbeddingCollection(
         self.mapped = self._build_maps(map_shards or {}, table_tiers or {}, device)
         # prefetched batches not yet looked up: (as given, as checked, their prepared rows), which the
         # forward of the batch as given reuses
-        self._prefetched: deque[tuple[SparseBatch, SparseBatch, list[GroupBatch]]] = deque(maxlen=8)
+        # batches prefetched: (the batch, its stamp then, as its id check left it, its groups' ids)
+        self._prefetched: deque[tuple[SparseBatch, tuple, SparseBatch, list[GroupBatch]]] = deque(maxlen=8)
 
     def _build_storages(
         self,

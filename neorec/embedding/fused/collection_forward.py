@@ -32,8 +32,9 @@ class CollectionForward:
         if not self.layout.groups or sparse.batch_size == 0:  # e.g. a rank that holds no shard
             return self._empty(sparse)
         batches = None
-        for i, (ahead, checked, prepared) in enumerate(self._prefetched):
+        for i, (ahead, stamp, checked, prepared) in enumerate(self._prefetched):
             if ahead is sparse:  # its prefetch checked and prepared it, and counted its rows for the hit rate
+                sparse.check_unchanged_since(stamp, "prefetch(batch)")
                 sparse, batches = checked, prepared
                 del self._prefetched[i]
                 break
@@ -92,7 +93,7 @@ class CollectionForward:
             return
         checked = self.bounds.check(sparse)
         batches = self._prepare(checked)
-        self._prefetched.append((sparse, checked, batches))
+        self._prefetched.append((sparse, sparse.stamp(), checked, batches))
         for storage, gb in zip(self.weights, batches, strict=True):
             if hasattr(storage, "prefetch"):  # ahead: a cache may only start reading them now
                 storage.prefetch(gb.rows, lookup=True, ahead=True)
