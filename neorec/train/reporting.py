@@ -161,6 +161,10 @@ class RunReporting:
             **({"partitions": result.partitions} if result.partitions else {}),
         }
         write_text(self.out_dir / "summary.json", strict_dumps(summary, indent=2), "run summary")  # NaN/inf: null
+        self._plot_curves()
+
+    def _plot_curves(self) -> None:
+        """curves.png of the run's metrics.jsonl so far (logging.plot)."""
         if self.cfg.logging.plot:
             from neorec.metrics.plot import plot_curves
 

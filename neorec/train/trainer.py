@@ -319,13 +319,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         step, t = run.step, self.cfg.train
         if step % t.log_every == 0:
             self._read_losses(run)
-            now = time.perf_counter()
-            sps = run.window.samples / (now - run.window.start)
-            wait_ms = 1000 * run.window.data_wait / run.window.steps  # waited for data, per step
-            self._log_train_step(run, run.take_loss(), sps, wait_ms)
-            if self.progressive is not None:
-                run.logger.log("progressive", step, self.progressive.window_metrics())
-            run.window.restart(now)
+            self._log_window(run)
+        aside = time.perf_counter()  # what follows is no training: left out of the next samples/s
         every = run.eval_every
         if every and step % every == 0 and (not run.total or step < run.total):  # the last: the final one
             self._evaluate_or_stop(run, stop, run.eval_batches)
@@ -336,11 +331,23 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self._save_checkpoint(run, snapshot_due=publish)
         if publish:
             self._publish_snapshot(step)
+        run.window.start += time.perf_counter() - aside
         # collective: every rank stops after the same step, once the step's evaluation, checkpoint
         # and snapshot are done (a resumed run starts after them: stopped before, they were lost)
         if signum := stop.agreed():
             self._read_losses(run)  # no checkpoint after a NaN
             self._stop(signum, run)
+
+    def _log_window(self, run: RunState) -> None:
+        """The log records of the steps since the last log step (collective), and a new window."""
+        now, window = time.perf_counter(), run.window
+        # a run resumed at its end trained no step of its window here: its speed is unknown (null)
+        sps = window.samples / (now - window.start) if window.steps else math.nan
+        wait_ms = 1000 * window.data_wait / window.steps if window.steps else math.nan  # per step
+        self._log_train_step(run, run.take_loss(), sps, wait_ms)
+        if self.progressive is not None:
+            run.logger.log("progressive", run.step, self.progressive.window_metrics())
+        window.restart(now)
 
     def _end_run(self, run: RunState, stop: StopSignals) -> RunResult:
         """After the last step: the final checkpoint and snapshot, the final evaluation, the outputs."""
@@ -365,6 +372,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self._save_checkpoint(run, snapshot_due=publish)  # and always resumable
         if publish:
             self._publish_snapshot(step)
+        if run.loss_steps:  # the steps after the last log step; after the checkpoint, which a resume goes on from
+            self._log_window(run)
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()
         if self.comms is not None:
@@ -411,10 +420,20 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         values = losses.tolist()
         for i, loss in enumerate(values):
             if not math.isfinite(loss):
+                self._log_divergence(run, loss, run.step - len(values) + i)
                 raise self._diverged(loss, run.step - len(values) + i)
             run.result.losses.append(loss)
             run.loss_sum += loss
             run.loss_steps += 1
+
+    def _log_divergence(self, run: RunState, loss: float, step: int) -> None:
+        """The records of a run whose loss at step `step + 1` is not finite: the finite losses of its
+        log window (at `step`), then the divergence; and its curves.png."""
+        if run.loss_steps:
+            run.logger.log("train", step, {"loss": run.take_loss(), "epoch": run.epoch})
+        run.logger.log("diverged", step + 1, {"loss": loss})
+        if self.is_main:
+            self._plot_curves()
 
     def _eval(
         self,
