@@ -372,7 +372,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self._save_checkpoint(run, snapshot_due=publish)  # and always resumable
         if publish:
             self._publish_snapshot(step)
-        if run.loss_steps:  # the steps after the last log step; after the checkpoint, which a resume goes on from
+        # the steps after the last log step, logged after the checkpoint: a resume from it goes on with them
+        if run.loss_steps:
             self._log_window(run)
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()
