@@ -34,7 +34,7 @@ from neorec.data.reader_position import (
 from neorec.embedding.collection import EmbeddingCollection
 from neorec.embedding.remap import counters, with_earlier_counts
 from neorec.errors import ConfigError, NeorecError
-from neorec.train.run_folder import RESULTS
+from neorec.train.run_folder import RESULTS, check_steps_left
 from neorec.train.run_state import RunState
 from neorec.train.signals import TrainingStopped
 from neorec.utils.files import fsync_dir
@@ -153,13 +153,8 @@ class CheckpointHandling:
                 log.info(f"no checkpoint in {self.checkpoints.root}; starting from step 0")
             return None
         manifest = read_manifest(path)
-        state, step, last = manifest.get("state"), manifest.get("step"), self.cfg.train.max_steps
-        if last is not None and isinstance(step, int) and step > last:
-            raise ConfigError(
-                f"train.max_steps {last} is below step {step} of checkpoint {path}: the resumed run would "
-                f"train nothing and leave a model of step {step} under a config of {last} steps; raise "
-                "train.max_steps, or resume an earlier checkpoint (--resume PATH)"
-            )
+        state = manifest.get("state")
+        check_steps_left(self.cfg.train.max_steps, manifest.get("step"), path)
         check_resume(self.data, state, path)
         check_data_settings(self.cfg.data, state, path)
         check_training_files(self.source, state, path)

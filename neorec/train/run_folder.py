@@ -199,13 +199,26 @@ def clear_unfinished_run(cfg: RunConfig, out_dir: Path) -> None:
 
 def check_resume_before_launch(cfg: RunConfig, out_dir: Path, resume: bool | str, num_processes: int) -> None:
     """What the launcher can tell of the checkpoint a resume continues before any process starts: a
-    data position saved under another number of processes (reader_position.check_processes). Each
-    process checks the rest before it loads or writes anything (reader_position.check_resume)."""
+    step past train.max_steps, a data position saved under another number of processes
+    (reader_position.check_processes), other data settings. Each process checks the rest before it
+    loads or writes anything (reader_position.check_resume)."""
     from neorec.checkpoint.load import checkpoint_folder, latest_checkpoint, read_manifest
     from neorec.data.reader_position import check_data_settings, check_processes
 
     path = latest_checkpoint(checkpoint_root(cfg, out_dir)) if resume is True else checkpoint_folder(resume)
     if path is not None:
-        state = read_manifest(path).get("state")
+        manifest = read_manifest(path)
+        check_steps_left(cfg.train.max_steps, manifest.get("step"), path)
+        state = manifest.get("state")
         check_processes(state, num_processes, path)
         check_data_settings(cfg.data, state, path)
+
+
+def check_steps_left(max_steps: int | None, step: object, path: Path) -> None:
+    """A resume of checkpoint `path` (of step `step`) that train.max_steps ends before is refused."""
+    if max_steps is not None and isinstance(step, int) and step > max_steps:
+        raise ConfigError(
+            f"train.max_steps {max_steps} is below step {step} of checkpoint {path}: the resumed run would "
+            f"train nothing and leave a model of step {step} under a config of {max_steps} steps; raise "
+            "train.max_steps, or resume an earlier checkpoint (--resume PATH)"
+        )

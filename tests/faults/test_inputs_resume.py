@@ -115,6 +115,27 @@ def test_a_refused_resume_leaves_the_run_folder_as_it_was(change, expected, tmp_
     assert main(["eval", str(run)]) == 0
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_resume_past_max_steps_is_refused_before_any_process_starts(nproc, tmp_path, capfd, monkeypatch):
+    """With --nproc 2 the workers started, planned and built their tables (about 28 s) before each
+    refused the checkpoint past train.max_steps; the launcher refuses it, as one process does."""
+    from tests.tiny_cli import TINY
+
+    run = tmp_path / "run"
+    base = ["train", "--output-dir", str(run), *sets([*TINY, "checkpoint.every_steps=2"])]
+    assert main(base) == 0
+    capfd.readouterr()
+
+    def started(*args, **kwargs):
+        raise AssertionError("a process started")
+
+    monkeypatch.setattr("neorec.distributed.launch.launch_torchrun", started)
+    monkeypatch.setattr("neorec.cli._fit", started)
+    code = main([*base, *sets(["train.max_steps=1"]), "--resume", "--nproc", str(nproc)])
+    err = capfd.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "train.max_steps 1 is below step" in err, err
+
+
 def test_the_data_settings_a_resume_compares(tmp_path, monkeypatch):
     """Those that decide the training samples and their order, with paths made absolute; not the
     held-out data's nor the reader's speed."""
