@@ -16,6 +16,7 @@ import neorec
 from neorec.cli import main
 from neorec.config.load import load_config
 from neorec.serving import export_model
+from neorec.train.run_folder import check_output_dir
 from neorec.train.trainer import Trainer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "criteo_20.tsv"  # the held-out lines 10 and 20 are both label 0
@@ -136,6 +137,7 @@ def test_train_refuses_a_folder_that_holds_a_run(tmp_path, capsys):
     fails(capsys, base, "checkpoints in", "--resume to continue it", "--overwrite")
     assert main([*base, "--overwrite"]) == 0  # replaced: the other run's checkpoints are gone
     assert not stale.exists() and (run / "summary.json").is_file()
+    capsys.readouterr()
     (tmp_path / "file").write_text("x")
     fails(capsys, ["train", "--output-dir", str(tmp_path / "file")], "is a file")
     ssd = ["embedding.tier=ssd", f"embedding.cache.directory={tmp_path / 'file'}"]
@@ -191,6 +193,7 @@ def test_predict_data_refuses_a_model_not_trained_on_hashed_criteo(tmp_path, cap
     cfg = load_config("default", [*TINY, "data.synthetic.num_sparse=26", "data.synthetic.rows=30"])
     Trainer(cfg, tmp_path / "run").fit()
     export_model(tmp_path / "run", tmp_path / "m.nrx", measure=False)
+    capsys.readouterr()
     fails(capsys, ["predict", str(tmp_path / "m.nrx"), "--out", str(tmp_path / "p.txt"), "--data", str(FIXTURE)],
           "trained on synthetic data (data.source: synthetic)", "not on hashed Criteo TSV", "leave out --data")  # fmt: skip
     assert not (tmp_path / "p.txt").exists()
@@ -246,6 +249,7 @@ def test_outputs_never_take_a_place_a_run_folder_keeps(tmp_path, capsys):
     run, m = tmp_path / "run", tmp_path / "m.nrx"
     Trainer(load_config("default", [*TINY, "checkpoint.every_steps=1"]), run).fit()
     export_model(run, m, measure=False)
+    capsys.readouterr()
     for argv, name in (
         (["export", str(run), "--out", str(run / "curves.png")], "curves.png"),
         (["export", str(run), "--out", str(run / "snapshots"), "--format", "pt2"], "snapshots"),
@@ -273,6 +277,12 @@ def test_outputs_never_take_a_place_a_run_folder_keeps(tmp_path, capsys):
     assert (run / "neorec.lock").read_text() == "held\n"
     assert (tmp_path / "my.yaml").read_text().startswith("data")
     assert main(["export", str(run), "--out", str(run / "m.nrx")]) == 0  # a name of its own is fine
+    # a project folder holding a config.yaml of the user's own is no run: its snapshots/ is theirs
+    project = tmp_path / "project"
+    (project / "snapshots").mkdir(parents=True)
+    (project / "config.yaml").write_text("base: default\n")
+    assert main(["export", str(run), "--out", str(project / "snapshots" / "m.nrx")]) == 0
+    check_output_dir(project / "checkpoints" / "exp1", load_config("default", TINY))
     for _ in range(2):  # earlier predictions (one probability a line) are replaced
         assert main(["predict", str(m), "--out", str(run / "p.txt")]) == 0
     (run / "p.txt").write_text("click,conversion\n0.5,0.25\n")  # a multi-task model's, with a header

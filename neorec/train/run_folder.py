@@ -74,10 +74,18 @@ def private_cache_directory(cfg: RunConfig) -> Iterator[RunConfig]:
         shutil.rmtree(own, ignore_errors=True)
 
 
+def is_run_folder(folder: Path) -> bool:
+    """Whether `folder` holds a run: its config.yaml, and its lock file or metrics.jsonl (a project
+    folder holding a config.yaml of the user's own is none)."""
+    return (folder / "config.yaml").is_file() and any(
+        (folder / name).is_file() for name in (LOCK_FILE, "metrics.jsonl")
+    )
+
+
 def check_not_a_run_place(path: str | Path, flag: str) -> None:
     """An output is never written where a run keeps its own files, even ones not there yet, as a later
     resume or run would find it in the way or remove it: a name of the run's (RUN_PLACES) in a run
-    folder (one holding config.yaml) or anything under it (inside its checkpoints, snapshots), a
+    folder (is_run_folder) or anything under it (inside its checkpoints, snapshots), a
     run's lock file, and anything inside the other folders a run locks (checkpoint.dir, snapshot.dir
     or embedding.cache.directory elsewhere: they hold its lock file and no config.yaml)."""
     given, path = path, Path(path).absolute()
@@ -85,7 +93,7 @@ def check_not_a_run_place(path: str | Path, flag: str) -> None:
         raise ConfigError(f"{flag} {given}: is the lock file of the run in {path.parent}; give another path")
     below = path.name
     for folder in path.parents:
-        if (folder / "config.yaml").is_file():
+        if is_run_folder(folder):
             if below in RUN_PLACES:
                 where = "" if folder == path.parent else "inside "
                 raise ConfigError(
