@@ -92,14 +92,15 @@ def test_attention_under_autocast(dtype):
     assert out.shape == (2, 8) and torch.isfinite(out.float()).all() and not out[1].any()
 
 
-def tiny_din(cross_layers: int, precision: str) -> DIN:
+def tiny_din(cross_layers: int, precision: str, device: str = "cpu") -> DIN:
     tables = [
         TableConfig(name="movie", rows=10, dim=8, features=["movie"]),
         TableConfig(name="history", rows=10, dim=8, features=["history"], pooling="none"),
         TableConfig(name="liked", rows=2, dim=8, features=["liked"], pooling="none"),
     ]
-    embeddings = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name="sgd", lr=0.1))
-    return DIN(2, embeddings, [4], [8], "movie", "history", ["liked"], 3, [8], cross_layers, precision)
+    embeddings = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name="sgd", lr=0.1), device=device)
+    model = DIN(2, embeddings, [4], [8], "movie", "history", ["liked"], 3, [8], cross_layers, precision)
+    return model.to(device)
 
 
 def batch_of(histories: list[list[int]]) -> Batch:
@@ -233,6 +234,20 @@ def test_din_refuses_a_side_feature_out_of_step_with_the_history():
     })  # fmt: skip
     with pytest.raises(DataError, match=r"'liked' has 2 ids in sample 1 of the batch, but history 'history'"):
         model(Batch(batch.dense, sparse, batch.labels))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_din_checks_a_fed_batchs_side_features_on_the_host(monkeypatch):
+    """A batch fed to the GPU has its lengths on the host: the side-feature check compares those,
+    and reads nothing back from the device (torch.equal of CUDA tensors waits for the device)."""
+    from neorec.data.device_feed import DeviceFeed
+
+    model = tiny_din(0, "fp32", "cuda")
+    (fed,) = list(DeviceFeed([batch_of([[1, 2], [3], [4, 5, 6]])], "cuda", worker=True))
+    equal, devices = torch.equal, []
+    monkeypatch.setattr(torch, "equal", lambda a, b: devices.append(a.device.type) or equal(a, b))
+    assert torch.isfinite(model(fed)).all() and devices == ["cpu"]
 
 
 def test_din_refuses_a_sequence_table_it_does_not_read():

@@ -196,3 +196,15 @@ def test_what_is_derived_from_ids_and_lengths_follows_their_changes():
     with torch.inference_mode():
         frozen = SparseBatch(["a"], torch.tensor([5, 6]), torch.tensor([1, 1]))
         assert frozen.id_limits() == ([5], [6]) and frozen.length_per_key() == [2]
+
+
+def test_a_device_batch_keeps_the_host_lengths_it_was_copied_from():
+    """What reads a device batch's lengths on the host (DIN's side-feature check) takes those of the
+    host batch it was copied from, not a read of the device; none once the lengths changed."""
+    sb = SparseBatch(["a", "b"], torch.tensor([1, 2, 3, 4]), torch.tensor([1, 1, 2, 0]))
+    moved = sb.to("meta")  # a device no value is read from
+    assert moved.host_lengths("b").tolist() == [2, 0] and moved.host_lengths("a").device.type == "cpu"
+    assert sb.host_lengths("b").tolist() == [2, 0]
+    moved.lengths.add_(1)
+    assert moved.host_lengths("b") is None
+    assert SparseBatch(["a"], torch.tensor([1]), torch.tensor([1]).to("meta")).host_lengths("a") is None

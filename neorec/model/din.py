@@ -89,8 +89,7 @@ class DIN(nn.Module):
         keys, mask = history.to_padded(self.max_len)
         for name in self.history_side:
             side = sequences[name]
-            if not torch.equal(side.lengths, history.lengths):  # one host sync a side feature
-                raise DataError(_misaligned(name, side.lengths, self.history, history.lengths))
+            self._check_aligned(batch.sparse, name, side.lengths, history.lengths)
             keys = keys + side.to_padded(self.max_len)[0]
         query = pooled.narrow(1, self.target_start, self.dim)
         with dense_autocast(device, self.precision):
@@ -99,6 +98,17 @@ class DIN(nn.Module):
             x0 = torch.cat([dense_out.float(), pooled, interest.float()], dim=1)
             hidden = self.top[:-1](self.cross(x0))
         return last_layer(self.top, hidden)
+
+
+    def _check_aligned(self, sparse, side: str, side_lengths: torch.Tensor, lengths: torch.Tensor) -> None:
+        """DataError unless side feature `side` has as many ids as the history in every sample: read
+        on the host where the batch's lengths are known there (a batch fed to a GPU), else compared on
+        the device (one host read)."""
+        on_host = sparse.host_lengths(side), sparse.host_lengths(self.history)
+        if on_host[0] is not None and on_host[1] is not None:
+            side_lengths, lengths = on_host
+        if not torch.equal(side_lengths, lengths):
+            raise DataError(_misaligned(side, side_lengths, self.history, lengths))
 
 
 def _misaligned(side: str, side_lengths: torch.Tensor, history: str, lengths: torch.Tensor) -> str:

@@ -30,6 +30,7 @@ class SparseBatch:
 
     __slots__ = (
         "keys", "values", "lengths", "weights", "_offsets", "_length_per_key", "_id_limits", "_basis",
+        "_host_lengths",
     )  # fmt: skip
 
     def __init__(
@@ -52,6 +53,7 @@ class SparseBatch:
         self._length_per_key: list[int] | None = None
         self._id_limits: tuple[list[int], list[int]] | None = None
         self._basis = self.stamp()
+        self._host_lengths: torch.Tensor | None = None  # a host copy of a device batch's lengths
         if id_limits is not None:
             lows, highs = id_limits
             if len(lows) != len(self.keys) or len(highs) != len(self.keys):
@@ -163,7 +165,7 @@ class SparseBatch:
         changed since they were found (written in place, or replaced): the id check of every engine
         reads the limits, and stale ones would pass an id outside its table."""
         if not self.unchanged_since(self._basis):
-            self._offsets = self._length_per_key = self._id_limits = None
+            self._offsets = self._length_per_key = self._id_limits = self._host_lengths = None
             self._basis = self.stamp()
         return self
 
@@ -214,6 +216,17 @@ class SparseBatch:
     def known_id_limits(self) -> tuple[list[int], list[int]] | None:
         """The id limits if known without any work, else None."""
         return self._derived()._id_limits
+
+    def host_lengths(self, key: str) -> torch.Tensor | None:
+        """Feature `key`'s lengths on the host without reading the device: those of a batch on the
+        CPU, or those a device batch was copied from (`to`); None when neither is known."""
+        if self.lengths.device.type == "cpu":
+            lengths = self.lengths
+        elif (lengths := self._derived()._host_lengths) is None:
+            return None
+        b = self.batch_size
+        f = self._index(key)
+        return lengths[f * b : (f + 1) * b]
 
     def offset_per_key(self) -> list[int]:
         out = [0]
@@ -354,7 +367,10 @@ class SparseBatch:
         if values is self.values and lengths is self.lengths and weights is self.weights:
             return self
         self._derived()
-        return SparseBatch(self.keys, values, lengths, weights, self._length_per_key, self._id_limits)
+        out = SparseBatch(self.keys, values, lengths, weights, self._length_per_key, self._id_limits)
+        on_host = self.lengths if self.lengths.device.type == "cpu" else self._host_lengths
+        out._host_lengths = on_host if lengths.device.type != "cpu" else None
+        return out
 
     def pin_memory(self) -> SparseBatch:
         self._derived()
