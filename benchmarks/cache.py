@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import re
 import shutil
 import sys
@@ -254,7 +255,8 @@ def sweep(args) -> None:
     if args.no_append:
         print(markdown_table(header, rows))
         return
-    plot(results, PLOTS / args.plot)
+    title = plot_title(args.tier, args.policy, args.warmup, args.optimizer, args.device)
+    plot(results, title, PLOTS / args.plot)
     table_bytes = 26 * args.rows * args.dim * 4 * (2 if args.optimizer == "adagrad" else 1)
     notes = (
         f"26 tables x {args.rows:,} rows x dim {args.dim}, {args.optimizer} ({table_bytes / 2**30:.2f} GiB of rows "
@@ -280,12 +282,15 @@ def sweep(args) -> None:
     print(markdown_table(header, rows))
 
 
-def recorded_results(plot_name: str, stamp: str | None = None, path: Path = RECORDS / "cache.jsonl") -> list[dict]:
+def recorded_results(
+    plot_name: str, stamp: str | None = None, path: Path = RECORDS / "cache.jsonl"
+) -> tuple[list[dict], str]:
     """The rows of the last recorded table plotted to docs/img/<plot_name> (benchmarks/<plot_name> in
     records older than the move; with `stamp`: the one recorded then, e.g. "2026-11-22 16:09"), as
-    `plot` takes them."""
+    `plot` takes them, and the plot's title (plot_title of the setup the record's notes name)."""
     for record in reversed(read_records(path)):
-        named = re.search(rf"Plot: (docs/img|benchmarks)/{re.escape(plot_name)}\b", record.get("notes", ""))
+        notes = record.get("notes", "")
+        named = re.search(rf"Plot: (docs/img|benchmarks)/{re.escape(plot_name)}\b", notes)
         if not named or (stamp and stamp not in record["date"]):
             continue
         table = record["tables"][0]
@@ -301,49 +306,77 @@ def recorded_results(plot_name: str, stamp: str | None = None, path: Path = RECO
                 "samples_per_s": float(cells["samples/s"].replace(",", "")),
                 "hit_rate": float(cells["hit rate"]) if cells["hit rate"] != "-" else None,
             })  # fmt: skip
-        return rows
+        tier = next(r["case"].split(" + ")[0] for r in rows if r["fraction"] is not None)
+        device = "cuda" if any("GPU memory" in r["case"] for r in rows) else "cpu"
+        policy = re.search(r", (lru|lfu), best of", notes)
+        warmup = re.search(r"timed steps after (\d+)", notes)
+        optimizer = re.search(r"rows x dim \d+, (\w+) \(", notes)
+        if not (policy and warmup and optimizer):
+            sys.exit(f"{path}: the notes of {record['date']} do not name its policy, warm-up, optimizer")
+        return rows, plot_title(tier, policy.group(1), int(warmup.group(1)), optimizer.group(1), device)
     sys.exit(f"{path} has no table plotted to {plot_name}" + (f" at {stamp}" if stamp else ""))
 
 
-def plot(results: list[dict], path: Path) -> None:
-    """samples/s and hit rate against the cache size. A hit rate recorded below 0 (rows brought in
-    more than once in a step, by tables written before it was clamped) is drawn as 0, hollow."""
+def plot_title(tier: str, policy: str, warmup: int, optimizer: str, device: str = "cpu") -> str:
+    """What sets a sweep's plot apart from the others: where the tables and the cache are, the
+    eviction policy, the warm-up steps before timing, the embedding optimizer."""
+    tables = {"ssd": "tables in files (tier ssd)", "dram": "tables in host memory (tier dram)"}[tier]
+    cache = "GPU memory" if device == "cuda" else "RAM"
+    return (f"Training through a row cache in {cache} over {tables}\n"
+            f"{policy.upper()} eviction, timed after {warmup} warm-up steps, embedding optimizer {optimizer}")
+
+
+def plot(results: list[dict], title: str, path: Path | None):
+    """samples/s and hit rate against the cache size, one line per Zipf exponent (and variant: I/O
+    thread, release_mib), ticks at the measured sizes; written to `path` (None: the figure returned).
+    A hit rate recorded below 0 (rows brought in more than once in a step, by tables written before it
+    was clamped) is drawn as 0, hollow and not joined to the measured points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.3))
     clamped = False
     for zipf in sorted({r["zipf"] for r in results}):
         mine = [r for r in results if r["zipf"] == zipf]
-        ram = next(r for r in mine if r["fraction"] is None)["samples_per_s"]
-        for variant in dict.fromkeys(r["variant"] for r in mine if r["fraction"] is not None):
+        ram = next(r for r in mine if r["fraction"] is None)
+        variants = list(dict.fromkeys(r["variant"] for r in mine if r["fraction"] is not None))
+        colors = []
+        for variant in variants:
             cached = [r for r in mine if r["fraction"] is not None and r["variant"] == variant]
             x = [100 * r["fraction"] for r in cached]
-            label = f"Zipf {zipf}" + (
-                f", {cached[0]['case'].split(', ', 1)[1]}" if len(cached) < len(mine) - 1 else ""
-            )
+            label = f"Zipf {zipf}" + (f", {cached[0]['case'].split(', ', 1)[1]}" if len(variants) > 1 else "")
             line = ax1.plot(x, [r["samples_per_s"] for r in cached], "o-", label=f"{label}: cached")[0]
-            hits = [r["hit_rate"] for r in cached]
-            ax2.plot(x, [max(0.0, h) for h in hits], "o-", color=line.get_color(), label=label)
-            low = [(xi, 0.0) for xi, h in zip(x, hits, strict=True) if h <= 0]
+            colors.append(line.get_color())
+            hits = [math.nan if r["hit_rate"] is None else r["hit_rate"] for r in cached]
+            measured = [h if h >= 0 else math.nan for h in hits]  # NaN: the line breaks there
+            ax2.plot(x, measured, "o-", color=line.get_color(), label=label)
+            low = [xi for xi, h in zip(x, hits, strict=True) if h < 0]
             if low:
                 clamped = True
-                ax2.plot(*zip(*low, strict=True), "o", color=line.get_color(), markerfacecolor="white")
-        ax1.axhline(ram, color=line.get_color(), ls="--", lw=1, label=f"Zipf {zipf}: all in RAM")
+                ax2.plot(low, [0.0] * len(low), "o", color=line.get_color(), markerfacecolor="white")
+        ax1.axhline(ram["samples_per_s"], color=colors[0] if len(colors) == 1 else "grey", ls="--", lw=1,
+                    label=f"Zipf {zipf}: {ram['case']}")  # fmt: skip (all in RAM, or in GPU memory)
     ax2.set_ylim(-0.03, 1.03)  # a share of the rows looked up
     if clamped:
-        ax2.text(0.98, 0.02, "hollow: 0, the cache cannot hold a batch's rows\n(some brought in twice in a step)",
+        ax2.text(0.98, 0.02, "hollow: recorded below 0, drawn at 0: the cache cannot hold\n"
+                 "a batch's rows (some brought in twice in a step)",
                  transform=ax2.transAxes, ha="right", va="bottom", fontsize=7)  # fmt: skip
+    sizes = sorted({100 * r["fraction"] for r in results if r["fraction"] is not None})
     for ax, label in ((ax1, "samples/s"), (ax2, "hit rate")):
         ax.set_xscale("log")
+        ax.set_xticks(sizes, [f"{s:g}%" for s in sizes])  # the measured sizes, not powers of ten
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("rows cached (% of each table)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Training through the row cache (tables in files)")
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
+    if path is None:
+        return fig
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -452,7 +485,7 @@ def main() -> None:
     p.add_argument("--replot-stamp", default=None, help="--replot: the table recorded at this date and time")
     args = p.parse_args()
     if args.replot:
-        plot(recorded_results(args.replot, args.replot_stamp), PLOTS / args.replot)
+        plot(*recorded_results(args.replot, args.replot_stamp), PLOTS / args.replot)
         return
     torch.set_num_threads(args.threads)
     demo(args) if args.demo else sweep(args)

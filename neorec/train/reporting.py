@@ -168,7 +168,8 @@ class RunReporting:
         if self.cfg.logging.plot:
             from neorec.metrics.plot import plot_curves
 
-            plot_curves(read_metrics(self.out_dir / "metrics.jsonl"), self.out_dir / "curves.png", self.out_dir.name)
+            records = read_metrics(self.out_dir / "metrics.jsonl")
+            plot_curves(records, self.out_dir / "curves.png", self.out_dir.name, arch=self.cfg.model.arch)
 
 
 def train_line(
