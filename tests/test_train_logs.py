@@ -82,3 +82,18 @@ def test_a_diverged_run_logs_the_losses_before_it_and_draws_its_curves(tmp_path,
     assert [(r["split"], r["step"]) for r in lines] == want
     assert lines[2]["loss"] > 0 and lines[3]["loss"] is None  # NaN is written as null
     assert (tmp_path / "run" / "curves.png").stat().st_size > 0
+
+
+def test_the_summary_says_why_an_auc_is_not_a_number():
+    """A held-out set of one class has no AUC: the summary printed "eval AUC | nan" and a gap to the
+    ceiling of nan."""
+    from neorec.train.reporting import summary_table
+    from neorec.train.run_state import RunResult
+
+    result = RunResult(10, 100, 1.0, eval={"auc": float("nan"), "log_loss": 0.1, "love/auc": float("nan")},
+                       teacher_auc=float("nan"))  # fmt: skip
+    rows = dict(line.split(" | ") for line in summary_table(result).splitlines() if " | " in line)
+    rows = {k.strip(): v.strip() for k, v in rows.items()}
+    assert rows["eval AUC"] == rows["eval love/auc"] == "n/a (the held-out data has one class)"
+    assert rows["teacher AUC (ceiling)"] == "n/a (the held-out data has one class)"
+    assert rows["eval log loss"] == "0.1000" and "gap to ceiling" not in rows

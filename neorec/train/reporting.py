@@ -9,6 +9,7 @@ use the trainer's attributes listed in the class.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -199,6 +200,13 @@ def startup_text(startup: dict) -> str:
     return text
 
 
+def _metric_text(value: float, key: str) -> str:
+    """A metric of the summary; one that is not a number says why."""
+    if math.isfinite(value):
+        return f"{value:.4f}"
+    return "n/a (the held-out data has one class)" if key.endswith("auc") else "n/a (not finite)"
+
+
 def summary_table(result: RunResult) -> str:
     """The final human-readable summary."""
     rows = [
@@ -215,13 +223,13 @@ def summary_table(result: RunResult) -> str:
     for key, label in [("auc", "AUC"), ("ne", "normalized entropy"), ("log_loss", "log loss"),
                        ("accuracy", "accuracy"), ("calibration", "calibration (pred/obs CTR)")]:  # fmt: skip
         if key in e and e[key] is not None:
-            rows.append((f"eval {label}", f"{e[key]:.4f}"))
+            rows.append((f"eval {label}", _metric_text(e[key], key)))
     for key, value in e.items():  # per task (multi-task heads) and retrieval metrics
         if (key.endswith(("/auc", "/log_loss")) or key.startswith("recall@")) and value is not None:
-            rows.append((f"eval {key}", f"{value:.4f}"))
+            rows.append((f"eval {key}", _metric_text(value, key)))
     if result.teacher_auc is not None:
-        rows.append(("teacher AUC (ceiling)", f"{result.teacher_auc:.4f}"))
-        if "auc" in e:
+        rows.append(("teacher AUC (ceiling)", _metric_text(result.teacher_auc, "auc")))
+        if "auc" in e and math.isfinite(e["auc"]) and math.isfinite(result.teacher_auc):
             rows.append(("gap to ceiling", f"{result.teacher_auc - e['auc']:.4f}"))
     if result.comm_bytes_per_step:
         sent = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in result.comm_bytes_per_step.items())
