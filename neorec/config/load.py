@@ -347,7 +347,12 @@ def config_changes(previous: dict, cfg: RunConfig, ignore: Collection[str] = ())
     """The settings of `cfg` that differ from `previous` (a run's config.yaml as loaded), as
     "key: old -> new" by dotted key, in the config's order; keys only one of them has count too, the
     dotted keys in `ignore` not."""
-    old, new = _flat(previous), _flat(cfg.model_dump(mode="json"))
+    return tree_changes(previous, cfg.model_dump(mode="json"), ignore)
+
+
+def tree_changes(previous: dict, now: dict, ignore: Collection[str] = ()) -> list[str]:
+    """config_changes of two configs as dicts (a config.yaml as loaded, a model_dump)."""
+    old, new = _flat(previous), _flat(now)
     return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in {**new, **old}
             if old.get(k) != new.get(k) and k not in ignore]  # fmt: skip
 

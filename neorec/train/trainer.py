@@ -49,6 +49,7 @@ from neorec.train.progressive import ProgressiveValidation
 from neorec.train.reporting import RunReporting
 from neorec.train.run_folder import checkpoint_root, snapshot_root
 from neorec.train.run_state import STARTUP_STEPS, RunResult, RunState
+from neorec.train.same_config import check_same_config
 from neorec.train.schedule import lr_multiplier
 from neorec.train.signals import StopSignals
 from neorec.train.snapshots import PeriodicSnapshots
@@ -89,6 +90,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self.device = _training_device(cfg)
             self.topo = init_distributed(self.device, cfg.distributed.backend)
             self.comms = Comms(self.topo, transport=cfg.distributed.transport) if self.topo.world_size > 1 else None
+            if self.comms is not None:
+                check_same_config(cfg, self.comms)
             self.is_main = self.topo.rank == 0
             if self.comms is not None and cfg.data.batch_size % self.topo.world_size:
                 raise ConfigError(
