@@ -131,7 +131,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from neorec.checkpoint.stream import load_model_state
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
+    from neorec.data.sample_digest import SampleDigest
     from neorec.train.build import check_trained_lookups
+    from neorec.train.eval_data import check_eval_samples, check_eval_settings, recorded_eval_data
     from neorec.train.evaluation import evaluate
     from neorec.train.run_folder import private_cache_directory
     from neorec.train.trainer import Trainer
@@ -144,6 +146,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = load_config(str(cfg_path), args.overrides)
     if args.overrides:
         check_same_training_data(load_config(str(cfg_path)), cfg, cfg_path)
+    if (record := recorded_eval_data(run, args.overrides)) is not None:  # the run's held-out data?
+        check_eval_settings(record, cfg, run)
     if cfg.data.follow is not None:  # its source would wait for partitions, and has no held-out set
         raise NeorecError(
             f"{run}: followed a stream (data.follow), which has no held-out set: every batch was scored "
@@ -157,10 +161,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
             check_trained_lookups(cfg_path, trainer.tables, trainer.source.info, "--set")
         state = load_model_state(run / "model.pt")  # checked against its CRC32s, on the CPU (a GPU run's too)
         check_model_state(trainer.model, state, run / "model.pt", args.overrides)
+        digest = SampleDigest()
         with process_settings(cfg.train.threads):  # as training evaluated
-            metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size)
+            metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size, digest=digest)
+        skipped = int(getattr(trainer.source, "num_skipped", 0) or 0)
     if not metrics:
         raise NeorecError(f"{run}: its config's data has no held-out samples to evaluate")
+    if record is not None:
+        check_eval_samples(record, digest.hex(), run)
+    if skipped:  # data.criteo.bad_lines: skip
+        metrics["malformed_lines_skipped"] = skipped
     width = max(len(k) for k in metrics)
     for k, v in metrics.items():
         print(f"{k.ljust(width)} | {v:.6g}" if isinstance(v, float) else f"{k.ljust(width)} | {v}")

@@ -166,13 +166,19 @@ def check_data_settings(data: Any, state: Any, where: str | Path) -> None:
         )
 
 
-def first_data_change(saved: dict[str, Any], now: dict[str, Any]) -> tuple[str, Any, Any] | None:
+def first_data_change(
+    saved: dict[str, Any], now: dict[str, Any], by_place: bool = False
+) -> tuple[str, Any, Any] | None:
     """(key under data., saved value, value now) of the first setting two `data_settings` differ in
-    (the source first), None when they are the same."""
+    (the source first), None when they are the same. A path is the same when written the same or
+    naming the same place from each one's working folder; `by_place`: only when naming the same place
+    (the same process reading the run's files again, not the nodes of one job)."""
     keys = (saved.keys() | now.keys()) - {"source", _WORKING_FOLDER}
     for key in ["source", *sorted(keys)]:
         was, is_ = saved.get(key), now.get(key)
-        if was == is_ or (key in _PATH_KEYS and _places(saved, was) == _places(now, is_)):
+        if key in _PATH_KEYS and _places(saved, was) == _places(now, is_):
+            continue
+        if was == is_ and not (by_place and key in _PATH_KEYS):
             continue
         return key, was, is_
     return None

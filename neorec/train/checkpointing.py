@@ -139,8 +139,8 @@ class CheckpointHandling:
             fsync_dir(self.out_dir)
             log.warning(
                 f"{self.out_dir}: removed {' and '.join(gone)}, of the run before this one resumed at step "
-                f"{step}; it writes them again when it ends, and eval and export read its newest "
-                "checkpoint until then"
+                f"{step}; it writes them again when it ends (until then, export reads its newest "
+                "checkpoint, and eval waits for the end)"
             )
 
     def _checkpoint_to_resume(self) -> Path | None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from neorec.config.schema import TrainConfig
 from neorec.data.ranks import RankData
+from neorec.data.sample_digest import SampleDigest
 from neorec.data.source import DataSource
 from neorec.distributed.comms import Comms
 from neorec.metrics.evaluation import binary_metrics
@@ -41,6 +42,7 @@ def evaluate(
     comms: Comms | None = None,
     progress: bool = False,
     stop: Callable[[], int] | None = None,
+    digest: SampleDigest | None = None,
 ) -> dict[str, float]:
     """Metrics of `model` on the source's whole held-out set (its first `max_batches` batches). Over
     W processes (`comms`) each rank scores its rows of every batch (neorec/data/ranks.py) and scores
@@ -49,7 +51,8 @@ def evaluate(
     two-tower retrieval) or turn scores and labels into its own metrics (`held_out_metrics`: per task).
     stop: called before each batch (by every rank: StopSignals.agreed, collective), a signal number
     ends the evaluation with EvaluationStopped, so that a stop asked for during a long evaluation is
-    not kept waiting for its end (a scheduler's grace period is short)."""
+    not kept waiting for its end (a scheduler's grace period is short). digest: takes the held-out
+    samples scored (each rank its own, padding left out)."""
     was_training = model.training
     model.eval()
     if (own := getattr(model, "evaluate_held_out", None)) is not None:
@@ -62,6 +65,8 @@ def evaluate(
     rank = comms.topo.rank if comms is not None else 0
     data = RankData(source, batch_size, rank, world)
     bar = progress_bar(max_batches, "evaluation", progress and rank == 0, unit="batch", delay=1.0, leave=False)
+    if digest is not None:
+        digest.started = True
     for i, (batch, n) in enumerate(data.eval_slices(batch_size)):
         if max_batches is not None and i >= max_batches:
             break
@@ -72,6 +77,8 @@ def evaluate(
             raise EvaluationStopped(signum)
         if bar is not None:
             bar.update(1)
+        if digest is not None:  # this rank's rows of the batch's n samples are its share's first ones
+            digest.add(batch, max(0, min(len(batch), n - rank * -(-n // world))))
         scores = model(batch.to(device) if device.type != "cpu" else batch).float().cpu()  # logits
         if world == 1:
             logits.append(scores)

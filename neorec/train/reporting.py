@@ -159,10 +159,18 @@ class RunReporting:
             **({"device_peak_mib_per_rank": peaks} if peaks else {}),
             **({"planned_device_mib_per_rank": planned} if planned else {}),
             **{f"eval_{k}": v for k, v in result.eval.items()},
+            **({"eval_data": self._eval_data(result.eval_digest)} if result.eval_digest else {}),
             **({"partitions": result.partitions} if result.partitions else {}),
         }
         write_text(self.out_dir / "summary.json", strict_dumps(summary, indent=2), "run summary")  # NaN/inf: null
         self._plot_curves()
+
+    def _eval_data(self, digest: str) -> dict:
+        """What `neorec eval` compares its held-out data with: the digest of the samples the final
+        evaluation scored, and the settings and working folder they were read with."""
+        from neorec.data.reader_position import data_settings
+
+        return {"samples_digest": digest, "seed": self.cfg.seed, "settings": data_settings(self.cfg.data)}
 
     def _plot_curves(self) -> None:
         """curves.png of the run's metrics.jsonl so far (logging.plot)."""

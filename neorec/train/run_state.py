@@ -26,6 +26,7 @@ class RunResult:
     train_seconds: float
     losses: list[float] = field(default_factory=list)  # every step's loss, for determinism checks
     eval: dict[str, float] = field(default_factory=dict)
+    eval_digest: str | None = None  # of the held-out samples the final evaluation scored (sample_digest.py)
     teacher_auc: float | None = None
     skipped_lines: int = 0  # malformed input lines skipped under the reader's `skip` policy
     out_dir: Path | None = None

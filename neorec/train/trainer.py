@@ -27,6 +27,7 @@ from neorec.config.schema import RunConfig
 from neorec.data.device_feed import DeviceFeed
 from neorec.data.prefetch import prefetch
 from neorec.data.ranks import RankData, untrained_text
+from neorec.data.sample_digest import SampleDigest
 from neorec.distributed.comms import Comms
 from neorec.distributed.dense import DenseGradSync
 from neorec.distributed.topology import Topology, choose_backend, init_distributed, rank_device
@@ -400,9 +401,12 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         checkpoint holding the evaluation still to do (a mid-run one: the resumed run does it first,
         so its metrics are the uninterrupted run's; the final one comes anyway)."""
         progress = final and self.cfg.train.progress
+        digest = SampleDigest() if final else None  # what the final one scored: `neorec eval` compares
         try:
             teacher = run.result.teacher_auc
-            return self._eval(run.logger, run.step, max_batches, teacher, progress, stop.agreed)
+            metrics = self._eval(run.logger, run.step, max_batches, teacher, progress, stop.agreed, digest)
+            run.result.eval_digest = digest.hex(self.comms) if digest is not None else None
+            return metrics
         except EvaluationStopped as e:
             self._read_losses(run)  # no checkpoint after a NaN
             self.eval_pending = None if final else {"max_batches": max_batches}
@@ -447,11 +451,13 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         teacher_auc: float | None,
         progress: bool = False,
         stop: Callable[[], int] | None = None,
+        digest: SampleDigest | None = None,
     ) -> dict:
         batch_size = self.cfg.data.eval_batch_size
         with self._counted_as_eval():  # its exchanges are no training step's
             metrics = evaluate(
-                self.model, self.source, batch_size, max_batches, self.comms, progress and self.is_main, stop
+                self.model, self.source, batch_size, max_batches, self.comms, progress and self.is_main, stop,
+                digest,
             )
         if not metrics:  # no held-out samples: nothing to log or plot
             return metrics

@@ -1,0 +1,68 @@
+"""`neorec eval` scores the held-out data its run's config names now. That is the run's held-out set
+only while the data are as the run read them: files rewritten or moved since, a relative path read
+from another working folder, or a config.yaml edited by hand give another set, and metrics that are
+not the run's. A run records in summary.json ("eval_data") the settings and working folder its data
+were read with and a digest of the samples its final evaluation scored (neorec/data/sample_digest.py);
+`neorec eval` compares both, unless its `--set` chooses other held-out data on purpose."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from neorec.config.schema import RunConfig
+from neorec.data.reader_position import data_settings, first_data_change
+from neorec.errors import ConfigError, DataError
+from neorec.utils.files import load_json
+
+# data settings an evaluation may change and still score the run's held-out samples
+_SAME_SAMPLES = ("data.eval_batch_size", "data.batch_size")
+
+
+def recorded_eval_data(run: Path, overrides: list[str]) -> dict | None:
+    """The run's record of its held-out data, when `neorec eval` with `overrides` should score the
+    same samples: None for a run without one (written before it was kept), or when an override of a
+    data setting chooses other held-out data."""
+    chosen = [o.split("=", 1)[0].strip() for o in overrides]
+    if any(k.startswith("data.") and k not in _SAME_SAMPLES and not k.endswith((".threads", ".prefetch"))
+           for k in chosen):  # fmt: skip
+        return None
+    path = run / "summary.json"
+    if not path.is_file():
+        return None
+    record = load_json(path, "run summary", "it is written when the run finishes; train again to remake it")
+    found = record.get("eval_data")
+    if not isinstance(found, dict) or not isinstance(found.get("samples_digest"), str):
+        return None
+    return found
+
+
+def check_eval_settings(record: dict, cfg: RunConfig, run: Path) -> None:
+    """The data settings and seed the run read its held-out data with, against those of `cfg` here
+    (relative paths taken from each one's working folder), before anything is read."""
+    saved = record.get("settings")
+    change = first_data_change(saved, data_settings(cfg.data), by_place=True) if isinstance(saved, dict) else None
+    if change is not None:
+        key, was, now = change
+        where = saved.get("working_folder")
+        raise ConfigError(
+            f"{run} read its held-out data with data.{key} {was!r} (from the folder {where}); its "
+            f"config.yaml here gives {now!r}: another held-out set, and metrics that are not the run's. "
+            f"Run `neorec eval` from {where} (relative paths start there), or put the config back"
+        )
+    if record.get("seed") is not None and record["seed"] != cfg.seed:
+        raise ConfigError(
+            f"{run} trained with seed {record['seed']}, its config.yaml now has {cfg.seed}: the seed draws "
+            "and splits the data, so another one scores other held-out samples; put the config back"
+        )
+
+
+def check_eval_samples(record: dict, digest: str | None, run: Path) -> None:
+    """The digest of the held-out samples scored now against the one the run's final evaluation
+    recorded."""
+    if digest is not None and digest != record["samples_digest"]:
+        raise DataError(
+            f"{run}: the held-out samples its config names now differ from those the run scored when it "
+            f"finished (digest {digest}, summary.json records {record['samples_digest']}): its data files "
+            "changed since (rewritten, moved or grown), so these metrics would not be the run's. Evaluate "
+            "other data on purpose with --set (e.g. the held-out paths), or `neorec predict --data`"
+        )
