@@ -133,7 +133,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from neorec.config.load import load_config
     from neorec.data.sample_digest import SampleDigest
     from neorec.train.build import check_trained_lookups
-    from neorec.train.eval_data import check_eval_samples, check_eval_settings, recorded_eval_data
+    from neorec.train.eval_data import (
+        check_eval_overrides,
+        check_eval_samples,
+        check_eval_settings,
+        recorded_eval_data,
+    )
     from neorec.train.evaluation import evaluate
     from neorec.train.run_folder import private_cache_directory
     from neorec.train.trainer import Trainer
@@ -161,6 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             check_trained_lookups(cfg_path, trainer.tables, trainer.source.info, "--set")
         state = load_model_state(run / "model.pt")  # checked against its CRC32s, on the CPU (a GPU run's too)
         check_model_state(trainer.model, state, run / "model.pt", args.overrides)
+        check_eval_overrides(args.overrides)  # of the same shapes, yet another model
         digest = SampleDigest()
         with process_settings(cfg.train.threads):  # as training evaluated
             metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size, digest=digest)

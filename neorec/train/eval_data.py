@@ -16,6 +16,22 @@ from neorec.utils.files import load_json
 
 # data settings an evaluation may change and still score the run's held-out samples
 _SAME_SAMPLES = ("data.eval_batch_size", "data.batch_size")
+# settings of how the trained model computes its scores, which an evaluation of the run keeps
+_THE_MODEL = ("model.", "embedding.dim", "embedding.pooling", "embedding.dtype")
+_A_TABLES = (".dim", ".pooling", ".dtype", ".rows", ".features")
+
+
+def check_eval_overrides(overrides: list[str]) -> None:
+    """`neorec eval --set` of a setting of the model (its layers, attention, precision, a table's
+    dim, pooling or storage dtype) is refused: the shapes may still fit model.pt, and the metrics
+    printed as the run's would be another model's."""
+    for key in (o.split("=", 1)[0].strip() for o in overrides):
+        of_a_table = key.startswith("embedding.tables.") and key.endswith(_A_TABLES)
+        if key.startswith(_THE_MODEL) or of_a_table:
+            raise ConfigError(
+                f"--set {key}: changes how the run's model computes its scores, so the metrics would be "
+                "another model's; `neorec eval` scores the run as it trained: leave it out"
+            )
 
 
 def recorded_eval_data(run: Path, overrides: list[str]) -> dict | None:

@@ -50,6 +50,9 @@ def run(tmp_path_factory) -> Path:
         # the same shapes, another model: refused, as a checkpoint (its manifest) refuses it
         ("embedding.pooling=mean", ["model.pt: table 'C1' has pooling sum in", "but mean in --set"]),
         ("embedding.tables={C3: {pooling: mean}}", ["table 'C3' has pooling sum in"]),
+        # the same shapes and state, another computation: metrics of another model, printed as the run's
+        ("embedding.dtype=fp16", ["--set embedding.dtype: changes how the run's model computes"]),
+        ("model.precision=bf16", ["--set model.precision: changes how the run's model computes"]),
     ],
 )
 def test_eval_with_a_config_that_does_not_fit_model_pt(run, capsys, override, words):
