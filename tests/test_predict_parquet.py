@@ -78,6 +78,13 @@ def test_files_without_the_label_column_are_scored_without_labels(parquet_model,
     ):
         predict_file(model, tmp_path / "e.txt", data=tmp_path / "nulls", with_labels=True)
     assert not (tmp_path / "c.txt").exists() and not (tmp_path / "new" / "p.txt").exists()
+    # an unlabeled file listed before a labeled one: all were scored without labels, without a word
+    (tmp_path / "mixed").mkdir()
+    pq.write_table(table.drop_columns(["label"]), tmp_path / "mixed" / "part-0.parquet", row_group_size=100)
+    pq.write_table(table, tmp_path / "mixed" / "part-1.parquet", row_group_size=100)
+    words = r"part-0.parquet has no column 'label', but .*part-1.parquet has labels"
+    with pytest.raises(DataError, match=words):
+        predict_file(model, tmp_path / "f.txt", data=tmp_path / "mixed")
 
 
 def test_vocabularies_counted_again_are_refused_by_a_resume_and_by_predict(tmp_path):

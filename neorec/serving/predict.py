@@ -231,24 +231,39 @@ def _check_vocabularies(exported: ExportedModel, source) -> None:
 
 def _missing_labels(exported: ExportedModel, data: Path) -> str | None:
     """Why the files `data` have no labels (None: they have): Criteo TSV lines of 39 fields, or Parquet
-    files (the first one listed) without the label column of the model's config, or whose label
-    column holds only nulls (rows not labeled yet). What cannot be opened is the reader's to report
-    (as are some labels missing among others: an error naming the row)."""
+    files without the label column of the model's config, or whose label column holds only nulls
+    (rows not labeled yet); Parquet files of both kinds are a DataError. What cannot be opened is the
+    reader's to report (as are some labels missing among others: an error naming the row)."""
     parquet = exported.config.data.parquet
     if exported.config.data.source != "parquet" or parquet is None:
         return "its lines have 39 fields: I1..I13, C1..C26" if _unlabeled_tsv(data) else None
-    from neorec.data.parquet import list_files, open_parquet
+    from neorec.data.parquet import list_files
 
     try:
         fs, files = list_files(str(data))
-        first = open_parquet(fs, files[0])
-        if parquet.label not in first.schema_arrow.names:
-            return f"{files[0]} has no column {parquet.label!r}"
-        labels = first.read(columns=[parquet.label]).column(0)
+        why = [_unlabeled_parquet(fs, f, parquet.label) for f in files]
     except (OSError, NeorecError, ValueError):  # pyarrow's errors are ValueErrors
         return None
+    if any(w is None for w in why) and any(w is not None for w in why):  # scored as one or the other
+        labeled = files[why.index(None)]
+        unlabeled = next(w for w in why if w is not None)
+        raise DataError(
+            f"--data {data}: {unlabeled}, but {labeled} has labels; score labeled and unlabeled files "
+            "apart (their predictions would otherwise all go without labels, or stop at the first null)"
+        )
+    return why[0]
+
+
+def _unlabeled_parquet(fs, path: str, label: str) -> str | None:
+    """Why Parquet file `path` has no labels (None: it has)."""
+    from neorec.data.parquet import open_parquet
+
+    file = open_parquet(fs, path)
+    if label not in file.schema_arrow.names:
+        return f"{path} has no column {label!r}"
+    labels = file.read(columns=[label]).column(0)
     if len(labels) and labels.null_count == len(labels):
-        return f"{files[0]}: its column {parquet.label!r} holds only nulls, rows not labeled yet"
+        return f"{path}: its column {label!r} holds only nulls, rows not labeled yet"
     return None
 
 
