@@ -28,6 +28,9 @@ def test_legends_outside_bars_labelled_axes_and_small_values_readable():
                 assert a.get_xlabel() == "rank" and a.get_ylabel()
         labels = [t.get_text() for t in rows[0][-1].get_legend().get_texts()]
         assert any(t.startswith("ids (up to ") and t.endswith(" ms)") for t in labels), labels
+        # the report's step estimate (each phase's slowest rank) can exceed every rank's bar: drawn
+        step = out.results[-1].estimate.step_time * 1e3
+        assert f"step estimate {step:.2f} ms (slowest rank in each phase)" in labels, labels
         memory_labels = [t.get_text() for t in rows[1][-1].get_legend().get_texts()]
         # the model's few MB are drawn on their own scale, the capacity named instead of drawn
         assert any("off the scale" in t for t in memory_labels), memory_labels

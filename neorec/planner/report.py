@@ -161,7 +161,11 @@ def plan_figure(results: list[PlanResult], cluster: Cluster):
             ax.bar_label(bars, labels=[f"{b:.2f}" for b in bottom], fontsize=7, padding=2)
         if res.bound is not None:
             ax.axhline(res.bound.value * 1e3, color="black", linestyle="--", linewidth=1, label="lower bound")
-        ax.set_ylim(0, 1.15 * max(top_ms, res.bound.value * 1e3 if res.bound is not None else 0.0, 1e-9))
+        step_ms = res.estimate.step_time * 1e3  # ranks wait for each other at every exchange
+        ax.axhline(step_ms, color="darkred", linestyle="-.", linewidth=1,
+                   label=f"step estimate {step_ms:.2f} ms (slowest rank in each phase)")  # fmt: skip
+        bound_ms = res.bound.value * 1e3 if res.bound is not None else 0.0
+        ax.set_ylim(0, 1.15 * max(top_ms, step_ms, bound_ms, 1e-9))
         ax.set_title(f"{res.name}: cost per rank (max/mean {res.estimate.imbalance:.3f})")
         ax.set_ylabel("estimated ms per step")
         ax = axes[1][col]
