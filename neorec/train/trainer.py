@@ -405,7 +405,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         try:
             teacher = run.result.teacher_auc
             metrics = self._eval(run.logger, run.step, max_batches, teacher, progress, stop.agreed, digest)
-            run.result.eval_digest = digest.hex(self.comms) if digest is not None else None
+            run.result.eval_digest = digest.hex(self.comms) if digest is not None and metrics else None
             return metrics
         except EvaluationStopped as e:
             self._read_losses(run)  # no checkpoint after a NaN
