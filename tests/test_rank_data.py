@@ -277,8 +277,9 @@ def test_two_ranks_on_preprocessed_parts_train_like_one_process_and_resume_exact
         assert torch.equal(run[key], value), key
     lines = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     uninterrupted = [json.loads(x) for x in (out / "whole" / "metrics.jsonl").read_text().splitlines()]
-    # train lines at 3..18, evaluations at 4, 8, 12, 16 (train.eval_every auto) and 20, epoch 0's end at 12
-    assert len(lines) == len(uninterrupted) == 12
+    # train lines at 3..18 and 20 (the last steps), evaluations at 4, 8, 12, 16 (train.eval_every auto)
+    # and 20, epoch 0's end at 12
+    assert len(lines) == len(uninterrupted) == 13
     timed = ("time", "samples_per_s", "data_wait_ms")
     for got, want in zip(lines, uninterrupted, strict=True):  # the same lines, up to times and speeds
         assert {k: v for k, v in got.items() if k not in timed} == {k: v for k, v in want.items() if k not in timed}

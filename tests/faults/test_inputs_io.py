@@ -54,8 +54,10 @@ def sets(items: list[str]) -> list[str]:
 
 
 def one_line(code: int, err: str, want: int, *words: str) -> None:
-    """Exit `want`, one error line, no traceback; each of `words` ("a|b": either) in the message."""
+    """Exit `want`, one error line, no traceback; each of `words` ("a|b": either) in the message. The
+    log lines of steps trained before a failure at the end of a run are no part of it."""
     assert code == want and "Traceback" not in err, err
+    err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("neorec: step "))
     lines = [line for line in err.splitlines() if line.startswith("neorec: error:")]
     assert len(lines) == 1 and err.startswith("neorec: error: "), err
     for w in words:
