@@ -207,4 +207,7 @@ def test_a_device_batch_keeps_the_host_lengths_it_was_copied_from():
     assert sb.host_lengths("b").tolist() == [2, 0]
     moved.lengths.add_(1)
     assert moved.host_lengths("b") is None
+    again = sb.to("meta")
+    sb.lengths[3] = 1  # the host buffer refilled after the copy: its lengths are not the device batch's
+    assert again.host_lengths("b") is None
     assert SparseBatch(["a"], torch.tensor([1]), torch.tensor([1]).to("meta")).host_lengths("a") is None

@@ -53,7 +53,8 @@ class SparseBatch:
         self._length_per_key: list[int] | None = None
         self._id_limits: tuple[list[int], list[int]] | None = None
         self._basis = self.stamp()
-        self._host_lengths: torch.Tensor | None = None  # a host copy of a device batch's lengths
+        # the host lengths a device batch was copied from, and their version then
+        self._host_lengths: tuple[torch.Tensor, int] | None = None
         if id_limits is not None:
             lows, highs = id_limits
             if len(lows) != len(self.keys) or len(highs) != len(self.keys):
@@ -222,8 +223,10 @@ class SparseBatch:
         CPU, or those a device batch was copied from (`to`); None when neither is known."""
         if self.lengths.device.type == "cpu":
             lengths = self.lengths
-        elif (lengths := self._derived()._host_lengths) is None:
-            return None
+        elif (copied := self._derived()._host_lengths) is None or _version(copied[0]) != copied[1]:
+            return None  # not known, or the host tensor was written since (a buffer refilled)
+        else:
+            lengths = copied[0]
         b = self.batch_size
         f = self._index(key)
         return lengths[f * b : (f + 1) * b]
@@ -368,7 +371,9 @@ class SparseBatch:
             return self
         self._derived()
         out = SparseBatch(self.keys, values, lengths, weights, self._length_per_key, self._id_limits)
-        on_host = self.lengths if self.lengths.device.type == "cpu" else self._host_lengths
+        on_host = self._host_lengths
+        if self.lengths.device.type == "cpu":
+            on_host = (self.lengths, _version(self.lengths))
         out._host_lengths = on_host if lengths.device.type != "cpu" else None
         return out
 
