@@ -17,7 +17,7 @@ from neorec.cli_args import (
     writable,
 )
 from neorec.config.limits import MAX_BATCH, MAX_RANKS, max_processes, max_threads, per_core
-from neorec.errors import ConfigError, NeorecError, failure, state_mismatch
+from neorec.errors import ConfigError, DistributedError, NeorecError, failure, peer_gone, state_mismatch
 from neorec.utils.logging import setup_logging
 
 
@@ -31,12 +31,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc is not None and ("RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ):
+        # each rank would start a job of its own, all of them in one folder
+        raise NeorecError("--nproc starts torchrun itself; under torchrun (RANK set) leave it out")
     from neorec.utils.parent_watch import die_with_launcher
 
-    die_with_launcher()  # a worker of `--nproc N` ends with its launcher, even one killed by SIGKILL
+    die_with_launcher()  # a worker of `--nproc N` or torchrun ends with its launcher, even a SIGKILLed one
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
-    from neorec.distributed.topology import Topology
+    from neorec.distributed.topology import Topology, check_rank_environment
     from neorec.train.build import check_before_launch
     from neorec.train.run_folder import (
         check_output_dir,
@@ -48,6 +51,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     )  # fmt: skip
     from neorec.train.run_lock import hold_run_folders
 
+    # RANK, WORLD_SIZE, MASTER_ADDR, ...: checked before any folder is touched (--nproc N: torchrun sets them)
+    topo = Topology() if (args.nproc or 1) > 1 else check_rank_environment()
     overrides = list(args.overrides)
     if args.follow is not None:
         overrides.append(f"data.follow.dir={args.follow}")
@@ -58,7 +63,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config or "default", overrides)  # validated before any process starts
     if cfg.data.follow is not None and not args.overwrite and args.resume is False:
         args.resume = True  # the same command again continues the stream from its newest checkpoint
-    processes = max(args.nproc or 1, Topology.from_env().world_size)  # a worker's: its world
+    processes = max(args.nproc or 1, topo.world_size)  # a worker's: its world
     check_memory(cfg, processes=processes)  # the tables and layers fit this machine, before any is built
     if args.resume not in (False, True):
         from neorec.checkpoint.load import checkpoint_folder
@@ -74,9 +79,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_run_folder(cfg, out_dir, overwrite=args.overwrite, resume=bool(args.resume))
         if args.resume and "RANK" not in os.environ:
             check_resume_before_launch(cfg, out_dir, args.resume, nproc)
-        if args.overwrite and os.environ.get("RANK", "0") == "0":  # torchrun's other ranks leave it to rank 0
+        if args.overwrite and topo.rank == 0:  # torchrun's other ranks leave it to rank 0
             clear_run_folder(cfg, out_dir)
-        elif args.resume in (False, True) and os.environ.get("RANK", "0") == "0":
+        elif args.resume in (False, True) and topo.rank == 0:
             clear_unfinished_run(cfg, out_dir)  # where no checkpoint is there to resume
         if nproc > 1:
             from neorec.distributed.launch import launch_torchrun
@@ -478,9 +483,11 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             raise
         code, message = known
-        reported = e if isinstance(e, NeorecError) else NeorecError(message)
+        gone = peer_gone(e)  # another rank failed (exit 1): that rank says why
+        reported = e if isinstance(e, NeorecError) else (DistributedError if gone else NeorecError)(message)
         if not report_failure(reported, code):  # a worker of `neorec train --nproc N`: the launcher prints it
-            print(f"neorec: error: {message}", file=sys.stderr)
+            rank = os.environ.get("RANK") if gone else None  # under torchrun every rank prints its own line
+            print(f"neorec: error: {f'rank {rank}: ' if rank else ''}{message}", file=sys.stderr)
         return code
 
 

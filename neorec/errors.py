@@ -21,7 +21,8 @@ class DataError(NeorecError):
 
 
 class DistributedError(NeorecError):
-    """Another rank failed or stopped answering; the message names it and how long this rank waited."""
+    """Another rank failed or stopped answering; the message names it and how long this rank waited.
+    Not the input's fault: the command line exits 1 (the rank that failed first says why)."""
 
 
 class MachineError(NeorecError):
@@ -88,14 +89,30 @@ def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     return f"{message[: limit * 3 // 4]} ... ({len(message)} characters in all) ... {message[-limit // 8 :]}"
 
 
+# what gloo and torch's store say when a peer's process is gone: the failure is another rank's
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "rank that failed first")
+
+
+def peer_gone(error: BaseException) -> bool:
+    """Whether `error` stopped this rank because another rank failed: a DistributedError, or torch's
+    error of a collective whose peer process is gone."""
+    if isinstance(error, DistributedError):
+        return True
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in PEER_GONE)
+
+
 def failure(error: BaseException) -> tuple[int, str] | None:
     """(exit code, one-line message) of an exception that a command reports as `neorec: error: ...`:
     2 for bad input (a NeorecError, a path that cannot be used, input nested too deeply, not UTF-8 or
     holding an integer of thousands of digits),
     1 for a failure of the machine (disk full, an I/O error, a file-size limit, out of memory, or a
-    NeorecError caused by one). None for anything else: a bug, whose traceback is its report."""
+    NeorecError caused by one) or of another rank (a DistributedError, a peer's process gone).
+    None for anything else: a bug, whose traceback is its report."""
     if isinstance(error, NeorecError):
-        return (1 if isinstance(error, MachineError) or _machine_cause(error) else 2), bounded(str(error))
+        machine = isinstance(error, MachineError | DistributedError) or _machine_cause(error)
+        return (1 if machine else 2), bounded(str(error))
+    if peer_gone(error):
+        return 1, _peer_message(str(error))
     if out_of_memory(error):
         detail = " ".join(str(error).split())
         detail = detail[detail.find("DefaultCPUAllocator") :] if "DefaultCPUAllocator" in detail else detail
@@ -120,6 +137,18 @@ def failure(error: BaseException) -> tuple[int, str] | None:
     ):  # Python's 4300-digit limit
         return 2, "an input holds an integer of thousands of digits; no count or size is that large"
     return None
+
+
+def _peer_message(text: str) -> str:
+    """One line for gloo's error of a peer that is gone: `[.../pair.cc:553] Connection closed by peer
+    [127.0.0.1]:20378. This is typically caused by ...` becomes its first sentence, without the path."""
+    text = " ".join(text.split())
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\] ", "", text)
+    first = text.split(". ", 1)[0].rstrip(".")[:200]
+    return (
+        f"a peer rank's process is gone ({first}); this rank stops too: the rank that failed first says "
+        "why in its own output"
+    )
 
 
 def out_of_memory(error: BaseException) -> bool:

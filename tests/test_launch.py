@@ -114,3 +114,25 @@ def test_exit_code_is_the_first_failing_rank_s_own_even_when_the_agent_ended_it(
     # a rank killed without a report: the code is 1, never a negative number
     assert _report_failures({0: SimpleNamespace(exitcode=-9, timestamp=1.0)}, {}) == 1
     assert "killed by SIGKILL" in capsys.readouterr().err
+
+
+def test_a_rank_killed_by_the_agent_s_sigterm_follows_the_one_that_died(capsys):
+    """A worker SIGKILLed during start-up (before either wrote a report): torch's timestamps of the two
+    ranks it reaped together tie, and the rank the agent then ended with SIGTERM is not the first."""
+    from types import SimpleNamespace
+
+    from neorec.distributed.launch import _report_failures
+
+    ended = SimpleNamespace
+    failures = {0: ended(exitcode=-15, timestamp=7.0), 1: ended(exitcode=-9, timestamp=7.0)}
+    assert _report_failures(failures, {}) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "neorec: error: rank 1 failed first: killed by SIGKILL",
+        "neorec: rank 0 stopped after it: killed by SIGTERM",
+    ]
+    # a rank that reported its own failure still comes first, whatever the killed one's time
+    error = "cannot write x: No space left on device"
+    reports = {1: {"time": 9.0, "error": error, "follows": False, "code": 1}}
+    failures = {0: ended(exitcode=-15, timestamp=8.0), 1: ended(exitcode=1, timestamp=9.5)}
+    assert _report_failures(failures, reports) == 1
+    assert capsys.readouterr().err.splitlines()[0] == f"neorec: error: rank 1 failed first: {error}"

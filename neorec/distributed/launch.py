@@ -34,9 +34,6 @@ from pathlib import Path
 REPORT_DIR = "NEOREC_REPORT_DIR"
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
-# what gloo says when a peer process is gone: the failure is another rank's
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "rank that failed first")
-
 
 def launch_torchrun(nproc: int, argv: list[str], user_argv: list[str], env: dict[str, str] | None = None) -> int:
     """Run `neorec <argv>` on `nproc` processes of this machine under torchrun's agent (as
@@ -115,7 +112,11 @@ def _report_failures(failures: dict, reports: dict[int, dict]) -> int:
         r = reports.get(rank)
         if r is not None:
             return bool(r.get("follows")), r["time"]
-        return False, float(getattr(failures.get(rank), "timestamp", time.time()))  # a killed rank: no report
+        # a killed rank: no report, and torch's timestamps of ranks it reaped together tie; the agent
+        # ends the other workers with SIGTERM once one has failed, so a rank killed by SIGTERM follows
+        failure = failures.get(rank)
+        by_agent = getattr(failure, "exitcode", None) == -signal.SIGTERM
+        return by_agent, float(getattr(failure, "timestamp", time.time()))
 
     first = min(ranks, key=when)
     print(f"neorec: error: rank {first} failed first: {what(first)}", file=sys.stderr)
@@ -147,13 +148,13 @@ def report_failure(error: BaseException, code: int = 1) -> bool:
     with (the launcher exits with it) for the launcher's report. True when
     the launcher will print it in full (a NeorecError, or a failure caused by another rank's): the
     worker then prints nothing itself. Other errors are bugs; their traceback stays useful."""
-    from neorec.errors import DistributedError, NeorecError
+    from neorec.errors import PEER_GONE, NeorecError, peer_gone
 
     if not os.environ.get(REPORT_DIR):
         return False
     text = str(error) if isinstance(error, NeorecError) else f"{type(error).__name__}: {error}"
     text = " ".join(text.split())
-    follows = isinstance(error, DistributedError) or any(s in text for s in _PEER_GONE)
+    follows = peer_gone(error) or any(s in text for s in PEER_GONE)
     _write_report({"error": text, "follows": follows, "code": code})
     return follows or isinstance(error, NeorecError)
 

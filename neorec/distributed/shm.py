@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from neorec.distributed.topology import PEER_TIMEOUT_SECONDS
-from neorec.errors import DistributedError
+from neorec.errors import DistributedError, naming
 from neorec.utils.cores import processes_on_node, usable_cores
 
 HEADER_SLOTS = 64  # int64 per header: sequence, total bytes, then offsets (max 61 ranks per node)
@@ -76,22 +76,20 @@ class ShmGroup:
         name = [f"/dev/shm/neorec-{uuid.uuid4().hex}" if self.index == 0 else None]
         dist.broadcast_object_list(name, src=ranks[0], group=pg)
         path = name[0]
-        fifo = f"{path}.{self.index}"
-        os.mkfifo(fifo, 0o600)
-        self._wake_read = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-        if self.index == 0:
-            with open(path, "wb") as f:
-                f.truncate(self.size * self._stride)
-        dist.barrier(group=pg)
-        self._mem = torch.from_file(path, shared=True, size=self.size * self._stride, dtype=torch.uint8)
-        self._wake_write = [
-            os.open(f"{path}.{k}", os.O_WRONLY | os.O_NONBLOCK) if k != self.index else -1
-            for k in range(self.size)
-        ]
-        dist.barrier(group=pg)
-        os.unlink(fifo)
-        if self.index == 0:
-            os.unlink(path)  # the mappings stay; nothing is left behind when the processes end
+        self._wake_read, self._wake_write = -1, []
+        made = [f"{path}.{self.index}", path] if self.index == 0 else [f"{path}.{self.index}"]
+        try:
+            self._attach(path, pg)
+        except BaseException:  # a full /dev/shm, a file-size limit, a peer gone: leave nothing behind
+            self.close()
+            for f in made:
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass
+            raise
+        for f in made:
+            os.unlink(f)  # the mappings stay; nothing is left behind when the processes end
         self._headers = [
             [self._region(k, p * HEADER_SLOTS * 8, HEADER_SLOTS * 8).view(torch.int64) for p in (0, 1)]
             for k in range(self.size)
@@ -104,6 +102,26 @@ class ShmGroup:
         ]
         self.bytes_copied = 0
         self.spin_seconds = spin_seconds(max(self.size, processes_on_node()))
+
+    def _attach(self, path: str, pg) -> None:
+        """Create this rank's wake-up pipe (and on the group's first rank the segment), then map the
+        segment and open the peers' pipes (collective over `pg`). A failure names the file."""
+        size = self.size * self._stride
+        fifo = f"{path}.{self.index}"
+        os.mkfifo(fifo, 0o600)
+        self._wake_read = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        if self.index == 0:
+            with open(path, "wb") as f:
+                try:
+                    f.truncate(size)
+                except OSError as e:  # EFBIG (ulimit -f), ENOSPC: the call on a descriptor names no file
+                    raise naming(e, path) from e
+        dist.barrier(group=pg)
+        self._mem = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        for k in range(self.size):  # one at a time: a failed open leaves the others to close
+            fd = os.open(f"{path}.{k}", os.O_WRONLY | os.O_NONBLOCK) if k != self.index else -1
+            self._wake_write.append(fd)
+        dist.barrier(group=pg)
 
     def _region(self, rank: int, offset: int, size: int) -> torch.Tensor:
         start = rank * self._stride + offset

@@ -9,7 +9,8 @@ lock is ever left behind, and the file, which stays, only says who held it last.
 A run of several processes holds it together. The first takes the lock exclusively, writes its PID,
 host and a key of its run (its job) into the file, and turns the lock into a shared one; every other
 process of the same job (the workers of `neorec train --nproc N`, which find the key in NEOREC_RUN_LOCK,
-or the ranks of one torchrun job, keyed by its run id and master address) then takes a shared lock of
+the ranks of one torchrun job, keyed by its run id and master address, or ranks started by hand, keyed
+by their MASTER_ADDR:MASTER_PORT and WORLD_SIZE) then takes a shared lock of
 its own and adds a line with its PID. A process of any other job finds the lock held and the file
 naming another job, and is refused. torchrun starts workers with Popen, which closes the descriptors a
 worker would inherit, so the workers cannot share the launcher's: each holds its own, and under
@@ -46,12 +47,15 @@ class RunFolderInUse(NeorecError):
 
 
 def job_key() -> str:
-    """This process's run: the one its launcher named, the torchrun job it is a rank of, or its own."""
-    if os.environ.get(JOB_ENV):
-        return os.environ[JOB_ENV]
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # every rank of one torchrun job, on every node
-        e = os.environ
+    """This process's run: the one its launcher named, the torchrun job it is a rank of, the ranks
+    started by hand that meet at one address, or its own."""
+    e = os.environ
+    if e.get(JOB_ENV):
+        return e[JOB_ENV]
+    if e.get("TORCHELASTIC_RUN_ID"):  # every rank of one torchrun job, on every node
         return f"torchrun {e['TORCHELASTIC_RUN_ID']} {e.get('MASTER_ADDR', '')}:{e.get('MASTER_PORT', '')}"
+    if "RANK" in e and e.get("WORLD_SIZE", "1") != "1":  # ranks started by hand, meeting at MASTER_ADDR:PORT
+        return f"ranks {e.get('MASTER_ADDR', '')}:{e.get('MASTER_PORT', '')} of {e.get('WORLD_SIZE', '1')}"
     return f"{socket.gethostname()} {os.getpid()} {uuid.uuid4().hex}"
 
 

@@ -52,8 +52,17 @@ class TqdmHandler(logging.Handler):
 
 
 def process_rank() -> tuple[int, int]:
-    """(rank, world size) from torchrun's environment; (0, 1) in a single process."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    """(rank, world size) from torchrun's environment; (0, 1) in a single process. A value that is not a
+    number counts as unset here: the command that needs it refuses it in one line
+    (neorec/distributed/topology.py), and the logger must be set up to say so."""
+    return _number("RANK", 0), _number("WORLD_SIZE", 1)
+
+
+def _number(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
 
 
 def setup_logging(rank: int | None = None, world_size: int | None = None, stream=None) -> logging.Logger:
