@@ -92,13 +92,15 @@ def test_attention_under_autocast(dtype):
     assert out.shape == (2, 8) and torch.isfinite(out.float()).all() and not out[1].any()
 
 
-def tiny_din(cross_layers: int, precision: str, device: str = "cpu") -> DIN:
+def tiny_din(cross_layers: int, precision: str, device: str = "cpu", bounds_check: str = "error") -> DIN:
     tables = [
         TableConfig(name="movie", rows=10, dim=8, features=["movie"]),
         TableConfig(name="history", rows=10, dim=8, features=["history"], pooling="none"),
         TableConfig(name="liked", rows=2, dim=8, features=["liked"], pooling="none"),
     ]
-    embeddings = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name="sgd", lr=0.1), device=device)
+    embeddings = FusedEmbeddingCollection(
+        tables, EmbeddingOptimizerConfig(name="sgd", lr=0.1), device=device, bounds_check=bounds_check
+    )
     model = DIN(2, embeddings, [4], [8], "movie", "history", ["liked"], 3, [8], cross_layers, precision)
     return model.to(device)
 
@@ -234,6 +236,20 @@ def test_din_refuses_a_side_feature_out_of_step_with_the_history():
     })  # fmt: skip
     with pytest.raises(DataError, match=r"'liked' has 2 ids in sample 1 of the batch, but history 'history'"):
         model(Batch(batch.dense, sparse, batch.labels))
+
+
+def test_din_checks_the_lengths_it_looked_up_when_ids_are_dropped():
+    """bounds_check warn drops a history id outside its table, and not its side feature's: the batch's
+    own lengths agree, the looked-up ones do not, and the side rows would pair with other movies."""
+    model = tiny_din(0, "fp32", bounds_check="warn")
+    sparse = SparseBatch.from_features({
+        "movie": (torch.arange(2), torch.ones(2, dtype=torch.int64)),
+        "history": (torch.tensor([1, 12, 3]), torch.tensor([2, 1])),
+        "liked": (torch.tensor([1, 0, 1]), torch.tensor([2, 1])),
+    })  # fmt: skip
+    words = r"'liked' has 2 ids in sample 0 of the batch, but history 'history' has 1"
+    with pytest.raises(DataError, match=words):
+        model(Batch(torch.zeros(2, 2), sparse, torch.ones(2)))
 
 
 @pytest.mark.gpu

@@ -85,6 +85,9 @@ def test_files_without_the_label_column_are_scored_without_labels(parquet_model,
     words = r"part-0.parquet has no column 'label', but .*part-1.parquet has labels"
     with pytest.raises(DataError, match=words):
         predict_file(model, tmp_path / "f.txt", data=tmp_path / "mixed")
+    # a file of no rows (as Spark writes) beside unlabeled ones is neither kind
+    pq.write_table(nulls.slice(0, 0), tmp_path / "nulls" / "part-1.parquet")
+    assert not predict_file(model, tmp_path / "g.txt", data=tmp_path / "nulls").metrics
 
 
 def test_vocabularies_counted_again_are_refused_by_a_resume_and_by_predict(tmp_path):

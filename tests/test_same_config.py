@@ -36,8 +36,9 @@ def test_ranks_given_other_settings_are_refused_on_every_rank(tmp_path):
     other rates under rank 0's config.yaml, without a word; node-local folders may differ."""
     from dist_helpers import spawn
 
-    other = ["seed=7", "embedding.optimizer.lr=0.9", f"train.kernel_cache={tmp_path / 'k1'}"]
+    other = ["seed=7", "embedding.optimizer.lr=0.9", f"train.kernel_cache={tmp_path / 'k1'}",
+             "train.threads=1"]  # fmt: skip
     got = spawn(2, start_rank, (str(tmp_path / "run"), {1: other}), tmp_path=tmp_path / "pg")
     assert got[0] == got[1] and got[0].startswith("the processes of this run were given different configs")
     assert "rank 1 has, against rank 0's, embedding.optimizer.lr: 0.1 -> 0.9; seed: 0 -> 7." in got[0], got[0]
-    assert "kernel_cache" not in got[0]
+    assert "kernel_cache" not in got[0] and "threads" not in got[0]

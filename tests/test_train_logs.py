@@ -36,9 +36,18 @@ def test_the_steps_after_the_last_log_step_are_logged(tmp_path):
     assert records[-1]["samples_per_s"] > 0
 
 
-def test_samples_per_s_leaves_out_evaluations(tmp_path, monkeypatch):
-    """An evaluation between two log steps was counted as training time: the log line after it read
-    a fraction of the speed. Here a clock that jumps 1000 s in each evaluation shows it."""
+@pytest.mark.parametrize(
+    "settings, steps",
+    [
+        (["train.max_steps=20", "train.eval_every=7"], [5, 10, 15, 20]),
+        # after each epoch (10 steps), and the last steps' record after the final checkpoint
+        (["train.epochs=2", "data.synthetic.train_samples=2560", "train.eval_every=null"], [5, 10, 15, 20]),
+        (["train.max_steps=13", "train.eval_every=null"], [5, 10, 13]),
+    ],
+)
+def test_samples_per_s_leaves_out_evaluations_and_checkpoints(settings, steps, tmp_path, monkeypatch):
+    """An evaluation or a checkpoint between two log steps was counted as training time: the log line
+    after it read a fraction of the speed. Here a clock that jumps 1000 s in each shows it."""
     jump = [0.0]
 
     class Clock:
@@ -47,17 +56,19 @@ def test_samples_per_s_leaves_out_evaluations(tmp_path, monkeypatch):
             return time.perf_counter() + jump[0]
 
     monkeypatch.setattr(trainer_module, "time", Clock)
-    evaluate = Trainer._eval
+    def slow(original):
+        def run(self, *args, **kwargs):
+            jump[0] += 1000.0
+            return original(self, *args, **kwargs)
 
-    def slow_eval(self, *args, **kwargs):
-        jump[0] += 1000.0
-        return evaluate(self, *args, **kwargs)
+        return run
 
-    monkeypatch.setattr(Trainer, "_eval", slow_eval)
-    cfg = load_config("default", TINY + ["train.max_steps=20", "train.eval_every=7", "logging.plot=false"])
+    monkeypatch.setattr(Trainer, "_eval", slow(Trainer._eval))
+    monkeypatch.setattr(Trainer, "_save_checkpoint", slow(Trainer._save_checkpoint))
+    cfg = load_config("default", TINY + settings + ["checkpoint.every_steps=4", "logging.plot=false"])
     Trainer(cfg, tmp_path / "run").fit()
     records = train_records(tmp_path / "run")
-    assert [r["step"] for r in records] == [5, 10, 15, 20]
+    assert [r["step"] for r in records] == steps
     # 5 steps of 256 samples: over 1000 s that would be 1.28 samples/s
     assert all(r["samples_per_s"] > 50 for r in records), [r["samples_per_s"] for r in records]
 

@@ -241,11 +241,15 @@ def _missing_labels(exported: ExportedModel, data: Path) -> str | None:
 
     try:
         fs, files = list_files(str(data))
-        why = [_unlabeled_parquet(fs, f, parquet.label) for f in files]
+        found = [(f, _unlabeled_parquet(fs, f, parquet.label)) for f in files]
     except (OSError, NeorecError, ValueError):  # pyarrow's errors are ValueErrors
         return None
+    found = [(f, why) for f, why in found if why != _NO_ROWS]  # an empty file is neither kind
+    why = [w for _, w in found]
+    if not found:
+        return None
     if any(w is None for w in why) and any(w is not None for w in why):  # scored as one or the other
-        labeled = files[why.index(None)]
+        labeled = found[why.index(None)][0]
         unlabeled = next(w for w in why if w is not None)
         raise DataError(
             f"--data {data}: {unlabeled}, but {labeled} has labels; score labeled and unlabeled files "
@@ -254,11 +258,16 @@ def _missing_labels(exported: ExportedModel, data: Path) -> str | None:
     return why[0]
 
 
+_NO_ROWS = "no rows"
+
+
 def _unlabeled_parquet(fs, path: str, label: str) -> str | None:
-    """Why Parquet file `path` has no labels (None: it has)."""
+    """Why Parquet file `path` has no labels (None: it has; _NO_ROWS: a file of no rows has neither)."""
     from neorec.data.parquet import open_parquet
 
     file = open_parquet(fs, path)
+    if file.metadata.num_rows == 0:
+        return _NO_ROWS
     if label not in file.schema_arrow.names:
         return f"{path} has no column {label!r}"
     labels = file.read(columns=[label]).column(0)

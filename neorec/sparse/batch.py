@@ -158,7 +158,7 @@ class SparseBatch:
         if not self.unchanged_since(stamp):
             raise DataError(
                 f"this SparseBatch's ids or lengths were changed (in place, or replaced) after {when}; what "
-                f"was done then holds the old ids: change a copy of a batch (or call {when} again)"
+                f"was done then holds the old ids: change a copy of a batch after {when}, not the batch"
             )
 
     def _derived(self) -> SparseBatch:

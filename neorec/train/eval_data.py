@@ -19,6 +19,8 @@ _SAME_SAMPLES = ("data.eval_batch_size", "data.batch_size")
 # settings of how the trained model computes its scores, which an evaluation of the run keeps
 _THE_MODEL = ("model.", "embedding.dim", "embedding.pooling", "embedding.dtype")
 _A_TABLES = (".dim", ".pooling", ".dtype", ".rows", ".features")
+# ... except how a two-tower model's recall@K is counted (its held-out items: neorec/model/two_tower.py)
+_HOW_SCORED = ("model.two_tower.exclude_seen", "model.two_tower.user_id")
 
 
 def check_eval_overrides(overrides: list[str]) -> None:
@@ -27,7 +29,7 @@ def check_eval_overrides(overrides: list[str]) -> None:
     printed as the run's would be another model's."""
     for key in (o.split("=", 1)[0].strip() for o in overrides):
         of_a_table = key.startswith("embedding.tables.") and key.endswith(_A_TABLES)
-        if key.startswith(_THE_MODEL) or of_a_table:
+        if (key.startswith(_THE_MODEL) or of_a_table) and key not in _HOW_SCORED:
             raise ConfigError(
                 f"--set {key}: changes how the run's model computes its scores, so the metrics would be "
                 "another model's; `neorec eval` scores the run as it trained: leave it out"

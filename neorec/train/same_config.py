@@ -14,8 +14,11 @@ from neorec.config.schema import RunConfig
 from neorec.distributed.comms import Comms
 from neorec.errors import ConfigError
 
-# settings that name a folder of the node a process runs on, which may differ between nodes
-NODE_LOCAL = ("embedding.cache.directory", "train.kernel_cache")
+# settings of the machine a process runs on (its folders, threads, memory use, console), which may
+# differ between nodes and change no result
+NODE_LOCAL = ("embedding.cache.directory", "embedding.cache.release_mib", "embedding.cache.io_thread",
+              "train.kernel_cache", "train.threads", "train.progress", "train.keep_freed_memory")  # fmt: skip
+_READER_SPEED = (".threads", ".prefetch")  # data.*.threads, data.*.prefetch
 
 
 def check_same_config(cfg: RunConfig, comms: Comms) -> None:
@@ -26,6 +29,7 @@ def check_same_config(cfg: RunConfig, comms: Comms) -> None:
         every = comms.all_gather_bytes(torch.frombuffer(bytearray(mine), dtype=torch.uint8), "config").wait()
     configs = [json.loads(bytes(t.cpu().tolist())) for t in every]
     differ = [(r, tree_changes(configs[0], c, NODE_LOCAL)) for r, c in enumerate(configs) if c != configs[0]]
+    differ = [(r, [c for c in changes if not _reader_speed(c)]) for r, changes in differ]
     differ = [(r, changes) for r, changes in differ if changes]
     if differ:
         rank, changes = differ[0]
@@ -33,6 +37,12 @@ def check_same_config(cfg: RunConfig, comms: Comms) -> None:
         others = f" (ranks {', '.join(str(r) for r, _ in differ)} differ)" if len(differ) > 1 else ""
         raise ConfigError(
             f"the processes of this run were given different configs: rank {rank} has, against rank 0's, "
-            f"{shown}{others}. Every process must get the same config (the same --config file, --set "
-            "and --output-dir on every node)"
+            f"{shown}{others}. Every process must get the same config (the same --config file and --set "
+            "on every node)"
         )
+
+
+def _reader_speed(change: str) -> bool:
+    """Whether a change ("key: old -> new") is of a data reader's threads or batches made ahead."""
+    key = change.split(":", 1)[0]
+    return key.startswith("data.") and key.endswith(_READER_SPEED)

@@ -324,10 +324,10 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         if step % t.log_every == 0:
             self._read_losses(run)
             self._log_window(run)
-        aside = time.perf_counter()  # what follows is no training: left out of the next samples/s
         every = run.eval_every
         if every and step % every == 0 and (not run.total or step < run.total):  # the last: the final one
             self._evaluate_or_stop(run, stop, run.eval_batches)
+        aside = time.perf_counter()  # what follows is no training: left out of the next samples/s
         publish = self.snapshots.enabled and self.snapshots.due(step)  # known first: the checkpoint says so
         save = self.checkpoints.enabled and self.checkpoints.due(step)
         if save or (publish and self.checkpoints.last_step != step):  # a snapshot needs its step's checkpoint
@@ -342,9 +342,10 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self._read_losses(run)  # no checkpoint after a NaN
             self._stop(signum, run)
 
-    def _log_window(self, run: RunState) -> None:
-        """The log records of the steps since the last log step (collective), and a new window."""
-        now, window = time.perf_counter(), run.window
+    def _log_window(self, run: RunState, now: float | None = None) -> None:
+        """The log records of the steps since the last log step, up to `now` (collective), and a new
+        window."""
+        now, window = now or time.perf_counter(), run.window
         # a run resumed at its end trained no step of its window here: its speed is unknown (null)
         sps = window.samples / (now - window.start) if window.steps else math.nan
         wait_ms = 1000 * window.data_wait / window.steps if window.steps else math.nan  # per step
@@ -369,7 +370,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                 + (f"; {skipped} malformed lines were skipped" if (skipped := getattr(self.source, "num_skipped", 0))
                    else "")
             )  # fmt: skip
-        result.train_seconds = time.perf_counter() - run.start
+        ended = time.perf_counter()
+        result.train_seconds = ended - run.start
         result.steps = step
         publish = self.snapshots.enabled and self.snapshots.last_step != step  # the end of training is served
         if (self.checkpoints.enabled or publish) and self.checkpoints.last_step != step:
@@ -378,7 +380,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self._publish_snapshot(step)
         # the steps after the last log step, logged after the checkpoint: a resume from it goes on with them
         if run.loss_steps:
-            self._log_window(run)
+            self._log_window(run, ended)
         if hasattr(self.embeddings, "clear_prefetched"):
             self.embeddings.clear_prefetched()
         if self.comms is not None:
@@ -402,6 +404,7 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         so its metrics are the uninterrupted run's; the final one comes anyway)."""
         progress = final and self.cfg.train.progress
         digest = SampleDigest() if final else None  # what the final one scored: `neorec eval` compares
+        started = time.perf_counter()  # no training: left out of the log window's samples/s
         try:
             teacher = run.result.teacher_auc
             metrics = self._eval(run.logger, run.step, max_batches, teacher, progress, stop.agreed, digest)
@@ -412,6 +415,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
             self.eval_pending = None if final else {"max_batches": max_batches}
             self._stop(e.signum, run)  # raises TrainingStopped
             raise
+        finally:
+            run.window.start += time.perf_counter() - started
 
     def _read_losses(self, run: RunState) -> None:
         """Read the losses of the steps up to `run.step` back to the host in one transfer (on a GPU the

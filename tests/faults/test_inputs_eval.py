@@ -36,6 +36,13 @@ def run(tmp_path_factory) -> Path:
     return out
 
 
+def test_how_two_tower_recall_is_counted_may_change():
+    """Which items recall@K leaves out is a choice of the evaluation, not of the model."""
+    from neorec.train.eval_data import check_eval_overrides
+
+    check_eval_overrides(["model.two_tower.exclude_seen=false", "data.eval_batch_size=7"])
+
+
 @pytest.mark.parametrize(
     "override, words",
     [
