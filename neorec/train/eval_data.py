@@ -80,7 +80,8 @@ def check_eval_samples(record: dict, digest: str | None, run: Path) -> None:
     if digest is not None and digest != record["samples_digest"]:
         raise DataError(
             f"{run}: the held-out samples its config names now differ from those the run scored when it "
-            f"finished (digest {digest}, summary.json records {record['samples_digest']}): its data files "
-            "changed since (rewritten, moved or grown), so these metrics would not be the run's. Evaluate "
-            "other data on purpose with --set (e.g. the held-out paths), or `neorec predict --data`"
+            f"finished (digest {digest}, summary.json records {record['samples_digest']}): its data changed "
+            "since (files rewritten, moved or grown; synthetic data drawn by another generator, as "
+            "train.device or data.synthetic.generator choose), so these metrics would not be the run's. "
+            "Evaluate other data on purpose with --set (e.g. the held-out paths), or `neorec predict --data`"
         )
