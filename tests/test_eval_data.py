@@ -98,3 +98,18 @@ def test_the_digest_is_the_samples_whatever_their_order_or_batches():
     for changed in (Batch(batch.dense, sparse, 1 - batch.labels), Batch(batch.dense * 1.5, sparse, batch.labels),
                     Batch(batch.dense, take(batch, torch.tensor([1, 0, *range(2, 9)])).sparse, batch.labels)):  # fmt: skip
         assert not torch.equal(sample_hashes(changed), hashes)
+
+
+def test_a_damaged_record_of_the_held_out_data_is_named(tmp_path, capsys):
+    """summary.json's eval_data carries its own checksum: a digest changed in it is damage, not data
+    that changed."""
+    run = tmp_path / "run"
+    assert main(["train", *sets(TINY), "--output-dir", str(run)]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    summary["eval_data"]["samples_digest"] = "0" * 16
+    (run / "summary.json").write_text(json.dumps(summary))
+    code, rows = eval_lines(capsys, run)
+    assert code == 2 and "eval_data in" in rows["error"] and "checksum mismatch" in rows["error"], rows
+    assert "remove it to evaluate without that check" in rows["error"]
+    (run / "summary.json").unlink()
+    assert eval_lines(capsys, run)[0] == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from neorec.config.schema import RunConfig
 from neorec.data.reader_position import data_settings, first_data_change
 from neorec.errors import ConfigError, DataError
-from neorec.utils.files import load_json
+from neorec.utils.files import check_json, load_json
 
 # data settings an evaluation may change and still score the run's held-out samples
 _SAME_SAMPLES = ("data.eval_batch_size", "data.batch_size")
@@ -47,10 +47,16 @@ def recorded_eval_data(run: Path, overrides: list[str]) -> dict | None:
     path = run / "summary.json"
     if not path.is_file():
         return None
-    record = load_json(path, "run summary", "it is written when the run finishes; train again to remake it")
+    hint = "it records the run's held-out data: remove it to evaluate without that check, or train again"
+    record = load_json(path, "run summary", hint)
     found = record.get("eval_data")
-    if not isinstance(found, dict) or not isinstance(found.get("samples_digest"), str):
+    if found is None:
         return None
+    if not isinstance(found, dict):
+        raise DataError(f"run summary {path}: its eval_data is damaged (not a mapping); {hint}")
+    found = check_json(found, path, "run summary's eval_data in", hint, DataError, required=True)
+    if not isinstance(found.get("samples_digest"), str):
+        raise DataError(f"run summary {path}: its eval_data has no samples_digest; {hint}")
     return found
 
 

@@ -167,10 +167,13 @@ class RunReporting:
 
     def _eval_data(self, digest: str) -> dict:
         """What `neorec eval` compares its held-out data with: the digest of the samples the final
-        evaluation scored, and the settings and working folder they were read with."""
+        evaluation scored, and the settings and working folder they were read with; checksummed, as
+        it is read back (the rest of summary.json is not)."""
         from neorec.data.reader_position import data_settings
+        from neorec.utils.files import CHECKSUM_KEY, json_crc32
 
-        return {"samples_digest": digest, "seed": self.cfg.seed, "settings": data_settings(self.cfg.data)}
+        record = {"samples_digest": digest, "seed": self.cfg.seed, "settings": data_settings(self.cfg.data)}
+        return {**record, CHECKSUM_KEY: json_crc32(record)}
 
     def _plot_curves(self) -> None:
         """curves.png of the run's metrics.jsonl so far (logging.plot)."""

@@ -72,11 +72,14 @@ def test_damaged_model_pt_stops_eval_and_export(run, capsys, tmp_path):
     assert not (tmp_path / "x.nrx").exists()
 
 
-def test_summary_json_is_written_whole_and_read_by_no_command(run, capsys, tmp_path):
+def test_summary_json_is_written_whole_and_read_back_by_eval_alone(run, capsys, tmp_path):
+    """summary.json records the run's held-out data (eval_data), which `neorec eval` compares: a
+    damaged one is named, with the way out."""
     summary = run / "run" / "summary.json"
     assert json.loads(summary.read_text())["steps"] == 8 and not list((run / "run").glob("*.tmp"))
     with damaged(summary, lambda d: d[: len(d) // 2]):
-        assert run_cli(["eval", run / "run"], capsys)[0] == 0
+        code, err = run_cli(["eval", run / "run"], capsys)
+        assert code == 2 and "summary.json cannot be read" in err and "remove it to evaluate" in err, err
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------
