@@ -37,7 +37,9 @@ def _join(rank: int, port: int, seconds: float, out) -> None:
     topology.PEER_TIMEOUT_SECONDS = seconds
     try:
         topology.init_distributed(torch.device("cpu"))
+        torch.distributed.barrier()  # both connected: neither leaves while the other still connects
         out.put((port, rank, "joined"))
+        torch.distributed.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - reported to the test
         out.put((port, rank, f"{type(e).__name__}: {' '.join(str(e).split())}"))
 
