@@ -135,7 +135,7 @@ def strip_nproc(argv: list[str]) -> list[str]:
 def cmd_eval(args: argparse.Namespace) -> int:
     from neorec.checkpoint.stream import load_model_state
     from neorec.config.limits import check_memory
-    from neorec.config.load import load_config
+    from neorec.config.load import changed_keys, load_config
     from neorec.data.sample_digest import SampleDigest
     from neorec.train.build import check_trained_lookups
     from neorec.train.eval_data import (
@@ -154,9 +154,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not cfg_path.is_file() or not (run / "model.pt").is_file():
         raise NeorecError(f"{run}: not a finished run folder (needs config.yaml and model.pt from `neorec train`)")
     cfg = load_config(str(cfg_path), args.overrides)
+    changed: list[str] = []  # the settings --set changes, by dotted key
     if args.overrides:
-        check_same_training_data(load_config(str(cfg_path)), cfg, cfg_path)
-    if (record := recorded_eval_data(run, args.overrides)) is not None:  # the run's held-out data?
+        trained = load_config(str(cfg_path))
+        check_same_training_data(trained, cfg, cfg_path)
+        changed = changed_keys(trained.model_dump(mode="json"), cfg.model_dump(mode="json"))
+    if (record := recorded_eval_data(run, changed)) is not None:  # the run's held-out data?
         check_eval_settings(record, cfg, run)
     if cfg.data.follow is not None:  # its source would wait for partitions, and has no held-out set
         raise NeorecError(
@@ -171,7 +174,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             check_trained_lookups(cfg_path, trainer.tables, trainer.source.info, "--set")
         state = load_model_state(run / "model.pt")  # checked against its CRC32s, on the CPU (a GPU run's too)
         check_model_state(trainer.model, state, run / "model.pt", args.overrides)
-        check_eval_overrides(args.overrides)  # of the same shapes, yet another model
+        check_eval_overrides(changed)  # of the same shapes, yet another model
         digest = SampleDigest()
         with process_settings(cfg.train.threads):  # as training evaluated
             metrics = evaluate(trainer.model, trainer.source, cfg.data.eval_batch_size, digest=digest)

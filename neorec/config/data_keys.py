@@ -27,6 +27,12 @@ READ_BY = {
 _SECTIONS = ("synthetic", "criteo", "movielens", "preprocessed", "parquet")  # their keys count one by one
 
 
+def is_reader_speed(key: str) -> bool:
+    """Whether dotted key `key` sets how fast a data reader works (its threads, batches made ahead),
+    which changes no sample."""
+    return key.startswith("data.") and key.endswith((".threads", ".prefetch"))
+
+
 def written_data_keys(raw: dict[str, Any]) -> list[str]:
     """The data keys a raw config mapping writes ("movielens.history", "source"); none for a record of
     a run."""

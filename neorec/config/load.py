@@ -25,7 +25,7 @@ which can multiply a small text into gigabytes) are errors naming the line.
 from __future__ import annotations
 
 import typing
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -350,11 +350,22 @@ def config_changes(previous: dict, cfg: RunConfig, ignore: Collection[str] = ())
     return tree_changes(previous, cfg.model_dump(mode="json"), ignore)
 
 
-def tree_changes(previous: dict, now: dict, ignore: Collection[str] = ()) -> list[str]:
-    """config_changes of two configs as dicts (a config.yaml as loaded, a model_dump)."""
+def tree_changes(
+    previous: dict, now: dict, ignore: Collection[str] | Callable[[str], bool] = ()
+) -> list[str]:
+    """config_changes of two configs as dicts (a config.yaml as loaded, a model_dump); `ignore`: the
+    dotted keys left out, or a test of a key."""
+    skip = ignore if callable(ignore) else ignore.__contains__
     old, new = _flat(previous), _flat(now)
-    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in {**new, **old}
-            if old.get(k) != new.get(k) and k not in ignore]  # fmt: skip
+    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
+            for k in changed_keys(previous, now) if not skip(k)]  # fmt: skip
+
+
+def changed_keys(previous: dict, now: dict) -> list[str]:
+    """The dotted keys whose values differ between two configs as dicts, in the config's order (keys
+    only one of them has too)."""
+    old, new = _flat(previous), _flat(now)
+    return [k for k in {**new, **old} if old.get(k) != new.get(k)]
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from neorec.config.data_keys import is_reader_speed
 from neorec.config.schema import RunConfig
 from neorec.data.reader_position import data_settings, first_data_change
 from neorec.errors import ConfigError, DataError
@@ -23,11 +24,12 @@ _A_TABLES = (".dim", ".pooling", ".dtype", ".rows", ".features")
 _HOW_SCORED = ("model.two_tower.exclude_seen", "model.two_tower.user_id")
 
 
-def check_eval_overrides(overrides: list[str]) -> None:
-    """`neorec eval --set` of a setting of the model (its layers, attention, precision, a table's
-    dim, pooling or storage dtype) is refused: the shapes may still fit model.pt, and the metrics
-    printed as the run's would be another model's."""
-    for key in (o.split("=", 1)[0].strip() for o in overrides):
+def check_eval_overrides(changed: list[str]) -> None:
+    """`neorec eval --set` that changes a setting of the model (its layers, attention, precision, a
+    table's dim, pooling or storage dtype) is refused: the shapes may still fit model.pt, and the
+    metrics printed as the run's would be another model's. `changed`: the dotted keys the overrides
+    change (changed_keys of the run's config and the one evaluated: a section given whole counts)."""
+    for key in changed:
         of_a_table = key.startswith("embedding.tables.") and key.endswith(_A_TABLES)
         if (key.startswith(_THE_MODEL) or of_a_table) and key not in _HOW_SCORED:
             raise ConfigError(
@@ -36,13 +38,11 @@ def check_eval_overrides(overrides: list[str]) -> None:
             )
 
 
-def recorded_eval_data(run: Path, overrides: list[str]) -> dict | None:
-    """The run's record of its held-out data, when `neorec eval` with `overrides` should score the
-    same samples: None for a run without one (written before it was kept), or when an override of a
-    data setting chooses other held-out data."""
-    chosen = [o.split("=", 1)[0].strip() for o in overrides]
-    if any(k.startswith("data.") and k not in _SAME_SAMPLES and not k.endswith((".threads", ".prefetch"))
-           for k in chosen):  # fmt: skip
+def recorded_eval_data(run: Path, changed: list[str]) -> dict | None:
+    """The run's record of its held-out data, when `neorec eval` changing the settings `changed`
+    should score the same samples: None for a run without one (written before it was kept), or when a
+    changed data setting chooses other held-out data."""
+    if any(k.startswith("data.") and k not in _SAME_SAMPLES and not is_reader_speed(k) for k in changed):
         return None
     path = run / "summary.json"
     if not path.is_file():

@@ -9,16 +9,16 @@ import json
 
 import torch
 
+from neorec.config.data_keys import is_reader_speed
 from neorec.config.load import tree_changes
 from neorec.config.schema import RunConfig
 from neorec.distributed.comms import Comms
 from neorec.errors import ConfigError
 
 # settings of the machine a process runs on (its folders, threads, memory use, console), which may
-# differ between nodes and change no result
+# differ between nodes and change no result; and the data readers' speed (is_reader_speed)
 NODE_LOCAL = ("embedding.cache.directory", "embedding.cache.release_mib", "embedding.cache.io_thread",
               "train.kernel_cache", "train.threads", "train.progress", "train.keep_freed_memory")  # fmt: skip
-_READER_SPEED = (".threads", ".prefetch")  # data.*.threads, data.*.prefetch
 
 
 def check_same_config(cfg: RunConfig, comms: Comms) -> None:
@@ -28,8 +28,7 @@ def check_same_config(cfg: RunConfig, comms: Comms) -> None:
     with comms.stats.set_aside():  # no training step's bytes
         every = comms.all_gather_bytes(torch.frombuffer(bytearray(mine), dtype=torch.uint8), "config").wait()
     configs = [json.loads(bytes(t.cpu().tolist())) for t in every]
-    differ = [(r, tree_changes(configs[0], c, NODE_LOCAL)) for r, c in enumerate(configs) if c != configs[0]]
-    differ = [(r, [c for c in changes if not _reader_speed(c)]) for r, changes in differ]
+    differ = [(r, tree_changes(configs[0], c, _of_the_machine)) for r, c in enumerate(configs)]
     differ = [(r, changes) for r, changes in differ if changes]
     if differ:
         rank, changes = differ[0]
@@ -42,7 +41,5 @@ def check_same_config(cfg: RunConfig, comms: Comms) -> None:
         )
 
 
-def _reader_speed(change: str) -> bool:
-    """Whether a change ("key: old -> new") is of a data reader's threads or batches made ahead."""
-    key = change.split(":", 1)[0]
-    return key.startswith("data.") and key.endswith(_READER_SPEED)
+def _of_the_machine(key: str) -> bool:
+    return key in NODE_LOCAL or is_reader_speed(key)

@@ -40,7 +40,7 @@ def test_how_two_tower_recall_is_counted_may_change():
     """Which items recall@K leaves out is a choice of the evaluation, not of the model."""
     from neorec.train.eval_data import check_eval_overrides
 
-    check_eval_overrides(["model.two_tower.exclude_seen=false", "data.eval_batch_size=7"])
+    check_eval_overrides(["model.two_tower.exclude_seen", "data.eval_batch_size"])
 
 
 @pytest.mark.parametrize(
@@ -60,6 +60,8 @@ def test_how_two_tower_recall_is_counted_may_change():
         # the same shapes and state, another computation: metrics of another model, printed as the run's
         ("embedding.dtype=fp16", ["--set embedding.dtype: changes how the run's model computes"]),
         ("model.precision=bf16", ["--set model.precision: changes how the run's model computes"]),
+        # a section given whole: its keys count one by one
+        ("embedding.tables={C3: {dtype: fp16}}", ["--set embedding.tables.C3.dtype: changes how"]),
     ],
 )
 def test_eval_with_a_config_that_does_not_fit_model_pt(run, capsys, override, words):
