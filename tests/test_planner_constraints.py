@@ -110,15 +110,15 @@ def test_pinned_and_restricted_tables_are_planned_around(capsys):
     assert plan["t4"].ranks == [0] and plan["t4"].kind in ("tw", "rw", "cw")
     assert plan["t5"].kind in ("rw", "cw") and (plan["t5"].tier or "device") == "device"
     assert violations(pinned.plan, CONSTRAINTS) == []
-    # the planner's own report per rank: the most loaded rank within 3% of the lower bound of the
-    # constrained options and max/mean within 3%; against the unconstrained plan it loses at most
-    # 2% more than the bound rose (the SSD tier and the forced kinds cost what they cost); the pins
-    # written over an unconstrained plan instead leave the ranks unbalanced
+    # the planner's own report per rank: the step (each phase's slowest rank) within 8% of the lower
+    # bound of the constrained options and max/mean within 5%; against the unconstrained plan it
+    # loses at most 4% more than the bound rose (the SSD tier and the forced kinds cost what they
+    # cost); the pins written over an unconstrained plan instead leave the ranks unbalanced
     after = estimate_plan(overwritten(free.plan), with_cache_fractions(wl, CONSTRAINTS), cluster)
-    assert pinned.estimate.max_cost <= 1.03 * pinned.bound.value
-    assert pinned.estimate.imbalance <= 1.03
+    assert pinned.estimate.step_time <= 1.08 * pinned.bound.value
+    assert pinned.estimate.imbalance <= 1.05
     rise = pinned.bound.value / free.bound.value
-    assert pinned.estimate.max_cost <= 1.02 * rise * free.estimate.max_cost
+    assert pinned.estimate.step_time <= 1.04 * rise * free.estimate.step_time
     assert after.imbalance >= pinned.estimate.imbalance + 0.05
     # the others make room for the pins: the rank with the hot table gets less of the rest
     others = other_loads(pinned, cluster, set(CONSTRAINTS))
@@ -127,7 +127,8 @@ def test_pinned_and_restricted_tables_are_planned_around(capsys):
         print(
             f"\nbalance (ms per step per rank, max/mean): unconstrained {fmt(free.estimate)}, bound "
             f"{free.bound.value * 1e3:.2f}; constrained {fmt(pinned.estimate)}, bound {pinned.bound.value * 1e3:.2f} "
-            f"(max/bound {pinned.estimate.max_cost / pinned.bound.value:.4f}); pins written over the unconstrained "
+            f"(step/bound {pinned.estimate.step_time / pinned.bound.value:.4f}); "
+            "pins written over the unconstrained "
             f"plan {fmt(after)}; the other tables' load per rank {np.round(others * 1e3, 2).tolist()}"
         )
 
@@ -156,7 +157,7 @@ def test_partition_places_pinned_pieces_first_and_balances_the_rest():
     pieces = [Piece("pinned", 5.0, {"device": 1.0}, pinned=0)] + [Piece(f"p{i}", 1.0, {"device": 1.0}) for i in range(5)]
     for limit in (200_000, 0):  # exact, and greedy with improvement
         a = partition(pieces, 2, {"device": np.array([100.0, 100.0])}, exact_limit=limit)
-        assert a.ranks[0] == 0 and sorted(a.ranks[1:]) == [1] * 5 and a.max_load == 5.0
+        assert a.ranks[0] == 0 and sorted(a.ranks[1:]) == [1] * 5 and a.step_cost == 5.0
     with pytest.raises(PlacementError, match=r"pinned to rank 1 \(its constraint\).*shortfall 5 bytes"):
         partition([Piece("big", 1.0, {"device": 15.0}, table="big", pinned=1)], 2, {"device": np.array([20.0, 10.0])})
 

@@ -16,7 +16,7 @@ from neorec.errors import ConfigError
 from neorec.planner import build_workload, estimate_plan, plan_sharding, this_machine
 from neorec.planner.hardware import CALIBRATED_CPU, preset
 from neorec.planner.options import table_options
-from neorec.planner.planner import fixed_seconds
+from neorec.planner.planner import fixed_phases
 from neorec.planner.report import summary
 
 
@@ -41,7 +41,7 @@ def test_a_replicated_option_costs_what_its_plan_is_estimated_to(rows, dim, ids,
     tables = [TableConfig(name="t", rows=rows, dim=dim, features=["f"])]
     wl = build_workload(tables, optimizer, batch, {"f": float(ids)})
     (option,) = table_options(wl.tables[0], wl, cluster, ("dp",), ("device",))
-    additive = option.everyone + fixed_seconds({"t": option}, cluster, False)
+    additive = option.everyone + sum(fixed_phases({"t": option}, cluster, False))
     estimate = estimate_plan(ShardingPlan({"t": TablePlan("dp")}), wl, cluster)
     assert additive == pytest.approx(estimate.max_cost, rel=3e-3)
     # the cheapest the table could add to any group of replicated tables is no more than its own
@@ -57,8 +57,8 @@ def test_the_planner_picks_no_replicated_plan_its_estimate_rates_slower():
     wl = build_workload(tables, "rowwise_adagrad", 65536, ids, None, "fp16", "bf16")
     every = plan_sharding(wl, cluster, ("tw", "rw", "cw", "dp", "twrw", "twcw"), 3.0)
     without_dp = plan_sharding(wl, cluster, ("tw", "rw", "cw", "twrw", "twcw"), 3.0)
-    assert every.estimate.max_cost <= without_dp.estimate.max_cost * (1 + 1e-3)
-    assert every.additive_max == pytest.approx(every.estimate.max_cost, rel=3e-3)
+    assert every.estimate.step_time <= without_dp.estimate.step_time * (1 + 1e-3)
+    assert every.additive_step == pytest.approx(every.estimate.step_time, rel=3e-3)
 
 
 # ---- the lower bound bounds the estimate --------------------------------------------------------------
@@ -84,7 +84,7 @@ def test_the_lower_bound_is_below_the_estimate_it_is_compared_with():
     wl = build_workload(tables, "rowwise_adagrad", 8192, ids, None, "fp16", "bf16")
     result = plan_sharding(wl, cluster, ("tw",), 2.0)
     assert result.bound.value <= result.estimate.max_cost
-    assert "this plan is +" in summary(result, cluster)
+    assert "this plan's step is +" in summary(result, cluster)
 
 
 @pytest.mark.parametrize(

@@ -23,9 +23,11 @@ from neorec.planner.planner import place, rank_capacity
 
 
 def brute_force(pieces: list[Piece], W: int, capacity: dict[str, np.ndarray]) -> float | None:
+    """The least step cost (each phase's most loaded rank, summed) of any placement within memory."""
     best = None
+    phases = len(pieces[0].phases) or 1
     for assign in itertools.product(range(W), repeat=len(pieces)):
-        loads, used = np.zeros(W), {t: np.zeros(W) for t in capacity}
+        loads, used = np.zeros((W, phases)), {t: np.zeros(W) for t in capacity}
         seen = set()
         ok = True
         for p, r in zip(pieces, assign, strict=True):
@@ -34,11 +36,12 @@ def brute_force(pieces: list[Piece], W: int, capacity: dict[str, np.ndarray]) ->
                     ok = False
                     break
                 seen.add((p.group, r))
-            loads[r] += p.cost
+            loads[r] += p.phases or p.cost
             for t, m in p.memory.items():
                 used[t][r] += m
         if ok and all((used[t] <= capacity[t]).all() for t in capacity):
-            best = loads.max() if best is None else min(best, loads.max())
+            step = loads.max(axis=0).sum()
+            best = step if best is None else min(best, step)
     return best
 
 
@@ -63,7 +66,7 @@ def test_partition_is_optimal_on_small_instances_and_within_capacity(seed):
             partition(pieces, W, capacity)
         return
     result = partition(pieces, W, capacity)
-    assert result.max_load == pytest.approx(best)
+    assert result.step_cost == pytest.approx(best)
     assert (result.used["device"] <= capacity["device"] + 1e-9).all()
     # the heuristic path (LPT + moves/swaps) is never over capacity either
     try:
@@ -71,7 +74,7 @@ def test_partition_is_optimal_on_small_instances_and_within_capacity(seed):
     except PlacementError:
         return  # greedy can miss a tight packing that exists; it never returns an over-full plan
     assert (heuristic.used["device"] <= capacity["device"] + 1e-9).all()
-    assert heuristic.max_load >= best - 1e-9
+    assert heuristic.step_cost >= best - 1e-9
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -81,7 +84,51 @@ def test_lpt_with_improvement_is_within_four_thirds_without_memory_limits(seed):
     capacity = {"device": np.full(3, np.inf)}
     best = brute_force(pieces, 3, capacity)
     heuristic = partition(pieces, 3, capacity, exact_limit=0)
-    assert heuristic.max_load <= 4 / 3 * best + 1e-9
+    assert heuristic.step_cost <= 4 / 3 * best + 1e-9
+
+
+def phased(name: str, phases, memory: float = 0.0, group: str | None = None) -> Piece:
+    return Piece(name, float(sum(phases)), {"device": memory}, group, phases=tuple(float(v) for v in phases))
+
+
+def test_partition_balances_each_phase_not_only_each_rank():
+    """Two lookup-heavy and two update-heavy pieces on two ranks: both ranks carry 20 whichever way
+    they pair, but a step waits for the slowest rank of each phase, so only one lookup-heavy and one
+    update-heavy piece per rank gives a step of 20 rather than 40."""
+    pieces = [phased("lookup a", (0, 10, 1)), phased("lookup b", (0, 10, 1)),
+              phased("update a", (1, 0, 9)), phased("update b", (1, 0, 9))]  # fmt: skip
+    capacity = {"device": np.full(2, np.inf)}
+    for limit in (200_000, 0):  # exact, then greedy with moves and swaps
+        result = partition(pieces, 2, capacity, exact_limit=limit)
+        assert result.step_cost == pytest.approx(21.0), limit
+        assert result.ranks[0] != result.ranks[1] and result.ranks[2] != result.ranks[3]
+    # with a base load per phase: rank 0 already busy with lookups takes the update-heavy pieces
+    base = np.array([[0.0, 20.0, 0.0], [0.0, 0.0, 0.0]])
+    for limit in (200_000, 0):
+        result = partition(pieces, 2, capacity, base_load=base, exact_limit=limit)
+        assert result.ranks[:2] == [1, 1], limit
+        assert result.step_cost == pytest.approx(1 + 20 + 11)  # one update-heavy piece beside them
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_partition_by_phase_is_optimal_on_small_instances_and_close_without_it(seed):
+    rng = np.random.default_rng(500 + seed)
+    W = 3
+    pieces = [
+        phased(f"p{i}", rng.integers(0, 12, size=3), float(rng.integers(1, 10)), "g" if i < 2 else None)
+        for i in range(7)
+    ]
+    capacity = {"device": np.array([float(rng.integers(14, 30)) for _ in range(W)])}
+    best = brute_force(pieces, W, capacity)
+    if best is None:
+        return
+    assert partition(pieces, W, capacity).step_cost == pytest.approx(best)
+    try:
+        heuristic = partition(pieces, W, capacity, exact_limit=0)
+    except PlacementError:
+        return
+    assert (heuristic.used["device"] <= capacity["device"] + 1e-9).all()
+    assert best - 1e-9 <= heuristic.step_cost <= 1.5 * best
 
 
 def test_partition_names_the_piece_and_the_shortfall():
@@ -109,14 +156,14 @@ def test_bound_is_below_the_best_plan_found_by_exhaustive_search():
     options = {t.name: table_options(t, wl, cluster, ("tw", "rw", "cw", "dp")) for t in wl.tables}
     capacity = rank_capacity(cluster)
     best = min(
-        place(dict(zip(options, combo, strict=True)), cluster, capacity).max_load
+        place(dict(zip(options, combo, strict=True)), cluster, capacity).step_cost
         for combo in itertools.product(*options.values())
     )
     bound = lower_bound(options, 2, float(capacity["device"].sum()))
     assert bound.value <= best + 1e-12
     result = plan_sharding(wl, cluster, ("tw", "rw", "cw", "dp"), time_budget=5)
-    assert bound.value <= result.additive_max + 1e-12
-    assert result.additive_max <= best * 1.10
+    assert bound.value <= result.additive_step + 1e-12
+    assert result.additive_step <= best * 1.10
 
 
 def test_one_rank_pays_no_exchange_and_meets_the_bound():
@@ -184,12 +231,13 @@ def test_dry_run_on_a_reduced_large_model_respects_capacity_near_the_bound():
     tables, ids = twelve_trillion_tables(num_tables=250, total=3e12)
     wl = build_workload(tables, "rowwise_adagrad", 16384, ids)
     cluster = paper_cluster().with_ranks(32, 8)
-    result = plan_sharding(wl, cluster, time_budget=3)
+    result = plan_sharding(wl, cluster, time_budget=8)
     for r in result.estimate.ranks:
         for tier in cluster.tiers:
             assert r.memory.get(tier.name, 0) <= tier.capacity
-    assert result.estimate.max_cost <= 1.15 * result.bound.value
-    assert result.estimate.imbalance <= 1.02
+    # the step (each phase's slowest rank, summed) near the bound, which no rank's total is below
+    # (1.07x with the whole budget on this VM; balancing each rank's total gave 1.87x)
+    assert result.estimate.step_time <= 1.25 * result.bound.value
 
 
 # ---- the default plan of neorec train, and neorec plan ---------------------------------------------------------

@@ -1,4 +1,5 @@
-"""A lower bound on the most loaded rank's cost, over every plan the planner could make.
+"""A lower bound on the most loaded rank's cost, over every plan the planner could make, and so on
+the step cost (the sum over phases of the slowest rank in each), which no rank's total exceeds.
 
 Costs are those of options.py, taken so that they bound the cost model (cost.estimate_plan), which
 `neorec plan` reports next to the bound, as well as the additive model the partitioner balances: where

@@ -203,9 +203,22 @@ def collective_calls(kinds: set[str], dp_groups: int, weighted: bool, owner_grou
 def latency_seconds(
     kinds: set[str], dp_groups: int, weighted: bool, cluster: Cluster, owner_groups: int = 0
 ) -> float:
+    return sum(latency_phases(kinds, dp_groups, weighted, cluster, owner_groups))
+
+
+def latency_phases(
+    kinds: set[str], dp_groups: int, weighted: bool, cluster: Cluster, owner_groups: int = 0
+) -> tuple[float, ...]:
+    """latency_seconds per phase (PHASES)."""
     if cluster.world_size == 1:
-        return 0.0
-    return cluster.latency * sum(collective_calls(kinds, dp_groups, weighted, owner_groups).values())
+        return (0.0,) * len(PHASES)
+    calls = collective_calls(kinds, dp_groups, weighted, owner_groups)
+    return by_phase({stage: cluster.latency * n for stage, n in calls.items()})
+
+
+def by_phase(stages: dict[str, float]) -> tuple[float, ...]:
+    """Seconds per synchronising phase (PHASES) of seconds per stage."""
+    return tuple(sum(stages.get(s, 0.0) for s in phase) for phase in PHASES)
 
 
 @dataclass
@@ -245,7 +258,7 @@ class PlanEstimate:
     @property
     def step_time(self) -> float:
         """Sum over the synchronising phases of the slowest rank in each."""
-        return sum(max(sum(r.stages[s] for s in phase) for r in self.ranks) for phase in PHASES)
+        return sum(max(by_phase(r.stages)[k] for r in self.ranks) for k in range(len(PHASES)))
 
     def stage_max(self) -> dict[str, float]:
         return {s: max(r.stages[s] for r in self.ranks) for s in STAGES}

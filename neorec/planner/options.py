@@ -11,7 +11,10 @@ flat shard (tw, rw, cw), X = bytes it exchanges with one peer per step (its ids,
 gradients for that peer's B samples; a sequence table's rows are one per id, not per bag): its rank moves (W - 1) X; every other rank moves X. So each
 rank pays X in `everyone` and the piece adds (W - 2) X (split intra/inter by the node layout).
 
-Compute and elementwise work come from cost.shard_work, the function the cost model uses.
+Compute and elementwise work come from cost.shard_work, the function the cost model uses. Every cost
+is kept per phase (cost.PHASES: the ids' exchange; lookups and pooled rows; gradients and update),
+each byte in the phase of the exchange that carries it, since a step waits for the slowest rank of
+each phase (partition.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neorec.distributed.plan import MANAGED_COLLISION_KINDS, even_splits
-from neorec.planner.cost import counts_ahead, owner_work, shard_work, wire_element_bytes
+from neorec.planner.cost import (
+    BYTES_PER_ID,
+    PHASES,
+    POOLED_COPIES,
+    by_phase,
+    counts_ahead,
+    owner_work,
+    shard_work,
+    wire_element_bytes,
+)
 from neorec.planner.exchanges import replica_bytes_floor, replica_bytes_per_peer
 from neorec.planner.hardware import Cluster
 from neorec.planner.tiers import PLACEMENTS, placements
@@ -34,9 +46,9 @@ class Option:
     kind: str
     num_shards: int
     tier: str  # plan tier (tiers.py): device, host, cached or ssd
-    piece_costs: list[float]  # seconds per step on the rank holding each piece
+    piece_phases: list[tuple[float, ...]]  # seconds per step and phase on the rank holding each piece
     piece_memory: list[dict[str, float]]  # bytes per memory tier of each piece (weights, state, caches, buffers)
-    everyone: float = 0.0  # seconds per step on every rank
+    everyone_phases: tuple[float, ...] = (0.0,) * len(PHASES)  # seconds per step and phase on every rank
     # the least of `everyone` one rank pays in the cost model (cost.estimate_plan) in any plan (bounds.py):
     # the link bytes `everyone` spreads over intra- and inter-node links by their share of the peers all
     # on the faster link; for dp the least its exchange adds to a group's (exchanges.replica_bytes_floor)
@@ -45,6 +57,15 @@ class Option:
     init_bytes: int = 0  # initialisation window of the largest piece
     group_key: tuple = ()  # the fused engine groups tables by (dim, dtype, update rule)
     mean_row_split: bool = False  # a mean-pooled table split by rows: every id then carries a weight
+    piece_costs: list[float] = field(init=False, default_factory=list)  # per piece, all phases
+    everyone: float = field(init=False, default=0.0)  # all phases
+    largest_phases: tuple[float, ...] = field(init=False, default=())  # per phase, the largest piece's
+
+    def __post_init__(self) -> None:
+        self.piece_costs = [sum(p) for p in self.piece_phases]
+        self.everyone = sum(self.everyone_phases)
+        if self.piece_phases:
+            self.largest_phases = tuple(max(p[k] for p in self.piece_phases) for k in range(len(PHASES)))
 
     @property
     def placement(self) -> str:
@@ -69,6 +90,12 @@ class Option:
     def max_piece(self) -> float:
         return max(self.piece_costs, default=0.0)
 
+    def piece_size(self, allowance: tuple[float, ...]) -> float:
+        """Its largest piece's cost in the phase where it is largest against `allowance` (per phase)."""
+        if not self.largest_phases:  # dp: no pieces
+            return 0.0
+        return max(c / a for c, a in zip(self.largest_phases, allowance, strict=True))
+
     def max_piece_memory(self, tier: str) -> float:
         return max((m.get(tier, 0.0) for m in self.piece_memory), default=0.0) + self.everyone_memory.get(
             tier, 0.0
@@ -87,6 +114,15 @@ class Option:
     @property
     def label(self) -> str:
         return self.kind if self.num_shards == 1 or self.kind in ("dp",) else f"{self.kind}x{self.num_shards}"
+
+
+def phase_means(choice: dict[str, Option], world_size: int) -> tuple[float, ...]:
+    """Seconds per phase a rank pays on average when every table takes its option in `choice`."""
+    totals = _zero()
+    for o in choice.values():
+        for p in [*o.piece_phases, tuple(world_size * v for v in o.everyone_phases)]:
+            totals = _add(totals, p)
+    return tuple(v / world_size for v in totals)
 
 
 def split_counts(load: TableLoad, cluster: Cluster) -> dict[str, list[int]]:
@@ -164,13 +200,24 @@ def _piece_works(load: TableLoad, kind: str, k: int, tier: str, workload: Worklo
 
 
 def _buffers(work) -> float:
-    from neorec.planner.cost import BYTES_PER_ID, POOLED_COPIES
-
     return work.ids * BYTES_PER_ID + work.pooled_bytes * POOLED_COPIES
 
 
 def _link_seconds(intra: float, inter: float, cluster: Cluster) -> float:
     return intra / cluster.intra_node_bandwidth + inter / cluster.inter_node_bandwidth
+
+
+def _split_links(nbytes, intra_share: float, cluster: Cluster) -> tuple[float, ...]:
+    """Seconds per phase of `nbytes` per phase, `intra_share` of them within the node."""
+    return tuple(_link_seconds(v * intra_share, v * (1 - intra_share), cluster) for v in nbytes)
+
+
+def _zero() -> tuple[float, ...]:
+    return (0.0,) * len(PHASES)
+
+
+def _add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
 def _fastest_link_seconds(nbytes: float, cluster: Cluster) -> float:
@@ -196,42 +243,46 @@ def _flat(load: TableLoad, kind: str, k: int, tier: str, workload: Workload, clu
     W, L = cluster.world_size, cluster.ranks_per_node
     b = workload.batch_size / W
     F, p = len(load.table.features), load.ids_per_sample
-    wire = wire_element_bytes(workload.forward_precision) + wire_element_bytes(workload.backward_precision)
+    fe, be = wire_element_bytes(workload.forward_precision), wire_element_bytes(workload.backward_precision)
     shards, works = _piece_works(load, kind, k, tier, workload, cluster)
-    costs, everyone, low = [], 0.0, 0.0
+    costs, everyone, low = [], _zero(), 0.0
     intra_share = (L - 1) / (W - 1) if W > 1 else 0.0
     if load.id_sample is None and k > 1:  # identical pieces (see _piece_works): cost one, count k
         shards, works = shards[:1], works[:1]
     for (rows, width), work in zip(shards, works, strict=True):
         share = load.share(*rows) if kind in ROW_KINDS else 1.0
         rows_out = b * p * share if load.table.pooling == "none" else b * F  # rows per id, or per bag
-        x = b * (F * 4 + p * share * _id_bytes(load, workload, kind)) + rows_out * width * wire
-        piece_link = (W - 2) * x if W > 1 else 0.0
-        costs.append(
-            sum(work.stages.values())
-            + _link_seconds(piece_link * intra_share, piece_link * (1 - intra_share), cluster)
-        )
+        ids = b * (F * 4 + p * share * _id_bytes(load, workload, kind))
+        x = (ids, rows_out * width * fe, rows_out * width * be)  # bytes per phase
+        piece_link = [(W - 2) * v if W > 1 else 0.0 for v in x]
+        costs.append(_add(by_phase(work.stages), _split_links(piece_link, intra_share, cluster)))
         if W > 1:  # one process exchanges nothing
-            everyone += _link_seconds(x * intra_share, x * (1 - intra_share), cluster)
-            low += _fastest_link_seconds(x, cluster)
+            everyone = _add(everyone, _split_links(x, intra_share, cluster))
+            low += _fastest_link_seconds(sum(x), cluster)
     if len(costs) < k:
-        costs, works, everyone, low = costs * k, works * k, everyone * k, low * k
-    own = sum(owner_work(load, kind, k, workload, cluster).values())
-    return _sharded(load, kind, k, tier, costs, works, (everyone + own, low + own), kind in ROW_KINDS)
+        costs, works, low = costs * k, works * k, low * k
+        everyone = tuple(v * k for v in everyone)
+    own = by_phase(owner_work(load, kind, k, workload, cluster))
+    everyone_and_low = (_add(everyone, own), low + sum(own))
+    return _sharded(load, kind, k, tier, costs, works, everyone_and_low, kind in ROW_KINDS)
 
 
-def _sharded(load: TableLoad, kind: str, k: int, tier: str, costs: list[float], works: list,
-             everyone: tuple[float, float], row_split: bool) -> Option:  # fmt: skip
-    """The option of a table cut into k pieces (`row_split`: pieces of its rows); `everyone`: its
-    `everyone` and `everyone_low`."""
+def _sharded(load: TableLoad, kind: str, k: int, tier: str, costs: list[tuple[float, ...]], works: list,
+             everyone: tuple[tuple[float, ...], float], row_split: bool) -> Option:  # fmt: skip
+    """The option of a table cut into k pieces of `costs` per phase (`row_split`: pieces of its
+    rows); `everyone`: its `everyone_phases` and `everyone_low`."""
+    memory: dict[int, dict[str, float]] = {}
+    for w in works:
+        if id(w) not in memory:
+            memory[id(w)] = _memory(w, tier)
     return Option(
         table=load.name,
         kind=kind,
         num_shards=k,
         tier=tier,
-        piece_costs=costs,
-        piece_memory=[_memory(w, tier) for w in works],
-        everyone=everyone[0],
+        piece_phases=costs,
+        piece_memory=[memory[id(w)] for w in works],  # (read only: pieces of one work share a dict)
+        everyone_phases=everyone[0],
         everyone_low=everyone[1],
         init_bytes=max(w.init_bytes for w in works),
         group_key=_group_key(load),
@@ -249,23 +300,25 @@ def _node(load: TableLoad, kind: str, tier: str, workload: Workload, cluster: Cl
     N = W // L
     b = workload.batch_size / W
     F, p, D = len(load.table.features), load.ids_per_sample, load.table.dim
-    wire = wire_element_bytes(workload.forward_precision) + wire_element_bytes(workload.backward_precision)
+    wires = (wire_element_bytes(workload.forward_precision), wire_element_bytes(workload.backward_precision))
     shards, works = _piece_works(load, kind, L, tier, workload, cluster)
-    costs, everyone, low = [], 0.0, 0.0
+    costs, everyone, low = [], _zero(), 0.0
     intra_share = (L - 1) / (W - 1)
-    y = b * F * D * wire  # one rank's pooled rows and gradients for this table, crossing nodes
+    y = [0.0] + [b * F * D * w for w in wires]  # per phase: one rank's pooled rows (gradients) crossing nodes
     for (rows, width), work in zip(shards, works, strict=True):
         share = load.share(*rows) if kind == "twrw" else 1.0
         x = b * (F * 4 + p * share * _id_bytes(load, workload, kind))  # ids, as for a flat shard
-        intra = (W - 2) * x * intra_share + 2 * (L - 1) * N * b * F * width * wire
-        inter = (W - 2) * x * (1 - intra_share) + (N - 1) * y - y
-        costs.append(sum(work.stages.values()) + _link_seconds(intra, inter, cluster))
-        everyone += _link_seconds(x * intra_share, x * (1 - intra_share), cluster)
+        intra = [(W - 2) * x * intra_share] + [2 * (L - 1) * N * b * F * width * w for w in wires]
+        inter = [(W - 2) * x * (1 - intra_share)] + [(N - 2) * v for v in y[1:]]
+        links = tuple(_link_seconds(a, e, cluster) for a, e in zip(intra, inter, strict=True))
+        costs.append(_add(by_phase(work.stages), links))
+        everyone = _add(everyone, _split_links([x, 0.0, 0.0], intra_share, cluster))
         low += _fastest_link_seconds(x, cluster)
-    own = sum(owner_work(load, kind, L, workload, cluster).values())
+    own = by_phase(owner_work(load, kind, L, workload, cluster))
     # y: what a rank of another node pays; the node's own ranks pay (N - 1) y, nothing on one node
-    everyone += _link_seconds(0.0, y, cluster) + own
-    low += (_link_seconds(0.0, y, cluster) if N > 1 else 0.0) + own
+    across = tuple(_link_seconds(0.0, v, cluster) for v in y)
+    everyone = _add(_add(everyone, across), own)
+    low += (sum(across) if N > 1 else 0.0) + sum(own)
     return _sharded(load, kind, L, tier, costs, works, (everyone, low), kind == "twrw")
 
 
@@ -284,18 +337,18 @@ def _replicated(load: TableLoad, tier: str, workload: Workload, cluster: Cluster
         moved = 2 * (W - 1) * per_peer
         return _link_seconds(moved * intra_share, moved * (1 - intra_share), cluster)
 
-    own = sum(work.stages.values()) + sum(owner_work(load, "dp", W, workload, cluster).values())
+    own = _add(by_phase(work.stages), by_phase(owner_work(load, "dp", W, workload, cluster)))
     per_peer = replica_bytes_per_peer([load], t.dim, load.optimizer, bp, b, W, counts_ahead(cluster, [tier]))
     return Option(
         table=load.name,
         kind="dp",
         num_shards=W,
         tier=tier,
-        piece_costs=[],
+        piece_phases=[],
         piece_memory=[],
-        everyone=own + exchange(per_peer),
+        everyone_phases=_add(own, (0.0, 0.0, exchange(per_peer))),  # the gradient exchange: with the update
         # in a group with other replicated tables, or counted otherwise, it may add less (bounds.py)
-        everyone_low=own + exchange(replica_bytes_floor(load, bp, b, W)),
+        everyone_low=sum(own) + exchange(replica_bytes_floor(load, bp, b, W)),
         everyone_memory=_memory(work, tier),
         init_bytes=work.init_bytes,
         group_key=_group_key(load),

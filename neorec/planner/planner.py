@@ -14,26 +14,30 @@ takes its cache in device memory and all its rows in the backing tier.
     choice                 per table, the cheapest option whose pieces are small enough to balance
                            ("grain": a fraction of the lower bound) and whose memory fits; device
                            memory goes to the tables that save the most seconds per byte
-    placement (partition.py)  pinned pieces where they are pinned; then LPT, then moves and swaps off
-                           the most loaded rank, for the other pieces
-    refinement             for tables on the most loaded rank, other options are tried while the
-                           maximum load drops (within the time budget)
-Several grains are tried and the plan with the lightest most-loaded rank is kept. The result is a
-ShardingPlan (the same data a hand-written plan file holds) plus the cost model's estimate of it.
+    placement (partition.py)  pinned pieces where they are pinned; then greedy, then moves and swaps
+                           off the slowest ranks, for the other pieces
+    refinement             for tables on the slowest ranks, other options are tried while the step
+                           cost drops (within the time budget)
+The step cost: the sum over the phases that end in an exchange (cost.PHASES) of the slowest rank
+in each. Several grains are tried and the plan of the lowest step cost is kept. The result is a
+ShardingPlan (the data a hand-written plan file holds) plus the cost model's estimate of it.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
 from neorec.distributed.plan import KINDS, ShardingPlan, TablePlan
 from neorec.distributed.replicas import updates_by_owner
 from neorec.errors import ConfigError
-from neorec.planner.bounds import LowerBound, lower_bound, lower_hull
+from neorec.planner.bounds import LowerBound, lower_bound
+from neorec.planner.choice import choose_options, total_size
 from neorec.planner.constraints import (
     TableConstraint,
     check,
@@ -47,11 +51,12 @@ from neorec.planner.cost import (
     estimate_plan,
     first_cache_shares,
     largest_cache_shares,
+    latency_phases,
     latency_seconds,
     owner_buffer_bytes,
 )
 from neorec.planner.hardware import Cluster
-from neorec.planner.options import Option
+from neorec.planner.options import Option, phase_means
 from neorec.planner.partition import Assignment, NodePiece, Piece, PlacementError, partition
 from neorec.planner.tiers import PLACEMENTS, placements
 from neorec.planner.workload import Workload
@@ -66,9 +71,9 @@ CACHE_ROUNDS = 3  # plans made at most with caches sized in MiB (plan_sharding)
 class PlanResult:
     plan: ShardingPlan
     estimate: PlanEstimate  # the cost model's view of the plan (exact exchange bytes)
-    bound: LowerBound | None  # no plan of these options has a lighter most-loaded rank (bounds.py)
+    bound: LowerBound | None  # no plan of these options has a lower step cost (bounds.py)
     choices: dict[str, Option] = field(default_factory=dict)
-    additive_max: float = 0.0  # the most loaded rank in the additive model the partitioner balanced
+    additive_step: float = 0.0  # the step cost (partition.py) in the additive model the partitioner balanced
     seconds: float = 0.0  # planning time
     name: str = "planner"
 
@@ -127,7 +132,7 @@ def plan_sharding(
             f"{capacity_error(results[-1].estimate, cluster)}; every rank that holds a cached table gives "
             f"its row caches embedding.cache.size_mib ({workload.cache_mib:g} MiB): a smaller one takes less"
         )
-    best = min(fits, key=lambda r: r.estimate.max_cost)
+    best = min(fits, key=lambda r: r.estimate.step_time)
     best.seconds = time.perf_counter() - start
     if any(PLACEMENTS[p].cache_in is not None for p in placements(cluster)):
         best.bound = None  # the options' caches were guesses: their bound bounds no plan of real caches
@@ -149,6 +154,7 @@ def _plan_once(
     bound = lower_bound(feasible, W, device_total, latency_seconds({"tw"}, 0, workload.weighted, cluster))
 
     def placer(choice: dict[str, Option], improve_seconds: float = 2.0) -> Assignment:
+        improve_seconds = min(improve_seconds, max(0.25, deadline - time.perf_counter()))  # within the budget
         return place(choice, cluster, capacity, owner_buffers, improve_seconds, workload.weighted, constraints)
 
     # candidates: every kind, and without dp (its gradient exchange has a fixed cost per group that
@@ -157,16 +163,22 @@ def _plan_once(
     option_sets = [feasible] + ([without_dp] if all(without_dp.values()) and without_dp != feasible else [])
     best: tuple[float, dict[str, Option], Assignment] | None = None
     error: PlacementError | None = None
+    tried: set[tuple[int, ...]] = set()  # choices placed already (the option sets often agree)
     for fill in DEVICE_FILLS:
-        for options, grain in itertools.product(option_sets, GRAINS):
-            choice = choose_options(options, bound.value * grain, capacity, W, fill * device_total)
+        for options, size in _sizes(option_sets, bound.value, capacity, W, fill * device_total):
+            if best is not None and time.perf_counter() >= deadline:
+                break  # out of time: the plans so far stand
+            choice = choose_options(options, size, capacity, W, fill * device_total)
+            if (key := tuple(map(id, choice.values()))) in tried:
+                continue
+            tried.add(key)
             try:
-                choice, assignment = place_with_repairs(choice, feasible, placer, W)
+                choice, assignment = place_with_repairs(choice, feasible, placer, W, size)
             except PlacementError as e:
                 error = error or e
                 continue
-            if best is None or assignment.max_load < best[0] - 1e-12:
-                best = (assignment.max_load, choice, assignment)
+            if best is None or assignment.step_cost < best[0] - 1e-12:
+                best = (assignment.step_cost, choice, assignment)
         if best is not None:
             break
     if best is None:
@@ -179,7 +191,17 @@ def _plan_once(
     if broken:  # the options and the partitioner keep every constraint: this would be a planner bug
         raise AssertionError("the planner broke constraints: " + "; ".join(broken))
     estimate = estimate_plan(plan, workload, cluster)
-    return PlanResult(plan, estimate, bound, choice, assignment.max_load, time.perf_counter() - start)
+    return PlanResult(plan, estimate, bound, choice, assignment.step_cost, time.perf_counter() - start)
+
+
+def _sizes(option_sets, bound: float, capacity, W: int, device_room: float):
+    """(options, size) to choose by, best first: for every set of options and grain, pieces against
+    the mean load of each phase that the choice by their whole cost gives, then by their whole cost."""
+    by_total = [(o, partial(total_size, most=g * bound)) for o, g in itertools.product(option_sets, GRAINS)]
+    for (options, size), grain in zip(by_total, GRAINS * len(option_sets), strict=True):
+        means = phase_means(choose_options(options, size, capacity, W, device_room), W)
+        yield options, partial(Option.piece_size, allowance=tuple(grain * max(m, 0.1 * bound) for m in means))
+    yield from by_total
 
 
 def feasible_options(
@@ -303,42 +325,6 @@ def _check_total_memory(feasible: dict[str, list[Option]], capacity, W: int) -> 
         )  # fmt: skip
 
 
-def choose_options(
-    feasible: dict[str, list[Option]],
-    grain_cost: float,
-    capacity: dict[str, np.ndarray],
-    W: int,
-    device_room: float,
-) -> dict[str, Option]:
-    """Per table the cheapest option small enough to balance, then `device_room` bytes of device
-    memory to the tables that save the most per byte (greedy multiple-choice knapsack over each
-    table's cost/memory hull)."""
-    hulls: dict[str, list[tuple[float, float, Option]]] = {}
-    for name, opts in feasible.items():
-        fine = [o for o in opts if o.max_piece <= grain_cost] or [min(opts, key=lambda o: o.max_piece)]
-        by_point = {}
-        for o in fine:
-            key = (o.memory_total("device", W), o.total(W))
-            by_point.setdefault(key, o)
-        hull = lower_hull(list(by_point))
-        hulls[name] = [(m, c, by_point[(m, c)]) for m, c in hull]
-    choice = {name: h[0][2] for name, h in hulls.items()}
-    room = device_room - sum(h[0][0] for h in hulls.values())
-    steps = []
-    for name, h in hulls.items():
-        for k in range(1, len(h)):
-            extra, saved = h[k][0] - h[k - 1][0], h[k - 1][1] - h[k][1]
-            steps.append((saved / max(extra, 1.0), name, k, extra))
-    level = dict.fromkeys(hulls, 0)
-    for _, name, k, extra in sorted(steps, key=lambda s: (-s[0], s[1], s[2])):
-        if level[name] != k - 1 or extra > room:
-            continue
-        level[name] = k
-        choice[name] = hulls[name][k][2]
-        room -= extra
-    return choice
-
-
 def place(
     choice: dict[str, Option],
     cluster: Cluster,
@@ -354,11 +340,11 @@ def place(
     W = cluster.world_size
     constraints = constraints or {}
     pieces, node_pieces = [], []
-    base = np.full(W, fixed_seconds(choice, cluster, weighted))
+    base = np.tile(np.asarray(fixed_phases(choice, cluster, weighted)), (W, 1))  # [rank, phase]
     base_memory = {t: np.zeros(W) for t in capacity}
     base_memory["device"] += owner_buffers
     for name, o in choice.items():
-        base += o.everyone
+        base += np.asarray(o.everyone_phases)
         for tier, nbytes in o.everyone_memory.items():
             base_memory[tier] += nbytes
         c = constraints.get(name)
@@ -366,14 +352,12 @@ def place(
             group = name if o.num_shards > 1 else None
             pins = list(c.ranks) if c is not None and c.ranks else [None] * o.num_shards
             for i, (cost, mem) in enumerate(zip(o.piece_costs, o.piece_memory, strict=True)):
-                pieces.append(
-                    Piece(f"table {name!r} ({o.label}, {o.tier}) shard {i}", cost, mem, group, name, pins[i])
-                )
+                label = f"table {name!r} ({o.label}, {o.tier}) shard {i}"
+                pieces.append(Piece(label, cost, mem, group, name, pins[i], o.piece_phases[i]))
         elif o.placement == "node":
             node = c.node if c is not None else None
-            node_pieces.append(
-                NodePiece(f"table {name!r} ({o.label}, {o.tier})", o.piece_costs, o.piece_memory, name, node)
-            )
+            label = f"table {name!r} ({o.label}, {o.tier})"
+            node_pieces.append(NodePiece(label, o.piece_costs, o.piece_memory, name, node, o.piece_phases))
     over = [t for t in capacity if (base_memory[t] > capacity[t]).any()]
     if over:
         raise PlacementError(f"replicated (dp) tables alone exceed the {over[0]} memory of a rank")
@@ -390,10 +374,12 @@ def place(
 
 
 def place_with_repairs(
-    choice: dict[str, Option], feasible: dict[str, list[Option]], placer, world_size: int
-) -> tuple[dict[str, Option], Assignment]:
-    """place(), and when a table's piece fits on no rank, give that table its cheapest option with
-    pieces at most half as large in the same tier (failing that, one in a slower tier) and retry."""
+    choice: dict[str, Option], feasible: dict[str, list[Option]], placer, world_size: int,
+    size: Callable[[Option], float],
+) -> tuple[dict[str, Option], Assignment]:  # fmt: skip
+    """place(), and when a table's piece fits on no rank, give that table its cheapest option (of
+    `size` at most 1 if it has one) with pieces at most half as large in the same tier (failing that,
+    one in a slower tier) and retry."""
 
     def piece_bytes(o: Option) -> float:
         return max(o.max_piece_memory(t) for t in o.memory_tiers | {"device"})
@@ -413,7 +399,9 @@ def place_with_repairs(
             slower = [o for o in opts if o.tier not in (current.tier, "device")]
             if not (smaller or slower):
                 raise
-            choice[e.table] = min(smaller or slower, key=lambda o: o.total(world_size))
+            others = smaller or slower
+            small = [o for o in others if size(o) <= 1] or others
+            choice[e.table] = min(small, key=lambda o: o.total(world_size))
     return choice, placer(choice)
 
 
@@ -425,13 +413,16 @@ def refine(
     placer,
     deadline: float,
 ) -> tuple[dict[str, Option], Assignment]:
-    """Try other options for the tables on the most loaded rank while that lowers the maximum."""
+    """Try other options for the tables on the slowest rank of each phase while that lowers the step
+    cost."""
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
-        top = int(np.argmax(assignment.loads))
+        slowest = set(np.argmax(assignment.loads, axis=0).tolist())  # of each phase, most loaded first
+        slowest = sorted(slowest, key=lambda r: -assignment.rank_loads[r])
+        on_slowest = [n for r in slowest for n in _tables_on(r, choice, assignment, cluster)]
         replicated = [n for n, o in choice.items() if o.placement == "all"]  # they load every rank
-        for name in _tables_on(top, choice, assignment, cluster) + replicated:
+        for name in dict.fromkeys(on_slowest + replicated):
             current = choice[name]
             for o in sorted(feasible[name], key=lambda o: o.total(cluster.world_size)):
                 if o is current or (
@@ -446,7 +437,7 @@ def refine(
                     a = placer(trial, improve_seconds=0.5)
                 except PlacementError:
                     continue
-                if a.max_load < assignment.max_load * (1 - 1e-9):
+                if a.step_cost < assignment.step_cost * (1 - 1e-9):
                     choice, assignment, improved = trial, a, True
                     break
             if improved:
@@ -454,12 +445,12 @@ def refine(
     return choice, assignment
 
 
-def fixed_seconds(choice: dict[str, Option], cluster: Cluster, weighted: bool) -> float:
-    """Collective latencies every rank pays, from the kinds in use (cost.collective_calls)."""
+def fixed_phases(choice: dict[str, Option], cluster: Cluster, weighted: bool) -> tuple[float, ...]:
+    """Collective latencies every rank pays per phase, from the kinds in use (cost.collective_calls)."""
     dp_groups = {o.group_key for o in choice.values() if o.kind == "dp"}  # (dim, dtype, update rule)
     owner_groups = sum(updates_by_owner(key[2]) for key in dp_groups)
     weighted = weighted or any(o.mean_row_split for o in choice.values())
-    return latency_seconds({o.kind for o in choice.values()}, len(dp_groups), weighted, cluster, owner_groups)
+    return latency_phases({o.kind for o in choice.values()}, len(dp_groups), weighted, cluster, owner_groups)
 
 
 def _tables_on(rank: int, choice: dict[str, Option], assignment: Assignment, cluster: Cluster) -> list[str]:

@@ -66,10 +66,10 @@ def summary(result: PlanResult, cluster: Cluster) -> str:
         f"{e.imbalance:.4f}; step estimate (slowest rank per phase) {e.step_time * 1e3:.3f} ms",
     ]
     if result.bound is not None:
-        above = e.max_cost / result.bound.value - 1
+        above = e.step_time / result.bound.value - 1
         above = 0.0 if abs(above) < 1e-9 else above  # at the bound: no "-0.00%" from rounding
         lines.append(
-            f"lower bound on the slowest rank: {result.bound.describe()}; this plan is {above:+.2%} above it"
+            f"lower bound on the step: {result.bound.describe()}; this plan's step is {above:+.2%} above it"
         )
     kinds = Counter(
         p.kind + ("" if (p.tier or "device") == "device" else f"@{p.tier}")
@@ -97,8 +97,8 @@ def summary(result: PlanResult, cluster: Cluster) -> str:
 
 def comparison(results: list[PlanResult], cluster: Cluster) -> str:
     """Plans side by side (the planner's first): slowest rank, imbalance, memory, capacity."""
-    header = ["plan", "slowest rank ms", "mean ms", "max/mean", "vs lower bound", "step ms", "max device GB",
-              "fits in memory", "planning s"]  # fmt: skip
+    header = ["plan", "slowest rank ms", "mean ms", "max/mean", "step vs lower bound", "step ms",
+              "max device GB", "fits in memory", "planning s"]  # fmt: skip
     bound = next((r.bound for r in results if r.bound is not None), None)
     rows = []
     for r in results:
@@ -108,7 +108,7 @@ def comparison(results: list[PlanResult], cluster: Cluster) -> str:
         ]
         rows.append([
             r.name, f"{e.max_cost * 1e3:.2f}", f"{e.mean_cost * 1e3:.2f}", f"{e.imbalance:.3f}",
-            f"{e.max_cost / bound.value:.3f}x" if bound else "-", f"{e.step_time * 1e3:.2f}",
+            f"{e.step_time / bound.value:.3f}x" if bound else "-", f"{e.step_time * 1e3:.2f}",
             _gb(max(x.memory.get("device", 0) for x in e.ranks)),
             "yes" if not over else f"no ({len(over)} rank-tiers over)", f"{r.seconds:.2f}",
         ])  # fmt: skip
