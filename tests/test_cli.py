@@ -166,7 +166,7 @@ def test_empty_missing_or_folder_tsv_inputs_are_errors(tmp_path, capsys):
     train = ["train", *sets(CRITEO), "--output-dir", str(tmp_path / "run")]
     fails(capsys, [*train, "--set", f"data.criteo.train_paths=[{empty}]"], f"{empty}: empty file")
     fails(capsys, [*train, "--set", f"data.criteo.train_paths=[{folder}]"], f"{folder}: is a folder")
-    fails(capsys, [*train, "--set", f"data.criteo.train_paths=[{empty_gz}]"], "no training batch")
+    fails(capsys, [*train, "--set", f"data.criteo.train_paths=[{empty_gz}]"], f"{empty_gz}: empty file")
     assert not (tmp_path / "run" / "summary.json").exists()
     pre = ["data", "preprocess", "--no-progress", "--out"]
     fails(capsys, [*pre, str(tmp_path / "p1"), str(empty)], "empty file")

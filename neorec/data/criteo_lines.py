@@ -32,6 +32,7 @@ import errno
 import gzip
 import io
 import itertools
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -132,21 +133,38 @@ def parse_hex(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_tsv_file(path: PathLike, key: str | None = None) -> None:
-    """A Criteo TSV input exists, is a readable file and is not empty (0 bytes); DataError naming it if not, and for
-    a missing one where Criteo's logs are (`key`: the config key that named it; None: the command line)."""
+    """A Criteo TSV input exists, is a readable file and holds a line that is not blank (0 bytes, an
+    empty .gz and blank lines alike are an empty file); DataError naming it if not, and for a missing
+    one where Criteo's logs are (`key`: the config key that named it; None: the command line)."""
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{path}: is a folder; expected a Criteo TSV file (plain or .gz)")
     if not path.is_file():
         raise DataError(f"{path}: no such file; {criteo_hint(key)}")
-    if path.stat().st_size == 0:
-        raise DataError(f"{path}: empty file; expected Criteo TSV lines (label, I1..I13, C1..C26)")
     try:  # readable: refused before any work, as a missing file is
-        with open(path, "rb"):
-            pass
+        with open(path, "rb") as f:
+            empty = not _filled(gzip.open(f, "rb") if path.suffix == ".gz" else f)
     except OSError as e:
         hint = "; check its permissions" if e.errno in (errno.EACCES, errno.EPERM) else ""
         raise DataError(f"{path}: cannot be read ({e.strerror or e}){hint}") from e
+    if empty:
+        unzipped = ", once decompressed" if path.suffix == ".gz" else ""
+        raise DataError(
+            f"{path}: empty file (no lines, or blank ones only{unzipped}); expected Criteo TSV lines "
+            "(label, I1..I13, C1..C26)"
+        )
+
+
+def _filled(f: io.BufferedIOBase) -> bool:
+    """Whether a file holds a byte that is not blank (read up to the block that holds the first one). A
+    .gz file that cannot be decompressed counts as filled: its reader names where it is damaged."""
+    try:
+        while block := f.read(_READ_BYTES):
+            if block.strip():
+                return True
+    except (EOFError, zlib.error, gzip.BadGzipFile):
+        return True
+    return False
 
 
 def open_tsv(path: Path) -> io.BufferedIOBase:

@@ -57,6 +57,7 @@ from neorec.data.columns import Columns, cut_batches
 from neorec.data.file_roles import FileRoles
 from neorec.data.packed import PackedColumns
 from neorec.data.parquet_columns import ColumnMap, held_out
+from neorec.data.parquet_output import check_finished
 from neorec.data.prefetch import prefetch
 from neorec.data.reader_position import checked_position
 from neorec.data.source import FeatureSpec, SourceInfo
@@ -78,7 +79,9 @@ class RowGroup:
 
 
 def list_files(path: str) -> tuple[pafs.FileSystem, list[str]]:
-    """(filesystem, sorted files) of a file or folder, local or a URI; DataError when there is none."""
+    """(filesystem, sorted files) of a file or folder, local or a URI; DataError when there is none, or
+    when it is part of an unfinished preprocessing's Parquet copy (neorec/data/parquet_output.py)."""
+    check_finished(path)
     try:
         dataset = ds.dataset(path, format="parquet", schema=pa.schema([]))  # lists only: files are opened later
     except FileNotFoundError:
