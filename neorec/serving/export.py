@@ -25,6 +25,7 @@ from neorec.data.source import DataSource
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig, feature_order
 from neorec.errors import NeorecError
 from neorec.serving.aoti_package import check_package_path, is_aoti
+from neorec.serving.export_report import ExportReport, report_text  # noqa: F401 (neorec.cli's import)
 from neorec.serving.file_format import (
     ExportError,
     check_output_file,
@@ -32,6 +33,7 @@ from neorec.serving.file_format import (
     is_export_file,
     write_export,
 )
+from neorec.serving.held_out import header_record, held_out_line, run_held_out
 from neorec.serving.model import build_inference_model, file_tensors, info_to_json
 from neorec.serving.quantize import BITS, SCALE_DTYPES, QuantizedRows, kind_of, quantize_rows
 from neorec.train.run_folder import check_not_a_run_place
@@ -61,31 +63,6 @@ class TrainedModel:
         return build_inference_model(
             self.config, self.source.info, self.tables, w, self.dense, self.origin, self.id_maps, fix=fix
         )
-
-
-@dataclass
-class ExportReport:
-    out: Path
-    num_bytes: int
-    # the size of the unquantized export of the same run, its tables as trained (num_bytes when not
-    # quantized; 0: not known)
-    fp32_bytes: int
-    # bytes of all tables: "fp32" the tables as trained (each in its dtype), the quantization ("int8", ...)
-    table_bytes: dict[str, int]
-    eval: dict[str, dict[str, float]] = field(default_factory=dict)  # "fp32"/quantization -> held-out metrics
-    scale_dtype: str | None = None  # of the quantized tables' scale and bias
-    seconds: float = 0.0
-    format: str = "nrx"
-    quantize: str | None = None  # "int8", "int4" or "int2"; None: the tables as trained
-    row_bytes: dict[str, float] = field(default_factory=dict)  # as table_bytes, per row of all tables
-    trained_dtypes: list[str] = field(default_factory=list)  # the tables' dtypes as trained, each once
-
-    @property
-    def auc_change(self) -> float | None:
-        """The quantized model's held-out AUC minus the fp32 model's (None when not both measured)."""
-        if self.quantize in self.eval and "fp32" in self.eval:
-            return self.eval[self.quantize]["auc"] - self.eval["fp32"]["auc"]
-        return None
 
 
 def load_trained(
@@ -277,7 +254,9 @@ def export_model(
     quantizes the tables row-wise (`int8=True` is quantize="int8"), scale and bias in `scale_dtype`.
     With `measure`, the held-out metrics of the fp32 model and of the quantized one, as they will
     score after loading. `out` is never where a run keeps its files (check_not_a_run_place) but for
-    `run_snapshot`: the run's own snapshot, written by its publisher into its snapshot folder."""
+    `run_snapshot`: the run's own snapshot, written by its publisher into its snapshot folder. The
+    held-out data measured must be the run's (neorec/serving/held_out.py), whose record the header keeps."""
+    from neorec.data.sample_digest import SampleDigest
     from neorec.train.evaluation import evaluate
 
     if format not in FORMATS:
@@ -299,18 +278,23 @@ def export_model(
     fp32_model = (
         trained.inference_model()
     )  # the dense weights fit the config's model, before anything is written
+    # the run's record of its held-out data (not a snapshot's: its run is still training)
+    held = run_held_out(Path(path), trained, config, measure) if not run_snapshot else None
     weights: dict = trained.weights
     if quantize:
         weights = quantize_tables(trained.weights, scale_dtype, quantize)
     metrics: dict[str, dict[str, float]] = {}
+    digest = SampleDigest()
     if measure:
         models = {
             "fp32": fp32_model,
             **({quantize: trained.inference_model(weights)} if quantize else {}),
         }
-        for kind, model in models.items():
-            if m := evaluate(model, trained.source, cfg.data.eval_batch_size):  # {} without held-out data
+        for kind, model in models.items():  # the samples of the first pass digested; {}: no held-out data
+            d = digest if kind == "fp32" else None
+            if m := evaluate(model, trained.source, cfg.data.eval_batch_size, digest=d):
                 metrics[kind] = m
+    record = header_record(held, digest.hex() if metrics else None, cfg) if held is not None else None
     bits = BITS[quantize] if quantize else None
     header = {
         "config": dump_config(cfg),
@@ -321,6 +305,7 @@ def export_model(
         "training_data": tsv_mapping(cfg)[1],
         "vocab_crc32": getattr(trained.source, "vocab_crc32", None),  # the vocabularies of hashing vocab
         "eval": metrics,
+        **({"eval_data": record} if record is not None else {}),  # what predict's held-out data must be
         "origin": str(trained.origin),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -333,6 +318,8 @@ def export_model(
         Path(out), num_bytes=0, fp32_bytes=0, table_bytes=table_bytes, eval=metrics, format=format,
         quantize=quantize, scale_dtype=scale_dtype if quantize else None, row_bytes=row_bytes,
         trained_dtypes=list(dict.fromkeys(t.dtype for t in trained.tables)),
+        held_out=held_out_line(held, record) if held is not None else "",
+        unmeasured="" if metrics else unmeasured(measure, cfg),
     )  # fmt: skip
     if format in PROGRAM_FORMATS:
         report.num_bytes = _export_program(trained, out, header, weights, format)
@@ -350,6 +337,15 @@ def export_model(
             report.fp32_bytes = export_size(fp32_header, fp32_tensors)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def unmeasured(measure: bool, cfg: RunConfig) -> str:
+    """Why an export measured no held-out metrics."""
+    if not measure:
+        return "--no-eval was given"
+    if cfg.data.follow is not None:
+        return "the run followed a stream (data.follow), which has no held-out set"
+    return "its config's data has no held-out samples"
 
 
 def quantization(int8: bool, quantize: str | None) -> str | None:
@@ -384,66 +380,3 @@ def _export_program(trained: TrainedModel, out: str | Path, header: dict, weight
     if format == "aoti":
         return write_aoti(out, header, program)
     return write_pt2(out, header, program, trained.dense, weights)
-
-
-def report_text(r: ExportReport) -> str:
-    """What `neorec export` prints."""
-    mib = 2**20
-    if r.quantize:
-        per_byte = 8 // BITS[r.quantize]
-        packing = f", {per_byte} codes a byte" if per_byte > 1 else ""
-        kind = f"{r.quantize} row-wise tables{packing}, {r.scale_dtype} scale and bias"
-    else:
-        kind = "fp32 (tables as trained)"
-    if r.format == "pt2":
-        rows = [
-            ("export folder", f"{r.out} (model.pt2 + weights.safetensors, {kind})"),
-            ("folder size", f"{r.num_bytes:,} bytes ({r.num_bytes / mib:.2f} MiB)"),
-        ]
-    elif r.format == "aoti":
-        rows = [
-            ("export file", f"{r.out} (AOTInductor package, {kind})"),
-            ("file size", f"{r.num_bytes:,} bytes ({r.num_bytes / mib:.2f} MiB)"),
-        ]
-    else:
-        rows = [
-            ("export file", f"{r.out} ({kind})"),
-            ("file size", f"{r.num_bytes:,} bytes ({r.num_bytes / mib:.2f} MiB)"),
-        ]
-    if r.quantize and r.fp32_bytes:
-        ratio = r.fp32_bytes / r.num_bytes
-        rows.append(
-            (
-                "unquantized export size",
-                f"{r.fp32_bytes:,} bytes ({r.fp32_bytes / mib:.2f} MiB), {ratio:.2f}x this file",
-            )
-        )
-    if r.quantize:  # beside the tables as trained, in their own dtypes (what the unquantized export holds)
-        trained, quantized = r.table_bytes["fp32"], r.table_bytes[r.quantize]
-        dtypes = f" ({', '.join(r.trained_dtypes)})" if r.trained_dtypes else ""
-        rows.append(
-            (
-                f"tables as trained{dtypes} / {r.quantize}",
-                f"{trained:,} / {quantized:,} bytes ({trained / mib:.2f} / {quantized / mib:.2f} MiB, "
-                f"{trained / quantized:.2f}x smaller)",
-            )
-        )
-        if r.row_bytes:
-            rows.append(
-                (
-                    f"bytes per row as trained / {r.quantize}",
-                    f"{r.row_bytes['fp32']:.1f} / {r.row_bytes[r.quantize]:.1f}",
-                )
-            )
-    for kind, m in r.eval.items():
-        rows.append((f"eval AUC {kind}", f"{m['auc']:.6f} (log loss {m['log_loss']:.6f})"))
-        rows += [
-            (f"eval {key} {kind}", f"{v:.6f}") for key, v in m.items() if key.endswith("/auc")
-        ]  # per task
-    if r.auc_change is not None:
-        rows.append((f"AUC change {r.quantize} - fp32", f"{r.auc_change:+.2e}"))
-    if r.eval:
-        rows.append(("eval samples", f"{next(iter(r.eval.values()))['num_samples']:,}"))
-    rows.append(("time", f"{r.seconds:.1f} s"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)} | {v}" for k, v in rows)

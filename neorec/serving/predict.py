@@ -12,20 +12,27 @@ the model's rows as its training data was:
   label column, or with nulls only in it, are scored without labels.
 Predictions of data without labels come without metrics or labels.
 
-Output (written under a temporary name and renamed, so a reader never sees half a file): one
-probability per line, or with `with_labels` a CSV with a header `probability,label`. A multi-task
-model writes a CSV with one column per task, named by the task (`click,conversion`), and with
-`with_labels` one label column per task after them (`click_label,conversion_label`). Probabilities
-are written with 9 significant digits, which round-trips float32 exactly.
+Without `data`, the held-out samples scored are checked against those the export records of its run
+(neorec/serving/held_out.py): other ones (the files changed since, a relative path read from another
+folder) are refused; an export without the record is scored with a note that they were not checked.
+
+Output (written under a temporary name and renamed, so a reader never sees half a file; gzip-compressed
+when its name ends in .gz): one probability per line, or with `with_labels` a CSV with a header
+`probability,label`. A multi-task model writes a CSV with one column per task, named by the task
+(`click,conversion`), and with `with_labels` one label column per task after them
+(`click_label,conversion_label`). Probabilities are written with 9 significant digits, which
+round-trips float32 exactly.
 """
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
 import time
 import zipfile
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -36,9 +43,11 @@ from neorec.config.data import DataConfig
 from neorec.config.schema import RunConfig
 from neorec.data.batch import Batch
 from neorec.data.locations import movielens_root
+from neorec.data.sample_digest import SampleDigest
 from neorec.errors import ConfigError, DataError, NeorecError, out_of_memory
 from neorec.metrics.evaluation import probability_metrics
 from neorec.serving.file_format import ExportError, check_output_file, is_export_file
+from neorec.serving.held_out import check_predicted, digested, predict_line, predict_record
 from neorec.serving.model import ExportedModel, load_export
 from neorec.train.run_folder import check_not_a_run_place
 from neorec.utils.files import write_atomic
@@ -53,6 +62,7 @@ class PredictResult:
     quantized: bool = False
     quantization: str | None = None  # "int8", "int4" or "int2": the model's tables are quantized row-wise
     dropped_ids: dict[str, int] = field(default_factory=dict)  # bounds_check warn: ids outside their tables
+    held_out: str = ""  # without --data: whether the held-out data scored was checked to be the run's
 
 
 def data_batches(
@@ -172,7 +182,11 @@ def predict_file(
         raise ConfigError(f"--with-labels: {data} has no labels ({missing})")
     labeled = missing is None
     size = batch_size or exported.config.data.eval_batch_size
+    record = predict_record(exported) if data is None else None  # the run's held-out data, as exported
     batches = _read(data_batches(exported, size, data, bounds_check, labeled), data)
+    digest = SampleDigest()
+    if record is not None:
+        batches = digested(batches, digest)
     probs, labels = [], []
 
     tasks = exported.task_names
@@ -184,10 +198,13 @@ def predict_file(
             probs.append(p)
             labels.append(y)
             f.write(_lines(p, y if with_labels else None))
+        if record is not None:  # before the file takes its name
+            check_predicted(exported, record, digest)
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, write, "predictions file")  # a failure, e.g. a bad line in the data, leaves no file
+    # a failure, e.g. a bad line in the data, leaves no file
+    write_atomic(out, _gzipped(write) if _is_gz(out) else write, "predictions file")
     n = sum(p.shape[0] for p in probs)
     metrics = {}
     if n and labeled:  # a multi-task model's are per task, named <task>/<metric> (neorec.model.multitask)
@@ -198,7 +215,23 @@ def predict_file(
             metrics = probability_metrics(torch.cat(probs), torch.cat(labels))
     dropped = exported.dropped_ids()
     seconds = time.perf_counter() - start
-    return PredictResult(out, n, seconds, metrics, exported.quantized, exported.quantization, dropped)
+    held = predict_line(record, exported.path) if data is None else ""
+    return PredictResult(out, n, seconds, metrics, exported.quantized, exported.quantization, dropped, held)
+
+
+def _is_gz(path: Path) -> bool:
+    return path.suffix.lower() == ".gz"
+
+
+def _gzipped(write: Callable[[BinaryIO], None]) -> Callable[[BinaryIO], None]:
+    """`write`, its bytes gzip-compressed into the file (no name or time in the gzip header: the same
+    predictions give the same bytes)."""
+
+    def compressed(f: BinaryIO) -> None:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as z:
+            write(z)  # type: ignore[arg-type]
+
+    return compressed
 
 
 def _parquet_batches(
@@ -211,7 +244,12 @@ def _parquet_batches(
     assert cfg.data.parquet is not None  # a parquet model's config has its section
     files = {"paths": [str(data)], "eval_paths": None, "eval_column": None, "shuffle": False}
     config = cfg.data.parquet.model_copy(update=files)
-    source = ParquetSource(config, bounds_check=cfg.embedding.bounds_check, labeled=labeled)
+    try:
+        source = ParquetSource(config, bounds_check=cfg.embedding.bounds_check, labeled=labeled)
+    except DataError:
+        if _no_rows(data):  # its message names data.parquet.paths and training rows
+            raise DataError(f"--data {data}: its Parquet files hold no rows: nothing to score") from None
+        raise
     _check_vocabularies(exported, source)
     return source.train_batches(batch_size, 0)
 
@@ -259,6 +297,17 @@ def _missing_labels(exported: ExportedModel, data: Path) -> str | None:
 
 
 _NO_ROWS = "no rows"
+
+
+def _no_rows(data: str | Path) -> bool:
+    """Whether the Parquet files `data` hold no rows at all (what cannot be opened: False)."""
+    from neorec.data.parquet import list_files, open_parquet
+
+    try:
+        fs, files = list_files(str(data))
+        return all(open_parquet(fs, f).metadata.num_rows == 0 for f in files)
+    except (OSError, NeorecError, ValueError):  # pyarrow's errors are ValueErrors
+        return False
 
 
 def _unlabeled_parquet(fs, path: str, label: str) -> str | None:
@@ -355,7 +404,10 @@ def is_predictions_file(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
             head = f.read(1 << 12)
-    except OSError:
+        if _is_gz(path) and head[:2] == b"\x1f\x8b":  # predictions written gzip-compressed
+            with gzip.open(path, "rb") as f:
+                head = f.read(1 << 12)
+    except (OSError, EOFError, zlib.error):
         return False
     lines = head.split(b"\n")
     if not head or _numbers(lines[0]):
@@ -410,6 +462,8 @@ def result_text(r: PredictResult) -> str:
     for key, value in r.metrics.items():  # a multi-task model's AUC per task
         if key.endswith("/auc"):
             rows.append((key, f"{value:.6f}"))
+    if r.held_out:
+        rows.append(("held-out data", r.held_out))
     if r.dropped_ids:
         per = ", ".join(f"{f} {n:,}" for f, n in sorted(r.dropped_ids.items()))
         rows.append(("ids dropped (outside their tables)", f"{sum(r.dropped_ids.values()):,} ({per})"))

@@ -38,11 +38,17 @@ def check_eval_overrides(changed: list[str]) -> None:
             )
 
 
+def other_held_out(changed: list[str]) -> list[str]:
+    """The settings among `changed` that choose other held-out data (any of the data but its batch
+    sizes and reader speed)."""
+    return [k for k in changed if k.startswith("data.") and k not in _SAME_SAMPLES and not is_reader_speed(k)]
+
+
 def recorded_eval_data(run: Path, changed: list[str]) -> dict | None:
     """The run's record of its held-out data, when `neorec eval` changing the settings `changed`
     should score the same samples: None for a run without one (written before it was kept), or when a
     changed data setting chooses other held-out data."""
-    if any(k.startswith("data.") and k not in _SAME_SAMPLES and not is_reader_speed(k) for k in changed):
+    if other_held_out(changed):
         return None
     path = run / "summary.json"
     if not path.is_file():
@@ -60,9 +66,10 @@ def recorded_eval_data(run: Path, changed: list[str]) -> dict | None:
     return found
 
 
-def check_eval_settings(record: dict, cfg: RunConfig, run: Path) -> None:
+def check_eval_settings(record: dict, cfg: RunConfig, run: Path, command: str = "neorec eval") -> None:
     """The data settings and seed the run read its held-out data with, against those of `cfg` here
-    (relative paths taken from each one's working folder), before anything is read."""
+    (relative paths taken from each one's working folder), before anything is read. `command`: the one
+    that checks (`neorec export` measures the held-out AUC too)."""
     saved = record.get("settings")
     change = first_data_change(saved, data_settings(cfg.data), by_place=True) if isinstance(saved, dict) else None
     if change is not None:
@@ -71,7 +78,7 @@ def check_eval_settings(record: dict, cfg: RunConfig, run: Path) -> None:
         raise ConfigError(
             f"{run} read its held-out data with data.{key} {was!r} (from the folder {where}); its "
             f"config.yaml here gives {now!r}: another held-out set, and metrics that are not the run's. "
-            f"Run `neorec eval` from {where} (relative paths start there), or put the config back"
+            f"Run `{command}` from {where} (relative paths start there), or put the config back"
         )
     if record.get("seed") is not None and record["seed"] != cfg.seed:
         raise ConfigError(
@@ -80,14 +87,19 @@ def check_eval_settings(record: dict, cfg: RunConfig, run: Path) -> None:
         )
 
 
-def check_eval_samples(record: dict, digest: str | None, run: Path) -> None:
+_EVAL_WAY_OUT = (
+    "Evaluate other data on purpose with --set (e.g. the held-out paths), or `neorec predict --data`"
+)
+
+
+def check_eval_samples(record: dict, digest: str | None, run: Path, way_out: str = _EVAL_WAY_OUT) -> None:
     """The digest of the held-out samples scored now against the one the run's final evaluation
-    recorded."""
+    recorded; `way_out`: how to score other data on purpose, with the command that checks."""
     if digest is not None and digest != record["samples_digest"]:
         raise DataError(
             f"{run}: the held-out samples its config names now differ from those the run scored when it "
             f"finished (digest {digest}, summary.json records {record['samples_digest']}): its data changed "
             "since (files rewritten, moved or grown; synthetic data drawn by another generator, as "
             "train.device or data.synthetic.generator choose), so these metrics would not be the run's. "
-            "Evaluate other data on purpose with --set (e.g. the held-out paths), or `neorec predict --data`"
+            + way_out
         )
