@@ -39,6 +39,8 @@ if ! have fbgemm-gpu-cpu==1.8.0; then
 fi
 if ! have torchrec==1.8.0; then
     python3 -m pip install -q --no-deps torchrec==1.8.0
+    echo "install-test-deps: pip may print an ERROR that torchrec requires fbgemm-gpu: expected, since" \
+         "torchrec is installed without its dependencies and fbgemm-gpu-cpu stands in for fbgemm-gpu"
 fi
 if ! have tensordict torchmetrics==1.0.3 tqdm pyre-extensions; then
     "${PIP[@]}" tensordict torchmetrics==1.0.3 tqdm pyre-extensions

@@ -92,11 +92,13 @@ def test_missing_tensorboard_is_one_warning(tmp_path, console, monkeypatch):
     logger.log("train", 1, {"loss": 0.5})
     logger.close()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("neorec: warning: logging.tensorboard is on"), lines
+    assert len(lines) == 1 and lines[0].startswith("neorec: warning: logging.tensorboard is true"), lines
     assert not (tmp_path / "tensorboard").exists()
-    out = console(0, 1)
-    MetricsLogger(tmp_path, tensorboard=False).close()  # asked for none: no notice
-    assert out.getvalue() == ""
+    for asked in (False, "auto"):  # none, or only when installed (the default): no notice
+        out = console(0, 1)
+        MetricsLogger(tmp_path, tensorboard=asked).close()
+        assert out.getvalue() == ""
+    assert not (tmp_path / "tensorboard").exists()
 
 
 def test_train_line_shows_learning_rates_and_cache():

@@ -379,3 +379,15 @@ def test_inspect_says_which_malformed_lines_it_counts(tmp_path):
     done = inspect_source("default", out_keys)
     want = "malformed lines skipped when the data was preprocessed (every split): field_count 2"
     assert done.splitlines()[-1] == want
+
+
+def test_inspect_shows_no_skew_figure_a_sample_cannot_measure():
+    """The top-1% share of a 1,000,000-row table from 8,192 sampled ids read 1.000 even for almost
+    uniform ids: 10,000 rows (1%) is more than the sample holds, so it measured the sample's size."""
+    from neorec.data.inspect import inspect_source
+
+    text = inspect_source("criteo_kaggle", ["data.synthetic.zipf_alpha=0.01", "data.batch_size=2048"], 2)
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("C")}
+    assert rows["C3"][1] == "1,000,000" and rows["C3"][-1] == "-"  # 4,096 lookups for 10,000 rows
+    assert 0 < float(rows["C20"][-1]) < 0.5  # 4 rows: its most frequent one, about a quarter
+    assert "'-' for" in text and "more with --batches" in text

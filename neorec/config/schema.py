@@ -340,7 +340,11 @@ class CheckpointConfig(Strict):
 
 
 class LoggingConfig(Strict):
-    tensorboard: bool = Field(True, description="write TensorBoard events when tensorboard is installed")
+    tensorboard: bool | Literal["auto"] = Field(
+        "auto",
+        description="write TensorBoard events: auto (when tensorboard is installed), true (and warn when it is "
+        "not), false",
+    )
     plot: bool = Field(True, description="write curves.png at the end")
 
 

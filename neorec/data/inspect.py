@@ -9,6 +9,8 @@ import torch
 from neorec.config.load import load_config
 from neorec.train.build import build_source
 
+MIN_LOOKUPS_PER_TOP_ROW = 10  # sampled lookups per row of a table's top 1% for its share to mean skew
+
 
 def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> str:
     cfg = load_config(config, overrides)
@@ -30,6 +32,7 @@ def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> s
     w = max([10] + [len(f.name) for f in info.features])  # the feature column fits the longest name
     header = f"{'feature':<{w}} {'ids (rows)':>12} {'ids/sample':>10} {'distinct':>9} {'top1% share':>11}"
     lines += ["", header, "-" * len(header)]
+    too_few = []
     for f in info.features:
         if batches:
             parts = [b.sparse.feature(f.name) for b in batches]
@@ -38,10 +41,19 @@ def inspect_source(config: str, overrides: list[str], num_batches: int = 4) -> s
             _, counts = torch.unique(values, return_counts=True)
             top = counts.sort(descending=True).values
             k = max(1, int(0.01 * f.num_ids))
-            share = float(top[:k].sum()) / max(values.numel(), 1)
-            lines.append(f"{f.name:<{w}} {f.num_ids:>12,} {per_sample:>10.2f} {counts.numel():>9,} {share:>11.3f}")
+            if values.numel() >= MIN_LOOKUPS_PER_TOP_ROW * k:
+                share = f"{float(top[:k].sum()) / values.numel():>11.3f}"
+            else:  # the sample's k most frequent ids would hold most of it whatever the skew
+                share, _ = f"{'-':>11}", too_few.append(f.name)
+            lines.append(f"{f.name:<{w}} {f.num_ids:>12,} {per_sample:>10.2f} {counts.numel():>9,} {share}")
         else:
             lines.append(f"{f.name:<{w}} {f.num_ids:>12,}")
+    if too_few:
+        lines.append(
+            f"top1% share: the share of the sampled lookups on the table's most frequent 1% of rows; '-' for "
+            f"{len(too_few)} table(s) with fewer than {MIN_LOOKUPS_PER_TOP_ROW} sampled lookups per such row "
+            "(more with --batches)"
+        )
     if hasattr(source, "teacher_auc"):
         auc = source.teacher_auc()
         if auc is not None:

@@ -27,7 +27,7 @@ _RECORD_KEYS = ("split", "step", "time")  # a metrics.jsonl record's own, not me
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: Path, tensorboard: bool = True, resume: dict | None = None) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool | str = "auto", resume: dict | None = None) -> None:
         """resume: {"step": the checkpoint's step, "lines": metrics lines written when it was saved
         (None: keep the lines of steps up to "step")}; None starts a new file."""
         self.path = out_dir / "metrics.jsonl"
@@ -55,9 +55,10 @@ class MetricsLogger:
                     record = json.loads(line)
                     if record.get("step") == purge:
                         self._add_scalars(record["split"], purge, record)
-            except ImportError as e:  # tensorboard is optional
-                log.warning(f"logging.tensorboard is on but TensorBoard cannot be imported ({e}); "
-                            "metrics go to metrics.jsonl only (pip install tensorboard, or set logging.tensorboard: false)")
+            except ImportError as e:  # tensorboard is optional: "auto" goes without it quietly
+                if tensorboard is True:
+                    log.warning(f"logging.tensorboard is true but TensorBoard cannot be imported ({e}); metrics go to "
+                                "metrics.jsonl only (pip install tensorboard, or set logging.tensorboard: auto)")
                 self._tb = None
 
     def log(self, split: str, step: int, values: dict[str, float]) -> None:
