@@ -132,8 +132,9 @@ def plot(results: list[PlanResult], cluster: Cluster, path: str | Path) -> Path:
 
 def plan_figure(results: list[PlanResult], cluster: Cluster):
     """Stacked seconds per stage and memory per tier, per rank, one column per plan (one scale for all
-    plans). Legends sit right of the bars and give each stage's largest value, so that a stage too small
-    to see in the bars is still read; a capacity far above every bar is named, not drawn."""
+    plans, but for a plan whose cost would fill less than a quarter of it: that one gets its own, said in
+    its title). Legends sit right of the bars and give each stage's largest value, so that a stage too
+    small to see in the bars is still read; a capacity far above every bar is named, not drawn."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -142,6 +143,7 @@ def plan_figure(results: list[PlanResult], cluster: Cluster):
     per_plan = min(14.0, 5 + 0.05 * cluster.world_size)  # inches: many ranks get room
     fig, axes = plt.subplots(2, n, figsize=(per_plan * n + 1.5, 7), squeeze=False)
     top_ms = max((r.total for r in all_ranks), default=0.0) * 1e3
+    common_ms = max([top_ms, 1e-9] + [max(r.estimate.step_time, r.bound.value if r.bound else 0.0) * 1e3 for r in results])
     stage_max = {s: max((r.stages[s] for r in all_ranks), default=0.0) * 1e3 for s in STAGES}
     used_gb = max((r.memory.get(t.name, 0) for r in all_ranks for t in cluster.tiers), default=0) / 1e9
     on_scale = [t for t in cluster.tiers if t.capacity / 1e9 <= 4 * max(used_gb, 1e-9)]  # else named only
@@ -165,8 +167,11 @@ def plan_figure(results: list[PlanResult], cluster: Cluster):
         ax.axhline(step_ms, color="darkred", linestyle="-.", linewidth=1,
                    label=f"step estimate {step_ms:.2f} ms (slowest rank in each phase)")  # fmt: skip
         bound_ms = res.bound.value * 1e3 if res.bound is not None else 0.0
-        ax.set_ylim(0, 1.15 * max(top_ms, step_ms, bound_ms, 1e-9))
-        ax.set_title(f"{res.name}: cost per rank (max/mean {res.estimate.imbalance:.3f})")
+        own_ms = max(max(r.total for r in res.estimate.ranks) * 1e3, step_ms, bound_ms, 1e-9)
+        own = common_ms > 4 * own_ms  # on the common scale its bars would hardly show
+        ax.set_ylim(0, 1.15 * (own_ms if own else common_ms))
+        scale = ", own scale" if own else ""
+        ax.set_title(f"{res.name}: cost per rank (max/mean {res.estimate.imbalance:.3f}{scale})")
         ax.set_ylabel("estimated ms per step")
         ax = axes[1][col]
         width = 0.85 / len(cluster.tiers)
