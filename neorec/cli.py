@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from neorec.utils.parent_watch import die_with_launcher
 
     die_with_launcher()  # a worker of `--nproc N` or torchrun ends with its launcher, even a SIGKILLed one
+    if os.environ.get("NEOREC_REPORT_DIR"):  # a worker of `--nproc N`: Ctrl-C before training ends it now,
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as SIGTERM does, even in a wait; the launcher says so
     from neorec.config.limits import check_memory
     from neorec.config.load import load_config
     from neorec.distributed.topology import Topology, check_rank_environment
@@ -45,6 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_output_dir,
         check_resume_before_launch,
         check_run_folder,
+        checkpoint_root,
         clear_run_folder,
         clear_unfinished_run,
         run_folders,
@@ -84,10 +88,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         elif args.resume in (False, True) and topo.rank == 0:
             clear_unfinished_run(cfg, out_dir)  # where no checkpoint is there to resume
         if nproc > 1:
-            from neorec.distributed.launch import launch_torchrun
+            from neorec.distributed.launch import launch_torchrun, strip_nproc
 
             # the workers share the folder's lock: it stays held until the last of them is gone
-            return launch_torchrun(args.nproc, strip_nproc(args.argv), args.argv, env=lock.worker_env())
+            return launch_torchrun(args.nproc, strip_nproc(args.argv), args.argv, env=lock.worker_env(),
+                                   checkpoints=checkpoint_root(cfg, out_dir))
         return _fit(args, cfg, out_dir)
 
 
@@ -117,19 +122,6 @@ def _fit(args: argparse.Namespace, cfg, out_dir: Path) -> int:
         dist.barrier()  # no rank tears its connections down while another still uses them
         dist.destroy_process_group()
     return code
-
-
-def strip_nproc(argv: list[str]) -> list[str]:
-    """argv without --nproc N / --nproc=N."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -473,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:  # Ctrl-C outside training (which stops itself cleanly: train/signals.py)
-        print("neorec: interrupted", file=sys.stderr)
+        if not os.environ.get("NEOREC_REPORT_DIR"):  # a worker of `--nproc N`: its launcher says it, once
+            print("neorec: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         # imported here: neorec.distributed imports torch, which commands such as `data preprocess` never need

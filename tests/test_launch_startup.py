@@ -97,7 +97,7 @@ def test_a_shared_memory_group_that_cannot_be_made_names_its_file_and_leaves_not
     from neorec.errors import failure
 
     name = uuid.uuid4().hex
-    path = f"/dev/shm/neorec-{name}"
+    pattern = f"/dev/shm/neorec-*-{name}"  # neorec-<the first rank's pid>-<name>
     ctx = context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_shm_rank, args=(r, str(tmp_path / "init"), name, out)) for r in (0, 1)]
@@ -107,18 +107,19 @@ def test_a_shared_memory_group_that_cannot_be_made_names_its_file_and_leaves_not
         got = {rank: rest for rank, *rest in (out.get(timeout=120) for _ in procs)}
         for p in procs:
             p.join(timeout=30)
+        path = f"/dev/shm/neorec-{procs[0].pid}-{name}"
         assert got[0] == ["OSError", errno.EFBIG, path]  # the segment, named
         assert got[1][0] != "built"  # its peer stopped: the group is never made
         assert failure(OSError(errno.EFBIG, os.strerror(errno.EFBIG), path)) == (
             1, f"{path}: File too large (EFBIG); a file-size limit (ulimit -f) or the filesystem's largest "
             "file was reached",
         )  # fmt: skip
-        assert glob.glob(f"{path}*") == []  # neither the segment nor either rank's wake-up pipe
+        assert glob.glob(f"{pattern}*") == []  # neither the segment nor either rank's wake-up pipe
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
-        for leftover in glob.glob(f"{path}*"):
+        for leftover in glob.glob(f"{pattern}*"):
             os.unlink(leftover)
 
 

@@ -5,7 +5,7 @@ about 1 GB/s and 1 ms per collective here, and the kernel's copies take CPU time
 Ranks of one node can instead write their send buffers into a shared-memory segment and read what
 is theirs straight from their peers' buffers: one memcpy each way.
 
-The segment (a file in /dev/shm, unlinked as soon as every rank has mapped it) holds, per rank, two
+The segment (a file in /dev/shm, unlinked once every rank has mapped it) holds, per rank, two
 buffers of `capacity` bytes and two small headers (a sequence number and the byte offset of each
 destination's part). An exchange goes in rounds of at most `capacity` bytes per rank:
 
@@ -30,6 +30,11 @@ still live (each rank's pid and start time, from /proc, are exchanged when the g
 peer that died makes it raise DistributedError naming that rank within about a second, instead of
 waiting PEER_TIMEOUT_SECONDS (topology.py), the bound for a peer that lives but stopped answering.
 
+Files of ranks killed while the group is built (SIGKILL: nothing of theirs runs) go with the next
+group built here (sweep_stale): its first rank creates the segment, neorec-<pid>-<random>, before any
+pipe, and holds an flock on it until it unlinks it; a segment whose lock is free is no live group's.
+Under `neorec train --nproc N` the launcher removes its workers' segments too (remove_noted).
+
 Results equal the backend's: all_to_all moves the same bytes; all_reduce adds the ranks' tensors in
 rank order on every rank (so every rank holds identical sums).
 """
@@ -37,11 +42,14 @@ rank order on every rank (so every rank holds identical sums).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import platform
+import re
 import select
 import time
 import uuid
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -54,6 +62,10 @@ HEADER_SLOTS = 64  # int64 per header: sequence, total bytes, then offsets (max 
 SPIN_CHECKS = 200  # busy checks before sleeping on the pipe
 SPIN_SECONDS = 0.02  # and then busy-waiting this long, where each rank has cores of its own
 PEER_CHECK_SECONDS = 0.5  # how often a sleeping waiter checks that its peers' processes live
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"neorec-(\d+-)?[0-9a-f]{32}")  # a segment: neorec-<pid>-<hex>; older: neorec-<hex>
+NOTE_PREFIX = "shm-"  # a note in the launcher's report folder (NEOREC_REPORT_DIR) naming a segment
+FRESH_SECONDS = 10.0  # a segment younger than this may be between its creation and its lock
 
 
 def available() -> bool:
@@ -73,23 +85,26 @@ class ShmGroup:
         header_bytes = 2 * HEADER_SLOTS * 8
         self._stride = header_bytes + 2 * capacity  # per rank: 2 headers, then 2 buffers
         self._peers = _live_peers(ranks, self.index, pg)
-        name = [f"/dev/shm/neorec-{uuid.uuid4().hex}" if self.index == 0 else None]
-        dist.broadcast_object_list(name, src=ranks[0], group=pg)
-        path = name[0]
-        self._wake_read, self._wake_write = -1, []
-        made = [f"{path}.{self.index}", path] if self.index == 0 else [f"{path}.{self.index}"]
+        self._wake_read, self._wake_write, self._segment = -1, [], -1
+        path = None
         try:
+            if self.index == 0:  # the segment first, then the name: a pipe is never older than it
+                sweep_stale()  # what killed groups left behind
+                path = f"{SHM_DIR}/neorec-{os.getpid()}-{uuid.uuid4().hex}"
+                self._create(path)
+            name = [path]
+            dist.broadcast_object_list(name, src=ranks[0], group=pg)
+            path = name[0]
             self._attach(path, pg)
         except BaseException:  # a full /dev/shm, a file-size limit, a peer gone: leave nothing behind
             self.close()
-            for f in made:
-                try:
-                    os.unlink(f)
-                except OSError:
-                    pass
+            if path is not None:
+                remove_group(path, self.size)  # the peers' files too: the group is never made
             raise
+        made = [f"{path}.{self.index}", path] if self.index == 0 else [f"{path}.{self.index}"]
         for f in made:
-            os.unlink(f)  # the mappings stay; nothing is left behind when the processes end
+            _unlink(f)  # the mappings stay; nothing is left behind when the processes end
+        self._close_segment()
         self._headers = [
             [self._region(k, p * HEADER_SLOTS * 8, HEADER_SLOTS * 8).view(torch.int64) for p in (0, 1)]
             for k in range(self.size)
@@ -103,19 +118,25 @@ class ShmGroup:
         self.bytes_copied = 0
         self.spin_seconds = spin_seconds(max(self.size, processes_on_node()))
 
+    def _create(self, path: str) -> None:
+        """On the group's first rank: the segment, locked from its creation to its unlink (a sweep then
+        sees that a live group holds it: sweep_stale), named in the launcher's report folder. A failure
+        names the file."""
+        _note(path)
+        self._segment = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._segment, fcntl.LOCK_EX)
+        try:
+            os.ftruncate(self._segment, self.size * self._stride)
+        except OSError as e:  # EFBIG (ulimit -f), ENOSPC: the call on a descriptor names no file
+            raise naming(e, path) from e
+
     def _attach(self, path: str, pg) -> None:
-        """Create this rank's wake-up pipe (and on the group's first rank the segment), then map the
-        segment and open the peers' pipes (collective over `pg`). A failure names the file."""
+        """Create this rank's wake-up pipe, then map the segment and open the peers' pipes (collective
+        over `pg`)."""
         size = self.size * self._stride
         fifo = f"{path}.{self.index}"
         os.mkfifo(fifo, 0o600)
         self._wake_read = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-        if self.index == 0:
-            with open(path, "wb") as f:
-                try:
-                    f.truncate(size)
-                except OSError as e:  # EFBIG (ulimit -f), ENOSPC: the call on a descriptor names no file
-                    raise naming(e, path) from e
         dist.barrier(group=pg)
         self._mem = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         for k in range(self.size):  # one at a time: a failed open leaves the others to close
@@ -316,6 +337,96 @@ class ShmGroup:
             if fd >= 0:
                 os.close(fd)
         self._wake_read, self._wake_write = -1, []
+        self._close_segment()
+
+    def _close_segment(self) -> None:
+        if self._segment >= 0:
+            os.close(self._segment)  # its lock goes with it
+            self._segment = -1
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # a peer's failure, or a sweep, removed it first
+        pass
+
+
+def remove_group(path: str, size: int = HEADER_SLOTS) -> None:
+    """Remove segment `path` and its ranks' wake-up pipes (path.0, path.1, ...: `size` at most)."""
+    for f in [path, *(f"{path}.{k}" for k in range(size))]:
+        _unlink(f)
+
+
+def _note(path: str) -> None:
+    """Under `neorec train --nproc N`: name the segment in the launcher's report folder, which removes
+    it once its workers have ended (remove_noted), however they ended."""
+    reports = os.environ.get("NEOREC_REPORT_DIR")
+    if reports:
+        try:
+            (Path(reports) / f"{NOTE_PREFIX}{os.path.basename(path)}").write_text(path)
+        except OSError:
+            pass  # the sweep of a later group removes it instead
+
+
+def remove_noted(reports: str | Path) -> None:
+    """In the launcher, its workers gone: remove the segments they named in `reports` (_note) and left
+    (a worker killed while its group was being built); one whose lock is held stays."""
+    for note in Path(reports).glob(f"{NOTE_PREFIX}*"):
+        path = os.path.join(SHM_DIR, note.name[len(NOTE_PREFIX) :])
+        if _NAME.fullmatch(os.path.basename(path)) and _lock_is_free(path):
+            remove_group(path)
+
+
+def _lock_is_free(path: str) -> bool:
+    """Whether no process holds segment `path`'s lock (False: it is held, or cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def sweep_stale(folder: str = SHM_DIR, now: float | None = None) -> list[str]:
+    """Remove this user's segments in `folder` that no live group holds, with their pipes (and pipes
+    whose segment is gone): of this version's naming, once its lock is free (FRESH_SECONDS after its
+    creation, before which it may not be locked yet); of an older version's, once older than the
+    longest a group's setup waits. Returns the names of the segments and lone pipes removed."""
+    now = time.time() if now is None else now
+    try:
+        names = set(os.listdir(folder))
+    except OSError:
+        return []
+    removed = []
+    for name in sorted(names):
+        base, _, rank = name.partition(".")
+        if not _NAME.fullmatch(base) or (rank and (not rank.isdigit() or base in names)):
+            continue  # not ours, or a pipe whose segment decides
+        path = os.path.join(folder, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        new = "-" in base[len("neorec-") :]
+        wait = FRESH_SECONDS if new else PEER_TIMEOUT_SECONDS
+        if info.st_uid != os.getuid() or now - info.st_mtime < wait:
+            continue
+        if rank:
+            _unlink(path)
+        elif not new or _lock_is_free(path):
+            remove_group(path)
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def _start_time(pid: int) -> int | None:

@@ -176,7 +176,7 @@ def init_distributed(device: torch.device, backend: str = "auto") -> Topology:
         num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
         chosen = choose_backend(backend, device.type, topo.local_world_size, num_gpus)
         store = _rendezvous_store(topo)
-        store.set(f"{_JOINED}{topo.rank}", "1")  # for the message below, should a peer never come
+        _say_joined(store, topo)
         kwargs = {"device_id": device} if chosen == "nccl" else {}
         try:
             dist.init_process_group(
@@ -202,6 +202,18 @@ def init_distributed(device: torch.device, backend: str = "auto") -> Topology:
 
 
 _JOINED = "neorec/joined/"  # a key per rank in the rendezvous store, set before it joins
+
+
+def _say_joined(store: dist.Store, topo: Topology) -> None:
+    """Count this rank in as joining (for the message of init_distributed, should a peer never come);
+    a ConfigError when another process joined as this rank first: a second launch meeting a running
+    run at its address, which gloo would leave waiting for a connection no one makes."""
+    if store.add(f"{_JOINED}{topo.rank}", 1) > 1:
+        raise ConfigError(
+            f"rank {topo.rank}: another process already joined the run at MASTER_ADDR:MASTER_PORT "
+            f"{_address()} as rank {topo.rank}: two runs meet at one address, or this rank was started "
+            "twice; give each run its own MASTER_PORT"
+        )
 
 
 def _peer_left(error: BaseException) -> bool:
@@ -259,7 +271,8 @@ def _rendezvous_store(topo: Topology) -> dist.Store:
         if host:
             raise ConfigError(
                 f"rank 0 cannot host the rendezvous at MASTER_ADDR:MASTER_PORT {_address()} ({reason}): "
-                "give MASTER_PORT a free port of this machine (the same for every rank)"
+                "give MASTER_PORT a free port of this machine (the same for every rank); another run's "
+                "rank 0 may be using this one"
             ) from e
         who = "torchrun's agent of the first node" if agent else "rank 0"
         raise DistributedError(

@@ -19,6 +19,7 @@ from torch import nn
 from neorec.checkpoint.stream import save_model_state
 from neorec.config.schema import RunConfig
 from neorec.distributed.comms import Comms
+from neorec.distributed.launch import report_finished
 from neorec.distributed.topology import Topology
 from neorec.embedding.cache.stats import log_values
 from neorec.embedding.collection import EmbeddingCollection, dropped_ids
@@ -149,7 +150,7 @@ class RunReporting:
             **({"resumed_at_step": result.resumed_at, "samples_since_resume": result.samples}
                if result.resumed_at is not None else {}),  # fmt: skip
             "train_seconds": round(result.train_seconds, 3),
-            "samples_per_s": round(result.samples_per_second, 1),
+            "samples_per_s": round(result.samples_per_second, 1) if result.steps_trained_here else None,
             "data_wait_ms_per_step": round(wait_ms, 3),
             **({"startup": result.startup} if result.startup else {}),
             "skipped_lines": result.skipped_lines,
@@ -164,6 +165,7 @@ class RunReporting:
         }
         write_text(self.out_dir / "summary.json", strict_dumps(summary, indent=2), "run summary")  # NaN/inf: null
         self._plot_curves()
+        report_finished(self.out_dir)  # under `--nproc N`: a signal from now on stops nothing
 
     def _eval_data(self, digest: str) -> dict:
         """What `neorec eval` compares its held-out data with: the digest of the samples the final
@@ -187,9 +189,12 @@ class RunReporting:
 def train_line(
     step: int, total: int, loss: float, samples_per_s: float, lrs: dict[str, float], cache: dict | None
 ) -> str:
-    """The console line of a log step: loss, speed, learning rates, the caches' hit rate and traffic
-    (`cache`: cache.stats.log_values, cumulative)."""
-    parts = [f"step {step:,}/{total:,}" if total else f"step {step:,}", f"loss {loss:.4f}", f"{samples_per_s:,.0f} samples/s"]
+    """The console line of a log step: loss, speed (none for steps trained before a resume at the
+    end of them), learning rates, the caches' hit rate and traffic (`cache`: cache.stats.log_values,
+    cumulative)."""
+    parts = [f"step {step:,}/{total:,}" if total else f"step {step:,}", f"loss {loss:.4f}"]
+    if math.isfinite(samples_per_s):
+        parts.append(f"{samples_per_s:,.0f} samples/s")
     parts.append("lr " + " ".join(f"{k.removeprefix('lr_')} {v:.3g}" for k, v in lrs.items()))
     if cache:
         hit = cache.get("hit_rate")
@@ -226,7 +231,8 @@ def summary_table(result: RunResult) -> str:
         *([("resumed at", f"step {result.resumed_at:,}: {result.samples:,} samples since, timed below")]
           if result.resumed_at is not None else []),  # fmt: skip
         ("train time", f"{result.train_seconds:.1f} s"),
-        ("throughput", f"{result.samples_per_second:,.0f} samples/s"),
+        ("throughput", f"{result.samples_per_second:,.0f} samples/s" if result.steps_trained_here
+         else "n/a (no step trained since the resume)"),
     ]
     if startup := startup_text(result.startup):
         rows.append(("start-up", startup))

@@ -12,9 +12,12 @@ process of the same job (the workers of `neorec train --nproc N`, which find the
 the ranks of one torchrun job, keyed by its run id and master address, or ranks started by hand, keyed
 by their MASTER_ADDR:MASTER_PORT and WORLD_SIZE) then takes a shared lock of
 its own and adds a line with its PID. A process of any other job finds the lock held and the file
-naming another job, and is refused. torchrun starts workers with Popen, which closes the descriptors a
-worker would inherit, so the workers cannot share the launcher's: each holds its own, and under
-`--nproc N` the folder stays locked while the launcher or any of its workers lives.
+naming another job, and is refused. So is a process of the same job whose rank a live process of the
+job already holds (a hand-started rank started again with the same variables, say with --overwrite:
+it would clear the running run's folder, then fail on the rendezvous' port). torchrun starts workers
+with Popen, which closes the descriptors a worker would inherit, so the workers cannot share the
+launcher's: each holds its own, and under `--nproc N` the folder stays locked while the launcher or any
+of its workers lives.
 
 A filesystem without flock (some network filesystems) gets a warning and no lock.
 """
@@ -61,11 +64,15 @@ def job_key() -> str:
 
 class RunLock:
     """The locks of one run on its folders: released by `release()` (or leaving the `with` block),
-    and by the kernel when the process ends however it ends."""
+    and by the kernel when the process ends however it ends. `folders`: those it locked, the run
+    folder first; `holder`: the first line of the run folder's lock file (the process that took it
+    first for this job: the same for every process of the run, on every node), None without a lock."""
 
     def __init__(self, job: str) -> None:
         self.job = job
         self._fds: list[int] = []
+        self.folders: list[Path] = []
+        self.holder: str | None = None
 
     def worker_env(self) -> dict[str, str]:
         """What the processes this one starts need in their environment to share its locks."""
@@ -75,12 +82,17 @@ class RunLock:
         for fd in self._fds:
             os.close(fd)  # the last descriptor of the open file closes: the lock goes with it
         self._fds.clear()
+        if self in _HELD:
+            _HELD.remove(self)
 
     def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+_HELD: list[RunLock] = []  # the locks this process holds, the newest last
 
 
 def hold_run_folders(folders: list[Path], job: str | None = None) -> RunLock:
@@ -92,10 +104,25 @@ def hold_run_folders(folders: list[Path], job: str | None = None) -> RunLock:
             fd = _lock_folder(Path(folder), lock.job)
             if fd is not None:
                 lock._fds.append(fd)
+                if not lock.folders:
+                    holders = read_holders(Path(folder) / LOCK_FILE)
+                    lock.holder = json.dumps(holders[0], sort_keys=True) if holders else None
+            lock.folders.append(Path(folder))
     except BaseException:
         lock.release()
         raise
+    _HELD.append(lock)
     return lock
+
+
+def run_identity() -> tuple[str, str | None] | None:
+    """The run folder this process holds (its newest lock's), resolved, and the first holder of its
+    lock (RunLock.holder); None when it holds none. The processes of one run compare them
+    (neorec/train/same_config.py)."""
+    if not _HELD or not _HELD[-1].folders:
+        return None
+    lock = _HELD[-1]
+    return str(lock.folders[0].resolve()), lock.holder
 
 
 def _lock_folder(folder: Path, job: str) -> int | None:
@@ -138,6 +165,8 @@ def _acquire(fd: int, path: Path, job: str) -> bool:
                 pass
         holders = read_holders(path)
         ours = bool(holders) and holders[0].get("job") == job
+        if ours and (twin := _same_rank(holders, job)) is not None:
+            raise RunFolderInUse(twin_message(path.parent, twin))
         if ours:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -164,8 +193,46 @@ def _write_record(fd: int, path: Path, job: str, first: bool = False) -> None:
 
 def _record(job: str) -> bytes:
     entry = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-             "job": job, "rank": os.environ.get("RANK")}  # fmt: skip
+             "job": job, "rank": os.environ.get("RANK"), "started": _start_ticks(os.getpid())}  # fmt: skip
     return (json.dumps(entry) + "\n").encode()
+
+
+def _same_rank(holders: list[dict], job: str) -> dict | None:
+    """The holder of `job` that is this process's rank and may still live: on this host, a process
+    alive (the same PID and start time); on another, any of ranks started by hand (whose ranks are
+    fixed; torchrun may restart a rank elsewhere under its job). None: this rank is free."""
+    rank = os.environ.get("RANK")
+    if rank is None:
+        return None
+    for h in holders:
+        if h.get("job") != job or h.get("rank") != rank or h.get("pid") == os.getpid():
+            continue
+        if h.get("host") != socket.gethostname():
+            if job.startswith("ranks "):
+                return h
+        elif _alive(h["pid"]) and h.get("started") in (None, _start_ticks(h["pid"])):
+            return h
+    return None
+
+
+def twin_message(folder: Path, holder: dict) -> str:
+    """The refusal of a process whose rank `holder` already is, in the job that holds `folder`."""
+    rank = holder["rank"]
+    return (
+        f"{folder} is in use by another run: pid {holder['pid']} (rank {rank}) on host {holder.get('host')} "
+        f"since {holder.get('since')}, of the job this process joins ({holder.get('job')}), in which it "
+        f"would be a second rank {rank}. A folder holds one run at a time: wait for that run to end (or "
+        "stop it), or give this one another folder and MASTER_PORT"
+    )
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot; None where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def read_holders(path: Path) -> list[dict]:

@@ -1,7 +1,13 @@
 """Every process of a run trains one config. Each is started with its own command line (torchrun
 runs it once per process, a cluster once per node), so a config file that differs between nodes, or
 a `--set` given to one rank alone, would train ranks on other data, seeds or learning rates without a
-word: the processes compare their resolved configs when they start, before any data is read."""
+word: the processes compare their resolved configs when they start, before any data is read.
+
+They compare their run folders too: two runs started by hand on one MASTER_ADDR:MASTER_PORT would
+otherwise meet and train as one, in one of the folders. A folder is the same when its resolved path
+is, or when its lock file names the same first holder (neorec/train/run_lock.py: one shared folder
+that the nodes of a run mount under different paths); the same path on every node is accepted as well
+(node-local folders of one name)."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from neorec.config.load import tree_changes
 from neorec.config.schema import RunConfig
 from neorec.distributed.comms import Comms
 from neorec.errors import ConfigError
+from neorec.train.run_lock import run_identity
 
 # settings of the machine a process runs on (its folders, threads, memory use, console), which may
 # differ between nodes and change no result; and the data readers' speed (is_reader_speed)
@@ -24,10 +31,12 @@ NODE_LOCAL = ("embedding.cache.directory", "embedding.cache.release_mib", "embed
 def check_same_config(cfg: RunConfig, comms: Comms) -> None:
     """ConfigError on every process, naming ranks and settings, unless all processes have `cfg`'s
     settings (the node-local folders aside). Collective: every process calls it at its start."""
-    mine = json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()
+    mine = json.dumps({"config": cfg.model_dump(mode="json"), "run": run_identity()}, sort_keys=True).encode()
     with comms.stats.set_aside():  # no training step's bytes
         every = comms.all_gather_bytes(torch.frombuffer(bytearray(mine), dtype=torch.uint8), "config").wait()
-    configs = [json.loads(bytes(t.cpu().tolist())) for t in every]
+    gathered = [json.loads(bytes(t.cpu().tolist())) for t in every]
+    check_same_folder([g["run"] for g in gathered])
+    configs = [g["config"] for g in gathered]
     differ = [(r, tree_changes(configs[0], c, _of_the_machine)) for r, c in enumerate(configs)]
     differ = [(r, changes) for r, changes in differ if changes]
     if differ:
@@ -43,3 +52,20 @@ def check_same_config(cfg: RunConfig, comms: Comms) -> None:
 
 def _of_the_machine(key: str) -> bool:
     return key in NODE_LOCAL or is_reader_speed(key)
+
+
+def check_same_folder(runs: list) -> None:
+    """ConfigError unless every rank's run (run_lock.run_identity: its folder's resolved path and the
+    first holder of its lock) is rank 0's: the same path, or the same holder (one shared folder,
+    mounted elsewhere on another node). A rank that holds no folder (a library call) is not compared."""
+    first = runs[0]
+    other = [r for r, run in enumerate(runs) if run and first and run[0] != first[0] and (run[1] is None
+             or run[1] != first[1])]  # fmt: skip
+    if other:
+        folders = ", ".join(f"rank {r} in {runs[r][0]}" for r in other)
+        raise ConfigError(
+            f"the processes of this run train in different run folders: rank 0 in {first[0]}, {folders}: two "
+            "runs that meet at one MASTER_ADDR:MASTER_PORT, or a rank given another --output-dir. Every "
+            "process of a run must get the same --output-dir (one folder that all nodes share); give each "
+            "run its own MASTER_PORT"
+        )
