@@ -150,10 +150,26 @@ def test_parquet_vocab_dir_and_weights_column_count_and_reading_settings_do_not(
     w, v = ({"features": ["user_id", {"name": "item", "strings": "hex", "weights": c}]} for c in ("w", "v"))
     with pytest.raises(ConfigError, match=r"data\.parquet\.weights of feature 'item' is 'w' in .* but 'v'"):
         check_same_mapping(tmp_path / "c.yaml", parquet_cfg(**w), parquet_cfg(**v), "o.yaml")
-    vocab = {"hashing": "vocab", "vocab_dir": "v1"}
-    with pytest.raises(ConfigError, match=r"data\.parquet\.vocab_dir is 'v1' in .* but 'v2' in other\.yaml"):
-        other = parquet_cfg(hashing="vocab", vocab_dir="v2")
+    vocab = {"hashing": "vocab", "vocab_dir": str(tmp_path / "v1")}
+    by_path = r"data\.parquet\.vocab_dir is '.*v1' \(.*\) in .* but '.*v2' \(.*\) in"
+    with pytest.raises(ConfigError, match=by_path):
+        other = parquet_cfg(hashing="vocab", vocab_dir=str(tmp_path / "v2"))  # neither readable: by path
         check_same_mapping(tmp_path / "c.yaml", parquet_cfg(**vocab), other, "other.yaml")
+    # vocabularies compare by their contents: the same folder named otherwise, or a copy, is the same
+    from neorec.data.vocab import save_vocabs
+
+    names = ["user_id", "item"]
+    values = [np.array([3, 5, 9], dtype=np.uint64), np.array([1, 2], dtype=np.uint64)]
+    save_vocabs(tmp_path / "v1", names, values, {})
+    save_vocabs(tmp_path / "v2", names, values, {})
+    for same in (str(tmp_path / "v2"), str(tmp_path / "x" / ".." / "v1")):
+        other = parquet_cfg(hashing="vocab", vocab_dir=same)
+        check_same_mapping(tmp_path / "c.yaml", parquet_cfg(**vocab), other, "o")
+    save_vocabs(tmp_path / "v3", names, [values[0], np.array([1, 4], dtype=np.uint64)], {})
+    by_values = r"vocab_dir is .*v1.*vocabularies crc32 .* but .*v3.*vocabularies crc32"
+    with pytest.raises(ConfigError, match=by_values):
+        check_same_mapping(tmp_path / "c.yaml", parquet_cfg(**vocab),
+                           parquet_cfg(hashing="vocab", vocab_dir=str(tmp_path / "v3")), "o")  # fmt: skip
     reading = {"paths": ["q/train"], "eval_paths": ["q/eval"], "shuffle": False, "prefetch": 1, "label": "y",
                "table_rows": 100, "vocab_dir": "unused"}  # fmt: skip
     check_same_mapping(tmp_path / "c.yaml", parquet_cfg(), parquet_cfg(**reading), "other.yaml")

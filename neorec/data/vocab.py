@@ -218,3 +218,31 @@ class SpillingCounts:
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class Vocabularies:
+    """The vocabularies of features `names` in `folder` as a value that compares by their contents
+    (vocabs_crc32): the same folder named otherwise, or a copy of it, is equal; a folder that cannot
+    be read compares by its resolved path."""
+
+    def __init__(self, folder: str | None, names: list[str]) -> None:
+        self.folder = folder
+        self.where = str(Path(folder).resolve()) if folder is not None else None
+        try:
+            self.crc = vocabs_crc32(names, load_vocabs(Path(folder), names)) if folder is not None else None
+        except (DataError, OSError, ValueError):
+            self.crc = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Vocabularies):
+            return NotImplemented
+        if self.crc is not None and other.crc is not None:
+            return self.crc == other.crc
+        return self.where == other.where
+
+    __hash__ = None  # type: ignore[assignment]  # compared, never a key
+
+    def __repr__(self) -> str:
+        crc = f", vocabularies crc32 {self.crc:08x}" if self.crc is not None else ""
+        return f"{self.folder!r} ({self.where}{crc})"
+

@@ -340,7 +340,10 @@ def _parquet_mapping(prefix: str, p) -> Mapping:
             if (key != "rows" or f.hashing != "vocab") and (key != "weights" or f.weights is not None):
                 out[f"{f.name} {key}"] = (f"{prefix}.{key} of feature {f.name!r}", getattr(f, key))
     if any(f.hashing == "vocab" for f in features):
-        out["vocab_dir"] = (f"{prefix}.vocab_dir", p.vocab_dir)
+        from neorec.data.vocab import Vocabularies
+
+        names = [f.name for f in features if f.hashing == "vocab"]
+        out["vocab_dir"] = (f"{prefix}.vocab_dir", Vocabularies(p.vocab_dir, names))  # by their contents
     out.update(dense=(f"{prefix}.dense", list(p.dense)), log1p=(f"{prefix}.dense_log1p", p.dense_log1p))
     return out
 

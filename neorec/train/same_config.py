@@ -12,6 +12,7 @@ that the nodes of a run mount under different paths); the same path on every nod
 from __future__ import annotations
 
 import json
+import logging
 
 import torch
 
@@ -21,6 +22,8 @@ from neorec.config.schema import RunConfig
 from neorec.distributed.comms import Comms
 from neorec.errors import ConfigError
 from neorec.train.run_lock import run_identity
+
+log = logging.getLogger("neorec")
 
 # settings of the machine a process runs on (its folders, threads, memory use, console), which may
 # differ between nodes and change no result; and the data readers' speed (is_reader_speed)
@@ -57,10 +60,20 @@ def _of_the_machine(key: str) -> bool:
 def check_same_folder(runs: list) -> None:
     """ConfigError unless every rank's run (run_lock.run_identity: its folder's resolved path and the
     first holder of its lock) is rank 0's: the same path, or the same holder (one shared folder,
-    mounted elsewhere on another node). A rank that holds no folder (a library call) is not compared."""
+    mounted elsewhere on another node). A rank that holds no folder (a library call) is not compared;
+    where a folder has no lock (a filesystem without flock) other paths are only warned about: one
+    shared folder mounted under two paths cannot be told from two folders."""
     first = runs[0]
-    other = [r for r, run in enumerate(runs) if run and first and run[0] != first[0] and (run[1] is None
-             or run[1] != first[1])]  # fmt: skip
+    apart = [r for r, run in enumerate(runs) if run and first and run[0] != first[0]]
+    unknown = [r for r in apart if runs[r][1] is None or first[1] is None]
+    if unknown:
+        folders = ", ".join(f"rank {r} in {runs[r][0]}" for r in unknown)
+        log.warning(
+            "rank 0 trains in %s, %s: one folder mounted under other paths, or two runs (without a lock "
+            "on this filesystem this cannot be told); every process of a run must get the same --output-dir",
+            first[0], folders,
+        )  # fmt: skip
+    other = [r for r in apart if r not in unknown and runs[r][1] != first[1]]
     if other:
         folders = ", ".join(f"rank {r} in {runs[r][0]}" for r in other)
         raise ConfigError(
