@@ -281,6 +281,7 @@ def _can_take(p: Piece, r: int, used, capacity, skip: Piece | None = None) -> bo
 
 
 SWAP_CANDIDATES = 8  # per phase, the least loaded ranks in it tried as swap partners
+TIED_SOURCES = 4  # per phase, ranks tied for its slowest whose pieces are tried
 
 
 def _improve(pieces, ranks, loads, used, capacity, deadline: float) -> None:
@@ -382,7 +383,10 @@ def _best_move(vectors, by_rank, loads, room_for, groups_allow) -> tuple[int, in
                 best[:] = [score, move]
                 return
 
-    for src in sorted({int(r) for r in slowest[0]}):
+    # the slowest rank of each phase, and up to TIED_SOURCES more that tie with it (one of them may
+    # have the move that the first lacks)
+    tied = [np.flatnonzero(loads[:, p] >= top[p] - tol)[:TIED_SOURCES] for p in range(P) if top[p] > 0]
+    for src in sorted({int(r) for r in slowest[0]} | {int(r) for t in tied for r in t}):
         mine = by_rank.get(src, [])
         if not mine:
             continue
