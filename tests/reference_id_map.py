@@ -24,8 +24,9 @@ class ReferenceIdMap(IdMap):
         rows = self.find(unique)
         found = rows != FREE
         hits = int(counts[found].sum())
-        self.stats["hits"] += hits
-        self.stats["misses"] += ids.numel() - hits
+        counted = ("hits", "misses") if train else ("eval_hits", "eval_misses")
+        self.stats[counted[0]] += hits
+        self.stats[counted[1]] += ids.numel() - hits
         if not train:
             return rows.index_select(0, inverse), no_rows
         seen = rows[found]

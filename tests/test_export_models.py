@@ -180,7 +180,8 @@ def test_managed_collision_export_maps_raw_ids_as_training_evaluates(managed):
         assert torch.equal(keys, trained_maps[name])
     logits_of(model, trainer.source.eval_batches(256))
     stats = {m.name: dict(m.id_map.stats) for m in model.embeddings.mapped}
-    assert all(s["misses"] > 0 and s["hits"] > 0 and s["inserts"] == 0 for s in stats.values()), stats
+    assert all(s["eval_misses"] > 0 and s["eval_hits"] > 0 for s in stats.values()), stats  # scoring's, apart
+    assert all(s["inserts"] == 0 for s in stats.values()), stats
 
 
 def test_managed_collision_export_from_a_checkpoint_equals_model_pt(managed):

@@ -192,7 +192,9 @@ def test_unknown_ids_in_evaluation_leave_their_bags():
     both = e(SparseBatch(t.features, torch.tensor([5, 99]), torch.tensor([2])))
     known = e(SparseBatch(t.features, torch.tensor([5]), torch.tensor([1])))
     torch.testing.assert_close(both, known)
-    assert e.id_map_stats()["t"]["misses"] == 3  # 5 and 6 when first seen, then 99
+    stats = e.id_map_stats()["t"]
+    assert stats["misses"] == 2 and stats["hits"] == 0  # training's: 5 and 6 when first seen
+    assert stats["eval_misses"] == 1 and stats["eval_hits"] == 2  # the evaluation's, apart: 99; 5 twice
 
 
 def test_negative_raw_id_is_refused():
@@ -395,8 +397,9 @@ def test_the_logged_id_map_counts_are_every_rank_s_summed():
 
     from neorec.train.reporting import RunReporting
 
-    fields = ("hits", "misses", "inserts", "evictions", "dropped", "occupied", "capacity")
-    theirs = {"m": dict(zip(fields, (5, 1, 1, 0, 0, 3, 4), strict=True))}
+    fields = ("hits", "misses", "inserts", "evictions", "dropped", "eval_hits", "eval_misses", "occupied",
+              "capacity")
+    theirs = {"m": dict(zip(fields, (5, 1, 1, 0, 0, 2, 1, 3, 4), strict=True))}
 
     class TwoRanks:  # rank 1 holds `theirs`
         def sum_over_ranks(self, mine, direction):
@@ -404,8 +407,9 @@ def test_the_logged_id_map_counts_are_every_rank_s_summed():
 
     tables = {"m": SimpleNamespace(managed_collision=object()), "p": SimpleNamespace(managed_collision=None)}
     cfg = SimpleNamespace(embedding=SimpleNamespace(tables=tables))
-    mine = {"m": dict(zip(fields, (7, 2, 2, 1, 0, 4, 4), strict=True))}
+    mine = {"m": dict(zip(fields, (7, 2, 2, 1, 0, 1, 0, 4, 4), strict=True))}
     rank0 = SimpleNamespace(embeddings=SimpleNamespace(id_map_stats=lambda: mine), comms=TwoRanks(), cfg=cfg)
-    assert RunReporting._id_map_totals(rank0) == {"m": dict(zip(fields, (12, 3, 3, 1, 0, 7, 8), strict=True))}
+    summed = (12, 3, 3, 1, 0, 3, 1, 7, 8)
+    assert RunReporting._id_map_totals(rank0) == {"m": dict(zip(fields, summed, strict=True))}
     empty = SimpleNamespace(embeddings=SimpleNamespace(id_map_stats=lambda: {}), comms=TwoRanks(), cfg=cfg)
     assert RunReporting._id_map_totals(empty) == {"m": theirs["m"]}

@@ -45,7 +45,9 @@ FREE = -1
 STATE = ("mc_keys", "mc_last_seen", "mc_counts")
 # bytes per row: the three state tensors plus the sorted index (key and row)
 BYTES_PER_ROW = 8 * (len(STATE) + 2)
-STAT_FIELDS = ("hits", "misses", "inserts", "evictions", "dropped")
+# training's lookups, then the held-out evaluations' (which change nothing: their counts apart, so
+# that training's hit rate does not depend on how often a run evaluates)
+STAT_FIELDS = ("hits", "misses", "inserts", "evictions", "dropped", "eval_hits", "eval_misses")
 
 def bucket_of(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """The bucket of each raw id: a mixing hash modulo the bucket count (sequential ids spread)."""
@@ -147,8 +149,9 @@ class IdMap:
         new_at = torch.nonzero(is_new).view(-1)
         new_counts = counts.index_select(0, new_at)
         misses = int(new_counts.sum()) if new_at.numel() else 0
-        self.stats["hits"] += ids.numel() - misses
-        self.stats["misses"] += misses
+        hits, missed = ("hits", "misses") if train else ("eval_hits", "eval_misses")
+        self.stats[hits] += ids.numel() - misses
+        self.stats[missed] += misses
         if not train:
             return rows.index_select(0, inverse), no_rows
         if new_at.numel() == 0:
