@@ -342,8 +342,8 @@ class CheckpointConfig(Strict):
 class LoggingConfig(Strict):
     tensorboard: bool | Literal["auto"] = Field(
         "auto",
-        description="write TensorBoard events: auto (when tensorboard is installed), true (and warn when it is "
-        "not), false",
+        description="write TensorBoard events: auto (when tensorboard is installed), true (and warn when "
+        "it is not), false",
     )
     plot: bool = Field(True, description="write curves.png at the end")
 

@@ -143,7 +143,8 @@ def plan_figure(results: list[PlanResult], cluster: Cluster):
     per_plan = min(14.0, 5 + 0.05 * cluster.world_size)  # inches: many ranks get room
     fig, axes = plt.subplots(2, n, figsize=(per_plan * n + 1.5, 7), squeeze=False)
     top_ms = max((r.total for r in all_ranks), default=0.0) * 1e3
-    common_ms = max([top_ms, 1e-9] + [max(r.estimate.step_time, r.bound.value if r.bound else 0.0) * 1e3 for r in results])
+    steps_ms = [max(r.estimate.step_time, r.bound.value if r.bound else 0.0) * 1e3 for r in results]
+    common_ms = max([top_ms, 1e-9, *steps_ms])  # one scale for the plans
     stage_max = {s: max((r.stages[s] for r in all_ranks), default=0.0) * 1e3 for s in STAGES}
     used_gb = max((r.memory.get(t.name, 0) for r in all_ranks for t in cluster.tiers), default=0) / 1e9
     on_scale = [t for t in cluster.tiers if t.capacity / 1e9 <= 4 * max(used_gb, 1e-9)]  # else named only

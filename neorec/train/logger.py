@@ -57,8 +57,10 @@ class MetricsLogger:
                         self._add_scalars(record["split"], purge, record)
             except ImportError as e:  # tensorboard is optional: "auto" goes without it quietly
                 if tensorboard is True:
-                    log.warning(f"logging.tensorboard is true but TensorBoard cannot be imported ({e}); metrics go to "
-                                "metrics.jsonl only (pip install tensorboard, or set logging.tensorboard: auto)")
+                    log.warning(
+                        f"logging.tensorboard is true but TensorBoard cannot be imported ({e}); metrics go "
+                        "to metrics.jsonl only (pip install tensorboard, or set logging.tensorboard: auto)"
+                    )
                 self._tb = None
 
     def log(self, split: str, step: int, values: dict[str, float]) -> None:
