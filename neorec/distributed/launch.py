@@ -285,7 +285,9 @@ def report_finished(out_dir: Path) -> None:
     comes now changes nothing: the launcher exits 0)."""
     folder = os.environ.get(REPORT_DIR)
     if folder:
-        try:
-            (Path(folder) / _FINISHED).write_text(json.dumps({"out_dir": str(out_dir)}))
-        except OSError:
-            pass
+        from neorec.utils.files import FileWriteError, write_text
+
+        try:  # atomic: the launcher never reads half a note
+            write_text(Path(folder) / _FINISHED, json.dumps({"out_dir": str(out_dir)}), "launcher note")
+        except FileWriteError:
+            pass  # the launcher then reports the signal as it would without the note
