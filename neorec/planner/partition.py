@@ -386,6 +386,8 @@ def _best_move(vectors, by_rank, loads, room_for, groups_allow) -> tuple[int, in
     # the slowest rank of each phase, and up to TIED_SOURCES more that tie with it (one of them may
     # have the move that the first lacks)
     tied = [np.flatnonzero(loads[:, p] >= top[p] - tol)[:TIED_SOURCES] for p in range(P) if top[p] > 0]
+    lightest = np.argsort(loads, axis=0, kind="stable")[:SWAP_CANDIDATES]  # [k-th lightest, phase]
+    partners = {int(r) for r in lightest.ravel()}  # swap partners, whichever rank gives
     for src in sorted({int(r) for r in slowest[0]} | {int(r) for t in tied for r in t}):
         mine = by_rank.get(src, [])
         if not mine:
@@ -399,8 +401,6 @@ def _best_move(vectors, by_rank, loads, room_for, groups_allow) -> tuple[int, in
         after[:, src] = np.inf
         moves = room_for(mine, src)
         consider(after, change, moves, lambda k, mine=mine, src=src: (mine[k // W], src, k % W, None))
-        lightest = np.argsort(loads, axis=0, kind="stable")[:SWAP_CANDIDATES]  # [k-th lightest, phase]
-        partners = {int(r) for r in lightest.ravel()}
         for dst in sorted(partners - {src}):
             theirs = by_rank.get(dst, [])
             if not theirs:
