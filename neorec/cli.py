@@ -129,7 +129,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from neorec.config.limits import check_memory
     from neorec.config.load import changed_keys, load_config
     from neorec.data.sample_digest import SampleDigest
-    from neorec.train.build import check_trained_lookups
     from neorec.train.eval_data import (
         check_eval_overrides,
         check_eval_samples,
@@ -138,6 +137,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     from neorec.train.evaluation import evaluate
     from neorec.train.run_folder import private_cache_directory
+    from neorec.train.trained_lookups import check_trained_lookups
     from neorec.train.trainer import Trainer
     from neorec.utils.process_state import process_settings
 

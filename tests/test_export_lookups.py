@@ -25,7 +25,8 @@ from neorec.errors import ConfigError
 from neorec.serving import ExportError, export_model, load_export
 from neorec.serving.export import report_text
 from neorec.serving.file_format import read_export, write_export
-from neorec.train.build import build_source, build_tables, check_trained_lookups
+from neorec.train.build import build_source, build_tables
+from neorec.train.trained_lookups import check_trained_lookups
 from neorec.train.trainer import Trainer
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "export.md"

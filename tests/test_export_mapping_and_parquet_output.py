@@ -27,7 +27,8 @@ from neorec.data.parquet import ParquetSource, list_files
 from neorec.data.preprocess import preprocess_criteo
 from neorec.errors import ConfigError, DataError
 from neorec.serving import export_model
-from neorec.train.build import build_source, build_tables, check_same_mapping, check_trained_lookups
+from neorec.train.build import build_source, build_tables
+from neorec.train.trained_lookups import check_same_mapping, check_trained_lookups
 from neorec.train.trainer import Trainer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "criteo_20.tsv"
@@ -116,6 +117,21 @@ def test_table_rows_and_preprocessed_manifests_are_compared(tmp_path, neorec_war
     assert "so how values map to rows is not compared with x" in neorec_warnings.text
     with pytest.raises(ConfigError, match=r"data\.source is criteo_tsv in .* but synthetic in now\.yaml"):
         check_same_mapping(run_config, trained, load_config("default"), "now.yaml")
+
+
+def test_preprocessed_vocabularies_are_compared_by_their_contents(tmp_path):
+    """Two folders preprocessed with one vocabulary threshold from other lines give their ids to other
+    raw values: refused; the same lines preprocessed again (another folder) map alike."""
+    lines = FIXTURE.read_text().splitlines(True)
+    (tmp_path / "a.tsv").write_text("".join(lines[:12]))
+    (tmp_path / "b.tsv").write_text("".join(lines[8:]))
+    for name, source in (("a", "a.tsv"), ("a2", "a.tsv"), ("b", "b.tsv")):
+        preprocess_criteo([tmp_path / source], tmp_path / name, vocab_threshold=1, progress=False)
+    run_config, trained = tmp_path / "run" / "config.yaml", preprocessed_config(tmp_path / "a")
+    check_same_mapping(run_config, trained, preprocessed_config(tmp_path / "a2"), "now.yaml")
+    words = r"a/manifest\.json vocab/ is '.*/a/vocab' \(.*crc32 \w+\) in .* but .*b/manifest\.json vocab/ is .*crc32"
+    with pytest.raises(ConfigError, match=words):
+        check_same_mapping(run_config, trained, preprocessed_config(tmp_path / "b"), "now.yaml")
 
 
 def parquet_cfg(**section) -> object:

@@ -72,7 +72,8 @@ def load_trained(
     (a step-XXXXXXXX folder or a folder of them). `config` replaces the run's config.yaml, and is
     needed for a checkpoint that does not lie under its run folder. `source`: the run's data source
     when the caller has it (a training job publishing snapshots), else built from the config."""
-    from neorec.train.build import build_source, build_tables, check_trained_lookups
+    from neorec.train.build import build_source, build_tables
+    from neorec.train.trained_lookups import check_trained_lookups
 
     path = Path(path)
     if not path.exists():
