@@ -220,7 +220,7 @@ def copy_config(out: Path, **kw) -> ParquetConfig:
     return ParquetConfig(dense=DENSE_NAMES, features=CATEGORICAL_NAMES, hashing="none", table_rows=50, **kw)
 
 
-def test_an_unfinished_parquet_copy_is_refused_until_the_rerun_finishes_it(tmp_path, capsys):
+def test_an_unfinished_parquet_copy_is_refused_until_the_rerun_finishes_it(tmp_path, capsys, monkeypatch):
     out = tmp_path / "prep"
     args = dict(table_rows=50, shard_lines=5, progress=False, parquet_output=True)
     assert not preprocess_criteo([FIXTURE], out, max_shards=1, **args).complete
@@ -233,6 +233,11 @@ def test_an_unfinished_parquet_copy_is_refused_until_the_rerun_finishes_it(tmp_p
     for path in (out / "parquet", out / "parquet" / "eval", train / "00000.parquet"):
         with pytest.raises(DataError, match="did not finish"):
             list_files(str(path))
+    for where, path in ((out / "parquet", "train"), (train, "."), (train, "00000.parquet")):  # relative
+        monkeypatch.chdir(where)
+        with pytest.raises(DataError, match="did not finish"):
+            list_files(path)
+    monkeypatch.chdir(tmp_path)
     config = tmp_path / "c.yaml"
     section = copy_config(out).model_dump()
     config.write_text(yaml.safe_dump({"data": {"source": "parquet", "parquet": section}}))

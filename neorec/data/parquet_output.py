@@ -65,7 +65,8 @@ def check_finished(path: str) -> None:
     a Parquet copy next to a `parquet` folder) passes."""
     if "://" in path:
         return
-    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    given = Path(path).resolve()  # a relative path (`train` from <out>/parquet), a link: named alike
+    folder = given if given.is_dir() else given.parent
     for parquet in (folder, folder.parent):
         inside = parquet == folder or folder.name in SPLITS
         if parquet.name == "parquet" and inside and (parquet.parent / MANIFEST).is_file():
