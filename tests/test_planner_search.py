@@ -138,6 +138,14 @@ def test_partition_names_the_piece_and_the_shortfall():
     assert e.value.table == "big"
 
 
+def test_one_rank_places_a_thousand_pieces():
+    """One rank has one placement of any number of pieces (1 ** n is under any search limit): each
+    piece goes to rank 0, with no search one level deep per piece."""
+    pieces = [Piece(f"t{i}", 1e-4, {"device": 1.0}, phases=(1e-4, 0.0, 0.0)) for i in range(1200)]
+    a = partition(pieces, 1, {"device": np.array([1e9])}, improve_seconds=0.0)
+    assert a.ranks == [0] * 1200 and a.loads[0] == pytest.approx([0.12, 0.0, 0.0])
+
+
 # ---- the planner -----------------------------------------------------------------------------------------
 def cpu(world: int = 2, memory: int = 2**33) -> Cluster:
     return this_machine(world, calibration=dict(CALIBRATED_CPU), memory=memory)

@@ -123,7 +123,9 @@ def partition(
         nodes[i] = n
     free = [i for i, p in enumerate(pieces) if p.pinned is None]
     rest = [pieces[i] for i in free]
-    if not node_pieces and rest and num_ranks ** len(rest) <= exact_limit:
+    # exact for few placements (one rank has one placement of any number of pieces: the search, one
+    # level per piece, is kept to a depth that Python's recursion allows)
+    if not node_pieces and rest and len(rest) <= 64 and num_ranks ** len(rest) <= exact_limit:
         placed = _exact(rest, loads, used, capacity)
     else:
         placed = _greedy(rest, loads, used, capacity)
