@@ -105,6 +105,13 @@ def check_tables(manifest: dict, embeddings: EmbeddingCollection, where: Path) -
                 f"checkpoint {where}: table {name!r} has managed_collision {s.get('managed_collision')} in its "
                 f"manifest.json but {mc} in the model; its rows and id map only fit the same setting"
             )
+        rule, now = _saved_rule(manifest, s), (t.optimizer or embeddings.optimizer_config).name
+        if rule is not None and rule != now and now != "sgd":  # sgd keeps no state: the saved state is left
+            raise CheckpointError(
+                f"checkpoint {where}: table {name!r} was trained with the {rule} optimizer (its manifest.json) "
+                f"but the model's is {now}, whose state it would load as its own (Adam's signed first moment "
+                "as Adagrad's sum of squares); load it into a collection with the same optimizer"
+            )
     trained = {n: (s.get("features"), s.get("pooling", "sum")) for n, s in saved.items()}
     differs = lookup_difference(trained, embeddings.tables)
     if differs:
@@ -113,6 +120,14 @@ def check_tables(manifest: dict, embeddings: EmbeddingCollection, where: Path) -
             + differs.format(trained="its manifest.json", now="the model")
             + "; its rows only score as trained under the same lookup"
         )
+
+
+def _saved_rule(manifest: dict, table: dict) -> str | None:
+    """The update rule a checkpoint's table was trained with: its own optimizer, else the
+    collection's (None: not recorded)."""
+    own, shared = table.get("optimizer"), manifest.get("optimizer")
+    section = own if isinstance(own, dict) else shared if isinstance(shared, dict) else {}
+    return section.get("name")
 
 
 def load_checkpoint(
