@@ -372,7 +372,8 @@ def test_synthetic_limits_hold(generator, bags):
     for b in batches:
         lows, highs = b.sparse.known_id_limits()
         assert highs[0] == 6 and highs[2] == 49 and highs[1] == 2**63 - 1
-        actual_lows, actual_highs = _id_limits(b.sparse.values, b.sparse.length_per_key())
+        sparse = b.sparse
+        actual_lows, actual_highs = _id_limits(sparse.values, sparse.length_per_key(), None, sparse.keys)
         for k in range(3):
             assert lows[k] <= actual_lows[k] and actual_highs[k] <= highs[k], (k, actual_lows, actual_highs)
 

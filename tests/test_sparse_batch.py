@@ -6,6 +6,8 @@ from hypothesis import strategies as st
 from neorec.errors import DataError
 from neorec.sparse import SparseBatch
 
+ONES = torch.ones(3)
+
 
 def make(lengths_by_feature, rows=10, weighted=False, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -165,8 +167,25 @@ def test_lengths_that_do_not_add_up_to_the_ids_are_refused_before_any_lookup():
          r"feature 'u': a weight is NaN or infinite"),  # trained into the row for good
         (lambda: SparseBatch(["u"], torch.tensor([1, 2]), torch.tensor([1, 1]), torch.ones(3)),
          r"3 weights for 2 ids"),
+        (lambda: SparseBatch.from_features({"u": (torch.tensor([1, 2, 3]), torch.tensor([2, 1]), ONES[:2]),
+                                            "i": (torch.tensor([4, 5]), torch.tensor([1, 1]), ONES)}),
+         r"feature 'u': 2 weights for 3 ids"),  # u's third id took i's first weight
+        (lambda: SparseBatch(["u", "i", "u"], torch.tensor([1, 2, 3]), torch.ones(3, dtype=torch.int64)),
+         r"name \['u'\] twice"),  # the lookup read the second 'u'
+        (lambda: SparseBatch(["u"], torch.tensor([1, 2, 3]), torch.tensor([1.5, 1.5])),
+         r"lengths are torch.float32; lengths are int64"),
+        (lambda: SparseBatch(["u"], torch.tensor([[1, 2]]), torch.tensor([2])),
+         r"flat \(1-D\) tensors, not ids \(1, 2\)"),
+        (lambda: SparseBatch(["u"], torch.tensor([1, 2]), torch.tensor([2]), torch.tensor([1, 2])),
+         r"weights are torch.int64; weights are floats"),
+        (lambda: SparseBatch.from_features({"u": (torch.tensor([1, 2]), torch.tensor([[1, 1]]))}),
+         r"feature 'u': ids, lengths and weights are flat \(1-D\), not \[\(2,\), \(1, 2\)\]"),
+        (lambda: SparseBatch(["u", "i"], torch.tensor([1, 2]), torch.tensor([1, 1]),
+                             torch.tensor([1.0, float("inf")])).id_limits(),
+         r"feature 'i': a weight is NaN or infinite"),  # what every engine's id check reads
     ],
-    ids=["lengths", "float_ids", "float_dense_ids", "nan_weight", "weights_count"],
+    ids=["lengths", "float_ids", "float_dense_ids", "nan_weight", "weights_count", "weights_per_feature",
+         "duplicate_keys", "float_lengths", "ids_2d", "integer_weights", "lengths_2d", "constructor_nan"],
 )
 def test_a_batch_that_would_train_wrong_rows_is_refused_naming_the_feature(build, message):
     with pytest.raises(DataError, match=message):
@@ -211,3 +230,25 @@ def test_a_device_batch_keeps_the_host_lengths_it_was_copied_from():
     sb.lengths[3] = 1  # the host buffer refilled after the copy: its lengths are not the device batch's
     assert again.host_lengths("b") is None
     assert SparseBatch(["a"], torch.tensor([1]), torch.tensor([1]).to("meta")).host_lengths("a") is None
+
+
+def test_a_reused_batch_is_looked_up_with_its_new_weights():
+    """A batch whose weights are refilled in place or replaced is looked up with them: by the warn-mode
+    check, which keeps the batch it made without the ids outside, and after a prefetch."""
+    from neorec.embedding import EmbeddingOptimizerConfig, FusedEmbeddingCollection, TableConfig
+
+    tables = [TableConfig(name="a", rows=10, dim=2, features=["fa"])]
+    sgd = EmbeddingOptimizerConfig(name="sgd", lr=0.1)
+    emb = FusedEmbeddingCollection(tables, sgd, seed=0, bounds_check="warn")
+    row = emb.table_weights()["a"][1]
+    sb = SparseBatch.from_features({"fa": (torch.tensor([1, 2, 30]), torch.tensor([1, 1, 1]), torch.ones(3))})
+    with torch.no_grad():
+        assert torch.equal(emb(sb)[0], row)
+        sb.weights.fill_(5.0)  # a loader's buffer refilled for the next batch
+        torch.testing.assert_close(emb(sb)[0], 5 * row)
+        sb.weights = torch.full((3,), 7.0)
+        torch.testing.assert_close(emb(sb)[0], 7 * row)
+    stamp = sb.stamp()
+    sb.weights.mul_(2)
+    with pytest.raises(DataError, match="ids, lengths or weights were changed .* after prefetch"):
+        sb.check_unchanged_since(stamp, "prefetch(batch)")

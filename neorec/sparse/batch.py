@@ -69,8 +69,20 @@ class SparseBatch:
                 )
         if values.dtype not in (torch.int64, torch.int32):  # ids past int64 (uint64) or floats are no ids
             raise DataError(f"SparseBatch ids are {values.dtype}; ids are int64 (or int32)")
+        if lengths.dtype not in (torch.int64, torch.int32):
+            raise DataError(f"SparseBatch lengths are {lengths.dtype}; lengths are int64 (or int32)")
+        if weights is not None and not weights.is_floating_point():
+            raise DataError(f"SparseBatch weights are {weights.dtype}; weights are floats, one per id")
+        named = (("ids", values), ("lengths", lengths), ("weights", weights))
+        flat = [(n, t) for n, t in named if t is not None]
+        if any(t.dim() != 1 for _, t in flat):
+            shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in flat)
+            raise DataError(f"SparseBatch ids, lengths and weights are flat (1-D) tensors, not {shapes}")
         if weights is not None and weights.numel() != values.numel():
             raise DataError(f"SparseBatch has {weights.numel()} weights for {values.numel()} ids: one per id")
+        if len(set(self.keys)) != len(self.keys):
+            twice = sorted({k for k in self.keys if self.keys.count(k) > 1})
+            raise DataError(f"SparseBatch features {self.keys} name {twice} twice: one entry a feature")
         if len(self.keys) == 0:
             if lengths.numel() != 0:
                 raise DataError("SparseBatch has no features but non-empty lengths")
@@ -92,8 +104,15 @@ class SparseBatch:
         if len(set(sizes.values())) > 1:
             raise DataError(f"features have different batch sizes: {sizes}")
         has_w = [len(v) == 3 and v[2] is not None for v in features.values()]
-        for k, v in features.items():
+        for (k, v), weighted in zip(features.items(), has_w, strict=True):
             _check_integer_ids(v[0], k)
+            if v[1].is_floating_point() or v[1].dtype == torch.bool:
+                raise DataError(f"feature {k!r}: lengths must be an integer tensor, got {v[1].dtype}")
+            if any(t.dim() != 1 for t in v[: 2 + weighted]):
+                shapes = [tuple(t.shape) for t in v[: 2 + weighted]]
+                raise DataError(f"feature {k!r}: ids, lengths and weights are flat (1-D), not {shapes}")
+            if weighted and v[2].numel() != v[0].numel():
+                raise DataError(f"feature {k!r}: {v[2].numel()} weights for {v[0].numel()} ids: one per id")
         counts = torch.stack([features[k][1].sum() for k in keys]).tolist() if keys else []
         for k, n in zip(keys, counts, strict=True):
             if n != features[k][0].numel():
@@ -139,26 +158,29 @@ class SparseBatch:
         return self.values.device
 
     def stamp(self) -> tuple:
-        """What the ids and lengths are now, for what is derived from them (offsets, counts, id limits,
-        a checked copy): the two tensors and their versions (torch counts every in-place write of a
-        tensor, or of a view of it); `unchanged_since` compares."""
-        return (self.values, self.lengths, _version(self.values), _version(self.lengths))
+        """What the ids, lengths and weights are now, for what is derived from them (offsets, counts,
+        id limits, a checked copy, a prefetch's prepared ids and weights): the tensors and their
+        versions (torch counts every in-place write of a tensor, or of a view of it); `unchanged_since`
+        compares."""
+        fields = (self.values, self.lengths, self.weights)
+        return (*fields, *(-2 if t is None else _version(t) for t in fields))
 
     def unchanged_since(self, stamp: tuple) -> bool:
-        """Whether the ids and lengths are those `stamp()` saw (the same tensors, not written since)."""
-        values, lengths, v_values, v_lengths = stamp
-        return (
-            values is self.values and lengths is self.lengths
-            and v_values == _version(self.values) and v_lengths == _version(self.lengths)
-        )  # fmt: skip
+        """Whether the ids, lengths and weights are those `stamp()` saw (the same tensors, not written
+        since)."""
+        fields, versions = (self.values, self.lengths, self.weights), stamp[3:]
+        return all(a is b for a, b in zip(stamp[:3], fields, strict=True)) and all(
+            t is None or v == _version(t) for t, v in zip(fields, versions, strict=True)
+        )
 
     def check_unchanged_since(self, stamp: tuple, when: str) -> None:
-        """DataError unless the ids and lengths are those `stamp()` saw `when` (e.g. at a prefetch
-        whose work on the old ids would otherwise train this batch)."""
+        """DataError unless the ids, lengths and weights are those `stamp()` saw `when` (e.g. at a
+        prefetch whose work on the old ones would otherwise train this batch)."""
         if not self.unchanged_since(stamp):
             raise DataError(
-                f"this SparseBatch's ids or lengths were changed (in place, or replaced) after {when}; what "
-                f"was done then holds the old ids: change a copy of a batch after {when}, not the batch"
+                f"this SparseBatch's ids, lengths or weights were changed (in place, or replaced) after "
+                f"{when}; what was done then holds the old ones: change a copy of a batch after {when}, not "
+                "the batch"
             )
 
     def _derived(self) -> SparseBatch:
@@ -211,7 +233,7 @@ class SparseBatch:
     def exact_id_limits(self) -> tuple[list[int], list[int]]:
         """`id_limits()` computed from the ids themselves, replacing limits a maker gave (bounds that
         may be wider: a slice keeps its batch's)."""
-        self._id_limits = _id_limits(self.values, self.length_per_key())
+        self._id_limits = _id_limits(self.values, self.length_per_key(), self.weights, self.keys)
         return self._id_limits
 
     def known_id_limits(self) -> tuple[list[int], list[int]] | None:
@@ -426,8 +448,12 @@ def _check_integer_ids(ids: torch.Tensor, feature: str) -> None:
         raise DataError(f"feature {feature!r}: ids must be an integer tensor, got {ids.dtype}")
 
 
-def _id_limits(values: torch.Tensor, per_key: list[int]) -> tuple[list[int], list[int]]:
-    """Each feature's smallest and largest id ((0, -1) when it has none), with one host read."""
+def _id_limits(
+    values: torch.Tensor, per_key: list[int], weights: torch.Tensor | None, keys: list[str]
+) -> tuple[list[int], list[int]]:
+    """Each feature's smallest and largest id ((0, -1) when it has none), with one host read, which
+    also tells whether every weight is finite (else a DataError naming the feature: a NaN weight
+    would train its rows NaN)."""
     if not per_key:
         return [], []
     if len(set(per_key)) == 1 and per_key[0]:  # every feature has as many ids (one-hot): one reduction
@@ -437,7 +463,17 @@ def _id_limits(values: torch.Tensor, per_key: list[int]) -> tuple[list[int], lis
         if not parts:
             return [0] * len(per_key), [-1] * len(per_key)
         low, high = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-    found = torch.stack([low, high]).tolist()
+    found = torch.stack([low, high])
+    if weights is not None:
+        finite = torch.isfinite(weights).all().to(found.dtype).expand(2, 1)
+        found = torch.cat([found, finite], dim=1).tolist()
+        if not found[0].pop():
+            ok = torch.stack([torch.isfinite(w).all() for w in weights.split(per_key)]).tolist()
+            key = keys[ok.index(False)]
+            raise DataError(f"feature {key!r}: a weight is NaN or infinite; it would train its rows")
+        found[1].pop()
+    else:
+        found = found.tolist()
     if len(found[0]) == len(per_key):
         return found[0], found[1]
     lows, highs, it = [], [], iter(zip(*found, strict=True))
