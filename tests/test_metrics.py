@@ -67,3 +67,22 @@ def test_a_nan_score_makes_the_metrics_nan_in_any_order():
         assert all(math.isnan(m[k]) for k in ("auc", "log_loss", "ne", "accuracy", "calibration"))
         assert m["num_samples"] == 4 and m["ctr"] == 0.5
         assert math.isnan(auc(z, torch.tensor(y)))
+
+
+def test_labels_that_are_not_one_0_or_1_per_score_are_refused():
+    """-1/+1 or 0/2 labels gave another AUC (0.28 or 0.92 for 0.71) and a negative ctr, more labels
+    than scores an AUC of the first ones: refused, as the readers refuse them."""
+    import pytest
+
+    from neorec.errors import DataError
+
+    scores, labels = torch.tensor([0.1, 0.9, 0.4, 0.7]), torch.tensor([0.0, 1.0, 1.0, 0.0])
+    for bad in (2 * labels - 1, 2 * labels, torch.tensor([0.0, 1.0, float("nan"), 0.0])):
+        for metrics in (auc, binary_metrics, probability_metrics):
+            with pytest.raises(DataError, match=r"label \d is .*; labels are 0 or 1"):
+                metrics(scores, bad)
+    with pytest.raises(DataError, match="5 labels for 4 scores: one label each"):
+        auc(scores, torch.cat([labels, labels[:1]]))
+    with pytest.raises(DataError, match="3 labels for 4 logits"):
+        binary_metrics(scores, labels[:3])
+    assert auc(scores, labels.bool()) == auc(scores, labels) == 0.75

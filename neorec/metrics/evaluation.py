@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from neorec.metrics.auc import auc
+from neorec.metrics.auc import auc, checked_labels
 
 # probabilities (not logits) are kept this far from 0 and 1 in the log loss: a float32 probability is
 # exactly 0 or 1 beyond about +-17 in logit, where the log loss of the logit is still finite
@@ -30,7 +30,7 @@ def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
     A NaN logit makes every metric of the pass NaN but ctr and num_samples.
     """
     z = logits.detach().reshape(-1).to(torch.float64)
-    y = labels.detach().reshape(-1).to(torch.float64)
+    y = checked_labels(labels, z.numel(), "logits")
     n = y.numel()
     ctr = float(y.mean()) if n else float("nan")
     if not n or bool(torch.isnan(z).any()):
