@@ -119,3 +119,23 @@ def test_a_resumed_stream_keeps_the_id_mapping_it_trained_with(tmp_path):
     preprocess_day(stream, "day-001")
     resumed = Trainer(preprocessed_config(out, stream, "day-001"), resume=True).fit()
     assert partitions_logged(resumed) == ["day-001"]
+
+
+def test_a_partition_that_leaves_samples_to_no_rank_is_warned_of_once(tmp_path, neorec_warnings):
+    """Each of W ranks reads n // W samples of a partition of n: rank 0 warns of the rest at the first
+    partition that leaves some (401 rows over 2 ranks: 1), once."""
+    from types import SimpleNamespace
+
+    from neorec.data.drifting import DriftSpec
+    from neorec.train.build import build_source
+
+    stream = tmp_path / "s"
+    write_days(stream, [0, 1], DriftSpec(rows=401, vocab=300, shift=100, row_group=256))
+    cfg = follow_config(tmp_path / "run", stream, "data.follow.until=day-001")
+    source = build_source(cfg, SimpleNamespace(rank=0, world_size=2))  # rank 0 alone: it chooses the partitions
+    assert sum(len(b) for b in source.train_batches(50)) == 2 * 200
+    said = [r.getMessage() for r in neorec_warnings.records if "do not divide" in r.getMessage()]
+    assert said == ["partition day-000: the 401 training samples do not divide over 2 processes: each reads "
+                    "200 of them, leaving the last 1 of the partition's order untrained (one process trains "
+                    "them all); a number of training samples divisible by 2 trains every one (said for the "
+                    "first partition that leaves some)"]  # fmt: skip

@@ -147,6 +147,7 @@ class FollowSource:
         # time), to tell a finished partition completed again under the same name
         self._completed: dict[str, float] = {}
         self._told_rewritten: set[str] = set()
+        self._said_left_out = rank != 0  # rank 0 warns once of samples a partition leaves untrained
         self._current: tuple[str, int] | None = (
             None  # (partition, samples of this rank's share read) to continue
         )
@@ -287,6 +288,12 @@ class FollowSource:
             self._finished.append((name, "skipped"))
             return
         total = source.num_samples("train")  # type: ignore[attr-defined]
+        if not self._said_left_out and (left := source.left_out()):  # type: ignore[attr-defined]
+            from neorec.data.ranks import left_out_text
+
+            self._said_left_out = True
+            text = left_out_text(total * self.world_size + left, left, self.world_size, "the partition")
+            log.warning(f"partition {name}: {text} (said for the first partition that leaves some)")
         if start:
             source.load_state({**source.state(), "epoch": 0, "samples": start})  # type: ignore[attr-defined]
         position, index = start, start // batch_size

@@ -234,6 +234,10 @@ class ParquetSource:
         total = sum(g.samples[split] for g in self.groups[split])
         return total // self.world_size if split == "train" else total
 
+    def left_out(self) -> int:
+        """Training samples of an epoch that no rank reads: the last N % world_size of its order."""
+        return sum(g.samples["train"] for g in self.groups["train"]) % self.world_size
+
     # ---- DataSource ----------------------------------------------------------------------------------
     def train_batches(self, batch_size: int, epoch: int = 0) -> Iterator[Batch]:
         start = 0

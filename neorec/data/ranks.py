@@ -46,6 +46,15 @@ def untrained_text(last: int, untrained: int, world_size: int) -> str:
     )
 
 
+def left_out_text(total: int, left: int, world_size: int, of: str = "the epoch") -> str:
+    """What a per-rank reader (each rank reads N // W samples of an epoch) leaves untrained."""
+    return (
+        f"the {total:,} training samples do not divide over {world_size} processes: each reads "
+        f"{total // world_size:,} of them, leaving the last {left} of {of}'s order untrained (one "
+        f"process trains them all); a number of training samples divisible by {world_size} trains every one"
+    )
+
+
 class RankData:
     """This process's view of `source` in a run of `world_size` processes and global `batch_size`."""
 
@@ -91,11 +100,24 @@ class RankData:
 
     def untrained_per_epoch(self) -> int | None:
         """Samples of an epoch no rank trains: the remainder of a last global batch that does not
-        divide over the W processes (None: the source does not know its size)."""
-        if self.world_size == 1 or self.reads_part:
+        divide over the W processes, or for a per-rank reader the N % W samples that no rank's part
+        holds (None: the source does not know its size)."""
+        if self.world_size == 1:
             return 0
+        if self.reads_part:
+            return self.source.left_out() if hasattr(self.source, "left_out") else 0
         n = self.source.info.num_train_samples
         return n % self.batch_size % self.world_size if n else None
+
+    def untrained_warning(self) -> str | None:
+        """The warning of the samples each epoch leaves untrained (untrained_per_epoch), or None."""
+        untrained = self.untrained_per_epoch()
+        if not untrained:
+            return None
+        n = self.source.info.num_train_samples
+        if self.reads_part:  # n: this rank's part
+            return left_out_text(n * self.world_size + untrained, untrained, self.world_size)
+        return untrained_text(n % self.batch_size, untrained, self.world_size)
 
     def local_batch(self, batch: Batch) -> Batch:
         """This rank's slice of a global batch: samples [r b, (r + 1) b), b = len // W (the remainder

@@ -215,6 +215,10 @@ class PreprocessedSource:
         """Samples every rank reads per epoch: the split's total // world_size."""
         return sum(n for _, n in self.parts[split]) // self.world_size
 
+    def left_out(self) -> int:
+        """Training samples of an epoch that no rank reads: the last N % world_size of its order."""
+        return sum(n for _, n in self.parts["train"]) % self.world_size
+
     def num_batches(self, batch_size: int, split: str = "train") -> int:
         return -(-self.num_samples(split) // batch_size)
 

@@ -26,7 +26,7 @@ from neorec.config.load import dump_config
 from neorec.config.schema import RunConfig
 from neorec.data.device_feed import DeviceFeed
 from neorec.data.prefetch import prefetch
-from neorec.data.ranks import RankData, untrained_text
+from neorec.data.ranks import RankData
 from neorec.data.sample_digest import SampleDigest
 from neorec.distributed.comms import Comms
 from neorec.distributed.dense import DenseGradSync
@@ -101,9 +101,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
                 )
             self.source = build_source(cfg, self.topo, self.device)  # a per-rank reader where the source has one
             self.data = RankData(self.source, cfg.data.batch_size, self.topo.rank, self.topo.world_size)
-            if self.is_main and (untrained := self.data.untrained_per_epoch()):
-                last = self.source.info.num_train_samples % cfg.data.batch_size
-                log.warning("every epoch: " + untrained_text(last, untrained, self.topo.world_size))
+            if self.is_main and (untrained := self.data.untrained_warning()):
+                log.warning("every epoch: " + untrained)
             self.tables = build_tables(cfg, self.source.info)
             self.embeddings = build_embeddings(cfg, self.tables, self.comms, self.device)
             self.model = build_model(cfg, self.source.info, self.embeddings, self.source, self.comms).to(self.device)
