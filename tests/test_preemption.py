@@ -215,18 +215,49 @@ def _until(condition, what: str, seconds: float = 60) -> None:
         time.sleep(0.005)
 
 
-def _sigterm_held_workers(run: Started, out, steps: int, rank: int | None = None) -> None:
-    """Once the run has logged `steps` steps: stop both workers (SIGSTOP), send SIGTERM to the
-    launcher (rank None: torchrun's agent forwards it to every worker) or to the worker of `rank`
-    alone, wait until it is pending in the worker(s) it is for, and let them go on (SIGCONT). The
-    signal lands wherever they were, and before they could train on to the end, however loaded the
-    machine is."""
-    _wait_for_steps(run, out, steps)
-    workers = [_worker(run.pid, r) for r in (0, 1)]
-    for w in workers:
-        os.kill(w, signal.SIGSTOP)
+# in each worker (RANK set) when NEOREC_TEST_HOLD_AFTER=N: after its N-th training step the process
+# stops itself (SIGSTOP) until the test has sent its signal; so the signal lands after the same step
+# however loaded the machine is (the steps take milliseconds: a test that waited for a step in the
+# log and then stopped the workers found them many steps on, at times past the end of the run)
+HOLD = """
+import os, signal
+if "RANK" in os.environ and os.environ.get("NEOREC_TEST_HOLD_AFTER"):
+    from neorec.train.trainer import Trainer
+    step, calls = Trainer.train_step, [0]
+    def held(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == int(os.environ["NEOREC_TEST_HOLD_AFTER"]):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return out
+    Trainer.train_step = held
+"""
+
+
+def _held_env(tmp_path, after: int) -> dict[str, str]:
+    site = tmp_path / "hold_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(HOLD)
+    path = f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    return {**_env(), "PYTHONPATH": path, "NEOREC_TEST_HOLD_AFTER": str(after)}
+
+
+def _sigterm_held_workers(run: Started, rank: int | None = None) -> None:
+    """Once both workers hold themselves still (HOLD), send SIGTERM to the launcher (rank None:
+    torchrun's agent forwards it to every worker) or to the worker of `rank` alone, wait until it is
+    pending in the worker(s) it is for, and let them go on (SIGCONT)."""
+    workers: list[int] = []
+
+    def held() -> bool:
+        assert run.poll() is None, run.communicate(timeout=60)
+        try:
+            workers[:] = [_worker(run.pid, r) for r in (0, 1)]
+            return all(_stopped_still(w) for w in workers)
+        except (AssertionError, FileNotFoundError):  # not started yet, or a thread ended meanwhile
+            return False
+
+    _until(held, "the workers did not hold after their steps", seconds=240)
     try:
-        _until(lambda: all(_stopped_still(w) for w in workers), "the workers did not stop")
         if rank is None:
             run.send_signal(signal.SIGTERM)
         else:
@@ -238,8 +269,6 @@ def _sigterm_held_workers(run: Started, out, steps: int, rank: int | None = None
             os.kill(w, signal.SIGCONT)
 
 
-# enough steps that the first stop (after step 3 or so) and the second (3 steps after the resume) come
-# well before the end: the workers are held still while the signal reaches them
 STEPS_2 = 40
 
 
@@ -252,14 +281,15 @@ def test_sigterm_stops_every_rank_at_one_step_and_resumes_exactly(tmp_path):
     uninterrupted one (the same config trained by the same Trainer on 2 gloo processes)."""
     extra = [f"train.max_steps={STEPS_2}"]
     spawn(2, fit_rank, ([*RUN, *extra], str(tmp_path / "whole")), tmp_path=tmp_path / "pg")
-    run = _start(tmp_path / "run", nproc=2, extra=extra)
-    _sigterm_held_workers(run, tmp_path / "run", 3)  # to the launcher
+    env = _held_env(tmp_path, 3)  # each worker holds still after its third step
+    run = _start(tmp_path / "run", nproc=2, extra=extra, env=env)
+    _sigterm_held_workers(run)  # to the launcher
     first, command = _stopped(run, 128 + signal.SIGTERM)
-    assert "--nproc" in command
-    again = start_neorec(command, env=_env())
-    _sigterm_held_workers(again, tmp_path / "run", first + 3, rank=1)
+    assert "--nproc" in command and first == 4  # the flags sent after step 3 are read after step 4
+    again = start_neorec(command, env=env)
+    _sigterm_held_workers(again, rank=1)
     second, command = _stopped(again, 128 + signal.SIGTERM)
-    assert first < second < STEPS_2
+    assert second == first + 4
     manifest = json.loads(
         (tmp_path / "run" / "checkpoints" / f"step-{second:08d}" / "manifest.json").read_text()
     )
