@@ -132,7 +132,7 @@ def test_a_partition_that_leaves_samples_to_no_rank_is_warned_of_once(tmp_path, 
     stream = tmp_path / "s"
     write_days(stream, [0, 1], DriftSpec(rows=401, vocab=300, shift=100, row_group=256))
     cfg = follow_config(tmp_path / "run", stream, "data.follow.until=day-001")
-    source = build_source(cfg, SimpleNamespace(rank=0, world_size=2))  # rank 0 alone: it chooses the partitions
+    source = build_source(cfg, SimpleNamespace(rank=0, world_size=2))  # rank 0 alone chooses the partitions
     assert sum(len(b) for b in source.train_batches(50)) == 2 * 200
     said = [r.getMessage() for r in neorec_warnings.records if "do not divide" in r.getMessage()]
     assert said == ["partition day-000: the 401 training samples do not divide over 2 processes: each reads "
