@@ -40,6 +40,31 @@ def test_fp16_codec_survives_values_beyond_fp16_range():
     assert Codec("fp16").wire_width(33) == 34
 
 
+def test_fp16_codec_keeps_any_finite_row_and_a_non_finite_value_to_itself():
+    """Every finite fp32 row to fp16's 2^-11 of its peak (a clamped shift made rows past 8e34 infinite
+    and flushed rows below 1e-38 to 0); a NaN or infinity stays where it is, and the row's other
+    values stay what fp16 makes of them (scaled by 2^15 as a peak without exponent, every one past 2
+    became infinite)."""
+    codec = Codec("fp16")
+    for row in ([1e35, -3e34, 1.0], [3e38, 1e37, -2e38], [1e-38, 5e-39, -2e-38], [2.0**-110, 2.0**-112, 0.0]):
+        x = torch.tensor([row])
+        y = codec.decode(codec.encode(x))
+        assert ((y - x).abs() / x.abs().max()).max() <= 2**-11, (row, y)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(0)) * 3
+    x[0, 5], x[1, 9] = float("nan"), float("-inf")
+    y = codec.decode(codec.encode(x))
+    assert y[0, 5].isnan() and y[1, 9] == float("-inf") and torch.isfinite(y).sum() == 30
+    finite = torch.isfinite(x)
+    torch.testing.assert_close(y[finite], x.to(torch.float16).float()[finite], rtol=0, atol=0)
+
+
+def test_an_exchange_with_an_empty_block_sends_nothing_of_it():
+    comms = Comms(Topology(1, 0, 1))
+    for name in ("fp16", "fp32"):
+        out = comms.exchange([torch.ones(0, 4)], [(0, 4)], Codec(name), "fwd").wait()
+        assert out[0].shape == (0, 4)
+
+
 def test_auto_precisions_are_fp32_in_shared_memory_only():
     from neorec.distributed.codecs import wire_precisions
     from neorec.distributed.shm import available

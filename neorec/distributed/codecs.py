@@ -4,7 +4,9 @@ fp16 has the precision but not the range of fp32: pooled embeddings can overflow
 gradients underflow. Each row is therefore multiplied by 2^k so that its largest magnitude lands in
 [2^14, 2^15) before the cast, and k travels with the row in one extra fp16 slot (as an exact small
 integer). Powers of two scale exactly, so the only error is fp16's 11-bit rounding relative to the
-row's largest value. bf16 keeps fp32's range, so it is a plain cast (8-bit mantissa).
+row's largest value, for any finite fp32 row (rows of largest magnitude below 2^-111 keep fewer bits).
+A NaN or infinity stays what it is, and a row holding one is sent unscaled. bf16 keeps fp32's range,
+so it is a plain cast (8-bit mantissa).
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ class Codec:
         else:
             peak = x.new_zeros(x.shape[0], 1)
         _, exp = torch.frexp(peak)  # peak = m * 2^exp, m in [0.5, 1); zero rows get exp 0
-        shift = (15 - exp).clamp_(-100, 100).to(torch.float32)
+        # any finite fp32 peak (< 2^128) lands in [2^14, 2^15) with a shift >= -113; 2^126 is the
+        # largest shift whose 2^-shift stays a normal fp32 number when decoded (peaks below 2^-111 keep
+        # fewer bits, as fp32 itself does below 2^-126). A row with a NaN or infinity is sent unscaled,
+        # so that its finite values stay what fp16 makes of them (scaled by 2^15, as a row whose peak
+        # has no exponent would be, every value past 2 became infinite)
+        shift = torch.where(torch.isfinite(peak), (15 - exp).clamp_(-113, 126), 0).to(torch.float32)
         out[:, :-1] = x * torch.exp2(shift)  # a power of two: exact
         out[:, -1:] = shift
         return out

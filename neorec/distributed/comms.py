@@ -357,7 +357,7 @@ class Comms:
         device = blocks[0].device if blocks else None
         send = torch.empty(sum(sizes), dtype=codec.wire_dtype, device=device)
         for b, part in zip(blocks, send.split(sizes), strict=True):  # encode straight into the send buffer
-            codec.encode(b, part.view(b.shape[0], -1))
+            codec.encode(b, part.view(b.shape[0], codec.wire_width(b.shape[1])))  # 0 rows: no -1 to infer
         recv_splits = [r * codec.wire_width(c) for r, c in recv_shapes]
         got = self.all_to_all(send, sizes, recv_splits, direction, group)
 
