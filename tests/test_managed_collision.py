@@ -289,6 +289,21 @@ def test_rows_only_for_managed_collision_tables():
         build_tables(cfg, info)
 
 
+def test_a_managed_collision_table_off_memory_is_refused_by_the_config():
+    """Refused when the config is read, naming the user's table (a run of several processes refused
+    it in every worker, naming a shard, "C1#1", as a key to set)."""
+    from neorec.config.load import load_config
+
+    mc = ["embedding.tables.C1.managed_collision.eviction=lru", "embedding.tables.C1.rows=400"]
+    ssd = ["embedding.tier=ssd", "embedding.cache.directory=/tmp/unused"]
+    with pytest.raises(ConfigError, match=r"table 'C1' has managed collision, .* but embedding\.tier is ssd: "
+                       r"set embedding\.tables\.C1\.tier to memory"):  # fmt: skip
+        load_config("default", [*mc, *ssd])
+    with pytest.raises(ConfigError, match=r"embedding\.tables\.C1\.tier is dram"):
+        load_config("default", [*mc, "embedding.tables.C1.tier=dram"])
+    assert load_config("default", [*mc, *ssd, "embedding.tables.C1.tier=memory"]).embedding.tier == "ssd"
+
+
 # ---- the planner ----------------------------------------------------------------------------------
 def test_planner_counts_the_id_map_and_keeps_it_with_its_rows():
     from neorec.distributed.plan import ShardingPlan, TablePlan

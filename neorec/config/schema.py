@@ -243,6 +243,17 @@ class EmbeddingConfig(Strict):
         return self.tier == "ssd" or bool(self.ssd_tables)
 
     @model_validator(mode="after")
+    def _managed_collision_in_memory(self) -> EmbeddingConfig:
+        for name, o in self.tables.items():
+            if o.managed_collision is not None and (o.tier or self.tier) != "memory":
+                which = f"embedding.tables.{name}.tier" if o.tier else "embedding.tier"
+                raise ValueError(
+                    f"table {name!r} has managed collision, whose rows live in memory, but {which} is "
+                    f"{o.tier or self.tier}: set embedding.tables.{name}.tier to memory"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _cache_directory(self) -> EmbeddingConfig:
         ssd = self.ssd_tables
         if self.uses_ssd and self.cache.directory is None:

@@ -231,9 +231,10 @@ class FusedEmbeddingCollection(
             if mc is None:
                 continue
             if tiers.get(t.name, "memory") != "memory":
+                table = t.name.split("#")[0]  # a shard's table ("C1#1": shard 1 of C1) is named by its own
                 raise ConfigError(
-                    f"table {t.name!r}: managed-collision tables keep their rows in memory (its tier is "
-                    f"{tiers[t.name]}); set embedding.tables.{t.name}.tier to memory"
+                    f"table {table!r}: managed-collision tables keep their rows in memory (its tier is "
+                    f"{tiers[t.name]}); set embedding.tables.{table}.tier to memory"
                 )
             shard = shards.get(t.name) or MapShard(0, mc.buckets, mc.buckets, t, 0, mc.eviction)
             id_map = IdMap(t.rows, mc.eviction, shard, device)
