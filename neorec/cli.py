@@ -268,15 +268,18 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
 
 def checkpoints_of(path: Path) -> Path:
     """`path`, or for a run folder (config.yaml, no checkpoint manifest) the folder of its checkpoints,
-    checked to hold one: a run that saved none is said to in words naming the setting."""
+    checked to hold one: a run that saved none is said to in words naming the setting; a folder
+    without config.yaml whose checkpoints/ holds one (import-dcp's): that folder."""
     from neorec.checkpoint import CheckpointError
     from neorec.checkpoint.load import latest_checkpoint
     from neorec.checkpoint.save import MANIFEST
     from neorec.config.load import load_config
     from neorec.train.run_folder import checkpoint_root
 
-    if not (path / "config.yaml").is_file() or (path / MANIFEST).is_file():
+    if (path / MANIFEST).is_file() or latest_checkpoint(path) is not None:
         return path
+    if not (path / "config.yaml").is_file():  # a folder `checkpoint import-dcp --output-dir` wrote, say
+        return path / "checkpoints" if latest_checkpoint(path / "checkpoints") is not None else path
     root = checkpoint_root(load_config(str(path / "config.yaml")), path)
     if latest_checkpoint(root) is None:
         raise CheckpointError(

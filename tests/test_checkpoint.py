@@ -301,6 +301,10 @@ def test_inspect_shows_step_tables_ranges_and_files(tmp_path, capsys):
     assert "step-00000003" in out and "as the manifest records them; --verify reads the files" in out
     assert main(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+    # a folder with checkpoints/ and no config.yaml (`neorec checkpoint import-dcp --output-dir`'s)
+    save_checkpoint(tmp_path / "imported" / "checkpoints", 0, emb, model, opts)
+    assert main(["checkpoint", "inspect", str(tmp_path / "imported")]) == 0
+    assert "imported/checkpoints/step-00000000" in capsys.readouterr().out
 
 
 # ---- the trainer ---------------------------------------------------------------------------------
