@@ -394,6 +394,9 @@ def save_dcp(
         if state != "weight" and not RULES[_optimizer_name(emb, tables[table])].state[state]
         and (blocks[table] != [(0, tables[table].dim)] or table in _column_split(emb))
     }  # fmt: skip
+    # the weight of a table whose row-wise state is in blocks comes in chunks of the blocks' columns,
+    # as a TorchRec table split by columns has it: a reader finds each block's columns in the chunks
+    in_blocks = {table for (table, _), key in keys.items() if key in row_sums}
     parts: dict[str, list[Part]] = {}
     sizes: dict[str, tuple[int, ...]] = {}
     for slot in slots(emb):
@@ -405,7 +408,10 @@ def save_dcp(
                 continue
             values = read_storage(storage, first, first + r1 - r0).detach().to("cpu", copy=True)
             if storage.width:
-                parts.setdefault(key, []).append(((r0, c0), values))
+                cuts = blocks[t.name] if state == "weight" and t.name in in_blocks else [(c0, c1)]
+                for a, b in ((max(c0, k0), min(c1, k1)) for k0, k1 in cuts):
+                    if b > a:
+                        parts.setdefault(key, []).append(((r0, a), values[:, a - c0 : b - c0]))
                 sizes[key] = (t.rows, t.dim)
             elif key in row_sums:
                 for i, (k0, k1) in enumerate(blocks[t.name]):
