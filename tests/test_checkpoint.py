@@ -227,7 +227,7 @@ def test_checkpoint_of_another_model_names_the_table(tmp_path):
         load_checkpoint(path, FusedEmbeddingCollection(tables, optimizer_config("adam")))
     # Adam's state has Adagrad's name and shape: loaded, the signed first moment became a sum of squares
     for other in ("rowwise_adagrad", "adagrad"):
-        words = f"table 't0' was trained with the adam optimizer .* but the model's is {other}"
+        words = f"table 't0' was trained with another embedding optimizer, adam .*, than the model's {other}"
         with pytest.raises(CheckpointError, match=words):
             load_checkpoint(path, FusedEmbeddingCollection(make_tables(), optimizer_config(other)))
     load_checkpoint(path, FusedEmbeddingCollection(make_tables(), optimizer_config("sgd")))  # no state to fit
