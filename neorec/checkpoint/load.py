@@ -108,10 +108,11 @@ def check_tables(manifest: dict, embeddings: EmbeddingCollection, where: Path) -
         rule, now = _saved_rule(manifest, s), (t.optimizer or embeddings.optimizer_config).name
         if rule is not None and rule != now and now != "sgd":  # sgd keeps no state: the saved state is left
             raise CheckpointError(
-                f"checkpoint {where}: table {name!r} was trained with another embedding optimizer, {rule} (its "
-                f"manifest.json), than the model's {now}, whose state it would load as its own (Adam's signed "
-                "first moment as Adagrad's sum of squares); continue with the one it was trained with (a table's "
-                "optimizer section merges over embedding.optimizer: `neorec config show` gives each table's)"
+                f"checkpoint {where}: table {name!r} was trained with another embedding optimizer, {rule} "
+                f"(its manifest.json), than the model's {now}, whose state it would load as its own (Adam's "
+                "signed first moment as Adagrad's sum of squares); continue with the one it was trained with "
+                "(a table's optimizer section merges over embedding.optimizer: `neorec config show` gives "
+                "each table's)"
             )
     trained = {n: (s.get("features"), s.get("pooling", "sum")) for n, s in saved.items()}
     differs = lookup_difference(trained, embeddings.tables)
