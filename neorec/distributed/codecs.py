@@ -54,8 +54,8 @@ class Codec:
         # any finite fp32 peak (< 2^128) lands in [2^14, 2^15) with a shift >= -113; 2^126 is the
         # largest shift whose 2^-shift stays a normal fp32 number when decoded (peaks below 2^-111 keep
         # fewer bits, as fp32 itself does below 2^-126). A row with a NaN or infinity is sent unscaled,
-        # so that its finite values stay what fp16 makes of them (scaled by 2^15, as a row whose peak
-        # has no exponent would be, every value past 2 became infinite)
+        # so that its finite values stay what fp16 makes of them (frexp gives such a peak exponent 0:
+        # scaled by 2^15, every value past 2 would overflow)
         shift = torch.where(torch.isfinite(peak), (15 - exp).clamp_(-113, 126), 0).to(torch.float32)
         out[:, :-1] = x * torch.exp2(shift)  # a power of two: exact
         out[:, -1:] = shift

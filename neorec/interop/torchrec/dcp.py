@@ -411,7 +411,7 @@ def save_dcp(
                 cuts = blocks[t.name] if state == "weight" and t.name in in_blocks else [(c0, c1)]
                 for a, b in ((max(c0, k0), min(c1, k1)) for k0, k1 in cuts):
                     if b > a:
-                        parts.setdefault(key, []).append(((r0, a), values[:, a - c0 : b - c0]))
+                        parts.setdefault(key, []).append(((r0, a), values[:, a - c0 : b - c0].contiguous()))
                 sizes[key] = (t.rows, t.dim)
             elif key in row_sums:
                 for i, (k0, k1) in enumerate(blocks[t.name]):
