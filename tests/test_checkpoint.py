@@ -225,12 +225,8 @@ def test_checkpoint_of_another_model_names_the_table(tmp_path):
     tables = [t.model_copy(update={"rows": 38}) if t.name == "t0" else t for t in make_tables()]
     with pytest.raises(CheckpointError, match=r"table 't0' is 37 x 8 in its manifest.json but 38 x 8"):
         load_checkpoint(path, FusedEmbeddingCollection(tables, optimizer_config("adam")))
-    # Adam's state has Adagrad's name and shape: loaded, the signed first moment became a sum of squares
-    for other in ("rowwise_adagrad", "adagrad"):
-        words = f"table 't0' was trained with another embedding optimizer, adam .*, than the model's {other}"
-        with pytest.raises(CheckpointError, match=words):
-            load_checkpoint(path, FusedEmbeddingCollection(make_tables(), optimizer_config(other)))
-    load_checkpoint(path, FusedEmbeddingCollection(make_tables(), optimizer_config("sgd")))  # no state to fit
+    with pytest.raises(CheckpointError, match="'t0' was trained with another embedding optimizer, adam"):
+        load_checkpoint(path, FusedEmbeddingCollection(make_tables(), optimizer_config("rowwise_adagrad")))
 
 
 def test_save_failing_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -301,10 +297,6 @@ def test_inspect_shows_step_tables_ranges_and_files(tmp_path, capsys):
     assert "step-00000003" in out and "as the manifest records them; --verify reads the files" in out
     assert main(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
-    # a folder with checkpoints/ and no config.yaml (`neorec checkpoint import-dcp --output-dir`'s)
-    save_checkpoint(tmp_path / "imported" / "checkpoints", 0, emb, model, opts)
-    assert main(["checkpoint", "inspect", str(tmp_path / "imported")]) == 0
-    assert "imported/checkpoints/step-00000000" in capsys.readouterr().out
 
 
 # ---- the trainer ---------------------------------------------------------------------------------

@@ -136,6 +136,15 @@ def test_row_wise_state_in_column_blocks_reads_back(tmp_path):
         assert key.endswith(".step") or torch.equal(back.state_dict()[key], value), key  # steps: not in DCP
 
 
+def test_inspect_takes_the_folder_import_dcp_writes(tmp_path, capsys):
+    """checkpoints/ and no config.yaml: `neorec checkpoint inspect FOLDER` finds its checkpoint."""
+    from neorec.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "imported" / "checkpoints", 0, _collection())
+    assert main(["checkpoint", "inspect", str(tmp_path / "imported")]) == 0
+    assert "imported/checkpoints/step-00000000" in capsys.readouterr().out
+
+
 def test_adam_moments_in_torchrecs_names(tmp_path):
     """TorchRec keeps Adam's moments as `<table>.momentum1` and `<table>.exp_avg_sq`: they load into
     neorec's adam state, and neorec writes them under the same names."""

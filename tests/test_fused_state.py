@@ -155,3 +155,23 @@ def test_engine_without_tables() -> None:
     pooled = engine(batch(0))
     assert pooled.shape == (6, 0)
     assert engine.state_dict() == {} and engine.build_optimizer().lrs() == []
+
+
+def test_a_checkpoint_of_another_update_rule_is_refused(tmp_path) -> None:
+    """Adam's first moment has Adagrad's name and shape: loaded as a sum of squares (signed), it made
+    the rows NaN at the next step. Refused, naming the table; sgd keeps no state, so it loads."""
+    from neorec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    tables = [TableConfig(name="a", rows=6, dim=4, features=["fa"])]
+    adam = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name="adam", lr=0.1), seed=0)
+    batch = SparseBatch.from_features({"fa": (torch.tensor([1, 2, 3]), torch.ones(3, dtype=torch.int64))})
+    (adam(batch) * torch.tensor([1.0, -1, 1, -1])).sum().backward()
+    path = save_checkpoint(tmp_path, 1, adam)
+    for other in ("adagrad", "rowwise_adagrad"):
+        fresh = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name=other), seed=1)
+        words = f"table 'a' was trained with another embedding optimizer, adam .*, than the model's {other}"
+        with pytest.raises(CheckpointError, match=words):
+            load_checkpoint(path, fresh)
+    sgd = FusedEmbeddingCollection(tables, EmbeddingOptimizerConfig(name="sgd"), seed=1)
+    load_checkpoint(path, sgd)
+    assert torch.equal(sgd.table_weights()["a"], adam.table_weights()["a"])

@@ -487,25 +487,3 @@ def test_row_groups_give_their_batches_id_limits(tmp_path):
     assert batch.sparse.known_id_limits() == ([0, 0, 0], [3, 9, 5])
     (batch,) = list(ParquetSource(cfg, seed=0, bounds_check="off").train_batches(3))
     assert batch.sparse.known_id_limits() is None
-
-
-def test_samples_no_rank_reads_are_counted_and_warned_of(tmp_path):
-    """Each of W ranks reads N // W training samples of an epoch: the N % W left are counted, and the
-    trainer warns of them at its start (18 training rows: none left over 2 ranks, 2 over 4)."""
-    from neorec.data.preprocess import preprocess_criteo
-    from neorec.data.sharded_reader import PreprocessedSource
-
-    path = tsv_to_parquet(FIXTURE, tmp_path / "c.parquet", row_group_size=7)
-    preprocess_criteo([FIXTURE], tmp_path / "pre", table_rows=50, progress=False)  # 18 train lines, too
-    for world, left in ((2, 0), (4, 2)):
-        for source in (ParquetSource(criteo_config([path]), rank=1, world_size=world),
-                       PreprocessedSource(tmp_path / "pre", rank=1, world_size=world)):  # fmt: skip
-            data = RankData(source, 2 * world, 1, world)
-            assert data.untrained_per_epoch() == left and source.num_samples() == 18 // world
-            if left:
-                assert data.untrained_warning() == (
-                    "the 18 training samples do not divide over 4 processes: each reads 4 of them, leaving "
-                    "the last 2 of the epoch's order untrained (one process trains them all); a number of "
-                    "training samples divisible by 4 trains every one")  # fmt: skip
-            else:
-                assert data.untrained_warning() is None
