@@ -7,6 +7,7 @@ bytes per step and the final AUC from summary.json.
 
     python benchmarks/comms_precision.py                 # 2 processes, the whole default run
     python benchmarks/comms_precision.py --steps 200 --no-record
+    python benchmarks/comms_precision.py --codecs        # encode/decode time of each codec, one thread
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="train.max_steps (default: the config's whole run)")
     p.add_argument("--set", action="append", default=[], help="extra config overrides")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--codecs", action="store_true", help="time each codec's encode and decode alone")
+    p.add_argument("--shape", type=int, nargs=2, default=[8192, 128], help="--codecs: a block's rows, width")
+    p.add_argument("--note", default="", help="added to the record's notes")
     args = p.parse_args()
+    if args.codecs:
+        return codec_times(args)
     rows, aucs = [], {}
     for fwd, bwd, dense in SETTINGS:
         sets = [MIXED_PLAN, f"distributed.forward_precision={fwd}", f"distributed.backward_precision={bwd}",
@@ -75,6 +81,38 @@ def main() -> None:
         notes = (f"{args.nproc} processes (torchrun, gloo), config {args.config}; bytes sent by rank 0 per step; "
                  f"plan: default table-wise plus {MIXED_PLAN.split('=', 1)[1]}. Same data and steps for each row.")  # fmt: skip
         append_results(f"Communication precision ({args.nproc} processes)", table, notes)
+
+
+def codec_times(args) -> None:
+    """Median of 5 rounds of 40 encodes (and decodes) of a [rows, width] fp32 block of N(0, 3) values,
+    one thread, for each codec."""
+    import time
+
+    import torch
+
+    from neorec.distributed.codecs import CODECS, Codec
+
+    torch.set_num_threads(1)
+    x = torch.randn(*args.shape, generator=torch.Generator().manual_seed(0)) * 3
+    rows = []
+    for name in CODECS:
+        codec, times = Codec(name), {"encode": [], "decode": []}
+        wire = codec.encode(x)
+        for _ in range(5):
+            calls = (("encode", lambda c=codec: c.encode(x)), ("decode", lambda c=codec, w=wire: c.decode(w)))
+            for what, run in calls:
+                start = time.perf_counter()
+                for _ in range(40):
+                    run()
+                times[what].append((time.perf_counter() - start) / 40 * 1e3)
+        rows.append([name, f"{sorted(times['encode'])[2]:.3f}", f"{sorted(times['decode'])[2]:.3f}",
+                     wire.numel() * wire.element_size()])  # fmt: skip
+    table = markdown_table(["codec", "encode ms", "decode ms", "wire bytes"], rows)
+    print(table)
+    if not args.no_record:
+        rows_, width = args.shape
+        notes = f"a [{rows_}, {width}] fp32 block, 1 thread, medians of 5 x 40 calls. {args.note}"
+        append_results("Exchange codecs alone: encode and decode time", table, notes.strip())
 
 
 if __name__ == "__main__":
