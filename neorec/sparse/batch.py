@@ -162,16 +162,19 @@ class SparseBatch:
         id limits, a checked copy, a prefetch's prepared ids and weights): the tensors and their
         versions (torch counts every in-place write of a tensor, or of a view of it); `unchanged_since`
         compares."""
-        fields = (self.values, self.lengths, self.weights)
-        return (*fields, *(-2 if t is None else _version(t) for t in fields))
+        w = self.weights
+        return (self.values, self.lengths, w, _version(self.values), _version(self.lengths),
+                -2 if w is None else _version(w))  # fmt: skip
 
     def unchanged_since(self, stamp: tuple) -> bool:
         """Whether the ids, lengths and weights are those `stamp()` saw (the same tensors, not written
         since)."""
-        fields, versions = (self.values, self.lengths, self.weights), stamp[3:]
-        return all(a is b for a, b in zip(stamp[:3], fields, strict=True)) and all(
-            t is None or v == _version(t) for t, v in zip(fields, versions, strict=True)
-        )
+        values, lengths, weights, v_values, v_lengths, v_weights = stamp  # called on every derived view
+        return (
+            values is self.values and lengths is self.lengths and weights is self.weights
+            and v_values == _version(values) and v_lengths == _version(lengths)
+            and (weights is None or v_weights == _version(weights))
+        )  # fmt: skip
 
     def check_unchanged_since(self, stamp: tuple, when: str) -> None:
         """DataError unless the ids, lengths and weights are those `stamp()` saw `when` (e.g. at a
