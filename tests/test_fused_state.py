@@ -141,6 +141,30 @@ def test_optimizer_surface_drives_the_learning_rate() -> None:
     assert list(engine.parameters()) == []  # the placeholders belong to no module
 
 
+def test_an_optimizer_replaced_by_a_later_build_refuses_to_step() -> None:
+    """The collection follows the newest optimizer's learning rates; a schedule stepped on an older
+    one would change nothing, so stepping it is an error (single and sharded collections)."""
+    from neorec.distributed.comms import Comms
+    from neorec.distributed.plan import ShardingPlan
+    from neorec.distributed.sharded import ShardedEmbeddingCollection
+    from neorec.distributed.topology import Topology
+
+    single = FusedEmbeddingCollection(tables(), opt())
+    plan = ShardingPlan.from_dict({"tables": {t.name: {"kind": "tw", "ranks": [0]} for t in tables()}})
+    sharded = ShardedEmbeddingCollection(tables(), opt(), plan, Comms(Topology()))
+    for engine in (single, sharded):
+        first, newest = engine.build_optimizer(), engine.build_optimizer()
+        for g in newest.param_groups:
+            g["lr"] = 0.0
+        before = {k: v.clone() for k, v in engine.state_dict().items() if k.endswith("weight")}
+        engine(batch(0)).pow(2).sum().backward()
+        newest.step()
+        after = engine.state_dict()
+        assert all(torch.equal(w, after[k]) for k, w in before.items())  # the newest one's lr applied
+        with pytest.raises(RuntimeError, match="replaced by a later build_optimizer"):
+            first.step()
+
+
 def test_module_conversions_keep_the_storage_dtype() -> None:
     engine = FusedEmbeddingCollection(tables(), opt())
     engine.half().to("cpu")

@@ -134,7 +134,8 @@ class CollectionUpdate:
 
     def build_optimizer(self) -> FusedEmbeddingOptimizer:
         """The object the trainer schedules and steps; the engine reads its learning rates."""
-        self._optimizer = FusedEmbeddingOptimizer(
-            [t.name for t in self.tables], [c.lr for c in self._configs]
-        )
-        return self._optimizer
+        newer = FusedEmbeddingOptimizer([t.name for t in self.tables], [c.lr for c in self._configs])
+        if self._optimizer is not None:
+            self._optimizer.replace_with(newer)
+        self._optimizer = newer
+        return newer

@@ -32,6 +32,13 @@ class FusedEmbeddingOptimizer(torch.optim.Optimizer):
         groups = groups or [{"params": [torch.zeros(0, requires_grad=True)], "lr": 0.0, "table": None}]
         super().__init__(groups, defaults={})
         self.num_steps = 0
+        self.replaced = False  # set when a later build_optimizer() on the same collection took over
+
+    def replace_with(self, newer: FusedEmbeddingOptimizer) -> None:
+        """Hand the collection over to `newer`: from now on the engine reads its learning rates,
+        and stepping this one is an error rather than a schedule that no table follows."""
+        if newer is not self:
+            self.replaced = True
 
     def lrs(self) -> list[float]:
         """Current learning rate of each table, in table order."""
@@ -39,6 +46,11 @@ class FusedEmbeddingOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if self.replaced:
+            raise RuntimeError(
+                "this embedding optimizer was replaced by a later build_optimizer() on its collection; "
+                "the tables' learning rates follow the newest one only: step and schedule that one"
+            )
         loss = closure() if closure is not None else None
         self.num_steps += 1
         return loss
