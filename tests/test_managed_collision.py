@@ -271,6 +271,13 @@ def test_trainer_resume_with_id_maps_is_bitwise(tmp_path, monkeypatch):
     assert any(k.endswith("C4.mc_keys") for k in final)
     # the id maps' logged counters go on from the checkpoint's: the uninterrupted run's lines
     assert _id_map_lines(tmp_path / "run") == _id_map_lines(tmp_path / "whole")
+    # summary.json: the counters at the end, the final evaluation's lookups counted as well
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())["id_map"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["id_map"] == summary
+    last = _id_map_lines(tmp_path / "whole")[-1]
+    for t in ("C2", "C4"):
+        assert summary[t]["eval_hits"] + summary[t]["eval_misses"] > last[f"{t}/eval_hits"] + last[f"{t}/eval_misses"]
+        assert summary[t]["inserts"] == last[f"{t}/inserts"] and summary[t]["capacity"] == stats[t]["capacity"]
 
 
 def _id_map_lines(run) -> list[dict]:

@@ -155,6 +155,7 @@ class RunReporting:
             **({"startup": result.startup} if result.startup else {}),
             "skipped_lines": result.skipped_lines,
             **({"dropped_ids": result.dropped_ids} if result.dropped_ids else {}),
+            **({"id_map": result.id_map} if result.id_map else {}),
             "processes": self.topo.world_size,
             "comm_bytes_per_step": {k: round(v) for k, v in result.comm_bytes_per_step.items()},
             **({"device_peak_mib_per_rank": peaks} if peaks else {}),

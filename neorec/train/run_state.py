@@ -32,6 +32,7 @@ class RunResult:
     out_dir: Path | None = None
     comm_bytes_per_step: dict[str, float] = field(default_factory=dict)  # rank 0's sends, by exchange
     dropped_ids: dict[str, int] = field(default_factory=dict)  # bounds_check warn: per feature, all ranks
+    id_map: dict[str, dict[str, float]] = field(default_factory=dict)  # managed-collision tables, at the end
     partitions: list[dict] = field(default_factory=list)  # data.follow: each partition's progressive metrics
     # seconds from the start of training to the first batch in hand and to the end of each of the first
     # STARTUP_STEPS steps on the host (a GPU's work is queued, not waited for): where start-up goes

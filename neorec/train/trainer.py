@@ -32,6 +32,7 @@ from neorec.distributed.comms import Comms
 from neorec.distributed.dense import DenseGradSync
 from neorec.distributed.topology import Topology, choose_backend, init_distributed, rank_device
 from neorec.embedding.collection import EmbeddingCollection
+from neorec.embedding.remap import with_earlier_counts
 from neorec.errors import ConfigError, DataError
 from neorec.model.compile import apply_compile
 from neorec.train.build import (
@@ -391,6 +392,8 @@ class Trainer(RunReporting, CheckpointHandling, StreamHandling):
         result.skipped_lines = int(getattr(self.source, "num_skipped", 0) or 0)
         if cfg.embedding.bounds_check == "warn":
             result.dropped_ids = self._dropped_ids()
+        if maps := self._id_map_totals():  # collective; the final evaluation's lookups counted too
+            result.id_map = with_earlier_counts(maps, run.id_map_earlier)
         run.logger.close()
         self._finish(result)
         return result
