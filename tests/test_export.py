@@ -353,6 +353,7 @@ def test_predict_criteo_tsv(tmp_path):
     for path in (unlabeled, zipped):
         u = predict_file(tmp_path / "m.nrx", tmp_path / "u.txt", data=path, batch_size=64)
         assert (tmp_path / "u.txt").read_text() == (tmp_path / "p.txt").read_text() and u.metrics == {}
+        assert u.num_samples == len(lines)
     with pytest.raises(ConfigError, match="--with-labels: .*test.tsv has no labels"):
         predict_file(tmp_path / "m.nrx", tmp_path / "u.csv", data=unlabeled, with_labels=True)
     mixed = tmp_path / "mixed.tsv"

@@ -187,7 +187,8 @@ def predict_file(
     digest = SampleDigest()
     if record is not None:
         batches = digested(batches, digest)
-    probs, labels = [], []
+    # kept for the metrics (an exact AUC needs every score): data without labels only counts them
+    probs, labels, scored = [], [], [0]
 
     tasks = exported.task_names
 
@@ -195,8 +196,10 @@ def predict_file(
         if header := _header(tasks, with_labels):
             f.write(header)
         for p, y in score(exported, batches, bounds_check, data):
-            probs.append(p)
-            labels.append(y)
+            scored[0] += p.shape[0]
+            if labeled:
+                probs.append(p)
+                labels.append(y)
             f.write(_lines(p, y if with_labels else None))
         if record is not None:  # before the file takes its name
             check_predicted(exported, record, digest)
@@ -205,7 +208,7 @@ def predict_file(
     out.parent.mkdir(parents=True, exist_ok=True)
     # a failure, e.g. a bad line in the data, leaves no file
     write_atomic(out, _gzipped(write) if _is_gz(out) else write, "predictions file")
-    n = sum(p.shape[0] for p in probs)
+    n = scored[0]
     metrics = {}
     if n and labeled:  # a multi-task model's are per task, named <task>/<metric> (neorec.model.multitask)
         # of the probabilities as written (neorec/metrics/evaluation.py:probability_metrics)
