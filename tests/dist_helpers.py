@@ -148,6 +148,18 @@ def run_rank(rank: int, world: int, local_world: int, init_file: str, fn, args, 
         result_queue.put((rank, None, traceback.format_exc()))
 
 
+def fit_rank(topo, sets: list[str], out: str, resume: bool = False, config: str = "default") -> None:
+    """One rank of `neorec train --config CONFIG --set ...` (the Trainer a worker of `--nproc N` runs)
+    in the process group that spawn made: the Trainer joins it. Tests of what trains over several
+    processes use it; the launcher itself has tests of its own (test_launch*.py, test_preemption.py)."""
+    from neorec.config.load import load_config
+    from neorec.train.trainer import Trainer
+
+    os.environ.update(RANK=str(topo.rank), WORLD_SIZE=str(topo.world_size), LOCAL_RANK=str(topo.local_rank),
+                      LOCAL_WORLD_SIZE=str(topo.local_world_size))  # fmt: skip
+    Trainer(load_config(config, sets), Path(out), resume=resume).fit()
+
+
 def _plain(x):
     """Tensors as numpy arrays: a queue would pass tensors through shared memory, which breaks once
     the sending process exits."""

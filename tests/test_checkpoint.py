@@ -10,11 +10,10 @@ import json
 import os
 import signal
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import build_model, make_batches, make_tables, optimizer_config, run_steps, spawn
+from dist_helpers import build_model, fit_rank, make_batches, make_tables, optimizer_config, run_steps, spawn
 from forked import run_python
 
 from neorec.checkpoint import (
@@ -407,14 +406,6 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypat
         trainer.fit()
     root = tmp_path / "run" / "checkpoints"
     assert latest_checkpoint(root).name == "step-00000007" and (root / "diverged-step-00000014").is_dir()
-
-
-def fit_rank(topo, sets: list[str], out: str, resume: bool = False) -> None:
-    """One rank of `neorec train --set ...` (the Trainer a worker of `--nproc N` runs) in the process
-    group that dist_helpers.spawn made: the Trainer joins it."""
-    os.environ.update(RANK=str(topo.rank), WORLD_SIZE=str(topo.world_size), LOCAL_RANK=str(topo.local_rank),
-                      LOCAL_WORLD_SIZE=str(topo.local_world_size))  # fmt: skip
-    Trainer(load_config("default", sets), Path(out), resume=resume).fit()
 
 
 def _children(pid: int) -> list[int]:

@@ -1,16 +1,18 @@
-"""DIN over 2 gloo processes against 1 on the same global batches: `neorec train --nproc` on a tiny
-MovieLens-format folder, the sequence tables sharded row-wise so the history rows cross ranks. Each
-rank logs its own loss, so the runs are compared by their final weights and held-out metrics."""
+"""DIN over 2 gloo processes against 1 on the same global batches: the Trainer of `neorec train
+--config movielens_seq` on a tiny MovieLens-format folder, in one process and on each of 2 ranks,
+the sequence tables sharded row-wise so the history rows cross ranks. Each rank logs its own loss,
+so the runs are compared by their final weights and held-out metrics."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from dist_helpers import fit_rank, spawn
 
+from neorec.config.load import load_config
+from neorec.train.trainer import Trainer
 from tests.test_din import write_tiny_movielens
 
 pytestmark = pytest.mark.distributed
@@ -23,14 +25,9 @@ def test_din_over_two_processes_matches_one(tmp_path):
             "embedding.optimizer={name: sgd, lr: 0.05}", "train.dense_optimizer={name: sgd, lr: 0.02}",
             "distributed.forward_precision=fp32", "distributed.backward_precision=fp32",
             "distributed.sharding={history: {kind: rw, ranks: [0, 1]}, movie: {kind: rw, ranks: [1, 0]}}"]  # fmt: skip
-    args = [a for s in sets for a in ("--set", s)]
-    outs = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"n{nproc}"
-        p = subprocess.run([sys.executable, "-m", "neorec", "train", "--config", "movielens_seq", "--nproc", str(nproc),
-                            "--output-dir", str(out), *args], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-        assert p.returncode == 0, p.stderr[-3000:]
-        outs[nproc] = out
+    outs = {1: tmp_path / "n1", 2: tmp_path / "n2"}
+    Trainer(load_config("movielens_seq", sets), outs[1]).fit()
+    spawn(2, fit_rank, (sets, str(outs[2]), False, "movielens_seq"), tmp_path=tmp_path / "pg")
     a, b = (torch.load(outs[n] / "model.pt", weights_only=True) for n in (1, 2))
     assert a.keys() == b.keys() and any(k.startswith("embeddings.") and "history" in k for k in a)
     for k in a:

@@ -169,21 +169,19 @@ def test_data_inspect_table_fits_long_feature_names():
 
 @pytest.mark.distributed
 def test_multitask_over_two_processes_matches_one(tmp_path):
-    from forked import run_neorec
+    from dist_helpers import fit_rank, spawn
 
-    # `neorec train` reads neorec/configs/default.yaml, whose preset (criteo_kaggle) has its own 26 tables
+    from neorec.config.load import load_config
+    from neorec.train.trainer import Trainer
+
+    # neorec/configs/default.yaml's preset (criteo_kaggle) has its own 26 tables
     tiny = [s for s in TINY if not s.startswith("data.synthetic.num_sparse=")]
     sets = [*tiny, "model.arch=multitask", "model.tasks=[{name: click}, {name: conversion, weight: 0.5}]",
             "train.max_steps=8", "embedding.optimizer={name: sgd, lr: 0.5}", "train.dense_optimizer={name: sgd, lr: 0.05}",
             "distributed.forward_precision=fp32", "distributed.backward_precision=fp32"]  # fmt: skip
-    args = [a for s in sets for a in ("--set", s)]
-    outs = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"n{nproc}"
-        # `python -m neorec train --nproc N` in a process forked from one that has imported neorec
-        p = run_neorec(["train", "--nproc", str(nproc), "--output-dir", str(out), *args], timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-        outs[nproc] = out
+    outs = {1: tmp_path / "n1", 2: tmp_path / "n2"}
+    Trainer(load_config("default", sets), outs[1]).fit()  # what `neorec train` runs, in 1 and 2 processes
+    spawn(2, fit_rank, (sets, str(outs[2])), tmp_path=tmp_path / "pg")
     a, b = (torch.load(outs[n] / "model.pt", weights_only=True) for n in (1, 2))
     assert a.keys() == b.keys()
     for k in a:

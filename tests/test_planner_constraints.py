@@ -6,8 +6,6 @@ stop with one error naming the table, before any work."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -283,14 +281,13 @@ def test_cache_fraction_gives_a_table_a_cache_of_its_own(tmp_path):
 
 # ---- (4) neorec train --nproc 2 trains with the constrained plan ------------------------------------------
 def test_train_with_constraints_writes_and_uses_the_constrained_plan(tmp_path):
+    """What the workers of `neorec train --nproc 2` run, on 2 ranks."""
+    from dist_helpers import fit_rank, spawn
+
     out = tmp_path / "run"
     sharding = "distributed.sharding={C1: {kind: cw, ranks: [1, 0]}, C2: {kinds: [rw]}, C4: {tier: ssd, cache_fraction: 0.5}}"
-    p = subprocess.run(
-        [sys.executable, "-m", "neorec", "train", "--nproc", "2", "--output-dir", str(out), *sets(TINY),
-         "--set", sharding, "--set", f"embedding.cache.directory={tmp_path / 'ssd'}"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
+    overrides = [*TINY, sharding, f"embedding.cache.directory={tmp_path / 'ssd'}"]
+    spawn(2, fit_rank, (overrides, str(out)), tmp_path=tmp_path / "pg")
     assert (out / "model.pt").is_file()
     plan = ShardingPlan.load(out / "plan.json").tables
     assert plan["C1"] == TablePlan("cw", [1, 0])

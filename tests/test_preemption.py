@@ -14,9 +14,9 @@ import time
 
 import pytest
 import torch
-from dist_helpers import spawn
+from dist_helpers import fit_rank, spawn
 from forked import Started, context, run_neorec, run_python, start_neorec
-from test_checkpoint import _children, _metrics, fit_rank
+from test_checkpoint import _children, _metrics
 
 from neorec.checkpoint import list_checkpoints
 from neorec.config.load import load_config

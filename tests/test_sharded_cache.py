@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import build_model, make_batches, make_tables, optimizer_config, run_steps, spawn, train
+from dist_helpers import (
+    build_model,
+    fit_rank,
+    make_batches,
+    make_tables,
+    optimizer_config,
+    run_steps,
+    spawn,
+    train,
+)
 from test_distributed import BATCH, STEPS, check_against_single
 
 from neorec.distributed.comms import Comms
@@ -220,8 +229,9 @@ def test_ssd_tier_without_a_directory_names_the_tables():
 
 # ---- neorec train under torchrun: the plan file's tiers ------------------------------------------------
 def test_train_nproc_2_builds_the_plan_files_cached_tables(tmp_path):
-    """A plan file with cached/ssd tiers: `neorec train --nproc 2` trains those tables through row
-    caches (files per rank under embedding.cache.directory) and ends with one process's tables."""
+    """A plan file with cached/ssd tiers: the workers of `neorec train --nproc 2` train those tables
+    through row caches (files per rank under embedding.cache.directory) and end with one process's
+    tables."""
     import json
 
     from test_launch import SMALL, _run, _sets, _tables
@@ -239,9 +249,8 @@ def test_train_nproc_2_builds_the_plan_files_cached_tables(tmp_path):
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     cache = [f"embedding.cache.directory={tmp_path / 'files'}", "embedding.cache.fraction=0.1"]
     multi, single = tmp_path / "multi", tmp_path / "single"
-    p = _run(["-m", "neorec", "train", "--nproc", "2", "--output-dir", str(multi),
-              *_sets([f"distributed.plan={tmp_path / 'plan.json'}", *cache])])  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
+    spawn(2, fit_rank, ([*SMALL, f"distributed.plan={tmp_path / 'plan.json'}", *cache], str(multi)),
+          tmp_path=tmp_path / "pg")  # fmt: skip
     p = _run(["-m", "neorec", "train", "--output-dir", str(single), *_sets([])])
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = _tables(single), _tables(multi)

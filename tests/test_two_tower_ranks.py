@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import spawn
+from dist_helpers import fit_rank, spawn
 from test_models import needs_movielens, tiny_movielens
 
 from neorec.config.load import load_config
@@ -71,14 +71,12 @@ def test_two_tower_over_processes_trains_like_one(tmp_path, world, transport):
 
 
 def test_neorec_train_runs_two_tower_over_two_processes(tmp_path):
+    """What a worker of `neorec train --config movielens_two_tower --nproc 2` runs, on each of 2 ranks."""
     import json
-
-    from neorec.cli import main
 
     sets = [*SETS, f"data.movielens.root={tiny_movielens(tmp_path)}", "train.max_steps=4", "train.eval_every=null"]
     out = tmp_path / "run"
-    argv = ["train", "--config", "movielens_two_tower", "--nproc", "2", "--output-dir", str(out)]
-    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    spawn(2, fit_rank, (sets, str(out), False, "movielens_two_tower"), tmp_path=tmp_path / "pg")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["steps"] == 4
     assert summary["eval_num_queries"] > 0 and 0 <= summary["eval_recall@10"] <= summary["eval_recall@100"] <= 1
