@@ -5,10 +5,9 @@ tests/test_compile.py checks that a compiled run leaves its kernels there."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+from forked import run_neorec
 from tiny_cli import TINY, sets
 
 from neorec.errors import ConfigError
@@ -58,7 +57,7 @@ def test_an_unusable_kernel_cache_stops_the_command_before_the_run_starts(tmp_pa
     (tmp_path / "kernels").write_text("not a folder")
     out = tmp_path / "run"
     argv = ["train", *sets([*TINY, f"train.kernel_cache={tmp_path / 'kernels'}"]), "--output-dir", str(out)]
-    p = subprocess.run([sys.executable, "-m", "neorec", *argv], capture_output=True, text=True, timeout=120)
+    p = run_neorec(argv, timeout=120)  # `python -m neorec`, forked from a process that imported neorec
     assert p.returncode == 2, p.stderr
     assert "train.kernel_cache" in p.stderr and "is not a folder; give a folder" in p.stderr
     assert "Traceback" not in p.stderr
