@@ -92,6 +92,10 @@ def test_batches_span_files_and_keep_the_last_partial_one():
     ("field", "value", "expect"),
     [
         (0, "2", "label '2' is not 0 or 1"),
+        (0, "10", "label '10' is not 0 or 1"),  # wider than a label: not read as its first byte
+        (0, "01", "label '01' is not 0 or 1"),
+        (1, "+000000000000000000012", "dense feature I1 = '+000000000000000000012' is not an integer"),
+        (1, "-1234567890123456789", "dense feature I1 = '-1234567890123456789' is not an integer"),
         (5, "12a", "dense feature I5 = '12a' is not an integer"),
         (3, "1.5", "dense feature I3 = '1.5'"),
         (20, "05db916g", "categorical feature C7 = '05db916g' is not a hex hash"),

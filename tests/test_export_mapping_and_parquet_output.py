@@ -117,6 +117,13 @@ def test_table_rows_and_preprocessed_manifests_are_compared(tmp_path, neorec_war
     assert "so how values map to rows is not compared with x" in neorec_warnings.text
     with pytest.raises(ConfigError, match=r"data\.source is criteo_tsv in .* but synthetic in now\.yaml"):
         check_same_mapping(run_config, trained, load_config("default"), "now.yaml")
+    # a table under managed collision takes raw ids, not ids hashed into its rows
+    section = json.dumps({"train_paths": [str(FIXTURE)], "table_rows": 50})
+    mc = ["embedding.tables.C1.managed_collision.eviction=lru", "embedding.tables.C1.rows=50"]
+    managed = load_config("default", ["data.source=criteo_tsv", f"data.criteo={section}", *mc])
+    words = r"data\.criteo\.table_rows of C1 is 50 in .* but 'raw ids' in now\.yaml"
+    with pytest.raises(ConfigError, match=words):
+        check_same_mapping(run_config, trained, managed, "now.yaml")
 
 
 def test_preprocessed_vocabularies_are_compared_by_their_contents(tmp_path):
@@ -153,6 +160,7 @@ def parquet_cfg(**section) -> object:
          "data.parquet.features (names, in order) is ['user_id', 'item'] in"),
         ({"dense": ["x2", "x1"]}, "data.parquet.dense is ['x1', 'x2'] in"),
         ({"dense_log1p": True}, "data.parquet.dense_log1p is False in"),
+        ({"table_rows": 200}, "data.parquet.rows of feature 'user_id' is 100 in"),
         ({"hashing": "vocab", "vocab_dir": "v2"}, "data.parquet.hashing of feature 'user_id' is 'modulo'"),
     ],
 )  # fmt: skip

@@ -181,6 +181,9 @@ def test_follow_settings_are_checked_before_work(tmp_path):
         load_config("continuous", ["checkpoint.every_steps=null"])
     with pytest.raises(ConfigError, match="leave out data.parquet.paths"):
         load_config("continuous", ["data.parquet.paths=[x.parquet]"])
+    # one pass: each batch is scored before it trains
+    with pytest.raises(ConfigError, match=r"train.epochs must be 1 \(it is 2\)"):
+        load_config("continuous", ["train.epochs=2"])
     with pytest.raises(DataError, match="no such folder"):
         Trainer(follow_config(tmp_path / "run", tmp_path / "missing"))
 

@@ -88,6 +88,20 @@ def test_a_second_rank_0_of_a_running_hand_started_run_is_refused_before_the_fol
         running.wait(timeout=30)
 
 
+def test_a_rank_held_on_another_host_is_a_twin_when_started_by_hand(monkeypatch):
+    """Ranks started by hand keep their numbers: the same rank of the same job held on another host
+    is a second copy of it. torchrun may restart a rank on another host under its job: no twin."""
+    from neorec.train.run_lock import _same_rank
+
+    monkeypatch.setenv("RANK", "0")
+    elsewhere = {"rank": "0", "pid": os.getpid() + 1, "host": socket.gethostname() + "-elsewhere"}
+    by_hand = {**elsewhere, "job": "ranks 10.0.0.1:29500 of 2"}
+    assert _same_rank([by_hand], by_hand["job"]) == by_hand
+    assert _same_rank([{**by_hand, "rank": "1"}], by_hand["job"]) is None  # another rank
+    torchrun = {**elsewhere, "job": "torchrun x 10.0.0.1:29500"}
+    assert _same_rank([torchrun], torchrun["job"]) is None
+
+
 def test_hand_started_ranks_of_two_runs_on_one_port_refuse_naming_both_folders(tmp_path):
     """Rank 0 of a run in `a` and rank 1 of a run in `b` on one MASTER_PORT trained as one run in `a`."""
     port = _free_port()

@@ -129,6 +129,9 @@ def test_multitask_config_mistakes_are_named():
         load_config(None, ["model.arch=multitask", "model.tasks=[{name: a}, {name: a}]"])
     with pytest.raises(ConfigError, match="model.tasks is for model.arch multitask"):
         load_config(None, ["model.tasks=[{name: a}]"])
+    weightless = "model.tasks=[{name: a, weight: 0}, {name: b, weight: 0}]"  # a loss of 0: nothing trains
+    with pytest.raises(ConfigError, match="at least one task needs a weight > 0"):
+        load_config(None, ["model.arch=multitask", weightless])
     cfg = load_config(None, [*TINY, "model.arch=multitask", "model.tasks=[{name: click}, {name: purchase}]"])
     with pytest.raises(ConfigError, match=r"labels \['purchase'\] that synthetic data does not make"):
         Trainer(cfg)

@@ -140,6 +140,19 @@ def test_a_pair_rated_twice_is_refused_naming_both_lines(tmp_path):
         MovieLensSource(root)
 
 
+def test_a_rating_of_a_movie_missing_from_movies_csv_is_refused(tmp_path):
+    """Not looked up as the movie next to it in movies.csv's order."""
+    root = copy_root(tmp_path)
+    ratings = root / "ratings.csv"
+    lines = ratings.read_text().splitlines()
+    known = sorted(int(x.split(",", 1)[0]) for x in (root / "movies.csv").read_text().splitlines()[1:])
+    between = next(a + 1 for a, b in zip(known, known[1:], strict=False) if b > a + 1)
+    for movie in (between, known[-1] + 1):
+        ratings.write_text("\n".join([*lines, f"1,{movie},4.0,964982703"]) + "\n")
+        with pytest.raises(DataError, match=re.escape(f"{ratings}:51: movieId {movie} is not in movies.csv")):
+            MovieLensSource(root)
+
+
 def test_user_time_split_holds_out_each_users_latest_ratings():
     """Every user's held-out ratings come after all of their training ratings in (timestamp, movieId)
     order, and they are floor(0.2 n + 0.5) of the user's n; the split ignores the seed."""

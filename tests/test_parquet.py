@@ -430,6 +430,10 @@ def test_value_errors_name_the_row(tmp_path):
         list(ParquetSource(ParquetConfig(**two)).train_batches(2))
     with pytest.raises(DataError, match=r"row 1: column 'ids' holds id 50, outside \[0, 10\) of feature ids's table"):
         list(ParquetSource(ParquetConfig(**cfg, features=[{"name": "ids", "hashing": "none", "rows": 10}])).train_batches(2))
+    pq.write_table(table.set_column(1, "ids", pa.array([9, 10])), tmp_path / "t.parquet")  # 10: just past it
+    edge = ParquetSource(ParquetConfig(**cfg, features=[{"name": "ids", "hashing": "none", "rows": 10}]))
+    with pytest.raises(DataError, match=r"row 1: column 'ids' holds id 10, outside \[0, 10\) of feature ids"):
+        list(edge.train_batches(2))
 
 
 def test_config_errors_name_the_key(tmp_path, capsys):
