@@ -393,7 +393,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         configs = [t.optimizer or self.optimizer_config for t in self.tables]
         opt = FusedEmbeddingOptimizer([t.name for t in self.tables], [c.lr for c in configs])
         if isinstance(self.local._optimizer, _LearningRates):
-            self.local._optimizer.optimizer.replace_with(opt)
+            self.local._optimizer.optimizer.replaced = True
         self.local._optimizer = _LearningRates(opt, [self._table_index[u.table.name] for u in self._units])  # type: ignore[assignment]
         self.replicated._optimizer = _LearningRates(  # type: ignore[assignment]
             opt, [self._table_index[t.name] for t in self.layout.dp_tables]

@@ -136,6 +136,6 @@ class CollectionUpdate:
         """The object the trainer schedules and steps; the engine reads its learning rates."""
         newer = FusedEmbeddingOptimizer([t.name for t in self.tables], [c.lr for c in self._configs])
         if self._optimizer is not None:
-            self._optimizer.replace_with(newer)
+            self._optimizer.replaced = True
         self._optimizer = newer
         return newer

@@ -32,13 +32,9 @@ class FusedEmbeddingOptimizer(torch.optim.Optimizer):
         groups = groups or [{"params": [torch.zeros(0, requires_grad=True)], "lr": 0.0, "table": None}]
         super().__init__(groups, defaults={})
         self.num_steps = 0
-        self.replaced = False  # set when a later build_optimizer() on the same collection took over
-
-    def replace_with(self, newer: FusedEmbeddingOptimizer) -> None:
-        """Hand the collection over to `newer`: from now on the engine reads its learning rates,
-        and stepping this one is an error rather than a schedule that no table follows."""
-        if newer is not self:
-            self.replaced = True
+        # set when a later build_optimizer() on the same collection took over: the engine then reads
+        # that one's learning rates, and stepping this one is an error, not a schedule no table follows
+        self.replaced = False
 
     def lrs(self) -> list[float]:
         """Current learning rate of each table, in table order."""
