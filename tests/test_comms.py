@@ -278,3 +278,14 @@ def test_shared_memory_waits_spin_only_where_each_rank_has_its_cores(monkeypatch
     assert shm.spin_seconds(4) == 0.0  # 4 ranks on 2 cores
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert shm.spin_seconds(2) == 0.0  # 2 ranks x 2 threads on 2 cores
+
+
+def test_fp16_codec_scales_each_row_by_its_largest_magnitude():
+    """A row whose peak is negative, or just below a power of two, stays finite and within 2^-11 of
+    its peak (a shift one too large, or a peak of the positive values only, overflows fp16)."""
+    codec = Codec("fp16")
+    for row in ([1.0, -5.0, 0.5], [0.9999, 0.25, 0.0], [-1.9999, 1.0, 0.5], [60000.0, -65504.0, 1.0]):
+        x = torch.tensor([row])
+        y = codec.decode(codec.encode(x))
+        assert torch.isfinite(y).all(), row
+        assert (y - x).abs().max() <= x.abs().max() * 2**-11, row

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from neorec.cli import main
@@ -113,3 +114,18 @@ def test_a_damaged_record_of_the_held_out_data_is_named(tmp_path, capsys):
     assert "remove it to evaluate without that check" in rows["error"]
     (run / "summary.json").unlink()
     assert eval_lines(capsys, run)[0] == 0
+
+
+def _one_bag(ids, weights=None):
+    from neorec.data.batch import Batch
+    from neorec.sparse import SparseBatch
+
+    feature = (torch.tensor(ids), torch.tensor([len(ids)])) + ((torch.tensor(weights),) if weights else ())
+    return Batch(torch.zeros(1, 1), SparseBatch.from_features({"history": feature}), torch.zeros(1))
+
+
+def test_the_digest_sees_the_order_of_a_bags_ids_and_their_weights():
+    """A history in another order (sequence features read it in order) or other weights is other data."""
+    assert not torch.equal(sample_hashes(_one_bag([3, 7])), sample_hashes(_one_bag([7, 3])))
+    ones, other = _one_bag([3, 7], [1.0, 1.0]), _one_bag([3, 7], [1.0, 2.0])
+    assert not torch.equal(sample_hashes(ones), sample_hashes(other))

@@ -86,3 +86,14 @@ def test_labels_that_are_not_one_0_or_1_per_score_are_refused():
     with pytest.raises(DataError, match="3 labels for 4 logits"):
         binary_metrics(scores, labels[:3])
     assert auc(scores, labels.bool()) == auc(scores, labels) == 0.75
+
+
+def test_accuracy_counts_a_probability_of_one_half_as_a_click():
+    m = binary_metrics(torch.tensor([0.0, -1.0]), torch.tensor([1.0, 0.0]))  # logit 0: p = 0.5
+    assert m["accuracy"] == 1.0
+
+
+def test_probabilities_of_exactly_0_or_1_are_clamped_for_the_log_loss():
+    """A predictions file may hold 0 and 1: the log loss stays finite, as of probabilities 1e-7 away."""
+    m = probability_metrics(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]))
+    assert math.isfinite(m["log_loss"]) and math.isclose(m["log_loss"], -math.log(1e-7), rel_tol=1e-6)

@@ -178,3 +178,11 @@ def test_global_time_split_is_one_cut_in_time():
     assert train.tolist() == [1, 2, 3] and val.tolist() == [0, 4]  # (3, 7) precedes (5, 1)
     train, val = split_by_user_time(user, t, m, 0.4)
     assert val.tolist() == [0, 4] and train.tolist() == [1, 2, 3]  # user 0: 1 of 2, user 1: 1 of 3 held out
+
+
+def test_ratings_of_one_user_at_one_time_split_by_movie_id():
+    """Ties in time go by movieId (the documented (timestamp, movieId) order), not by file order."""
+    from neorec.data.movielens import split_by_user_time
+
+    train, held_out = split_by_user_time(np.array([0, 0]), np.array([5, 5]), np.array([9, 1]), 0.5)
+    assert held_out.tolist() == [0] and train.tolist() == [1]

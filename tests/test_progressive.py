@@ -90,3 +90,36 @@ def test_a_restored_window_goes_on_bitwise_as_the_saved_one():
         recount.add(x, y)
     assert torch.equal(smaller.total.counts, recount.counts)
     assert smaller.total.metrics()["num_samples"] == 100
+
+
+def test_held_out_batches_stay_out_of_the_window():
+    """Held-out batches are scored, not trained: the partition's held-out metrics count them, the
+    sliding window of trained batches does not."""
+    from neorec.train.progressive import ProgressiveValidation
+
+    pv = ProgressiveValidation(5, None, torch.device("cpu"))
+    pv.add(torch.tensor([2.0, -2.0, 1.0]), torch.tensor([1.0, 0.0, 0.0]), held_out=True)
+    pv.add(torch.tensor([0.5, -0.5]), torch.tensor([1.0, 0.0]))
+    assert pv.window_metrics()["num_samples"] == 2
+
+
+def test_each_rank_resumes_with_its_own_saved_counts():
+    """Rank r takes the histograms and window rank r saved (summed over ranks when metrics are made);
+    a state of one process without per-rank parts goes to rank 0 alone, so nothing is counted twice."""
+    from neorec.train.progressive import ProgressiveValidation
+
+    states = []
+    for n in (2, 3):
+        pv = ProgressiveValidation(3, None, torch.device("cpu"))
+        pv.add(torch.zeros(n), torch.ones(n))
+        states.append(pv.state()["ranks"][0])
+    pv = ProgressiveValidation(3, None, torch.device("cpu"))
+    pv.load_state({"ranks": states}, rank=1, world_size=2)
+    assert pv.partition.num_samples == 3 and pv.window.total.num_samples == 3
+    h = ScoreHistogram()
+    h.add(torch.tensor([0.5, -0.5]), torch.tensor([1.0, 0.0]))
+    unsplit = {"partition": h.state(), "held_out": ScoreHistogram().state()}
+    for rank, expected in ((0, 2), (1, 0)):
+        pv = ProgressiveValidation(3, None, torch.device("cpu"))
+        pv.load_state(unsplit, rank=rank, world_size=2)
+        assert pv.partition.num_samples == expected

@@ -391,3 +391,10 @@ def test_cli_quantize_flags(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # argparse: a choice it does not offer
         cli_main(["export", run, "--out", str(tmp_path / "c.nrx"), "--quantize", "int3"])
     assert e.value.code == 2
+
+
+def test_one_hot_bags_keep_their_weights():
+    """The one-hot path (every bag one id) scales each row by its weight, as the general path does."""
+    table = quantize_rows(torch.tensor([[1.0, 2.0], [3.0, -1.0]]))
+    got = pooled_lookup(table, torch.tensor([0, 1]), torch.tensor([0, 1, 2]), torch.tensor([2.0, 0.5]))
+    torch.testing.assert_close(got, torch.tensor([[2.0, 4.0], [1.5, -0.5]]), atol=0.02, rtol=0)

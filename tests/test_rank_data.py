@@ -308,3 +308,45 @@ def test_samples_no_rank_reads_are_counted_and_warned_of(tmp_path):
                     "training samples divisible by 4 trains every one")  # fmt: skip
             else:
                 assert data.untrained_warning() is None
+
+
+def test_a_last_batch_of_one_sample_is_a_step_and_the_epoch_ends_at_its_size():
+    """257 samples in batches of 256 are 2 steps (the step count sets the schedule's length); after
+    the short last batch the position is the epoch's 300 samples, not 2 whole batches' 512."""
+    from types import SimpleNamespace
+
+    def source(n: int):
+        return SimpleNamespace(info=SimpleNamespace(num_train_samples=n), state=lambda: {})
+
+    assert RankData(source(257), 256).steps_per_epoch() == 2
+    assert RankData(source(257), 128).steps_per_epoch() == 3
+    assert RankData(source(300), 256).position(0, 2)["reader"]["samples"] == 300
+
+
+def test_parquet_held_out_slices_of_two_ranks_cover_an_uneven_set(tmp_path):
+    """5 held-out rows on 2 ranks: the ranks' slices, joined and cut to the batch, are the rows one
+    process scores (the last rank pads with the last row, and scores it)."""
+    from test_parquet import FIXTURE, criteo_config, tsv_to_parquet
+
+    from neorec.data.parquet import ParquetSource
+
+    train = tsv_to_parquet(FIXTURE, tmp_path / "t.parquet", 5, eval_every=4)  # 5 held-out rows
+    whole = list(ParquetSource(criteo_config([train])).eval_batches(5))
+    ranks = [ParquetSource(criteo_config([train]), rank=r, world_size=2) for r in range(2)]
+    parts = [list(source.eval_slices(5)) for source in ranks]
+    assert whole and all(len(p) == len(whole) for p in parts)
+    for i, batch in enumerate(whole):
+        joined = concat_samples([parts[r][i][0] for r in range(2)])
+        assert_same(joined.slice(0, len(batch)), batch)
+
+
+def test_parquet_row_groups_of_one_size_are_shuffled_each_their_own_way(tmp_path):
+    """The order inside a row group comes from (seed, epoch, row group): groups of one size differ."""
+    from test_parquet import FIXTURE, criteo_config, tsv_to_parquet
+
+    from neorec.data.parquet import ParquetSource
+
+    train = tsv_to_parquet(FIXTURE, tmp_path / "t.parquet", 5, eval_every=None)  # 4 row groups of 5
+    source = ParquetSource(criteo_config([train], eval_column=None, shuffle=True), seed=3)
+    orders = [tuple(order.tolist()) for _, order in source._windows("train", 1, 0, 20)]
+    assert len(orders) == 4 and len(set(orders)) > 1

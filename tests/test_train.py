@@ -1,4 +1,5 @@
 import json
+import math
 import subprocess
 
 import pytest
@@ -135,3 +136,9 @@ def test_console_script_and_data_commands(tmp_path):
                "--set", f"data.shards_dir={tmp_path / 'shards'}",
                "--set", "train.max_steps=3", "--output-dir", str(tmp_path / "out"), cwd=tmp_path)  # fmt: skip
     assert t.returncode == 0, t.stderr
+
+
+def test_cosine_decay_between_its_ends():
+    """At a fifth of the decay, cosine's 0.5 (1 + cos(pi / 5)), not linear's 0.8."""
+    c = ScheduleConfig(decay="cosine")
+    assert lr_multiplier(c, 2, 10) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.2)))
