@@ -252,6 +252,17 @@ def test_values_survive_eviction_and_flush() -> None:
     assert torch.equal(backing.field("weight")[4:], torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
 
 
+def test_rows_written_in_any_order_land_in_their_own_places() -> None:
+    """`write` takes unique rows in any order: cached ones into their slots, the others straight through."""
+    backing = DramBacking.from_tensors({"weight": torch.zeros(6, 2)})
+    cache = RowCache([("t", 0, 6)], backing, capacity=2)
+    cache.prefetch(torch.tensor([3]))
+    values = torch.tensor([[5.0, 5.5], [3.0, 3.5], [2.0, 2.5]])
+    cache.write("weight", torch.tensor([5, 3, 2]), values)  # 3 cached, 5 and 2 not, unsorted
+    assert torch.equal(cache.read("weight", torch.tensor([2, 3, 5])), values[[2, 1, 0]])
+    assert torch.equal(backing.field("weight")[[5, 2]], values[[0, 2]])
+
+
 def test_lfu_counts_decay() -> None:
     """Row 0 is looked up 8 times, then rows 1 and 2 take turns. Without decay row 0 keeps its count
     and its slot for ever; halving the counts every 4 looked-up rows lets it go (hand-checked: its
