@@ -40,8 +40,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     die_with_launcher()  # a worker of `--nproc N` or torchrun ends with its launcher, even a SIGKILLed one
     if os.environ.get("NEOREC_REPORT_DIR"):  # a worker of `--nproc N`: Ctrl-C before training ends it now,
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # as SIGTERM does, even in a wait; the launcher says so
-    from neorec.config.limits import check_memory
     from neorec.config.load import load_config
+
+    overrides = list(args.overrides)
+    if args.follow is not None:
+        overrides.append(f"data.follow.dir={args.follow}")
+    if args.until is not None and load_config(args.config or "default", overrides).data.follow is None:
+        raise NeorecError("--until NAME ends a followed stream after partition NAME: add --follow DIR (or data.follow)")
+    if args.until is not None:
+        overrides.append(f"data.follow.until={args.until}")
+    # validated before any process starts, and before torch is imported: a mistake is told in a moment
+    cfg = load_config(args.config or "default", overrides)
+    from neorec.config.limits import check_memory
     from neorec.distributed.topology import Topology, check_rank_environment
     from neorec.train.build import check_before_launch
     from neorec.train.run_folder import (
@@ -57,14 +67,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # RANK, WORLD_SIZE, MASTER_ADDR, ...: checked before any folder is touched (--nproc N: torchrun sets them)
     topo = Topology() if (args.nproc or 1) > 1 else check_rank_environment()
-    overrides = list(args.overrides)
-    if args.follow is not None:
-        overrides.append(f"data.follow.dir={args.follow}")
-    if args.until is not None and load_config(args.config or "default", overrides).data.follow is None:
-        raise NeorecError("--until NAME ends a followed stream after partition NAME: add --follow DIR (or data.follow)")
-    if args.until is not None:
-        overrides.append(f"data.follow.until={args.until}")
-    cfg = load_config(args.config or "default", overrides)  # validated before any process starts
     if cfg.data.follow is not None and not args.overwrite and args.resume is False:
         args.resume = True  # the same command again continues the stream from its newest checkpoint
     processes = max(args.nproc or 1, topo.world_size)  # a worker's: its world

@@ -305,3 +305,15 @@ def test_console_script_prints_errors_without_traceback(tmp_path):
         assert p.stderr.strip().splitlines()[-1].startswith("neorec"), (argv, p.stderr)
     v = subprocess.run([sys.executable, "-m", "neorec", "--version"], capture_output=True, text=True, timeout=60)
     assert v.returncode == 0 and v.stdout.strip() == f"neorec {neorec.__version__}"
+
+
+def test_a_config_mistake_is_told_before_torch_is_imported():
+    """`neorec train` validates the config first: a mistake costs the user no wait for torch's import
+    (seconds on a small machine), and the error report does not import it either."""
+    code = (
+        "import sys; from neorec.cli import main; "
+        "code = main(['train', '--set', 'train.max_steps=']); print(code, 'torch' in sys.modules)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == ["2", "False"], (p.stdout, p.stderr[-2000:])
+    assert "train.max_steps" in p.stderr

@@ -1,22 +1,29 @@
-"""Model-parallel embeddings over torch.distributed: plan, comms, sharded collection, dense sync."""
+"""Model-parallel embeddings over torch.distributed: plan, comms, sharded collection, dense sync.
 
-from neorec.distributed.codecs import Codec
-from neorec.distributed.comms import Comms, CommStats, Pending
-from neorec.distributed.dense import DenseGradSync
-from neorec.distributed.plan import ShardingPlan, TablePlan, default_plan
-from neorec.distributed.sharded import ShardedEmbeddingCollection
-from neorec.distributed.topology import Topology, init_distributed
+The names below are imported when first used (PEP 562), so that `neorec.distributed.launch`, which a
+command's error report reads, does not import torch: a user's mistake is told without that wait."""
 
-__all__ = [
-    "Codec",
-    "CommStats",
-    "Comms",
-    "DenseGradSync",
-    "Pending",
-    "ShardedEmbeddingCollection",
-    "ShardingPlan",
-    "TablePlan",
-    "Topology",
-    "default_plan",
-    "init_distributed",
-]
+from importlib import import_module
+
+_MODULE_OF = {
+    "Codec": "codecs",
+    "CommStats": "comms",
+    "Comms": "comms",
+    "DenseGradSync": "dense",
+    "Pending": "comms",
+    "ShardedEmbeddingCollection": "sharded",
+    "ShardingPlan": "plan",
+    "TablePlan": "plan",
+    "Topology": "topology",
+    "default_plan": "plan",
+    "init_distributed": "topology",
+}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
