@@ -46,7 +46,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.follow is not None:
         overrides.append(f"data.follow.dir={args.follow}")
     if args.until is not None and load_config(args.config or "default", overrides).data.follow is None:
-        raise NeorecError("--until NAME ends a followed stream after partition NAME: add --follow DIR (or data.follow)")
+        raise NeorecError(
+            "--until NAME ends a followed stream after partition NAME: add --follow DIR (or data.follow)"
+        )
     if args.until is not None:
         overrides.append(f"data.follow.until={args.until}")
     # validated before any process starts, and before torch is imported: a mistake is told in a moment
