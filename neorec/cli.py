@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             print("neorec: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        # imported here: neorec.distributed imports torch, which commands such as `data preprocess` never need
+        # imported where a command failed; neorec.distributed.launch imports no torch, so a mistake is quick
         from neorec.distributed.launch import report_failure
 
         # bad input (2) or a failing machine (1): one line; anything else is a bug and keeps its traceback
