@@ -49,24 +49,31 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def append_results(title: str, table: str, notes: str = "", path: Path | None = None) -> None:
+def append_results(
+    title: str, table: str, notes: str = "", path: Path | None = None, history_only: bool = False
+) -> None:
     """Record this run: its title, date, command, machine, versions, tables (header and rows, from
     `table` as markdown_table wrote it) and notes, as a JSON line of benchmarks/records/<script>.jsonl
-    (or of `path`), then render RESULTS.md and the history pages again (benchmarks/render_results.py)."""
+    (or of `path`), then render RESULTS.md and the history pages again (benchmarks/render_results.py).
+    `history_only`: table and notes as the record's text, as a comparison taken by hand is kept: its
+    history page shows it, RESULTS.md links it."""
     try:
         tables = parse_tables(table)
         if format_tables(tables) != table.strip("\n"):
             raise ValueError("not as markdown_table writes it")
     except ValueError:
         tables = [{"markdown": table.strip("\n")}]  # kept as written
+    command = "python " + " ".join(sys.argv)
+    text = f"Command: `{command}` · Machine: {machine()}\n\n{table.strip()}"
+    text += f"\n\n{notes}" if notes else ""
+    shown = {"text": text} if history_only else {"tables": tables, **({"notes": notes} if notes else {})}
     record = {
         "title": title,
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "command": "python " + " ".join(sys.argv),
+        "command": command,
         "machine": machine(),
         "versions": versions(),
-        "tables": tables,
-        **({"notes": notes} if notes else {}),
+        **shown,
     }
     path = Path(path) if path else RECORDS / f"{Path(sys.argv[0]).stem}.jsonl"
     with path.open("a") as f:
