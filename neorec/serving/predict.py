@@ -188,15 +188,16 @@ def predict_file(
     if record is not None:
         batches = digested(batches, digest)
     # kept for the metrics (an exact AUC needs every score): data without labels only counts them
-    probs, labels, scored = [], [], [0]
+    probs, labels, n = [], [], 0
 
     tasks = exported.task_names
 
     def write(f: BinaryIO) -> None:
+        nonlocal n
         if header := _header(tasks, with_labels):
             f.write(header)
         for p, y in score(exported, batches, bounds_check, data):
-            scored[0] += p.shape[0]
+            n += p.shape[0]
             if labeled:
                 probs.append(p)
                 labels.append(y)
@@ -208,7 +209,6 @@ def predict_file(
     out.parent.mkdir(parents=True, exist_ok=True)
     # a failure, e.g. a bad line in the data, leaves no file
     write_atomic(out, _gzipped(write) if _is_gz(out) else write, "predictions file")
-    n = scored[0]
     metrics = {}
     if n and labeled:  # a multi-task model's are per task, named <task>/<metric> (neorec.model.multitask)
         # of the probabilities as written (neorec/metrics/evaluation.py:probability_metrics)
