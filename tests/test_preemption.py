@@ -288,13 +288,14 @@ def test_sigterm_stops_every_rank_at_one_step_and_resumes_exactly(tmp_path):
     assert "--nproc" in command and first == 4  # the flags sent after step 3 are read after step 4
     again = start_neorec(command, env=env)
     _sigterm_held_workers(again, rank=1)
-    second, command = _stopped(again, 128 + signal.SIGTERM)
-    assert second == first + 4
+    second, command_again = _stopped(again, 128 + signal.SIGTERM)
+    assert second == first + 4 and command_again == command  # a resumed run resumes the same way
     manifest = json.loads(
         (tmp_path / "run" / "checkpoints" / f"step-{second:08d}" / "manifest.json").read_text()
     )
     assert manifest["world_size"] == 2 and len(manifest["files"]) == 2  # both ranks wrote their part
-    _resume(command)
+    # the launcher's resume ran above; the rest of the run on the workers' Trainer, in spawned ranks
+    spawn(2, fit_rank, ([*RUN, *extra], str(tmp_path / "run"), True), tmp_path=tmp_path / "pg2")
     _same_run(tmp_path / "whole", tmp_path / "run")
 
 

@@ -124,14 +124,27 @@ def test_the_commands_of_docs_data_parquet_run(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in (tmp_path / "counted" / "vocab").glob("*.npy"))  # vocabularies counted
 
 
-def test_vocabulary_counted_from_parquet_matches_the_criteo_tsv_one(tmp_path):
+def test_vocabulary_counted_from_parquet_matches_the_criteo_tsv_one(tmp_path, monkeypatch):
     """--vocab-threshold on Parquet input counts the training rows' raw values (held-out rows excluded) and
     gives the shards, vocabularies and table sizes that Criteo TSV preprocessing with the same threshold
-    gives; a Parquet source reading the files through the counted vocabularies reads the same ids."""
+    gives; a Parquet source reading the files through the counted vocabularies reads the same ids. The
+    counting and the writing run in one pool of workers, started once."""
+    from neorec.data import workers
+
+    pools = []
+
+    class CountedPool(workers.ProcessPoolExecutor):
+        def submit(self, *args, **kwargs):
+            if self not in pools:
+                pools.append(self)
+            return super().submit(*args, **kwargs)
+
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", CountedPool)
     path = tsv_to_parquet(FIXTURE, tmp_path / "c.parquet", 3)
     out = tmp_path / "out"
     cfg = criteo_config([path], hashing="vocab", vocab_dir=str(out / "vocab"))
     preprocess_parquet(cfg, out, shard_rows=7, progress=False, vocab_threshold=2, workers=2)
+    assert len(pools) == 1
     preprocess_criteo([FIXTURE], tmp_path / "tsv", vocab_threshold=2, progress=False)
     for name in CATEGORICAL_NAMES:
         assert np.array_equal(np.load(out / "vocab" / f"{name}.npy"), np.load(tmp_path / "tsv" / "vocab" / f"{name}.npy"))

@@ -25,6 +25,7 @@ from neorec.data.manifest import ShardPlan, resume_or_start, start_manifest
 from neorec.data.parquet import column_map, file_uri, listed_files, open_parquet, open_uri
 from neorec.data.parquet_columns import held_out, raw_ids, same_lists
 from neorec.data.preprocess import PreprocessResult, _map, _write_shards
+from neorec.data.workers import shared_pool
 from neorec.errors import ConfigError
 
 PathLike = str | Path
@@ -74,17 +75,20 @@ def preprocess_parquet(
     if counted:
         settings["vocab_threshold"] = vocab_threshold
     manifest = resume_or_start(out, settings)
-    if counted and vocab_io.saved_settings(out / "vocab") != settings:  # else counted by an interrupted run
-        _count_vocabs(out, settings, [s for s in plan if s.role != "eval"], counted, workers, progress)
-    cmap = column_map(config)
-    if manifest is None:
-        features = [
-            {"name": f.name, "num_ids": int(f.rows if v is None else v.size + 1), "multi_hot": hot,
-             "weighted": f.weights is not None}
-            for f, v, hot in zip(cmap.features, cmap.vocabs, multi_hot, strict=True)
-        ]  # fmt: skip
-        manifest = start_manifest(out, settings, plan, len(config.dense), features, {"dense": list(config.dense)})
-    return _write_shards(out, manifest, workers, progress, max_shards)
+    with shared_pool(workers):  # workers start once, for the counting and the writing
+        # else counted by an interrupted run
+        if counted and vocab_io.saved_settings(out / "vocab") != settings:
+            _count_vocabs(out, settings, [s for s in plan if s.role != "eval"], counted, workers, progress)
+        cmap = column_map(config)
+        if manifest is None:
+            features = [
+                {"name": f.name, "num_ids": int(f.rows if v is None else v.size + 1), "multi_hot": hot,
+                 "weighted": f.weights is not None}
+                for f, v, hot in zip(cmap.features, cmap.vocabs, multi_hot, strict=True)
+            ]  # fmt: skip
+            dense = {"dense": list(config.dense)}
+            manifest = start_manifest(out, settings, plan, len(config.dense), features, dense)
+        return _write_shards(out, manifest, workers, progress, max_shards)
 
 
 def _vocab_features(config: ParquetConfig, out: Path, threshold: int | None) -> list[str]:
