@@ -270,12 +270,11 @@ def test_export_from_a_checkpoint_equals_model_pt(tmp_path):
 def test_export_of_a_two_process_run_from_its_checkpoint(tmp_path):
     """A 2-rank run's sharded checkpoint, read into one process, gives the same file as its
     model.pt (whose tables the ranks gathered at the end)."""
-    from dist_helpers import neorec_train
+    from dist_helpers import fit_rank, spawn
 
     rw = "distributed.sharding={C4: {kind: rw, ranks: [0, 1]}}"  # a row-wise table: two shard files
     sets = TINY + ["checkpoint.every_steps=10", "train.max_steps=20", rw]
-    p = neorec_train(tmp_path / "run", sets, nproc=2, cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    spawn(2, fit_rank, (sets, str(tmp_path / "run")), tmp_path=tmp_path / "pg")  # the workers' Trainer
     export_model(tmp_path / "run", tmp_path / "a.nrx", measure=False)
     export_model(tmp_path / "run" / "checkpoints", tmp_path / "b.nrx", measure=False)
     _, a = read_export(tmp_path / "a.nrx")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dist_helpers import neorec_train
+from dist_helpers import fit_rank, neorec_train, spawn
 
 from neorec.data.manifest import load_manifest, write_manifest
 from neorec.data.preprocess import preprocess_synthetic
@@ -55,21 +55,32 @@ def test_error_stops_naming_the_file_and_row(spoiled, tmp_path):
     assert not (tmp_path / "run" / "model.pt").exists()
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.distributed)])
-def test_warn_trains_without_the_ids_and_counts_them(spoiled, tmp_path, nproc):
+def test_warn_trains_without_the_ids_and_counts_them(spoiled, tmp_path):
     data, _ = spoiled
-    run = neorec_train(tmp_path / "run", sets(data, "warn"), nproc=nproc)
+    run = neorec_train(tmp_path / "run", sets(data, "warn"))
     assert run.returncode == 0, run.stderr
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["dropped_ids"] == {"C1": 1, "C3": 1}  # one epoch: each bad id met once, on whichever rank
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    logged = [x for x in lines if x["split"] == "dropped_ids"]
-    assert logged and logged[-1]["total"] == 2 and logged[-1]["C1"] == 1
+    _counted_once(tmp_path / "run")
     assert (
         "ids_C1.npy: 1 ids of feature C1 outside its table of 50 rows" in run.stderr
     )  # the reader's warning
     assert "dropped 1 id(s) outside the table" in run.stderr  # the engine's
     assert "ids dropped (outside tables)" in run.stdout
+
+
+@pytest.mark.distributed
+def test_warn_over_two_processes_counts_each_dropped_id_once(spoiled, tmp_path):
+    """The workers of `neorec train --nproc 2` (their Trainer, on spawned ranks): the ranks' counts add up."""
+    data, _ = spoiled
+    spawn(2, fit_rank, (sets(data, "warn"), str(tmp_path / "run")), tmp_path=tmp_path / "pg")
+    _counted_once(tmp_path / "run")
+
+
+def _counted_once(out: Path) -> None:
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dropped_ids"] == {"C1": 1, "C3": 1}  # one epoch: each bad id met once, on whichever rank
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [x for x in lines if x["split"] == "dropped_ids"]
+    assert logged and logged[-1]["total"] == 2 and logged[-1]["C1"] == 1
 
 
 def test_off_trains_without_a_word(spoiled, tmp_path):

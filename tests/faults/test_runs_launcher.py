@@ -1,7 +1,7 @@
 """`neorec train --nproc 2` and its launcher: workers die with a launcher killed by SIGKILL (within
 5 s; neorec/utils/parent_watch.py), they hold the run folder's lock themselves, so a run or resume
 started before they are gone is refused; model.pt of a run whose tables are all replicated (dp) holds
-the embedding optimizer's true step."""
+the embedding optimizer's true step (the workers' Trainer, on spawned ranks)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import neorec_train
+from dist_helpers import fit_rank, spawn
 
 from neorec.cli import main
 from neorec.train.run_lock import LOCK_FILE, RunFolderInUse, hold_run_folders, read_holders
@@ -179,8 +179,8 @@ def test_model_of_an_all_replicated_run_holds_the_optimizer_step(tmp_path):
     """Every table dp over 2 gloo processes, adam: model.pt's tables.<name>.step is the number of
     updates (Adam's bias correction goes on from it), as in the checkpoint of the same step."""
     out = tmp_path / "run"
-    p = neorec_train(out, [*RUN, ALL_DP, "train.max_steps=6", "checkpoint.every_steps=3"], nproc=2)
-    assert p.returncode == 0, p.stderr[-3000:]
+    sets = [*RUN, ALL_DP, "train.max_steps=6", "checkpoint.every_steps=3"]
+    spawn(2, fit_rank, (sets, str(out)), tmp_path=tmp_path / "pg")  # the workers' Trainer, on spawned ranks
     state = torch.load(out / "model.pt", weights_only=True)
     steps = {k.split(".")[2]: int(v) for k, v in state.items() if k.endswith(".step")}
     assert steps == {"C1": 6, "C2": 6, "C3": 6, "C4": 6}
