@@ -173,14 +173,18 @@ def _plain(x):
 
 
 def spawn(world: int, fn, args=(), local_world: int | None = None, tmp_path=None, timeout: float = 240.0) -> dict:
-    """Run fn on `world` real processes; returns {rank: result}; raises with a rank's traceback."""
+    """Run fn on `world` real processes; returns {rank: result}; raises with a rank's traceback. The
+    process group's file is in `tmp_path`, or in a temporary folder removed at the end."""
     import tempfile
 
+    if tmp_path is None:
+        with tempfile.TemporaryDirectory(prefix="neorec-pg-") as folder:
+            return spawn(world, fn, args, local_world, folder, timeout)
     from forked import context
 
     ctx = context()  # ranks fork from a server that has imported torch and neorec
     queue = ctx.Queue()
-    init_dir = tmp_path or tempfile.mkdtemp()
+    init_dir = tmp_path
     os.makedirs(init_dir, exist_ok=True)
     init_file = os.path.join(str(init_dir), "pg_init")
     procs = [

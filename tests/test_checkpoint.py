@@ -444,6 +444,7 @@ def test_torchrun_restarts_a_sigkilled_worker_and_ends_with_identical_weights(tm
     # `torchrun ...` in a process of its own forked from one that has imported torch (tests/forked.py);
     # its agent starts the workers, real `python -m neorec` processes, and restarts them
     run = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+                        f"--log-dir={tmp_path / 'agent'}",  # not a /tmp/torchelastic_* of its own
                         "-m", "neorec", "train", "--resume", *sets, "--output-dir", str(tmp_path / "run")],
                        env=env, merge=True)  # fmt: skip
     ckpts, killed, deadline = tmp_path / "run" / "checkpoints", None, time.monotonic() + 240

@@ -77,6 +77,7 @@ def test_sharded_example_under_torchrun_trains_the_single_process_model(single, 
     stdout, single_out = single
     sharded = _run([  # torchrun's agent; the workers it starts are real `python examples/two_tower_sharded.py`
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        f"--log-dir={tmp_path / 'agent'}",  # not a /tmp/torchelastic_* of its own
         "examples/two_tower_sharded.py", *SMALL, "--out", str(tmp_path),
     ])  # fmt: skip
     torch.testing.assert_close(

@@ -59,6 +59,7 @@ def test_two_nodes_of_two_processes_match_one_process(tmp_path):
     procs = []
     for node in (0, 1):
         args = ["-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                f"--log-dir={tmp_path / f'agent{node}'}",  # not a /tmp/torchelastic_* of its own
                 "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
                 "-m", "neorec", "train", "--output-dir", str(multi), *_sets([HIERARCHICAL])]  # fmt: skip
         procs.append(start_python(args))  # torchrun's agent; its workers are real `python -m neorec`

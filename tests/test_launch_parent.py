@@ -102,8 +102,10 @@ def test_torchrun_killed_by_sigkill_stops_its_workers_with_a_checkpoint(tmp_path
     """Real torchrun, its agent killed by SIGKILL while its 2 workers train: they stop after the same step
     with a checkpoint (without the agent's store), rank 0 prints the resume line, and the folder is free."""
     out = tmp_path / "run"
-    args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "neorec", "train",
-            "--output-dir", str(out), *[x for kv in RUN for x in ("--set", kv)]]  # fmt: skip
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            f"--log-dir={tmp_path / 'agent'}",  # not a /tmp/torchelastic_* of its own
+            "-m", "neorec", "train", "--output-dir", str(out),
+            *[x for kv in RUN for x in ("--set", kv)]]  # fmt: skip
     agent = start_python(args, env={**os.environ, "OMP_NUM_THREADS": "1"})
     workers: list[int] = []
     try:
