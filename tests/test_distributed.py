@@ -236,6 +236,16 @@ def test_plan_errors_name_the_table():
     assert isinstance(plan.tables["t0"], TablePlan)
 
 
+def test_plan_files_refuse_booleans_as_ranks_and_ranks_on_a_replicated_table():
+    for entry in ({"kind": "tw", "ranks": [True]}, {"kind": "twrw", "node": False}):
+        with pytest.raises(ConfigError, match="must be .*whole number"):
+            ShardingPlan.from_dict({"tables": {"t0": entry}})
+    base = default_plan(make_tables(), Topology(2, 0, 2)).to_dict()["tables"]
+    plan = ShardingPlan.from_dict({"tables": {**base, "t0": {"kind": "dp", "ranks": [0]}}})
+    with pytest.raises(ConfigError, match=r"table 't0' \(dp\): data-parallel tables live on every rank"):
+        plan.validate(make_tables(), Topology(2, 0, 2))
+
+
 def test_default_plan_balances_and_round_trips(tmp_path):
     tables = make_tables()
     plan = default_plan(tables, Topology(4, 0, 4))

@@ -151,6 +151,22 @@ def test_file_round_trip_is_exact(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_damaged_header_padding_and_a_newer_version_are_refused(tmp_path):
+    import zlib
+
+    write_export(tmp_path / "x.nrx", {"note": "hi"}, {"a": torch.ones(3)})
+    data = (tmp_path / "x.nrx").read_bytes()
+    end = 26 + int.from_bytes(data[14:22], "little")  # the header's end: zero padding follows
+    assert end % 64
+    (tmp_path / "p.nrx").write_bytes(data[:end] + b"\x01" + data[end + 1 :])
+    with pytest.raises(ExportError, match="padding after its header is not zero"):
+        read_export(tmp_path / "p.nrx")
+    text = data[26:end].replace(b'"version": 1', b'"version": 2')
+    (tmp_path / "v.nrx").write_bytes(data[:22] + zlib.crc32(text).to_bytes(4, "little") + text + data[end:])
+    with pytest.raises(ExportError, match="format version 2, this neorec reads 1"):
+        read_export(tmp_path / "v.nrx")
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A briefly trained tiny synthetic run, its trainer, and its fp32 and int8 exports."""
@@ -294,13 +310,23 @@ def test_predict_writes_one_line_per_sample_and_eval_auc(tiny, tmp_path):
     labels = torch.cat([b.labels for b in tiny["trainer"].source.eval_batches(4000)])
     # what `neorec eval` reports, up to ties float32 probabilities make among close logits
     assert probability_metrics(probs, labels)["auc"] == pytest.approx(tiny["result"].eval["auc"], abs=1e-6)
-    r = predict_file(tiny["root"] / "int8.nrx", tmp_path / "p.csv", with_labels=True)
+    r = predict_file(tiny["root"] / "int8.nrx", tmp_path / "p.csv", with_labels=True, batch_size=1000)
     rows = (tmp_path / "p.csv").read_text().splitlines()
     assert rows[0] == "probability,label" and len(rows) == 4001 and r.num_samples == 4000
     assert [int(x.split(",")[1]) for x in rows[1:]] == labels.int().tolist()
     assert r.metrics["auc"] == pytest.approx(tiny["int8"].eval["int8"]["auc"], abs=1e-12)
     with pytest.raises(ExportError, match="Criteo TSV"):
         predict_file(tiny["root"] / "fp32.nrx", tmp_path / "x.txt", data=tmp_path / "any.tsv")
+
+
+def test_predictions_are_written_as_float32_exactly():
+    from neorec.serving.predict import _lines
+
+    p = torch.tensor([0.123456789, 1e-8, 0.99999994, 0.5], dtype=torch.float32)
+    back = [float(x) for x in _lines(p, None).decode().splitlines()]
+    assert torch.equal(torch.tensor(back, dtype=torch.float32), p)
+    rows = _lines(p, torch.tensor([1.0, 0.0, 1.0, 0.0])).decode().splitlines()
+    assert [r.split(",")[1] for r in rows] == ["1", "0", "1", "0"]
 
 
 def test_cli_export_prints_sizes_and_auc_change(tiny, tmp_path, capsys):

@@ -155,6 +155,18 @@ def test_din_without_its_history_feature_is_refused_naming_it(din):
         load_export(root / "fp32.nrx").model(bare)
 
 
+def test_exported_sequence_rows_are_scaled_by_their_ids_weights():
+    from neorec.embedding.tables import TableConfig
+    from neorec.serving.embeddings import InferenceEmbeddings
+    from neorec.sparse import SparseBatch
+
+    table = TableConfig(name="h", rows=10, dim=4, features=["hist"], pooling="none")
+    w = torch.randn(10, 4)
+    ids, lengths, weights = torch.tensor([1, 2, 3]), torch.tensor([2, 1]), torch.tensor([0.5, 2.0, 1.0])
+    _, sequences = InferenceEmbeddings([table], {"h": w}).embed(SparseBatch(["hist"], ids, lengths, weights))
+    assert torch.equal(sequences["hist"].values, w[[1, 2, 3]] * torch.tensor([[0.5], [2.0], [1.0]]))
+
+
 # ---- managed collision ----------------------------------------------------------------------------------
 MANAGED = [
     "embedding.tables.C2={managed_collision: {eviction: lru, buckets: 2}, rows: 64, pooling: mean}",

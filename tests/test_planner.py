@@ -336,3 +336,34 @@ def test_predicted_bytes_equal_counted_bytes_on_four_gloo_processes(tmp_path, co
     # every rank own 1/W of the rows touched, exact over all ranks (every rank has the same rows)
     predicted = sum(traffic.sent(rank, "dp") for rank in range(4))
     assert predicted == pytest.approx(sum(got.get("dp", 0) for got in counted.values()), abs=1e-6)
+
+
+def test_step_time_sums_the_slowest_rank_of_each_phase():
+    from neorec.planner.cost import STAGES, PlanEstimate, RankEstimate
+
+    def rank(r: int, stage: str) -> RankEstimate:
+        return RankEstimate(r, {**dict.fromkeys(STAGES, 0.0), stage: 1.0}, {}, {}, 0, 0)
+
+    estimate = PlanEstimate([rank(0, "input_dist"), rank(1, "update")], None)
+    assert estimate.step_time == 2.0 and estimate.max_cost == 1.0
+
+
+def test_cpu_memory_counts_the_initialisation_window_when_it_is_larger_than_the_buffers():
+    wl = build_workload([TableConfig(name="a", rows=1_000_000, dim=64, features=["f"])], "sgd", 64)
+    cluster = this_machine(1, calibration=dict(CALIBRATED_CPU))
+    r = estimate_plan(ShardingPlan({"a": TablePlan("tw", [0])}), wl, cluster).ranks[0]
+    assert r.init > r.buffers
+    assert r.memory["device"] == r.weights["device"] + cluster.reserved + r.init
+
+
+def test_cpu_ranks_count_two_parities_of_their_shared_memory_pages():
+    from neorec.planner.cost import transport_bytes
+
+    tables = [TableConfig(name=n, rows=1000, dim=16, features=[f"f{n}"]) for n in "ab"]
+    wl, cluster = build_workload(tables, "sgd", 256), this_machine(2, calibration=dict(CALIBRATED_CPU))
+    plan = ShardingPlan({"a": TablePlan("tw", [0]), "b": TablePlan("rw", [0, 1])})
+    traffic = estimate_plan(plan, wl, cluster).traffic
+    for r in (0, 1):
+        send = max(traffic.sent(r, d) for d in traffic.matrices)
+        received = max(traffic.received(r, d) for d in traffic.matrices)
+        assert 0 < send < 16 << 20 and transport_bytes(traffic, r, cluster) == int(2 * send + 2 * received)

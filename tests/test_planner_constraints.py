@@ -207,6 +207,44 @@ def test_no_memory_on_the_pinned_rank_names_the_tables():
         plan_sharding(wl, cluster, time_budget=1, constraints=pins)
 
 
+def test_a_pin_that_fits_only_without_the_step_buffers_is_refused_before_planning():
+    """The pinned piece alone fits rank 0; with the buffers of the rank's own samples it does not:
+    feasible_options (what `neorec train` checks before it launches) says so."""
+    from neorec.planner.planner import feasible_options
+
+    wl = build_workload([TableConfig(name="x", rows=2_200_000, dim=64, features=["f"])], "adam", 65536)
+    pins = {"x": TableConstraint(kind="tw", ranks=(0,))}
+    with pytest.raises(ConfigError, match=r"rank 0 has no room .*with the step's buffers"):
+        feasible_options(wl, cpu(2, memory=2**32), constraints=pins)
+
+
+@pytest.mark.parametrize(
+    "constraint, words",
+    [
+        ({"a": TableConstraint(kind="rw", ranks=(0, 0))}, r"table 'a': kind rw: a rank appears twice"),
+        ({"a": TableConstraint(tier="ssd", cache_fraction=0.0)}, r"cache_fraction must be in \(0, 1\]"),
+    ],
+)
+def test_constraints_that_cannot_hold_are_refused_before_planning(constraint, words):
+    from neorec.planner.planner import feasible_options
+
+    with pytest.raises(ConfigError, match=words):
+        feasible_options(build_workload(small_tables(), "rowwise_adagrad", 64), cpu(), constraints=constraint)
+
+
+def test_a_rank_twice_is_no_row_split_refused_before_planning():
+    """rw gives each rank a row range of its own: ranks that repeat one leave cw (slices of columns
+    may share a rank), and a table allowed rw alone is refused before planning (the planner used to
+    plan rw on [0, 0], which only the plan's own check refused, once the processes had started)."""
+    from neorec.planner.planner import feasible_options
+
+    wl = build_workload([TableConfig(name="a", rows=1000, dim=16, features=["fa"])], "rowwise_adagrad", 64)
+    with pytest.raises(ConfigError, match="table 'a'.*leave no sharding kind.*rw on several distinct ones"):
+        feasible_options(wl, cpu(), constraints={"a": TableConstraint(kinds=("rw",), ranks=(0, 0))})
+    plan = plan_sharding(wl, cpu(), time_budget=1, constraints={"a": TableConstraint(ranks=(0, 0))}).plan
+    assert plan.tables["a"].kind == "cw"
+
+
 def test_conflicting_constraints_through_neorec_plan(tmp_path, capsys):
     mc = "embedding.tables={C3: {managed_collision: {buckets: 2}, rows: 64}}"
     one_line_error(capsys, plan_cli(tmp_path, "--set", mc, "--set", "distributed.sharding={C3: {kinds: [cw, twrw]}}"),
@@ -245,6 +283,27 @@ def test_plan_file_is_checked_against_the_constraints(tmp_path):
     with pytest.raises(ConfigError, match=r"distributed.sharding.C3 .*the plan gives kind tw, its constraints allow \[rw, cw\]"):
         build_plan(load_config("default", TINY + [f"distributed.plan={path}",
                    "distributed.sharding={C3: {kinds: [rw, cw]}}"]), tables, Topology(2, 0, 2))  # fmt: skip
+
+
+def test_a_pin_without_a_tier_keeps_the_tier_of_the_plan_file(tmp_path):
+    from neorec.config.load import load_config
+    from neorec.train.run_constraints import apply_to_plan_file
+
+    path = tmp_path / "plan.json"
+    ShardingPlan({"C1": TablePlan("tw", [1], None, "host")}).save(path)
+    pin = "distributed.sharding={C1: {kind: rw, ranks: [1, 0]}}"  # no tier: the file's stays
+    cfg = load_config("default", [*TINY, f"distributed.plan={path}", pin])
+    plan = apply_to_plan_file(ShardingPlan.load(path), cfg)
+    assert plan.tables["C1"] == TablePlan("rw", [1, 0], None, "host")
+
+
+def test_violations_see_the_order_of_the_ranks_and_a_plan_without_a_tier_as_device():
+    plan = ShardingPlan({"a": TablePlan("rw", [0, 1])})
+    assert violations(plan, {"a": TableConstraint(ranks=(0, 1), tier="device")}) == []
+    [ranks] = violations(plan, {"a": TableConstraint(ranks=(1, 0))})
+    assert "the plan puts it on ranks [0, 1], its constraint says [1, 0]" in ranks
+    [tier] = violations(plan, {"a": TableConstraint(tier="host")})
+    assert "the plan gives tier device, its constraint says host" in tier
 
 
 def test_tier_and_cache_fraction_need_their_settings():

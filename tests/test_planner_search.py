@@ -14,12 +14,12 @@ from neorec.distributed.plan import ShardingPlan, TablePlan
 from neorec.distributed.topology import Topology
 from neorec.embedding.tables import TableConfig
 from neorec.errors import ConfigError
-from neorec.planner import build_workload, plan_sharding, this_machine
+from neorec.planner import build_workload, estimate_plan, plan_sharding, this_machine
 from neorec.planner.bounds import lower_bound, lower_hull
 from neorec.planner.hardware import CALIBRATED_CPU, Cluster, MemoryTier, paper_cluster, preset
 from neorec.planner.options import table_options
 from neorec.planner.partition import Piece, PlacementError, partition
-from neorec.planner.planner import place, rank_capacity
+from neorec.planner.planner import capacity_error, place, rank_capacity
 
 
 def brute_force(pieces: list[Piece], W: int, capacity: dict[str, np.ndarray]) -> float | None:
@@ -155,6 +155,19 @@ def test_lower_hull_keeps_the_convex_cheap_side():
     assert lower_hull([(1, 10), (2, 9), (3, 4), (4, 4), (5, 1), (2, 12)]) == [(1, 10), (3, 4), (5, 1)]
 
 
+def test_bound_gives_device_memory_only_as_far_as_it_goes():
+    from neorec.planner.options import Option
+
+    def option(name: str, tier: str, cost: float, memory: dict) -> Option:
+        return Option(name, "tw", 1, tier, [(cost, 0.0, 0.0)], [memory])
+
+    both = [("device", 1.0), ("host", 3.0)]  # (tier, seconds) of 10 bytes in that tier
+    options = {n: [option(n, tier, cost, {tier: 10.0}) for tier, cost in both] for n in "ab"}
+    # room for half a table in device memory: (3 + 3 - 2 x 1/2) / 2 ranks
+    assert lower_bound(options, 2, 5.0).mean_bound == pytest.approx(2.5)
+    assert lower_bound(options, 2, 20.0).mean_bound == pytest.approx(1.0)
+
+
 def test_bound_is_below_the_best_plan_found_by_exhaustive_search():
     tables = [
         TableConfig(name=f"t{i}", rows=r, dim=8, features=[f"f{i}"]) for i, r in enumerate([5000, 300, 80])
@@ -218,6 +231,23 @@ def test_infeasible_total_memory_names_the_constraint():
     tables = [TableConfig(name=f"t{i}", rows=2_000_000, dim=64, features=[f"f{i}"]) for i in range(8)]
     with pytest.raises(ConfigError, match="constraint 'memory of all ranks together' broke"):
         plan_sharding(build_workload(tables, "sgd", 64), cpu(2, memory=3 * 2**30))
+
+
+def test_capacity_error_names_any_rank_over_its_memory():
+    tables = [TableConfig(name="big", rows=4_000_000, dim=64, features=["f"]),
+              TableConfig(name="small", rows=10, dim=64, features=["g"])]  # fmt: skip
+    wl, cluster = build_workload(tables, "sgd", 64), cpu(2, memory=2**30)
+    for r in (0, 1):
+        plan = ShardingPlan({"big": TablePlan("tw", [r]), "small": TablePlan("tw", [1 - r])})
+        error = capacity_error(estimate_plan(plan, wl, cluster), cluster)
+        assert error is not None and f"device memory of rank {r}' broke" in str(error)
+
+
+def test_column_splits_go_down_to_slices_of_four_columns():
+    from neorec.planner.options import split_counts
+
+    wl = build_workload([TableConfig(name="a", rows=100, dim=16, features=["f"])], "sgd", 64)
+    assert split_counts(wl.tables[0], cpu(8)) == {"rw": [2, 4, 8], "cw": [2, 4]}
 
 
 def test_plan_json_keeps_tier_and_reads_old_files(tmp_path):

@@ -43,6 +43,14 @@ def test_memory_of_a_cached_shard_is_exact():
     assert plain.ranks[0].weights == {"device": 1000 * 128} and not plain.ranks[0].tier_bytes
 
 
+def test_a_cache_of_a_fraction_of_rows_rounds_up():
+    wl = build_workload([TABLE], "adagrad", 64, cache_fraction=0.1)
+    thirds = estimate_plan(ShardingPlan({"t": TablePlan("rw", [0, 1, 2], None, "ssd")}), wl, cpu(3))
+    # ceil(0.1 x 334) = ceil(0.1 x 333) = 34 rows a cache, as embedding/cache/build.py sizes them
+    want = [34 * 154 + (n + 1) * 4 + n * 4 for n in (334, 333, 333)]
+    assert [r.weights["device"] for r in thirds.ranks] == want
+
+
 def _allocated_bytes(cache) -> int:
     """A row cache's buffers and bookkeeping (each memory once: buffers may be views) and, on SSD, each
     row's place in the write log; not the backing store."""

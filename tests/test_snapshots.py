@@ -64,6 +64,14 @@ def test_publish_names_a_verified_folder_and_prunes_by_count(tmp_path):
     assert not (tmp_path / "snapshot-00000050").exists()
 
 
+def test_pruning_never_removes_the_snapshot_latest_names(tmp_path):
+    for step in (2, 4, 6):
+        publish(tmp_path, step, write_model(step), verify, keep=5)
+    publish(tmp_path, 2, write_model(2), verify, keep=2)  # published before and intact: LATEST names it again
+    assert latest_snapshot(tmp_path).name == "snapshot-00000002"
+    assert [p.name for p in list_snapshots(tmp_path)] == [f"snapshot-0000000{s}" for s in (2, 4, 6)]
+
+
 def test_a_reader_racing_the_publisher_never_opens_a_partial_export(tmp_path):
     """One thread publishes 40 snapshots (keep 3) while another reads LATEST and the whole export it
     names, over and over: every read finds a complete, verified file of one step."""

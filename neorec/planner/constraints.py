@@ -47,10 +47,14 @@ class TableConstraint:
 
     def allowed_kinds(self, default: tuple[str, ...]) -> tuple[str, ...]:
         """The kinds its options may have: its kind, else its kinds (else `default`), narrowed by
-        ranks (tw for one, rw or cw for several) or a node (twrw, twcw)."""
+        ranks (tw for one, cw for several, rw for several distinct ones: a row range each) or a node
+        (twrw, twcw)."""
         kinds = (self.kind,) if self.kind else self.kinds if self.kinds is not None else default
         if self.ranks:
-            kinds = tuple(k for k in kinds if k in RANK_KINDS and (k != "tw" or len(self.ranks) == 1))
+            one, distinct = len(self.ranks) == 1, len(set(self.ranks)) == len(self.ranks)
+            kinds = tuple(
+                k for k in kinds if k in RANK_KINDS and (k != "tw" or one) and (k != "rw" or distinct)
+            )
         if self.node is not None:
             kinds = tuple(k for k in kinds if k in NODE_KINDS)
         return tuple(kinds)
@@ -121,7 +125,8 @@ def check(
                 f"{where}: a table with pooling none (rows per id) is sharded tw, rw, cw or dp, not [{', '.join(allowed)}]"
             )
         if not allowed:
-            narrowed = " (ranks pin tw on one rank, rw or cw on several; a node pins twrw or twcw)"
+            narrowed = (" (ranks pin tw on one rank, cw on several, rw on several distinct ones; "
+                        "a node pins twrw or twcw)")  # fmt: skip
             raise ConfigError(
                 f"{where}: its constraints ({c.describe(kinds)}) leave no sharding kind"
                 + (narrowed if c.pinned else "")
