@@ -5,7 +5,6 @@ edited by hand each gave metrics of another held-out set, with exit status 0."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,8 @@ import yaml
 
 from neorec.cli import main
 from neorec.data.sample_digest import SampleDigest, sample_hashes
-from tests.tiny_cli import TINY, sets
+from tests.tiny_cli import TINY, criteo_lines, sets
 
-SAMPLE = Path(__file__).parents[2] / "shared" / "data" / "criteo_sample.tsv"
 CRITEO = ["data.source=criteo_tsv", "data.criteo.train_paths=[crit.tsv]", "data.batch_size=16",
           "data.eval_batch_size=7", "data.criteo.table_rows=1000", "train.progress=false", "logging.plot=false",
           "logging.tensorboard=false"]  # fmt: skip
@@ -30,18 +28,17 @@ def eval_lines(capsys, run: Path) -> tuple[int, dict[str, str]]:
     return code, {k.strip(): v.strip() for k, v in rows.items()} or {"error": err}
 
 
-@pytest.mark.skipif(not SAMPLE.is_file(), reason="needs ../shared/data/criteo_sample.tsv")
 def test_eval_refuses_data_changed_since_the_run(tmp_path, capsys, monkeypatch):
     """The run's Criteo file, read with a relative path: eval from the same folder reproduces the
     run's metrics; from another folder (holding a file of that name), or after the file was written
     again with its lines in another order (same size), it is refused naming the cause."""
     monkeypatch.chdir(tmp_path)
-    shutil.copy(SAMPLE, "crit.tsv")
+    lines = criteo_lines(200)
+    Path("crit.tsv").write_text("".join(lines))
     assert main(["train", *sets(CRITEO), "--output-dir", "run"]) == 0
     summary = json.loads(Path("run/summary.json").read_text())
     code, rows = eval_lines(capsys, Path("run"))
     assert code == 0 and float(rows["auc"]) == pytest.approx(summary["eval_auc"], abs=1e-6), rows
-    lines = SAMPLE.read_text().splitlines(keepends=True)
     Path("other").mkdir()
     Path("other/crit.tsv").write_text("".join(reversed(lines)))
     monkeypatch.chdir(tmp_path / "other")
@@ -52,7 +49,8 @@ def test_eval_refuses_data_changed_since_the_run(tmp_path, capsys, monkeypatch):
     Path("crit.tsv").write_text("".join(reversed(lines)))
     code, rows = eval_lines(capsys, Path("run"))
     assert code == 2 and "the held-out samples its config names now differ from those" in rows["error"], rows
-    assert main(["eval", "run", "--set", f"data.criteo.eval_paths=[{SAMPLE}]"]) == 0  # other data, on purpose
+    Path("held.tsv").write_text("".join(criteo_lines(50, seed=1)))
+    assert main(["eval", "run", "--set", "data.criteo.eval_paths=[held.tsv]"]) == 0  # other data, on purpose
 
 
 def test_eval_refuses_a_config_yaml_edited_by_hand(tmp_path, capsys):

@@ -25,9 +25,8 @@ from neorec.serving.predict import result_text
 from neorec.train.trainer import Trainer
 from tests.test_export_models import SYNTHETIC
 from tests.test_predict_failures import exports, write_parquet  # noqa: F401 (a fixture)
-from tests.tiny_cli import TINY, sets
+from tests.tiny_cli import TINY, criteo_lines, sets
 
-SAMPLE = Path(__file__).parents[2] / "shared" / "data" / "criteo_sample.tsv"
 CRITEO = [
     "data.source=criteo_tsv", "data.criteo.train_paths=[train.tsv]", "data.criteo.eval_paths=[eval.tsv]",
     "data.batch_size=16", "data.eval_batch_size=16", "data.criteo.table_rows=1000", "train.max_steps=5",
@@ -48,14 +47,13 @@ def row(text: str, key: str) -> str:
     return next((v for k, v in found if k.strip() == key), "")
 
 
-@pytest.mark.skipif(not SAMPLE.is_file(), reason="needs ../shared/data/criteo_sample.tsv")
 def test_export_and_predict_refuse_held_out_data_changed_since_the_run(tmp_path, capsys, monkeypatch):
     """The run's held-out file cut to its first 20 lines: export refused (its AUC would be of 20 other
     samples) as neorec eval refuses, and predict without --data too, neither writing a file; --data
     (the user's own data) and --no-eval still work. Read from another folder, the relative paths name
     other files: refused naming the folder to run from."""
     monkeypatch.chdir(tmp_path)
-    lines = SAMPLE.read_text().splitlines(keepends=True)
+    lines = criteo_lines(200)
     Path("train.tsv").write_text("".join(lines[:150]))
     Path("eval.tsv").write_text("".join(lines[-50:]))
     assert main(["train", *sets(CRITEO), "--output-dir", "run"]) == 0

@@ -1,6 +1,9 @@
-"""The smallest synthetic run the CLI tests start: four tables, two steps, no pictures or TensorBoard."""
+"""The smallest synthetic run the CLI tests start (four tables, two steps, no pictures or TensorBoard),
+and Criteo TSV lines for the tests of commands that read files."""
 
 from __future__ import annotations
+
+import random
 
 TINY = [
     "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 100]", "data.synthetic.num_sparse=4",
@@ -12,3 +15,14 @@ TINY = [
 def sets(items: list[str]) -> list[str]:
     """`--set` before every override, as the command line takes them."""
     return [x for kv in items for x in ("--set", kv)]
+
+
+def criteo_lines(n: int, seed: int = 0) -> list[str]:
+    """`n` Criteo TSV lines (label, 13 counts, 26 8-digit hex ids), each ending in a newline."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        dense = [str(rng.randrange(100)) for _ in range(13)]
+        ids = [f"{rng.randrange(1 << 32):08x}" for _ in range(26)]
+        lines.append("\t".join([str(rng.randrange(2)), *dense, *ids]) + "\n")
+    return lines
