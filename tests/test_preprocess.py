@@ -21,10 +21,21 @@ from neorec.data.criteo import CATEGORICAL_NAMES, CriteoTSVReader, CriteoTSVSour
 from neorec.data.preprocess import index_lines, load_manifest, preprocess_criteo, preprocess_synthetic
 from neorec.data.synthetic import SyntheticSource, SyntheticSpec
 from neorec.errors import DataError
+from tests.tiny_cli import criteo_lines
 
-SAMPLE = Path(__file__).parents[2] / "shared" / "data" / "criteo_sample.tsv"
+SHARED_SAMPLE = Path(__file__).parents[2] / "shared" / "data" / "criteo_sample.tsv"
 FIXTURE = Path(__file__).parent / "fixtures" / "criteo_20.tsv"
-needs_sample = pytest.mark.skipif(not SAMPLE.is_file(), reason=f"shared Criteo sample not found at {SAMPLE}")
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory) -> Path:
+    """The 200 raw Criteo lines of ../shared, or where they are missing (a fresh clone), 200 lines made
+    in their form (tiny_cli.criteo_lines: empty fields, repeated ids)."""
+    if SHARED_SAMPLE.is_file():
+        return SHARED_SAMPLE
+    path = tmp_path_factory.mktemp("criteo") / "sample.tsv"
+    path.write_text("".join(criteo_lines(200)))
+    return path
 
 
 def read_split(out: Path, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -58,15 +69,14 @@ def batches_as_arrays(batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
-@needs_sample
 @pytest.mark.parametrize("hashing", ["modulo", "hash"])
-def test_criteo_sample_equals_the_tsv_reader(tmp_path, hashing):
+def test_criteo_sample_equals_the_tsv_reader(tmp_path, hashing, sample):
     out = tmp_path / "out"
     result = preprocess_criteo(
-        [SAMPLE], out, hashing=hashing, table_rows=1000, shard_lines=64, progress=False
+        [sample], out, hashing=hashing, table_rows=1000, shard_lines=64, progress=False
     )
     assert result.complete and result.num_shards == 4 and result.num_samples == {"train": 180, "eval": 20}
-    source = CriteoTSVSource(SAMPLE, table_rows=1000, hashing=hashing)
+    source = CriteoTSVSource(sample, table_rows=1000, hashing=hashing)
     for split, batches in (("train", source.train_batches(50)), ("eval", source.eval_batches(7))):
         got, want = read_split(out, split), batches_as_arrays(batches)
         for g, w in zip(got, want, strict=True):
@@ -77,9 +87,8 @@ def test_criteo_sample_equals_the_tsv_reader(tmp_path, hashing):
     )
 
 
-@needs_sample
-def test_many_files_and_gz_with_eval_files(tmp_path):
-    lines = SAMPLE.read_bytes().splitlines(keepends=True)
+def test_many_files_and_gz_with_eval_files(tmp_path, sample):
+    lines = sample.read_bytes().splitlines(keepends=True)
     a, b, ev = tmp_path / "a.tsv", tmp_path / "b.tsv.gz", tmp_path / "ev.tsv"
     a.write_bytes(b"".join(lines[:70]))
     with gzip.open(b, "wb") as f:
@@ -89,7 +98,7 @@ def test_many_files_and_gz_with_eval_files(tmp_path):
     result = preprocess_criteo([a, b], out, eval_paths=[ev], table_rows=777, shard_lines=32, progress=False)
     assert result.num_samples == {"train": 170, "eval": 30}
     assert [s["file"] for s in load_manifest(out)["shards"]].count(str(b)) == 4  # 100 lines / 32
-    want = CriteoTSVReader([SAMPLE], table_rows=777)
+    want = CriteoTSVReader([sample], table_rows=777)
     labels, dense, ids = batches_as_arrays(want.batches(1000))
     for split, rows in (("train", slice(0, 170)), ("eval", slice(170, 200))):
         got = read_split(out, split)
@@ -97,12 +106,11 @@ def test_many_files_and_gz_with_eval_files(tmp_path):
             np.testing.assert_array_equal(g, w)
 
 
-@needs_sample
-def test_vocabulary_counts_training_lines_only(tmp_path):
+def test_vocabulary_counts_training_lines_only(tmp_path, sample):
     out = tmp_path / "out"
-    preprocess_criteo([SAMPLE], out, vocab_threshold=3, shard_lines=80, progress=False)
+    preprocess_criteo([sample], out, vocab_threshold=3, shard_lines=80, progress=False)
     manifest = load_manifest(out)
-    raw_lines = [line.split(b"\t") for line in SAMPLE.read_bytes().splitlines()]
+    raw_lines = [line.split(b"\t") for line in sample.read_bytes().splitlines()]
     train_raw = [r for n, r in enumerate(raw_lines, start=1) if n % 10 != 0]
     for f, name in enumerate(CATEGORICAL_NAMES):
         column = parse_hex(np.array([r[14 + f] for r in train_raw], dtype=np.bytes_))[0]
@@ -184,18 +192,17 @@ def test_interrupted_run_resumes_to_identical_bytes(tmp_path, forked_workers):
     assert again.written == 0 and tree_digest(part) == tree_digest(full)
 
 
-@needs_sample
-def test_criteo_resume_and_workers_give_identical_bytes(tmp_path, forked_workers):
+def test_criteo_resume_and_workers_give_identical_bytes(tmp_path, forked_workers, sample):
     kw = dict(vocab_threshold=2, shard_lines=40, progress=False)
-    preprocess_criteo([SAMPLE], tmp_path / "one", **kw)
-    preprocess_criteo([SAMPLE], tmp_path / "two", max_shards=3, **kw)
-    preprocess_criteo([SAMPLE], tmp_path / "two", workers=2, **kw)
+    preprocess_criteo([sample], tmp_path / "one", **kw)
+    preprocess_criteo([sample], tmp_path / "two", max_shards=3, **kw)
+    preprocess_criteo([sample], tmp_path / "two", workers=2, **kw)
     assert tree_digest(tmp_path / "one") == tree_digest(tmp_path / "two")
     # interrupted after the counting pass: the vocabulary is reused, the result is the same
     shutil.rmtree(tmp_path / "two" / "shards")
     (tmp_path / "two" / "manifest.json").unlink()
     counted = (tmp_path / "two" / "vocab").stat().st_mtime_ns
-    preprocess_criteo([SAMPLE], tmp_path / "two", **kw)
+    preprocess_criteo([sample], tmp_path / "two", **kw)
     assert (tmp_path / "two" / "vocab").stat().st_mtime_ns == counted
     assert tree_digest(tmp_path / "one") == tree_digest(tmp_path / "two")
 
@@ -282,9 +289,8 @@ def test_index_lines_offsets_and_trailing_blank_lines(tmp_path):
     assert index_lines(path, 1) == (2, [0, 2])
 
 
-@needs_sample
-def test_cli_preprocess_then_resume_is_a_no_op(tmp_path, capsys):
-    args = ["data", "preprocess", str(SAMPLE), "--out", str(tmp_path / "o"), "--shard-lines", "100",
+def test_cli_preprocess_then_resume_is_a_no_op(tmp_path, capsys, sample):
+    args = ["data", "preprocess", str(sample), "--out", str(tmp_path / "o"), "--shard-lines", "100",
             "--table-rows", "5000", "--no-progress"]  # fmt: skip
     assert main(args) == 0
     assert (
@@ -361,13 +367,12 @@ def test_run_jobs_in_a_shared_pool_block_use_the_same_workers(forked_workers, mo
     assert len(pools) == 4  # outside the block, a pool per call
 
 
-@needs_sample
-def test_inspect_says_which_malformed_lines_it_counts(tmp_path):
+def test_inspect_says_which_malformed_lines_it_counts(tmp_path, sample):
     """`neorec data inspect` said "malformed lines skipped: N" both for the lines met reading a sample
     of raw TSV (training lines only) and for every line skipped in preprocessing: it now says which."""
     from neorec.data.inspect import inspect_source
 
-    lines = SAMPLE.read_text().splitlines(keepends=True)
+    lines = sample.read_text().splitlines(keepends=True)
     tsv = tmp_path / "bad.tsv"
     tsv.write_text("".join(lines[:3] + ["not a line\n"] + lines[3:150] + ["x\ty\n"] + lines[150:]))
     tsv_keys = ["data.source=criteo_tsv", f"data.criteo.train_paths=[{tsv}]", "data.criteo.bad_lines=skip"]

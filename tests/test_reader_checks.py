@@ -5,6 +5,7 @@ off), and MovieLens ratings and ids; never train on them silently."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
 from dataclasses import replace
@@ -373,17 +374,28 @@ def test_parquet_weight_not_finite_names_file_row_group_row_and_feature(tmp_path
 
 
 # ---- MovieLens ------------------------------------------------------------------------------------------
-needs_movielens = pytest.mark.skipif(not (MOVIELENS / "ratings.csv").is_file(), reason="no MovieLens copy")
+def movielens_lines() -> tuple[list[str], str]:
+    """(the header and first 49 lines of ratings.csv, movies.csv) of the real copy, or, where there is
+    none, of a made-up one in its form (quoted titles with commas, a movie without genres)."""
+    if (MOVIELENS / "ratings.csv").is_file():
+        ratings = (MOVIELENS / "ratings.csv").read_text().splitlines()[:50]
+        return ratings, (MOVIELENS / "movies.csv").read_text()
+    genres = ["Comedy", "Drama|Romance", "Adventure|Animation|Children", "(no genres listed)"]
+    movies = [f'{m},"Movie {m}, The ({1990 + m % 20})",{genres[m % 4]}' for m in range(1, 61)]
+    rng = random.Random(0)
+    ratings = [f"{1 + i // 20},{1 + i % 60},{rng.randrange(1, 11) / 2},{964_980_000 + 37 * i}"
+               for i in range(49)]  # fmt: skip
+    return ["userId,movieId,rating,timestamp", *ratings], "\n".join(["movieId,title,genres", *movies]) + "\n"
 
 
 def movielens(
     tmp_path: Path, edit: dict[int, str] | None = None, column: int = 2, all_to: str | None = None
 ) -> Path:
-    """A folder with the first 50 ratings of the real copy (line numbers as an editor shows them, header
-    line 1), `column` of line k set to edit[k] (or of every line to `all_to`)."""
+    """A folder with the first 49 ratings of a MovieLens copy (movielens_lines; line numbers as an editor
+    shows them, header line 1), `column` of line k set to edit[k] (or of every line to `all_to`)."""
     root = tmp_path / "ml"
     root.mkdir()
-    lines = (MOVIELENS / "ratings.csv").read_text().splitlines()[:50]
+    lines, movies = movielens_lines()
     for k in range(2, len(lines) + 1):
         value = all_to if all_to is not None else (edit or {}).get(k)
         if value is not None:
@@ -391,11 +403,10 @@ def movielens(
             fields[column] = value
             lines[k - 1] = ",".join(fields)
     (root / "ratings.csv").write_text("\n".join(lines) + "\n")
-    shutil.copy(MOVIELENS / "movies.csv", root / "movies.csv")
+    (root / "movies.csv").write_text(movies)
     return root
 
 
-@needs_movielens
 @pytest.mark.parametrize("rating", ["nan", "NaN", "-3", "7", "500", "inf", "0", "5.5"])
 def test_movielens_rating_outside_the_scale_names_file_and_line(tmp_path, rating):
     root = movielens(tmp_path, {12: rating})
@@ -404,14 +415,12 @@ def test_movielens_rating_outside_the_scale_names_file_and_line(tmp_path, rating
         MovieLensSource(root)
 
 
-@needs_movielens
 def test_movielens_all_nan_ratings_are_an_error(tmp_path):
     root = movielens(tmp_path, all_to="nan")
     with pytest.raises(DataError, match=re.escape(f"{root / 'ratings.csv'}:2: rating = 'nan'")):
         MovieLensSource(root)
 
 
-@needs_movielens
 @pytest.mark.parametrize(("value", "what"), [(str(2**63), "is not an integer that fits int64"),
                                              ("-1", "is negative; ids must be integers >= 0"),
                                              ("1.5", "is not an integer that fits int64")])  # fmt: skip
@@ -421,7 +430,6 @@ def test_movielens_user_id_must_fit_int64_and_be_nonnegative(tmp_path, value, wh
         MovieLensSource(root)
 
 
-@needs_movielens
 def test_movielens_error_quotes_a_short_prefix_of_a_huge_field(tmp_path):
     root = movielens(tmp_path, {7: "9" * 100_000}, column=0)
     with pytest.raises(DataError) as info:
