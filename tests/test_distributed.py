@@ -90,6 +90,15 @@ PLANS_2 = {
             "t5": {"kind": "twrw", "node": 0},
         }
     },
+    # each rank looks up exactly two features (rank 1: the two of t1), from both ranks' samples
+    "two_each": {
+        "tables": {
+            "t0": {"kind": "tw", "ranks": [0]},
+            "t2": {"kind": "tw", "ranks": [0]},
+            "t1": {"kind": "tw", "ranks": [1]},
+            **{f"t{i}": {"kind": "dp"} for i in (3, 4, 5)},
+        }
+    },
 }
 
 
@@ -147,7 +156,7 @@ def dense_replicas_run(topo: Topology, plan_dict: dict, batch: int, optimizer_na
     return sharded_run(topo, plan_dict, optimizer_name, batch=batch)
 
 
-@pytest.mark.parametrize("optimizer_name", ["adagrad", "sgd"])
+@pytest.mark.parametrize("optimizer_name", ["adagrad", "sgd", "adam"])
 def test_four_ranks_dense_replica_gradients(optimizer_name, tmp_path):
     """Replicated tables whose rows most of the batch touches: every rank's row count makes the dense
     all-reduce of the group's whole gradient cheaper than gathering rows, so that path runs, and it

@@ -251,3 +251,20 @@ def test_preprocessed_partitions_are_followed_once_their_manifest_is_complete(tm
     result = Trainer(cfg).fit()
     assert partitions_logged(result) == ["day-0", "day-1"] and result.steps == 6
     assert all(p["num_samples"] == 300 for p in result.partitions)
+
+
+def test_a_stream_resumed_inside_a_partition_numbers_its_batches_from_where_it_stopped(tmp_path):
+    """Resumed after a partition's first batch, the next batches are its batches 1, 2, 3 (by which the
+    trainer tells a partition's start and its held-out batches), not a new partition's 0, 1, 2."""
+    from neorec.train.build import _follow_source
+
+    stream = tmp_path / "s"
+    write_days(stream, range(1))  # 400 samples: 4 batches of 100
+    cfg = follow_config(tmp_path / "run", stream, "data.follow.idle_timeout=0.1")
+    first = _follow_source(cfg, None)
+    next(first.train_batches(100))
+    again = _follow_source(cfg, None)
+    again.load_state(first.state())
+    assert len(list(again.train_batches(100))) == 3
+    assert [again.batch_record(k).index for k in (2, 3, 4)] == [1, 2, 3]
+    assert again.batch_record(4).last

@@ -139,3 +139,13 @@ def test_a_partition_that_leaves_samples_to_no_rank_is_warned_of_once(tmp_path, 
                     "200 of them, leaving the last 1 of the partition's order untrained (one process trains "
                     "them all); a number of training samples divisible by 2 trains every one (said for the "
                     "first partition that leaves some)"]  # fmt: skip
+
+
+def test_a_partition_with_more_features_than_the_stream_is_a_schema_change():
+    from neorec.data.follow_schema import schema_change
+    from neorec.data.source import FeatureSpec, SourceInfo
+
+    stream = SourceInfo(2, [FeatureSpec("a", 10)])
+    assert schema_change(SourceInfo(2, [FeatureSpec("a", 10)]), stream) == ""
+    more = SourceInfo(2, [FeatureSpec("a", 10), FeatureSpec("b", 5)])
+    assert schema_change(more, stream) == "features ['b'] that the stream does not have"

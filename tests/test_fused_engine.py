@@ -279,6 +279,22 @@ def test_one_hot_batches_match_float64_reference(name: str, dtype: str) -> None:
     assert_matches(engine, ref, outputs, **tol)
 
 
+@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad", "adam"])
+def test_large_eps_goes_outside_the_square_root(name: str) -> None:
+    """eps 0.1 is far above rounding: the rules add it to sqrt(G) (adam: to sqrt(v_hat))."""
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, eps=0.1)
+    engine, ref, outputs = train_both(make_tables(), opt, steps=3, seed=13)
+    assert_matches(engine, ref, outputs)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_weighted_one_hot_batches_match_float64_reference(name: str) -> None:
+    """All bags of one id, with per-id weights: the weights scale the rows (not the plain gather)."""
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, initial_accumulator=0.01)
+    engine, ref, outputs = train_both(make_tables(), opt, steps=3, seed=12, weighted=True, one_hot=True)
+    assert_matches(engine, ref, outputs)
+
+
 def test_per_table_optimizer_overrides() -> None:
     """Different rules per table, and two adam tables of one dim with different hyper-parameters
     (they share a buffer, so their lr/eps/betas/decay become per-row tensors)."""
@@ -316,13 +332,15 @@ def test_random_batches_one_step(batch_size: int, seed: int, weighted: bool, nam
         torch.testing.assert_close(w.double(), ref.weights[name_], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["sgd", "adagrad"])
-def test_matches_per_table_embedding_bag_reference(name: str) -> None:
+# eps 0.1 is large enough to tell where the reference adds it (adam: torch.optim.SparseAdam adds it
+# before its bias correction; the reference engine scales it so that it comes after, as in the engine)
+@pytest.mark.parametrize(("name", "eps"), [("sgd", 1e-8), ("adagrad", 0.1), ("adam", 0.1)])
+def test_matches_per_table_embedding_bag_reference(name: str, eps: float) -> None:
     """Against nn.EmbeddingBag + sparse grads + torch.optim (unweighted: it cannot weight mean bags)."""
     tables = make_tables()
     # initial_accumulator stays 0: the reference sets it per param group, which torch.optim.Adagrad
     # ignores (it reads only its constructor argument).
-    opt = EmbeddingOptimizerConfig(name=name, lr=0.05)
+    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, eps=eps)
     fused, ref = FusedEmbeddingCollection(tables, opt), ReferenceEmbeddingCollection(tables, opt)
     f_opt, r_opt = fused.build_optimizer(), ref.build_optimizer()
     gen = torch.Generator().manual_seed(11)

@@ -22,7 +22,10 @@ from neorec.embedding.tables import EmbeddingOptimizerConfig
 pytestmark = pytest.mark.distributed
 
 
-def ahead_run(topo, optimizer_name: str, plan: dict, read_ahead: bool, dense_bytes: int, weight_decay: float = 0.0):
+def ahead_run(
+    topo, optimizer_name: str, plan: dict, read_ahead: bool, dense_bytes: int, weight_decay: float = 0.0,
+    batch: int = BATCH,
+):
     """Train with the pipeline, counting rows ahead or not; (losses, tables, gathered tables, reads
     back in the replicas' backward, updates that saw a row more than once)."""
     from neorec.distributed import replicas
@@ -48,7 +51,8 @@ def ahead_run(topo, optimizer_name: str, plan: dict, read_ahead: bool, dense_byt
         return apply_update(gi, rows, *args, **kwargs)
 
     emb.replicated.apply_update = recording
-    losses, _ = train(emb, make_batches(tables, STEPS, BATCH), topo.world_size, topo.rank, comms, pipeline=True)
+    batches = make_batches(tables, STEPS, batch)
+    losses, _ = train(emb, batches, topo.world_size, topo.rank, comms, pipeline=True)
     full = emb.gather_tables()
     weights = {k: v["weight"] for k, v in full.items()}
     return losses, weights, dict(full.items()), count[0], repeated[0]
@@ -93,9 +97,13 @@ def test_counted_ahead_is_bitwise_the_exact_path(world, optimizer_name, dense_by
     assert sum(out[4] for out in exact.values()) == 0
 
 
-@pytest.mark.parametrize("optimizer_name, dense_bytes", [("sgd", 0), ("adam", 0), ("adagrad", 1 << 30)])
-def test_counted_ahead_matches_one_process(optimizer_name, dense_bytes, tmp_path):
+# batch 256: every row of the small tables is touched, so an owner updates every row it holds
+@pytest.mark.parametrize(
+    "optimizer_name, dense_bytes, batch",
+    [("sgd", 0, BATCH), ("adam", 0, BATCH), ("adagrad", 1 << 30, BATCH), ("adagrad", 1 << 30, 256)],
+)
+def test_counted_ahead_matches_one_process(optimizer_name, dense_bytes, batch, tmp_path):
     """Without weight decay (on CPU, SGD's learning rate folded into the sums): the usual tolerance."""
-    results = spawn(2, ahead_run, (optimizer_name, ALL_DP, True, dense_bytes), tmp_path=tmp_path)
-    check_against_single({r: out[:3] + ({},) for r, out in results.items()}, optimizer_name)
+    results = spawn(2, ahead_run, (optimizer_name, ALL_DP, True, dense_bytes, 0.0, batch), tmp_path=tmp_path)
+    check_against_single({r: out[:3] + ({},) for r, out in results.items()}, optimizer_name, batch=batch)
     assert all(out[3] == 0 for out in results.values())

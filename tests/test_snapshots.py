@@ -65,11 +65,19 @@ def test_publish_names_a_verified_folder_and_prunes_by_count(tmp_path):
 
 
 def test_pruning_never_removes_the_snapshot_latest_names(tmp_path):
+    """A step published again, or one below snapshots another run left in the folder (newer by name:
+    the count keeps them), stays with LATEST naming it."""
     for step in (2, 4, 6):
         publish(tmp_path, step, write_model(step), verify, keep=5)
     publish(tmp_path, 2, write_model(2), verify, keep=2)  # published before and intact: LATEST names it again
     assert latest_snapshot(tmp_path).name == "snapshot-00000002"
     assert [p.name for p in list_snapshots(tmp_path)] == [f"snapshot-0000000{s}" for s in (2, 4, 6)]
+    other = tmp_path / "other"
+    for step in (30, 40):
+        publish(other, step, write_model(step), verify, keep=2)
+    publish(other, 10, write_model(10), verify, keep=2)
+    assert latest_snapshot(other).name == "snapshot-00000010"
+    assert [p.name for p in list_snapshots(other)] == [f"snapshot-000000{s}" for s in (10, 30, 40)]
 
 
 def test_a_reader_racing_the_publisher_never_opens_a_partial_export(tmp_path):

@@ -6,6 +6,8 @@ uses the fused table-batched engine by default.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,7 +123,7 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
             if name == "adagrad":
                 group.update(eps=c.eps)
             elif name == "adam":
-                group.update(eps=c.eps, betas=(c.beta1, c.beta2))
+                group.update(eps=c.eps, betas=(c.beta1, c.beta2), textbook_eps=c.eps)
             groups.append(group)
         if name == "sgd":
             opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=self.optimizer_config.lr)
@@ -133,6 +135,7 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
             opt = torch.optim.Adagrad(groups, lr=self.optimizer_config.lr, initial_accumulator_value=inits.pop())
         elif name == "adam":
             opt = torch.optim.SparseAdam(groups, lr=self.optimizer_config.lr)
+            opt.register_step_pre_hook(_eps_after_bias_correction)
         else:
             raise ConfigError(f"the reference engine has no {name!r} optimizer; use embedding.engine: fused")
         self._torch_optimizer = opt  # evictions reset the state of their rows
@@ -140,6 +143,18 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         return {t.name: self.bags[i].weight.detach() for i, t in enumerate(self.tables)}
+
+
+def _eps_after_bias_correction(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """torch.optim.SparseAdam adds eps to sqrt(v) before its bias correction, the fused engine (and
+    torch.optim.Adam) after it: lr / c1 * m / (sqrt(v / c2) + eps), c = 1 - beta^t. SparseAdam with eps
+    times sqrt(c2) for this step's t is that rule, so both engines train the same one (a group per
+    table: one weight, one step count)."""
+    for group in opt.param_groups:
+        eps = group.setdefault("textbook_eps", group["eps"])
+        (weight,) = group["params"]
+        t = int(opt.state[weight].get("step", 0)) + 1
+        group["eps"] = eps * math.sqrt(1.0 - group["betas"][1] ** t)
 
 
 def _pool(
