@@ -76,8 +76,7 @@ def preprocess_parquet(
         settings["vocab_threshold"] = vocab_threshold
     manifest = resume_or_start(out, settings)
     with shared_pool(workers):  # workers start once, for the counting and the writing
-        # else counted by an interrupted run
-        if counted and vocab_io.saved_settings(out / "vocab") != settings:
+        if counted and vocab_io.saved_settings(out / "vocab") != settings:  # else counted before
             _count_vocabs(out, settings, [s for s in plan if s.role != "eval"], counted, workers, progress)
         cmap = column_map(config)
         if manifest is None:
