@@ -8,7 +8,6 @@ engine's grouping, sample-major reordering and fused updates are right.
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from hypothesis import strategies as st
 
 from neorec.embedding.fused import FusedEmbeddingCollection
 from neorec.embedding.init import init_rows
-from neorec.embedding.reference import ReferenceEmbeddingCollection
 from neorec.embedding.tables import EmbeddingOptimizerConfig, TableConfig
 from neorec.errors import DataError
 from neorec.sparse import SparseBatch
@@ -330,34 +328,6 @@ def test_random_batches_one_step(batch_size: int, seed: int, weighted: bool, nam
     ref.backward_and_update(sparse, grad_out, {t.name: 0.1 for t in tables})
     for name_, w in engine.table_weights().items():
         torch.testing.assert_close(w.double(), ref.weights[name_], rtol=1e-5, atol=1e-6)
-
-
-# eps 0.1 is large enough to tell where the reference adds it (adam: torch.optim.SparseAdam adds it
-# before its bias correction; the reference engine scales it so that it comes after, as in the engine)
-@pytest.mark.parametrize(("name", "eps"), [("sgd", 1e-8), ("adagrad", 0.1), ("adam", 0.1)])
-def test_matches_per_table_embedding_bag_reference(name: str, eps: float) -> None:
-    """Against nn.EmbeddingBag + sparse grads + torch.optim (unweighted: it cannot weight mean bags)."""
-    tables = make_tables()
-    # initial_accumulator stays 0: the reference sets it per param group, which torch.optim.Adagrad
-    # ignores (it reads only its constructor argument).
-    opt = EmbeddingOptimizerConfig(name=name, lr=0.05, eps=eps)
-    fused, ref = FusedEmbeddingCollection(tables, opt), ReferenceEmbeddingCollection(tables, opt)
-    f_opt, r_opt = fused.build_optimizer(), ref.build_optimizer()
-    gen = torch.Generator().manual_seed(11)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's sparse-invariant notice
-        for _ in range(4):
-            sparse = random_batch(tables, gen, weighted=False)
-            a, b = fused(sparse), ref(sparse)
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-            grad = torch.randn(a.shape, generator=gen)
-            a.backward(grad)
-            b.backward(grad)
-            f_opt.step()
-            r_opt.step()
-            r_opt.zero_grad()
-    for t, w in ref.table_weights().items():
-        torch.testing.assert_close(fused.table_weights()[t], w, rtol=1e-5, atol=1e-6)
 
 
 def test_batch_keys_in_any_order_with_extra_features() -> None:
