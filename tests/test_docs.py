@@ -40,6 +40,14 @@ COMMAND_TIMEOUT_S = 240
 RUN_ELSEWHERE = {
     "docs/data-parquet.md": "tests/test_preprocess_parquet.py runs this page on the Parquet files it writes",
 }
+# a command another test runs, with checks of its own (a launch of 2 workers costs seconds: once is enough)
+BY_HAND = "tests/test_launch.py runs this command and checks its logs, summary and model"
+
+
+def by_hand_command() -> str:
+    """docs/sharding.md's `neorec train --nproc 2` that places tables by hand (BY_HAND)."""
+    commands = parse_page(ROOT / "docs" / "sharding.md").commands
+    return next(c for c in commands if c.startswith("neorec train --nproc 2 --set 'distributed.sharding="))
 
 
 @dataclass
@@ -152,7 +160,7 @@ def _run_upto(rel: str, index: int, workdir: Path) -> subprocess.CompletedProces
         if i in done:
             continue
         argv = shlex.split(page.commands[i], comments=True)[1:]
-        if needs_gpu(argv) and not torch.cuda.is_available():
+        if (needs_gpu(argv) and not torch.cuda.is_available()) or page.commands[i] == by_hand_command():
             done[i] = None
             continue
         # `python -m neorec ...` in a process forked from one that has imported neorec once
@@ -173,6 +181,8 @@ def test_documented_command_runs(page: str, index: int, workdirs: dict[str, Path
     command = parse_page(ROOT / page).commands[index]
     if needs_gpu(shlex.split(command, comments=True)) and not torch.cuda.is_available():
         pytest.skip("needs a GPU (torch.cuda is not available)")
+    if command == by_hand_command():
+        pytest.skip(BY_HAND)
     result = _run_upto(page, index, workdirs[page])
     assert result.returncode == 0, (
         f"{page}: `{command}` exited with {result.returncode}\n"

@@ -1,16 +1,19 @@
-"""`neorec train` under real torchrun: one node with --nproc, and 2 nodes x 2 processes on localhost
-(two torchrun invocations with different --node-rank) with hierarchical tables, compared with one
-process on the same global batches."""
+"""`neorec train` under real torchrun: one node with --nproc (the command of docs/sharding.md that
+places tables by hand), and 2 nodes x 2 processes on localhost (two torchrun invocations with
+different --node-rank) with hierarchical tables, compared with one process on the same global
+batches."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 import subprocess
 
 import pytest
 import torch
 from forked import run_python, start_python
+from test_docs import by_hand_command
 
 pytestmark = pytest.mark.distributed
 
@@ -81,9 +84,12 @@ def _train_losses(run_dir) -> list[float]:
 
 
 def test_nproc_convenience_flag_and_bad_plan(tmp_path):
+    """docs/sharding.md's command that places tables by hand (test_docs leaves it to this test), with
+    small overrides; then a placement on a rank that does not exist."""
     out = tmp_path / "run"
-    p = _run(["-m", "neorec", "train", "--nproc", "2", "--output-dir", str(out),
-              *_sets(["distributed.sharding={C1: {kind: rw, ranks: [0, 1]}, C2: {kind: cw, ranks: [1, 0]}}"])])  # fmt: skip
+    argv = shlex.split(by_hand_command())[1:]
+    assert argv[:3] == ["train", "--nproc", "2"] and "C2: {kind: cw, ranks: [1, 0]}" in argv[4]
+    p = _run(["-m", "neorec", *argv, "--output-dir", str(out), *_sets([])])
     assert p.returncode == 0, p.stderr[-3000:]
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file()
     planned = json.loads((out / "summary.json").read_text())["planned_device_mib_per_rank"]
