@@ -123,7 +123,7 @@ class ReferenceEmbeddingCollection(EmbeddingCollection):
             if name == "adagrad":
                 group.update(eps=c.eps)
             elif name == "adam":
-                group.update(eps=c.eps, betas=(c.beta1, c.beta2), textbook_eps=c.eps)
+                group.update(eps=c.eps, betas=(c.beta1, c.beta2))
             groups.append(group)
         if name == "sgd":
             opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=self.optimizer_config.lr)
@@ -149,7 +149,8 @@ def _eps_after_bias_correction(opt: torch.optim.Optimizer, args, kwargs) -> None
     """torch.optim.SparseAdam adds eps to sqrt(v) before its bias correction, the fused engine (and
     torch.optim.Adam) after it: lr / c1 * m / (sqrt(v / c2) + eps), c = 1 - beta^t. SparseAdam with eps
     times sqrt(c2) for this step's t is that rule, so both engines train the same one (a group per
-    table: one weight, one step count)."""
+    table: one weight, one step count). The configured eps is kept as the group's `textbook_eps`
+    before the first step scales `eps`, and goes with the optimizer's state into checkpoints."""
     for group in opt.param_groups:
         eps = group.setdefault("textbook_eps", group["eps"])
         (weight,) = group["params"]

@@ -12,7 +12,6 @@ import ctypes
 import errno
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -21,12 +20,8 @@ from pathlib import Path
 import pytest
 
 from neorec.cli import main
+from tests.tiny_cli import TINY, criteo_lines, sets
 
-TINY = [
-    "data.synthetic.preset=custom", "data.synthetic.rows=[50, 300, 7, 100]", "data.synthetic.num_sparse=4",
-    "data.synthetic.train_samples=1000", "data.synthetic.eval_samples=500", "data.batch_size=250",
-    "train.max_steps=2", "train.progress=false", "logging.plot=false", "logging.tensorboard=false",
-]  # fmt: skip
 REPO = Path(__file__).parents[2]
 # runs each [argv, file-size limit or null] of argv[1] (JSON) through neorec.cli.main in this process;
 # prints [[exit code, stderr], ...]
@@ -49,10 +44,6 @@ print(json.dumps(results))
 """
 
 
-def sets(items: list[str]) -> list[str]:
-    return [x for kv in items for x in ("--set", kv)]
-
-
 def one_line(code: int, err: str, want: int, *words: str) -> None:
     """Exit `want`, one error line, no traceback; each of `words` ("a|b": either) in the message. The
     log lines of steps trained before a failure at the end of a run are no part of it."""
@@ -65,12 +56,7 @@ def one_line(code: int, err: str, want: int, *words: str) -> None:
 
 
 def criteo_tsv(path: Path, lines: int) -> Path:
-    rng = random.Random(0)
-    with path.open("w") as f:
-        for _ in range(lines):
-            dense = [str(rng.randrange(100)) for _ in range(13)]
-            cats = [f"{rng.randrange(1 << 32):08x}" for _ in range(26)]
-            f.write("\t".join([str(rng.randrange(2)), *dense, *cats]) + "\n")
+    path.write_text("".join(criteo_lines(lines)))
     return path
 
 
